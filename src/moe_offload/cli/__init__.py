@@ -1,0 +1,1 @@
+"""The `moe-offload` command line."""

@@ -1,0 +1,77 @@
+"""Eviction policies, one file each, behind moe_offload.policies.base.EvictionPolicy.
+
+``POLICIES`` maps the command-line name of every policy to how it is built. A ``-dist`` variant is the
+same policy run on a cache split equally among the layers (paper 001's LRU-Dist and OPT-Dist): the split
+belongs to the cache (simulator.cache.PartitionedCache), not to the policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_offload.errors import ConfigError
+from moe_offload.policies.base import AccessContext, EvictionPolicy, ModelSpec, NoEvictableExpert
+from moe_offload.policies.belady import Belady
+from moe_offload.policies.fifo import FIFO
+from moe_offload.policies.fmoe import FMoE
+from moe_offload.policies.lcp import LCP
+from moe_offload.policies.learned import LearnedEviction
+from moe_offload.policies.lfu import LFU
+from moe_offload.policies.llru import LLRU
+from moe_offload.policies.lru import LRU
+from moe_offload.policies.marking import Marking
+from moe_offload.policies.moe_infinity import MoEInfinity
+from moe_offload.policies.random import RandomEviction
+
+
+@dataclass(frozen=True)
+class PolicyInfo:
+    name: str
+    policy: type[EvictionPolicy]
+    partitioned: bool = False  # cache split equally among layers, one policy instance per layer
+
+    @property
+    def summary(self) -> str:
+        if self.partitioned:
+            return f"{self.policy.name} on a cache split equally among the layers"
+        return self.policy.summary
+
+    @property
+    def source(self) -> str:
+        return "paper 001 (the -Dist baselines)" if self.partitioned else self.policy.source
+
+    @property
+    def offline(self) -> bool:
+        return self.policy.offline
+
+
+POLICIES: dict[str, PolicyInfo] = {
+    info.name: info
+    for info in (
+        PolicyInfo("lru", LRU),
+        PolicyInfo("lfu", LFU),
+        PolicyInfo("fifo", FIFO),
+        PolicyInfo("random", RandomEviction),
+        PolicyInfo("marking", Marking),
+        PolicyInfo("lru-dist", LRU, partitioned=True),
+        PolicyInfo("belady", Belady),
+        PolicyInfo("belady-dist", Belady, partitioned=True),
+        PolicyInfo("llru", LLRU),
+        PolicyInfo("moe-infinity", MoEInfinity),
+        PolicyInfo("fmoe", FMoE),
+        PolicyInfo("lcp", LCP),
+        PolicyInfo("learned", LearnedEviction),
+    )
+}
+
+
+def policy_info(name: str) -> PolicyInfo:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ConfigError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)} "
+                          "(`moe-offload policies` describes them)") from None
+
+
+__all__ = ["POLICIES", "PolicyInfo", "policy_info", "AccessContext", "EvictionPolicy", "ModelSpec",
+           "NoEvictableExpert"]

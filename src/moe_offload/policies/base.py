@@ -1,0 +1,96 @@
+"""The one interface every eviction policy implements, and the context it is shown.
+
+The cache (moe_offload.simulator.cache.ExpertCache) owns residency, capacity and pinning; a policy only
+ranks. For each demand request the cache calls, in this order:
+
+    policy.on_access(key, ctx)          every request, hit or miss, before anything changes
+    policy.victim(ctx) -> key           only when room is needed: a resident key not in ctx.pinned
+    policy.on_evict(key)                the victim (or any key the cache drops) left
+    policy.on_insert(key, ctx)          the key became resident (ctx.prefetch tells a prefetch from a miss)
+
+The replay simulator, the timed simulator and the runtime fill the same ModelSpec and AccessContext; a
+policy never knows which of them drives it. Keys are flat expert ids, ``layer * J + expert``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Hashable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of the model whose experts are cached."""
+
+    num_layers: int   # L
+    num_experts: int  # J, experts per layer
+    top_k: int        # K, experts selected per token and layer
+
+    def layer_of(self, key: int) -> int:
+        return key // self.num_experts
+
+
+class AccessContext:
+    """What a policy may look at; the driver updates one instance in place before each call.
+
+    clock       position of the current request in the access order (monotone). In the layered-paging
+                replay, request t has clock t and layer t % L.
+    layer       the layer being served now.
+    token       index of the token being served (the trace row), counting from 0.
+    iteration   the forward pass (prefill or decode step) the token belongs to.
+    request     the id of the sequence (prompt) the token belongs to.
+    next_use    the clock of the next request of the current key (NEVER if none). Only offline drivers,
+                which know the future, fill it; online policies must not read it.
+    probs       the router's probabilities over the J experts of every layer for the current token, an
+                [L, J] array, or None when the trace does not record them.
+    predicted   the prefetcher's predicted expert map, [L, J] probabilities, or None without a prefetcher.
+    pinned      keys that must not be evicted now (the experts the current layer computes with).
+    prefetch    True while the cache inserts a prefetched expert rather than a demand miss.
+    """
+
+    __slots__ = ("clock", "layer", "token", "iteration", "request", "next_use", "probs", "predicted",
+                 "pinned", "prefetch")
+
+    def __init__(self):
+        self.clock = 0
+        self.layer = 0
+        self.token = 0
+        self.iteration = 0
+        self.request = 0
+        self.next_use = 0
+        self.probs: np.ndarray | None = None
+        self.predicted: np.ndarray | None = None
+        self.pinned: frozenset | set = frozenset()
+        self.prefetch = False
+
+
+class EvictionPolicy:
+    """Base class: subclasses set the class attributes and override the four hooks they need."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]   # one line for `moe-offload policies`
+    source: ClassVar[str]    # the paper (seed file) or reference the formula comes from
+    offline: ClassVar[bool] = False       # reads ctx.next_use (knows the future)
+    needs_probs: ClassVar[bool] = False   # reads ctx.probs or ctx.predicted
+
+    def __init__(self, spec: ModelSpec, seed: int = 0):
+        self.spec = spec
+
+    def on_access(self, key: Hashable, ctx: AccessContext) -> None:
+        """A demand request for ``key``; called before the cache changes (hit or miss)."""
+
+    def on_insert(self, key: Hashable, ctx: AccessContext) -> None:
+        """``key`` became resident."""
+
+    def on_evict(self, key: Hashable) -> None:
+        """``key`` is no longer resident."""
+
+    def victim(self, ctx: AccessContext) -> Hashable:
+        """The resident key to evict now; never one in ``ctx.pinned``."""
+        raise NotImplementedError
+
+
+class NoEvictableExpert(RuntimeError):
+    """Every resident expert is pinned: the cache is too small for what must be resident at once."""

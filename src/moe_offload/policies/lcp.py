@@ -1,0 +1,65 @@
+"""MoEpic's LCP, Least Cache Priority (paper 004, equation 4).
+
+Each expert has an activation frequency mu (accumulated activation count) and an activation interval nu
+(tokens since it was last activated). Its priority is P = mu * rho ** (nu / omega); on a miss the expert
+with the lowest P is evicted. Defaults omega = 128, rho = 0.25 (paper 004, section 4).
+
+Why a heap works although nu grows for everyone: with nu = token_now - token_last,
+    log P = log mu + (token_now - token_last) * log(rho) / omega,
+and the token_now term is the same for all experts, so the order is that of
+    log mu - token_last * log(rho) / omega,
+which only changes when the expert itself is activated.
+"""
+
+from __future__ import annotations
+
+import math
+
+from moe_offload.policies._ranked import RankedKeys
+from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
+
+
+class LCP(EvictionPolicy):
+    name = "lcp"
+    summary = "MoEpic's least cache priority: evict the lowest mu * rho^(nu/omega)"
+    source = "paper 004, equation 4"
+
+    def __init__(self, spec, seed=0, omega: float = 128.0, rho: float = 0.25):
+        super().__init__(spec, seed)
+        if not 0.0 < rho < 1.0 or omega <= 0:
+            raise ValueError("LCP needs 0 < rho < 1 and omega > 0")
+        self.omega, self.rho = omega, rho
+        self._decay = -math.log(rho) / omega  # > 0
+        self._mu: dict = {}          # key -> activations so far (kept across evictions)
+        self._last_token: dict = {}  # key -> token of its last activation
+        self._ranked = RankedKeys()
+
+    def priority(self, key, token_now: int) -> float:
+        """P = mu * rho ** (nu / omega) as equation 4 writes it (for reports and tests)."""
+        mu = self._mu.get(key, 0)
+        if mu == 0:
+            return 0.0
+        return mu * self.rho ** ((token_now - self._last_token[key]) / self.omega)
+
+    def _score(self, key):
+        mu = self._mu.get(key, 0)
+        return -math.inf if mu == 0 else math.log(mu) + self._last_token[key] * self._decay
+
+    def on_access(self, key, ctx):
+        if self._last_token.get(key) != ctx.token:  # several requests of one token are one activation
+            self._mu[key] = self._mu.get(key, 0) + 1
+            self._last_token[key] = ctx.token
+        if key in self._ranked:
+            self._ranked.set(key, self._score(key))
+
+    def on_insert(self, key, ctx):
+        self._ranked.set(key, self._score(key))
+
+    def on_evict(self, key):
+        self._ranked.discard(key)
+
+    def victim(self, ctx):
+        lowest = self._ranked.lowest(ctx.pinned)
+        if lowest is None:
+            raise NoEvictableExpert
+        return lowest[1]

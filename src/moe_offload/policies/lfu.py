@@ -1,0 +1,38 @@
+"""LFU: evict the expert requested least often since it entered the cache (ties: least recently)."""
+
+from __future__ import annotations
+
+from moe_offload.policies._ranked import RankedKeys
+from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
+
+
+class LFU(EvictionPolicy):
+    name = "lfu"
+    summary = "least frequently used: evict the expert with the fewest requests while cached, ties by LRU"
+    source = "classic; baseline of papers 002 and 003 (counts reset on eviction, as paper 002 describes)"
+
+    def __init__(self, spec, seed=0):
+        super().__init__(spec, seed)
+        self._freq: dict = {}
+        self._ranked = RankedKeys()
+
+    def on_access(self, key, ctx):
+        freq = self._freq.get(key)
+        if freq is not None:
+            self._freq[key] = freq + 1
+            self._ranked.set(key, freq + 1)
+
+    def on_insert(self, key, ctx):
+        freq = 0 if ctx.prefetch else 1  # a demand miss is the first use; a prefetch is not a use
+        self._freq[key] = freq
+        self._ranked.set(key, freq)
+
+    def on_evict(self, key):
+        del self._freq[key]
+        self._ranked.discard(key)
+
+    def victim(self, ctx):
+        lowest = self._ranked.lowest(ctx.pinned)
+        if lowest is None:
+            raise NoEvictableExpert
+        return lowest[1]

@@ -1,0 +1,1 @@
+"""Result records and what turns them into tables, JSON and plots."""

@@ -1,0 +1,140 @@
+"""Access-level replay: demand paging of the layered-paging model (paper 001).
+
+The trace is flattened into expert requests (moe_offload.trace.flatten documents the order); each request
+is a hit if the expert is resident, otherwise a miss that loads it, evicting the policy's victim when the
+cache is full. No clock, no prefetch: this is the model in which Belady's OPT is optimal, so every
+policy's misses are reported against OPT on the same sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+
+from moe_offload.errors import ConfigError
+from moe_offload.policies import AccessContext, ModelSpec, policy_info
+from moe_offload.reporting.results import RunResult
+from moe_offload.simulator.cache import ExpertCache, PartitionedCache
+from moe_offload.trace.flatten import AccessSequence, flatten
+from moe_offload.trace.format import Trace
+
+PROGRESS_EVERY = 1 << 16  # requests between progress callbacks: rare enough to cost nothing
+
+
+@dataclass
+class ReplayInput:
+    """A trace and its flattened request sequence, prepared once for many runs."""
+
+    trace: Trace
+    sequence: AccessSequence
+    name: str
+
+    @classmethod
+    def of(cls, trace: Trace, name: str | None = None) -> "ReplayInput":
+        return cls(trace=trace, sequence=flatten(trace), name=name or trace.path)
+
+    @property
+    def spec(self) -> ModelSpec:
+        meta = self.trace.meta
+        return ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
+
+
+def check_cache_size(policy: str, cache_size: int, spec: ModelSpec) -> None:
+    """Raise ConfigError when ``policy`` cannot run with ``cache_size`` experts."""
+    if cache_size < spec.top_k:
+        raise ConfigError(f"a cache of {cache_size} experts is smaller than top-k = {spec.top_k}: one layer's "
+                          f"selected experts could not be resident together")
+    if policy_info(policy).partitioned and cache_size < spec.num_layers:
+        raise ConfigError(f"{policy} splits the cache among {spec.num_layers} layers and needs at least one "
+                          f"expert per layer, but the cache holds {cache_size}")
+
+
+def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0, options: dict | None = None,
+           progress: Callable[[int], None] | None = None) -> RunResult:
+    """Replay ``data`` through ``policy`` with room for ``cache_size`` experts."""
+    spec = data.spec
+    check_cache_size(policy, cache_size, spec)
+    info = policy_info(policy)
+    make = lambda: info.policy(spec, seed=seed, **(options or {}))  # noqa: E731
+    if info.partitioned:
+        cache = PartitionedCache(cache_size, spec.num_layers, make, spec.num_experts)
+    else:
+        cache = ExpertCache(cache_size, make())
+
+    seq, trace = data.sequence, data.trace
+    n = len(seq)
+    keys, layers, tokens = seq.expert_id.tolist(), seq.layer.tolist(), seq.token.tolist()
+    next_use = seq.next_use.tolist() if info.offline else None
+    probs = trace.probs
+    request_ids, iterations = trace.request.tolist(), trace.iteration.tolist()
+    hit_flags = bytearray(n)
+    ctx = AccessContext()
+    serve = cache.request
+    current_token = -1
+    for start in range(0, n, PROGRESS_EVERY):
+        for t in range(start, min(start + PROGRESS_EVERY, n)):
+            ctx.clock = t
+            ctx.layer = layers[t]
+            token = tokens[t]
+            if token != current_token:
+                current_token = ctx.token = token
+                ctx.request = request_ids[token]
+                ctx.iteration = iterations[token]
+                if probs is not None:
+                    ctx.probs = probs[token]
+            if next_use is not None:
+                ctx.next_use = next_use[t]
+            if serve(keys[t], ctx):
+                hit_flags[t] = 1
+        if progress is not None:
+            progress(min(start + PROGRESS_EVERY, n) - start)
+
+    hits_mask = np.frombuffer(bytes(hit_flags), dtype=np.uint8).astype(bool)
+    layer_arr = seq.layer
+    per_layer_accesses = np.bincount(layer_arr, minlength=spec.num_layers)
+    per_layer_hits = np.bincount(layer_arr[hits_mask], minlength=spec.num_layers)
+    hits = int(hits_mask.sum())
+    misses = n - hits
+    expert_bytes = trace.meta.expert_bytes
+    notes = []
+    if info.policy.needs_probs and probs is None:
+        notes.append(f"{policy}: the trace has no router probabilities; its p is uniform")
+    return RunResult(trace=data.name, policy=policy, cache_size=cache_size, accesses=n, hits=hits, misses=misses,
+                     per_layer_accesses=per_layer_accesses.tolist(), per_layer_hits=per_layer_hits.tolist(),
+                     bytes_loaded=misses * expert_bytes if expert_bytes else None, notes=notes)
+
+
+def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterable[int], *, seed: int = 0,
+                options: dict[str, dict] | None = None, progress: Callable[[int], None] | None = None,
+                ) -> list[RunResult]:
+    """Every policy at every cache size, each reported against Belady OPT at the same size.
+
+    A (policy, size) pair that cannot run (a -dist policy with fewer slots than layers) is left out with
+    a note on the OPT row of that size; every other problem raises ConfigError before any run starts."""
+    policies, cache_sizes = list(policies), sorted(set(cache_sizes))
+    spec = data.spec
+    for policy in policies:
+        policy_info(policy)
+    for size in cache_sizes:
+        check_cache_size("belady", size, spec)
+    results = []
+    for size in cache_sizes:
+        opt = replay(data, "belady", size, progress=progress)
+        opt.opt_misses = opt.misses
+        for policy in policies:
+            if policy == "belady":
+                results.append(opt)
+                continue
+            try:
+                check_cache_size(policy, size, spec)
+            except ConfigError as exc:
+                opt.notes.append(f"{policy} skipped at {size}: {exc}")
+                if progress is not None:
+                    progress(len(data.sequence))
+                continue
+            result = replay(data, policy, size, seed=seed, options=(options or {}).get(policy), progress=progress)
+            result.opt_misses = opt.misses
+            results.append(result)
+    return results

@@ -1,0 +1,75 @@
+"""The request sequence of the layered-paging model (paper 001), as the replay simulator serves it.
+
+Order: tokens in trace order; a token selecting K experts per layer becomes K *rounds*; round r requests
+the rank-r expert of layer 0, then of layer 1, ..., then of layer L-1 (paper 001, section 5.1: "one round
+for the first expert, a second round for the second expert, etc."). So request number ``t`` has
+``round = t // L`` and ``layer = t % L``, and token n's rounds are n*K .. n*K + K-1.
+
+An expert's flat id is ``layer * J + expert`` everywhere in the project (the CSV export uses it too).
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moe_offload.trace.format import Trace
+
+NEVER = np.iinfo(np.int64).max  # next_use of a request whose expert is not requested again
+
+
+@dataclass(frozen=True)
+class AccessSequence:
+    """One entry per expert request, in replay order. ``next_use[t]`` is the index of the next request
+    of the same expert (NEVER if none): the oracle that Belady's rule reads."""
+
+    expert_id: np.ndarray  # int64 flat ids
+    layer: np.ndarray      # int32
+    token: np.ndarray      # int64, the trace row the request belongs to
+    next_use: np.ndarray   # int64
+    num_layers: int
+    num_experts: int
+    top_k: int
+
+    def __len__(self) -> int:
+        return int(self.expert_id.shape[0])
+
+    @property
+    def round(self) -> np.ndarray:
+        return np.arange(len(self), dtype=np.int64) // self.num_layers
+
+
+def flatten(trace: Trace) -> AccessSequence:
+    L, J, K = trace.meta.num_layers, trace.meta.num_experts, trace.meta.top_k
+    n = trace.num_tokens
+    # experts[n, l, r] -> order (n, r, l): token-major, then rank, then layer.
+    experts = trace.experts.astype(np.int64).transpose(0, 2, 1).reshape(-1)
+    layer = np.tile(np.arange(L, dtype=np.int32), n * K)
+    expert_id = layer.astype(np.int64) * J + experts
+    token = np.repeat(np.arange(n, dtype=np.int64), K * L)
+    return AccessSequence(expert_id=expert_id, layer=layer, token=token, next_use=next_use_times(expert_id),
+                          num_layers=L, num_experts=J, top_k=K)
+
+
+def next_use_times(keys: np.ndarray) -> np.ndarray:
+    """For each position, the next position holding the same key (NEVER if none). O(n log n), vectorised."""
+    order = np.lexsort((np.arange(keys.size), keys))  # by key, then by time
+    nxt = np.full(keys.size, NEVER, dtype=np.int64)
+    same = keys[order[1:]] == keys[order[:-1]]
+    nxt[order[:-1][same]] = order[1:][same]
+    return nxt
+
+
+def write_csv(sequence: AccessSequence, path, expert_bytes: int | None) -> Path:
+    """Write ``time,id,size`` rows (one expert request each) that any cache simulator can replay."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    size = expert_bytes or 1
+    with path.open("w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(("time", "id", "size"))
+        writer.writerows(zip(range(len(sequence)), sequence.expert_id.tolist(), [size] * len(sequence)))
+    return path
