@@ -31,38 +31,41 @@ class FMoE(EvictionPolicy):
     def __init__(self, spec, seed=0):
         super().__init__(spec, seed)
         L, J = spec.num_layers, spec.num_experts
-        self._freq = np.zeros(L * J, dtype=np.float64)
+        # freq is +inf for experts not in the cache, so p * freq ranks only resident ones.
+        self._freq = np.full(L * J, np.inf)
         self._last = np.zeros(L * J, dtype=np.int64)
-        self._resident = np.zeros(L * J, dtype=bool)
-        self._observed = np.full((L, J), 1.0 / J)  # latest router distribution seen per layer
+        self._observed = np.full(L * J, 1.0 / J)  # latest router distribution seen per layer, floored
         self._observed_token = [-1] * L
 
     def on_access(self, key, ctx):
-        layer = key // self.spec.num_experts
+        J = self.spec.num_experts
+        layer = key // J
         if ctx.probs is not None and self._observed_token[layer] != ctx.token:
-            self._observed[layer] = ctx.probs[layer]
+            np.maximum(ctx.probs[layer], P_FLOOR, out=self._observed[layer * J:(layer + 1) * J])
             self._observed_token[layer] = ctx.token
-        if self._resident[key]:
-            self._freq[key] += 1
+        freq = self._freq[key]
+        if freq != np.inf:
+            self._freq[key] = freq + 1
             self._last[key] = ctx.clock
 
     def on_insert(self, key, ctx):
-        self._resident[key] = True
         self._freq[key] = 0 if ctx.prefetch else 1
         self._last[key] = ctx.clock
 
     def on_evict(self, key):
-        self._resident[key] = False
+        self._freq[key] = np.inf
 
     def victim(self, ctx):
-        p = ctx.predicted if ctx.predicted is not None else self._observed
-        score = np.maximum(np.asarray(p, dtype=np.float64).reshape(-1), P_FLOOR) * self._freq
-        candidates = self._resident.copy()
+        if ctx.predicted is not None:
+            p = np.maximum(np.asarray(ctx.predicted, dtype=np.float64).reshape(-1), P_FLOOR)
+        else:
+            p = self._observed
+        score = p * self._freq
         for key in ctx.pinned:
-            candidates[key] = False
-        if not candidates.any():
+            score[key] = np.inf
+        best = int(score.argmin())
+        lowest = score[best]
+        if lowest == np.inf:
             raise NoEvictableExpert
-        score[~candidates] = np.inf
-        lowest = score.min()
         tied = np.flatnonzero(score == lowest)
-        return int(tied[np.argmin(self._last[tied])]) if tied.size > 1 else int(tied[0])
+        return int(tied[np.argmin(self._last[tied])]) if tied.size > 1 else best

@@ -20,8 +20,6 @@ from moe_offload.simulator.cache import ExpertCache, PartitionedCache
 from moe_offload.trace.flatten import AccessSequence, flatten
 from moe_offload.trace.format import Trace
 
-PROGRESS_EVERY = 1 << 16  # requests between progress callbacks: rare enough to cost nothing
-
 
 @dataclass
 class ReplayInput:
@@ -51,8 +49,8 @@ def check_cache_size(policy: str, cache_size: int, spec: ModelSpec) -> None:
                           f"expert per layer, but the cache holds {cache_size}")
 
 
-def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0, options: dict | None = None,
-           progress: Callable[[int], None] | None = None) -> RunResult:
+def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
+           options: dict | None = None) -> RunResult:
     """Replay ``data`` through ``policy`` with room for ``cache_size`` experts."""
     spec = data.spec
     check_cache_size(policy, cache_size, spec)
@@ -73,23 +71,20 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0, op
     ctx = AccessContext()
     serve = cache.request
     current_token = -1
-    for start in range(0, n, PROGRESS_EVERY):
-        for t in range(start, min(start + PROGRESS_EVERY, n)):
-            ctx.clock = t
-            ctx.layer = layers[t]
-            token = tokens[t]
-            if token != current_token:
-                current_token = ctx.token = token
-                ctx.request = request_ids[token]
-                ctx.iteration = iterations[token]
-                if probs is not None:
-                    ctx.probs = probs[token]
-            if next_use is not None:
-                ctx.next_use = next_use[t]
-            if serve(keys[t], ctx):
-                hit_flags[t] = 1
-        if progress is not None:
-            progress(min(start + PROGRESS_EVERY, n) - start)
+    for t in range(n):
+        ctx.clock = t
+        ctx.layer = layers[t]
+        token = tokens[t]
+        if token != current_token:
+            current_token = ctx.token = token
+            ctx.request = request_ids[token]
+            ctx.iteration = iterations[token]
+            if probs is not None:
+                ctx.probs = probs[token]
+        if next_use is not None:
+            ctx.next_use = next_use[t]
+        if serve(keys[t], ctx):
+            hit_flags[t] = 1
 
     hits_mask = np.frombuffer(bytes(hit_flags), dtype=np.uint8).astype(bool)
     layer_arr = seq.layer
@@ -106,35 +101,76 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0, op
                      bytes_loaded=misses * expert_bytes if expert_bytes else None, notes=notes)
 
 
+@dataclass
+class GridResult:
+    results: list[RunResult]
+    skipped: list[str]  # (policy, size) pairs that cannot run, with the reason
+
+
+_GRID_DATA: ReplayInput | None = None  # the input of the worker processes, set once per process
+
+
+def _init_worker(data: ReplayInput) -> None:
+    global _GRID_DATA
+    _GRID_DATA = data
+
+
+def _run_task(task) -> RunResult:
+    policy, size, seed, options = task
+    return replay(_GRID_DATA, policy, size, seed=seed, options=options)
+
+
 def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterable[int], *, seed: int = 0,
-                options: dict[str, dict] | None = None, progress: Callable[[int], None] | None = None,
-                ) -> list[RunResult]:
+                options: dict[str, dict] | None = None, jobs: int = 1,
+                progress: Callable[[int], None] | None = None) -> GridResult:
     """Every policy at every cache size, each reported against Belady OPT at the same size.
 
-    A (policy, size) pair that cannot run (a -dist policy with fewer slots than layers) is left out with
-    a note on the OPT row of that size; every other problem raises ConfigError before any run starts."""
-    policies, cache_sizes = list(policies), sorted(set(cache_sizes))
+    Runs are independent, so ``jobs`` > 1 spreads them over processes; results do not depend on it.
+    A (policy, size) pair that cannot run (a -dist policy with fewer slots than layers) is skipped with
+    its reason; any other problem raises ConfigError before the first run."""
+    policies, cache_sizes = list(dict.fromkeys(policies)), sorted(set(cache_sizes))
     spec = data.spec
     for policy in policies:
         policy_info(policy)
     for size in cache_sizes:
         check_cache_size("belady", size, spec)
-    results = []
+    tasks, skipped = [], []
     for size in cache_sizes:
-        opt = replay(data, "belady", size, progress=progress)
-        opt.opt_misses = opt.misses
+        tasks.append(("belady", size, seed, None))
         for policy in policies:
             if policy == "belady":
-                results.append(opt)
                 continue
             try:
                 check_cache_size(policy, size, spec)
             except ConfigError as exc:
-                opt.notes.append(f"{policy} skipped at {size}: {exc}")
-                if progress is not None:
-                    progress(len(data.sequence))
+                skipped.append(f"{policy} at {size}: {exc}")
                 continue
-            result = replay(data, policy, size, seed=seed, options=(options or {}).get(policy), progress=progress)
-            result.opt_misses = opt.misses
+            tasks.append((policy, size, seed, (options or {}).get(policy)))
+
+    if jobs > 1 and len(tasks) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_init_worker,
+                                 initargs=(data,)) as pool:
+            done = []
+            for result in pool.map(_run_task, tasks):
+                done.append(result)
+                if progress is not None:
+                    progress(result.accesses)
+    else:
+        _init_worker(data)
+        done = []
+        for task in tasks:
+            done.append(_run_task(task))
+            if progress is not None:
+                progress(done[-1].accesses)
+
+    opt = {r.cache_size: r.misses for r in done if r.policy == "belady"}
+    results = []
+    for result in done:
+        result.opt_misses = opt[result.cache_size]
+        if result.policy != "belady" or "belady" in policies:
             results.append(result)
-    return results
+    return GridResult(results=results, skipped=skipped)

@@ -73,3 +73,21 @@ def write_csv(sequence: AccessSequence, path, expert_bytes: int | None) -> Path:
         writer.writerow(("time", "id", "size"))
         writer.writerows(zip(range(len(sequence)), sequence.expert_id.tolist(), [size] * len(sequence)))
     return path
+
+
+ORACLE_GENERAL_RECORD = np.dtype([("clock_time", "<u4"), ("obj_id", "<u8"), ("obj_size", "<u4"),
+                                  ("next_access_vtime", "<i8")])
+
+
+def write_oracle_general(sequence: AccessSequence, path, expert_bytes: int | None) -> Path:
+    """Write libCacheSim's binary oracleGeneral trace (24-byte records with the next access time, which
+    its Belady needs); the request order and ids are those of the CSV."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = np.empty(len(sequence), dtype=ORACLE_GENERAL_RECORD)
+    records["clock_time"] = np.arange(len(sequence), dtype=np.uint32)
+    records["obj_id"] = sequence.expert_id
+    records["obj_size"] = expert_bytes or 1
+    records["next_access_vtime"] = np.where(sequence.next_use == NEVER, -1, sequence.next_use)
+    records.tofile(path)
+    return path

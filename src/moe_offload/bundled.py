@@ -1,0 +1,13 @@
+"""Files that ship inside the package (see src/moe_offload/data/NOTICE.md for their sources and licenses)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DATA_DIR = Path(__file__).parent / "data"
+
+# OLMoE-1B-7B, 299 greedy decode steps of one prompt (Apache-2.0, from sqliteai/warp); the default trace.
+DEFAULT_TRACE = DATA_DIR / "olmoe-1b-7b-decode299.parquet"
+
+# FlashMoE-style learned eviction network, trained by `moe-offload train-eviction` (see NOTICE.md).
+DEFAULT_LEARNED_MODEL = DATA_DIR / "learned-eviction.npz"

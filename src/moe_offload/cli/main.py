@@ -1,0 +1,39 @@
+"""Entry point of the `moe-offload` command: one sub-command per module, errors in one line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moe_offload import __version__
+from moe_offload.cli import policies_cmd, simulate_cmd, trace_cmd, train_cmd
+from moe_offload.errors import MoeOffloadError
+
+COMMANDS = (simulate_cmd, trace_cmd, policies_cmd, train_cmd)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moe-offload",
+        description="Replay MoE routing traces through expert-cache policies and compare them with the optimum.")
+    parser.add_argument("--version", action="version", version=f"moe-offload {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMANDS:
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except MoeOffloadError as exc:
+        print(f"moe-offload: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("moe-offload: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Every policy, on hand-built sequences of about a dozen requests, evicts what its formula says."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+
+from moe_offload.policies import POLICIES, AccessContext, ModelSpec
+from moe_offload.policies.lcp import LCP
+from moe_offload.policies.moe_infinity import EPSILON, MoEInfinity
+from moe_offload.simulator.cache import ExpertCache
+from policy_driver import drive
+
+ONE_LAYER = ModelSpec(num_layers=1, num_experts=6, top_k=1)
+
+
+def single_layer(*experts):
+    return [(0, e) for e in experts]
+
+
+def test_lru_evicts_least_recently_requested():
+    _, evicted = drive("lru", single_layer(0, 1, 2, 0, 3, 4), 3, ONE_LAYER)
+    assert evicted[4] == [1]  # 0 was refreshed at t=3, so 1 is the oldest
+    assert evicted[5] == [2]
+
+
+def test_fifo_ignores_hits():
+    _, evicted = drive("fifo", single_layer(0, 1, 2, 0, 3, 4), 3, ONE_LAYER)
+    assert evicted[4] == [0]  # first in, although just hit
+    assert evicted[5] == [1]
+
+
+def test_lfu_evicts_fewest_requests_ties_to_least_recent():
+    hits, evicted = drive("lfu", single_layer(0, 0, 1, 1, 1, 2, 3, 2), 3, ONE_LAYER)
+    assert evicted[6] == [2]  # frequencies 0:2, 1:3, 2:1
+    assert evicted[7] == [3]  # 0:2, 1:3, 3:1 -> 3; the count of 2 restarted when it was evicted
+    assert hits == 3
+
+
+def test_lfu_resets_count_on_eviction():
+    # 0 is requested 3 times, evicted once, and must not keep its old count when it comes back.
+    _, evicted = drive("lfu", single_layer(0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 0, 4), 2, ONE_LAYER)
+    assert evicted[7] == [0]
+    assert evicted[11] == [1] and evicted[12] == [3]  # 1 and 2 tie at 4: 1 is older; then 3 (count 1)
+    assert evicted[13] == [0]  # 0 came back with count 1, below 2's 4
+
+
+def test_random_is_seeded_and_uniform():
+    spec = ModelSpec(1, 40, 1)
+    requests = single_layer(*range(40))
+    first = drive("random", requests, 10, spec)[1]
+    assert first == drive("random", requests, 10, spec)[1]
+    counts = np.zeros(10)
+    for seed in range(2000):
+        policy = POLICIES["random"].policy(spec, seed=seed)
+        cache = ExpertCache(10, policy)
+        ctx = AccessContext()
+        for key in range(11):
+            before = set(cache.resident)
+            cache.request(key, ctx)
+        counts[(before - set(cache.resident)).pop()] += 1
+    assert counts.min() > 150 and counts.max() < 250  # 200 expected for each of the 10
+
+
+def test_marking_evicts_only_unmarked_and_starts_phases():
+    spec = ModelSpec(1, 6, 1)
+    for seed in range(20):
+        policy = POLICIES["marking"].policy(spec, seed=seed)
+        cache = ExpertCache(3, policy)
+        ctx = AccessContext()
+        for key in (0, 1, 2):
+            cache.request(key, ctx)
+        cache.request(3, ctx)  # all marked: a new phase, a random one of 0, 1, 2 goes
+        gone = ({0, 1, 2} - set(cache.resident)).pop()
+        survivors = sorted({0, 1, 2} - {gone})
+        cache.request(survivors[0], ctx)  # marked again in the new phase
+        cache.request(4, ctx)  # the only unmarked expert is survivors[1]
+        assert set(cache.resident) == {survivors[0], 3, 4}
+
+
+def test_belady_evicts_furthest_next_use():
+    _, evicted = drive("belady", single_layer(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3), 3, ONE_LAYER)
+    assert evicted[3] == [2]  # next uses: 0@4, 1@5, 2@6
+    assert evicted[6] == [1]  # at t=6 resident 0@8, 1@9, 3@7
+
+
+def optimal_misses(keys, capacity):
+    """Exhaustive search over every eviction choice: an implementation of OPT independent of Belady's rule."""
+    states = {frozenset(): 0}
+    for key in keys:
+        nxt = {}
+        for state, misses in states.items():
+            if key in state:
+                options = [(state, misses)]
+            elif len(state) < capacity:
+                options = [(state | {key}, misses + 1)]
+            else:
+                options = [((state - {v}) | {key}, misses + 1) for v in state]
+            for s, m in options:
+                if nxt.get(s, math.inf) > m:
+                    nxt[s] = m
+        states = nxt
+    return min(states.values())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_belady_is_optimal_against_exhaustive_search(seed):
+    rng = random.Random(seed)
+    keys = [rng.randrange(6) for _ in range(14)]
+    capacity = rng.choice([2, 3, 4])
+    hits, _ = drive("belady", single_layer(*keys), capacity, ModelSpec(1, 6, 1))
+    assert len(keys) - hits == optimal_misses(keys, capacity)
+
+
+def test_llru_evicts_largest_round_index_then_largest_layer_distance():
+    spec = ModelSpec(num_layers=3, num_experts=2, top_k=1)
+    # clock:   0       1       2       3 (hit)  4       5       6
+    requests = [(0, 0), (1, 0), (2, 0), (0, 0), (1, 1), (2, 1), (0, 1)]
+    _, evicted = drive("llru", requests, 5, spec)
+    # At t=6 (layer 0): R = floor((6 - tau) / 3) is 1 for tau in {1, 2, 3}, 0 for tau in {4, 5};
+    # D = (layer - 0) mod 3 is 1 for (1,0), 2 for (2,0), 0 for (0,0): evict (2,0), flat id 4.
+    assert evicted[6] == [2 * 2 + 0]
+    _, lru_evicted = drive("lru", requests, 5, spec)
+    assert lru_evicted[6] == [1 * 2 + 0]  # plain LRU takes the oldest, (1,0)
+
+
+def test_moe_infinity_priority_follows_algorithm_2():
+    spec = ModelSpec(num_layers=2, num_experts=3, top_k=1)
+    requests = [(0, 0), (0, 0), (0, 1), (1, 0), (1, 2)]
+    _, evicted = drive("moe-infinity", requests, 3, spec)
+    # EAM after the request of (1,2): row 0 = [2, 1, 0], row 1 = [1, 0, 1].
+    # p(0,0) = (2/3 + eps) * 1, p(0,1) = (1/3 + eps) * 1, p(1,0) = (1/2 + eps) * (1 - 1/2): (1,0) goes.
+    assert evicted[4] == [1 * 3 + 0]
+    policy = MoEInfinity(spec)
+    cache = ExpertCache(3, policy)
+    ctx = AccessContext()
+    for layer, expert in requests[:4]:
+        ctx.layer = layer
+        cache.request(layer * 3 + expert, ctx)
+    assert policy.priority(0) == pytest.approx(2 / 3 + EPSILON)
+    assert policy.priority(3) == pytest.approx((1 + EPSILON) * 0.5)
+
+
+def test_moe_infinity_starts_a_new_eam_per_sequence():
+    spec = ModelSpec(num_layers=1, num_experts=4, top_k=1)
+    # Sequence 0 uses expert 0 three times; sequence 1 starts from an empty EAM, where 0 counts nothing.
+    requests = single_layer(0, 0, 0, 1, 2, 2, 3)
+    _, evicted = drive("moe-infinity", requests, 2, spec, request_ids=[0, 0, 0, 0, 1, 1, 1])
+    # At t=4 (sequence 1, 2 requested): counts 0:0, 1:0, 2:1 -> 0 and 1 tie at 0; 0's score was set first.
+    assert evicted[4] == [0]
+    assert evicted[6] == [1]  # counts 1:0, 2:2, 3:1
+
+
+def test_fmoe_evicts_lowest_probability_times_frequency():
+    spec = ModelSpec(num_layers=1, num_experts=4, top_k=1)
+    probs = np.array([[[0.1, 0.6, 0.2, 0.1]]] * 4)
+    _, evicted = drive("fmoe", single_layer(0, 0, 1, 2), 2, spec, probs=probs)
+    # p * freq: expert 0 = 0.1 * 2 = 0.2, expert 1 = 0.6 * 1 = 0.6 -> expert 0 goes (LFU would keep it).
+    assert evicted[3] == [0]
+    predicted = np.array([[0.9, 0.05, 0.05, 0.0]])
+    _, evicted = drive("fmoe", single_layer(0, 0, 1, 2), 2, spec, probs=probs, predicted=predicted)
+    assert evicted[3] == [1]  # the prefetcher's map wins over the observed one: 0.9 * 2 > 0.05 * 1
+
+
+def test_lcp_evicts_lowest_cache_priority():
+    spec = ModelSpec(num_layers=1, num_experts=4, top_k=1)
+    options = {"omega": 1.0, "rho": 0.5}
+    _, evicted = drive("lcp", single_layer(0, 0, 0, 1, 2), 2, spec, options=options)
+    # At token 4: expert 0 has mu=3, nu=2 -> 3 * 0.5**2 = 0.75; expert 1 has mu=1, nu=1 -> 0.5.
+    assert evicted[4] == [1]
+    _, evicted = drive("lcp", single_layer(0, 0, 1, 3, 3, 3, 2), 2, spec, options=options)
+    assert evicted[3] == [0]  # at token 3: P(0) = 2 * 0.5**2 = 0.5 = P(1) = 1 * 0.5**1; 0's score is older
+    assert evicted[6] == [1]  # at token 6: P(1) = 1 * 0.5**4, P(3) = 3 * 0.5**1
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_lcp_victim_is_argmin_of_equation_4(seed):
+    rng = random.Random(seed)
+    spec = ModelSpec(num_layers=1, num_experts=12, top_k=1)
+    policy = LCP(spec, omega=4.0, rho=0.3)
+    cache = ExpertCache(5, policy)
+    ctx = AccessContext()
+    for t in range(200):
+        key = min(int(rng.expovariate(0.3)), 11)
+        ctx.clock = ctx.token = t
+        policy.on_access(key, ctx)
+        if key in cache:
+            continue
+        if len(cache) == 5:
+            priorities = {k: policy.priority(k, t) for k in cache.resident}
+            victim = policy.victim(ctx)
+            assert priorities[victim] == pytest.approx(min(priorities.values()), rel=1e-9)
+            cache.evict(victim)
+        cache.resident[key] = 1
+        cache.used += 1
+        policy.on_insert(key, ctx)
+
+
+def test_lru_dist_confines_evictions_to_the_layer():
+    spec = ModelSpec(num_layers=2, num_experts=3, top_k=1)
+    requests = [(0, 0), (1, 0), (0, 1), (1, 0), (0, 2)]
+    _, evicted = drive("lru-dist", requests, 4, spec)
+    assert evicted[4] == [0]  # layer 0 holds 2 of the 4 slots: its own LRU (0,0) goes, though slots are free
+    _, shared = drive("lru", requests, 4, spec)
+    assert shared[4] == []
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_respects_pins_and_capacity(policy):
+    spec = ModelSpec(num_layers=4, num_experts=6, top_k=2)
+    info = POLICIES[policy]
+    if info.partitioned:
+        pytest.skip("pinning is tested on the shared cache")
+    rng = random.Random(7)
+    instance = info.policy(spec, seed=1)
+    cache = ExpertCache(6, instance)
+    ctx = AccessContext()
+    ctx.probs = np.full((4, 6), 1 / 6)
+    keys = [rng.randrange(24) for _ in range(400)]
+    nxt = {}
+    next_use = [0] * len(keys)
+    for t in range(len(keys) - 1, -1, -1):
+        next_use[t] = nxt.get(keys[t], 10**9)
+        nxt[keys[t]] = t
+    for t, key in enumerate(keys):
+        ctx.clock, ctx.token, ctx.layer, ctx.next_use = t, t // 3, key // 6, next_use[t]
+        ctx.pinned = frozenset(k for k in list(cache.resident)[:2])
+        pinned_before = set(ctx.pinned)
+        cache.request(key, ctx)
+        assert pinned_before <= set(cache.resident)
+        assert len(cache) <= 6
+
+
+@pytest.mark.parametrize("policy", sorted(p for p in POLICIES if not POLICIES[p].offline))
+def test_opt_is_a_lower_bound_for_every_policy(policy):
+    rng = np.random.default_rng(3)
+    spec = ModelSpec(num_layers=4, num_experts=8, top_k=1)
+    requests = [(t % 4, int(min(rng.zipf(1.6) - 1, 7))) for t in range(600)]
+    probs = np.full((600, 4, 8), 1 / 8)
+    for capacity in (4, 8, 16):
+        opt_hits, _ = drive("belady", requests, capacity, spec)
+        hits, _ = drive(policy, requests, capacity, spec, tokens=[t // 4 for t in range(600)], probs=probs)
+        assert hits <= opt_hits
+
+
+def test_belady_dist_is_optimal_per_layer():
+    spec = ModelSpec(num_layers=2, num_experts=4, top_k=1)
+    rng = random.Random(5)
+    requests = [(t % 2, rng.randrange(4)) for t in range(20)]
+    hits, _ = drive("belady-dist", requests, 4, spec)
+    per_layer = [[e for l, e in requests if l == layer] for layer in range(2)]
+    expected_misses = sum(optimal_misses(keys, 2) for keys in per_layer)
+    assert len(requests) - hits == expected_misses
+
+
+def test_every_policy_is_listed_with_its_source():
+    expected = {"lru", "lfu", "fifo", "random", "marking", "lru-dist", "belady", "belady-dist", "llru",
+                "moe-infinity", "fmoe", "lcp", "learned"}
+    assert set(POLICIES) == expected
+    for info in POLICIES.values():
+        assert info.summary and info.source
+
+
+def test_exhaustive_search_helper_sanity():
+    assert optimal_misses([0, 1, 2, 0, 1, 2], 2) == 4
+    assert optimal_misses(list(itertools.chain(*[[0, 1]] * 5)), 2) == 2
