@@ -152,7 +152,7 @@ def load_model(path) -> LearnedModel:
             arrays = {name: npz[name] for name in npz.files}
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as exc:
         _fail(path, f"not a readable .npz model file, corrupt or truncated ({type(exc).__name__}: {exc})")
-    if not isinstance(arrays, dict) or "metadata" not in arrays:
+    if "metadata" not in arrays:
         _fail(path, "no metadata array: not a moe-offload learned-eviction model")
     raw = arrays.pop("metadata")
     if raw.shape != () or raw.dtype.kind != "U":

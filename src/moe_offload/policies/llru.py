@@ -5,12 +5,14 @@ For a resident expert p last requested at clock tau, at the current clock t serv
     D(p, t) = (layer(p) - b) mod L          the relative layer distance: requests until p's layer comes
 On a miss, evict the largest R; among those the largest D; any remaining tie goes to the older request.
 
-Why only two rounds are examined: R is either (t//L - tau//L) or one less, so the maximum R is reached
-by experts of the oldest round still in the cache or of the round after it. Experts are kept in buckets
-by round, in increasing round order, and a miss looks at O(size of two rounds) experts, not the cache.
+Why a miss looks at L experts, not the whole cache: D is the same for every expert of a layer and R only
+grows with age, so within a layer the least recently requested expert ranks first. Each layer keeps its
+experts in LRU order, and the victim is the best of the L layer heads.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 
@@ -22,52 +24,51 @@ class LLRU(EvictionPolicy):
 
     def __init__(self, spec, seed=0):
         super().__init__(spec, seed)
-        self._last: dict = {}     # key -> clock of its last request (tau)
-        self._rounds: dict = {}   # round -> {key: None}; dict order is increasing round order
+        # per layer: key -> clock of its last request (tau), least recent first
+        self._by_layer = [OrderedDict() for _ in range(spec.num_layers)]
+        self._head = [None] * spec.num_layers  # (key, tau) of each layer's least recent expert
 
-    def _place(self, key, clock):
-        self._last[key] = clock
-        rnd = clock // self.spec.num_layers
-        bucket = self._rounds.get(rnd)
-        if bucket is None:
-            self._rounds[rnd] = {key: None}
-        else:
-            bucket[key] = None
-
-    def _unplace(self, key):
-        rnd = self._last.pop(key) // self.spec.num_layers
-        bucket = self._rounds[rnd]
-        del bucket[key]
-        if not bucket:
-            del self._rounds[rnd]
+    def _refresh_head(self, layer):
+        experts = self._by_layer[layer]
+        self._head[layer] = next(iter(experts.items())) if experts else None
 
     def on_access(self, key, ctx):
-        if key in self._last:
-            self._unplace(key)
-            self._place(key, ctx.clock)
+        layer = key // self.spec.num_experts
+        experts = self._by_layer[layer]
+        if key in experts:
+            experts[key] = ctx.clock
+            experts.move_to_end(key)
+            if self._head[layer][0] == key:
+                self._refresh_head(layer)
 
     def on_insert(self, key, ctx):
-        self._place(key, ctx.clock)
+        layer = key // self.spec.num_experts
+        self._by_layer[layer][key] = ctx.clock
+        if self._head[layer] is None:
+            self._head[layer] = (key, ctx.clock)
 
     def on_evict(self, key):
-        self._unplace(key)
+        layer = key // self.spec.num_experts
+        del self._by_layer[layer][key]
+        if self._head[layer][0] == key:
+            self._refresh_head(layer)
 
     def victim(self, ctx):
-        L, J = self.spec.num_layers, self.spec.num_experts
+        L = self.spec.num_layers
         t, b, pinned = ctx.clock, ctx.layer, ctx.pinned
-        best_rank, best_key, first_round = None, None, None
-        for rnd, bucket in self._rounds.items():
-            if first_round is not None and rnd > first_round + 1:
-                break
-            for key in bucket:
-                if key in pinned:
+        best_score, best_age, best_key = -1, -1, None
+        for layer, head in enumerate(self._head):
+            if head is None:
+                continue
+            key, tau = head
+            if key in pinned:  # rare: look past the pinned experts of this layer
+                key, tau = next(((k, v) for k, v in self._by_layer[layer].items() if k not in pinned), (None, 0))
+                if key is None:
                     continue
-                tau = self._last[key]
-                rank = ((t - tau) // L, (key // J - b) % L, -tau)
-                if best_rank is None or rank > best_rank:
-                    best_rank, best_key = rank, key
-            if best_key is not None and first_round is None:
-                first_round = rnd
+            age = t - tau
+            score = (age // L) * L + (layer - b) % L  # R, then D, in one number (D < L)
+            if score > best_score or (score == best_score and age > best_age):
+                best_score, best_age, best_key = score, age, key
         if best_key is None:
             raise NoEvictableExpert
         return best_key
