@@ -42,6 +42,24 @@ def expert_dtype(num_experts: int) -> np.dtype:
     raise ValueError(f"{num_experts} experts per layer is more than any supported id type holds")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int32_column(values, name: str, path) -> np.ndarray:
+    """``values`` as int32, refusing fractions and values int32 cannot hold instead of wrapping them."""
+    array = np.asarray(values)
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        if not np.issubdtype(array.dtype, np.number) or not np.all(np.mod(array, 1) == 0):
+            raise TraceError(path, f"column {name} must hold integers")
+    info = np.iinfo(np.int32)
+    outside = np.flatnonzero((array < info.min) | (array > info.max)) if array.size else []
+    if len(outside):
+        raise TraceError(path, f"column {name} value {array[outside[0]]} does not fit in 32 bits",
+                         row=int(outside[0]))
+    return array.astype(np.int32)
+
+
 @dataclass(frozen=True)
 class TraceMeta:
     """What a trace says about the model it was recorded on and where it came from."""
@@ -70,27 +88,33 @@ class TraceMeta:
             raw = json.loads(text)
         except ValueError as exc:
             raise TraceError(path, f"trace metadata is not valid JSON ({exc})") from None
+        if not isinstance(raw, dict):
+            raise TraceError(path, f"trace metadata must be a JSON object, not {type(raw).__name__}")
         version = raw.pop("format_version", None)
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if not _is_int(version) or version > FORMAT_VERSION:
             raise TraceError(path, f"trace format version {version!r} is not supported (this release reads "
                                    f"versions up to {FORMAT_VERSION}; upgrade moe-offload)")
         known = {name: raw.pop(name) for name in list(raw) if name in cls.__dataclass_fields__}
         missing = [name for name in ("model", "num_layers", "num_experts", "top_k") if name not in known]
         if missing:
             raise TraceError(path, f"trace metadata lacks {', '.join(missing)}")
+        if not isinstance(known.get("extra", {}), dict):
+            raise TraceError(path, f"metadata extra must be a JSON object, not {known['extra']!r}")
         meta = cls(**known)
         meta.extra.update(raw)  # fields of a later minor revision survive a round trip
         meta.check(path)
         return meta
 
     def check(self, path) -> None:
+        if not isinstance(self.model, str):
+            raise TraceError(path, f"metadata model must be a string, not {self.model!r}")
         for name in ("num_layers", "num_experts", "top_k"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise TraceError(path, f"metadata {name} must be a positive integer, not {value!r}")
         if self.top_k > self.num_experts:
             raise TraceError(path, f"metadata top_k={self.top_k} exceeds num_experts={self.num_experts}")
-        if self.expert_bytes is not None and (not isinstance(self.expert_bytes, int) or self.expert_bytes < 1):
+        if self.expert_bytes is not None and (not _is_int(self.expert_bytes) or self.expert_bytes < 1):
             raise TraceError(path, f"metadata expert_bytes must be a positive integer, not {self.expert_bytes!r}")
 
 
@@ -124,10 +148,11 @@ class Trace:
         n = experts.shape[0] if experts.ndim else 0
         trace = cls(
             meta=meta,
-            request=np.zeros(n, np.int32) if request is None else np.asarray(request, np.int32),
-            position=np.arange(n, dtype=np.int32) if position is None else np.asarray(position, np.int32),
+            request=np.zeros(n, np.int32) if request is None else _int32_column(request, "request", path),
+            position=np.arange(n, dtype=np.int32) if position is None else _int32_column(position, "position", path),
             phase=np.full(n, DECODE, np.uint8) if phase is None else np.asarray(phase, np.uint8),
-            iteration=np.arange(n, dtype=np.int32) if iteration is None else np.asarray(iteration, np.int32),
+            iteration=(np.arange(n, dtype=np.int32) if iteration is None
+                       else _int32_column(iteration, "iteration", path)),
             experts=experts,
             weights=None if weights is None else np.asarray(weights, np.float16),
             probs=None if probs is None else np.asarray(probs, np.float16),
@@ -261,7 +286,10 @@ def write_trace(trace: Trace, path) -> Path:
     table = pa.table(columns).replace_schema_metadata({METADATA_KEY: trace.meta.to_json().encode()})
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path, compression="zstd")
+    # Dictionary-encoded expert ids and delta-encoded counters are what keep a million-token trace small;
+    # the dictionary option must name the list's leaf column, or Arrow silently ignores it.
+    pq.write_table(table, path, compression="zstd", use_dictionary=["phase", "experts.list.element"],
+                   column_encoding={name: "DELTA_BINARY_PACKED" for name in ("request", "position", "iteration")})
     return path
 
 
@@ -319,15 +347,15 @@ def read_trace(path, columns: tuple[str, ...] | None = None) -> Trace:
         return col.flatten().to_numpy(zero_copy_only=False).reshape(shape)
 
     phase = column("phase")
-    if pa.types.is_dictionary(phase.type):
-        phase = phase.cast(pa.string())
-    phase_codes = np.full(n, 255, np.uint8)
-    phase_text = np.asarray(phase.to_pylist(), dtype=object)
-    for code, label in enumerate(PHASES):
-        phase_codes[phase_text == label] = code
+    if not pa.types.is_dictionary(phase.type):
+        phase = phase.dictionary_encode()
+    labels = phase.dictionary.to_pylist()
+    code_of_label = np.array([PHASES.index(label) if label in PHASES else 255 for label in labels], np.uint8)
+    phase_codes = code_of_label[phase.indices.to_numpy(zero_copy_only=False)] if n else np.zeros(0, np.uint8)
     bad = np.flatnonzero(phase_codes == 255)
     if bad.size:
-        raise TraceError(path, f"phase {phase_text[bad[0]]!r} is neither 'prefill' nor 'decode'", row=int(bad[0]))
+        label = labels[phase.indices[int(bad[0])].as_py()]
+        raise TraceError(path, f"phase {label!r} is neither 'prefill' nor 'decode'", row=int(bad[0]))
 
     optional = {}
     shapes = {"weights": (L * K, (n, L, K)), "probs": (L * J, (n, L, J)),
@@ -349,7 +377,7 @@ def read_trace(path, columns: tuple[str, ...] | None = None) -> Trace:
         col = column(name)
         if not pa.types.is_integer(col.type):
             raise TraceError(path, f"column {name} has type {col.type}, expected integers")
-        return col.to_numpy().astype(np.int32, copy=False)
+        return _int32_column(col.to_numpy(), name, path)
 
     trace = Trace(meta=meta, request=ints("request"), position=ints("position"), phase=phase_codes,
                   iteration=ints("iteration"), experts=fixed_list("experts", L * K, (n, L, K)), path=str(path),

@@ -1,0 +1,268 @@
+"""`moe-offload trace`: inspect, import, generate and flatten routing traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from moe_offload.errors import TraceError
+from moe_offload.trace.flatten import flatten, write_csv, write_oracle_general
+from moe_offload.trace.format import DECODE, PREFILL, Trace, read_trace, write_trace
+from moe_offload.trace.importers import IMPORTERS
+from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
+
+OPTIONAL_COLUMNS = ("weights", "probs", "embedding", "gate_prediction")
+FLATTEN_WRITERS = {"csv": write_csv, "oracle-general": write_oracle_general}
+
+# next_token_reuse compares consecutive tokens this many rows at a time, to bound its memory.
+_REUSE_CHUNK_ROWS = 1 << 16
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "trace", help="inspect, import, generate and flatten routing traces",
+        description="Routing traces: one Parquet file per trace, one row per token (see docs/trace-format.md).")
+    actions = parser.add_subparsers(dest="trace_command", required=True, metavar="ACTION")
+
+    info = actions.add_parser("info", help="summarise a trace file",
+                              description="Print a trace's model, shape, counts, columns, provenance and a short "
+                                          "routing summary.")
+    info.add_argument("file", metavar="FILE", help="trace file (.parquet)")
+    info.add_argument("--json", action="store_true", help="print the summary as JSON")
+    info.set_defaults(run=run_info)
+
+    importer = actions.add_parser(
+        "import", help="convert a public trace format into a trace file",
+        description="Convert traces recorded by other projects. Several SRC files become several requests "
+                    "(request id = order on the command line).")
+    importer.add_argument("format", choices=sorted(IMPORTERS), metavar="FORMAT",
+                          help=f"source format: {', '.join(sorted(IMPORTERS))}")
+    importer.add_argument("sources", nargs="+", metavar="SRC", help="source file(s)")
+    importer.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write")
+    importer.add_argument("--experts", type=int, metavar="J",
+                          help="experts per layer (required for topk-jsonl, whose files do not say it)")
+    importer.add_argument("--model", metavar="NAME", help="model name to record")
+    importer.add_argument("--expert-bytes", type=int, metavar="N", help="bytes of one expert's weights")
+    importer.add_argument("--hidden-size", type=int, metavar="D", help="the model's hidden size")
+    importer.add_argument("--source", metavar="TEXT", help="provenance to record (default: the file names)")
+    importer.add_argument("--license", metavar="TEXT", help="license of the source data")
+    importer.set_defaults(run=run_import)
+
+    synth = actions.add_parser("synth", help="generate a synthetic trace",
+                               description="Generate the synthetic traces of the layered-paging paper (001).")
+    generators = synth.add_subparsers(dest="generator", required=True, metavar="GENERATOR")
+
+    zipf = generators.add_parser("zipf", help="i.i.d. tokens, Zipf expert popularity 1/(j+b)^a per layer",
+                                 description="Each token draws top-k distinct experts per layer without replacement, "
+                                             "expert j (j = 1..J) with weight 1/(j+b)^a (paper 001, section 5.1).")
+    zipf.add_argument("--layers", type=int, default=32, help="L (default 32)")
+    zipf.add_argument("--experts", type=int, default=8, help="J, experts per layer (default 8)")
+    zipf.add_argument("--top-k", type=int, default=2, help="K (default 2)")
+    zipf.add_argument("--length", type=int, default=10_000, help="tokens (default 10000)")
+    zipf.add_argument("--a", type=float, default=1.0, help="Zipf exponent a >= 0 (default 1.0; 0 = uniform)")
+    zipf.add_argument("--b", type=float, default=0.0, help="Zipf offset b > -1 (default 0)")
+    zipf.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    zipf.add_argument("--shuffle", action="store_true",
+                      help="give each layer its own random order of expert popularity")
+    zipf.set_defaults(run=run_synth_zipf)
+
+    cyclic = generators.add_parser("cyclic", help="Theorem 3.3: all k+1 experts cyclically (LRU's worst case)",
+                                   description="n = (k+1)/L experts per layer; round i requests expert i mod n of "
+                                               "every layer (paper 001, Theorem 3.3). L must divide k+1.")
+    cyclic.add_argument("--layers", type=int, required=True, help="L")
+    cyclic.add_argument("--cache-size", type=int, required=True, help="k, the cache size the sequence defeats")
+    cyclic.add_argument("--rounds", type=int, default=1000, help="rounds (tokens, default 1000)")
+    cyclic.set_defaults(run=run_synth_cyclic)
+
+    fixed = generators.add_parser("fixed-partition",
+                                  help="Theorem 3.1: one layer cycles, the others repeat expert 0",
+                                  description="Round i requests expert 0 of every layer except the cycling layer, "
+                                              "which requests expert i mod n (paper 001, Theorem 3.1).")
+    fixed.add_argument("--layers", type=int, required=True, help="L")
+    fixed.add_argument("--experts", type=int, required=True, help="n, experts per layer")
+    fixed.add_argument("--rounds", type=int, default=1000, help="rounds (tokens, default 1000)")
+    fixed.add_argument("--cycling-layer", type=int, default=0, help="the layer that cycles (default 0)")
+    fixed.set_defaults(run=run_synth_fixed_partition)
+
+    for generator in (zipf, cyclic, fixed):
+        generator.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write")
+
+    flat = actions.add_parser(
+        "flatten", help="export the expert request sequence for other cache simulators",
+        description="Write one record per expert request in replay order: for each token, for each rank r, for "
+                    "each layer l, id = l*J + expert; size = expert bytes (1 when unknown).")
+    flat.add_argument("file", metavar="FILE", help="trace file (.parquet)")
+    flat.add_argument("-o", "--output", required=True, metavar="OUT", help="file to write")
+    flat.add_argument("--format", choices=sorted(FLATTEN_WRITERS), default="csv",
+                      help="csv: time,id,size rows (default); oracle-general: libCacheSim's binary oracleGeneral "
+                           "trace, which also carries each request's next access time")
+    flat.set_defaults(run=run_flatten)
+
+
+# --------------------------------------------------------------------------------------------------- info
+
+def run_info(args) -> int:
+    path = Path(args.file)
+    trace = read_trace(path)
+    summary = describe(trace, path.stat().st_size)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(format_summary(summary))
+    return 0
+
+
+def describe(trace: Trace, file_bytes: int | None = None) -> dict:
+    """Everything `trace info` reports, as plain JSON-able values."""
+    meta = trace.meta
+    usage = expert_usage(trace)
+    top_share = usage.max(axis=1) / trace.num_tokens  # each token selects a layer's expert at most once
+    return {
+        "file": trace.path,
+        "file_bytes": file_bytes,
+        "model": meta.model,
+        "num_layers": meta.num_layers,
+        "num_experts": meta.num_experts,
+        "top_k": meta.top_k,
+        "expert_bytes": meta.expert_bytes,
+        "hidden_size": meta.hidden_size,
+        "tokens": trace.num_tokens,
+        "requests": trace.num_requests,
+        "iterations": int(np.unique(trace.iteration).size),
+        "prefill_tokens": int(np.count_nonzero(trace.phase == PREFILL)),
+        "decode_tokens": int(np.count_nonzero(trace.phase == DECODE)),
+        "columns": {name: getattr(trace, name) is not None for name in OPTIONAL_COLUMNS},
+        "source": meta.source,
+        "license": meta.license,
+        "extra": meta.extra,
+        "routing": {
+            "top_expert_token_share": [round(float(s), 4) for s in top_share],
+            "experts_used": int(np.count_nonzero(usage)),
+            "next_token_reuse": _rounded(next_token_reuse(trace)),
+            "uniform_baseline": round(meta.top_k / meta.num_experts, 4),
+        },
+    }
+
+
+def expert_usage(trace: Trace) -> np.ndarray:
+    """[L, J] how many tokens selected each expert."""
+    L, J = trace.meta.num_layers, trace.meta.num_experts
+    flat = (np.arange(L, dtype=np.int64)[None, :, None] * J + trace.experts).reshape(-1)
+    return np.bincount(flat, minlength=L * J).reshape(L, J)
+
+
+def next_token_reuse(trace: Trace) -> float | None:
+    """Mean share of a token's experts that the next token of the same request selects again in the same
+    layer (uniform independent routing gives K/J). None when no request has two tokens."""
+    experts, same_request = trace.experts, trace.request[1:] == trace.request[:-1]
+    total_shared, pairs = 0, 0
+    for start in range(0, trace.num_tokens - 1, _REUSE_CHUNK_ROWS):
+        stop = min(start + _REUSE_CHUNK_ROWS, trace.num_tokens - 1)
+        keep = same_request[start:stop]
+        current, following = experts[start:stop][keep], experts[start + 1:stop + 1][keep]
+        # shared[t, l] = |experts of token t in layer l  &  experts of token t+1 in layer l|
+        shared = (current[:, :, :, None] == following[:, :, None, :]).any(axis=3).sum(axis=2)
+        total_shared += int(shared.sum())
+        pairs += int(keep.sum())
+    if pairs == 0:
+        return None
+    return total_shared / (pairs * trace.meta.num_layers * trace.meta.top_k)
+
+
+def format_summary(summary: dict) -> str:
+    routing = summary["routing"]
+    L, J, K = summary["num_layers"], summary["num_experts"], summary["top_k"]
+    expert_bytes = summary["expert_bytes"]
+    share = np.asarray(routing["top_expert_token_share"])
+    present = [name for name, there in summary["columns"].items() if there]
+    absent = [name for name, there in summary["columns"].items() if not there]
+    reuse = routing["next_token_reuse"]
+    lines = [
+        ("file", f"{summary['file']} ({_size(summary['file_bytes'])})"),
+        ("model", summary["model"]),
+        ("shape", f"{L} layers x {J} experts = {L * J} experts, top-{K}"),
+        ("expert bytes", "unknown" if expert_bytes is None else
+         f"{expert_bytes:,} ({_size(expert_bytes)}; all experts {_size(expert_bytes * L * J)})"),
+        ("hidden size", "unknown" if summary["hidden_size"] is None else str(summary["hidden_size"])),
+        ("tokens", f"{summary['tokens']} (prefill {summary['prefill_tokens']}, decode {summary['decode_tokens']})"),
+        ("requests", str(summary["requests"])),
+        ("iterations", str(summary["iterations"])),
+        ("columns", ", ".join(["experts", *present]) + (f" (absent: {', '.join(absent)})" if absent else "")),
+        ("expert order", "sorted by id: the router's rank order is lost" if summary["extra"].get("experts_sorted")
+         else "as recorded (the router's rank order where the source knew it)"),
+        ("source", summary["source"] or "unknown"),
+        ("license", summary["license"] or "not stated"),
+        ("top expert", f"the most used expert of a layer serves {share.mean():.1%} of tokens on average "
+                       f"(min {share.min():.1%}, max {share.max():.1%}; uniform routing: {K / J:.1%})"),
+        ("reuse", "no consecutive tokens" if reuse is None else
+         f"the next token reselects {reuse:.1%} of a token's experts (uniform routing: {K / J:.1%})"),
+        ("experts used", f"{routing['experts_used']} of {L * J}"),
+    ]
+    width = max(len(label) for label, _ in lines)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in lines)
+
+
+def _size(num_bytes: int | None) -> str:
+    if num_bytes is None:
+        return "size unknown"
+    if num_bytes < 1024:
+        return f"{num_bytes} B"
+    value = num_bytes / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
+# ------------------------------------------------------------------------------------------ import, synth
+
+def run_import(args) -> int:
+    trace = IMPORTERS[args.format](args.sources, num_experts=args.experts, model=args.model,
+                                   expert_bytes=args.expert_bytes, hidden_size=args.hidden_size,
+                                   source=args.source, license=args.license)
+    return _write(trace, args.output)
+
+
+def run_synth_zipf(args) -> int:
+    trace = zipf_trace(args.layers, args.experts, args.top_k, args.length, args.a, args.b, args.seed,
+                       shuffle=args.shuffle)
+    return _write(trace, args.output)
+
+
+def run_synth_cyclic(args) -> int:
+    return _write(cyclic_trace(args.layers, args.cache_size, args.rounds), args.output)
+
+
+def run_synth_fixed_partition(args) -> int:
+    return _write(fixed_partition_trace(args.layers, args.experts, args.rounds, args.cycling_layer), args.output)
+
+
+def _write(trace: Trace, output: str) -> int:
+    try:
+        path = write_trace(trace, output)
+    except OSError as exc:
+        raise TraceError(output, f"cannot write the trace ({exc.strerror or exc})") from None
+    meta = trace.meta
+    print(f"wrote {path}: {trace.num_tokens} tokens in {trace.num_requests} request(s), {meta.num_layers} layers "
+          f"x {meta.num_experts} experts, top-{meta.top_k} ({_size(path.stat().st_size)})")
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------- flatten
+
+def run_flatten(args) -> int:
+    trace = read_trace(args.file)
+    sequence = flatten(trace)
+    try:
+        path = FLATTEN_WRITERS[args.format](sequence, args.output, trace.meta.expert_bytes)
+    except OSError as exc:
+        raise TraceError(args.output, f"cannot write the request sequence ({exc.strerror or exc})") from None
+    print(f"wrote {path}: {len(sequence)} expert requests ({args.format})")
+    return 0

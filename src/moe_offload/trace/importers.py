@@ -1,0 +1,388 @@
+"""Importers of routing traces recorded by other projects (see /work/shared/traces/README.md for examples).
+
+``topk-jsonl``
+    One JSON object per line, ``{"tok": n, "layers": [[K expert ids] x L]}``: one decode token per line
+    (sqliteai/warp's OLMoE trace). The file does not say how many experts a layer has, so the caller
+    must give J. When every expert list is sorted by id, the router's rank order is lost; the importer
+    then sets ``meta.extra["experts_sorted"]`` (see docs/trace-format.md).
+
+``routes-json``
+    One JSON document per request with ``meta``, ``prompt_tokens``, ``generated_tokens`` and ``routes``,
+    one route per token: ``token_pos``, ``token_id``, ``phase`` (``prefill``/``decode``) and ``layers``
+    = ``{"0": {"experts": [...], "weights": [...]}, ...}`` (jinlong-huo/moe_ocs_learning's Qwen1.5-MoE
+    traces). Router weights are kept (float16). The prompt's tokens form one iteration (one prefill
+    forward pass); every decode token is an iteration of its own.
+
+Every importer takes one path or a list of paths; several files become several requests (request id =
+file order) with increasing iterations. All share the signature of :data:`IMPORTERS`' values::
+
+    importer(paths, *, num_experts=None, model=None, expert_bytes=None, hidden_size=None,
+             source=None, license=None, extra=None) -> Trace
+
+Malformed input raises TraceError naming the file and the line (``topk-jsonl``, 1-based; invalid JSON
+in either format) or the route (``routes-json``, the 0-based index into ``routes``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from moe_offload.errors import ConfigError, TraceError
+from moe_offload.trace.format import DECODE, PHASES, PREFILL, Trace, TraceMeta
+
+FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+@dataclass
+class _Request:
+    """The rows one file contributed, before the request id and iteration offset are known."""
+
+    path: Path
+    experts: np.ndarray        # [n, L, K] int64
+    position: list[int]
+    phase: list[int]
+    iteration: list[int]       # 0-based inside the request
+    locator: list[int]         # line number or route index of each row, for error messages
+    unit: str                  # "line" or "route"
+    weights: np.ndarray | None = None  # [n, L, K] float64
+
+
+# ---------------------------------------------------------------------------------------------- topk-jsonl
+
+def import_topk_jsonl(paths, *, num_experts: int | None = None, model: str | None = None,
+                      expert_bytes: int | None = None, hidden_size: int | None = None, source: str | None = None,
+                      license: str | None = None, extra: dict | None = None) -> Trace:
+    """Import ``{"tok": n, "layers": [[K ids] x L]}`` lines: request = file order, position = ``tok``,
+    phase decode, one iteration per line. ``num_experts`` (J) is required: the format does not record it."""
+    paths = _as_paths(paths)
+    _check_num_experts(num_experts)
+    requests = [_read_topk_jsonl(paths[0])]
+    for path in paths[1:]:
+        requests.append(_read_topk_jsonl(path, shape=requests[0].experts.shape[1:], shape_origin=paths[0].name))
+    shape = requests[0].experts.shape[1:]
+    if num_experts is None:
+        largest = max(int(r.experts.max()) for r in requests)
+        raise ConfigError(f"{', '.join(map(str, paths))}: topk-jsonl traces do not say how many experts each "
+                          f"layer has; give it (num_experts, or --experts J on the command line). Hint: the "
+                          f"largest expert id in the file(s) is {largest}, so J is at least {largest + 1}")
+    for request in requests:
+        _check_expert_ids(request, num_experts)
+
+    # Sorted lists of K > 1 experts everywhere: the file kept the set of experts, not the router's ranking.
+    every_layer_sorted = all(bool((np.diff(r.experts, axis=2) > 0).all()) for r in requests)
+    details = {"importer": "topk-jsonl", "files": [p.name for p in paths],
+               "experts_sorted": every_layer_sorted and shape[1] > 1}
+    return _assemble(requests, paths, "topk-jsonl", num_experts=num_experts, model=model or "unknown",
+                     expert_bytes=expert_bytes, hidden_size=hidden_size, source=source, license=license,
+                     extra={**details, **(extra or {})})
+
+
+def _read_topk_jsonl(path: Path, shape: tuple[int, int] | None = None, shape_origin: str = "") -> _Request:
+    """Parse and check one file. ``shape`` = (L, K) that every row must have, taken from the first line of
+    the file when not given (``shape_origin`` says where it came from, for messages)."""
+    # Split on "\n" only (not str.splitlines, which also splits on other separators) so that line numbers
+    # are the ones an editor shows. A complete file ends with "\n", leaving an empty last piece.
+    lines = _read_text(path).split("\n")
+    rows, positions, numbers = [], [], []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as exc:
+            truncated = number == len(lines)  # a non-empty last piece: the file does not end with a newline
+            problem = f"invalid JSON ({exc})" + ("; the file ends inside this line: truncated?" if truncated else "")
+            raise TraceError(path, problem, row=number, unit="line") from None
+        fail = _failer(path, number, "line")
+        if not isinstance(record, dict):
+            fail(f"expected a JSON object, found {type(record).__name__}")
+        missing = [key for key in ("tok", "layers") if key not in record]
+        if missing:
+            fail(f"missing key(s) {', '.join(map(repr, missing))}")
+        token, layers = record["tok"], record["layers"]
+        if not _is_int(token) or token < 0:
+            fail(f"'tok' must be a non-negative integer, not {token!r}")
+        if not isinstance(layers, list) or not layers:
+            fail("'layers' must be a non-empty list of per-layer expert lists")
+        if shape is None:
+            first_layer = layers[0]
+            if not isinstance(first_layer, list) or not first_layer:
+                fail("layer 0 must be a non-empty list of expert ids")
+            shape, shape_origin = (len(layers), len(first_layer)), f"line {number}"
+        num_layers, top_k = shape
+        if len(layers) != num_layers:
+            fail(f"{len(layers)} layers, but {shape_origin} has {num_layers}")
+        for layer, ids in enumerate(layers):
+            if not isinstance(ids, list):
+                fail(f"layer {layer} must be a list of expert ids, not {ids!r}")
+            if len(ids) != top_k:
+                fail(f"layer {layer} lists {len(ids)} experts, but {shape_origin} lists {top_k} per layer (top-k)")
+            if not _are_ids(ids):
+                fail(f"layer {layer} has an expert id that is not an integer: {ids!r}")
+        rows.append(layers)
+        positions.append(token)
+        numbers.append(number)
+    if not rows:
+        raise TraceError(path, "no routing rows (the file is empty)")
+    return _Request(path=path, experts=np.asarray(rows, dtype=np.int64), position=positions,
+                    phase=[DECODE] * len(rows), iteration=list(range(len(rows))), locator=numbers, unit="line")
+
+
+# --------------------------------------------------------------------------------------------- routes-json
+
+def import_routes_json(paths, *, num_experts: int | None = None, model: str | None = None,
+                       expert_bytes: int | None = None, hidden_size: int | None = None, source: str | None = None,
+                       license: str | None = None, extra: dict | None = None) -> Trace:
+    """Import one routes-json document per request, keeping router weights. J comes from ``num_experts``
+    or from the files' ``meta.num_experts``; when both are given they must agree."""
+    paths = _as_paths(paths)
+    _check_num_experts(num_experts)
+    documents = [_load_routes_document(path) for path in paths]
+
+    file_meta = documents[0]["meta"]
+    if num_experts is None:
+        num_experts = file_meta.get("num_experts")
+        if num_experts is None:
+            raise ConfigError(f"{paths[0]}: the routes-json meta does not give num_experts; give it (num_experts, or "
+                              f"--experts J on the command line)")
+    model = model or file_meta.get("model_id") or "unknown"
+
+    layer_keys: list[str] | None = None
+    top_k: int | None = None
+    requests = []
+    for path, document in zip(paths, documents):
+        meta = document["meta"]
+        if meta.get("num_experts", num_experts) != num_experts:
+            raise TraceError(path, f"meta says num_experts={meta['num_experts']}, but the trace has "
+                                   f"{num_experts} experts per layer (from the first file or the caller)")
+        request, layer_keys, top_k = _read_routes(path, document, layer_keys, top_k)
+        _check_expert_ids(request, num_experts)
+        requests.append(request)
+
+    details = {"importer": "routes-json", "experts_sorted": False,  # each layer lists its experts by weight
+               "requests": [{"file": p.name, "meta": d["meta"]} for p, d in zip(paths, documents)]}
+    if layer_keys != [str(i) for i in range(len(layer_keys))]:
+        details["layer_ids"] = [int(key) for key in layer_keys]  # the model's layer numbers, e.g. MoE layers only
+    return _assemble(requests, paths, "routes-json", num_experts=num_experts, model=model,
+                     expert_bytes=expert_bytes, hidden_size=hidden_size, source=source, license=license,
+                     extra={**details, **(extra or {})})
+
+
+def _load_routes_document(path: Path) -> dict:
+    text = _read_text(path)
+    try:
+        document = json.loads(text)
+    except ValueError as exc:
+        truncated = exc.pos >= len(text.rstrip())
+        problem = f"invalid JSON ({exc.msg})" + ("; the file ends early: truncated?" if truncated else "")
+        raise TraceError(path, problem, row=exc.lineno, unit="line") from None
+    if not isinstance(document, dict):
+        raise TraceError(path, f"expected a JSON object with 'routes', found {type(document).__name__}")
+    if "routes" not in document:
+        raise TraceError(path, "missing key 'routes'")
+    if not isinstance(document["routes"], list) or not document["routes"]:
+        raise TraceError(path, "'routes' must be a non-empty list")
+    meta = document.setdefault("meta", {})
+    if not isinstance(meta, dict):
+        raise TraceError(path, f"'meta' must be an object, not {type(meta).__name__}")
+    for name in ("num_experts", "top_k", "num_moe_layers"):
+        if name in meta and (not _is_int(meta[name]) or meta[name] < 1):
+            raise TraceError(path, f"meta {name} must be a positive integer, not {meta[name]!r}")
+    return document
+
+
+def _read_routes(path: Path, document: dict, layer_keys: list[str] | None,
+                 top_k: int | None) -> tuple[_Request, list[str], int]:
+    """Parse and check every route of one document. ``layer_keys`` and ``top_k`` come from earlier files
+    (None for the first): every route of every file must have the same layers and the same K."""
+    routes, meta = document["routes"], document["meta"]
+    if "top_k" in meta:
+        if top_k is not None and meta["top_k"] != top_k:
+            raise TraceError(path, f"meta says top_k={meta['top_k']}, but earlier files select {top_k} experts")
+        top_k = meta["top_k"]
+    experts, weights, positions, phases, iterations = [], [], [], [], []
+    decode_seen = 0
+    for index, route in enumerate(routes):
+        fail = _failer(path, index, "route")
+        if not isinstance(route, dict):
+            fail(f"expected an object, found {type(route).__name__}")
+        missing = [key for key in ("token_pos", "phase", "layers") if key not in route]
+        if missing:
+            fail(f"missing key(s) {', '.join(map(repr, missing))}")
+        position, phase, layers = route["token_pos"], route["phase"], route["layers"]
+        if not _is_int(position) or position < 0:
+            fail(f"'token_pos' must be a non-negative integer, not {position!r}")
+        if phase not in PHASES:
+            fail(f"'phase' must be 'prefill' or 'decode', not {phase!r}")
+        if phase == "prefill" and decode_seen:
+            fail("a prefill route after a decode route: the prompt's tokens must come first")
+        if not isinstance(layers, dict) or not layers:
+            fail("'layers' must be a non-empty object {layer: {experts, weights}}")
+        if layer_keys is None:
+            if not all(key.isdigit() for key in layers):
+                fail(f"layer keys must be layer numbers, found {sorted(layers)!r}")
+            layer_keys = sorted(layers, key=int)
+        if set(layers) != set(layer_keys):
+            fail(f"{len(layers)} layers {sorted(layers)} differ from the {len(layer_keys)} layers {layer_keys} "
+                 f"of the first route read")
+        row_experts, row_weights = [], []
+        for key in layer_keys:
+            entry = layers[key]
+            if not isinstance(entry, dict):
+                fail(f"layer {key} must be an object with 'experts' and 'weights'")
+            missing = [name for name in ("experts", "weights") if name not in entry]
+            if missing:
+                fail(f"layer {key} lacks {', '.join(map(repr, missing))}")
+            ids, values = entry["experts"], entry["weights"]
+            if not isinstance(ids, list) or not ids or not _are_ids(ids):
+                fail(f"layer {key}: 'experts' must be a non-empty list of integer ids, not {ids!r}")
+            if top_k is None:
+                top_k = len(ids)
+            if len(ids) != top_k:
+                fail(f"layer {key} lists {len(ids)} experts, but other layers (or meta top_k) have {top_k}")
+            if not isinstance(values, list) or len(values) != len(ids):
+                count = len(values) if isinstance(values, list) else values
+                fail(f"layer {key} has {count} weights for {len(ids)} experts")
+            for value in values:
+                if not _is_number(value) or not math.isfinite(value) or not 0 <= value <= FLOAT16_MAX:
+                    fail(f"layer {key} has weight {value!r}: router weights must be finite numbers in "
+                         f"[0, {FLOAT16_MAX:g}] (float16)")
+            row_experts.append(ids)
+            row_weights.append(values)
+        experts.append(row_experts)
+        weights.append(row_weights)
+        positions.append(position)
+        if phase == "prefill":
+            phases.append(PREFILL)
+            iterations.append(0)
+        else:
+            phases.append(DECODE)
+            decode_seen += 1
+            # The prompt, if any, is iteration 0; decode tokens follow it one iteration each.
+            has_prompt = phases[0] == PREFILL
+            iterations.append(decode_seen if has_prompt else decode_seen - 1)
+    if "num_moe_layers" in meta and len(layer_keys) != meta["num_moe_layers"]:
+        raise TraceError(path, f"routes have {len(layer_keys)} layers, but meta says "
+                               f"num_moe_layers={meta['num_moe_layers']}")
+    _check_token_counts(path, document, phases)
+    request = _Request(path=path, experts=np.asarray(experts, dtype=np.int64), position=positions, phase=phases,
+                       iteration=iterations, locator=list(range(len(routes))), unit="route",
+                       weights=np.asarray(weights, dtype=np.float64))
+    return request, layer_keys, top_k
+
+
+def _check_token_counts(path: Path, document: dict, phases: list[int]) -> None:
+    """The routes must cover the prompt and the generated tokens the file lists, or numbers would be
+    silently missing from the trace."""
+    for key, phase in (("prompt_tokens", PREFILL), ("generated_tokens", DECODE)):
+        tokens = document.get(key)
+        if tokens is None:
+            continue
+        if not isinstance(tokens, list):
+            raise TraceError(path, f"'{key}' must be a list of token ids")
+        routed = phases.count(phase)
+        if routed != len(tokens):
+            raise TraceError(path, f"{routed} {PHASES[phase]} routes, but '{key}' lists {len(tokens)} tokens")
+
+
+# ------------------------------------------------------------------------------------------------- shared
+
+def _assemble(requests: list[_Request], paths: list[Path], format_name: str, *, num_experts: int, model: str,
+              expert_bytes, hidden_size, source, license, extra: dict) -> Trace:
+    """One trace from per-file rows: request id = file order, iterations continued across files."""
+    _, num_layers, top_k = requests[0].experts.shape
+    request_ids, iterations = [], []
+    next_iteration = 0
+    for request_id, request in enumerate(requests):
+        request_ids.append(np.full(len(request.position), request_id, dtype=np.int32))
+        local = np.asarray(request.iteration, dtype=np.int64)
+        iterations.append(local + next_iteration)
+        next_iteration += int(local.max()) + 1
+    weights = [r.weights for r in requests]
+    meta = TraceMeta(model=model, num_layers=num_layers, num_experts=num_experts, top_k=top_k,
+                     expert_bytes=expert_bytes, hidden_size=hidden_size,
+                     source=source or f"{format_name} import of {', '.join(p.name for p in paths)}",
+                     license=license, extra=extra)
+    path = paths[0] if len(paths) == 1 else "<" + ", ".join(map(str, paths)) + ">"
+    meta.check(path)
+    return Trace.build(meta, np.concatenate([r.experts for r in requests]),
+                       request=np.concatenate(request_ids), iteration=np.concatenate(iterations),
+                       position=np.concatenate([r.position for r in requests]),
+                       phase=np.concatenate([r.phase for r in requests]),
+                       weights=None if any(w is None for w in weights) else np.concatenate(weights), path=path)
+
+
+def _check_expert_ids(request: _Request, num_experts: int) -> None:
+    """Raise TraceError at the first line/route selecting an id outside 0..J-1 or one expert twice."""
+    experts = request.experts
+    out_of_range = (experts < 0) | (experts >= num_experts)
+    ordered = np.sort(experts, axis=2)
+    duplicated = ordered[:, :, 1:] == ordered[:, :, :-1]
+    for bad, problem in ((out_of_range, f"expert id out of range 0..{num_experts - 1} (num_experts={num_experts})"),
+                         (duplicated, "the same expert listed twice")):
+        rows = np.flatnonzero(bad.any(axis=2).any(axis=1))
+        if rows.size:
+            row = int(rows[0])
+            layer = int(np.flatnonzero(bad[row].any(axis=1))[0])
+            raise TraceError(request.path, f"layer {layer}: {problem}: {experts[row, layer].tolist()}",
+                             row=request.locator[row], unit=request.unit)
+
+
+def _failer(path: Path, row: int, unit: str) -> Callable[[str], None]:
+    def fail(problem: str) -> None:
+        raise TraceError(path, problem, row=row, unit=unit)
+    return fail
+
+
+def _read_text(path: Path) -> str:
+    if not path.exists():
+        raise TraceError(path, "no such file")
+    if path.is_dir():
+        raise TraceError(path, "is a directory, not a trace file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise TraceError(path, f"not UTF-8 text (byte {exc.start}); is this really a JSON trace?") from None
+    except OSError as exc:
+        raise TraceError(path, f"cannot read ({exc.strerror})") from None
+
+
+def _as_paths(paths) -> list[Path]:
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise ConfigError("no trace files given to import")
+    return paths
+
+
+def _check_num_experts(num_experts) -> None:
+    if num_experts is not None and (not _is_int(num_experts) or num_experts < 1):
+        raise ConfigError(f"the number of experts per layer must be a positive integer, not {num_experts!r}")
+
+
+def _are_ids(values: list) -> bool:
+    """Whether every value is an integer that fits the int64 array the ids are checked in."""
+    return all(_is_int(v) and -2**63 <= v < 2**63 for v in values)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+Importer = Callable[..., Trace]
+
+IMPORTERS: dict[str, Importer] = {
+    "topk-jsonl": import_topk_jsonl,
+    "routes-json": import_routes_json,
+}

@@ -1,0 +1,127 @@
+"""The replay simulator and the `simulate` command: counts, options, output formats, errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moe_offload.bundled import DEFAULT_TRACE
+from moe_offload.cli.main import main
+from moe_offload.errors import ConfigError
+from moe_offload.simulator.replay import ReplayInput, replay, replay_grid
+from moe_offload.trace.flatten import flatten
+from moe_offload.trace.format import write_trace
+from moe_offload.trace.synthetic import zipf_trace
+
+
+@pytest.fixture(scope="module")
+def small_trace():
+    return zipf_trace(num_layers=4, num_experts=8, top_k=2, length=300, a=1.0, b=1.0, seed=3, shuffle=True)
+
+
+@pytest.fixture
+def trace_file(small_trace, tmp_path):
+    return str(write_trace(small_trace, tmp_path / "small.parquet"))
+
+
+def test_flatten_order_is_token_then_rank_then_layer(small_trace):
+    seq = flatten(small_trace)
+    L, J, K = 4, 8, 2
+    expected = [layer * J + int(small_trace.experts[n, layer, rank])
+                for n in range(small_trace.num_tokens) for rank in range(K) for layer in range(L)]
+    assert seq.expert_id.tolist() == expected
+    assert (seq.layer == np.arange(len(seq)) % L).all()
+
+
+def test_counts_add_up_and_per_layer_rates(small_trace):
+    result = replay(ReplayInput.of(small_trace), "lru", 12)
+    assert result.accesses == 300 * 4 * 2 == result.hits + result.misses
+    assert sum(result.per_layer_accesses) == result.accesses
+    assert sum(result.per_layer_hits) == result.hits
+    assert result.per_layer_accesses == [600] * 4
+
+
+def test_every_miss_is_counted_once_when_everything_fits(small_trace):
+    distinct = len(np.unique(flatten(small_trace).expert_id))
+    for policy in ("lru", "lfu", "llru", "lcp", "moe-infinity", "fmoe", "learned", "marking", "random"):
+        assert replay(ReplayInput.of(small_trace), policy, 32).misses == distinct
+
+
+def test_grid_reports_against_opt_and_is_independent_of_jobs(small_trace):
+    data = ReplayInput.of(small_trace)
+    serial = replay_grid(data, ["lru", "llru", "lru-dist"], [2, 8, 16], jobs=1)
+    parallel = replay_grid(data, ["lru", "llru", "lru-dist"], [2, 8, 16], jobs=2)
+    assert [r.to_dict() for r in serial.results] == [r.to_dict() for r in parallel.results]
+    assert all(r.opt_misses <= r.misses for r in serial.results)
+    # lru-dist needs one slot per layer: it cannot run with 2 experts for 4 layers, and says so.
+    assert any(s.startswith("lru-dist at 2") for s in serial.skipped)
+    assert {(r.policy, r.cache_size) for r in serial.results} == {
+        (p, k) for p in ("lru", "llru", "lru-dist") for k in (2, 8, 16)} - {("lru-dist", 2)}
+
+
+def test_cache_smaller_than_top_k_is_refused(small_trace):
+    with pytest.raises(ConfigError, match="smaller than top-k"):
+        replay(ReplayInput.of(small_trace), "lru", 1)
+
+
+def test_simulate_json(trace_file, capsys):
+    assert main(["simulate", trace_file, "--policy", "lru,belady", "--cache-size", "8,50%", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["policy"], r["cache_size"]) for r in rows} == {("lru", 8), ("lru", 16), ("belady", 8), ("belady", 16)}
+    for row in rows:
+        assert {"policy", "cache_size", "accesses", "hits", "misses", "hit_rate", "misses_vs_opt"} <= set(row)
+        assert row["hits"] + row["misses"] == row["accesses"]
+        assert row["hit_rate"] == pytest.approx(row["hits"] / row["accesses"])
+
+
+def test_simulate_table_and_plot(trace_file, tmp_path, capsys):
+    plot = tmp_path / "misses.png"
+    assert main(["simulate", trace_file, "--policy", "lru,llru,lcp", "--cache-size", "0.25",
+                 "--plot", str(plot), "--plot-points", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "cache of 8 experts" in out and "misses / OPT" in out
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--policy", "nope"], "unknown policy 'nope'"),
+    (["--cache-size", "1"], "smaller than top-k"),
+    (["--cache-size", "abc"], "neither a number of experts"),
+    (["--cache-size", "1.5"], "neither a number of experts"),
+    (["--policy-option", "lcp.rho"], "POLICY.NAME=VALUE"),
+])
+def test_simulate_bad_options_fail_in_one_line(trace_file, capsys, args, message):
+    assert main(["simulate", trace_file, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_simulate_missing_trace(tmp_path, capsys):
+    missing = tmp_path / "missing.parquet"
+    assert main(["simulate", str(missing)]) == 2
+    assert f"{missing}: no such file" in capsys.readouterr().err
+
+
+def test_policy_options_reach_the_policy(trace_file, capsys):
+    main(["simulate", trace_file, "--policy", "lcp", "--cache-size", "8", "--json"])
+    default = json.loads(capsys.readouterr().out)[0]["misses"]
+    main(["simulate", trace_file, "--policy", "lcp", "--cache-size", "8", "--json", "--policy-option", "lcp.rho=0.01",
+          "--policy-option", "lcp.omega=1"])
+    assert json.loads(capsys.readouterr().out)[0]["misses"] != default
+
+
+def test_default_trace_is_bundled_and_replays(capsys):
+    assert DEFAULT_TRACE.exists()
+    assert main(["simulate", "--policy", "lru,llru", "--cache-size", "25%", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["cache_size"] for r in rows} == {256}
+    assert rows[0]["accesses"] == 299 * 16 * 8
+
+
+def test_policies_command_lists_every_policy(capsys):
+    assert main(["policies"]) == 0
+    out = capsys.readouterr().out
+    for name in ("lru", "belady-dist", "moe-infinity", "fmoe", "lcp", "learned", "marking"):
+        assert name in out
