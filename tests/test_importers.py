@@ -15,25 +15,7 @@ from moe_offload.errors import ConfigError, TraceError
 from moe_offload.trace.format import DECODE, PREFILL, read_trace
 from moe_offload.trace.importers import IMPORTERS, import_routes_json, import_topk_jsonl
 
-QWEN_FILES = ("cooking_1", "history_1", "history_2", "ml_moe_1", "ml_moe_2", "ml_moe_3")
-
-
-@pytest.fixture(scope="module")
-def shared_traces() -> Path:
-    folder = Path(__file__).resolve().parents[2] / "shared" / "traces"
-    if not folder.is_dir():
-        pytest.skip(f"the shared real traces are not available at {folder}")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def olmoe_file(shared_traces) -> Path:
-    return shared_traces / "olmoe-1b-7b" / "decode_299.jsonl"
-
-
-@pytest.fixture(scope="module")
-def qwen_folder(shared_traces) -> Path:
-    return shared_traces / "qwen1.5-moe-a2.7b"
+from conftest import QWEN_FILES
 
 
 def test_registry_names_both_formats():

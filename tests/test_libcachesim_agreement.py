@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import QWEN_FILES
+from moe_offload.bundled import DEFAULT_TRACE
 from moe_offload.simulator.replay import ReplayInput, replay
 from moe_offload.trace.flatten import write_oracle_general
+from moe_offload.trace.format import read_trace
+from moe_offload.trace.importers import import_routes_json
 from moe_offload.trace.synthetic import zipf_trace
 
 lcs = pytest.importorskip("libcachesim")
@@ -33,3 +37,13 @@ def assert_agreement(data: ReplayInput, cache_sizes, tmp_path):
 def test_zipf_traces(a, top_k, tmp_path):
     trace = zipf_trace(num_layers=8, num_experts=16, top_k=top_k, length=1500, a=a, b=1.0, seed=11, shuffle=True)
     assert_agreement(ReplayInput.of(trace), (top_k * 4, 16, 37, 64, 100), tmp_path)
+
+
+def test_bundled_olmoe_trace(tmp_path):
+    data = ReplayInput.of(read_trace(DEFAULT_TRACE))
+    assert_agreement(data, (8, 64, 200, 256, 511, 800), tmp_path)
+
+
+def test_qwen_traces(qwen_folder, tmp_path):
+    trace = import_routes_json([qwen_folder / f"{name}.json" for name in QWEN_FILES], num_experts=60)
+    assert_agreement(ReplayInput.of(trace), (4, 96, 360, 720), tmp_path)
