@@ -14,7 +14,8 @@ def register(subparsers) -> None:
         help="train the learned eviction policy (paper 003) from Belady's decisions on a trace",
         description="Replay the training rows of TRACE with Belady's OPT at each cache size, learn to predict "
                     "every resident expert's distance to its next request from its recency and frequency "
-                    "(FlashMoE, paper 003), and write the network to MODEL.npz for `--policy learned`. "
+                    "(FlashMoE, paper 003), and write the network to MODEL.npz (use it with `moe-offload simulate "
+                    "--policy learned --policy-option learned.model_path=MODEL.npz`). "
                     "Then compare misses of the trained policy, LRU, LFU and Belady on the held-out rows. "
                     "Needs PyTorch (CPU is enough).")
     parser.add_argument("trace", metavar="TRACE", help="routing trace (.parquet)")
@@ -26,8 +27,8 @@ def register(subparsers) -> None:
                              "before them if none follow)")
     parser.add_argument("--cache-sizes", metavar="N", type=int, nargs="+", default=[64, 128, 256, 512],
                         help="cache sizes (experts) Belady is replayed at (default: 64 128 256 512)")
-    parser.add_argument("--horizon", metavar="TOKENS", type=float, default=8.0,
-                        help="distance at which the target saturates, in tokens' worth of requests (default: 8)")
+    parser.add_argument("--horizon", metavar="TOKENS", type=float, default=2.0,
+                        help="distance at which the target saturates, in tokens' worth of requests (default: 2)")
     parser.add_argument("--epochs", metavar="N", type=int, default=200, help="maximum epochs (default: 200)")
     parser.add_argument("--patience", metavar="N", type=int, default=20,
                         help="stop after N epochs without validation improvement (default: 20)")

@@ -9,7 +9,7 @@ ranks. For each demand request the cache calls, in this order:
     policy.on_insert(key, ctx)          the key became resident (ctx.prefetch tells a prefetch from a miss)
 
 The replay simulator, the timed simulator and the runtime fill the same ModelSpec and AccessContext; a
-policy never knows which of them drives it. Keys are flat expert ids, ``layer * J + expert``.
+policy never knows which of them drives it. Keys are flat expert ids, the int ``layer * J + expert``.
 """
 
 from __future__ import annotations

@@ -17,12 +17,15 @@ The shipped model, src/moe_offload/data/learned-eviction.npz, was made with (row
 
 Speed: scores are kept for the resident experts and recomputed lazily, at the next eviction: all of them
 in one batched forward pass when the token advanced or max f changed (every recency or every
-normalised frequency moved), otherwise only those routed or inserted since the last eviction. The
+normalised frequency moved), otherwise only those requested or inserted since the last eviction. The
 network is evaluated once per distinct (r, f) pair (a memo valid while max f stays the same), which
-also makes equal inputs get bit-identical scores.
+also makes equal inputs get bit-identical scores. The residents sit in a heap ordered by (-score, last
+request), rebuilt at each full rescoring and updated lazily in between, so a victim costs O(log n).
 """
 
 from __future__ import annotations
+
+import heapq
 
 import numpy as np
 
@@ -42,19 +45,23 @@ class LearnedEviction(EvictionPolicy):
         super().__init__(spec, seed)
         self.model = model if model is not None else load_model(model_path or bundled.DEFAULT_LEARNED_MODEL)
         capacity = max(16, spec.num_layers * spec.num_experts)
+        # Per slot (one per key ever seen); Python lists for the per-request work ...
         self._slot: dict = {}         # key -> slot
         self._keys: list = []         # slot -> key
-        self._token: list = []        # slot -> token of the last routing (-1: never), read per access
-        self._freq: list = []         # slot -> f
-        self._clock: list = []        # slot -> clock of the last request (tie-break)
-        self._is_resident: list = []  # slot -> bool
-        self._token_np = np.full(capacity, -1, dtype=np.int64)  # the same, for the batched rescoring
+        self._token: list = []        # token of the last routing, -1: never
+        self._freq: list = []         # f
+        self._clock: list = []        # clock of the last request (the tie-break), -1: never requested
+        self._is_resident: list = []
+        self._neg: list = []          # -score of a resident, as in its live heap entry
+        # ... and NumPy copies for the batched rescoring.
+        self._token_np = np.full(capacity, -1, dtype=np.int64)
         self._freq_np = np.zeros(capacity, dtype=np.int64)
         self._resident = np.zeros(capacity, dtype=bool)
-        self._score = np.full(capacity, -np.inf, dtype=np.float32)  # -inf where not resident
         self._max_freq = 0
-        self._dirty: set = set()      # resident slots whose features changed since they were scored
-        self._scored_token = None     # token and max f at which the resident scores were computed
+        self._heap: list = []         # (-score, clock, slot); an entry is live while it matches the slot
+        self._residents = 0
+        self._dirty: set = set()      # resident slots requested or inserted since they were scored
+        self._scored_token = None     # token and max f at which the residents were last all scored
         self._scored_max = -1
         self._memo: dict = {}         # (r, f) code -> score, valid for max f == _memo_max
         self._memo_max = -1
@@ -63,18 +70,17 @@ class LearnedEviction(EvictionPolicy):
 
     def _new_slot(self, key) -> int:
         slot = len(self._keys)
-        if slot == self._score.shape[0]:
-            grow = slot
-            self._token_np = np.concatenate([self._token_np, np.full(grow, -1, np.int64)])
-            self._freq_np = np.concatenate([self._freq_np, np.zeros(grow, np.int64)])
-            self._resident = np.concatenate([self._resident, np.zeros(grow, bool)])
-            self._score = np.concatenate([self._score, np.full(grow, -np.inf, np.float32)])
+        if slot == self._token_np.shape[0]:
+            self._token_np = np.concatenate([self._token_np, np.full(slot, -1, np.int64)])
+            self._freq_np = np.concatenate([self._freq_np, np.zeros(slot, np.int64)])
+            self._resident = np.concatenate([self._resident, np.zeros(slot, bool)])
         self._slot[key] = slot
         self._keys.append(key)
         self._token.append(-1)
         self._freq.append(0)
         self._clock.append(-1)
         self._is_resident.append(False)
+        self._neg.append(0.0)
         return slot
 
     def on_access(self, key, ctx):
@@ -91,79 +97,130 @@ class LearnedEviction(EvictionPolicy):
             self._freq_np[slot] = freq
             if freq > self._max_freq:
                 self._max_freq = freq
-            if self._is_resident[slot]:
-                self._dirty.add(slot)
+        if self._is_resident[slot]:
+            self._dirty.add(slot)  # new features, or at least a new last request
 
     def on_insert(self, key, ctx):
         slot = self._slot.get(key)
         if slot is None:
-            slot = self._new_slot(key)  # a prefetched expert never routed: r = infinity, f = 0
+            slot = self._new_slot(key)  # a prefetched expert never routed: 1/r = 0, f = 0
         self._is_resident[slot] = True
         self._resident[slot] = True
+        self._residents += 1
         self._dirty.add(slot)
 
     def on_evict(self, key):
         slot = self._slot[key]
         self._is_resident[slot] = False
         self._resident[slot] = False
-        self._score[slot] = -np.inf
+        self._residents -= 1
         self._dirty.discard(slot)
 
     def victim(self, ctx):
         token = ctx.token
         if token != self._scored_token or self._max_freq != self._scored_max:
-            self._rescore(np.flatnonzero(self._resident), token)
-            self._scored_token, self._scored_max = token, self._max_freq
-            self._dirty.clear()
+            self._rescore_all(token)
         elif self._dirty:
-            self._rescore(np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty)), token)
-            self._dirty.clear()
-        scores = self._score
-        if ctx.pinned:
-            scores = scores.copy()
-            for key in ctx.pinned:
-                slot = self._slot.get(key)
-                if slot is not None:
-                    scores[slot] = -np.inf
-        best = int(scores.argmax())
-        top = scores[best]
-        if top == -np.inf:
+            self._rescore_dirty(token)
+        heap, neg, clock, resident = self._heap, self._neg, self._clock, self._is_resident
+        pinned = ctx.pinned
+        skipped = []
+        found = None
+        while heap:
+            entry = heap[0]
+            slot = entry[2]
+            if not resident[slot] or entry[0] != neg[slot] or entry[1] != clock[slot]:
+                heapq.heappop(heap)  # stale
+            elif pinned and self._keys[slot] in pinned:
+                skipped.append(heapq.heappop(heap))
+            else:
+                found = slot
+                break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        if found is None:
             raise NoEvictableExpert
-        ties = np.flatnonzero(scores == top)
-        if ties.size > 1:
-            best = min(ties.tolist(), key=self._clock.__getitem__)
-        return self._keys[best]
+        return self._keys[found]
 
     # ------------------------------------------------------------------------------------- scoring
 
-    def _rescore(self, slots: np.ndarray, token: int) -> None:
-        """Recompute the scores of ``slots`` at ``token``: one forward pass over the (r, f) pairs not
-        yet in the memo."""
-        if slots.size == 0:
-            return
-        max_freq = self._max_freq
+    def _evaluate(self, codes: list, max_freq: int) -> list:
+        """Scores of (r, f) codes ``r * (max f + 1) + f``, from the memo or one batched forward pass."""
         memo = self._memo
-        if max_freq != self._memo_max or len(memo) > _MEMO_LIMIT:
-            memo.clear()
-            self._memo_max = max_freq
-        last = self._token_np[slots]
-        recency = np.where(last >= 0, np.maximum(token - last + 1, 1), 0)  # 0: never routed
-        code = recency * (max_freq + 1) + self._freq_np[slots]
-        unique, inverse = np.unique(code, return_inverse=True)
-        codes = unique.tolist()
+        if not memo:
+            values = self.model.forward(features(*np.divmod(np.asarray(codes, dtype=np.int64), max_freq + 1),
+                                                 max_freq)).tolist()
+            memo.update(zip(codes, values))
+            return values
         values = [memo.get(c) for c in codes]
         missing = [i for i, value in enumerate(values) if value is None]
         if missing:
-            new = unique[missing]
-            out = self.model.forward(features(new // (max_freq + 1), new % (max_freq + 1), max_freq)).tolist()
+            new = np.array([codes[i] for i in missing], dtype=np.int64)
+            base = max_freq + 1
+            out = self.model.forward(features(new // base, new % base, max_freq)).tolist()
             for i, value in zip(missing, out):
                 values[i] = memo[codes[i]] = value
-        self._score[slots] = np.asarray(values, dtype=np.float32)[inverse.reshape(-1)]
+        return values
+
+    def _rescore_all(self, token: int) -> None:
+        """Score every resident at ``token`` (all recencies or max f moved) and rebuild the heap. The
+        codes of (r = 1, f) and (r = 1, f + 1) for every known expert's f are scored in the same pass:
+        experts requested later in this token will need them, so _rescore_dirty rarely runs the network."""
+        max_freq = self._max_freq
+        if max_freq != self._memo_max or len(self._memo) > _MEMO_LIMIT:
+            self._memo.clear()
+            self._memo_max = max_freq
+        base = max_freq + 1
+        slots = np.flatnonzero(self._resident)
+        last = self._token_np[slots]
+        recency = np.where(last >= 0, np.maximum(token - last + 1, 1), 0)  # 0: never routed
+        known = self._freq_np[:len(self._keys)]
+        ahead = np.concatenate([known, known + 1])
+        ahead = base + ahead[ahead <= max_freq]
+        codes = np.concatenate([recency * base + self._freq_np[slots], ahead])
+        unique, inverse = np.unique(codes, return_inverse=True)
+        values = np.asarray(self._evaluate(unique.tolist(), max_freq), dtype=np.float64)
+        negs = (-values[inverse.reshape(-1)[:slots.size]]).tolist()
+        slot_list = slots.tolist()
+        neg, clock = self._neg, self._clock
+        for slot, value in zip(slot_list, negs):
+            neg[slot] = value
+        heap = list(zip(negs, [clock[s] for s in slot_list], slot_list))
+        heapq.heapify(heap)
+        self._heap = heap
+        self._scored_token, self._scored_max = token, max_freq
+        self._dirty.clear()
+
+    def _rescore_dirty(self, token: int) -> None:
+        """Re-score and re-queue the residents requested or inserted since the last eviction (same token,
+        same max f)."""
+        base = self._max_freq + 1
+        memo, last_token, freq = self._memo, self._token, self._freq
+        pending = []
+        scored = []
+        for slot in self._dirty:
+            last = last_token[slot]
+            code = (max(token - last + 1, 1) if last >= 0 else 0) * base + freq[slot]
+            value = memo.get(code)
+            if value is None:
+                pending.append((slot, code))
+            else:
+                scored.append((slot, value))
+        self._dirty.clear()
+        if pending:
+            values = self._evaluate([code for _, code in pending], self._max_freq)
+            scored.extend((slot, value) for (slot, _), value in zip(pending, values))
+        heap, neg, clock = self._heap, self._neg, self._clock
+        for slot, value in scored:
+            neg[slot] = -value
+            heapq.heappush(heap, (-value, clock[slot], slot))
+        if len(heap) > 2 * self._residents + 64:  # too many stale entries: keep the live ones
+            resident = self._is_resident
+            heap = [e for e in heap if resident[e[2]] and e[0] == neg[e[2]] and e[1] == clock[e[2]]]
+            heapq.heapify(heap)
+            self._heap = heap
 
     def scores(self, ctx) -> dict:
         """The current score of every resident expert (for reports and tests)."""
-        resident = np.flatnonzero(self._resident)
-        self._rescore(resident, ctx.token)
-        self._scored_token, self._scored_max = ctx.token, self._max_freq
-        self._dirty.clear()
-        return {self._keys[s]: float(self._score[s]) for s in resident.tolist()}
+        self._rescore_all(ctx.token)
+        return {self._keys[s]: -self._neg[s] for s in np.flatnonzero(self._resident).tolist()}

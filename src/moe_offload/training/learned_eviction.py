@@ -52,6 +52,7 @@ class BeladySamples:
     distance: np.ndarray   # int64, requests until the expert's next request (-1: none in these rows)
     moment: np.ndarray     # int64, index of the eviction moment (over all cache sizes)
     token: np.ndarray      # int64, token of the eviction moment
+    clock: np.ndarray      # int64, request index of the eviction moment
     chosen: np.ndarray     # bool, Belady's victim
     cache_size: np.ndarray  # int32
     moments: int = 0
@@ -61,8 +62,8 @@ class BeladySamples:
 
     def select(self, mask: np.ndarray) -> "BeladySamples":
         return BeladySamples(*(getattr(self, name)[mask] for name in
-                               ("recency", "freq", "max_freq", "distance", "moment", "token", "chosen",
-                                "cache_size")), moments=int(np.unique(self.moment[mask]).size))
+                               ("recency", "freq", "max_freq", "distance", "moment", "token", "clock",
+                                "chosen", "cache_size")), moments=int(np.unique(self.moment[mask]).size))
 
     def inputs(self) -> np.ndarray:
         out = np.empty((len(self), 2), dtype=np.float32)
@@ -78,22 +79,23 @@ class BeladySamples:
 
 
 class _RecordingBelady(Belady):
-    """Belady's OPT that also tracks the learned policy's features and records every eviction moment."""
+    """Belady's OPT that also tracks the learned policy's features (the same rules as
+    LearnedEviction.on_access) and records, at each of its evictions, every resident expert's features
+    and its distance to its next request."""
 
-    def __init__(self, spec: ModelSpec, num_keys: int, cache_size: int, moment_base: int):
+    def __init__(self, spec: ModelSpec, num_keys: int, moment_base: int):
         super().__init__(spec)
         self.last_token = np.full(num_keys, -1, dtype=np.int64)
         self.freq = np.zeros(num_keys, dtype=np.int64)
         self.next_use = np.full(num_keys, NEVER, dtype=np.int64)
         self.resident = np.zeros(num_keys, dtype=bool)
         self.max_freq = 0
-        self.cache_size = cache_size
         self.moment = moment_base
         self.records: list[tuple] = []
 
     def on_access(self, key, ctx):
         super().on_access(key, ctx)
-        if self.last_token[key] != ctx.token:  # the same rule as LearnedEviction.on_access
+        if self.last_token[key] != ctx.token:  # several requests in one token are one routing
             self.last_token[key] = ctx.token
             freq = int(self.freq[key]) + 1
             self.freq[key] = freq
@@ -118,14 +120,15 @@ class _RecordingBelady(Belady):
             self.freq[keys],
             np.where(nxt == NEVER, -1, nxt - ctx.clock),
             keys == chosen,
-            self.moment, ctx.token, self.max_freq,
+            self.moment, ctx.token, self.max_freq, ctx.clock,
         ))
         self.moment += 1
         return chosen
 
 
 def collect_belady_samples(trace: Trace, cache_sizes: Sequence[int]) -> BeladySamples:
-    """Replay ``trace`` with Belady at each of ``cache_sizes`` and record every eviction moment."""
+    """Replay ``trace`` (in the replay simulator's request order) with Belady on the project's cache at
+    each of ``cache_sizes`` and record every eviction moment."""
     seq = flatten(trace)
     L, J, K = trace.meta.num_layers, trace.meta.num_experts, trace.meta.top_k
     spec = ModelSpec(L, J, K)
@@ -135,7 +138,7 @@ def collect_belady_samples(trace: Trace, cache_sizes: Sequence[int]) -> BeladySa
     for size in cache_sizes:
         if size < K:
             raise ConfigError(f"cache size {size} is smaller than top-k = {K}")
-        policy = _RecordingBelady(spec, L * J, size, moment)
+        policy = _RecordingBelady(spec, L * J, moment)
         cache = ExpertCache(size, policy)
         ctx = AccessContext()
         for t, key in enumerate(keys):
@@ -148,7 +151,8 @@ def collect_belady_samples(trace: Trace, cache_sizes: Sequence[int]) -> BeladySa
         records.extend((*rec, size) for rec in policy.records)
     if not records:
         empty = np.zeros(0, dtype=np.int64)
-        return BeladySamples(empty, empty, empty, empty, empty, empty, np.zeros(0, bool), np.zeros(0, np.int32))
+        return BeladySamples(empty, empty, empty, empty, empty, empty, empty, np.zeros(0, bool),
+                             np.zeros(0, np.int32))
     counts = [rec[0].shape[0] for rec in records]
     rep = lambda i, dtype: np.repeat(np.array([rec[i] for rec in records], dtype=dtype), counts)  # noqa: E731
     return BeladySamples(
@@ -156,7 +160,8 @@ def collect_belady_samples(trace: Trace, cache_sizes: Sequence[int]) -> BeladySa
         freq=np.concatenate([rec[1] for rec in records]).astype(np.int64),
         distance=np.concatenate([rec[2] for rec in records]).astype(np.int64),
         chosen=np.concatenate([rec[3] for rec in records]),
-        moment=rep(4, np.int64), token=rep(5, np.int64), max_freq=rep(6, np.int64), cache_size=rep(7, np.int32),
+        moment=rep(4, np.int64), token=rep(5, np.int64), max_freq=rep(6, np.int64), clock=rep(7, np.int64),
+        cache_size=rep(8, np.int32),
         moments=len(records))
 
 
@@ -234,57 +239,20 @@ def _file_sha256(path) -> str | None:
         return None
 
 
-def train_learned_eviction(trace: Trace, *, rows: tuple[int, int] | None = None,
-                           cache_sizes: Sequence[int] = (64, 128, 256, 512), horizon_tokens: float = 8.0,
-                           epochs: int = 200, patience: int = 20, val_fraction: float = 0.2,
-                           batch_size: int = 512, seed: int = 0, threads: int | None = None,
-                           time_limit: float | None = 300.0,
-                           log: Callable[[str], None] | None = None) -> TrainingResult:
-    """Build the Belady dataset on ``trace`` rows ``rows`` (all rows by default) and fit the network.
+@dataclass
+class _Fit:
+    layers: list
+    history: list
+    best_epoch: int
+    train_loss: float
+    validation_loss: float
+    epochs_run: int
+    stopped: str
 
-    The validation split is the eviction moments in the last ``val_fraction`` of the training tokens.
-    ``time_limit`` (seconds) stops training early, as if the patience ran out."""
-    torch = _import_torch()
-    say = log or (lambda message: None)
-    n = trace.num_tokens
-    start, end = rows if rows is not None else (0, n)
-    if not 0 <= start < end <= n:
-        raise ConfigError(f"training rows {start}:{end} are not within the trace's {n} rows")
-    if not 0.0 < val_fraction < 1.0:
-        raise ConfigError(f"the validation fraction must be between 0 and 1, got {val_fraction}")
-    if epochs < 1:
-        raise ConfigError(f"epochs must be at least 1, got {epochs}")
-    meta = trace.meta
-    cache_sizes = sorted(set(int(c) for c in cache_sizes))
-    for size in cache_sizes:
-        if not meta.top_k <= size < meta.num_expert_slots:
-            raise ConfigError(f"cache size {size} must be at least top-k = {meta.top_k} and below the "
-                              f"{meta.num_expert_slots} experts of the model (a cache that holds them all never evicts)")
-    train_trace = trace.select(slice(start, end))
-    per_token = meta.num_layers * meta.top_k
-    horizon = max(1, int(round(horizon_tokens * per_token)))
 
-    began = time.perf_counter()
-    samples = collect_belady_samples(train_trace, cache_sizes)
-    if len(samples) == 0:
-        raise ConfigError(f"Belady never evicts on rows {start}:{end} at cache sizes {cache_sizes}: "
-                          "nothing to learn from (use more rows or smaller caches)")
-    split_token = int(math.floor((end - start) * (1.0 - val_fraction)))
-    is_val = samples.token >= split_token
-    train_s, val_s = samples.select(~is_val), samples.select(is_val)
-    if len(train_s) == 0 or len(val_s) == 0:
-        raise ConfigError(f"rows {start}:{end} leave no eviction moments for training or for validation; "
-                          "use more rows")
-    train_m = _Merged.of(train_s.inputs(), train_s.targets(horizon))
-    val_inputs = val_s.inputs()
-    val_m = _Merged.of(val_inputs, val_s.targets(horizon))
-    say(f"dataset: {samples.moments} Belady eviction moments at cache sizes {cache_sizes} on rows {start}:{end}, "
-        f"{len(samples)} samples ({len(train_s)} train / {len(val_s)} validation, tokens >= {start + split_token} "
-        f"validate), {train_m.x.shape[0]} / {val_m.x.shape[0]} distinct inputs; horizon H = {horizon} requests "
-        f"({horizon_tokens:g} tokens); built in {time.perf_counter() - began:.1f} s")
-
-    if threads:
-        torch.set_num_threads(threads)
+def _fit(torch, train_m: _Merged, val_m: _Merged, *, epochs: int, patience: int, batch_size: int, seed: int,
+         deadline: float | None, say: Callable[[str], None]) -> _Fit:
+    """Weighted-MSE training of the paper's network on merged rows, early stopping on ``val_m``."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     widths = (len(FEATURE_NAMES), *HIDDEN, 1)
@@ -299,23 +267,22 @@ def train_learned_eviction(trace: Trace, *, rows: tuple[int, int] | None = None,
     x = torch.from_numpy(train_m.x)
     y = torch.from_numpy(train_m.y.astype(np.float32))
     w = torch.from_numpy(train_m.w.astype(np.float32))
-    rows_u = x.shape[0]
-    # A batch's loss is sum(w * err^2) scaled so that its expectation is the MSE over all samples.
-    scale = float(rows_u) / float(train_m.w.sum())
+    rows = x.shape[0]
+    scale = float(rows) / float(train_m.w.sum())  # E[batch loss] = the MSE over all samples
     xv = torch.from_numpy(val_m.x)
 
-    def evaluate(inputs) -> np.ndarray:
+    def predict(inputs) -> np.ndarray:
         with torch.no_grad():
             return net(inputs)[:, 0].double().numpy()
 
-    best = (math.inf, 0, None)
+    best_loss, best_epoch, best_state = math.inf, 0, None
     history = []
     epoch = 0
-    stopped = "max epochs"
+    stopped = "maximum epochs reached"
     for epoch in range(1, epochs + 1):
         net.train()
-        order = torch.randperm(rows_u, generator=generator)
-        for first in range(0, rows_u, batch_size):
+        order = torch.randperm(rows, generator=generator)
+        for first in range(0, rows, batch_size):
             batch = order[first:first + batch_size]
             err = net(x[batch])[:, 0] - y[batch]
             loss = (w[batch] * err * err).sum() * (scale / batch.shape[0])
@@ -323,33 +290,98 @@ def train_learned_eviction(trace: Trace, *, rows: tuple[int, int] | None = None,
             loss.backward()
             optimizer.step()
         net.eval()
-        train_mse, val_mse = train_m.mse(evaluate(x)), val_m.mse(evaluate(xv))
+        train_mse, val_mse = train_m.mse(predict(x)), val_m.mse(predict(xv))
         history.append((epoch, train_mse, val_mse))
-        if val_mse < best[0] - 1e-7:
-            best = (val_mse, epoch, {k: v.detach().clone() for k, v in net.state_dict().items()})
+        if val_mse < best_loss - 1e-7:
+            best_loss, best_epoch = val_mse, epoch
+            best_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
         if epoch == 1 or epoch % 10 == 0:
             say(f"epoch {epoch:4d}  train MSE {train_mse:.6f}  validation MSE {val_mse:.6f}")
-        if epoch - best[1] >= patience:
-            stopped = f"early stop: no validation improvement in {patience} epochs"
+        if epoch - best_epoch >= patience:
+            stopped = f"early stop, no validation improvement in {patience} epochs"
             break
-        if time_limit is not None and time.perf_counter() - began > time_limit:
-            stopped = f"time limit of {time_limit:g} s"
+        if deadline is not None and time.perf_counter() > deadline:
+            stopped = "time limit reached"
             break
-    net.load_state_dict(best[2])
-    net.eval()
+    if best_state is None:  # the validation loss was never finite
+        raise ConfigError("training diverged: the validation loss is not a finite number")
+    net.load_state_dict(best_state)
     linears = [m for m in net if isinstance(m, torch.nn.Linear)]
-    layers = [(m.weight.detach().numpy().copy(), m.bias.detach().numpy().copy()) for m in linears]
-    model = LearnedModel(layers=[(np.asarray(a, np.float32), np.asarray(b, np.float32)) for a, b in layers])
-    val_scores = model.forward(val_inputs).astype(np.float64)
-    val_agree = agreement(val_s, val_scores)
-    train_mse_best = dict((e, t) for e, t, _ in history)[best[1]]
-    say(f"{stopped} after {epoch} epochs; best epoch {best[1]}: train MSE {train_mse_best:.6f}, validation MSE "
-        f"{best[0]:.6f}; the argmax agrees with Belady at {val_agree:.1%} of validation evictions "
-        f"({time.perf_counter() - began:.1f} s)")
+    layers = [(m.weight.detach().numpy().astype(np.float32), m.bias.detach().numpy().astype(np.float32))
+              for m in linears]
+    return _Fit(layers=layers, history=history, best_epoch=best_epoch, train_loss=history[best_epoch - 1][1],
+                validation_loss=best_loss, epochs_run=epoch, stopped=stopped)
+
+
+def train_learned_eviction(trace: Trace, *, rows: tuple[int, int] | None = None,
+                           cache_sizes: Sequence[int] = (64, 128, 256, 512), horizon_tokens: float = 2.0,
+                           epochs: int = 200, patience: int = 20, val_fraction: float = 0.2,
+                           batch_size: int = 512, seed: int = 0, threads: int | None = None,
+                           time_limit: float | None = 300.0,
+                           log: Callable[[str], None] | None = None) -> TrainingResult:
+    """Build the Belady dataset on ``trace`` rows ``rows`` (all rows by default) and fit the network.
+
+    The validation split is the eviction moments in the last ``val_fraction`` of the training tokens.
+    ``time_limit`` (seconds, for the whole run) stops training early, as if the patience ran out."""
+    torch = _import_torch()
+    say = log or (lambda message: None)
+    n = trace.num_tokens
+    start, end = rows if rows is not None else (0, n)
+    if not 0 <= start < end <= n:
+        raise ConfigError(f"training rows {start}:{end} are not within the trace's {n} rows")
+    if not 0.0 < val_fraction < 1.0:
+        raise ConfigError(f"the validation fraction must be between 0 and 1, got {val_fraction}")
+    if epochs < 1 or patience < 1:
+        raise ConfigError(f"epochs and patience must be at least 1, got {epochs} and {patience}")
+    if horizon_tokens <= 0:
+        raise ConfigError(f"the horizon must be positive, got {horizon_tokens}")
+    meta = trace.meta
+    cache_sizes = sorted(set(int(c) for c in cache_sizes))
+    if not cache_sizes:
+        raise ConfigError("give at least one cache size")
+    for size in cache_sizes:
+        if not meta.top_k <= size < meta.num_expert_slots:
+            raise ConfigError(f"cache size {size} must be at least top-k = {meta.top_k} and below the "
+                              f"{meta.num_expert_slots} experts of the model (a cache that holds them all never "
+                              "evicts)")
+    train_trace = trace.select(slice(start, end))
+    per_token = meta.num_layers * meta.top_k
+    horizon = max(1, int(round(horizon_tokens * per_token)))
+    split_token = int(math.floor((end - start) * (1.0 - val_fraction)))
+    if threads:
+        torch.set_num_threads(threads)
+    began = time.perf_counter()
+    deadline = None if time_limit is None else began + time_limit
+
+    samples = collect_belady_samples(train_trace, cache_sizes)
+    # Within H requests of the end of the rows an expert not requested again might be requested soon
+    # after: its target would be a guess, so those moments are left out (elsewhere min(d, H) is exact).
+    kept = samples.select(samples.clock <= (end - start) * per_token - horizon)
+    is_val = kept.token >= split_token
+    train_s, val_s = kept.select(~is_val), kept.select(is_val)
+    if len(train_s) == 0 or len(val_s) == 0:
+        raise ConfigError(f"rows {start}:{end} at cache sizes {cache_sizes} leave no Belady eviction moments for "
+                          "training or for validation: use more rows or smaller caches")
+    train_m = _Merged.of(train_s.inputs(), train_s.targets(horizon))
+    val_m = _Merged.of(val_s.inputs(), val_s.targets(horizon))
+    say(f"dataset: {samples.moments} Belady eviction moments at cache sizes {cache_sizes} on rows {start}:{end}: "
+        f"{len(kept)} samples ({len(train_s)} train / {len(val_s)} validation from tokens >= {start + split_token}; "
+        f"{len(samples) - len(kept)} in the last H requests left out), {train_m.x.shape[0]} / {val_m.x.shape[0]} "
+        f"distinct inputs; horizon H = {horizon} requests ({horizon_tokens:g} tokens); "
+        f"{time.perf_counter() - began:.1f} s")
+    fit = _fit(torch, train_m, val_m, epochs=epochs, patience=patience, batch_size=batch_size, seed=seed,
+               deadline=deadline, say=say)
+    model = LearnedModel(layers=fit.layers)
+    val_agree = agreement(val_s, model.forward(val_s.inputs()).astype(np.float64))
+    say(f"{fit.stopped} after {fit.epochs_run} epochs; best epoch {fit.best_epoch}: train MSE {fit.train_loss:.6f}, "
+        f"validation MSE {fit.validation_loss:.6f}; the highest score is as far from reuse as Belady's victim at "
+        f"{val_agree:.1%} of validation evictions ({time.perf_counter() - began:.1f} s)")
 
     target = {
-        "kind": "Belady next-use distance of every resident expert at each Belady eviction moment",
-        "normalisation": "min(d, H) / H, 1 when not requested again in the training rows",
+        "kind": "next-use distance d (requests) of every expert resident in Belady's cache at each of its "
+                "evictions",
+        "normalisation": "min(d, H) / H, 1 when not requested again in the training rows; moments in the "
+                         "last H requests of the rows are left out (their targets would be censored)",
         "horizon_requests": horizon,
         "horizon_tokens": horizon_tokens,
         "loss": "MSE",
@@ -363,7 +395,8 @@ def train_learned_eviction(trace: Trace, *, rows: tuple[int, int] | None = None,
         "validation_rows": f"{start + split_token}:{end}",
         "cache_sizes": cache_sizes,
         "eviction_moments": samples.moments,
-        "samples": len(samples),
+        "samples": len(kept),
+        "censored_samples_dropped": len(samples) - len(kept),
         "train_samples": len(train_s),
         "validation_samples": len(val_s),
         "distinct_train_inputs": int(train_m.x.shape[0]),
@@ -373,12 +406,12 @@ def train_learned_eviction(trace: Trace, *, rows: tuple[int, int] | None = None,
         "weight_decay": 1e-2,
         "batch_size": batch_size,
         "max_epochs": epochs,
-        "epochs_run": epoch,
-        "best_epoch": best[1],
+        "epochs_run": fit.epochs_run,
+        "best_epoch": fit.best_epoch,
         "patience": patience,
-        "stopped": stopped,
-        "train_loss": train_mse_best,
-        "validation_loss": best[0],
+        "stopped": fit.stopped,
+        "train_loss": fit.train_loss,
+        "validation_loss": fit.validation_loss,
         "validation_agreement_with_belady": val_agree,
         "torch_version": str(torch.__version__),
         "numpy_version": np.__version__,
@@ -386,7 +419,8 @@ def train_learned_eviction(trace: Trace, *, rows: tuple[int, int] | None = None,
         "moe_offload_version": __version__,
     }
     model.metadata = {"target": target, "training": training}
-    return TrainingResult(model=model, target=target, training=training, history=history)
+    return TrainingResult(model=model, target=target, training=training,
+                          history=fit.history)
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
