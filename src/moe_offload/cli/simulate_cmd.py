@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -101,6 +103,19 @@ def sweep_sizes(meta: TraceMeta, points: int) -> list[int]:
     return sorted({int(round(x)) for x in np.linspace(meta.top_k, meta.num_expert_slots, points)})
 
 
+def learned_training_note(trace_path: str, learned_options: dict) -> str | None:
+    """A warning when the learned policy's model was trained on (part of) the trace it is evaluated on."""
+    from moe_offload.bundled import DEFAULT_LEARNED_MODEL
+    from moe_offload.policies.learned_model import load_model
+
+    training = load_model(learned_options.get("model_path") or DEFAULT_LEARNED_MODEL).metadata.get("training", {})
+    digest = hashlib.sha256(Path(trace_path).read_bytes()).hexdigest()
+    if training.get("trace_sha256") != digest:
+        return None
+    return (f"learned: its model was trained on rows {training.get('rows', '?')} of this trace; "
+            "only the other rows are unseen")
+
+
 def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -118,7 +133,7 @@ def run(args) -> int:
         trace = read_trace(path)
         table_sizes = parse_cache_sizes(args.cache_size, trace.meta)
         sizes = sorted(set(table_sizes) | set(sweep_sizes(trace.meta, args.plot_points) if args.plot else ()))
-        inputs.append(ReplayInput.of(trace, name=path))
+        inputs.append(ReplayInput.of(trace, name=path if args.traces else Path(path).name))
         plans.append((table_sizes, sizes))
 
     stderr = Console(stderr=True)
@@ -135,6 +150,14 @@ def run(args) -> int:
             skipped += grid.skipped
             table_results += [r for r in grid.results if r.cache_size in table_sizes]
 
+    if "learned" in policies:
+        for data in inputs:
+            note = learned_training_note(data.trace.path, options.get("learned", {}))
+            if note:
+                for result in results:
+                    if result.trace == data.name and result.policy == "learned":
+                        result.notes.append(note)
+
     if args.json:
         json.dump([r.to_dict() for r in results], sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -142,6 +165,7 @@ def run(args) -> int:
         print_replay_tables(table_results, Console(), skipped=[s for s in skipped
                                                               if any(f" at {k}:" in s for k in
                                                                      {r.cache_size for r in table_results})])
+    sys.stdout.flush()
     if args.plot:
         from moe_offload.reporting.plots import plot_misses
 

@@ -23,9 +23,12 @@ def plot_misses(results: list[RunResult], path, title: str | None = None) -> Pat
     for result in results:
         by_trace[result.trace].append(result)
     fig, axes = plt.subplots(len(by_trace), 2, figsize=(13, 4.8 * len(by_trace)), squeeze=False)
-    cmap = plt.get_cmap("tab20")
+    cmap = plt.get_cmap("tab10")
     policies = list(dict.fromkeys(r.policy for r in results))
-    colors = {p: cmap(i % 20) for i, p in enumerate(p for p in policies if p not in _OFFLINE_STYLE)}
+    online = [p for p in policies if p not in _OFFLINE_STYLE]
+    # ten colours, then the same colours dashed: every online policy stays distinguishable
+    styles = {p: dict(color=cmap(i % 10), linestyle="-" if i < 10 else "--", linewidth=1.4, marker=".",
+                      markersize=4) for i, p in enumerate(online)}
     for row, (trace, rows) in enumerate(by_trace.items()):
         left, right = axes[row]
         for policy in policies:
@@ -33,8 +36,7 @@ def plot_misses(results: list[RunResult], path, title: str | None = None) -> Pat
             if not points:
                 continue
             sizes, misses, ratio = zip(*points)
-            style = _OFFLINE_STYLE.get(policy, dict(color=colors.get(policy), linewidth=1.4, marker=".",
-                                                    markersize=4))
+            style = _OFFLINE_STYLE.get(policy) or styles[policy]
             left.plot(sizes, misses, label=policy, **style)
             right.plot(sizes, [r if r is not None else float("nan") for r in ratio], label=policy, **style)
         left.set_xlabel("cache size k (experts)")

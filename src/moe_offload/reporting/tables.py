@@ -54,6 +54,14 @@ def print_replay_tables(results: list[RunResult], console: Console, skipped: lis
                     values.append(text)
                 summary.add_row(policy, *values)
             console.print(summary)
+        winners = []
+        for size in sizes:
+            online = [r for r in rows if r.cache_size == size and r.policy not in ("belady", "belady-dist")]
+            if online:
+                best_result = min(online, key=lambda r: (r.misses, r.policy))
+                winners.append(f"k={size}: {best_result.policy} ({_ratio(best_result.misses_vs_opt)} OPT)")
+        if winners:
+            console.print("best online policy  " + ", ".join(winners))
         notes = sorted({note for r in rows for note in r.notes})
         for note in notes:
             console.print(f"note: {note}")

@@ -95,7 +95,8 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
     expert_bytes = trace.meta.expert_bytes
     notes = []
     if info.policy.needs_probs and probs is None:
-        notes.append(f"{policy}: the trace has no router probabilities; its p is uniform")
+        notes.append(f"{policy}: the trace has no router probabilities, so p is uniform "
+                     "(fmoe then ranks like LFU)")
     return RunResult(trace=data.name, policy=policy, cache_size=cache_size, accesses=n, hits=hits, misses=misses,
                      per_layer_accesses=per_layer_accesses.tolist(), per_layer_hits=per_layer_hits.tolist(),
                      bytes_loaded=misses * expert_bytes if expert_bytes else None, notes=notes)
