@@ -162,9 +162,12 @@ def run(args) -> int:
         json.dump([r.to_dict() for r in results], sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        print_replay_tables(table_results, Console(), skipped=[s for s in skipped
-                                                              if any(f" at {k}:" in s for k in
-                                                                     {r.cache_size for r in table_results})])
+        out = Console()
+        if not out.is_terminal:
+            out.width = 110  # files and pipes: wide enough for a table row and its title
+        shown = {r.cache_size for r in table_results}
+        print_replay_tables(table_results, out,
+                            skipped=[f"{policy} at {size}: {why}" for policy, size, why in skipped if size in shown])
     sys.stdout.flush()
     if args.plot:
         from moe_offload.reporting.plots import plot_misses

@@ -105,7 +105,7 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
 @dataclass
 class GridResult:
     results: list[RunResult]
-    skipped: list[str]  # (policy, size) pairs that cannot run, with the reason
+    skipped: list[tuple[str, int, str]]  # (policy, cache size, reason) of the runs that cannot be made
 
 
 _GRID_DATA: ReplayInput | None = None  # the input of the worker processes, set once per process
@@ -144,7 +144,7 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
             try:
                 check_cache_size(policy, size, spec)
             except ConfigError as exc:
-                skipped.append(f"{policy} at {size}: {exc}")
+                skipped.append((policy, size, str(exc)))
                 continue
             tasks.append((policy, size, seed, (options or {}).get(policy)))
 
