@@ -1,0 +1,1 @@
+"""Prefetchers, one file each, behind moe_offload.prefetch.base.Prefetcher."""

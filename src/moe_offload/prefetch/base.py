@@ -1,0 +1,111 @@
+"""The one interface every prefetcher implements, and the view of the routing it may look at.
+
+A prefetcher proposes; the transfer queue decides. Each call returns proposals (flat expert id, priority;
+a higher priority is fetched sooner). The queue of a link keeps one entry per expert: a new proposal for
+an expert already queued replaces its priority (MoE-Infinity resubmits its whole set at every layer, paper
+002 section 5.3), an expert already resident or on the wire is ignored, and queued prefetches for layers
+the computation has passed are dropped. On-demand loads always come first.
+
+The driver (the timed simulator now, the runtime later) calls, for every iteration (forward pass):
+
+    on_iteration_start(view)    view.layer_now == -1: only what is known before layer 0 runs
+    on_layer_routed(view)       for l = 0 .. L-1, right after layer l's router ran (view.layer_now == l)
+    on_iteration_end(view)      the iteration is over; history may be updated
+
+and ``predicted_map()`` whenever an eviction policy asks for the prefetcher's expert map (fMoE's
+eviction priority uses it).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, NamedTuple
+
+import numpy as np
+
+from moe_offload.policies.base import ModelSpec
+from moe_offload.trace.format import Trace
+
+
+class Proposal(NamedTuple):
+    key: int          # flat expert id, layer * J + expert
+    priority: float   # higher is fetched sooner
+
+
+class RoutingView:
+    """The current iteration as the serving side sees it after layer ``layer_now`` was routed.
+
+    Only layers <= layer_now can be read through ``selected``, ``probs`` and ``gate_prediction``: the
+    future is hidden, except through the ``oracle_selected`` method that only the oracle prefetcher may
+    call. ``rows`` are the trace rows (tokens) of the iteration, in trace order.
+    """
+
+    def __init__(self, trace: Trace, iteration: int, rows: np.ndarray):
+        self.trace = trace
+        self.iteration = iteration
+        self.rows = rows
+        self.layer_now = -1
+
+    @property
+    def requests(self) -> np.ndarray:
+        return self.trace.request[self.rows]
+
+    @property
+    def is_prefill(self) -> bool:
+        return bool((self.trace.phase[self.rows] == 0).any())
+
+    def _check(self, layer: int) -> None:
+        if not 0 <= layer <= self.layer_now:
+            raise LookupError(f"layer {layer} has not been routed yet (now at layer {self.layer_now})")
+
+    def selected(self, layer: int) -> np.ndarray:
+        """[tokens, K] experts the router selected at ``layer``."""
+        self._check(layer)
+        return self.trace.experts[self.rows, layer]
+
+    def probs(self, layer: int) -> np.ndarray | None:
+        """[tokens, J] router distribution at ``layer``, or None when the trace has none."""
+        self._check(layer)
+        return None if self.trace.probs is None else self.trace.probs[self.rows, layer].astype(np.float32)
+
+    def gate_prediction(self, layer: int) -> np.ndarray | None:
+        """[tokens, J]: layer ``layer + 1``'s router applied to layer ``layer``'s hidden state (MoEpic)."""
+        self._check(layer)
+        if self.trace.gate_prediction is None or layer >= self.trace.meta.num_layers - 1:
+            return None
+        return self.trace.gate_prediction[self.rows, layer].astype(np.float32)
+
+    def embedding(self) -> np.ndarray | None:
+        """[tokens, D] semantic embedding of each token's request (known before layer 0)."""
+        return None if self.trace.embedding is None else self.trace.embedding[self.rows].astype(np.float32)
+
+    def oracle_selected(self, layer: int) -> np.ndarray:
+        """The true future: for the oracle prefetcher (the bound), never for a real one."""
+        return self.trace.experts[self.rows, layer]
+
+
+class Prefetcher:
+    """Base class: subclasses set the class attributes and override the hooks they need."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    source: ClassVar[str]
+    requires: ClassVar[tuple[str, ...]] = ()  # trace columns it cannot work without: probs, embedding, ...
+
+    def __init__(self, spec: ModelSpec, **options):
+        self.spec = spec
+
+    def fit(self, history: Trace) -> None:
+        """Learn from past traffic (a training split), for the prefetchers that keep history."""
+
+    def on_iteration_start(self, view: RoutingView) -> list[Proposal]:
+        return []
+
+    def on_layer_routed(self, view: RoutingView) -> list[Proposal]:
+        return []
+
+    def on_iteration_end(self, view: RoutingView) -> None:
+        """The iteration is over: every layer of ``view`` can be read."""
+
+    def predicted_map(self) -> np.ndarray | None:
+        """[L, J] predicted probabilities of the current iteration, or None."""
+        return None
