@@ -16,14 +16,6 @@ from moe_offload.trace.format import read_trace, write_trace
 from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
 
 
-@pytest.fixture(scope="module")
-def shared_traces() -> Path:
-    folder = Path(__file__).resolve().parents[2] / "shared" / "traces"
-    if not folder.is_dir():
-        pytest.skip(f"the shared real traces are not available at {folder}")
-    return folder
-
-
 def run(capsys, *argv) -> tuple[int, str, str]:
     code = main(["trace", *map(str, argv)])
     captured = capsys.readouterr()
