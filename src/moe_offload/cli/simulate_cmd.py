@@ -1,4 +1,5 @@
-"""`moe-offload simulate`: replay traces through eviction policies and compare them with Belady OPT."""
+"""`moe-offload simulate`: replay traces through eviction policies and compare them with Belady OPT, or with
+--timed run them on a hardware profile with prefetchers and report TTFT, TPOT and where the time goes."""
 
 from __future__ import annotations
 
@@ -16,20 +17,32 @@ from moe_offload.policies import POLICIES, policy_info
 from moe_offload.trace.format import TraceMeta, read_trace
 
 DEFAULT_CACHE_SIZES = "12.5%,25%,50%"
+DEFAULT_TIMED_CACHE_SIZES = "25%"
+DEFAULT_TIMED_POLICIES = "lru"
+# options of the timed simulation and their defaults: given without --timed they are refused
+TIMED_DEFAULTS = {"hardware": None, "prefetch": "none", "prefetch_option": [], "history": None, "expert_bytes": None,
+                  "arrivals": "trace", "max_batch": 8, "timed_json": None, "plot_cdf": None, "plot_timeline": None,
+                  "timeline_iteration": None}
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "simulate", help="replay traces through eviction policies (table, JSON, plot)",
         description="Replay routing traces through expert-cache eviction policies (access-level demand paging, "
-                    "the model of paper 001) and report hits, misses and misses relative to Belady OPT.")
+                    "the model of paper 001) and report hits, misses and misses relative to Belady OPT. With "
+                    "--timed, run them on a hardware profile with prefetchers (discrete-event timed simulator) "
+                    "and report TTFT, TPOT, stalls and traffic, beside an all-resident run and the oracle "
+                    "prefetcher.")
     parser.add_argument("traces", nargs="*", metavar="TRACE",
                         help=f"trace files (default: the bundled OLMoE trace, {DEFAULT_TRACE.name})")
-    parser.add_argument("--policy", default="all",
-                        help="comma-separated policy names, or 'all' (default); see `moe-offload policies`")
-    parser.add_argument("--cache-size", default=DEFAULT_CACHE_SIZES,
-                        help="comma-separated cache sizes: experts (64), a percentage (25%%) or a fraction (0.25) of "
-                             f"all L*J experts (default {DEFAULT_CACHE_SIZES})")
+    parser.add_argument("--policy", default=None,
+                        help="comma-separated policy names, or 'all'; see `moe-offload policies` (default: all; "
+                             f"with --timed {DEFAULT_TIMED_POLICIES})")
+    parser.add_argument("--cache-size", default=None,
+                        help="comma-separated cache sizes: experts (64), a percentage (25%) or a fraction (0.25) of "
+                             "all L*J experts, or with --timed bytes with a unit (4GiB, 512MB) "
+                             f"(default {DEFAULT_CACHE_SIZES}; with --timed {DEFAULT_TIMED_CACHE_SIZES})"
+                             .replace("%", "%%"))  # argparse formats help with %
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     parser.add_argument("--plot", metavar="FILE.png", help="also sweep cache sizes and plot misses against them")
     parser.add_argument("--plot-points", type=int, default=16, metavar="N",
@@ -39,6 +52,32 @@ def register(subparsers) -> None:
                         help="worker processes (default: up to 2)")
     parser.add_argument("--policy-option", action="append", default=[], metavar="POLICY.NAME=VALUE",
                         help="a policy parameter, e.g. lcp.rho=0.5 or learned.model_path=model.npz (repeatable)")
+    timed = parser.add_argument_group("timed simulation (--timed)")
+    timed.add_argument("--timed", action="store_true",
+                       help="run the discrete-event timed simulator instead of the replay")
+    timed.add_argument("--hardware", metavar="PRESET|FILE",
+                       help="hardware preset or profile file (default desktop-rtx4090; `moe-offload hardware list`)")
+    timed.add_argument("--prefetch", default=TIMED_DEFAULTS["prefetch"], metavar="NAME[,NAME]",
+                       help="comma-separated prefetchers, 'none' for demand loading only (default none); the "
+                            "all-resident run and the oracle prefetcher are always added as bounds")
+    timed.add_argument("--prefetch-option", action="append", default=[], metavar="PREFETCHER.NAME=VALUE",
+                       help="a prefetcher parameter, e.g. oracle.distance=2 (repeatable)")
+    timed.add_argument("--history", metavar="TRACE",
+                       help="past traffic for the prefetchers that learn from it (their fit): a training split")
+    timed.add_argument("--expert-bytes", metavar="BYTES",
+                       help="bytes of one expert (default: the trace's metadata)")
+    timed.add_argument("--arrivals", default=TIMED_DEFAULTS["arrivals"], metavar="trace|poisson:RATE|times:T,...",
+                       help="the trace's iterations as recorded (default), Poisson arrivals of RATE requests per "
+                            "second (seeded by --seed), or the requests' arrival times in seconds; the last two are "
+                            "served with continuous batching")
+    timed.add_argument("--max-batch", type=int, default=TIMED_DEFAULTS["max_batch"], metavar="N",
+                       help="most requests in one iteration when serving arrivals (default 8)")
+    timed.add_argument("--timed-json", metavar="FILE", help="also write the timed results as JSON to FILE")
+    timed.add_argument("--plot-cdf", metavar="FILE.png", help="plot the CDF of token latency and TTFT")
+    timed.add_argument("--plot-timeline", metavar="FILE.png",
+                       help="plot one iteration: compute, transfers per link and stalls, layer by layer")
+    timed.add_argument("--timeline-iteration", type=int, metavar="N",
+                       help="the iteration of the timeline (default: the decode iteration of median duration)")
     parser.set_defaults(run=run)
 
 
@@ -117,12 +156,19 @@ def learned_training_note(trace_path: str, learned_options: dict) -> str | None:
 
 
 def run(args) -> int:
+    if args.timed:
+        return run_timed(args)
+    given = [name for name, default in TIMED_DEFAULTS.items() if getattr(args, name) != default]
+    if given:
+        raise ConfigError(f"--{given[0].replace('_', '-')} belongs to the timed simulation: add --timed")
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from moe_offload.reporting.tables import print_replay_tables
     from moe_offload.simulator.replay import ReplayInput, replay_grid
 
+    args.policy = args.policy or "all"
+    args.cache_size = args.cache_size or DEFAULT_CACHE_SIZES
     policies = parse_policies(args.policy)
     options = parse_policy_options(args.policy_option)
     paths = args.traces or [str(DEFAULT_TRACE)]
@@ -174,4 +220,137 @@ def run(args) -> int:
 
         out = plot_misses(results, args.plot)
         stderr.print(f"plot written to {out}")
+    return 0
+
+
+
+def parse_prefetchers(text: str) -> list[str | None]:
+    """Prefetcher names; 'none' (no prefetcher) is None."""
+    from moe_offload.prefetch import prefetcher_info
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ConfigError("--prefetch names no prefetcher (use 'none' for demand loading only)")
+    for name in names:
+        if name != "none":
+            prefetcher_info(name)
+    return list(dict.fromkeys(None if name == "none" else name for name in names))
+
+
+def parse_prefetch_options(items: list[str]) -> dict[str, dict]:
+    from moe_offload.prefetch import prefetcher_info
+
+    options: dict[str, dict] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        prefetcher, dot, name = key.partition(".")
+        if not sep or not dot or not name:
+            raise ConfigError(f"--prefetch-option {item!r} is not PREFETCHER.NAME=VALUE")
+        prefetcher_info(prefetcher)
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = value
+        options.setdefault(prefetcher, {})[name.replace("-", "_")] = parsed
+    return options
+
+
+def parse_timed_cache_sizes(text: str, meta: TraceMeta, expert_bytes: int) -> list[int]:
+    """Cache sizes in bytes: a size with a byte unit as given, experts, percentages and fractions of all
+    expert bytes in whole experts (the replay's rule, so `25%` is the same cache in both modes)."""
+    from moe_offload.hardware import parse_bytes
+
+    sizes, counted = [], []
+    for item in (part.strip() for part in text.split(",")):
+        if item and item[-1].lower() == "b":
+            sizes.append(parse_bytes(item, "--cache-size"))
+        elif item:
+            counted.append(item)
+    if counted:
+        sizes += [experts * expert_bytes for experts in parse_cache_sizes(",".join(counted), meta)]
+    if not sizes:
+        raise ConfigError("--cache-size names no size")
+    return sorted(set(sizes))
+
+
+def run_timed(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from moe_offload.hardware import parse_bytes, resolve_profile
+    from moe_offload.prefetch import check_trace_columns, prefetcher_info
+    from moe_offload.reporting.tables import print_timed_tables
+    from moe_offload.simulator.timed import ORACLE, Arrivals, check_timed_run, timed_grid
+
+    if args.plot:
+        raise ConfigError("--plot draws the replay's misses; with --timed use --plot-cdf and --plot-timeline")
+    hardware = resolve_profile(args.hardware)
+    policies = parse_policies(args.policy or DEFAULT_TIMED_POLICIES)
+    options = parse_policy_options(args.policy_option)
+    prefetchers = parse_prefetchers(args.prefetch)
+    prefetch_options = parse_prefetch_options(args.prefetch_option)
+    arrivals = Arrivals.parse(args.arrivals, args.max_batch, args.seed)
+    if args.jobs < 1:
+        raise ConfigError("--jobs must be at least 1")
+    history = read_trace(args.history) if args.history else None
+    paths = args.traces or [str(DEFAULT_TRACE)]
+    plans = []
+    for path in paths:  # read and check everything before the first run
+        trace = read_trace(path)
+        expert_bytes = (parse_bytes(args.expert_bytes, "--expert-bytes") if args.expert_bytes
+                        else trace.meta.expert_bytes)
+        if not expert_bytes:
+            raise ConfigError(f"{path}: the trace's metadata gives no expert size; give --expert-bytes")
+        for name in [p for p in prefetchers if p is not None] + [ORACLE]:
+            check_trace_columns(prefetcher_info(name), trace)
+        sizes = parse_timed_cache_sizes(args.cache_size or DEFAULT_TIMED_CACHE_SIZES, trace.meta, expert_bytes)
+        for policy in policies:
+            for size in sizes:
+                check_timed_run(trace, hardware, policy, size, expert_bytes, arrivals)
+        plans.append((path if args.traces else Path(path).name, trace, expert_bytes, sizes))
+
+    stderr = Console(stderr=True)
+    results = []
+    runs = sum(1 + len(sizes) * len(policies) * (len(prefetchers) + (ORACLE not in prefetchers))
+               for *_, sizes in plans)
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeRemainingColumn(), console=stderr, transient=True, disable=not stderr.is_terminal) as bar:
+        task = bar.add_task("timed runs", total=runs)
+        for name, trace, expert_bytes, sizes in plans:
+            results += timed_grid(trace, hardware, policies, prefetchers, sizes, expert_bytes=expert_bytes,
+                                  arrivals=arrivals, seed=args.seed, policy_options=options,
+                                  prefetcher_options=prefetch_options, history=history,
+                                  timeline_iteration=args.timeline_iteration, name=name, jobs=args.jobs,
+                                  progress=lambda: bar.advance(task))
+    if "learned" in policies:
+        for name, trace, *_ in plans:
+            note = learned_training_note(trace.path, options.get("learned", {}))
+            for result in results:
+                if note and result.trace == name and result.policy == "learned":
+                    result.notes.append(note)
+
+    rows = [r.to_dict() for r in results]
+    if args.timed_json:
+        target = Path(args.timed_json)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(rows, indent=1) + "\n")
+    if args.json:
+        json.dump(rows, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        out = Console()
+        if not out.is_terminal:
+            out.width = 150  # files and pipes: wide enough for a row of the latency table
+        print_timed_tables(results, out, hardware=hardware, arrivals=arrivals.describe())
+        if args.timed_json:
+            out.print(f"timed results written to {args.timed_json}")
+    sys.stdout.flush()
+    if args.plot_cdf:
+        from moe_offload.reporting.plots import plot_latency_cdf
+
+        stderr.print(f"latency CDF written to {plot_latency_cdf(results, args.plot_cdf)}")
+    if args.plot_timeline:
+        from moe_offload.reporting.plots import plot_timeline
+
+        stderr.print(f"timeline written to {plot_timeline(results, args.plot_timeline)}")
     return 0

@@ -1,4 +1,4 @@
-"""Plots of replay results in the style of paper 001, Figures 4 and 5."""
+"""Plots of replay results in the style of paper 001, Figures 4 and 5, and of timed runs (latency CDF, timeline)."""
 
 from __future__ import annotations
 
@@ -56,3 +56,111 @@ def plot_misses(results: list[RunResult], path, title: str | None = None) -> Pat
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path) -> Path:
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_latency_cdf(results: list[RunResult], path) -> Path:
+    """Timed runs, one row of panels per trace: the CDF of every output token's latency (the gap to the
+    request's previous token, whose mean per request is TPOT) and the CDF of TTFT over requests."""
+    import numpy as np
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    from moe_offload.reporting.tables import run_label
+
+    plt = _pyplot()
+    by_trace: dict[str, list[RunResult]] = defaultdict(list)
+    for result in results:
+        by_trace[result.trace].append(result)
+    fig, axes = plt.subplots(len(by_trace), 2, figsize=(13, 4.6 * len(by_trace)), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    for row, (trace, rows) in enumerate(by_trace.items()):
+        tokens, first = axes[row]
+        for i, r in enumerate(rows):
+            style = dict(color="black", linestyle="--") if r.policy == "all-resident" else dict(
+                color=cmap(i % 10), linestyle=":" if r.prefetcher == "oracle" else "-")
+            for ax, values in ((tokens, r.token_latency_seconds), (first, r.request_ttft_seconds)):
+                if values:
+                    ms = np.sort(np.asarray(values)) * 1e3
+                    ax.step(np.concatenate([[ms[0]], ms]), np.arange(ms.size + 1) / ms.size, where="post",
+                            label=run_label(r), linewidth=1.5, **style)
+        tokens.set_xlabel("token latency (ms)")
+        tokens.set_title(f"{Path(trace).name}: output tokens after the first")
+        first.set_xlabel("time to first token (ms)")
+        first.set_title(f"TTFT over {len(rows[0].request_ttft_seconds or [])} request(s)")
+        for ax in (tokens, first):
+            ax.set_ylabel("fraction")
+            ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.grid(alpha=0.3)
+        tokens.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+_COMPUTE_COLOURS = {"attention": "tab:green", "router": "tab:olive", "expert": "tab:blue", "lm_head": "tab:purple",
+                    "search": "tab:brown"}
+_TRANSFER_COLOURS = {"demand": "tab:red", "prefetch": "tab:cyan", "search": "tab:brown"}
+
+
+def plot_timeline(results: list[RunResult], path) -> Path:
+    """One panel per timed run: the iteration its ``timeline`` holds, lane by lane (compute by kind, stalls,
+    each link's demand loads and prefetches, the prefetcher's matcher), with the start of every layer."""
+    from matplotlib.patches import Patch
+
+    from moe_offload.reporting.tables import run_label
+
+    plt = _pyplot()
+    shown = [r for r in results if r.timeline]
+    fig, axes = plt.subplots(len(shown), 1, figsize=(15, 0.6 + 1.9 * len(shown)), squeeze=False)
+    for ax, r in zip(axes[:, 0], shown):
+        timeline = r.timeline
+        lanes = timeline["lanes"]
+        y = {lane: len(lanes) - 1 - i for i, lane in enumerate(lanes)}
+        for event in timeline["events"]:
+            start, end = event["start_s"] * 1e3, event["end_s"] * 1e3
+            if event["lane"] == "compute":
+                colour = _COMPUTE_COLOURS[event["kind"]]
+            elif event["lane"] == "stall":
+                colour = "tab:orange"
+            else:
+                colour = _TRANSFER_COLOURS[event["kind"]]
+            # transfers and stalls come in runs of equal bars: a thin white edge tells them apart
+            edges = dict(edgecolors="white", linewidth=0.3) if event["lane"] != "compute" else dict(linewidth=0)
+            ax.broken_barh([(start, max(end - start, 1e-4))], (y[event["lane"]] - 0.38, 0.76), facecolors=colour,
+                           **edges)
+        layer_starts = sorted({(e["layer"], e["start_s"]) for e in timeline["events"]
+                               if e["lane"] == "compute" and e["kind"] == "attention"})
+        for layer, start in layer_starts:
+            ax.axvline(start * 1e3, color="grey", linewidth=0.4, alpha=0.6)
+            ax.text(start * 1e3, len(lanes) - 0.45, str(layer), fontsize=6, color="grey")
+        duration = timeline["duration_s"] * 1e3
+        ax.set_xlim(0, duration)
+        ax.set_yticks([y[lane] for lane in lanes], lanes)
+        ax.set_title(f"{Path(r.trace).name}: {run_label(r)}, iteration {timeline['iteration']} "
+                     f"({duration:.2f} ms; numbers mark the start of each layer)", fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("time since the iteration started (ms)")
+    legend = [Patch(color=c, label=k) for k, c in _COMPUTE_COLOURS.items()]
+    legend += [Patch(color="tab:orange", label="stall"), Patch(color="tab:red", label="demand load"),
+               Patch(color="tab:cyan", label="prefetch")]
+    fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return _save(fig, path)

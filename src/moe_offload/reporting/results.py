@@ -10,7 +10,11 @@ class RunResult:
     """Outcome of one run (one policy at one cache size on one trace).
 
     Counts are of expert requests. Fields a driver cannot measure stay None (the replay simulator has no
-    clock, so no stall time or latency)."""
+    clock, so no stall time or latency). The timed simulator (moe_offload.simulator.timed) fills the rest:
+    its hits are experts resident in the fast tier when the router asks for them, its misses the others,
+    of which ``on_demand_loads`` needed a demand transfer (the rest were already on the wire as a prefetch);
+    prefetches issued are prefetch transfers into the GPU, used when requested before being evicted.
+    Latencies are in seconds; percentiles are over requests."""
 
     trace: str
     policy: str
@@ -25,8 +29,23 @@ class RunResult:
     prefetches_issued: int | None = None
     prefetches_used: int | None = None
     stall_seconds: float | None = None
-    ttft_seconds: float | None = None
-    tpot_seconds: float | None = None
+    ttft_seconds: float | None = None   # mean over requests
+    tpot_seconds: float | None = None   # mean over requests (of each request's mean time per output token)
+    prefetcher: str | None = None
+    hardware: str | None = None
+    cache_bytes: int | None = None
+    on_demand_loads: int | None = None
+    prefetches_wasted: int | None = None     # issued and never requested before the run ended
+    prefetch_search_seconds: float | None = None  # the prefetcher's history searches, on or off the inference path
+    per_layer_stall_seconds: list[float] | None = None
+    bytes_per_link: dict[str, int] | None = None  # link name ("host->gpu") -> bytes put on the wire
+    ttft_percentiles: dict[str, float] | None = None  # "p50", "p90", "p99"
+    tpot_percentiles: dict[str, float] | None = None
+    request_ttft_seconds: list[float] | None = None
+    request_tpot_seconds: list[float] | None = None
+    token_latency_seconds: list[float] | None = None  # every output token after each request's first: its gap
+    total_seconds: float | None = None        # first arrival to last token
+    timeline: dict | None = None              # one iteration's compute, transfers and stalls (timed.py)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -44,9 +63,27 @@ class RunResult:
     def per_layer_hit_rate(self) -> list[float]:
         return [h / a if a else 0.0 for h, a in zip(self.per_layer_hits, self.per_layer_accesses)]
 
+    @property
+    def prefetch_precision(self) -> float | None:
+        """Prefetches used / prefetches issued."""
+        if not self.prefetches_issued:
+            return None
+        return self.prefetches_used / self.prefetches_issued
+
+    @property
+    def prefetch_recall(self) -> float | None:
+        """Of the loads the computation needed (prefetches used + on-demand loads), the share a prefetch
+        delivered: paper 002's prefetch accuracy (Figure 10)."""
+        if self.prefetches_used is None or self.on_demand_loads is None:
+            return None
+        needed = self.prefetches_used + self.on_demand_loads
+        return self.prefetches_used / needed if needed else None
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out["hit_rate"] = self.hit_rate
         out["misses_vs_opt"] = self.misses_vs_opt
         out["per_layer_hit_rate"] = self.per_layer_hit_rate
+        out["prefetch_precision"] = self.prefetch_precision
+        out["prefetch_recall"] = self.prefetch_recall
         return out

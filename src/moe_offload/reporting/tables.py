@@ -1,9 +1,11 @@
-"""Terminal tables of replay results: one table per trace and cache size, then a policy x size summary."""
+"""Terminal tables: replay results (one table per trace and cache size, then a policy x size summary) and timed
+results (latency and traffic per trace)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -67,3 +69,71 @@ def print_replay_tables(results: list[RunResult], console: Console, skipped: lis
             console.print(f"note: {note}")
     for line in skipped:
         console.print(f"skipped: {line}")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def run_label(result: RunResult) -> str:
+    """How a timed run is named in tables and plots: the policy and the prefetcher, or the bound."""
+    if result.prefetcher is None:
+        return result.policy if result.policy == "all-resident" else f"{result.policy}, no prefetch"
+    return f"{result.policy} + {result.prefetcher}"
+
+
+def print_timed_tables(results: list[RunResult], console: Console, hardware=None, arrivals: str | None = None) -> None:
+    """Per trace: a latency table (TTFT, TPOT over requests, the slowest tokens, TPOT relative to the
+    all-resident run and to the oracle prefetcher with the same policy and cache, stall time) and a traffic
+    table (hits, on-demand loads, prefetches, bytes per link)."""
+    from moe_offload.hardware import format_bytes
+
+    by_trace: dict[str, list[RunResult]] = defaultdict(list)
+    for result in results:
+        by_trace[result.trace].append(result)
+    for trace, rows in by_trace.items():
+        bound = next((r for r in rows if r.policy == "all-resident"), None)
+        oracle = {(r.policy, r.cache_bytes): r for r in rows if r.prefetcher == "oracle"}
+        where = f" on {hardware.name}" if hardware is not None else ""
+        how = f" ({arrivals})" if arrivals else ""
+        latency = Table(title=f"{trace}{where}{how}  -  latency in ms (TPOT over requests; token p99 over all "
+                              "output tokens)", title_justify="left")
+        for column in ("run", "cache", "TTFT", "TPOT", "p50", "p90", "p99", "token p99", "TPOT / all-resident",
+                       "TPOT / oracle", "stall s"):
+            latency.add_column(column, justify="left" if column in ("run", "cache") else "right")
+        traffic = Table(title=f"{trace}{where}  -  expert traffic", title_justify="left")
+        links = list(dict.fromkeys(link for r in rows for link in (r.bytes_per_link or {})))
+        for column in ("run", "cache", "hit rate", "on-demand", "prefetched", "used", "wasted", "precision",
+                       "recall", *(f"{link} moved" for link in links)):
+            traffic.add_column(column, justify="left" if column in ("run", "cache") else "right")
+        ordered = sorted(rows, key=lambda r: (r.policy != "all-resident", r.cache_bytes or 0, r.policy,
+                                              r.prefetcher != "oracle", r.prefetcher or ""))
+        for r in ordered:
+            cache = "all experts" if r.policy == "all-resident" else f"{r.cache_size} ({format_bytes(r.cache_bytes)})"
+            tpot = r.tpot_seconds
+            vs_bound = f"{tpot / bound.tpot_seconds:.2f}x" if tpot and bound and bound.tpot_seconds else "-"
+            reference = oracle.get((r.policy, r.cache_bytes))
+            vs_oracle = (f"{tpot / reference.tpot_seconds:.2f}x" if tpot and reference and reference.tpot_seconds
+                         and r.policy != "all-resident" else "-")
+            percentiles = r.tpot_percentiles or {}
+            token_p99 = (float(np.percentile(r.token_latency_seconds, 99)) if r.token_latency_seconds else None)
+            label = run_label(r)
+            latency.add_row(label, cache, _ms(r.ttft_seconds), _ms(tpot), _ms(percentiles.get("p50")),
+                            _ms(percentiles.get("p90")), _ms(percentiles.get("p99")), _ms(token_p99), vs_bound,
+                            vs_oracle, f"{r.stall_seconds:.3f}")
+            prefetching = r.prefetcher is not None
+            traffic.add_row(label, cache, f"{r.hit_rate:.2%}", f"{r.on_demand_loads:,}",
+                            f"{r.prefetches_issued:,}" if prefetching else "-",
+                            f"{r.prefetches_used:,}" if prefetching else "-",
+                            f"{r.prefetches_wasted:,}" if prefetching else "-",
+                            _share(r.prefetch_precision), _share(r.prefetch_recall) if prefetching else "-",
+                            *(format_bytes(r.bytes_per_link.get(link, 0)) if r.bytes_per_link.get(link) else "0"
+                              for link in links))
+        console.print(latency)
+        console.print(traffic)
+        for note in sorted({note for r in rows for note in r.notes}):
+            console.print(f"note: {note}")

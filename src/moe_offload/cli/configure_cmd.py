@@ -1,0 +1,174 @@
+"""`moe-offload configure`: MoEpic's per-layer VRAM budget, expert split ratio and cache size for a trace."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+
+from moe_offload.errors import ConfigError
+from moe_offload.trace.format import TraceMeta
+
+_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTES = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]i?b|b)$", re.IGNORECASE)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "configure", help="MoEpic's per-layer VRAM budget and expert split ratio for a trace",
+        description="Choose, per layer, how much VRAM caches experts, how many experts' top segments are "
+                    "cached and which fraction of an expert the top segment is (paper 004, MoEpic: the "
+                    "fixed-point divide-and-conquer of Algorithm 1 on the latency model of equations 5-11), "
+                    "from the trace's LCP hit rates and next-layer gate prediction accuracy. Needs a trace "
+                    "with the gate_prediction column.")
+    parser.add_argument("trace", metavar="TRACE", help="trace file with gate_prediction")
+    parser.add_argument("--vram-budget", required=True, metavar="EXPERTS|BYTES|FRACTION",
+                        help="VRAM for cached expert segments (V_e, without non-expert weights and the prefetch "
+                             "buffer): a number of full experts (240), bytes with a unit (6GB, 5.5GiB) or a "
+                             "fraction (0.25) or percentage (25%%) of all L*J experts")
+    parser.add_argument("--expert-load-ms", type=float, metavar="MS",
+                        help="time to load one full expert into VRAM (required)")
+    parser.add_argument("--expert-compute-ms", type=float, metavar="MS",
+                        help="time to compute one expert for a token (required)")
+    parser.add_argument("--attention-ms", type=float, metavar="MS", help="one layer's attention time (required)")
+    parser.add_argument("--moe-ms", type=float, metavar="MS",
+                        help="one layer's whole MoE module (default: top-k x --expert-compute-ms; more with "
+                             "shared experts)")
+    parser.add_argument("--head-ms", type=float, default=0.0, metavar="MS",
+                        help="LM head time, which opens layer 0's prefetch window (default 0; traces predict "
+                             "layers 1..L-1 only, so layer 0 does not prefetch and this changes nothing yet)")
+    parser.add_argument("--expert-bytes", type=int, metavar="N",
+                        help="bytes of one expert, for budgets in bytes (default: the trace's metadata)")
+    parser.add_argument("--granularity", type=float, default=0.01, metavar="ZETA",
+                        help="share of the budget moved between two layers per step (default 0.01, the paper's)")
+    parser.add_argument("--lcp-omega", type=float, default=128.0, metavar="OMEGA",
+                        help="LCP observation window of the measured cache (default 128)")
+    parser.add_argument("--lcp-rho", type=float, default=0.25, metavar="RHO",
+                        help="LCP balance of frequency and recency (default 0.25)")
+    parser.add_argument("--json", action="store_true", help="print the configuration as JSON")
+    parser.set_defaults(run=run)
+
+
+def parse_budget(text: str, meta: TraceMeta, expert_bytes: int | None) -> float:
+    """A VRAM budget in experts from experts, bytes with a unit, a fraction or a percentage of all experts."""
+    total = meta.num_expert_slots
+    item = text.strip()
+    problem = None
+    try:
+        if item.endswith("%"):
+            experts = float(item[:-1]) / 100 * total
+            if not 0 < experts <= total:
+                problem = "a percentage must be in (0, 100]"
+        elif _BYTES.match(item):
+            number, unit = _BYTES.match(item).groups()
+            if not expert_bytes:
+                raise ConfigError(f"--vram-budget {item!r} is in bytes, but the trace does not give the size of "
+                                  "an expert: add --expert-bytes")
+            experts = float(number) * _BYTE_UNITS[unit.lower()] / expert_bytes
+        elif re.fullmatch(r"[+-]?[0-9]+", item):
+            experts = float(int(item))
+        else:
+            experts = float(item)
+            if not 0 < experts <= 1:
+                problem = "a fraction must be in (0, 1]"
+            experts *= total
+    except ValueError:
+        problem = "it is neither a number of experts, bytes with a unit (6GB), a fraction nor a percentage"
+    if problem is None and not (math.isfinite(experts) and experts > 0):
+        problem = "the budget must be positive"
+    if problem is None and experts > total * (1 + 1e-9):
+        problem = (f"that is {experts:,.6g} experts, more than the model's {total:,} "
+                   f"({meta.num_layers} layers x {meta.num_experts}): everything fits")
+    if problem is not None:
+        raise ConfigError(f"--vram-budget {item!r}: {problem}")
+    return min(experts, float(total))
+
+
+def human_bytes(count: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:,.2f} {unit}"
+    return f"{count:,.0f} B"
+
+
+def timings_from_args(args, top_k: int):
+    from moe_offload.configurator import Timings
+
+    missing = [flag for flag, value in (("--expert-load-ms", args.expert_load_ms),
+                                        ("--expert-compute-ms", args.expert_compute_ms),
+                                        ("--attention-ms", args.attention_ms)) if value is None]
+    if missing:
+        raise ConfigError(f"configure needs the hardware's timings: give {', '.join(missing)}")
+    moe_ms = top_k * args.expert_compute_ms if args.moe_ms is None else args.moe_ms
+    return Timings(expert_load=args.expert_load_ms / 1e3, expert_compute=args.expert_compute_ms / 1e3,
+                   attention=args.attention_ms / 1e3, moe=moe_ms / 1e3, head=args.head_ms / 1e3)
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from moe_offload.configurator import check_inputs, configure, measure_statistics, require_gate_prediction
+    from moe_offload.trace.format import read_trace
+
+    trace = read_trace(args.trace, columns=("gate_prediction",))
+    meta = trace.meta
+    require_gate_prediction(trace)
+    if args.expert_bytes is not None and args.expert_bytes < 1:
+        raise ConfigError(f"--expert-bytes must be a positive number of bytes, not {args.expert_bytes}")
+    expert_bytes = args.expert_bytes or meta.expert_bytes
+    budget = parse_budget(args.vram_budget, meta, expert_bytes)
+    timings = timings_from_args(args, meta.top_k)
+    check_inputs(timings, budget, args.granularity, meta.num_layers, meta.num_experts, meta.top_k)
+
+    stderr = Console(stderr=True)
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  console=stderr, transient=True, disable=not stderr.is_terminal) as bar:
+        task = bar.add_task("replaying LCP caches", total=meta.num_experts)
+        stats = measure_statistics(trace, omega=args.lcp_omega, rho=args.lcp_rho,
+                                   progress=lambda: bar.advance(task))
+    config = configure(stats, timings, budget, args.granularity)
+    notes = ["layer 0 is configured without prefetching: the trace predicts layers 1..L-1 only (the paper "
+             "predicts layer 0 from the previous token's last layer)",
+             "latencies are MoEpic's model (equations 5-7 with alpha + beta theta ~ m), not a simulation"]
+
+    if args.json:
+        document = {"trace": args.trace, "model": meta.model, "num_layers": meta.num_layers,
+                    "num_experts": meta.num_experts, "top_k": meta.top_k, "tokens": stats.num_tokens,
+                    "expert_bytes": expert_bytes,
+                    "timings_seconds": {name: getattr(timings, name) for name in
+                                        ("expert_load", "expert_compute", "attention", "moe", "head")},
+                    **config.to_dict(), "notes": notes}
+        for layer in document["layers"]:
+            layer["budget_bytes"] = round(layer["budget"] * expert_bytes) if expert_bytes else None
+        json.dump(document, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+
+    from rich.table import Table
+
+    out = Console()
+    if not out.is_terminal:
+        out.width = 120
+    bytes_text = f" ({human_bytes(budget * expert_bytes)})" if expert_bytes else ""
+    table = Table(title=f"{args.trace}  -  MoEpic configuration for {budget:,.2f} experts of VRAM{bytes_text}, "
+                        f"zeta = {args.granularity:g}", title_justify="left")
+    for column in ("layer", "VRAM experts", "theta", "cached C", "hit rate", "prefetch Y", "loaded m",
+                   "window ms", "exposed ms"):
+        table.add_column(column, justify="right")
+    for index, split in enumerate(config.layers):
+        table.add_row(str(index), f"{split.budget:.2f}", f"{split.split_ratio:.3f}", str(split.cache_size),
+                      f"{split.hit_rate:.2%}", str(split.prefetches), f"{split.loaded:.2f} / {meta.top_k}",
+                      f"{split.window * 1e3:.3f}", f"{split.exposed * 1e3:.3f}")
+    out.print(table)
+    out.print("theta: the cached top segment's share of an expert; cached C: experts whose top segment stays in "
+              "VRAM (theta C = VRAM); hit rate: H(C) under LCP; prefetch Y: predicted experts whose missing "
+              "segment loads within the window; loaded m: activated experts in VRAM when the layer is routed")
+    out.print(f"exposed loading latency per token: {config.total_exposed * 1e3:.3f} ms after {config.moves} "
+              f"budget moves (uniform allocation: {config.uniform_total_exposed * 1e3:.3f} ms); "
+              f"statistics of {stats.num_tokens:,} tokens")
+    for note in notes:
+        out.print(f"note: {note}")
+    return 0

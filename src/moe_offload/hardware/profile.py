@@ -1,0 +1,311 @@
+"""Hardware profiles: the memory tiers experts live in, the links between them, and what computing costs.
+
+A profile is a small TOML file (the presets are in ``presets/``, one per machine, each citing its spec
+sheets)::
+
+    name = "desktop-rtx4090"
+    description = "..."
+    sources = ["spec sheet ...", "..."]
+
+    [[tiers]]                  # fastest first: the first tier is where experts must be to compute
+    name = "gpu"
+    capacity_bytes = "24 GiB"  # an integer, or a string with a unit (B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)
+
+    [[links]]                  # one per tier after the first, from it to the next faster tier
+    from = "host"
+    to = "gpu"
+    bandwidth_bytes_per_s = 25e9   # `inf` is allowed: transfers then cost only their latency
+    latency_s = 10e-6              # per transfer, paid before the bytes flow
+
+    [compute]                  # times of one iteration's work, as functions of its tokens n
+    attention = { fixed_s = 5.3e-5, per_token_s = 2.0e-7 }   # one layer: fixed_s + per_token_s * n
+    router = { fixed_s = 1.0e-5, per_token_s = 0.0 }         # one layer
+    lm_head = { fixed_s = 2.1e-4, per_token_s = 1.3e-6 }     # once per iteration
+    # one expert on the n tokens routed to it: either linear like the others,
+    #   expert = { fixed_s = ..., per_token_s = ... }
+    # or the GPU's roofline, from the expert's bytes (P = expert_bytes / bytes_per_param parameters):
+    #   expert_overhead_s + max(expert_bytes / memory_bandwidth_bytes_per_s, 2 * P * n / flops_per_s)
+    flops_per_s = 165.2e12
+    memory_bandwidth_bytes_per_s = 1008e9
+    expert_overhead_s = 5e-6
+    bytes_per_param = 2
+
+Why only a chain of links: the tiers of an offloading server form one pipeline (SSD -> host -> GPU in
+MoE-Infinity, paper 002 section 5), with one copy engine or I/O thread per hop; a transfer between
+non-adjacent tiers goes through the tiers between them.
+
+Every problem with a profile file (missing, not TOML, a missing key, a bad value) is a ConfigError that
+names the file and the key.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe_offload.errors import ConfigError
+
+PRESET_DIR = Path(__file__).parent / "presets"
+DEFAULT_PRESET = "desktop-rtx4090"
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value, what: str) -> int:
+    """A byte count from an integer, a float or a string with a unit ("24 GiB", "12.5MB"); ``what`` names the
+    setting in the error message."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: {value!r} is not a byte count")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        match = _BYTES.match(value)
+        unit = match.group(2).lower() if match else None
+        if not match or unit not in _UNITS:
+            raise ConfigError(f"{what}: {value!r} is not a byte count (a number with an optional unit: "
+                              "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        number = float(match.group(1)) * _UNITS[unit]
+    else:
+        raise ConfigError(f"{what}: {value!r} is not a byte count")
+    if not math.isfinite(number) or number < 1:
+        raise ConfigError(f"{what}: {value!r} must be at least one byte")
+    return int(round(number))
+
+
+def format_bytes(count: float) -> str:
+    """Binary units for a whole number of them (capacities such as 24 GiB), decimal ones otherwise."""
+    if float(count).is_integer():
+        for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if size <= count < 1024 * size and count % size == 0:
+                return f"{int(count) // size} {unit}"
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= size:
+            return f"{count / size:.3g} {unit}"
+    return f"{count:.0f} B"
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    capacity_bytes: int
+
+
+@dataclass(frozen=True)
+class Link:
+    """A one-way link from ``source`` to ``destination`` (the next faster tier). One transfer at a time
+    uses it: paper 002 section 5.3 copies one expert at a time per link to avoid bandwidth contention."""
+
+    source: str
+    destination: str
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.source}->{self.destination}"
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """fixed_s + per_token_s * tokens."""
+
+    fixed_s: float
+    per_token_s: float
+
+    def __call__(self, tokens: int) -> float:
+        return self.fixed_s + self.per_token_s * tokens
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """An expert's time on the GPU: it reads its weights once and does 2 FLOPs per parameter and token."""
+
+    flops_per_s: float
+    memory_bandwidth_bytes_per_s: float
+    expert_overhead_s: float
+    bytes_per_param: float
+
+    def expert_seconds(self, tokens: int, expert_bytes: int) -> float:
+        flops = 2.0 * expert_bytes / self.bytes_per_param * tokens
+        return self.expert_overhead_s + max(expert_bytes / self.memory_bandwidth_bytes_per_s,
+                                            flops / self.flops_per_s)
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    attention: LinearCost   # one layer
+    router: LinearCost      # one layer
+    lm_head: LinearCost     # once per iteration
+    expert: LinearCost | None = None     # one expert, when given explicitly ...
+    roofline: Roofline | None = None     # ... otherwise from the roofline
+
+    def expert_seconds(self, tokens: int, expert_bytes: int) -> float:
+        if self.expert is not None:
+            return self.expert(tokens)
+        return self.roofline.expert_seconds(tokens, expert_bytes)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    description: str
+    sources: tuple[str, ...]
+    tiers: tuple[Tier, ...]   # fastest first
+    links: tuple[Link, ...]   # links[i - 1] carries tier i to tier i - 1
+    compute: ComputeModel
+    path: str = "<memory>"
+
+    def link_from(self, tier_index: int) -> Link:
+        """The link that carries experts out of tier ``tier_index`` (>= 1) into the next faster tier."""
+        return self.links[tier_index - 1]
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str = "<memory>", default_name: str = "custom") -> "HardwareProfile":
+        return _Reader(data, path).profile(default_name)
+
+
+def load_profile(path) -> HardwareProfile:
+    """Read a profile file; a ConfigError names the file and the key when it is missing or wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such hardware profile file (presets: {', '.join(preset_names())})")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not a valid TOML hardware profile ({exc})") from None
+    return HardwareProfile.from_dict(data, str(path), default_name=path.stem)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def resolve_profile(name_or_path: str | None) -> HardwareProfile:
+    """A preset by name, or a profile file by path; the default preset when None."""
+    name_or_path = name_or_path or DEFAULT_PRESET
+    preset = PRESET_DIR / f"{name_or_path}.toml"
+    if preset.is_file():
+        return load_profile(preset)
+    if not Path(name_or_path).exists() and "/" not in name_or_path and not name_or_path.endswith(".toml"):
+        raise ConfigError(f"unknown hardware preset {name_or_path!r}; choose from {', '.join(preset_names())} "
+                          "or give a profile file (`moe-offload hardware list`)")
+    return load_profile(name_or_path)
+
+
+class _Reader:
+    """Typed access to the TOML tables, naming the file and the key in every error."""
+
+    def __init__(self, data: dict, path: str):
+        self.data, self.path = data, path
+
+    def fail(self, key: str, problem: str):
+        raise ConfigError(f"{self.path}: key {key!r}: {problem}")
+
+    def table(self, parent: dict, key: str, where: str) -> dict:
+        value = parent.get(key)
+        if not isinstance(value, dict):
+            self.fail(where, "missing table" if value is None else f"must be a table, not {value!r}")
+        return value
+
+    def number(self, parent: dict, key: str, where: str, *, positive=False, allow_inf=False,
+               default=None) -> float:
+        value = parent.get(key, default)
+        if value is None:
+            self.fail(where, "missing")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+            self.fail(where, f"must be a number, not {value!r}")
+        if math.isinf(value) and not allow_inf:
+            self.fail(where, "must be finite")
+        if value < 0 or (positive and value == 0):
+            self.fail(where, f"must be {'positive' if positive else 'at least 0'}, not {value!r}")
+        return float(value)
+
+    def text(self, parent: dict, key: str, where: str, default=None) -> str:
+        value = parent.get(key, default)
+        if not isinstance(value, str) or not value:
+            self.fail(where, "missing" if value is None else f"must be a non-empty string, not {value!r}")
+        return value
+
+    def linear(self, compute: dict, key: str) -> LinearCost:
+        where = f"compute.{key}"
+        table = self.table(compute, key, where)
+        unknown = set(table) - {"fixed_s", "per_token_s"}
+        if unknown:
+            self.fail(f"{where}.{sorted(unknown)[0]}", "unknown key (a cost has fixed_s and per_token_s)")
+        return LinearCost(self.number(table, "fixed_s", f"{where}.fixed_s"),
+                          self.number(table, "per_token_s", f"{where}.per_token_s", default=0.0))
+
+    def profile(self, default_name: str) -> HardwareProfile:
+        data = self.data
+        name = self.text(data, "name", "name", default=default_name)
+        description = data.get("description", "")
+        sources = data.get("sources", [])
+        if not isinstance(description, str):
+            self.fail("description", f"must be a string, not {description!r}")
+        if not isinstance(sources, list) or not all(isinstance(s, str) for s in sources):
+            self.fail("sources", "must be a list of strings")
+
+        raw_tiers = data.get("tiers")
+        if not isinstance(raw_tiers, list) or not raw_tiers or not all(isinstance(t, dict) for t in raw_tiers):
+            self.fail("tiers", "missing: give at least one [[tiers]] table (fastest first)")
+        tiers = []
+        for i, raw in enumerate(raw_tiers):
+            tier_name = self.text(raw, "name", f"tiers[{i}].name")
+            if any(t.name == tier_name for t in tiers):
+                self.fail(f"tiers[{i}].name", f"tier {tier_name!r} is listed twice")
+            capacity = raw.get("capacity_bytes")
+            if capacity is None:
+                self.fail(f"tiers[{i}].capacity_bytes", "missing")
+            tiers.append(Tier(tier_name, parse_bytes(capacity, f"{self.path}: key 'tiers[{i}].capacity_bytes'")))
+
+        raw_links = data.get("links", [])
+        if not isinstance(raw_links, list) or not all(isinstance(k, dict) for k in raw_links):
+            self.fail("links", "must be a list of [[links]] tables")
+        by_pair = {}
+        names = [t.name for t in tiers]
+        for i, raw in enumerate(raw_links):
+            source = self.text(raw, "from", f"links[{i}].from")
+            destination = self.text(raw, "to", f"links[{i}].to")
+            for key, tier_name in (("from", source), ("to", destination)):
+                if tier_name not in names:
+                    self.fail(f"links[{i}].{key}", f"no tier named {tier_name!r} (tiers: {', '.join(names)})")
+            if names.index(source) != names.index(destination) + 1:
+                self.fail(f"links[{i}]", f"{source} -> {destination}: a link must go from a tier to the next "
+                                         "faster one (the tiers are listed fastest first)")
+            if source in by_pair:
+                self.fail(f"links[{i}]", f"a second link from {source}")
+            by_pair[source] = Link(source, destination,
+                                   self.number(raw, "bandwidth_bytes_per_s", f"links[{i}].bandwidth_bytes_per_s",
+                                               positive=True, allow_inf=True),
+                                   self.number(raw, "latency_s", f"links[{i}].latency_s", default=0.0))
+        for tier in tiers[1:]:
+            if tier.name not in by_pair:
+                self.fail("links", f"no link from tier {tier.name!r} to the next faster tier")
+        links = tuple(by_pair[t.name] for t in tiers[1:])
+
+        compute = self.table(data, "compute", "compute")
+        if "expert" in compute:
+            expert, roofline = self.linear(compute, "expert"), None
+        else:
+            if "flops_per_s" not in compute and "memory_bandwidth_bytes_per_s" not in compute:
+                self.fail("compute.expert", "missing: give compute.expert = { fixed_s, per_token_s } or the "
+                                            "roofline keys flops_per_s and memory_bandwidth_bytes_per_s")
+            expert = None
+            roofline = Roofline(
+                self.number(compute, "flops_per_s", "compute.flops_per_s", positive=True, allow_inf=True),
+                self.number(compute, "memory_bandwidth_bytes_per_s", "compute.memory_bandwidth_bytes_per_s",
+                            positive=True, allow_inf=True),
+                self.number(compute, "expert_overhead_s", "compute.expert_overhead_s", default=0.0),
+                self.number(compute, "bytes_per_param", "compute.bytes_per_param", positive=True, default=2.0))
+        model = ComputeModel(attention=self.linear(compute, "attention"), router=self.linear(compute, "router"),
+                             lm_head=self.linear(compute, "lm_head"), expert=expert, roofline=roofline)
+        return HardwareProfile(name=name, description=description, sources=tuple(sources), tiers=tuple(tiers),
+                               links=links, compute=model, path=self.path)

@@ -1,0 +1,196 @@
+"""fMoE's expert-map prefetcher (paper 000: expert maps, expert map search, similarity-aware prefetching,
+Expert Map Store).
+
+Per iteration, for every request b of the batch (0-based layers here, the paper's are 1-based):
+
+* before layer 0: semantic search of the store by the request's embedding; the best map's layers
+  0 .. d-1 are the predictions of those layers, with the semantic score;
+* after layer l_now is routed, for l_now + d <= L - 1: trajectory search by the distributions observed in
+  layers 0 .. l_now; the best map's layer l_now + d is the prediction of that layer, with the trajectory
+  score. Every layer is thus predicted once, d layers ahead (the first d from the prompt alone).
+* prefetch set of a target layer t from its predicted distribution p and score: delta = clip(1 - score,
+  0, 1); the smallest set of highest-probability experts whose probabilities sum to at least delta, and at
+  least K experts (ties: lower id first);
+* priority p / (t - l_now). After every layer the sets of all targets still ahead within the prefetch
+  distance, l_now + 1 .. l_now + d, are resubmitted with l_now updated, so an expert queued for a far layer
+  rises as the computation approaches it (the queue replaces the priority of a queued expert).
+
+With several requests in one iteration an expert keeps the highest priority any of them gives it, and
+``predicted_map()`` (fMoE's eviction priority reads it) is the element-wise maximum of the requests'
+predicted maps: per layer, the searched row predicting it, or the semantic map's row until the trajectory
+search for that layer has run.
+
+The store (moe_offload.prefetch.expert_map_store) is filled by ``fit(history)`` with one entry per
+(iteration, request) of the history, added in batches of up to FIT_BATCH entries, and then, as each
+iteration of the run ends, with that iteration's entries; at capacity the redundancy score decides which
+stored entry each new one replaces. An empty store (no history yet) proposes nothing.
+
+The trace's embedding is that of the request, so from its second iteration on a request finds its own
+earlier iterations with semantic score 1 (the most recent one wins the tie): delta = 0, and layers
+0 .. d-1 get the K most probable experts of its latest stored iteration.
+
+Both searches need what they search by: the trace must have full router probabilities (the maps) and
+request embeddings (the semantic keys). Paper 000 designs the two searches together and does not describe
+a trajectory-only variant, so a trace without embeddings is refused (moe_offload.prefetch.requirements
+says how to record one) rather than approximated.
+
+The matcher is asynchronous (``search_on_inference_path`` False): ``last_search_seconds`` is the time of
+each hook's search and set selection, or of the store update in ``on_iteration_end``
+(moe_offload.prefetch.search_cost).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moe_offload.errors import ConfigError
+from moe_offload.prefetch._shared import RequestGroups, check_same_model, positive_int, proposals
+from moe_offload.prefetch.base import Prefetcher
+from moe_offload.prefetch.expert_map_store import ExpertMapStore
+from moe_offload.prefetch.requirements import check_trace_columns
+from moe_offload.prefetch.search_cost import TimedSearch
+
+DEFAULT_CAPACITY = 1000
+DEFAULT_DISTANCE = 3
+FIT_BATCH = 256        # entries per redundancy computation while filling the store from history
+FIT_CHUNK_ROWS = 1 << 15  # history rows converted to float32 at a time
+
+
+def prefetch_sets(predicted: np.ndarray, scores, min_experts: int) -> np.ndarray:
+    """[..., J] mask of fMoE's similarity-aware prefetch set for each predicted distribution ``predicted``
+    [..., J] searched with similarity ``scores`` [...]: the fewest highest-probability experts whose summed
+    probability reaches delta = clip(1 - score, 0, 1) (ties: lower id first), and at least ``min_experts``."""
+    predicted = np.asarray(predicted, dtype=np.float64)
+    num_experts = predicted.shape[-1]
+    rows = predicted.reshape(-1, num_experts)
+    delta = np.minimum(np.maximum(1.0 - np.asarray(scores, dtype=np.float64).reshape(-1), 0.0), 1.0)
+    every_row = np.arange(rows.shape[0])[:, None]
+    order = np.argsort(-rows, axis=1, kind="stable")
+    cumulative = np.cumsum(rows[every_row, order], axis=1)
+    # The sums are non-decreasing: the set is the ranks whose sum is still below delta, plus the one reaching it.
+    count = np.minimum(np.maximum((cumulative < delta[:, None]).sum(axis=1) + 1, min_experts), num_experts)
+    mask = np.empty(rows.shape, dtype=bool)
+    mask[every_row, order] = np.arange(num_experts) < count[:, None]
+    return mask.reshape(predicted.shape)
+
+
+class FMoEPrefetcher(TimedSearch, Prefetcher):
+    name = "fmoe"
+    summary = ("expert maps: semantic search for the first d layers, trajectory search after; similarity-aware "
+               "set, priority p / (l - l_now)")
+    source = "paper 000, Expert Map Search, Expert Prefetching, Expert Map Store Management"
+    requires = ("probs", "embedding")
+    search_on_inference_path = False
+
+    def __init__(self, spec, capacity: int = DEFAULT_CAPACITY, distance: int = DEFAULT_DISTANCE,
+                 search_seconds: float | None = None):
+        super().__init__(spec)
+        self.capacity = positive_int(self.name, "capacity", capacity)
+        self.distance = positive_int(self.name, "distance", distance)
+        self._set_search_seconds(search_seconds)
+        self.store = ExpertMapStore(spec.num_layers, spec.num_experts, self.capacity, self.distance)
+        self._groups: RequestGroups | None = None
+        self._trajectory = None
+        # Per target layer of the current iteration, once searched: its prefetch set over the batch, as
+        # (experts, the highest p any request gives each); the priority p / (t - l_now) follows at proposal time.
+        self._sets: list[tuple[np.ndarray, np.ndarray] | None] = [None] * spec.num_layers
+        self._predicted: np.ndarray | None = None  # [L, J]
+
+    # ------------------------------------------------------------------------------------------ history
+
+    def fit(self, history):
+        check_trace_columns(type(self), history)
+        check_same_model(self.spec, history, self.name)
+        L, J = self.spec.num_layers, self.spec.num_experts
+        order = np.lexsort((history.request, history.iteration))
+        iteration, request = history.iteration[order], history.request[order]
+        starts = np.flatnonzero(np.r_[True, (np.diff(iteration) != 0) | (np.diff(request) != 0)])
+        n = order.size
+        # Chunks of whole (iteration, request) groups, about FIT_CHUNK_ROWS rows each.
+        chunk_starts = np.unique(starts[np.searchsorted(starts, np.arange(0, n, FIT_CHUNK_ROWS), side="right") - 1])
+        bounds = np.r_[chunk_starts, n]
+        for begin, end in zip(bounds[:-1], bounds[1:]):
+            rows = order[begin:end]
+            group_starts = starts[(starts >= begin) & (starts < end)] - begin
+            sizes = np.diff(np.r_[group_starts, end - begin])[:, None]
+            maps = np.add.reduceat(history.probs[rows].astype(np.float32).reshape(rows.size, L * J),
+                                   group_starts, axis=0) / sizes
+            embeddings = np.add.reduceat(history.embedding[rows].astype(np.float32), group_starts, axis=0) / sizes
+            for first in range(0, maps.shape[0], FIT_BATCH):
+                self._add(maps[first:first + FIT_BATCH].reshape(-1, L, J), embeddings[first:first + FIT_BATCH])
+
+    def _add(self, maps, embeddings):
+        try:
+            self.store.add(maps, embeddings)
+        except ConfigError as exc:
+            raise ConfigError(f"{self.name}: {exc}") from None
+
+    # ------------------------------------------------------------------------------------------ hooks
+
+    def on_iteration_start(self, view):
+        check_trace_columns(type(self), view.trace)
+        L = self.spec.num_layers
+        self._groups = RequestGroups(view.requests)
+        self._trajectory = None
+        self._sets = [None] * L
+        if len(self.store) == 0:
+            self._predicted = None
+            self._no_search()
+            return []
+        with self._timed_search():
+            embeddings = self._groups.mean(view.embedding())
+            try:
+                index, score = self.store.semantic_search(embeddings)
+            except ConfigError as exc:
+                raise ConfigError(f"{self.name}: {view.trace.path}: {exc}") from None
+            maps = self.store.maps(index)  # [B, L, J]
+            # Every layer starts predicted by the semantic map; layers >= d are replaced by trajectory searches.
+            self._predicted = maps.max(axis=0)
+            for target in range(min(self.distance, L)):
+                self._set_target(target, maps[:, target], score)
+            if self.distance < L:
+                self._trajectory = self.store.trajectory(len(self._groups))
+            result = self._propose(-1)
+        return result
+
+    def on_layer_routed(self, view):
+        now, L = view.layer_now, self.spec.num_layers
+        if self._predicted is None or now == L - 1:
+            self._no_search()
+            return []
+        with self._timed_search():
+            target = now + self.distance
+            if target < L:
+                index, score = self._trajectory.observe(now, self._groups.mean(view.probs(now)))
+                rows = self.store.layer(target, index)  # [B, J]
+                self._predicted[target] = rows.max(axis=0)
+                self._set_target(target, rows, score)
+            result = self._propose(now)
+        return result
+
+    def on_iteration_end(self, view):
+        L = self.spec.num_layers
+        groups = RequestGroups(view.requests)
+        with self._timed_search():
+            maps = np.stack([groups.mean(view.probs(layer)) for layer in range(L)], axis=1)
+            self._add(maps, groups.mean(view.embedding()))
+
+    def _set_target(self, target: int, rows: np.ndarray, scores: np.ndarray) -> None:
+        """Record the batch's prefetch set for ``target`` from its searched distributions ``rows`` [B, J]."""
+        chosen = prefetch_sets(rows, scores, self.spec.top_k)
+        wanted = np.where(chosen, rows, -1.0).max(axis=0)
+        experts = np.flatnonzero(wanted >= 0)
+        self._sets[target] = (experts, wanted[experts].astype(np.float64))
+
+    def _propose(self, now: int):
+        """The prefetch sets of the targets now + 1 .. now + d with priority p / (t - now)."""
+        J = self.spec.num_experts
+        keys, priorities = [], []
+        for target in range(now + 1, min(now + self.distance, self.spec.num_layers - 1) + 1):
+            experts, wanted = self._sets[target]
+            keys.append(target * J + experts)
+            priorities.append(wanted / (target - now))
+        return proposals(np.concatenate(keys), np.concatenate(priorities), distinct=True)  # one layer per target
+
+    def predicted_map(self):
+        return self._predicted

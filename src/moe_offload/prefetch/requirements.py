@@ -1,0 +1,30 @@
+"""Whether a trace has the columns a prefetcher cannot work without, and how to get them when it has not."""
+
+from __future__ import annotations
+
+from moe_offload.errors import ConfigError
+from moe_offload.prefetch.base import Prefetcher
+from moe_offload.trace.format import Trace
+
+# column -> (what it holds, how to get a trace that has it)
+COLUMN_HELP = {
+    "probs": ("the router's full probability distribution over all experts of every layer",
+              "record the trace with full router probabilities (traces imported from top-k expert lists "
+              "have only the selected experts)"),
+    "embedding": ("the semantic embedding of each token's request",
+                  "record the trace with request embeddings (the model's embedding-layer output, "
+                  "mean-pooled over the prompt)"),
+    "gate_prediction": ("layer l+1's router applied to layer l's hidden state",
+                        "record the trace with next-layer gate predictions"),
+    "weights": ("the router weights of the selected experts", "record the trace with router weights"),
+}
+
+
+def check_trace_columns(prefetcher: type[Prefetcher], trace: Trace) -> None:
+    """Raise ConfigError naming the prefetcher, every missing column and how to get it."""
+    missing = [column for column in prefetcher.requires if getattr(trace, column) is None]
+    if not missing:
+        return
+    problems = "; ".join(f"column {column!r} ({COLUMN_HELP[column][0]}): {COLUMN_HELP[column][1]}"
+                         for column in missing)
+    raise ConfigError(f"prefetcher {prefetcher.name!r} needs trace columns that {trace.path} lacks: {problems}")

@@ -1,0 +1,58 @@
+"""What a prefetcher's search of its history costs, so that the timed simulator can charge it.
+
+fMoE and MoE-Infinity match the current iteration against stored history (expert maps, EAMs) at every
+layer; the others do a handful of array operations that the papers count as free. A prefetcher that
+searches derives from ``TimedSearch`` and, after every hook call, reports
+
+``last_search_seconds``
+    what the work of that call took: the search and the choice of the proposals, or (in
+    ``on_iteration_end``) the update of the stored history. Measured wall-clock time
+    (``time.perf_counter``) by default; with the option ``search_seconds=S`` every call that searched
+    reports the modelled constant S instead, which makes a simulation reproducible. 0.0 for a call that
+    searched nothing (an empty store, a layer with nothing left to predict).
+
+``search_on_inference_path``
+    False for fMoE: its matcher is an asynchronous subscriber (paper 000, "Asynchronous expert map
+    matching"), so the simulator charges the time on a separate matcher timeline and the call's proposals
+    reach the transfer queue only once the matcher is done, while inference goes on. True for
+    MoE-Infinity: Algorithm 1 of paper 002 calls PREFETCH (step 8) before the layer's experts run
+    (steps 9-13), so the time is spent on the inference path itself.
+
+``moe_offload.prefetch.search_latency(prefetcher)`` reads both for any prefetcher (0.0 and False for one
+that does not search).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import ClassVar
+
+from moe_offload.errors import ConfigError
+
+
+class TimedSearch:
+    """Mixin for prefetchers that search a history; see the module docstring."""
+
+    search_on_inference_path: ClassVar[bool]
+    last_search_seconds: float = 0.0
+    _modelled_seconds: float | None = None
+
+    def _set_search_seconds(self, search_seconds: float | None) -> None:
+        if search_seconds is not None:
+            if isinstance(search_seconds, bool) or not isinstance(search_seconds, (int, float)) \
+                    or not search_seconds >= 0:
+                raise ConfigError(f"{self.name}: search_seconds must be a number >= 0, not {search_seconds!r}")
+            search_seconds = float(search_seconds)
+        self._modelled_seconds = search_seconds
+
+    @contextmanager
+    def _timed_search(self):
+        """Time the block as one search: the hook's ``last_search_seconds``."""
+        start = time.perf_counter()
+        yield
+        elapsed = time.perf_counter() - start
+        self.last_search_seconds = elapsed if self._modelled_seconds is None else self._modelled_seconds
+
+    def _no_search(self) -> None:
+        self.last_search_seconds = 0.0
