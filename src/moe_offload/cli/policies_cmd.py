@@ -1,13 +1,15 @@
-"""`moe-offload policies`: the eviction policies, what each does and where it comes from."""
+"""`moe-offload policies`: the eviction policies and prefetchers, what each does and where it comes from."""
 
 from __future__ import annotations
 
 from moe_offload.policies import POLICIES
+from moe_offload.prefetch import PREFETCHERS
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("policies", help="list the eviction policies",
-                                   description="List the eviction policies with a one-line description and source.")
+    parser = subparsers.add_parser("policies", help="list the eviction policies and prefetchers",
+                                   description="List the eviction policies and the prefetchers with a one-line "
+                                               "description and their source.")
     parser.set_defaults(run=run)
 
 
@@ -21,5 +23,14 @@ def run(args) -> int:
     table.add_column("source")
     for name, info in POLICIES.items():
         table.add_row(name + (" (offline)" if info.offline else ""), info.summary, info.source)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    prefetchers = Table(title="prefetchers (use the name with simulate --timed --prefetch)", title_justify="left")
+    prefetchers.add_column("name", style="bold")
+    prefetchers.add_column("what it prefetches")
+    prefetchers.add_column("trace needs")
+    prefetchers.add_column("source")
+    for name, prefetcher in PREFETCHERS.items():
+        prefetchers.add_row(name, prefetcher.summary, ", ".join(prefetcher.requires) or "-", prefetcher.source)
+    console.print(prefetchers)
     return 0

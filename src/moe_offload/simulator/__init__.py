@@ -1,1 +1,6 @@
-"""Simulators that drive the cache and the policies: the access-level replay (paper 001's model)."""
+"""Simulators that drive the cache, the eviction policies and the prefetchers.
+
+replay.py: access-level demand paging, the model of paper 001 (hit rates against Belady's optimum).
+timed.py: discrete-event simulation on a hardware profile, with transfer queues (transfers.py) and
+prefetchers (TTFT, TPOT, stalls, traffic).
+"""
