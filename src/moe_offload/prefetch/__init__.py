@@ -19,7 +19,6 @@ from moe_offload.prefetch.moe_infinity import MoEInfinityPrefetcher
 from moe_offload.prefetch.moepic import MoEpicPrefetcher
 from moe_offload.prefetch.oracle import OraclePrefetcher
 from moe_offload.prefetch.requirements import check_trace_columns
-from moe_offload.prefetch.search_cost import TimedSearch
 from moe_offload.prefetch.topk import TopKPrefetcher
 from moe_offload.prefetch.traced_topk import TracedTopKPrefetcher
 
@@ -62,9 +61,7 @@ def make_prefetcher(name: str, spec: ModelSpec, options: dict | None = None) -> 
 
 def search_latency(prefetcher: Prefetcher) -> tuple[float, bool]:
     """(seconds the last hook call's search took, whether they delay the inference path)."""
-    if isinstance(prefetcher, TimedSearch):
-        return prefetcher.last_search_seconds, prefetcher.search_on_inference_path
-    return 0.0, False
+    return prefetcher.last_search_seconds, prefetcher.search_on_inference_path
 
 
 __all__ = ["PREFETCHERS", "prefetcher_info", "prefetcher_options", "make_prefetcher", "check_trace_columns",

@@ -90,6 +90,10 @@ class Prefetcher:
     summary: ClassVar[str]
     source: ClassVar[str]
     requires: ClassVar[tuple[str, ...]] = ()  # trace columns it cannot work without: probs, embedding, ...
+    # What the last hook call's search of history cost, and whether that time delays inference
+    # (moe_offload.prefetch.search_cost); prefetchers that search nothing keep these defaults.
+    search_on_inference_path: ClassVar[bool] = False
+    last_search_seconds: float = 0.0
 
     def __init__(self, spec: ModelSpec, **options):
         self.spec = spec

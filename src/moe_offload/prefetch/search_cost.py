@@ -26,16 +26,12 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import ClassVar
-
 from moe_offload.errors import ConfigError
 
 
 class TimedSearch:
     """Mixin for prefetchers that search a history; see the module docstring."""
 
-    search_on_inference_path: ClassVar[bool]
-    last_search_seconds: float = 0.0
     _modelled_seconds: float | None = None
 
     def _set_search_seconds(self, search_seconds: float | None) -> None:
