@@ -28,17 +28,22 @@ def register(subparsers) -> None:
                         help="VRAM for cached expert segments (V_e, without non-expert weights and the prefetch "
                              "buffer): a number of full experts (240), bytes with a unit (6GB, 5.5GiB) or a "
                              "fraction (0.25) or percentage (25%%) of all L*J experts")
+    parser.add_argument("--hardware", metavar="PRESET|FILE",
+                        help="hardware preset or profile file whose GPU link and compute times give the timings "
+                             "not given below (`moe-offload hardware list`)")
     parser.add_argument("--expert-load-ms", type=float, metavar="MS",
-                        help="time to load one full expert into VRAM (required)")
+                        help="time to load one full expert into VRAM (required without --hardware)")
     parser.add_argument("--expert-compute-ms", type=float, metavar="MS",
-                        help="time to compute one expert for a token (required)")
-    parser.add_argument("--attention-ms", type=float, metavar="MS", help="one layer's attention time (required)")
+                        help="time to compute one expert for a token (required without --hardware)")
+    parser.add_argument("--attention-ms", type=float, metavar="MS",
+                        help="one layer's attention time (required without --hardware)")
     parser.add_argument("--moe-ms", type=float, metavar="MS",
-                        help="one layer's whole MoE module (default: top-k x --expert-compute-ms; more with "
+                        help="one layer's whole MoE module (default: top-k x the expert compute time; more with "
                              "shared experts)")
-    parser.add_argument("--head-ms", type=float, default=0.0, metavar="MS",
-                        help="LM head time, which opens layer 0's prefetch window (default 0; traces predict "
-                             "layers 1..L-1 only, so layer 0 does not prefetch and this changes nothing yet)")
+    parser.add_argument("--head-ms", type=float, metavar="MS",
+                        help="LM head time, which opens layer 0's prefetch window (default: the hardware's, else "
+                             "0; traces predict layers 1..L-1 only, so layer 0 does not prefetch and this changes "
+                             "nothing yet)")
     parser.add_argument("--expert-bytes", type=int, metavar="N",
                         help="bytes of one expert, for budgets in bytes (default: the trace's metadata)")
     parser.add_argument("--granularity", type=float, default=0.01, metavar="ZETA",
@@ -47,7 +52,8 @@ def register(subparsers) -> None:
                         help="LCP observation window of the measured cache (default 128)")
     parser.add_argument("--lcp-rho", type=float, default=0.25, metavar="RHO",
                         help="LCP balance of frequency and recency (default 0.25)")
-    parser.add_argument("--json", action="store_true", help="print the configuration as JSON")
+    parser.add_argument("--json", action="store_true",
+                        help="print the configuration as JSON (`simulate --timed --split-config FILE` runs it)")
     parser.set_defaults(run=run)
 
 
@@ -93,17 +99,38 @@ def human_bytes(count: float) -> str:
     return f"{count:,.0f} B"
 
 
-def timings_from_args(args, top_k: int):
-    from moe_offload.configurator import Timings
+def timings_from_args(args, top_k: int, expert_bytes: int | None):
+    """The timings given in milliseconds; those not given come from --hardware: one token's expert, attention
+    and LM head times and the GPU link's transfer time of one expert (timings_from_hardware)."""
+    from moe_offload.configurator import Timings, timings_from_hardware
 
+    given = {"expert_load": args.expert_load_ms, "expert_compute": args.expert_compute_ms,
+             "attention": args.attention_ms, "moe": args.moe_ms, "head": args.head_ms}
+    if args.hardware is not None:
+        from moe_offload.hardware import resolve_profile
+
+        hardware = resolve_profile(args.hardware)
+        if not expert_bytes:
+            raise ConfigError(f"--hardware {args.hardware}: the load and compute times of an expert depend on its "
+                              "size, which the trace does not give: add --expert-bytes")
+        link, compute = hardware.link_from(1), hardware.compute
+        derived = timings_from_hardware(expert_bytes=expert_bytes, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
+                                        transfer_latency_s=link.latency_s,
+                                        expert_compute_s=compute.expert_seconds(1, expert_bytes),
+                                        attention_s=compute.attention(1), head_s=compute.lm_head(1), top_k=top_k)
+        seconds = {name: getattr(derived, name) if value is None else value / 1e3 for name, value in given.items()}
+        if args.moe_ms is None:  # K times the expert time actually used, given or derived
+            seconds["moe"] = top_k * seconds["expert_compute"]
+        return Timings(**seconds)
     missing = [flag for flag, value in (("--expert-load-ms", args.expert_load_ms),
                                         ("--expert-compute-ms", args.expert_compute_ms),
                                         ("--attention-ms", args.attention_ms)) if value is None]
     if missing:
-        raise ConfigError(f"configure needs the hardware's timings: give {', '.join(missing)}")
+        raise ConfigError(f"configure needs the hardware's timings: give {', '.join(missing)}, or --hardware")
     moe_ms = top_k * args.expert_compute_ms if args.moe_ms is None else args.moe_ms
+    head_ms = 0.0 if args.head_ms is None else args.head_ms
     return Timings(expert_load=args.expert_load_ms / 1e3, expert_compute=args.expert_compute_ms / 1e3,
-                   attention=args.attention_ms / 1e3, moe=moe_ms / 1e3, head=args.head_ms / 1e3)
+                   attention=args.attention_ms / 1e3, moe=moe_ms / 1e3, head=head_ms / 1e3)
 
 
 def run(args) -> int:
@@ -120,7 +147,7 @@ def run(args) -> int:
         raise ConfigError(f"--expert-bytes must be a positive number of bytes, not {args.expert_bytes}")
     expert_bytes = args.expert_bytes or meta.expert_bytes
     budget = parse_budget(args.vram_budget, meta, expert_bytes)
-    timings = timings_from_args(args, meta.top_k)
+    timings = timings_from_args(args, meta.top_k, expert_bytes)
     check_inputs(timings, budget, args.granularity, meta.num_layers, meta.num_experts, meta.top_k)
 
     stderr = Console(stderr=True)
@@ -135,7 +162,8 @@ def run(args) -> int:
              "latencies are MoEpic's model (equations 5-7 with alpha + beta theta ~ m), not a simulation"]
 
     if args.json:
-        document = {"trace": args.trace, "model": meta.model, "num_layers": meta.num_layers,
+        document = {"trace": args.trace, "hardware": args.hardware, "model": meta.model,
+                    "num_layers": meta.num_layers,
                     "num_experts": meta.num_experts, "top_k": meta.top_k, "tokens": stats.num_tokens,
                     "expert_bytes": expert_bytes,
                     "timings_seconds": {name: getattr(timings, name) for name in

@@ -22,7 +22,7 @@ DEFAULT_TIMED_POLICIES = "lru"
 # options of the timed simulation and their defaults: given without --timed they are refused
 TIMED_DEFAULTS = {"hardware": None, "prefetch": "none", "prefetch_option": [], "history": None, "expert_bytes": None,
                   "arrivals": "trace", "max_batch": 8, "timed_json": None, "plot_cdf": None, "plot_timeline": None,
-                  "timeline_iteration": None}
+                  "timeline_iteration": None, "split_config": None}
 
 
 def register(subparsers) -> None:
@@ -78,6 +78,10 @@ def register(subparsers) -> None:
                        help="plot one iteration: compute, transfers per link and stalls, layer by layer")
     timed.add_argument("--timeline-iteration", type=int, metavar="N",
                        help="the iteration of the timeline (default: the decode iteration of median duration)")
+    timed.add_argument("--split-config", metavar="FILE.json",
+                       help="run MoEpic's split experts as `moe-offload configure --json` chose them: per layer, "
+                            "the top segments of cache_size experts cached, split_ratio of an expert each, and a "
+                            "buffer of top-k experts for the missing segments (replaces --cache-size)")
     parser.set_defaults(run=run)
 
 
@@ -280,6 +284,7 @@ def run_timed(args) -> int:
     from moe_offload.hardware import parse_bytes, resolve_profile
     from moe_offload.prefetch import check_trace_columns, prefetcher_info
     from moe_offload.reporting.tables import print_timed_tables
+    from moe_offload.simulator.split import read_split_config
     from moe_offload.simulator.timed import ORACLE, Arrivals, check_timed_run, timed_grid
 
     if args.plot:
@@ -293,6 +298,9 @@ def run_timed(args) -> int:
     if args.jobs < 1:
         raise ConfigError("--jobs must be at least 1")
     history = read_trace(args.history) if args.history else None
+    if args.split_config and args.cache_size:
+        raise ConfigError("--split-config sets the GPU's expert memory layer by layer: leave out --cache-size")
+    split = read_split_config(args.split_config) if args.split_config else None
     paths = args.traces or [str(DEFAULT_TRACE)]
     plans = []
     for path in paths:  # read and check everything before the first run
@@ -303,10 +311,13 @@ def run_timed(args) -> int:
             raise ConfigError(f"{path}: the trace's metadata gives no expert size; give --expert-bytes")
         for name in [p for p in prefetchers if p is not None] + [ORACLE]:
             check_trace_columns(prefetcher_info(name), trace)
-        sizes = parse_timed_cache_sizes(args.cache_size or DEFAULT_TIMED_CACHE_SIZES, trace.meta, expert_bytes)
+        if split is not None:
+            sizes = [split.cache_bytes(expert_bytes)]
+        else:
+            sizes = parse_timed_cache_sizes(args.cache_size or DEFAULT_TIMED_CACHE_SIZES, trace.meta, expert_bytes)
         for policy in policies:
             for size in sizes:
-                check_timed_run(trace, hardware, policy, size, expert_bytes, arrivals)
+                check_timed_run(trace, hardware, policy, size, expert_bytes, arrivals, split, args.split_config)
         plans.append((path if args.traces else Path(path).name, trace, expert_bytes, sizes))
 
     stderr = Console(stderr=True)
@@ -321,7 +332,7 @@ def run_timed(args) -> int:
                                   arrivals=arrivals, seed=args.seed, policy_options=options,
                                   prefetcher_options=prefetch_options, history=history,
                                   timeline_iteration=args.timeline_iteration, name=name, jobs=args.jobs,
-                                  progress=lambda: bar.advance(task))
+                                  progress=lambda: bar.advance(task), split=split)
     if "learned" in policies:
         for name, trace, *_ in plans:
             note = learned_training_note(trace.path, options.get("learned", {}))

@@ -2,5 +2,5 @@
 
 replay.py: access-level demand paging, the model of paper 001 (hit rates against Belady's optimum).
 timed.py: discrete-event simulation on a hardware profile, with transfer queues (transfers.py) and
-prefetchers (TTFT, TPOT, stalls, traffic).
+prefetchers (TTFT, TPOT, stalls, traffic); split.py: MoEpic's split experts, an option of the timed run.
 """

@@ -61,6 +61,13 @@ the replay's (trace/flatten.py: token, rank, layer) and every policy makes exact
 (tests/test_timed.py checks it). With top-k > 1 the orders differ by design: the replay serves paper
 001's rounds (rank-major), the timed simulator the physical order (layer-major).
 
+Split experts (``split``, MoEpic, paper 004). The GPU is then not one cache of whole experts but, per layer,
+a cache of top segments and a buffer for the missing segments (simulator/split.py): a transfer into the
+GPU carries what the expert lacks there (its bottom segment when its top is cached, else all of it),
+resident means complete, and an expert computes the top segment's share of its time as soon as its top is
+in VRAM, the rest once it is complete. Everything else (queues, pinning, prefetchers, counters) is the
+same run; a hit is an expert complete when its layer is routed.
+
 Requests and latency. With ``Arrivals("trace")`` the trace's iterations run as recorded, each request
 arriving when its first iteration starts; with ``Arrivals("poisson", rate)`` (a seeded Poisson process) or
 ``Arrivals("times", times=...)`` (replayed timestamps) requests are served FIFO with continuous batching
@@ -88,6 +95,7 @@ from moe_offload.prefetch import (Prefetcher, RoutingView, check_trace_columns, 
 from moe_offload.reporting.results import RunResult
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
 from moe_offload.simulator.replay import check_cache_size
+from moe_offload.simulator.split import SplitConfig, SplitExperts
 from moe_offload.simulator.transfers import TransferQueue
 from moe_offload.trace.flatten import NEVER, next_use_times
 from moe_offload.trace.format import PREFILL, Trace
@@ -262,7 +270,7 @@ class _Load:
 class _TimedRun:
     def __init__(self, trace: Trace, hardware: HardwareProfile, policy: str, cache_bytes: int, expert_bytes: int,
                  prefetcher: Prefetcher | None, arrivals: Arrivals, seed: int, policy_options: dict | None,
-                 all_resident: bool):
+                 all_resident: bool, split: SplitConfig | None = None):
         meta = trace.meta
         self.trace, self.hardware, self.arrivals = trace, hardware, arrivals
         self.spec = spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
@@ -282,11 +290,14 @@ class _TimedRun:
         self.ctx = ctx = AccessContext()
         self.pinned: set = set()
         ctx.pinned = self.pinned
+        self.split: SplitExperts | None = None  # the GPU tier of a split run
         if all_resident:
             self.fast = ExpertCache(total, make())
             for key in range(self.L * self.J):
                 self.fast.reserve(key, ctx, expert_bytes)
                 self.fast.complete(key, ctx)
+        elif split is not None:
+            self.fast = self.split = SplitExperts(split, self.J, spec.top_k, expert_bytes, make)
         else:
             self.fast = cache(cache_bytes)
         # The home tier holds every expert from the start; the tiers between it and the GPU are caches.
@@ -411,9 +422,11 @@ class _TimedRun:
                             self._forget(load)
                         moved = True
                         continue
+                    if i == 1 and self.split is not None:  # its top may have been cached or evicted since queued
+                        transfer.nbytes = self.split.transfer_bytes(key)
                     ctx = self.ctx
                     ctx.pinned = self.pinned if i == 1 else self._middle_pins(i - 1, transfer.demand)
-                    room = self.caches[i - 1].reserve(key, ctx, self.E)
+                    room = self.caches[i - 1].reserve(key, ctx, transfer.nbytes)
                     ctx.pinned = self.pinned
                     if not room:  # the destination is full of pinned or incoming experts: wait for an event
                         break
@@ -438,14 +451,20 @@ class _TimedRun:
             ctx.next_use = self._next_use_after(key)
         self.caches[link - 1].complete(key, ctx)
         ctx.prefetch = False
+        if link == 1 and self.split is not None and key // self.J <= self.layer_now and key not in self.pinned:
+            self.split.consume(key)  # its layer was routed without it: the buffer serves the layer ahead
         if link == 1 or load.stale:
             self._forget(load)
             return
         load.at = link - 1
         if load.demand:
-            self.queues[load.at].demand(key, self.E)
+            self.queues[load.at].demand(key, self._wire_bytes(load.at, key))
         else:
-            self.queues[load.at].propose(key, load.priority, self.E)
+            self.queues[load.at].propose(key, load.priority, self._wire_bytes(load.at, key))
+
+    def _wire_bytes(self, link: int, key: int) -> int:
+        """Bytes a transfer of ``key`` carries on ``link``: into a split GPU, what it lacks of the expert."""
+        return self.split.transfer_bytes(key) if link == 1 and self.split is not None else self.E
 
     def _forget(self, load: _Load) -> None:
         del self.loads[load.key]
@@ -454,11 +473,12 @@ class _TimedRun:
     def _route_from_nearest(self, load: _Load) -> None:
         """Queue ``load`` on the link out of the nearest tier holding its expert."""
         load.at = self._nearest_holder(load.key)
+        nbytes = self._wire_bytes(load.at, load.key)
         if load.demand:
-            self.queues[load.at].demand(load.key, self.E)
+            self.queues[load.at].demand(load.key, nbytes)
             self._announce(load)
         else:
-            self.queues[load.at].propose(load.key, load.priority, self.E)
+            self.queues[load.at].propose(load.key, load.priority, nbytes)
 
     def _announce(self, load: _Load) -> None:
         """Tell the links further on a demand load's route when it can arrive there at the earliest: on the
@@ -480,7 +500,7 @@ class _TimedRun:
         load.demand, load.stale = True, False
         queue = self.queues[load.at]
         if queue.on_wire is None or queue.on_wire.key != key:
-            queue.demand(key, self.E)
+            queue.demand(key, self._wire_bytes(load.at, key))
         self._announce(load)
 
     def _propose(self, proposals) -> None:
@@ -494,7 +514,7 @@ class _TimedRun:
                 self._route_from_nearest(loads.setdefault(key, _Load(key, False, priority, 0)))
             elif not load.demand:
                 load.priority, load.stale = priority, False
-                self.queues[load.at].propose(key, priority, self.E)
+                self.queues[load.at].propose(key, priority, self._wire_bytes(load.at, key))
         self._kick()
 
     def _drop_prefetches_of(self, layer: int) -> None:
@@ -529,6 +549,8 @@ class _TimedRun:
         """Layer ``layer``'s router has run: its accesses, in order, and the demand loads of its misses."""
         ctx, fast = self.ctx, self.fast
         self.pinned.update(keys)
+        if self.split is not None:
+            self.split.drop_unneeded(layer, set(keys))
         middle = self.caches[1:]
         wire = self.queues[1] if self.queues else None
         for key in keys:
@@ -558,24 +580,41 @@ class _TimedRun:
         self._drop_prefetches_of(layer)
         self._kick()
 
+    def _part_ready(self, key: int, top_done: bool) -> bool:
+        """Whether the next part of expert ``key`` can run: all of it once resident; split, its top share
+        once it has its top, the rest once it is complete."""
+        if self.split is None or top_done or key in self.fast:
+            return key in self.fast
+        return self.split.has_top(key)
+
     def _run_experts(self, layer: int, keys: list[int], counts: list[int]) -> None:
-        remaining = list(zip(keys, counts))
-        fast, expert_seconds, E = self.fast, self.compute.expert_seconds, self.E
+        remaining = [[key, tokens, False] for key, tokens in zip(keys, counts)]  # [key, tokens, top share run]
+        expert_seconds, E, split = self.compute.expert_seconds, self.E, self.split
+        theta = split.ratio[layer] if split is not None else 1.0
         while remaining:
-            ready = next((i for i, (key, _) in enumerate(remaining) if key in fast), None)
+            ready = next((i for i, (key, _, top_done) in enumerate(remaining) if self._part_ready(key, top_done)),
+                         None)
             if ready is None:
                 start = self.now
-                while not any(key in fast for key, _ in remaining):
+                while not any(self._part_ready(key, top_done) for key, _, top_done in remaining):
                     if self._next_event_time() == math.inf:
                         raise RuntimeError(f"no transfer can bring the experts layer {layer} waits for "
-                                           f"{[k for k, _ in remaining]}")
+                                           f"{[k for k, _, _ in remaining]}")
                     self._process_next_event()
                 self.per_layer_stall[layer] += self.now - start
                 self.events.append(("stall", "stall", start, self.now, layer, -1))
                 continue
-            key, tokens = remaining.pop(ready)
-            self._compute(expert_seconds(tokens, E), "expert", layer, key)
+            key, tokens, top_done = remaining[ready]
+            seconds = expert_seconds(tokens, E)
+            if theta < 1 and not top_done:  # the top segment's share; the bottom's may still be on the wire
+                self._compute(theta * seconds, "expert", layer, key)
+                remaining[ready][2] = True
+                continue
+            remaining.pop(ready)
+            self._compute((1 - theta) * seconds if top_done else seconds, "expert", layer, key)
             self.pinned.discard(key)
+            if split is not None:
+                split.consume(key)
             self._kick()
 
     def run(self) -> dict:
@@ -657,20 +696,26 @@ def home_tier(hardware: HardwareProfile, expert_bytes_in_all: int) -> int | None
 
 
 def check_timed_run(trace: Trace, hardware: HardwareProfile, policy: str, cache_bytes: int | None,
-                    expert_bytes: int, arrivals: Arrivals) -> None:
+                    expert_bytes: int, arrivals: Arrivals, split: SplitConfig | None = None,
+                    split_source: str = "the split configuration") -> None:
     """Raise ConfigError when this run cannot be made: a cache that holds no expert, exceeds the GPU or
-    is below what the policy needs; experts with no tier to live in; a middle tier too small for one
-    expert; an offline policy with serving arrivals."""
+    is below what the policy needs (with ``split``, a split configuration the model or the GPU cannot run,
+    named ``split_source`` in the message; ``cache_bytes`` is then unused); experts with no tier to live
+    in; a middle tier too small for one expert; an offline policy with serving arrivals."""
     meta = trace.meta
     spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
     total = meta.num_expert_slots * expert_bytes
     gpu = hardware.tiers[0]
-    if cache_bytes is None or cache_bytes < expert_bytes:
-        raise ConfigError(f"a GPU expert cache of {cache_bytes} bytes cannot hold one expert of {expert_bytes}")
-    if cache_bytes > gpu.capacity_bytes:
-        raise ConfigError(f"a cache of {format_bytes(cache_bytes)} does not fit in the "
-                          f"{format_bytes(gpu.capacity_bytes)} of {hardware.name}'s {gpu.name}")
-    check_cache_size(policy, min(cache_bytes, total) // expert_bytes, spec)
+    if split is not None:
+        split.check(meta.num_layers, meta.num_experts, meta.top_k, expert_bytes, f"{hardware.name}'s {gpu.name}",
+                    gpu.capacity_bytes, split_source)
+    else:
+        if cache_bytes is None or cache_bytes < expert_bytes:
+            raise ConfigError(f"a GPU expert cache of {cache_bytes} bytes cannot hold one expert of {expert_bytes}")
+        if cache_bytes > gpu.capacity_bytes:
+            raise ConfigError(f"a cache of {format_bytes(cache_bytes)} does not fit in the "
+                              f"{format_bytes(gpu.capacity_bytes)} of {hardware.name}'s {gpu.name}")
+        check_cache_size(policy, min(cache_bytes, total) // expert_bytes, spec)
     home = home_tier(hardware, total)
     if home is None:
         raise ConfigError(f"hardware {hardware.name}: no tier after {gpu.name} holds all {meta.num_expert_slots} "
@@ -689,10 +734,12 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
                    prefetcher_options: dict | None = None, history: Trace | None = None,
                    arrivals: Arrivals = Arrivals(), seed: int = 0, policy_options: dict | None = None,
                    timeline_iteration: int | None = None, name: str | None = None,
-                   all_resident: bool = False) -> RunResult:
+                   all_resident: bool = False, split: SplitConfig | None = None) -> RunResult:
     """Run ``trace`` on ``hardware`` with ``policy`` on a GPU expert cache of ``cache_bytes`` and an optional
     prefetcher (a registry name, or an instance); ``all_resident`` runs the bound with every expert in the
-    GPU from the start (no transfers; ``policy``, ``cache_bytes`` and ``prefetcher`` are ignored)."""
+    GPU from the start (no transfers; ``policy``, ``cache_bytes``, ``prefetcher`` and ``split`` are ignored).
+    With ``split`` (MoEpic's split experts, simulator/split.py) the GPU holds per-layer caches of top
+    segments and buffers instead of a cache of ``cache_bytes``, which is then ignored."""
     meta = trace.meta
     expert_bytes = expert_bytes or meta.expert_bytes
     if not expert_bytes:
@@ -701,9 +748,14 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
     total = meta.num_expert_slots * expert_bytes
     notes = []
     if all_resident:  # the policy never has to choose: any will do
-        policy, policy_options, cache_bytes, prefetcher = "lru", None, total, None
+        policy, policy_options, cache_bytes, prefetcher, split = "lru", None, total, None, None
     else:
-        check_timed_run(trace, hardware, policy, cache_bytes, expert_bytes, arrivals)
+        check_timed_run(trace, hardware, policy, cache_bytes, expert_bytes, arrivals, split)
+        if split is not None:
+            cache_bytes = split.cache_bytes(expert_bytes)
+            notes.append(f"split experts: layer i caches the top segments (theta_i of an expert) of C_i experts, "
+                         f"{format_bytes(cache_bytes)} in all, and buffers up to {meta.top_k} experts' missing "
+                         "segments")
         if policy_info(policy).policy.needs_probs and trace.probs is None:
             notes.append(f"{policy}: the trace has no router probabilities, so p comes from the prefetcher's map "
                          "when it has one, else is uniform (fmoe then ranks like LFU)")
@@ -717,7 +769,7 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         check_trace_columns(type(prefetcher), trace)
         instance = prefetcher
     sim = _TimedRun(trace, hardware, policy, cache_bytes, expert_bytes, instance, arrivals, seed, policy_options,
-                    all_resident)
+                    all_resident, split)
     if sim.home > 1 and not all_resident:
         notes.append(f"{hardware.name}: the experts live in {hardware.tiers[sim.home].name}; "
                      + ", ".join(f"{t.name} caches {format_bytes(t.capacity_bytes)}"
@@ -733,7 +785,8 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
     misses = sim.accesses - sim.hits
     return RunResult(
         trace=name or trace.path, policy=ALL_RESIDENT if all_resident else policy,
-        cache_size=min(cache_bytes, total) // expert_bytes, accesses=sim.accesses, hits=sim.hits, misses=misses,
+        cache_size=(sum(plan.cached_experts for plan in split.layers) if split is not None
+                    else min(cache_bytes, total) // expert_bytes), accesses=sim.accesses, hits=sim.hits, misses=misses,
         per_layer_accesses=sim.per_layer_accesses, per_layer_hits=sim.per_layer_hits,
         bytes_loaded=sim.queues[1].bytes_moved if sim.queues else 0,
         prefetches_issued=sim.issued if instance is not None else None,
@@ -769,9 +822,11 @@ def timed_grid(trace: Trace, hardware: HardwareProfile, policies: list[str], pre
                seed: int = 0, policy_options: dict[str, dict] | None = None,
                prefetcher_options: dict[str, dict] | None = None, history: Trace | None = None,
                timeline_iteration: int | None = None, with_oracle: bool = True, name: str | None = None,
-               jobs: int = 1, progress=None) -> list[RunResult]:
+               jobs: int = 1, progress=None, split: SplitConfig | None = None) -> list[RunResult]:
     """Every (policy, prefetcher, cache size in bytes) and the bounds to compare them with: the all-resident
-    run (first) and, for every policy and size, the oracle prefetcher (unless asked for anyway).
+    run (first) and, for every policy and size, the oracle prefetcher (unless asked for anyway). With
+    ``split`` every run but the all-resident one runs that split configuration (give one cache size: it is
+    unused).
 
     Runs are independent, so ``jobs`` > 1 spreads them over processes; results do not depend on it.
     ``progress`` is called after each run."""
@@ -781,7 +836,7 @@ def timed_grid(trace: Trace, hardware: HardwareProfile, policies: list[str], pre
     if with_oracle and ORACLE not in prefetchers:
         runs += [(policy, ORACLE, size) for size in cache_sizes for policy in policies]
     tasks = [dict(all_resident=True, **shared)]
-    tasks += [dict(policy=policy, cache_bytes=size, prefetcher=prefetcher,
+    tasks += [dict(policy=policy, cache_bytes=size, prefetcher=prefetcher, split=split,
                    prefetcher_options=(prefetcher_options or {}).get(prefetcher),
                    policy_options=(policy_options or {}).get(policy), **shared)
               for policy, prefetcher, size in runs]

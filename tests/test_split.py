@@ -1,0 +1,199 @@
+"""MoEpic's split experts in the timed simulator (simulator/split.py): a timeline worked out by hand, the
+unsplit run as the case theta = 1, and `configure --json` fed to `simulate --timed --split-config`.
+
+The hardware is test_timed's ``profile()``: one link host -> gpu (100 B/s unless a test says otherwise,
+0.5 s latency per transfer), attention 1 s and router 0.25 s per layer, 2 s per expert, LM head 0.5 s;
+experts of 100 B.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_offload.cli.main import main
+from moe_offload.errors import ConfigError
+from moe_offload.simulator.split import LayerSplitPlan, SplitConfig
+from moe_offload.simulator.timed import simulate_timed
+from moe_offload.trace.format import write_trace
+from moe_offload.trace.synthetic import zipf_trace
+from test_configurator import routed_trace
+from test_timed import E, NextLayerTruth, hand_trace, multi_request, profile, spec_of, transfers
+
+HALVES = SplitConfig((LayerSplitPlan(cached_experts=1, split_ratio=0.5),))  # one layer: one top of 50 B
+
+
+def test_one_layer_one_link_one_expert_split_in_halves_by_hand():
+    # One layer, one expert needed by three tokens; its top half (50 B) is cached, the bottom half (50 B) is
+    # fetched every time. The link carries 50 B/s: a whole expert takes 0.5 + 100/50 = 2.5 s, a bottom
+    # segment 0.5 + 50/50 = 1.5 s. The top half computes in 0.5 x 2 = 1 s, the bottom half in 1 s.
+    #   token 0: attention 0 -> 1, router -> 1.25; nothing cached: the whole expert 1.25 -> 3.75 (stall 2.5),
+    #            its top is cached; top half 3.75 -> 4.75, bottom half -> 5.75, LM head -> 6.25   TTFT 6.25
+    #   token 1: attention -> 7.25, router -> 7.5; the top is cached: the bottom loads 7.5 -> 9.0 while the
+    #            top half computes 7.5 -> 8.5; stall 8.5 -> 9.0 (0.5); bottom half 9.0 -> 10.0, LM head -> 10.5
+    #   token 2: the same 4.25 s later: 14.75                                  TPOT (14.75 - 6.25) / 2 = 4.25
+    # Stall 2.5 + 0.5 + 0.5 = 3.5 s; the link moved 100 + 50 + 50 = 200 B.
+    trace = hand_trace([[[0]], [[0]], [[0]]], layers=1, num_experts=1)
+    result = simulate_timed(trace, profile(bandwidth=50.0), "lru", split=HALVES, timeline_iteration=1)
+    assert result.ttft_seconds == pytest.approx(6.25)
+    assert result.tpot_seconds == pytest.approx(4.25)
+    assert result.token_latency_seconds == pytest.approx([4.25, 4.25])
+    assert result.per_layer_stall_seconds == pytest.approx([3.5])
+    assert result.bytes_per_link == {"host->gpu": 200}
+    assert (result.accesses, result.hits, result.on_demand_loads) == (3, 0, 3)  # never complete in VRAM
+    assert result.cache_bytes == 50 and result.cache_size == 1
+    assert transfers(result) == [("host->gpu", "demand", 0, 1.25, 2.75)]  # from iteration 1's start, 6.25
+    experts = [(e["start_s"], e["end_s"]) for e in result.timeline["events"] if e["kind"] == "expert"]
+    assert experts == pytest.approx([(1.25, 2.25), (2.75, 3.75)])  # top half overlaps the bottom's load
+
+    # Unsplit, the cached expert would not load again: 1 + 0.25 + 2 + 0.5 = 3.75 s per decode token.
+    whole = simulate_timed(trace, profile(bandwidth=50.0), "lru", 1 * E)
+    assert whole.tpot_seconds == pytest.approx(3.75)
+
+
+def test_a_prefetched_bottom_segment_lands_in_the_buffer_by_hand():
+    # As above at 100 B/s (whole expert 1.5 s, bottom segment 1.0 s), with a prefetcher proposing layer 0's
+    # expert before each iteration.
+    #   token 0: prefetch of the whole expert 0 -> 1.5; router ends 1.25, stall 0.25 (a late prefetch);
+    #            top half 1.5 -> 2.5, bottom half -> 3.5, LM head -> 4.0                          TTFT 4.0
+    #   token 1: the prefetch of the bottom 4.0 -> 5.0 lands in the buffer before the router ends at 5.25;
+    #            both halves 5.25 -> 7.25, LM head -> 7.75: no stall                              TPOT 3.75
+    trace = hand_trace([[[0]], [[0]]], layers=1, num_experts=1)
+    result = simulate_timed(trace, profile(), "lru", split=HALVES, prefetcher=NextLayerTruth(spec_of(trace)),
+                            timeline_iteration=1)
+    assert (result.ttft_seconds, result.tpot_seconds, result.stall_seconds) == pytest.approx((4.0, 3.75, 0.25))
+    assert transfers(result) == [("host->gpu", "prefetch", 0, 0.0, 1.0)]
+    assert result.bytes_per_link == {"host->gpu": 150}
+    assert (result.prefetches_issued, result.prefetches_used, result.hits) == (2, 2, 1)
+
+
+@pytest.mark.parametrize("prefetcher", [None, "oracle"])
+def test_theta_one_with_every_expert_cached_is_the_partitioned_run(prefetcher):
+    # theta = 1 and C_i = J: the top segment is the whole expert, the buffer takes no bytes, and each layer's
+    # cache is the partition of lru-dist over a cache of all L x J experts.
+    trace = multi_request(zipf_trace(num_layers=3, num_experts=8, top_k=2, length=60, a=1.0, b=1.0, seed=5,
+                                     shuffle=True), requests=3)
+    whole = SplitConfig(tuple(LayerSplitPlan(8, 1.0) for _ in range(3)))
+    split = simulate_timed(trace, profile(), "lru-dist", split=whole, prefetcher=prefetcher)
+    partitioned = simulate_timed(trace, profile(), "lru-dist", 3 * 8 * E, prefetcher=prefetcher)
+    same = ("ttft_seconds", "tpot_seconds", "stall_seconds", "per_layer_stall_seconds", "hits", "misses",
+            "on_demand_loads", "bytes_per_link", "prefetches_issued", "prefetches_used", "request_ttft_seconds",
+            "request_tpot_seconds", "token_latency_seconds", "total_seconds", "cache_size", "cache_bytes")
+    assert {name: getattr(split, name) for name in same} == {name: getattr(partitioned, name) for name in same}
+
+
+def test_theta_one_with_smaller_caches_is_the_partitioned_run():
+    # Top-1 decode, two cached experts per layer: the cache never has to refuse a top (nothing pinned but the
+    # expert being loaded), so the split run evicts as lru-dist does on a cache of 2 L experts.
+    trace = multi_request(zipf_trace(num_layers=4, num_experts=8, top_k=1, length=80, a=0.8, b=1.0, seed=3,
+                                     shuffle=True), requests=2)
+    split = simulate_timed(trace, profile(), "lru-dist", split=SplitConfig((LayerSplitPlan(2, 1.0),) * 4))
+    partitioned = simulate_timed(trace, profile(), "lru-dist", 4 * 2 * E)
+    assert (split.hits, split.tpot_seconds, split.ttft_seconds, split.stall_seconds) == \
+        (partitioned.hits, partitioned.tpot_seconds, partitioned.ttft_seconds, partitioned.stall_seconds)
+
+
+@pytest.mark.parametrize("prefetcher", [None, "oracle"])
+def test_free_transfers_make_any_split_cost_nothing(prefetcher):
+    # With infinite bandwidth and no latency every missing segment arrives at once: the two shares of an
+    # expert run back to back and each token takes as long as with every expert resident.
+    trace = multi_request(zipf_trace(num_layers=3, num_experts=8, top_k=2, length=60, a=1.0, b=1.0, seed=7,
+                                     shuffle=True), requests=3)
+    free = profile(bandwidth=float("inf"), latency=0.0)
+    bound = simulate_timed(trace, free, all_resident=True)
+    split = simulate_timed(trace, free, "lru", split=SplitConfig((LayerSplitPlan(3, 0.4),) * 3),
+                           prefetcher=prefetcher)
+    assert split.stall_seconds == 0.0 and split.bytes_loaded > 0
+    assert split.request_tpot_seconds == pytest.approx(bound.request_tpot_seconds)
+    assert split.request_ttft_seconds == pytest.approx(bound.request_ttft_seconds)
+
+
+@pytest.fixture
+def routed_file(tmp_path):
+    return str(write_trace(routed_trace(tokens=60), tmp_path / "routed.parquet"))
+
+
+def test_configure_json_runs_in_the_simulator(routed_file, tmp_path, capsys):
+    assert main(["configure", routed_file, "--vram-budget", "25%", "--hardware", "desktop-rtx4090", "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    # the timings follow from the preset: a 4096-byte expert over PCIe 4.0, one token's compute times
+    timings = document["timings_seconds"]
+    assert 0 < timings["expert_load"] < 1e-3 and timings["moe"] == pytest.approx(2 * timings["expert_compute"])
+    config_file = tmp_path / "split.json"
+    config_file.write_text(json.dumps(document))
+    out_json = tmp_path / "timed.json"
+    assert main(["simulate", routed_file, "--timed", "--hardware", "desktop-rtx4090", "--policy", "lcp",
+                 "--prefetch", "moepic", "--split-config", str(config_file), "--timed-json", str(out_json)]) == 0
+    rows = json.loads(out_json.read_text())
+    cached = sum(layer["cache_size"] for layer in document["layers"])
+    assert [(r["policy"], r["prefetcher"], r["cache_size"]) for r in rows] == [
+        ("all-resident", None, 6 * 16), ("lcp", "moepic", cached), ("lcp", "oracle", cached)]
+    top_bytes = sum(layer["cache_size"] * round(layer["split_ratio"] * 4096) for layer in document["layers"])
+    assert all(r["cache_bytes"] == top_bytes for r in rows[1:])
+    assert all(any("split experts" in note for note in r["notes"]) for r in rows[1:])
+    assert rows[1]["tpot_seconds"] >= rows[0]["tpot_seconds"]
+
+
+def split_file(tmp_path, layers, num_layers=6):
+    path = tmp_path / "split.json"
+    path.write_text(json.dumps({"num_layers": num_layers, "layers": layers}))
+    return str(path)
+
+
+@pytest.mark.parametrize("layers, message", [
+    ([{"cache_size": 4, "split_ratio": 0.5}] * 5, "5 layers, but the trace's model has 6"),
+    ([{"cache_size": 4, "split_ratio": 0.5}] * 5 + [{"cache_size": 4, "split_ratio": 1.5}],
+     "layer 5: split ratio 1.5 is outside (0, 1]"),
+    ([{"cache_size": 4, "split_ratio": 0.0}] * 6, "layer 0: split ratio 0.0 is outside (0, 1]"),
+    ([{"cache_size": 17, "split_ratio": 0.5}] * 6, "layer 0: 17 cached experts, not in [1, 16]"),
+    ([{"cache_size": 4}] * 6, "layer 0: needs an integer cache_size and a number split_ratio"),
+    ([{"cache_size": 16, "split_ratio": 1.0}] * 6, "more than the 100 KiB of the test's gpu"),
+])
+def test_bad_split_files_give_one_line_errors(routed_file, tmp_path, capsys, monkeypatch, layers, message):
+    import moe_offload.hardware as hardware_module
+
+    small = profile(gpu=100 * 1024)  # the simulate command resolves --hardware through moe_offload.hardware
+    monkeypatch.setattr(hardware_module, "resolve_profile", lambda name: small)
+    path = split_file(tmp_path, layers)
+    code = main(["simulate", routed_file, "--timed", "--split-config", path])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("moe-offload: error: "), err
+    assert path in err and message in err, err
+
+
+@pytest.mark.parametrize("text, message", [("not json", "not JSON"), ("[]", "no list of layers")])
+def test_unreadable_split_files_give_one_line_errors(routed_file, tmp_path, capsys, text, message):
+    path = tmp_path / "split.json"
+    path.write_text(text)
+    code = main(["simulate", routed_file, "--timed", "--split-config", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and str(path) in err and message in err, err
+    code = main(["simulate", routed_file, "--timed", "--split-config", str(tmp_path / "missing.json")])
+    assert code == 2 and "cannot read the split configuration" in capsys.readouterr().err
+
+
+def test_split_config_replaces_the_cache_size(routed_file, tmp_path, capsys):
+    path = split_file(tmp_path, [{"cache_size": 4, "split_ratio": 0.5}] * 6)
+    code = main(["simulate", routed_file, "--timed", "--split-config", path, "--cache-size", "25%"])
+    assert code == 2 and "leave out --cache-size" in capsys.readouterr().err
+    code = main(["simulate", routed_file, "--split-config", path])
+    assert code == 2 and "--split-config belongs to the timed simulation" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="the split configuration: 1 layers"):
+        simulate_timed(routed_trace(tokens=4), profile(), "lru", split=HALVES)
+
+
+def test_configure_takes_the_timings_from_the_hardware_unless_given(routed_file, capsys):
+    from moe_offload.hardware import resolve_profile
+
+    rtx = resolve_profile("desktop-rtx4090")
+    link = rtx.link_from(1)
+    assert main(["configure", routed_file, "--vram-budget", "25%", "--hardware", "desktop-rtx4090", "--json",
+                 "--expert-load-ms", "0.6"]) == 0
+    timings = json.loads(capsys.readouterr().out)["timings_seconds"]
+    assert timings == pytest.approx({"expert_load": 6e-4, "expert_compute": rtx.compute.expert_seconds(1, 4096),
+                                     "attention": rtx.compute.attention(1),
+                                     "moe": 2 * rtx.compute.expert_seconds(1, 4096), "head": rtx.compute.lm_head(1)})
+    assert main(["configure", routed_file, "--vram-budget", "25%", "--hardware", "desktop-rtx4090", "--json"]) == 0
+    derived = json.loads(capsys.readouterr().out)["timings_seconds"]["expert_load"]
+    assert derived == pytest.approx(link.latency_s + 4096 / link.bandwidth_bytes_per_s)
