@@ -373,7 +373,7 @@ def test_configure_prints_a_table(trace_file, capsys):
     assert main(["configure", trace_file, "--vram-budget", "25%", *TIMING_ARGS]) == 0
     out = capsys.readouterr().out
     text = " ".join(out.split())  # the title wraps at the temporary path's length
-    for fragment in ("MoEpic configuration for 24.00 experts of VRAM (96.00 KiB), zeta = 0.01", "theta", "cached C",
+    for fragment in ("MoEpic configuration for 24.00 experts of VRAM (96 KiB), zeta = 0.01", "theta", "cached C",
                      "exposed ms", "budget moves", "uniform allocation", "layer 0 is configured without prefetching"):
         assert fragment in text, out
     assert len([line for line in out.splitlines() if line.startswith("│")]) == 6

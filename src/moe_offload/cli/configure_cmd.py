@@ -8,11 +8,9 @@ import re
 import sys
 
 from moe_offload.errors import ConfigError
+from moe_offload.hardware.profile import format_bytes, parse_bytes
 from moe_offload.trace.format import TraceMeta
 
-_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_BYTES = re.compile(r"^([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]i?b|b)$", re.IGNORECASE)
 
 
 def register(subparsers) -> None:
@@ -67,12 +65,11 @@ def parse_budget(text: str, meta: TraceMeta, expert_bytes: int | None) -> float:
             experts = float(item[:-1]) / 100 * total
             if not 0 < experts <= total:
                 problem = "a percentage must be in (0, 100]"
-        elif _BYTES.match(item):
-            number, unit = _BYTES.match(item).groups()
+        elif re.fullmatch(r"[0-9.]+(?:e[+-]?[0-9]+)?\s*[kmgt]?i?b", item, re.IGNORECASE):  # bytes with a unit
             if not expert_bytes:
                 raise ConfigError(f"--vram-budget {item!r} is in bytes, but the trace does not give the size of "
                                   "an expert: add --expert-bytes")
-            experts = float(number) * _BYTE_UNITS[unit.lower()] / expert_bytes
+            experts = parse_bytes(item, "--vram-budget") / expert_bytes
         elif re.fullmatch(r"[+-]?[0-9]+", item):
             experts = float(int(item))
         else:
@@ -90,13 +87,6 @@ def parse_budget(text: str, meta: TraceMeta, expert_bytes: int | None) -> float:
     if problem is not None:
         raise ConfigError(f"--vram-budget {item!r}: {problem}")
     return min(experts, float(total))
-
-
-def human_bytes(count: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= size:
-            return f"{count / size:,.2f} {unit}"
-    return f"{count:,.0f} B"
 
 
 def timings_from_args(args, top_k: int, expert_bytes: int | None):
@@ -180,7 +170,7 @@ def run(args) -> int:
     out = Console()
     if not out.is_terminal:
         out.width = 120
-    bytes_text = f" ({human_bytes(budget * expert_bytes)})" if expert_bytes else ""
+    bytes_text = f" ({format_bytes(budget * expert_bytes)})" if expert_bytes else ""
     table = Table(title=f"{args.trace}  -  MoEpic configuration for {budget:,.2f} experts of VRAM{bytes_text}, "
                         f"zeta = {args.granularity:g}", title_justify="left")
     for column in ("layer", "VRAM experts", "theta", "cached C", "hit rate", "prefetch Y", "loaded m",

@@ -17,6 +17,7 @@ from moe_offload.policies import POLICIES, policy_info
 from moe_offload.trace.format import TraceMeta, read_trace
 
 DEFAULT_CACHE_SIZES = "12.5%,25%,50%"
+POLICY_OPTION, PREFETCH_OPTION = "POLICY.NAME=VALUE", "PREFETCHER.NAME=VALUE"
 DEFAULT_TIMED_CACHE_SIZES = "25%"
 DEFAULT_TIMED_POLICIES = "lru"
 # options of the timed simulation and their defaults: given without --timed they are refused
@@ -50,7 +51,7 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the randomized policies (default 0)")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                         help="worker processes (default: up to 2)")
-    parser.add_argument("--policy-option", action="append", default=[], metavar="POLICY.NAME=VALUE",
+    parser.add_argument("--policy-option", action="append", default=[], metavar=POLICY_OPTION,
                         help="a policy parameter, e.g. lcp.rho=0.5 or learned.model_path=model.npz (repeatable)")
     timed = parser.add_argument_group("timed simulation (--timed)")
     timed.add_argument("--timed", action="store_true",
@@ -60,7 +61,7 @@ def register(subparsers) -> None:
     timed.add_argument("--prefetch", default=TIMED_DEFAULTS["prefetch"], metavar="NAME[,NAME]",
                        help="comma-separated prefetchers, 'none' for demand loading only (default none); the "
                             "all-resident run and the oracle prefetcher are always added as bounds")
-    timed.add_argument("--prefetch-option", action="append", default=[], metavar="PREFETCHER.NAME=VALUE",
+    timed.add_argument("--prefetch-option", action="append", default=[], metavar=PREFETCH_OPTION,
                        help="a prefetcher parameter, e.g. oracle.distance=2 (repeatable)")
     timed.add_argument("--history", metavar="TRACE",
                        help="past traffic for the prefetchers that learn from it (their fit): a training split")
@@ -124,19 +125,22 @@ def parse_cache_sizes(text: str, meta: TraceMeta) -> list[int]:
     return sorted(set(sizes))
 
 
-def parse_policy_options(items: list[str]) -> dict[str, dict]:
+def parse_component_options(items: list[str], flag: str, form: str, lookup) -> dict[str, dict]:
+    """``NAME.OPTION=VALUE`` items of ``flag`` (--policy-option, --prefetch-option; ``form`` spells its
+    metavar) as {name: {option: value}}; ``lookup(name)`` rejects an unknown policy or prefetcher. Values are
+    JSON where they parse, else strings."""
     options: dict[str, dict] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        policy, dot, name = key.partition(".")
+        component, dot, name = key.partition(".")
         if not sep or not dot or not name:
-            raise ConfigError(f"--policy-option {item!r} is not POLICY.NAME=VALUE")
-        policy_info(policy)
+            raise ConfigError(f"{flag} {item!r} is not {form}")
+        lookup(component)
         try:
             parsed = json.loads(value)
         except ValueError:
             parsed = value  # a plain string such as a path
-        options.setdefault(policy, {})[name.replace("-", "_")] = parsed
+        options.setdefault(component, {})[name.replace("-", "_")] = parsed
     return options
 
 
@@ -174,7 +178,7 @@ def run(args) -> int:
     args.policy = args.policy or "all"
     args.cache_size = args.cache_size or DEFAULT_CACHE_SIZES
     policies = parse_policies(args.policy)
-    options = parse_policy_options(args.policy_option)
+    options = parse_component_options(args.policy_option, "--policy-option", POLICY_OPTION, policy_info)
     paths = args.traces or [str(DEFAULT_TRACE)]
     if args.jobs < 1:
         raise ConfigError("--jobs must be at least 1")
@@ -241,24 +245,6 @@ def parse_prefetchers(text: str) -> list[str | None]:
     return list(dict.fromkeys(None if name == "none" else name for name in names))
 
 
-def parse_prefetch_options(items: list[str]) -> dict[str, dict]:
-    from moe_offload.prefetch import prefetcher_info
-
-    options: dict[str, dict] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        prefetcher, dot, name = key.partition(".")
-        if not sep or not dot or not name:
-            raise ConfigError(f"--prefetch-option {item!r} is not PREFETCHER.NAME=VALUE")
-        prefetcher_info(prefetcher)
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            parsed = value
-        options.setdefault(prefetcher, {})[name.replace("-", "_")] = parsed
-    return options
-
-
 def parse_timed_cache_sizes(text: str, meta: TraceMeta, expert_bytes: int) -> list[int]:
     """Cache sizes in bytes: a size with a byte unit as given, experts, percentages and fractions of all
     expert bytes in whole experts (the replay's rule, so `25%` is the same cache in both modes)."""
@@ -291,9 +277,10 @@ def run_timed(args) -> int:
         raise ConfigError("--plot draws the replay's misses; with --timed use --plot-cdf and --plot-timeline")
     hardware = resolve_profile(args.hardware)
     policies = parse_policies(args.policy or DEFAULT_TIMED_POLICIES)
-    options = parse_policy_options(args.policy_option)
+    options = parse_component_options(args.policy_option, "--policy-option", POLICY_OPTION, policy_info)
     prefetchers = parse_prefetchers(args.prefetch)
-    prefetch_options = parse_prefetch_options(args.prefetch_option)
+    prefetch_options = parse_component_options(args.prefetch_option, "--prefetch-option", PREFETCH_OPTION,
+                                               prefetcher_info)
     arrivals = Arrivals.parse(args.arrivals, args.max_batch, args.seed)
     if args.jobs < 1:
         raise ConfigError("--jobs must be at least 1")

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_offload.errors import TraceError
+from moe_offload.hardware.profile import format_bytes
 from moe_offload.trace.flatten import flatten, write_csv, write_oracle_general
 from moe_offload.trace.format import DECODE, PREFILL, Trace, read_trace, write_trace
 from moe_offload.trace.importers import IMPORTERS
@@ -180,11 +181,11 @@ def format_summary(summary: dict) -> str:
     absent = [name for name, there in summary["columns"].items() if not there]
     reuse = routing["next_token_reuse"]
     lines = [
-        ("file", f"{summary['file']} ({_size(summary['file_bytes'])})"),
+        ("file", f"{summary['file']} ({format_bytes(summary['file_bytes'])})"),
         ("model", summary["model"]),
         ("shape", f"{L} layers x {J} experts = {L * J} experts, top-{K}"),
         ("expert bytes", "unknown" if expert_bytes is None else
-         f"{expert_bytes:,} ({_size(expert_bytes)}; all experts {_size(expert_bytes * L * J)})"),
+         f"{expert_bytes:,} ({format_bytes(expert_bytes)}; all experts {format_bytes(expert_bytes * L * J)})"),
         ("hidden size", "unknown" if summary["hidden_size"] is None else str(summary["hidden_size"])),
         ("tokens", f"{summary['tokens']} (prefill {summary['prefill_tokens']}, decode {summary['decode_tokens']})"),
         ("requests", str(summary["requests"])),
@@ -202,19 +203,6 @@ def format_summary(summary: dict) -> str:
     ]
     width = max(len(label) for label, _ in lines)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in lines)
-
-
-def _size(num_bytes: int | None) -> str:
-    if num_bytes is None:
-        return "size unknown"
-    if num_bytes < 1024:
-        return f"{num_bytes} B"
-    value = num_bytes / 1024
-    for unit in ("KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 def _rounded(value: float | None) -> float | None:
@@ -251,7 +239,7 @@ def _write(trace: Trace, output: str) -> int:
         raise TraceError(output, f"cannot write the trace ({exc.strerror or exc})") from None
     meta = trace.meta
     print(f"wrote {path}: {trace.num_tokens} tokens in {trace.num_requests} request(s), {meta.num_layers} layers "
-          f"x {meta.num_experts} experts, top-{meta.top_k} ({_size(path.stat().st_size)})")
+          f"x {meta.num_experts} experts, top-{meta.top_k} ({format_bytes(path.stat().st_size)})")
     return 0
 
 
