@@ -9,6 +9,6 @@ fi
 if [[ ",$extras," == *",models,"* ]]; then
     # Pinned first so that the 'models' extra's torch>=2.4 is already met by the CPU build here,
     # instead of pulling the registry's newest CUDA build (gigabytes).
-    .venv/bin/python -m pip install --quiet "torch==2.13.0"
+    .venv/bin/python -m pip install -qq "torch==2.13.0"
 fi
-.venv/bin/python -m pip install --quiet -e ".${extras:+[$extras]}"
+.venv/bin/python -m pip install -qq -e ".${extras:+[$extras]}"
