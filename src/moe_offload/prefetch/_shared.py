@@ -67,3 +67,12 @@ def positive_int(who: str, name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ConfigError(f"{who}: {name} must be a positive integer, not {value!r}")
     return int(value)
+
+
+def experts_per_layer_option(who: str, k, spec) -> int:
+    """The ``k`` option of the prefetchers that propose k experts per layer: the model's top-k by default,
+    at most the layer's expert count."""
+    k = spec.top_k if k is None else positive_int(who, "k", k)
+    if k > spec.num_experts:
+        raise ConfigError(f"{who}: k={k} exceeds the {spec.num_experts} experts of a layer")
+    return k

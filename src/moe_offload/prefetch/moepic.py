@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_offload.errors import ConfigError
-from moe_offload.prefetch._shared import positive_int, proposals
+from moe_offload.prefetch._shared import experts_per_layer_option, proposals
 from moe_offload.prefetch.base import Prefetcher
 from moe_offload.prefetch.requirements import check_trace_columns
 
@@ -30,9 +29,7 @@ class MoEpicPrefetcher(Prefetcher):
 
     def __init__(self, spec, k: int | None = None):
         super().__init__(spec)
-        self.k = spec.top_k if k is None else positive_int(self.name, "k", k)
-        if self.k > spec.num_experts:
-            raise ConfigError(f"{self.name}: k={self.k} exceeds the {spec.num_experts} experts of a layer")
+        self.k = experts_per_layer_option(self.name, k, spec)
 
     def on_iteration_start(self, view):
         check_trace_columns(type(self), view.trace)  # without the column every layer would silently get nothing

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_offload.errors import ConfigError
-from moe_offload.prefetch._shared import check_same_model, positive_int, proposals
+from moe_offload.prefetch._shared import check_same_model, experts_per_layer_option, proposals
 from moe_offload.prefetch.base import Prefetcher
 
 
@@ -25,9 +24,7 @@ class TracedTopKPrefetcher(Prefetcher):
 
     def __init__(self, spec, k: int | None = None):
         super().__init__(spec)
-        self.k = spec.top_k if k is None else positive_int(self.name, "k", k)
-        if self.k > spec.num_experts:
-            raise ConfigError(f"{self.name}: k={self.k} exceeds the {spec.num_experts} experts of a layer")
+        self.k = experts_per_layer_option(self.name, k, spec)
         self.counts = np.zeros((spec.num_layers, spec.num_experts), dtype=np.int64)
 
     def _count(self, layer_experts: np.ndarray) -> None:
