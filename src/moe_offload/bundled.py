@@ -11,3 +11,7 @@ DEFAULT_TRACE = DATA_DIR / "olmoe-1b-7b-decode299.parquet"
 
 # FlashMoE-style learned eviction network, trained by `moe-offload train-eviction` (see NOTICE.md).
 DEFAULT_LEARNED_MODEL = DATA_DIR / "learned-eviction.npz"
+
+# The tiny Mixtral (8 layers x 8 experts, top-2) trained by `moe-offload train-tiny`, with its tokenizer and
+# training report; `--model tiny` everywhere.
+TINY_MODEL_DIR = DATA_DIR / "tiny-mixtral"

@@ -1,0 +1,57 @@
+"""`moe-offload record`: greedy generation with a real model, writing a routing trace (models/recorder.py)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "record",
+        help="run a real MoE model on prompts and record a routing trace with full router probabilities",
+        description="Generate greedily with a transformers MoE model (the bundled 'tiny' or a local checkpoint "
+                    "directory of Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE or DeepSeek-V2/V3) and write, per token, "
+                    "the selected experts and weights, the full router distribution of every layer, the "
+                    "request's semantic embedding and the next layer's gate prediction.")
+    parser.add_argument("--model", default="tiny", metavar="tiny|DIR", help="model (default: tiny, the bundled one)")
+    parser.add_argument("--prompts", default="sharegpt", metavar="SOURCES",
+                        help="comma-separated prompt sources: sharegpt, humaneval, or files with one prompt per "
+                             "line (or .jsonl with 'prompt'); default: sharegpt")
+    parser.add_argument("--limit", type=int, default=None, metavar="N", help="at most N prompts from each source")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default 64)")
+    parser.add_argument("--batch-size", type=int, default=8, metavar="B", help="prompts per batch (default 8)")
+    parser.add_argument("-o", "--output", required=True, metavar="TRACE", help="trace file to write (.parquet)")
+    parser.add_argument("--texts", metavar="FILE.jsonl", default=None,
+                        help="also write each prompt's source and generated text as JSON Lines")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from moe_offload.models.recorder import record
+    from moe_offload.models.tiny import load
+    from moe_offload.reporting.progress import progress_bar
+    from moe_offload.text.prompts import load_prompts
+    from moe_offload.trace.format import write_trace
+
+    prompts = load_prompts(args.prompts, args.limit)
+    model, adapter, tokenizer = load(args.model)
+    name = "moe-offload/tiny-mixtral" if args.model == "tiny" else Path(args.model).resolve().name
+    with progress_bar() as bar:
+        task = bar.add_task(f"recording {len(prompts)} prompts", total=len(prompts))
+        recording = record(model, adapter, tokenizer, prompts, model_name=name, max_new_tokens=args.max_new_tokens,
+                           batch_size=args.batch_size, prompt_source=args.prompts,
+                           on_batch=lambda n: bar.advance(task, n))
+    path = write_trace(recording.trace, args.output)
+    trace = recording.trace
+    print(f"wrote {path}: {trace.num_tokens} tokens of {trace.num_requests} requests, "
+          f"{trace.meta.num_layers} layers x {trace.meta.num_experts} experts, top-{trace.meta.top_k}, "
+          f"with probs, embedding and gate_prediction ({path.stat().st_size / 1e6:.2f} MB)")
+    if args.texts:
+        with open(args.texts, "w", encoding="utf-8") as out:
+            for prompt, text in zip(prompts, recording.texts):
+                out.write(json.dumps({"source": prompt.source, "prompt": prompt.text, "generated": text}) + "\n")
+        print(f"wrote {args.texts}")
+    return 0

@@ -1,0 +1,38 @@
+"""The bundled tiny Mixtral and the one way a command resolves ``--model tiny|DIR``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moe_offload.bundled import TINY_MODEL_DIR
+from moe_offload.errors import ConfigError
+
+TINY = "tiny"
+
+
+def model_directory(name: str) -> Path:
+    """``tiny`` is the bundled checkpoint; anything else is a local checkpoint directory."""
+    if name == TINY:
+        if not (TINY_MODEL_DIR / "model.safetensors").is_file():
+            raise ConfigError(f"{TINY_MODEL_DIR}: the bundled model is missing from this installation "
+                              "(rebuild it with `moe-offload train-tiny -o DIR` and pass --model DIR)")
+        return TINY_MODEL_DIR
+    return Path(name)
+
+
+def load(name: str, dtype=None):
+    """(model, adapter, tokenizer) for ``--model NAME``; errors name the missing or broken file."""
+    from transformers import AutoTokenizer
+
+    from moe_offload.models import quiet_transformers, require_model_stack
+    from moe_offload.models.adapters import load_model
+
+    require_model_stack("loading a model")
+    quiet_transformers()
+    directory = model_directory(name)
+    model, adapter = load_model(directory, dtype=dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{directory}: no usable tokenizer (tokenizer.json): {str(exc).splitlines()[0]}") from None
+    return model, adapter, tokenizer
