@@ -40,22 +40,21 @@ def _logits(model, ids):
         return model(input_ids=ids).logits
 
 
-class CloningSource:
-    """An expert source handing out copies of the weights, recording what each layer asked for."""
+class ReversingSource:
+    """An expert source handing out copies of the weights in descending order (the order of arrival must not
+    matter), recording what each layer asked for and that every generator was closed."""
 
     def __init__(self, adapter):
         self.adapter = adapter
         self.calls = []
 
-    def begin_layer(self, layer, experts):
+    def layer_experts(self, layer, experts):
         self.calls.append(("begin", layer, tuple(experts)))
-
-    def expert_weights(self, layer, expert):
-        self.calls.append(("weights", layer, expert))
-        return {name: t.clone() for name, t in self.adapter.expert_tensors(layer, expert).items()}
-
-    def end_layer(self, layer):
-        self.calls.append(("end", layer))
+        try:
+            for expert in reversed(experts):
+                yield expert, {name: t.clone() for name, t in self.adapter.expert_tensors(layer, expert).items()}
+        finally:
+            self.calls.append(("end", layer))
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
@@ -65,9 +64,10 @@ def test_registered_experts_function_reproduces_eager_exactly(model_type):
     eager = _logits(model, ids)
     use_project_experts(adapter)
     assert torch.equal(_logits(model, ids), eager)
-    source = CloningSource(adapter)
+    source = ReversingSource(adapter)
     use_project_experts(adapter, source)
     assert torch.equal(_logits(model, ids), eager)
+    assert len([c for c in source.calls if c[0] == "end"]) == len([c for c in source.calls if c[0] == "begin"])
     begins = [call for call in source.calls if call[0] == "begin"]
     assert [layer for _, layer, _ in begins] == list(range(adapter.num_layers))
     for _, layer, experts in begins:

@@ -15,3 +15,7 @@ DEFAULT_LEARNED_MODEL = DATA_DIR / "learned-eviction.npz"
 # The tiny Mixtral (8 layers x 8 experts, top-2) trained by `moe-offload train-tiny`, with its tokenizer and
 # training report; `--model tiny` everywhere.
 TINY_MODEL_DIR = DATA_DIR / "tiny-mixtral"
+
+# Routing of the tiny model on ShareGPT and HumanEval prompts, recorded by `moe-offload record` with every
+# column (probs, embedding, gate_prediction); the second default trace.
+DEFAULT_TINY_TRACE = DATA_DIR / "tiny-mixtral-sharegpt-humaneval.parquet"

@@ -183,6 +183,9 @@ def load_model(directory: str | Path, dtype=None, experts_implementation: str = 
     import torch
     import transformers
 
+    from moe_offload.models import quiet_transformers
+
+    quiet_transformers()
     config = read_config(directory)
     spec = architecture_of(config)
     model_class = getattr(transformers, spec.causal_lm)

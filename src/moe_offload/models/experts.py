@@ -5,16 +5,19 @@ transformers 5.x dispatches every fused experts module's forward through
 :data:`IMPLEMENTATION` and calling ``model.set_experts_implementation(IMPLEMENTATION)`` routes every MoE layer
 through it, while attention, the KV cache and sampling stay transformers' own.
 
-The function performs exactly the arithmetic of transformers' eager forward (same expert order, same token
-order, same ``index_add_`` accumulation), so its output is bit-identical to ``experts_implementation="eager"``.
-The only difference: when an :class:`ExpertSource` is attached to the module (the runtime's tiers), the
-weights of each expert come from it instead of the module's own fused tensors, and the source is told, before
-the first expert is computed, every expert the layer needs, so that it can pin them and start the loads.
+The function performs exactly the arithmetic of transformers' eager forward: every expert's output is computed
+from the same inputs with the same operations, and the outputs are accumulated with ``index_add_`` in
+ascending expert order, so the result is bit-identical to ``experts_implementation="eager"``. What it adds:
+when an :class:`ExpertSource` is attached to the module (the runtime's tiers), the weights come from the
+source, which yields the layer's experts in the order they become resident (an expert already in fast memory
+computes while another is still loading); the outputs are kept and accumulated in ascending order only
+after all of them are computed, so the order of arrival never changes a bit of the result.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from contextlib import closing
+from typing import Iterator, Protocol
 
 IMPLEMENTATION = "moe_offload"
 
@@ -22,44 +25,36 @@ IMPLEMENTATION = "moe_offload"
 class ExpertSource(Protocol):
     """Where the weights of routed experts come from while a layer computes."""
 
-    def begin_layer(self, layer: int, experts: list[int]) -> None:
-        """The layer is about to compute these experts (ascending): pin them, load the missing ones."""
-
-    def expert_weights(self, layer: int, expert: int) -> dict:
-        """The expert's compute-ready tensors (``gate_up_proj`` [2I, H], ``down_proj`` [H, I]); blocks until
-        they are resident."""
-
-    def end_layer(self, layer: int) -> None:
-        """The layer is done with its experts: unpin them."""
+    def layer_experts(self, layer: int, experts: list[int]) -> Iterator[tuple[int, dict]]:
+        """Yield ``(expert, tensors)`` once for each of ``experts`` (ascending, the layer's whole need),
+        each as soon as it is resident; ``tensors`` holds ``gate_up_proj`` [2I, H] and ``down_proj`` [H, I].
+        The source may reclaim an expert's memory once the consumer asks for the next one, and releases
+        everything when the generator is closed."""
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     import torch
     import torch.nn.functional as F
 
-    final_hidden_states = torch.zeros_like(hidden_states)
     needed = torch.unique(top_k_index).tolist()  # ascending, as the eager forward's expert_hit
     source: ExpertSource | None = getattr(self, "expert_source", None)
-    layer = getattr(self, "moe_layer", None)
-    if source is not None:
-        source.begin_layer(layer, needed)
-    try:
-        for expert in needed:
-            if source is not None:
-                weights = source.expert_weights(layer, expert)
-                gate_up, down = weights["gate_up_proj"], weights["down_proj"]
-            else:
-                gate_up, down = self.gate_up_proj[expert], self.down_proj[expert]
+    if source is None:
+        arrivals = ((expert, {"gate_up_proj": self.gate_up_proj[expert], "down_proj": self.down_proj[expert]})
+                    for expert in needed)
+    else:
+        arrivals = source.layer_experts(self.moe_layer, needed)
+    outputs = {}
+    with closing(arrivals):
+        for expert, weights in arrivals:
             # (top_k, tokens) mask, so that torch.where yields the eager forward's (top_k_pos, token) order
             top_k_pos, token_idx = torch.where((top_k_index == expert).transpose(0, 1))
-            current_state = hidden_states[token_idx]
-            current_hidden_states = self._apply_gate(F.linear(current_state, gate_up))
-            current_hidden_states = F.linear(current_hidden_states, down)
-            current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
-            final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
-    finally:
-        if source is not None:
-            source.end_layer(layer)
+            current = self._apply_gate(F.linear(hidden_states[token_idx], weights["gate_up_proj"]))
+            current = F.linear(current, weights["down_proj"]) * top_k_weights[token_idx, top_k_pos, None]
+            outputs[expert] = (token_idx, current)
+    final_hidden_states = torch.zeros_like(hidden_states)
+    for expert in needed:
+        token_idx, current = outputs[expert]
+        final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
     return final_hidden_states
 
 

@@ -46,6 +46,17 @@ class RoutingView:
         self.layer_now = -1
 
     @property
+    def source(self) -> str:
+        """Where the routing comes from, for error messages: the trace file."""
+        return self.trace.path
+
+    def require(self, prefetcher: type["Prefetcher"]) -> None:
+        """Raise ConfigError when the routing lacks a column the prefetcher cannot work without."""
+        from moe_offload.prefetch.requirements import check_trace_columns
+
+        check_trace_columns(prefetcher, self.trace)
+
+    @property
     def requests(self) -> np.ndarray:
         return self.trace.request[self.rows]
 
@@ -90,6 +101,8 @@ class Prefetcher:
     summary: ClassVar[str]
     source: ClassVar[str]
     requires: ClassVar[tuple[str, ...]] = ()  # trace columns it cannot work without: probs, embedding, ...
+    needs_history: ClassVar[bool] = False     # predicts nothing until fit() gave it past sequences
+    reads_future: ClassVar[bool] = False      # calls view.oracle_selected: a bound for simulators, not a runtime
     # What the last hook call's search of history cost, and whether that time delays inference
     # (moe_offload.prefetch.search_cost); prefetchers that search nothing keep these defaults.
     search_on_inference_path: ClassVar[bool] = False

@@ -128,7 +128,7 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
     # ------------------------------------------------------------------------------------------ hooks
 
     def on_iteration_start(self, view):
-        check_trace_columns(type(self), view.trace)
+        view.require(type(self))
         L = self.spec.num_layers
         self._groups = RequestGroups(view.requests)
         self._trajectory = None
@@ -142,7 +142,7 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
             try:
                 index, score = self.store.semantic_search(embeddings)
             except ConfigError as exc:
-                raise ConfigError(f"{self.name}: {view.trace.path}: {exc}") from None
+                raise ConfigError(f"{self.name}: {view.source}: {exc}") from None
             maps = self.store.maps(index)  # [B, L, J]
             # Every layer starts predicted by the semantic map; layers >= d are replaced by trajectory searches.
             self._predicted = maps.max(axis=0)

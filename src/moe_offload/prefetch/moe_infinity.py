@@ -46,6 +46,7 @@ class MoEInfinityPrefetcher(TimedSearch, Prefetcher):
                "(ratio + eps) * (1 - layer/L), refined at every layer")
     source = "paper 002, section 5, Algorithm 1"
     search_on_inference_path = True
+    needs_history = True
 
     def __init__(self, spec, capacity: int = DEFAULT_CAPACITY, seed: int = 0, search_seconds: float | None = None):
         super().__init__(spec)

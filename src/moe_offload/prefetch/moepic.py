@@ -18,7 +18,6 @@ import numpy as np
 
 from moe_offload.prefetch._shared import experts_per_layer_option, proposals
 from moe_offload.prefetch.base import Prefetcher
-from moe_offload.prefetch.requirements import check_trace_columns
 
 
 class MoEpicPrefetcher(Prefetcher):
@@ -32,7 +31,7 @@ class MoEpicPrefetcher(Prefetcher):
         self.k = experts_per_layer_option(self.name, k, spec)
 
     def on_iteration_start(self, view):
-        check_trace_columns(type(self), view.trace)  # without the column every layer would silently get nothing
+        view.require(type(self))  # without the column every layer would silently get nothing
         return []
 
     def on_layer_routed(self, view):

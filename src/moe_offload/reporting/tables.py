@@ -137,3 +137,32 @@ def print_timed_tables(results: list[RunResult], console: Console, hardware=None
         console.print(traffic)
         for note in sorted({note for r in rows for note in r.notes}):
             console.print(f"note: {note}")
+
+
+def print_runtime_summary(generation, engine, console: Console | None = None) -> None:
+    """The end of `moe-offload generate`: speed, latency, cache and traffic of one generate call."""
+    from moe_offload.hardware.profile import format_bytes
+
+    console = console or Console()
+    stats = generation.stats
+    table = Table(title=f"{engine.manifest.directory.name}: {run_label(stats)}, fast tier "
+                        f"{format_bytes(stats.cache_bytes)} ({stats.cache_size} experts of "
+                        f"{engine.spec.num_layers * engine.spec.num_experts})", show_header=False)
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("tokens", f"{len(generation.token_ids)} generated after {generation.prompt_tokens} prompt tokens"),
+        ("tokens/s", f"{generation.tokens_per_second:.1f}"),
+        ("TTFT", f"{_ms(stats.ttft_seconds)} ms"),
+        ("TPOT", f"{_ms(stats.tpot_seconds)} ms"),
+        ("hit rate", f"{_share(stats.hit_rate)} of {stats.accesses} expert requests"),
+        ("on-demand loads", str(stats.on_demand_loads)),
+        ("prefetch precision", _share(stats.prefetch_precision)),
+        ("prefetch recall", _share(stats.prefetch_recall)),
+        ("stall", f"{_ms(stats.stall_seconds)} ms"),
+        ("start-up", f"{engine.startup_seconds * 1e3:.0f} ms (non-expert weights)"),
+    ]
+    rows += [(f"moved {link}", format_bytes(count)) for link, count in sorted((stats.bytes_per_link or {}).items())]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)

@@ -27,6 +27,7 @@ class ExpertCache:
         self.reserved: dict = {}  # key -> size, experts on their way in (counted in used)
         self.used = 0
         self.evictions = 0
+        self.on_evict = None  # callback(key) after an eviction: the runtime frees the expert's memory
 
     def __contains__(self, key) -> bool:
         return key in self.resident
@@ -63,6 +64,12 @@ class ExpertCache:
         self.used -= self.resident.pop(key)
         self.policy.on_evict(key)
         self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(key)
+
+    def cancel(self, key) -> None:
+        """A reserved ``key`` will not arrive (its transfer failed): give its room back."""
+        self.used -= self.reserved.pop(key)
 
     def reserve(self, key, ctx: AccessContext, size: int = 1) -> bool:
         """Make room for ``key`` (evicting the policy's victims, never one in ``ctx.pinned``) and count its
@@ -129,6 +136,22 @@ class PartitionedCache:
     @property
     def evictions(self) -> int:
         return sum(part.evictions for part in self.parts)
+
+    @property
+    def used(self) -> int:
+        return sum(part.used for part in self.parts)
+
+    @property
+    def on_evict(self):
+        return self.parts[0].on_evict
+
+    @on_evict.setter
+    def on_evict(self, callback) -> None:
+        for part in self.parts:
+            part.on_evict = callback
+
+    def cancel(self, key) -> None:
+        self.parts[key // self.experts_per_layer].cancel(key)
 
     def request(self, key, ctx: AccessContext, size: int = 1) -> bool:
         return self.parts[key // self.experts_per_layer].request(key, ctx, size)

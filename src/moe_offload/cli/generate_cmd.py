@@ -1,0 +1,74 @@
+"""`moe-offload generate`: stream text from an MoE model whose experts are offloaded (runtime/engine.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moe_offload.cli.simulate_cmd import POLICY_OPTION, PREFETCH_OPTION, parse_component_options
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="generate text with experts offloaded to slower tiers, and report what it cost",
+        description="Greedy generation with a packed MoE model (the bundled 'tiny', a checkpoint directory, which is "
+                    "packed once into ~/.cache/moe-offload, or a directory written by `moe-offload pack`). The "
+                    "experts live in the packed files and are cached in a fast tier of --fast-budget bytes by the "
+                    "eviction policy, with an optional prefetcher. The tokens are exactly those of the all-resident "
+                    "model. Ends with tokens/s, TTFT, TPOT, hit rate, prefetch precision and recall, bytes moved "
+                    "per link and stall time.")
+    parser.add_argument("prompt", metavar="PROMPT", help="the prompt text")
+    parser.add_argument("--model", default="tiny", metavar="tiny|DIR", help="model (default: tiny)")
+    parser.add_argument("--fast-budget", default="50%", metavar="SIZE|P%",
+                        help="fast-tier budget: a share of all expert bytes (30%%) or a size (64MiB); default 50%%")
+    parser.add_argument("--host-budget", default=None, metavar="SIZE|P%",
+                        help="add a host-memory tier of this budget between the files and the fast tier")
+    parser.add_argument("--policy", default="lru", help="eviction policy (default lru; see `moe-offload policies`)")
+    parser.add_argument("--prefetch", default=None, metavar="NAME", help="prefetcher (default: none)")
+    parser.add_argument("--prefetch-history", default=None, metavar="TRACE",
+                        help="trace the prefetcher learns from first (default for --model tiny: the bundled "
+                             "recorded trace, for the prefetchers that need a history)")
+    parser.add_argument("--policy-option", action="append", default=[], metavar=POLICY_OPTION)
+    parser.add_argument("--prefetch-option", action="append", default=[], metavar=PREFETCH_OPTION)
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default 64")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt in the bundled model's chat format (User: ...\\nAssistant:)")
+    parser.add_argument("--bypass-page-cache", action="store_true",
+                        help="drop expert files from the page cache before each read (honest SSD timings)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--json", metavar="FILE", default=None, help="also write the run's result record as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from moe_offload.models import require_model_stack
+
+    require_model_stack("generate")
+    from moe_offload.api import load
+    from moe_offload.policies import policy_info
+    from moe_offload.prefetch import prefetcher_info
+    from moe_offload.reporting.tables import print_runtime_summary
+    from moe_offload.text.sources import chat_prompt
+
+    policy_options = parse_component_options(args.policy_option, "--policy-option", POLICY_OPTION, policy_info)
+    prefetch_options = parse_component_options(args.prefetch_option, "--prefetch-option", PREFETCH_OPTION,
+                                               prefetcher_info)
+    prompt = chat_prompt(args.prompt) if args.chat else args.prompt
+    engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
+                  policy_options=policy_options.get(args.policy), prefetch=args.prefetch,
+                  prefetch_options=prefetch_options.get(args.prefetch) if args.prefetch else None,
+                  prefetch_history=args.prefetch_history, device=args.device,
+                  bypass_page_cache=args.bypass_page_cache)
+    with engine:
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        result = engine.generate(prompt, max_new_tokens=args.max_new_tokens,
+                                 on_text=lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+        sys.stdout.write("\n\n")
+        print_runtime_summary(result, engine)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result.stats.to_dict(), out, indent=1)
+    return 0

@@ -1,0 +1,71 @@
+"""The prefetchers' view of a forward pass that is running now (the runtime's RoutingView).
+
+It answers the same questions as :class:`moe_offload.prefetch.base.RoutingView` does for a trace, from the
+routers as they run: after MoE layer l's router, ``selected``, ``probs`` and ``gate_prediction`` of layers
+<= l; the request's semantic embedding (the mean input embedding of its prompt) from the start. The
+future does not exist yet, so ``oracle_selected`` refuses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moe_offload.errors import ConfigError
+from moe_offload.policies.base import ModelSpec
+
+LIVE_COLUMNS = ("probs", "embedding", "gate_prediction", "weights")
+
+
+class LiveRoutingView:
+    def __init__(self, spec: ModelSpec, iteration: int, tokens: int, request: int, is_prefill: bool,
+                 embedding: np.ndarray | None, source: str):
+        self.spec = spec
+        self.iteration = iteration
+        self.layer_now = -1
+        self.is_prefill = is_prefill
+        self.source = source
+        self._requests = np.full(tokens, request, dtype=np.int64)
+        self._embedding = None if embedding is None else np.repeat(embedding[None].astype(np.float32), tokens, 0)
+        self._selected: list = [None] * spec.num_layers
+        self._probs: list = [None] * spec.num_layers
+        self._predicted: list = [None] * spec.num_layers
+
+    def require(self, prefetcher) -> None:
+        missing = [column for column in prefetcher.requires if column not in LIVE_COLUMNS]
+        if missing:
+            raise ConfigError(f"prefetcher {prefetcher.name!r} needs {', '.join(missing)}, which the runtime "
+                              "does not compute")
+
+    def routed(self, layer: int, selected: np.ndarray, probs: np.ndarray, predicted: np.ndarray | None) -> None:
+        """MoE layer ``layer``'s router ran: [tokens, K] experts, [tokens, J] probabilities, and router
+        ``layer + 1``'s prediction from this layer's hidden state when the engine computes it."""
+        if layer != self.layer_now + 1:
+            raise RuntimeError(f"router of layer {layer} ran after layer {self.layer_now}")
+        self._selected[layer], self._probs[layer], self._predicted[layer] = selected, probs, predicted
+        self.layer_now = layer
+
+    @property
+    def requests(self) -> np.ndarray:
+        return self._requests
+
+    def _check(self, layer: int) -> None:
+        if not 0 <= layer <= self.layer_now:
+            raise LookupError(f"layer {layer} has not been routed yet (now at layer {self.layer_now})")
+
+    def selected(self, layer: int) -> np.ndarray:
+        self._check(layer)
+        return self._selected[layer]
+
+    def probs(self, layer: int) -> np.ndarray | None:
+        self._check(layer)
+        return self._probs[layer]
+
+    def gate_prediction(self, layer: int) -> np.ndarray | None:
+        self._check(layer)
+        return self._predicted[layer]
+
+    def embedding(self) -> np.ndarray | None:
+        return self._embedding
+
+    def oracle_selected(self, layer: int) -> np.ndarray:
+        raise ConfigError("the oracle prefetcher reads the future routing, which a running engine does not know")

@@ -1,0 +1,234 @@
+"""The runtime: packing, lossless generation under every online policy, prefetcher and budget, faults,
+concurrency and the counters, on a tiny random Mixtral packed in a temporary directory."""
+
+import errno
+import os
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from model_configs import build, tiny_tokenizer  # noqa: E402
+
+from moe_offload.cli.main import main  # noqa: E402
+from moe_offload.errors import ConfigError  # noqa: E402
+from moe_offload.models.recorder import record  # noqa: E402
+from moe_offload.policies import POLICIES  # noqa: E402
+from moe_offload.runtime.engine import EngineBusyError, OffloadEngine  # noqa: E402
+from moe_offload.runtime.packing import PackError, load_skeleton, pack_model, read_manifest  # noqa: E402
+from moe_offload.runtime.storage import ExpertReadError, ExpertStore  # noqa: E402
+from moe_offload.text.prompts import Prompt  # noqa: E402
+
+PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog."]
+NEW_TOKENS = 6
+COMPUTE_EXPERT_BYTES = (2 * 48 * 32 + 32 * 48) * 4  # one expert of the test model in float32
+ONLINE_POLICIES = sorted(name for name, info in POLICIES.items() if not info.offline)
+PREFETCHERS = [None, "topk", "traced-topk", "moe-infinity", "fmoe", "moepic"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random Mixtral saved in float16 with a tokenizer, its pack, references and a history trace."""
+    root = tmp_path_factory.mktemp("runtime")
+    model, adapter = build("mixtral", seed=3)
+    model.half().save_pretrained(root / "model")
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(root / "model")
+    pack_model(root / "model", root / "packed")
+    from moe_offload.models.adapters import load_model
+
+    reference, ref_adapter = load_model(root / "model")  # all-resident, float32, eager experts
+    expected = {}
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                     do_sample=False, return_dict_in_generate=True, output_logits=True,
+                                     pad_token_id=0)
+        expected[prompt] = (out.sequences[0, ids.shape[1]:].tolist(), [step[0] for step in out.logits])
+    history = record(reference, ref_adapter, tokenizer, [Prompt(p, f"h:{i}") for i, p in enumerate(PROMPTS * 2)],
+                     model_name="tiny-random", max_new_tokens=4, batch_size=2).trace
+    return Checkpoint(root=root, packed=root / "packed", expected=expected, history=history)
+
+
+class Checkpoint(dict):
+    def __repr__(self):  # hypothesis prints its arguments on failure: keep it short
+        return f"Checkpoint({self['root']})"
+
+
+def assert_lossless(engine, checkpoint):
+    for prompt, (tokens, logits) in checkpoint["expected"].items():
+        result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
+        assert result.token_ids == tokens
+        assert all(torch.equal(a, b) for a, b in zip(result.logits, logits))
+        stats = result.stats
+        assert stats.hits + stats.misses == stats.accesses > 0
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(policy=st.sampled_from(ONLINE_POLICIES), prefetch=st.sampled_from(PREFETCHERS),
+       budget=st.integers(min_value=2, max_value=18), host=st.sampled_from([None, "40%", "100%"]))
+def test_generation_is_lossless_for_every_policy_prefetcher_and_budget(checkpoint, policy, prefetch, budget, host):
+    history = checkpoint["history"] if prefetch in ("moe-infinity", "fmoe") else None
+    fast = str(budget * COMPUTE_EXPERT_BYTES)  # 18 experts in all (3 layers x 6); top-2 is the least that works
+    with OffloadEngine(checkpoint["packed"], fast_budget=fast, policy=policy, prefetch=prefetch,
+                       prefetch_history=history, host_budget=host) as engine:
+        assert_lossless(engine, checkpoint)
+
+
+def test_counters_without_prefetch_and_all_resident(checkpoint):
+    with OffloadEngine(checkpoint["packed"], fast_budget="34%", policy="lru") as engine:
+        result = engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+        stats = result.stats
+        assert stats.on_demand_loads == stats.misses > 0
+        assert stats.bytes_per_link == {"ssd->fast": stats.misses * engine.manifest.expert_bytes}
+        assert stats.prefetches_issued is None and stats.stall_seconds >= 0
+        assert engine.stats.accesses == stats.accesses
+    with OffloadEngine(checkpoint["packed"], fast_budget="100%", preload=True) as engine:
+        stats = engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS).stats
+        assert stats.hit_rate == 1.0 and stats.on_demand_loads == 0 and not stats.bytes_per_link
+
+
+def test_packing_layout_and_skeleton(checkpoint):
+    manifest = read_manifest(checkpoint["packed"])
+    assert (manifest.num_layers, manifest.num_experts, manifest.top_k) == (3, 6, 2)
+    assert manifest.expert_bytes == (2 * 48 * 32 + 32 * 48) * 2  # float16
+    assert all(os.path.getsize(manifest.expert_path(l, e)) == manifest.experts[(l, e)].nbytes
+               for l, e in manifest.experts)
+    model, adapter, seconds = load_skeleton(manifest)
+    assert seconds > 0
+    assert all(adapter.experts(layer).gate_up_proj.numel() == 0 for layer in range(adapter.num_layers))
+
+
+def test_refusals(checkpoint):
+    packed = checkpoint["packed"]
+    with pytest.raises(ConfigError, match="cannot hold one layer's top-2 experts"):
+        OffloadEngine(packed, fast_budget="5%")
+    with pytest.raises(ConfigError, match="needs the future"):
+        OffloadEngine(packed, policy="belady")
+    with pytest.raises(ConfigError, match="reads the future"):
+        OffloadEngine(packed, prefetch="oracle")
+    with pytest.raises(ConfigError, match="give it a history"):
+        OffloadEngine(packed, prefetch="moe-infinity")
+
+
+def copy_pack(checkpoint, tmp_path):
+    import shutil
+
+    target = tmp_path / "packed"
+    shutil.copytree(checkpoint["packed"], target)
+    return target, read_manifest(target)
+
+
+def test_missing_and_truncated_expert_files_are_named_at_start(checkpoint, tmp_path):
+    packed, manifest = copy_pack(checkpoint, tmp_path)
+    victim = manifest.expert_path(1, 4)
+    data = victim.read_bytes()
+    victim.write_bytes(data[:-10])
+    with pytest.raises(PackError, match=r"expert 4 of layer 1: .*expert004.safetensors: \d+ bytes, the manifest says"):
+        OffloadEngine(packed)
+    victim.unlink()
+    with pytest.raises(PackError, match=r"expert 4 of layer 1: .*expert004.safetensors: missing"):
+        OffloadEngine(packed)
+
+
+def test_checksum_mismatch_stops_generation_before_a_wrong_token(checkpoint, tmp_path):
+    packed, manifest = copy_pack(checkpoint, tmp_path)
+    victim = manifest.expert_path(0, 0)
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0xFF  # same size, one weight byte flipped
+    victim.write_bytes(bytes(data))
+    streamed = []
+    with OffloadEngine(packed, fast_budget="100%", policy="lru") as engine:
+        with pytest.raises(ExpertReadError, match=r"expert 0 of layer 0: .*expert000.safetensors: checksum mismatch"):
+            for prompt in PROMPTS * 3:  # some prompt routes to expert 0 of layer 0
+                engine.generate(prompt, max_new_tokens=NEW_TOKENS, on_text=streamed.append)
+
+
+class FlakyReader:
+    """os.pread that fails with ``error`` the first ``failures`` times."""
+
+    def __init__(self, failures, error=errno.EIO):
+        self.failures, self.error, self.calls = failures, error, 0
+
+    def __call__(self, fd, n, offset):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise OSError(self.error, os.strerror(self.error))
+        return os.pread(fd, n, offset)
+
+
+def test_transient_read_errors_are_retried(checkpoint):
+    manifest = read_manifest(checkpoint["packed"])
+    store = ExpertStore(manifest, read_at=FlakyReader(2), backoff_s=0.0)
+    with OffloadEngine(checkpoint["packed"], fast_budget="50%", store=store) as engine:
+        assert_lossless(engine, checkpoint)
+    assert store.retried == 2
+
+
+def test_persistent_read_errors_name_the_expert_and_file(checkpoint):
+    manifest = read_manifest(checkpoint["packed"])
+    store = ExpertStore(manifest, read_at=FlakyReader(10 ** 6), retries=2, backoff_s=0.0)
+    with OffloadEngine(checkpoint["packed"], fast_budget="50%", store=store) as engine:
+        with pytest.raises(ExpertReadError, match=r"expert \d+ of layer \d+: .*safetensors: read failed after 3"):
+            engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+
+
+def test_short_reads_are_continued(checkpoint):
+    manifest = read_manifest(checkpoint["packed"])
+    store = ExpertStore(manifest, read_at=lambda fd, n, offset: os.pread(fd, min(n, 1000), offset))
+    with OffloadEngine(checkpoint["packed"], fast_budget="50%", store=store) as engine:
+        assert_lossless(engine, checkpoint)
+
+
+def test_concurrent_generate_is_refused(checkpoint):
+    manifest = read_manifest(checkpoint["packed"])
+    release = threading.Event()
+    reading = threading.Event()
+
+    def blocking_read(fd, n, offset):
+        reading.set()
+        release.wait(10)
+        return os.pread(fd, n, offset)
+
+    store = ExpertStore(manifest, read_at=blocking_read)
+    with OffloadEngine(checkpoint["packed"], fast_budget="50%", store=store) as engine:
+        first = threading.Thread(target=engine.generate, args=(PROMPTS[0],), kwargs={"max_new_tokens": 2})
+        first.start()
+        assert reading.wait(10)
+        with pytest.raises(EngineBusyError, match="already generating"):
+            engine.generate(PROMPTS[1], max_new_tokens=2)
+        release.set()
+        first.join(10)
+        assert not first.is_alive()
+        engine.generate(PROMPTS[1], max_new_tokens=2)  # free again
+
+
+def test_pack_and_generate_commands(checkpoint, tmp_path, capsys):
+    import json
+
+    assert main(["pack", str(checkpoint["root"] / "model"), "-o", str(tmp_path / "p")]) == 0
+    assert "start-up" in capsys.readouterr().out
+    assert main(["generate", "--model", str(tmp_path / "p"), "--fast-budget", "40%", "--policy", "lfu",
+                 "--prefetch", "topk", "--max-new-tokens", "4", "--json", str(tmp_path / "r.json"), PROMPTS[0]]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(PROMPTS[0]) and "tokens/s" in out and "prefetch precision" in out
+    record_ = json.loads((tmp_path / "r.json").read_text())
+    assert record_["policy"] == "lfu" and record_["prefetcher"] == "topk"
+    assert main(["generate", "--model", str(tmp_path / "p"), "--fast-budget", "1%", "x"]) == 2
+    assert "cannot hold one layer's top-2" in capsys.readouterr().err
+    assert main(["pack", str(tmp_path / "nothing"), "-o", str(tmp_path / "q")]) == 2
+
+
+def test_python_api(checkpoint):
+    import moe_offload
+
+    engine = moe_offload.load(str(checkpoint["packed"]), fast_budget="50%", policy="lru", prefetch="moepic")
+    with engine:
+        assert_lossless(engine, checkpoint)
+        assert engine.stats.accesses > 0
+        assert np.isfinite(engine.startup_seconds)
