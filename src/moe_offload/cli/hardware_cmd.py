@@ -1,9 +1,17 @@
-"""`moe-offload hardware`: the hardware presets of the timed simulator, and what one profile says."""
+"""`moe-offload hardware`: the hardware presets of the timed simulator, what one profile says, and a profile
+measured on this machine."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 from moe_offload.bundled import DEFAULT_TRACE
+from moe_offload.errors import ConfigError
 from moe_offload.hardware import DEFAULT_PRESET, format_bytes, parse_bytes, preset_names, resolve_profile
+
+DEFAULT_MEASURED = "measured.toml"
 
 
 def register(subparsers) -> None:
@@ -22,6 +30,25 @@ def register(subparsers) -> None:
     show.add_argument("--expert-bytes", default=None, metavar="BYTES",
                       help="expert size for the worked example (default: the bundled OLMoE trace's)")
     show.set_defaults(run=run_show)
+    measure = actions.add_parser(
+        "measure", help="micro-benchmark this machine and write a profile for `simulate --timed`",
+        description="Time what the runtime does with an expert on this machine (read its file, check and "
+                    "convert it, copy it to the GPU, compute it) and the rest of an iteration (attention, "
+                    "router, LM head), on a packed model, and write the hardware profile they make. The "
+                    "compute costs are the measured model's; the profile's sources say what was measured.")
+    measure.add_argument("--model", default="tiny", metavar="tiny|DIR",
+                         help="the bundled tiny model (default), a packed directory (`moe-offload pack`) or a "
+                              "checkpoint directory (packed into a temporary directory first)")
+    measure.add_argument("-o", "--output", default=DEFAULT_MEASURED, metavar="PROFILE.toml",
+                         help=f"where to write the profile (default {DEFAULT_MEASURED}); its name is the file's stem")
+    measure.add_argument("--repeats", type=int, default=5, metavar="N",
+                         help="timed repetitions of every measurement; the profile holds medians (default 5)")
+    measure.add_argument("--keep-page-cache", action="store_true",
+                         help="read the expert files through the page cache instead of dropping them before "
+                              "every read (measures RAM, not the disk, once the files are cached)")
+    measure.add_argument("--threads", type=int, default=None, metavar="N",
+                         help="torch CPU threads while measuring (default: torch's, as the runtime runs)")
+    measure.set_defaults(run=run_measure)
 
 
 def _console():
@@ -85,7 +112,9 @@ def run_show(args) -> int:
                   f"{compute.expert.per_token_s * 1e6:.3f} us x n")
     else:
         roof = compute.roofline
-        out.print(f"  {'expert':<18} roofline: {roof.flops_per_s / 1e12:.1f} TFLOP/s, "
+        rate = (f"{roof.flops_per_s / 1e12:.1f} TFLOP/s" if roof.flops_per_s >= 1e12  # a measured CPU: GFLOP/s
+                else f"{roof.flops_per_s / 1e9:.3g} GFLOP/s")
+        out.print(f"  {'expert':<18} roofline: {rate}, "
                   f"{format_bytes(roof.memory_bandwidth_bytes_per_s)}/s, {roof.bytes_per_param:g} bytes/parameter, "
                   f"+{roof.expert_overhead_s * 1e6:.1f} us")
     out.print(f"  {example}: {compute.expert_seconds(1, expert_bytes) * 1e6:.1f} us for 1 token, "
@@ -94,4 +123,79 @@ def run_show(args) -> int:
         out.print("sources:")
         for source in profile.sources:
             out.print(f"  - {source}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------- measure
+def _measured_table(m, profile: dict):
+    from rich.table import Table
+
+    from moe_offload.runtime.measure import expert_roofline
+
+    table = Table(title=f"measured on {m.device_name} ({m.device}, {m.threads} threads, {m.repeats} repeats, "
+                        f"{m.elapsed_s:.1f} s)", title_justify="left")
+    for column in ("what", "measured", "how"):
+        table.add_column(column)
+    cache = "page cache bypassed" if m.bypass_page_cache else "page cache kept"
+    table.add_row("expert file read", f"{m.read_median_s * 1e6:.1f} us",
+                  f"median of {m.files_sampled} of {m.files_total} files x {m.repeats}, "
+                  f"{format_bytes(m.expert_file_bytes)} each, {cache}")
+    table.add_row("  latency / bandwidth", f"{m.read_latency_s * 1e6:.1f} us, {format_bytes(m.read_bandwidth)}/s",
+                  "open + 1-byte read; the rest of the read")
+    table.add_row("check + convert", f"{m.convert_median_s * 1e6:.1f} us",
+                  "SHA-256, safetensors load, " + ("pin" if m.device == "cuda" else f"to {m.compute_dtype}"))
+    for link in profile["links"]:
+        table.add_row(f"link {link['from']}->{link['to']}",
+                      f"{format_bytes(link['bandwidth_bytes_per_s'])}/s + {link['latency_s'] * 1e6:.1f} us",
+                      "in the profile" + (" (read + check + convert)" if link["from"] == "ssd" else ""))
+    table.add_row("memory read", f"{format_bytes(m.memory_bandwidth)}/s", f"streaming sum on {m.device}")
+    roof = expert_roofline(m)
+    table.add_row("expert, 1 / 64 tokens",
+                  f"{m.expert_seconds[1] * 1e6:.1f} / {m.expert_seconds[64] * 1e6:.1f} us",
+                  f"roofline: +{roof['expert_overhead_s'] * 1e6:.1f} us, {roof['flops_per_s'] / 1e9:.3g} GFLOP/s")
+    for part, label in (("attention", "attention / layer"), ("router", "router / layer"), ("lm_head", "LM head")):
+        cost = profile["compute"][part]
+        table.add_row(label, f"{cost['fixed_s'] * 1e6:.1f} us + {cost['per_token_s'] * 1e6:.3f} us x n",
+                      "skeleton forward, 1..64 tokens")
+    for tier in profile["tiers"]:
+        table.add_row(f"tier {tier['name']}", tier["capacity_bytes"], m.capacity_notes[tier["name"]])
+    return table
+
+
+def _warn_if_busy(threads: int | None) -> None:
+    """A loaded machine slows every timing, and torch's thread pool most: its threads wait for each other at
+    every operation while other processes hold the cores (tens of milliseconds per operation)."""
+    import torch
+
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load >= cores and (threads or torch.get_num_threads()) > 1:
+        print(f"note: the machine is busy (load {load:.1f} on {cores} cores); the timings will include waiting "
+              "for the other work, most with several torch threads (try --threads 1)", file=sys.stderr)
+
+
+def run_measure(args) -> int:
+    from moe_offload.runtime import measure
+    from moe_offload.runtime.packing import packed_directory
+
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, not {args.repeats}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be at least 1, not {args.threads}")
+    output = Path(args.output)
+    if output.is_dir():
+        raise ConfigError(f"{output}: is a directory; give -o a profile file name (.toml)")
+    packed = packed_directory(args.model)
+    _warn_if_busy(args.threads)
+    measurements = measure.measure(packed, repeats=args.repeats, bypass_page_cache=not args.keep_page_cache,
+                                   threads=args.threads, model_name=args.model)
+    profile = measure.profile_dict(measurements, name=output.stem)
+    command = (f"moe-offload hardware measure --model {args.model} --repeats {args.repeats}"
+               + (" --keep-page-cache" if args.keep_page_cache else "")
+               + (f" --threads {args.threads}" if args.threads else ""))
+    header = (f"Measured on this machine by `{command}` on {measurements.date}.\n"
+              "The sources below say what was timed and how; run the command again to refresh the numbers.")
+    measure.write_profile(profile, output, header)
+    out = _console()
+    out.print(_measured_table(measurements, profile))
+    out.print(f"profile written to {output} (use it with `moe-offload simulate --timed --hardware {output}`)")
     return 0

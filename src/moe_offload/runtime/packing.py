@@ -225,33 +225,53 @@ def load_skeleton(manifest: Manifest, device="cpu", dtype=None, verify: bool = T
 
 
 def cache_root() -> Path:
-    """Where packed copies of models are kept: $MOE_OFFLOAD_CACHE, else ~/.cache/moe-offload."""
+    """Where packed copies of models are kept: $MOE_OFFLOAD_CACHE, else $XDG_CACHE_HOME/moe-offload."""
     import os
 
-    return Path(os.environ.get("MOE_OFFLOAD_CACHE") or Path.home() / ".cache" / "moe-offload")
+    if os.environ.get("MOE_OFFLOAD_CACHE"):
+        return Path(os.environ["MOE_OFFLOAD_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-offload"
 
 
 def packed_directory(name: str, on_expert=None) -> Path:
     """``--model NAME`` for the runtime: a packed directory as is; ``tiny`` or a checkpoint directory packed
-    once into the cache (keyed by the checkpoint's weights' checksum, so a changed checkpoint is repacked)."""
+    once into the cache, in a directory named after its weights' checksum so that a retrained or replaced
+    checkpoint is packed anew instead of serving a stale pack."""
+    import sys
+    import tempfile
+
     from moe_offload.models.tiny import model_directory
 
     directory = model_directory(name)
+    if not directory.exists():
+        raise ConfigError(f"{directory}: no such model directory")
+    if not directory.is_dir():
+        raise ConfigError(f"{directory}: not a directory (give a packed model or a checkpoint directory)")
     if (directory / MANIFEST).is_file():
         return directory
     if not (directory / "config.json").is_file():
-        raise ConfigError(f"{directory}: neither a packed model ({MANIFEST}) nor a checkpoint (config.json)")
+        raise ConfigError(f"{directory}: not a model: neither a packed model ({MANIFEST}) nor a checkpoint "
+                          "(config.json)")
     weights = sorted(directory.glob("*.safetensors"))
     if not weights:
         raise ConfigError(f"{directory}: no weight file (*.safetensors) in the model directory")
-    digest = hashlib.sha256()
-    for file in weights:
-        digest.update(_sha256(file).encode())
-    target = cache_root() / "packed" / f"{directory.resolve().name}-{digest.hexdigest()[:12]}"
+    digest = hashlib.sha256("".join(_sha256(file) for file in weights).encode()).hexdigest()[:12]
+    target = cache_root() / "packed" / f"{directory.resolve().name}-{digest}"
     if (target / MANIFEST).is_file():
         return target
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    pack_model(directory, staging, on_expert=on_expert)
-    staging.rename(target)  # only complete packs are ever found at ``target``
+    print(f"packing {directory} into {target} (once)", file=sys.stderr)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f"{target.name}-", dir=target.parent))
+    except OSError as exc:
+        raise ConfigError(f"{target.parent}: cannot create the pack cache: {exc.strerror or exc}") from None
+    try:  # pack aside, then rename: an interrupted pack never looks finished
+        pack_model(directory, staging / "packed", on_expert=on_expert)
+        try:
+            (staging / "packed").rename(target)
+        except OSError:
+            if not (target / MANIFEST).is_file():  # not just another process that finished first
+                raise ConfigError(f"{target}: cannot install the packed model") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return target

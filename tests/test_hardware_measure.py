@@ -1,0 +1,181 @@
+"""`moe-offload hardware measure`: a profile measured on a tiny random Mixtral packed in a temporary directory
+loads, holds positive finite rates, survives its TOML file, and drives `simulate --timed`.
+
+Timings vary from run to run (and with whatever else the machine does), so nothing here asserts a time
+beyond being positive and finite. One thread: on a loaded machine torch's thread pool can stall for tens of
+milliseconds per operation, which would make the tests slow without testing anything more."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from model_configs import build, tiny_tokenizer  # noqa: E402
+
+from moe_offload.cli.main import main  # noqa: E402
+from moe_offload.hardware import HardwareProfile, load_profile  # noqa: E402
+from moe_offload.runtime import measure  # noqa: E402
+from moe_offload.runtime.packing import pack_model  # noqa: E402
+
+FAST = dict(repeats=1, threads=1)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """A tiny random Mixtral saved in float16 with a tokenizer, and its pack (3 layers x 6 experts)."""
+    root = tmp_path_factory.mktemp("measure")
+    model, _ = build("mixtral")
+    model.half().save_pretrained(root / "model")
+    tiny_tokenizer().save_pretrained(root / "model")
+    pack_model(root / "model", root / "packed")
+    return root
+
+
+@pytest.fixture(scope="module")
+def measured(packed) -> dict:
+    return measure.measure_hardware(packed / "packed", device="cpu", **FAST)
+
+
+def rates(profile: HardwareProfile) -> list[float]:
+    roof = profile.compute.roofline
+    return ([link.bandwidth_bytes_per_s for link in profile.links]
+            + [roof.flops_per_s, roof.memory_bandwidth_bytes_per_s])
+
+
+def costs(profile: HardwareProfile) -> list[float]:
+    compute = profile.compute
+    return ([link.latency_s for link in profile.links] + [compute.roofline.expert_overhead_s]
+            + [getattr(c, f) for c in (compute.attention, compute.router, compute.lm_head)
+               for f in ("fixed_s", "per_token_s")])
+
+
+def test_the_measured_dict_is_a_profile_of_this_runtime(measured):
+    profile = HardwareProfile.from_dict(measured)
+    # a CPU runtime: experts computed from RAM, read from their files, one link as the presets name it
+    assert [t.name for t in profile.tiers] == ["host", "ssd"]
+    assert [link.name for link in profile.links] == ["ssd->host"]
+    assert profile.compute.roofline is not None and profile.compute.expert is None
+    assert profile.compute.roofline.bytes_per_param == 2  # the pack is float16
+    assert all(r > 0 and math.isfinite(r) for r in rates(profile))
+    assert all(c >= 0 and math.isfinite(c) for c in costs(profile))
+    assert all(t.capacity_bytes > 0 for t in profile.tiers)
+    assert profile.compute.expert_seconds(1, 9216) > 0
+    text = " ".join(profile.sources)
+    assert "page cache bypassed" in text and "18 of 18 expert files" in text
+
+
+def test_a_cuda_measurement_makes_the_presets_three_tiers(packed):
+    """No GPU needed: the profile of CUDA-shaped measurements has the presets' tiers and links."""
+    cpu = measure.measure(packed / "packed", device="cpu", **FAST)
+    cuda = dataclasses.replace(cpu, device="cuda", device_name="a GPU", compute_dtype="float16",
+                               host_to_gpu_latency_s=1e-5, host_to_gpu_bandwidth=25e9,
+                               capacities={"gpu": 24 * 2**30, "host": 48 * 2**30, "ssd": 2 * 10**12},
+                               capacity_notes={"gpu": "free", "host": "available", "ssd": "disk"})
+    profile = HardwareProfile.from_dict(measure.profile_dict(cuda))
+    assert [t.name for t in profile.tiers] == ["gpu", "host", "ssd"]
+    assert [link.name for link in profile.links] == ["host->gpu", "ssd->host"]
+    assert profile.link_from(1).bandwidth_bytes_per_s == 25e9
+    assert profile.tiers[0].capacity_bytes == 24 * 2**30
+    # computing in the stored dtype: the roofline's memory rate is the measured one, not halved
+    assert profile.compute.roofline.memory_bandwidth_bytes_per_s == pytest.approx(cpu.memory_bandwidth, rel=1e-3)
+
+
+def test_keeping_the_page_cache_is_recorded(packed):
+    profile = measure.measure_hardware(packed / "packed", device="cpu", bypass_page_cache=False, **FAST)
+    assert "page cache kept" in " ".join(profile["sources"])
+
+
+def test_the_toml_writer_round_trips_the_dict(measured, tmp_path):
+    path = measure.write_profile(measured, tmp_path / "profile.toml", header="a header\non two lines")
+    assert tomllib.loads(path.read_text()) == measured
+    loaded = load_profile(path)
+    assert dataclasses.replace(loaded, path="<memory>") == HardwareProfile.from_dict(measured, default_name="x")
+
+
+def test_the_toml_writer_escapes_strings(tmp_path):
+    odd = {"name": "odd", "description": 'quote " backslash \\ tab \t newline \n unicode é', "sources": ["a\\b"],
+           "tiers": [{"name": "gpu", "capacity_bytes": 10}],
+           "compute": {"expert": {"fixed_s": 1e-05, "per_token_s": 0.0}, "attention": {"fixed_s": 1.0},
+                       "router": {"fixed_s": 0.0}, "lm_head": {"fixed_s": 2.5e-300, "per_token_s": 3.0}}}
+    assert tomllib.loads(measure.profile_toml(odd, header="# not a key")) == odd
+
+
+def test_linear_fits_never_go_negative():
+    assert measure.fit_linear_cost([1, 2, 4], [1.0, 2.0, 4.0]) == pytest.approx((0.0, 1.0))
+    assert measure.fit_linear_cost([1, 2, 4], [3.0, 2.0, 1.0]) == pytest.approx((2.0, 0.0))  # flat: the mean
+    fixed, per_token = measure.fit_linear_cost([1, 2, 4], [0.0, 1.0, 3.0])  # through the origin
+    assert fixed == 0 and per_token > 0
+    latency, bandwidth = measure.fit_latency_bandwidth([100, 100], [2.0, 4.0], probe_latency_s=10.0)
+    assert latency == 1.5 and bandwidth == pytest.approx(100 / 1.5)  # latency capped at half the median read
+    latency, bandwidth = measure.fit_latency_bandwidth([100, 300], [2.0, 4.0], probe_latency_s=0.0)
+    assert latency == pytest.approx(1.0) and bandwidth == pytest.approx(100.0)  # sizes differ: least squares
+
+
+def test_the_command_writes_a_profile_that_simulate_runs(packed, tmp_path, capsys, monkeypatch):
+    made = []
+    original = measure.profile_dict
+    monkeypatch.setattr(measure, "profile_dict", lambda *a, **k: made.append(original(*a, **k)) or made[-1])
+    output = tmp_path / "here.toml"
+    assert main(["hardware", "measure", "--model", str(packed / "packed"), "-o", str(output), "--repeats", "1",
+                 "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "link ssd->host" in out and str(output) in out
+    profile = load_profile(output)
+    assert profile.name == "here"
+    assert dataclasses.replace(profile, path="<memory>") == HardwareProfile.from_dict(made[0])
+    assert all(r > 0 and math.isfinite(r) for r in rates(profile))
+
+    # the bundled default trace (OLMoE) on the measured machine; a small cache so that any RAM holds it
+    assert main(["simulate", "--timed", "--hardware", str(output), "--cache-size", "32", "--jobs", "1"]) == 0
+    assert "ssd->host" in capsys.readouterr().out
+
+
+def test_an_unpacked_checkpoint_is_packed_first(packed, tmp_path, capsys):
+    output = tmp_path / "checkpoint.toml"
+    assert main(["hardware", "measure", "--model", str(packed / "model"), "-o", str(output), "--repeats", "1",
+                 "--threads", "1"]) == 0
+    assert load_profile(output).links[0].bandwidth_bytes_per_s > 0
+    assert str(packed / "model") in " ".join(load_profile(output).sources)  # named as given, not the temporary pack
+
+
+def test_the_bundled_model_is_packed_once_into_the_cache(packed, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("moe_offload.models.tiny.TINY_MODEL_DIR", packed / "model")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("MOE_OFFLOAD_CACHE", raising=False)
+    for run in range(2):
+        assert main(["hardware", "measure", "-o", str(tmp_path / "tiny.toml"), "--repeats", "1",
+                     "--threads", "1"]) == 0
+        packing = "(once)" in capsys.readouterr().err
+        assert packing == (run == 0)  # the second run reuses the pack
+    assert [p.name[:6] for p in (tmp_path / "cache" / "moe-offload" / "packed").iterdir()] == ["model-"]
+    assert load_profile(tmp_path / "tiny.toml").name == "tiny"
+
+
+def test_a_missing_bundled_model_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("moe_offload.models.tiny.TINY_MODEL_DIR", tmp_path / "absent")
+    assert main(["hardware", "measure", "--model", "tiny", "-o", str(tmp_path / "p.toml")]) == 2
+    assert "bundled model is missing" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model, problem", [("missing", "no such model directory"),
+                                            ("empty", "not a model"),
+                                            ("file.txt", "not a directory")])
+def test_bad_models_are_one_line_errors(tmp_path, capsys, model, problem):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    assert main(["hardware", "measure", "--model", str(tmp_path / model), "-o", str(tmp_path / "p.toml")]) == 2
+    err = capsys.readouterr().err
+    assert problem in err and str(tmp_path / model) in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "p.toml").exists()
+
+
+def test_bad_options_are_one_line_errors(packed, tmp_path, capsys):
+    assert main(["hardware", "measure", "--model", str(packed / "packed"), "--repeats", "0"]) == 2
+    assert "--repeats must be at least 1" in capsys.readouterr().err
+    assert main(["hardware", "measure", "--model", str(packed / "packed"), "-o", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
