@@ -6,7 +6,7 @@ as ratios to the all-resident model and to on-demand LRU (the mixtral-offloading
 
 Every configuration is a fresh engine (cold fast tier, experts in the packed files) that generates greedily
 for the same prompts: ShareGPT first turns and HumanEval prompts that the bundled recorded trace does not
-contain (that trace is the history MoE-Infinity's and fMoE's prefetchers learn from). TPOT is the mean over
+contain, nor its history trace (from which MoE-Infinity's and fMoE's prefetchers learn). TPOT is the mean over
 prompts of each prompt's (last token - first token) / (tokens - 1). The all-resident row preloads every
 expert before the first token. Every run checks that its tokens equal the all-resident run's (lossless).
 
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    from moe_offload.bundled import DEFAULT_TINY_TRACE
+    from moe_offload.bundled import TINY_HISTORY_TRACE
     from moe_offload.models import quiet_transformers
     from moe_offload.runtime.packing import packed_directory
     from moe_offload.trace.format import read_trace
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     budgets = [int(b) for b in args.budgets.split(",")]
     packed = packed_directory(args.model)
     prompts = benchmark_prompts(prompt_count)
-    history = read_trace(DEFAULT_TINY_TRACE) if args.model == "tiny" else None
+    history = read_trace(TINY_HISTORY_TRACE) if args.model == "tiny" else None
     started = time.perf_counter()
 
     run_config(packed, prompts[:1], 4, device=args.device, fast_budget="100%", preload=True)  # warm-up

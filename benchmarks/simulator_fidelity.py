@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    from moe_offload.bundled import DEFAULT_TINY_TRACE
+    from moe_offload.bundled import TINY_HISTORY_TRACE
     from moe_offload.hardware.profile import HardwareProfile
     from moe_offload.models import quiet_transformers
     from moe_offload.models.recorder import record
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     trace = record(model, adapter, tokenizer, [Prompt(p, f"bench:{i}") for i, p in enumerate(prompts)],
                    model_name="moe-offload/tiny-mixtral", max_new_tokens=args.max_new_tokens, batch_size=1).trace
     del model
-    history = read_trace(DEFAULT_TINY_TRACE)
+    history = read_trace(TINY_HISTORY_TRACE)
     experts = manifest.num_layers * manifest.num_experts
     print(f"measured profile: {profile.links[0].name} {profile.links[0].bandwidth_bytes_per_s / 1e6:.0f} MB/s + "
           f"{profile.links[0].latency_s * 1e6:.0f} us; recorded {trace.num_tokens} tokens of {len(prompts)} prompts",

@@ -63,6 +63,8 @@ def test_prompt_sources(tmp_path):
                                            "humaneval:HumanEval/1", "humaneval:HumanEval/2"]
     assert prompts[0].text.startswith("User: ") and prompts[0].text.endswith("\nAssistant:")
     assert all(len(p.text) <= MAX_SHAREGPT_CHARS + 20 for p in prompts[:3])
+    assert [p.source for p in load_prompts("humaneval", limit=2, skip=3)] == ["humaneval:HumanEval/3",
+                                                                             "humaneval:HumanEval/4"]
     lines = tmp_path / "p.txt"
     lines.write_text("first\n\nsecond\n")
     assert [p.text for p in load_prompts(str(lines))] == ["first", "second"]
@@ -84,3 +86,5 @@ def test_prompt_file_errors(tmp_path):
         load_prompts(str(empty))
     with pytest.raises(ConfigError, match="--limit"):
         load_prompts("humaneval", limit=0)
+    with pytest.raises(ConfigError, match="--skip"):
+        load_prompts("humaneval", skip=-1)

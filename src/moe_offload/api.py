@@ -19,13 +19,13 @@ def load(model: str = "tiny", *, fast_budget="50%", policy: str = "lru", prefetc
     from moe_offload.models import require_model_stack
 
     require_model_stack("the runtime")
-    from moe_offload.bundled import DEFAULT_TINY_TRACE
+    from moe_offload.bundled import TINY_HISTORY_TRACE
     from moe_offload.prefetch import Prefetcher, prefetcher_info
     from moe_offload.runtime.engine import OffloadEngine
     from moe_offload.runtime.packing import packed_directory
 
     if prefetch is not None and prefetch_history is None and model == "tiny" \
             and prefetcher_info(prefetch).fit is not Prefetcher.fit:
-        prefetch_history = DEFAULT_TINY_TRACE  # recorded from the same model on other prompts: MoE-Infinity, fMoE
+        prefetch_history = TINY_HISTORY_TRACE  # the same model on other prompts: MoE-Infinity, fMoE learn from it
     return OffloadEngine(packed_directory(model), fast_budget=fast_budget, policy=policy, prefetch=prefetch,
                          prefetch_history=prefetch_history, **options)

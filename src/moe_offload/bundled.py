@@ -19,3 +19,19 @@ TINY_MODEL_DIR = DATA_DIR / "tiny-mixtral"
 # Routing of the tiny model on ShareGPT and HumanEval prompts, recorded by `moe-offload record` with every
 # column (probs, embedding, gate_prediction); the second default trace.
 DEFAULT_TINY_TRACE = DATA_DIR / "tiny-mixtral-sharegpt-humaneval.parquet"
+
+# The same recording on the next prompts of both sources: the history that MoE-Infinity's and fMoE's
+# prefetchers learn from before they run on DEFAULT_TINY_TRACE (no prompt is in both).
+TINY_HISTORY_TRACE = DATA_DIR / "tiny-mixtral-history.parquet"
+
+# Names a command accepts in place of a trace file.
+BUNDLED_TRACES = {"olmoe": DEFAULT_TRACE, "tiny": DEFAULT_TINY_TRACE, "tiny-history": TINY_HISTORY_TRACE}
+
+
+def trace_path(name: str) -> Path:
+    """A trace argument: ``olmoe``, ``tiny`` or ``tiny-history`` (the bundled traces) unless a file of that
+    name exists."""
+    path = Path(name)
+    if name in BUNDLED_TRACES and not path.exists():
+        return BUNDLED_TRACES[name]
+    return path

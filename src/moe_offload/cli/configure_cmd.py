@@ -21,7 +21,8 @@ def register(subparsers) -> None:
                     "fixed-point divide-and-conquer of Algorithm 1 on the latency model of equations 5-11), "
                     "from the trace's LCP hit rates and next-layer gate prediction accuracy. Needs a trace "
                     "with the gate_prediction column.")
-    parser.add_argument("trace", metavar="TRACE", help="trace file with gate_prediction")
+    parser.add_argument("trace", metavar="TRACE",
+                        help="trace file with gate_prediction, or 'tiny' (the bundled model's recording)")
     parser.add_argument("--vram-budget", required=True, metavar="EXPERTS|BYTES|FRACTION",
                         help="VRAM for cached expert segments (V_e, without non-expert weights and the prefetch "
                              "buffer): a number of full experts (240), bytes with a unit (6GB, 5.5GiB) or a "
@@ -130,7 +131,9 @@ def run(args) -> int:
     from moe_offload.configurator import check_inputs, configure, measure_statistics, require_gate_prediction
     from moe_offload.trace.format import read_trace
 
-    trace = read_trace(args.trace, columns=("gate_prediction",))
+    from moe_offload.bundled import trace_path
+
+    trace = read_trace(trace_path(args.trace), columns=("gate_prediction",))
     meta = trace.meta
     require_gate_prediction(trace)
     if args.expert_bytes is not None and args.expert_bytes < 1:

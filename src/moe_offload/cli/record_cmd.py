@@ -19,6 +19,8 @@ def register(subparsers) -> None:
                         help="comma-separated prompt sources: sharegpt, humaneval, or files with one prompt per "
                              "line (or .jsonl with 'prompt'); default: sharegpt")
     parser.add_argument("--limit", type=int, default=None, metavar="N", help="at most N prompts from each source")
+    parser.add_argument("--skip", type=int, default=0, metavar="N",
+                        help="skip the first N prompts of each source (e.g. a history on other prompts)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate (default 64)")
     parser.add_argument("--batch-size", type=int, default=8, metavar="B", help="prompts per batch (default 8)")
     parser.add_argument("-o", "--output", required=True, metavar="TRACE", help="trace file to write (.parquet)")
@@ -36,13 +38,14 @@ def run(args: argparse.Namespace) -> int:
     from moe_offload.text.prompts import load_prompts
     from moe_offload.trace.format import write_trace
 
-    prompts = load_prompts(args.prompts, args.limit)
+    prompts = load_prompts(args.prompts, args.limit, args.skip)
     model, adapter, tokenizer = load(args.model)
     name = "moe-offload/tiny-mixtral" if args.model == "tiny" else Path(args.model).resolve().name
     with progress_bar() as bar:
         task = bar.add_task(f"recording {len(prompts)} prompts", total=len(prompts))
         recording = record(model, adapter, tokenizer, prompts, model_name=name, max_new_tokens=args.max_new_tokens,
-                           batch_size=args.batch_size, prompt_source=args.prompts,
+                           batch_size=args.batch_size,
+                           prompt_source=args.prompts + (f" after the first {args.skip} of each" if args.skip else ""),
                            on_batch=lambda n: bar.advance(task, n))
     path = write_trace(recording.trace, args.output)
     trace = recording.trace

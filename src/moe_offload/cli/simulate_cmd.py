@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_offload.bundled import DEFAULT_TRACE
+from moe_offload.bundled import DEFAULT_TRACE, trace_path
 from moe_offload.errors import ConfigError
 from moe_offload.policies import POLICIES, policy_info
 from moe_offload.trace.format import TraceMeta, read_trace
@@ -35,7 +35,8 @@ def register(subparsers) -> None:
                     "and report TTFT, TPOT, stalls and traffic, beside an all-resident run and the oracle "
                     "prefetcher.")
     parser.add_argument("traces", nargs="*", metavar="TRACE",
-                        help=f"trace files (default: the bundled OLMoE trace, {DEFAULT_TRACE.name})")
+                        help=f"trace files, or 'olmoe' / 'tiny' for the bundled traces (default: olmoe, "
+                             f"{DEFAULT_TRACE.name}; tiny is the bundled model's recording with every column)")
     parser.add_argument("--policy", default=None,
                         help="comma-separated policy names, or 'all'; see `moe-offload policies` (default: all; "
                              f"with --timed {DEFAULT_TIMED_POLICIES})")
@@ -179,7 +180,7 @@ def run(args) -> int:
     args.cache_size = args.cache_size or DEFAULT_CACHE_SIZES
     policies = parse_policies(args.policy)
     options = parse_component_options(args.policy_option, "--policy-option", POLICY_OPTION, policy_info)
-    paths = args.traces or [str(DEFAULT_TRACE)]
+    paths = [str(trace_path(name)) for name in args.traces] or [str(DEFAULT_TRACE)]
     if args.jobs < 1:
         raise ConfigError("--jobs must be at least 1")
     inputs, plans = [], []
@@ -284,11 +285,11 @@ def run_timed(args) -> int:
     arrivals = Arrivals.parse(args.arrivals, args.max_batch, args.seed)
     if args.jobs < 1:
         raise ConfigError("--jobs must be at least 1")
-    history = read_trace(args.history) if args.history else None
+    history = read_trace(trace_path(args.history)) if args.history else None
     if args.split_config and args.cache_size:
         raise ConfigError("--split-config sets the GPU's expert memory layer by layer: leave out --cache-size")
     split = read_split_config(args.split_config) if args.split_config else None
-    paths = args.traces or [str(DEFAULT_TRACE)]
+    paths = [str(trace_path(name)) for name in args.traces] or [str(DEFAULT_TRACE)]
     plans = []
     for path in paths:  # read and check everything before the first run
         trace = read_trace(path)

@@ -30,7 +30,7 @@ def register(subparsers) -> None:
     info = actions.add_parser("info", help="summarise a trace file",
                               description="Print a trace's model, shape, counts, columns, provenance and a short "
                                           "routing summary.")
-    info.add_argument("file", metavar="FILE", help="trace file (.parquet)")
+    info.add_argument("file", metavar="FILE", help="trace file (.parquet), or 'olmoe' / 'tiny' for a bundled one")
     info.add_argument("--json", action="store_true", help="print the summary as JSON")
     info.set_defaults(run=run_info)
 
@@ -105,7 +105,9 @@ def register(subparsers) -> None:
 # --------------------------------------------------------------------------------------------------- info
 
 def run_info(args) -> int:
-    path = Path(args.file)
+    from moe_offload.bundled import trace_path
+
+    path = trace_path(args.file)
     trace = read_trace(path)
     summary = describe(trace, path.stat().st_size)
     if args.json:

@@ -128,7 +128,8 @@ class _LinkWorker(threading.Thread):
         self.engine, self.source, self.destination = engine, source, destination
         self.link = link
         self.queue = TransferQueue(link, engine.tiers[destination].cache)
-        self.copy_stream = None
+        self.copy_stream = None  # CUDA: this link's copies run on their own stream
+        self.staging = None      # CUDA: the pinned buffer every expert passes through
 
     def run(self) -> None:
         engine, queue = self.engine, self.queue
@@ -190,21 +191,39 @@ class _LinkWorker(threading.Thread):
         tensors = source_tensors if source_tensors is not None else engine.store.read_tensors(layer, expert)
         tier = engine.tiers[self.destination]
         if tier.device.type == "cuda":
-            import torch
-
-            if self.copy_stream is None:
-                self.copy_stream = torch.cuda.Stream(device=tier.device)
-            with torch.cuda.stream(self.copy_stream):
-                out = {name: t.pin_memory().to(tier.device, dtype=tier.dtype, non_blocking=True)
-                       if not t.is_pinned() else t.to(tier.device, dtype=tier.dtype, non_blocking=True)
-                       for name, t in tensors.items()}
-                done = torch.cuda.Event()
-                done.record(self.copy_stream)
-            done.synchronize()  # resident means usable by the compute stream
-            return out
-        if tier.device.type == "cpu" and self.destination > 0 and engine.device.type == "cuda":
-            return {name: t.pin_memory() for name, t in tensors.items()}  # host tier in front of a GPU
+            return self._to_gpu(tensors, tier)
+        if self.destination > 0 and engine.device.type == "cuda":
+            return {name: t.pin_memory() for name, t in tensors.items()}  # a host tier in front of a GPU
         return {name: t.to(tier.device, dtype=tier.dtype) for name, t in tensors.items()}
+
+    def _to_gpu(self, tensors: dict, tier: _Tier) -> dict:
+        """Copy on this link's own stream through one pinned staging buffer that is reused (grown, never
+        reallocated per expert); return once the copy is complete, so resident means usable."""
+        import torch
+
+        if self.copy_stream is None:
+            self.copy_stream = torch.cuda.Stream(device=tier.device)
+        need = sum(t.numel() * t.element_size() for t in tensors.values() if not t.is_pinned())
+        if need and (self.staging is None or self.staging.numel() < need):
+            self.staging = torch.empty(need, dtype=torch.uint8, pin_memory=True)
+        compute_stream = torch.cuda.default_stream(tier.device)
+        out, offset = {}, 0
+        with torch.cuda.stream(self.copy_stream):
+            for name, tensor in tensors.items():
+                source = tensor
+                if not tensor.is_pinned():
+                    size = tensor.numel() * tensor.element_size()
+                    region = self.staging[offset:offset + size]
+                    region.copy_(tensor.contiguous().view(torch.uint8).reshape(-1))
+                    source = region.view(tensor.dtype).view(tensor.shape)
+                    offset += size
+                moved = source.to(tier.device, non_blocking=True).to(tier.dtype)
+                moved.record_stream(compute_stream)  # the allocator must not reuse it while compute reads it
+                out[name] = moved
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        done.synchronize()  # the staging buffer is free again, and the expert is ready for the compute stream
+        return out
 
 
 def tier_size(engine: "OffloadEngine", tier: int) -> int:

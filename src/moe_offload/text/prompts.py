@@ -53,19 +53,23 @@ def _from_file(path: Path) -> list[Prompt]:
     return prompts
 
 
-def load_prompts(spec: str, limit: int | None = None) -> list[Prompt]:
-    """Prompts from a comma-separated list of sources (sharegpt, humaneval, or file paths)."""
+def load_prompts(spec: str, limit: int | None = None, skip: int = 0) -> list[Prompt]:
+    """Prompts from a comma-separated list of sources (sharegpt, humaneval, or file paths): from each source,
+    the prompts after its first ``skip``, at most ``limit`` of them."""
     if limit is not None and limit < 1:
         raise ConfigError("--limit must be at least 1")
+    if skip < 0:
+        raise ConfigError("--skip must not be negative")
+    end = None if limit is None else skip + limit
     prompts: list[Prompt] = []
     for name in [part.strip() for part in spec.split(",") if part.strip()]:
         if name == "sharegpt":
             chosen = [Prompt(chat_prompt(text[:MAX_SHAREGPT_CHARS]), f"sharegpt:{i}")
-                      for i, text in enumerate(sharegpt_prompts()[:limit])]
+                      for i, text in enumerate(sharegpt_prompts())][skip:end]
         elif name == "humaneval":
-            chosen = [Prompt(text, f"humaneval:HumanEval/{i}") for i, text in enumerate(humaneval_prompts()[:limit])]
+            chosen = [Prompt(text, f"humaneval:HumanEval/{i}") for i, text in enumerate(humaneval_prompts())][skip:end]
         else:
-            chosen = _from_file(Path(name))[:limit]
+            chosen = _from_file(Path(name))[skip:end]
         prompts.extend(chosen)
     if not prompts:
         raise ConfigError(f"no prompts in {spec!r}")
