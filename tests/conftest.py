@@ -1,4 +1,5 @@
-"""Fixtures shared by the test files: the real traces recorded by others, in ../shared/traces."""
+"""Fixtures shared by the test files: the real traces recorded by others, in ../shared/traces, and a private
+pack cache so that no test writes into the user's ~/.cache."""
 
 from __future__ import annotations
 
@@ -7,6 +8,14 @@ from pathlib import Path
 import pytest
 
 QWEN_FILES = ("cooking_1", "history_1", "history_2", "ml_moe_1", "ml_moe_2", "ml_moe_3")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_pack_cache(tmp_path_factory):
+    patch = pytest.MonkeyPatch()
+    patch.setenv("MOE_OFFLOAD_CACHE", str(tmp_path_factory.mktemp("pack-cache")))
+    yield
+    patch.undo()
 
 
 @pytest.fixture(scope="session")

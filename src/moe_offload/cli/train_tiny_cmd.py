@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     print("held-out perplexity: " + ", ".join(f"{k} {v:.1f}" for k, v in metrics["held_out_perplexity"].items())
           + f" (random routers: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                               metrics["held_out_perplexity_random_router"].items()) + ")")
-    for name in ("routing_trained", "routing_random_router"):
+    for name in ("routing_trained", "routing_random_router", "routing_uniform"):
         stats = metrics[name]
         print(f"{name.replace('_', ' ')}: next-token expert reuse {stats['next_token_expert_reuse']:.3f}, "
               f"code/English usage distance {stats['code_english_usage_tv_distance']:.3f}")

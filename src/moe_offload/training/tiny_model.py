@@ -14,9 +14,10 @@ data and the schedule. Steps:
 4. Training: AdamW, linear warm-up then cosine decay, gradient clipping, Mixtral's load-balancing loss
    (``router_aux_loss_coef``) so that no expert dies.
 5. Evaluation, on the weights as shipped (rounded to float16): held-out perplexity on code and on English,
-   and routing statistics against a random-router control (the same model with every router's rows replaced
-   by seeded Gaussian rows of the same norms): the share of a token's experts that the next token reuses,
-   and the total-variation distance between the per-layer expert usage on code and on English.
+   and routing statistics against two random-router controls, the same model with every router's rows
+   replaced by seeded Gaussian rows of the same norms (routing that depends on the token, but not learned),
+   and token-blind uniform routing: the share of a token's experts that the next token reuses, and the
+   total-variation distance between the per-layer expert usage on code and on English.
 6. Output: ``config.json``, ``model.safetensors`` (float16), ``tokenizer.json``, ``training-report.json``
    (recipe, data counts, loss curve, metrics, environment) and ``loss-curve.png``.
 
@@ -211,6 +212,29 @@ def routing_statistics(model, batches: dict[str, np.ndarray], chunk: int = 16) -
     }
 
 
+def uniform_routing_statistics(windows: int, seq_len: int, num_layers: int, num_experts: int, top_k: int,
+                               seed: int) -> dict:
+    """The token-blind control: every token of the same held-out windows gets top_k experts drawn uniformly
+    without replacement, so reuse is top_k / num_experts in expectation and the usage distance is sampling
+    noise alone."""
+    rng = np.random.default_rng(seed)
+    usage = {}
+    hits = pairs = 0
+    for kind in ("code", "english"):
+        counts = np.zeros((num_layers, num_experts))
+        for layer in range(num_layers):
+            chosen = np.argsort(rng.random((windows, seq_len, num_experts)), axis=-1)[..., :top_k]
+            np.add.at(counts[layer], chosen.ravel(), 1)
+            one_hot = np.zeros((windows, seq_len, num_experts), dtype=bool)
+            np.put_along_axis(one_hot, chosen, True, axis=-1)
+            hits += int((one_hot[:, 1:] & one_hot[:, :-1]).sum())
+            pairs += windows * (seq_len - 1) * top_k
+        usage[kind] = counts / counts.sum(axis=1, keepdims=True)
+    distance = 0.5 * np.abs(usage["code"] - usage["english"]).sum(axis=1)
+    return {"next_token_expert_reuse": hits / pairs, "code_english_usage_tv_distance": float(distance.mean()),
+            "code_english_usage_tv_distance_per_layer": [round(float(d), 4) for d in distance]}
+
+
 def randomize_routers(model, seed: int):
     """The control: every router's rows replaced by seeded Gaussian rows with the trained rows' norms."""
     import torch
@@ -291,6 +315,9 @@ def train_tiny(out_dir: Path, recipe: TinyRecipe = TinyRecipe(),
     fast.save_pretrained(out_dir)
     control = randomize_routers(MixtralForCausalLM.from_pretrained(out_dir, dtype=torch.float32), recipe.seed)
     metrics["routing_random_router"] = routing_statistics(control.eval(), held)
+    metrics["routing_uniform"] = uniform_routing_statistics(recipe.eval_windows, recipe.seq_len,
+                                                            recipe.num_hidden_layers, recipe.num_local_experts,
+                                                            recipe.num_experts_per_tok, recipe.seed)
     metrics["held_out_perplexity_random_router"] = {kind: perplexity(control, b) for kind, b in held.items()}
     metrics["uniform_perplexity"] = recipe.vocab_size
 

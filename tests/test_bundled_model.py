@@ -1,0 +1,78 @@
+"""The bundled tiny Mixtral and its recorded trace: present, within the size limit, loadable as a transformers
+model, and the recorded trace feeds every prefetcher of the papers, in the simulator and in the runtime."""
+
+import json
+
+import numpy as np
+import pytest
+
+from moe_offload.bundled import DEFAULT_TINY_TRACE, TINY_MODEL_DIR
+from moe_offload.cli.main import main
+from moe_offload.trace.format import read_trace
+
+SIZE_LIMIT = 40 * 10 ** 6  # the issue's limit for weights and tokenizer
+
+
+def test_checkpoint_is_float16_within_the_size_limit():
+    files = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert all((TINY_MODEL_DIR / name).is_file() for name in files)
+    assert sum((TINY_MODEL_DIR / name).stat().st_size for name in files) <= SIZE_LIMIT
+    config = json.loads((TINY_MODEL_DIR / "config.json").read_text())
+    assert config["model_type"] == "mixtral" and config["dtype"] == "float16"
+    assert config["num_local_experts"] >= 8 and config["num_experts_per_tok"] == 2
+    assert config["num_hidden_layers"] >= 4
+
+
+def test_training_report_shows_specialised_routers():
+    report = json.loads((TINY_MODEL_DIR / "training-report.json").read_text())
+    metrics = report["metrics"]
+    trained, control = metrics["routing_trained"], metrics["routing_random_router"]
+    assert trained["code_english_usage_tv_distance"] > control["code_english_usage_tv_distance"]
+    for kind, value in metrics["held_out_perplexity"].items():
+        assert value < metrics["held_out_perplexity_random_router"][kind] < report["recipe"]["vocab_size"]
+    assert report["corpus"]["sharegpt_complete_conversations"] == 17671
+
+
+def test_bundled_model_loads_through_its_adapter():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from moe_offload.models.tiny import load
+
+    model, adapter, tokenizer = load("tiny")
+    assert (adapter.num_layers, adapter.num_experts, adapter.top_k) == (8, 8, 2)
+    assert adapter.stored_expert_bytes() == read_trace(DEFAULT_TINY_TRACE, columns=()).meta.expert_bytes
+    assert tokenizer.decode(tokenizer("def f(x):\n    return x")["input_ids"]) == "def f(x):\n    return x"
+
+
+def test_recorded_trace_has_every_column():
+    trace = read_trace(DEFAULT_TINY_TRACE)
+    assert all(getattr(trace, column) is not None for column in ("weights", "probs", "embedding", "gate_prediction"))
+    sources = [r["source"].split(":")[0] for r in trace.meta.extra["recorder"]["requests"]]
+    assert {"sharegpt", "humaneval"} == set(sources) and len(sources) >= 24
+    np.testing.assert_allclose(trace.probs.astype(np.float32).sum(axis=2), 1.0, atol=1e-2)
+
+
+@pytest.mark.parametrize("prefetcher", ["fmoe", "moepic", "moe-infinity", "traced-topk", "oracle"])
+def test_every_prefetcher_runs_on_the_bundled_trace(prefetcher, tmp_path):
+    out = tmp_path / "r.json"
+    assert main(["simulate", "tiny", "--timed", "--policy", "lru", "--prefetch", prefetcher, "--history", "tiny-history",
+                 "--cache-size", "25%", "--jobs", "1", "--timed-json", str(out)]) == 0
+    runs = json.loads(out.read_text())
+    assert any(run.get("prefetcher") == prefetcher for run in runs)
+
+
+def test_runtime_on_the_bundled_model_matches_the_all_resident_model():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import moe_offload
+    from moe_offload.models.tiny import load
+
+    model, _, tokenizer = load("tiny")
+    prompt = "User: What is a cache?\nAssistant:"
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                                  do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    with moe_offload.load("tiny", fast_budget="25%", policy="lcp", prefetch="fmoe") as engine:
+        result = engine.generate(prompt, max_new_tokens=8)
+    assert result.token_ids == expected
