@@ -10,7 +10,13 @@ What the runtime (runtime/engine.py) does with an expert, timed piece by piece o
 - one expert's computation (the per-expert work of models/experts.py: select tokens, gate_up, activation,
   down, routing weight, index_add) at 1, 2, 4, ..., 64 tokens, fitted to the profile's roofline;
 - the rest of an iteration (attention, routers, LM head) by running the packed model's skeleton with the
-  experts stubbed out and timing its modules with hooks.
+  experts stubbed out and timing its modules with hooks;
+- one whole decode step of the runtime with every expert resident (OffloadEngine, preloaded, greedy
+  generate): what the parts above do not explain (transformers' generate loop, the hooks, Python between the
+  kernels) is framework overhead per token. It is spread over the layers (added to the attention's fixed
+  cost, which the simulator charges once per layer), because that is where the Python runs: between one
+  router and the next, which is the window a prefetch has. Without it the simulator would predict a decode
+  step the runtime never achieves, and prefetch windows shorter than the runtime's.
 
 The tiers follow the presets' names (hardware/presets): ``gpu``, ``host``, ``ssd``, fastest first. Without
 CUDA the fast tier is host RAM holding float32 experts, so the profile is ``host`` + ``ssd`` with one link
@@ -79,6 +85,7 @@ class Measurements:
     capacities: dict[str, int]      # tier -> bytes
     capacity_notes: dict[str, str]
     threads: int
+    decode_step_s: float | None = None          # one all-resident decode step of the runtime, end to end
     elapsed_s: float = 0.0
     date: str = field(default_factory=lambda: datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
 
@@ -479,6 +486,8 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
     tensors = ExpertStore(manifest).read_tensors(*keys[0])
     expert_seconds = measure_expert_compute(adapter.experts(0), tensors, device, compute_dtype, repeats)
     non_expert = measure_non_expert(model, adapter, device, repeats)
+    del model
+    decode_step = measure_decode_step(Path(packed_dir), device, repeats)
     sizes, notes = capacities(Path(packed_dir), device, stored.itemsize, compute_dtype.itemsize)
 
     params = sum(t.numel() for t in tensors.values())
@@ -492,8 +501,36 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
         read_latency_s=read_latency, read_bandwidth=read_bandwidth, convert_median_s=convert,
         host_to_gpu_latency_s=h2d_latency, host_to_gpu_bandwidth=h2d_bandwidth, memory_bandwidth=memory_bandwidth,
         expert_seconds=expert_seconds, non_expert_seconds=non_expert, num_layers=manifest.num_layers,
-        capacities=sizes, capacity_notes=notes, threads=torch.get_num_threads(),
+        capacities=sizes, capacity_notes=notes, threads=torch.get_num_threads(), decode_step_s=decode_step,
         elapsed_s=time.perf_counter() - started)
+
+
+DECODE_PROBE_TOKENS = 16
+
+
+def measure_decode_step(packed_dir: Path, device, repeats: int) -> float:
+    """Median time per output token of the runtime with every expert preloaded (greedy, a fixed 16-token
+    prompt, 16 new tokens): the all-resident TPOT the simulator's costs must add up to."""
+    from moe_offload.runtime.engine import OffloadEngine
+
+    with OffloadEngine(packed_dir, fast_budget="100%", preload=True, device=device) as engine:
+        prompt = list(range(1, 1 + DECODE_PROBE_TOKENS))
+        tpots = [engine.generate(prompt, max_new_tokens=DECODE_PROBE_TOKENS).stats.tpot_seconds
+                 for _ in range(max(2, repeats))]
+    return _median([t for t in tpots if t is not None])
+
+
+def framework_overhead(m: Measurements, compute: dict, top_k: int) -> float:
+    """The all-resident decode step measured end to end, less what the profile's parts predict for it
+    (per layer: attention, router and top_k one-token experts; then the LM head); never negative."""
+    if m.decode_step_s is None:
+        return 0.0
+    expert = compute["expert_overhead_s"] + max(m.expert_bytes / compute["memory_bandwidth_bytes_per_s"],
+                                                2.0 * m.expert_bytes / compute["bytes_per_param"] / compute["flops_per_s"])
+    linear = {part: compute[part]["fixed_s"] + compute[part]["per_token_s"] for part in ("attention", "router",
+                                                                                        "lm_head")}
+    modelled = m.num_layers * (linear["attention"] + linear["router"] + top_k * expert) + linear["lm_head"]
+    return max(0.0, m.decode_step_s - modelled)
 
 
 def slow_link(m: Measurements) -> tuple[float, float]:
@@ -589,11 +626,20 @@ def profile_dict(m: Measurements, name: str = "measured") -> dict:
         tokens = sorted(m.non_expert_seconds[part])
         fixed, per_token = fit_linear_cost(tokens, [m.non_expert_seconds[part][n] for n in tokens])
         compute[part] = {"fixed_s": _round(fixed), "per_token_s": _round(per_token)}
+    overhead = framework_overhead(m, compute, read_manifest(m.packed_dir, check_files=False).top_k)
+    compute["attention"]["fixed_s"] = _round(compute["attention"]["fixed_s"] + overhead / m.num_layers)
     fast = "GPU" if m.device == "cuda" else "RAM (float32 experts)"
+    sources = _sources(m, link_latency, link_bandwidth)
+    if m.decode_step_s is not None:
+        sources.append(f"framework overhead: one all-resident decode step of the runtime took "
+                       f"{m.decode_step_s * 1e3:.2f} ms end to end (OffloadEngine, preloaded, median of "
+                       f"{max(2, m.repeats)} x {DECODE_PROBE_TOKENS} tokens); the {overhead * 1e3:.2f} ms the "
+                       "parts above do not explain (generate loop, hooks, Python) is spread over the "
+                       f"{m.num_layers} layers: added to attention.fixed_s")
     return {"name": name,
             "description": f"measured on {m.date[:10]}: {m.device_name}, experts computed in {fast}, read from "
                            f"the expert files of a packed {m.model_type} model",
-            "sources": _sources(m, link_latency, link_bandwidth),
+            "sources": sources,
             "tiers": tiers, "links": links, "compute": compute}
 
 
