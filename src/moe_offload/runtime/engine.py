@@ -300,6 +300,8 @@ class OffloadEngine:
                 raise ConfigError(f"prefetcher {prefetch!r} predicts from past sequences: give it a history trace "
                                   "of this model (prefetch_history=..., --prefetch-history TRACE)")
         self._needs_gate_prediction = "gate_prediction" in getattr(self.prefetcher, "requires", ())
+        # the router's distribution is per-layer work on the decode path: only when someone reads it
+        self._needs_routing = self.prefetcher is not None or info.policy.needs_probs
 
         self._cond = threading.Condition()
         self._generate_lock = threading.Lock()
@@ -508,6 +510,8 @@ class OffloadEngine:
                 self._propose(proposals, -1)
 
     def _layer_routed(self, layer: int, routing) -> None:
+        if not self._needs_routing:
+            return
         view = self._view
         selected = routing.experts.cpu().numpy()
         probs = self.adapter.probabilities(routing.logits).cpu().numpy()
