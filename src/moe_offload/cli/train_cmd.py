@@ -59,9 +59,10 @@ def parse_rows(text: str | None, total: int, what: str = "--rows") -> tuple[int,
 
 def run(args: argparse.Namespace) -> int:
     from moe_offload.trace.format import read_trace
-    from moe_offload.training.learned_eviction import _import_torch, evaluate_policies, train_learned_eviction
+    from moe_offload.models import require_model_stack
+    from moe_offload.training.learned_eviction import evaluate_policies, train_learned_eviction
 
-    _import_torch()  # fail before reading anything when PyTorch is missing
+    require_model_stack("training the learned eviction", ("torch",))  # before reading anything
     trace = read_trace(args.trace)
     n = trace.num_tokens
     start, end = parse_rows(args.rows, n)

@@ -6,10 +6,14 @@ from __future__ import annotations
 from moe_offload.errors import ConfigError
 
 
-def require_model_stack(what: str) -> None:
-    """Fail with one clear line when PyTorch or transformers is missing, before any work starts."""
+MODEL_STACK = ("torch", "transformers", "safetensors", "tokenizers")
+
+
+def require_model_stack(what: str, modules: tuple[str, ...] = MODEL_STACK) -> None:
+    """Fail with one clear line when PyTorch, transformers or another of ``modules`` is missing, before any
+    work starts."""
     missing = []
-    for module in ("torch", "transformers", "safetensors", "tokenizers"):
+    for module in modules:
         try:
             __import__(module)
         except ImportError:

@@ -422,7 +422,7 @@ class OffloadEngine:
         fast = self.tiers[0].cache
         for key, priority in proposals:
             key = int(key)
-            if key // J <= routed_layer or key in fast or key in fast_reserved(fast):
+            if key // J <= routed_layer or key in fast or key in fast.reserved:
                 continue
             self._route(key, demand=False, priority=float(priority))
         self._cond.notify_all()
@@ -451,13 +451,9 @@ class OffloadEngine:
                 if fast.touch(key, ctx):
                     c.hits += 1
                     c.per_layer_hits[layer] += 1
-                elif not self._on_wire_to_fast(key):
-                    if self._route(key, demand=True, priority=math.inf):
-                        c.on_demand_loads += 1
-                    elif key in self._forward or any(key in w.queue.waiting() for w in self.workers[1:]) or \
-                            any(w.queue.on_wire is not None and w.queue.on_wire.key == key for w in self.workers[1:]):
-                        self._forward[key] = (True, math.inf)  # on its way to the host: the last hop is demand
-                        c.on_demand_loads += 1
+                elif not self._on_wire_to_fast(key):  # a prefetch on the last wire is no demand load
+                    self._route(key, demand=True, priority=math.inf)  # also on its way to the host: demand
+                    c.on_demand_loads += 1
             for worker in self.workers:  # the layer is routed: its waiting prefetches are too late
                 for waiting in worker.queue.waiting_prefetches():
                     if waiting // J == layer and waiting not in keys:
@@ -493,6 +489,8 @@ class OffloadEngine:
     def _iteration_start(self, module, args, kwargs):
         import torch
 
+        if not self._needs_routing:
+            return
         ids = kwargs.get("input_ids")
         if ids is None and args:
             ids = args[0]
@@ -623,15 +621,6 @@ class OffloadEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def fast_reserved(cache) -> dict:
-    if isinstance(cache, PartitionedCache):
-        merged = {}
-        for part in cache.parts:
-            merged.update(part.reserved)
-        return merged
-    return cache.reserved
 
 
 class _TimingStreamer:

@@ -142,6 +142,11 @@ class PartitionedCache:
         return sum(part.used for part in self.parts)
 
     @property
+    def reserved(self) -> dict:
+        """Experts on their way in, over all partitions (key -> size)."""
+        return {key: size for part in self.parts for key, size in part.reserved.items()}
+
+    @property
     def on_evict(self):
         return self.parts[0].on_evict
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from moe_offload import __version__
 from moe_offload.errors import ConfigError
+from moe_offload.models import require_model_stack
 from moe_offload.policies.base import AccessContext, ModelSpec
 from moe_offload.policies.belady import Belady
 from moe_offload.policies.learned_model import FEATURE_NAMES, LearnedModel, features, save_model
@@ -218,16 +219,6 @@ class TrainingResult:
         return save_model(path, self.model.layers, target=self.target, training=self.training)
 
 
-def _import_torch():
-    try:
-        import torch
-    except ImportError:
-        raise ConfigError("training the learned eviction needs PyTorch, which is not installed: "
-                          "`pip install torch` (the CPU build is enough), or `pip install moe-offload[models]`"
-                          ) from None
-    return torch
-
-
 def _file_sha256(path) -> str | None:
     try:
         digest = hashlib.sha256()
@@ -323,7 +314,9 @@ def train_learned_eviction(trace: Trace, *, rows: tuple[int, int] | None = None,
 
     The validation split is the eviction moments in the last ``val_fraction`` of the training tokens.
     ``time_limit`` (seconds, for the whole run) stops training early, as if the patience ran out."""
-    torch = _import_torch()
+    require_model_stack("training the learned eviction", ("torch",))
+    import torch
+
     say = log or (lambda message: None)
     n = trace.num_tokens
     start, end = rows if rows is not None else (0, n)
