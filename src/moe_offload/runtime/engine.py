@@ -81,6 +81,11 @@ class Counters:
     per_layer_stall_seconds: list = field(default_factory=list)
     bytes_per_link: dict = field(default_factory=dict)
 
+    @classmethod
+    def zero(cls, num_layers: int) -> "Counters":
+        return cls(per_layer_accesses=[0] * num_layers, per_layer_hits=[0] * num_layers,
+                   per_layer_stall_seconds=[0.0] * num_layers)
+
     def copy(self) -> "Counters":
         return Counters(**{k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
                            for k, v in self.__dict__.items()})
@@ -313,8 +318,7 @@ class OffloadEngine:
         self._pinned: set[int] = set()
         self.ctx.pinned = self._pinned
         L = m.num_layers
-        self.counters = Counters(per_layer_accesses=[0] * L, per_layer_hits=[0] * L,
-                                 per_layer_stall_seconds=[0.0] * L)
+        self.counters = Counters.zero(L)
         self.tiers[0].cache.on_evict = self._on_fast_evict
         self.iteration = 0
         self.request = -1
@@ -366,9 +370,7 @@ class OffloadEngine:
             while any(w.queue.waiting() or w.queue.busy for w in self.workers) and self._failure is None:
                 self._cond.wait()
             self._raise_failure()
-        self.counters = Counters(per_layer_accesses=[0] * self.spec.num_layers,
-                                 per_layer_hits=[0] * self.spec.num_layers,
-                                 per_layer_stall_seconds=[0.0] * self.spec.num_layers)
+        self.counters = Counters.zero(self.spec.num_layers)
         self._prefetched_unused.clear()
         return time.perf_counter() - started
 
@@ -567,7 +569,6 @@ class OffloadEngine:
         self.request += 1
         self._view, self._request_embedding = None, None
         started = time.perf_counter()
-        streamer.started = started
         with torch.no_grad():
             out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                       do_sample=False, streamer=streamer, return_dict_in_generate=True,
@@ -630,7 +631,6 @@ class _TimingStreamer:
         self.tokenizer, self.on_text = tokenizer, on_text
         self.prompt_seen = False
         self.token_times: list[float] = []
-        self.started = 0.0
         self._tokens: list[int] = []
         self._printed = 0
 
