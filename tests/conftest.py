@@ -34,3 +34,12 @@ def olmoe_file(shared_traces) -> Path:
 @pytest.fixture(scope="session")
 def qwen_folder(shared_traces) -> Path:
     return shared_traces / "qwen1.5-moe-a2.7b"
+
+
+@pytest.fixture(scope="session")
+def tiny_trace():
+    """The bundled recording of the tiny Mixtral (every column), read once."""
+    from moe_offload.bundled import DEFAULT_TINY_TRACE
+    from moe_offload.trace import read_trace
+
+    return read_trace(DEFAULT_TINY_TRACE)

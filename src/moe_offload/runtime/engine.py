@@ -147,7 +147,7 @@ class _LinkWorker(threading.Thread):
                     cond.wait()
                     continue
                 key, size = transfer.key, tier_size(engine, self.destination)
-                engine.ctx.prefetch = not transfer.demand
+                engine.ctx.prefetch = self.destination == 0 and not transfer.demand  # held until used
                 try:
                     room = tier.cache.reserve(key, engine.ctx, size)
                 finally:
@@ -461,6 +461,8 @@ class OffloadEngine:
                     if waiting // J == layer and waiting not in keys:
                         worker.queue.withdraw(waiting)
                         self._forward.pop(waiting, None)
+            for key in [key for key in fast.held if key // J == layer]:  # predicted wrongly: no longer held
+                fast.release(key)
             self._cond.notify_all()
         remaining = list(keys)
         try:

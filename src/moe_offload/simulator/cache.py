@@ -4,11 +4,24 @@ Residency is not policy: the cache keeps the resident set and the budget and ask
 only which resident, unpinned expert to drop. Sizes are in any unit (one per expert in the replay,
 bytes in the timed simulator); the capacity is in the same unit.
 
-The replay loads an expert at once (``request``, ``prefetch``). The timed simulator splits a load in two,
+The replay loads an expert at once (``request``). The timed simulator and the runtime split a load in two,
 because a transfer takes time: ``reserve`` makes room and counts the expert's size when its transfer
 starts (paper 002 section 5.4 applies the replacement "before initiating the actual memory copy"), and
 ``complete`` makes it resident when it arrives; ``touch`` is a demand access that loads nothing. A
 reserved expert is not resident, so no policy can pick it as a victim while it is on the wire.
+
+A prefetched expert is *held* until it is used (DESIGN.md). An expert reserved for a prefetch
+(``ctx.prefetch``) is held from its reservation until a demand access uses it (``touch``/``request``) or
+the driver withdraws its prediction (``release``: its layer was routed without it). While held it is
+never offered to the policy as a victim, whatever the policy's ranking, and its bytes count in the
+budget. Without this rule a policy that ranks a newcomer low (LCP gives it mu = 0, fMoE freq = 0) evicts
+each prefetch before the token that needed it arrives, and a prefetcher's precision would depend on the
+eviction policy. Two limits keep the rule from blocking anything that must happen:
+
+* a prefetch never evicts a held expert: if the room can only come from held experts, the prefetch waits;
+* a demand load always makes progress: when every unpinned resident is held, holds are released, the
+  most recent first (the prediction made furthest ahead), until the room can be made; the policy then
+  picks its victim among the released.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ class ExpertCache:
         self.policy = policy
         self.resident: dict = {}  # key -> size
         self.reserved: dict = {}  # key -> size, experts on their way in (counted in used)
+        self.held: dict = {}      # key -> None, prefetched and not used yet, oldest first (module doc)
         self.used = 0
         self.evictions = 0
         self.on_evict = None  # callback(key) after an eviction: the runtime frees the expert's memory
@@ -37,31 +51,30 @@ class ExpertCache:
 
     def request(self, key, ctx: AccessContext, size: int = 1) -> bool:
         """A demand request: True on a hit; on a miss, make room, load ``key`` and return False."""
-        policy = self.policy
-        policy.on_access(key, ctx)
+        self.policy.on_access(key, ctx)
+        if self.held:
+            self.held.pop(key, None)
         if key in self.resident:
             return True
         self._load(key, ctx, size)
         return False
 
-    def prefetch(self, key, ctx: AccessContext, size: int = 1) -> bool:
-        """Load ``key`` ahead of its request; False if it was already resident."""
-        if key in self.resident:
-            return False
-        ctx.prefetch = True
-        try:
-            self._load(key, ctx, size)
-        finally:
-            ctx.prefetch = False
-        return True
-
     def touch(self, key, ctx: AccessContext) -> bool:
-        """A demand access that loads nothing (the timed simulator loads by transfers): True if resident."""
+        """A demand access that loads nothing (the timed simulator loads by transfers): True if resident.
+        A held prefetch of ``key`` is used now: the hold ends (the driver pins what its layer computes)."""
         self.policy.on_access(key, ctx)
+        if self.held:
+            self.held.pop(key, None)
         return key in self.resident
+
+    def release(self, key) -> None:
+        """The prediction that prefetched ``key`` is withdrawn (its layer was routed without it): it is an
+        ordinary resident (or incoming) expert from now on."""
+        self.held.pop(key, None)
 
     def evict(self, key) -> None:
         self.used -= self.resident.pop(key)
+        self.held.pop(key, None)
         self.policy.on_evict(key)
         self.evictions += 1
         if self.on_evict is not None:
@@ -70,19 +83,19 @@ class ExpertCache:
     def cancel(self, key) -> None:
         """A reserved ``key`` will not arrive (its transfer failed): give its room back."""
         self.used -= self.reserved.pop(key)
+        self.held.pop(key, None)
 
     def reserve(self, key, ctx: AccessContext, size: int = 1) -> bool:
-        """Make room for ``key`` (evicting the policy's victims, never one in ``ctx.pinned``) and count its
-        size until ``complete``. False, with nothing evicted, when the room cannot be made now because the
-        rest of the cache is pinned or reserved."""
-        if self.used + size > self.capacity:
-            if (size > self.capacity or self.reserved or ctx.pinned) and not self._room_can_be_made(key, ctx, size):
-                return False
-            policy = self.policy
-            while self.used + size > self.capacity:
-                self.evict(policy.victim(ctx))
+        """Make room for ``key`` (evicting the policy's victims, never one in ``ctx.pinned`` nor a held
+        prefetch) and count its size until ``complete``; a prefetch (``ctx.prefetch``) is held from now on.
+        False, with nothing evicted, when the room cannot be made now because the rest of the cache is
+        pinned, reserved or, for a prefetch, held."""
+        if self.used + size > self.capacity and not self._make_room(key, ctx, size):
+            return False
         self.reserved[key] = size
         self.used += size
+        if ctx.prefetch:
+            self.held[key] = None
         return True
 
     def complete(self, key, ctx: AccessContext) -> None:
@@ -90,25 +103,51 @@ class ExpertCache:
         self.resident[key] = self.reserved.pop(key)
         self.policy.on_insert(key, ctx)
 
-    def _room_can_be_made(self, key, ctx, size) -> bool:
-        """Whether evicting every resident expert that is not pinned would make room for ``size`` units;
-        asked before the first eviction, so that an attempt that cannot succeed evicts nothing. (Without
-        pinned or reserved experts and with ``size`` <= capacity the answer is yes: the hot paths skip it.)"""
+    def _make_room(self, key, ctx, size) -> bool:
+        """Evict the policy's victims until ``size`` more units fit; False, with nothing evicted, when
+        that cannot be done now (module doc: what pinned, reserved and held experts allow)."""
         if size > self.capacity:
             raise ConfigError(f"expert {key} needs {size} units but the whole cache holds {self.capacity}")
-        resident = self.resident
-        evictable = self.used - sum(self.reserved.values()) - sum(resident[k] for k in ctx.pinned if k in resident)
-        return self.capacity - self.used + evictable >= size
-
-    def _load(self, key, ctx, size):
-        # the replay's hot path: reserve and complete in one, without their bookkeeping
-        if self.used + size > self.capacity:
-            if (size > self.capacity or self.reserved or ctx.pinned) and not self._room_can_be_made(key, ctx, size):
-                raise ConfigError(f"the cache of {self.capacity} units is full of pinned experts and cannot "
-                                  f"load expert {key}: it is too small for what must be resident at once")
+        pinned = ctx.pinned
+        if self.reserved or pinned or self.held:  # the hot paths (the replay) have none of these
+            if not self._room_can_be_made(pinned, size, self.held):
+                if ctx.prefetch or not self._release_holds_for(pinned, size):
+                    return False
+            if self.held:  # the policy must not see a held expert as a candidate
+                ctx.pinned = self.held.keys() | pinned
+        try:
             policy = self.policy
             while self.used + size > self.capacity:
                 self.evict(policy.victim(ctx))
+        finally:
+            ctx.pinned = pinned
+        return True
+
+    def _room_can_be_made(self, pinned, size, held) -> bool:
+        """Whether evicting every resident expert that is neither pinned nor held would make room for
+        ``size`` units; asked before the first eviction, so that an attempt that cannot succeed evicts
+        nothing."""
+        resident = self.resident
+        stuck = sum(self.reserved.values()) + sum(resident[k] for k in held.keys() | pinned if k in resident)
+        return self.capacity - stuck >= size
+
+    def _release_holds_for(self, pinned, size) -> bool:
+        """A demand load finds the room held by prefetches: release the holds of resident experts, the most
+        recent first, until it can be made. False when even releasing every hold would not make it (the
+        rest is pinned or reserved)."""
+        if not self._room_can_be_made(pinned, size, {}):
+            return False
+        for key in reversed([key for key in self.held if key in self.resident]):
+            if self._room_can_be_made(pinned, size, self.held):
+                break
+            del self.held[key]
+        return True
+
+    def _load(self, key, ctx, size):
+        # the replay's path: reserve and complete in one, without their bookkeeping
+        if self.used + size > self.capacity and not self._make_room(key, ctx, size):
+            raise ConfigError(f"the cache of {self.capacity} units is full of pinned experts and cannot "
+                              f"load expert {key}: it is too small for what must be resident at once")
         self.resident[key] = size
         self.used += size
         self.policy.on_insert(key, ctx)
@@ -147,6 +186,11 @@ class PartitionedCache:
         return {key: size for part in self.parts for key, size in part.reserved.items()}
 
     @property
+    def held(self) -> dict:
+        """Prefetched experts not used yet, over all partitions."""
+        return {key: None for part in self.parts for key in part.held}
+
+    @property
     def on_evict(self):
         return self.parts[0].on_evict
 
@@ -158,11 +202,11 @@ class PartitionedCache:
     def cancel(self, key) -> None:
         self.parts[key // self.experts_per_layer].cancel(key)
 
+    def release(self, key) -> None:
+        self.parts[key // self.experts_per_layer].release(key)
+
     def request(self, key, ctx: AccessContext, size: int = 1) -> bool:
         return self.parts[key // self.experts_per_layer].request(key, ctx, size)
-
-    def prefetch(self, key, ctx: AccessContext, size: int = 1) -> bool:
-        return self.parts[key // self.experts_per_layer].prefetch(key, ctx, size)
 
     def touch(self, key, ctx: AccessContext) -> bool:
         return self.parts[key // self.experts_per_layer].touch(key, ctx)

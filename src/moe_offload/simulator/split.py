@@ -147,6 +147,14 @@ class SplitExperts:
         self.tops[key // self.J].touch(key, ctx)
         return key in self
 
+    @property
+    def held(self) -> dict:
+        """Prefetched top segments not used yet, over all layers (cache.py's hold rule)."""
+        return {key: None for top in self.tops for key in top.held}
+
+    def release(self, key: int) -> None:
+        self.tops[key // self.J].release(key)
+
     def transfer_bytes(self, key: int) -> int:
         """The bottom segment when the top is cached, else the whole expert."""
         layer = key // self.J

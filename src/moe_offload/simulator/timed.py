@@ -426,8 +426,9 @@ class _TimedRun:
                         transfer.nbytes = self.split.transfer_bytes(key)
                     ctx = self.ctx
                     ctx.pinned = self.pinned if i == 1 else self._middle_pins(i - 1, transfer.demand)
+                    ctx.prefetch = i == 1 and not transfer.demand  # held in the GPU until used (cache.py)
                     room = self.caches[i - 1].reserve(key, ctx, transfer.nbytes)
-                    ctx.pinned = self.pinned
+                    ctx.pinned, ctx.prefetch = self.pinned, False
                     if not room:  # the destination is full of pinned or incoming experts: wait for an event
                         break
                     queue.start(self.now)
@@ -518,13 +519,17 @@ class _TimedRun:
         self._kick()
 
     def _drop_prefetches_of(self, layer: int) -> None:
-        """Layer ``layer`` is routed: its waiting prefetches can no longer help this iteration."""
+        """Layer ``layer`` is routed: its waiting prefetches can no longer help this iteration, and the
+        prefetched experts it did not need are no longer held (those it needs were used by ``touch``)."""
         for key in list(self.prefetch_loads_of_layer[layer]):
             load = self.loads[key]
             if self.queues[load.at].withdraw(key):
                 self._forget(load)
             else:
                 load.stale = True
+        fast, J = self.fast, self.J
+        for key in [key for key in fast.held if key // J == layer]:
+            fast.release(key)
 
     # ------------------------------------------------------------------------------------------ prefetcher
 

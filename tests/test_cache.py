@@ -1,0 +1,119 @@
+"""The shared cache's rules, by hand: a prefetched expert is held until it is used (DESIGN.md), prefetches
+never evict held experts, demand loads always make progress, and no policy's ranking changes any of it."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_offload.hardware.profile import resolve_profile
+from moe_offload.policies import POLICIES, AccessContext, ModelSpec
+from moe_offload.simulator.cache import ExpertCache, PartitionedCache
+from moe_offload.simulator.timed import simulate_timed
+
+SPEC = ModelSpec(num_layers=2, num_experts=8, top_k=1)
+ONLINE = [name for name, info in POLICIES.items() if not info.offline and name != "learned"]
+
+
+def fill(cache: ExpertCache, keys, ctx: AccessContext) -> None:
+    for key in keys:
+        assert cache.request(key, ctx) is False
+        ctx.clock += 1
+        ctx.token += 1
+
+
+def prefetch(cache, key, ctx) -> bool:
+    ctx.prefetch = True
+    try:
+        room = cache.reserve(key, ctx, 1)
+    finally:
+        ctx.prefetch = False
+    if room:
+        cache.complete(key, ctx)
+    return room
+
+
+@pytest.mark.parametrize("policy", ONLINE)
+def test_a_held_prefetch_is_never_the_victim_whatever_the_policy(policy):
+    # LCP ranks a newcomer with mu = 0 lowest and fMoE one with freq = 0: without the hold rule a prefetch is
+    # their first victim. Cache of 3: demand 0, 1; prefetch 2 (held); a demand miss of 3 must evict 0 or 1.
+    cache = ExpertCache(3, POLICIES[policy].policy(SPEC, seed=0))
+    ctx = AccessContext()
+    fill(cache, [0, 1], ctx)
+    assert prefetch(cache, 2, ctx)
+    assert list(cache.held) == [2]
+    for miss in (3, 4, 5):
+        cache.request(miss, ctx)
+        ctx.clock += 1
+        ctx.token += 1
+        assert 2 in cache, f"{policy} evicted the held prefetch on the miss of {miss}"
+    assert cache.touch(2, ctx)  # used: the hold ends
+    assert not cache.held
+
+
+def test_a_prefetch_waits_rather_than_evict_a_held_prefetch():
+    cache = ExpertCache(2, POLICIES["lru"].policy(SPEC))
+    ctx = AccessContext()
+    assert prefetch(cache, 0, ctx) and prefetch(cache, 1, ctx)
+    assert not prefetch(cache, 2, ctx)  # the only victims would be held: nothing is evicted, nothing reserved
+    assert set(cache.resident) == {0, 1} and not cache.reserved and cache.used == 2
+    cache.release(0)                   # its layer was routed without it: an ordinary resident now
+    assert prefetch(cache, 2, ctx)
+    assert set(cache.resident) == {1, 2} and list(cache.held) == [1, 2]
+
+
+def test_a_demand_load_releases_the_most_recent_holds_first():
+    cache = ExpertCache(3, POLICIES["lru"].policy(SPEC))
+    ctx = AccessContext()
+    for key in (0, 1, 2):
+        assert prefetch(cache, key, ctx)
+    ctx.pinned = {7}
+    assert cache.reserve(7, ctx, 1)  # a demand load: the newest hold (2) is released and, being LRU's only
+    assert set(cache.resident) == {0, 1} and list(cache.held) == [0, 1]  # candidate, evicted
+    cache.complete(7, ctx)
+
+
+def test_a_demand_load_that_even_releasing_every_hold_cannot_serve_waits():
+    cache = ExpertCache(2, POLICIES["lru"].policy(SPEC))
+    ctx = AccessContext()
+    fill(cache, [0], ctx)
+    assert prefetch(cache, 1, ctx)
+    ctx.pinned = {0}
+    assert cache.reserve(5, ctx, 1)  # releases 1's hold and evicts it
+    assert set(cache.reserved) == {5}
+    assert not cache.reserve(6, ctx, 1)  # 0 pinned, 5 on its way: no room, and nothing changed
+    assert set(cache.resident) == {0} and set(cache.reserved) == {5}
+
+
+def test_a_prefetch_on_the_wire_is_held_from_its_reservation_and_a_failed_one_is_forgotten():
+    cache = ExpertCache(2, POLICIES["lru"].policy(SPEC))
+    ctx = AccessContext()
+    ctx.prefetch = True
+    assert cache.reserve(3, ctx, 1)
+    ctx.prefetch = False
+    assert list(cache.held) == [3]
+    cache.cancel(3)
+    assert not cache.held and cache.used == 0
+
+
+def test_the_partitioned_cache_holds_per_layer():
+    policy = POLICIES["lru"].policy
+    cache = PartitionedCache(2, 2, lambda: policy(SPEC), SPEC.num_experts)
+    ctx = AccessContext()
+    assert prefetch(cache, 9, ctx)   # layer 1
+    assert list(cache.held) == [9]
+    cache.release(9)
+    assert not cache.held
+
+
+def test_with_the_oracle_every_prefetch_is_used_and_no_policy_makes_it_slower_than_no_prefetch(tiny_trace):
+    """The bound the hold rule restores: before it, LCP, fMoE and LFU evicted 50-90% of the oracle's
+    prefetches before their use and the oracle ran slower than no prefetching at all."""
+    hardware = resolve_profile("desktop-rtx4090")
+    total = tiny_trace.meta.num_expert_slots * tiny_trace.meta.expert_bytes
+    for policy in ("lru", "lcp", "fmoe", "lfu"):
+        for share in (0.25, 0.5):
+            none = simulate_timed(tiny_trace, hardware, policy, int(total * share))
+            oracle = simulate_timed(tiny_trace, hardware, policy, int(total * share), prefetcher="oracle")
+            assert oracle.prefetch_precision == 1.0, (policy, share)
+            assert oracle.tpot_seconds <= none.tpot_seconds, (policy, share)
+            assert oracle.hit_rate >= none.hit_rate, (policy, share)
