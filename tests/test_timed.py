@@ -491,6 +491,25 @@ def test_the_access_order_and_context_the_policy_sees(monkeypatch):
     assert seen[0][-1] == [0, 1, 2]  # the routed layer's experts are pinned while the policy is asked
 
 
+def test_each_access_carries_its_tokens_by_request(monkeypatch):
+    # A batch of two requests (rows 0, 1 of request 7; row 2 of request 9) in one iteration, top-2, one layer:
+    # expert 1 serves two tokens of 7 and one of 9, expert 0 two tokens of 7, expert 3 one of 9.
+    seen = {}
+
+    class Spy(LRU):
+        name = "test-spy"
+
+        def on_access(self, key, ctx):
+            seen[key] = dict(ctx.routed)
+            super().on_access(key, ctx)
+
+    monkeypatch.setitem(POLICIES, "test-spy", PolicyInfo("test-spy", Spy))
+    trace = hand_trace([[[1, 0]], [[0, 1]], [[3, 1]]], layers=1, request=[7, 7, 9], phase=[PREFILL] * 3,
+                       iteration=[0, 0, 0])
+    simulate_timed(trace, profile(), "test-spy", 4 * E)
+    assert seen == {1: {7: 2, 9: 1}, 0: {7: 2}, 3: {9: 1}}
+
+
 # ------------------------------------------------------------------------------------------ configuration and CLI
 
 

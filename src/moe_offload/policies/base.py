@@ -40,7 +40,10 @@ class AccessContext:
     layer       the layer being served now.
     token       index of the token being served (the trace row), counting from 0.
     iteration   the forward pass (prefill or decode step) the token belongs to.
-    request     the id of the sequence (prompt) the token belongs to.
+    request     the id of the sequence (prompt) the token belongs to (in a batch: of its first token).
+    routed      the tokens routed to the current key in this access, by request: {request: tokens}. A timed
+                or runtime access serves a whole forward pass (a prefill, a batch), so one access can carry
+                several tokens of several requests; None means one token of ``request`` (the replay).
     next_use    the clock of the next request of the current key (NEVER if none). Only offline drivers,
                 which know the future, fill it; online policies must not read it.
     probs       the router's probabilities over the J experts of every layer for the current token, an
@@ -50,7 +53,7 @@ class AccessContext:
     prefetch    True while the cache inserts a prefetched expert rather than a demand miss.
     """
 
-    __slots__ = ("clock", "layer", "token", "iteration", "request", "next_use", "probs", "predicted",
+    __slots__ = ("clock", "layer", "token", "iteration", "request", "routed", "next_use", "probs", "predicted",
                  "pinned", "prefetch")
 
     def __init__(self):
@@ -59,6 +62,7 @@ class AccessContext:
         self.token = 0
         self.iteration = 0
         self.request = 0
+        self.routed: dict | None = None
         self.next_use = 0
         self.probs: np.ndarray | None = None
         self.predicted: np.ndarray | None = None

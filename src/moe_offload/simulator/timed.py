@@ -249,6 +249,23 @@ def layer_needs(experts: np.ndarray, rows: np.ndarray, layer: int, num_experts: 
     return (unique[order] + layer * num_experts).tolist(), counts[order].tolist()
 
 
+def routed_by_request(experts: np.ndarray, requests: np.ndarray, rows: np.ndarray, layer: int,
+                      num_experts: int) -> dict[int, dict[int, int]]:
+    """For each key layer ``layer`` needs for ``rows``: the tokens routed to it, by request
+    (``AccessContext.routed``)."""
+    selected = experts[rows, layer].astype(np.int64)
+    if selected.shape[0] == 1:
+        request = int(requests[rows[0]])
+        return {int(e) + layer * num_experts: {request: 1} for e in selected[0]}
+    keys = selected.reshape(-1) + layer * num_experts
+    owners = np.repeat(requests[rows].astype(np.int64), selected.shape[1])
+    pairs, counts = np.unique(np.stack([keys, owners]), axis=1, return_counts=True)
+    routed: dict[int, dict[int, int]] = {}
+    for key, request, count in zip(pairs[0].tolist(), pairs[1].tolist(), counts.tolist()):
+        routed.setdefault(key, {})[request] = count
+    return routed
+
+
 def latency_summary(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
@@ -550,8 +567,9 @@ class _TimedRun:
 
     # ------------------------------------------------------------------------------------------ the run
 
-    def _route(self, layer: int, keys: list[int]) -> None:
-        """Layer ``layer``'s router has run: its accesses, in order, and the demand loads of its misses."""
+    def _route(self, layer: int, keys: list[int], routed: dict[int, dict[int, int]]) -> None:
+        """Layer ``layer``'s router has run: its accesses, in order (each with its tokens by request), and the
+        demand loads of its misses."""
         ctx, fast = self.ctx, self.fast
         self.pinned.update(keys)
         if self.split is not None:
@@ -563,6 +581,7 @@ class _TimedRun:
             ctx.clock = self.clock
             if self.offline:
                 ctx.next_use = self.next_use_at[self.clock]
+            ctx.routed = routed[key]
             hit = fast.touch(key, ctx)
             prefetched = key in self.pending_use
             if prefetched:
@@ -654,7 +673,7 @@ class _TimedRun:
                 self._compute(compute.router(n), "router", layer)
                 keys, counts = layer_needs(trace.experts, rows, layer, J)
                 self.layer_now = view.layer_now = layer
-                self._route(layer, keys)
+                self._route(layer, keys, routed_by_request(trace.experts, trace.request, rows, layer, J))
                 if self.prefetcher is not None:
                     self._consult(self.prefetcher.on_layer_routed, view)
                 self._run_experts(layer, keys, counts)
