@@ -1,0 +1,395 @@
+"""The timed simulator's compute stream: forward passes over virtual time, with the prefetcher's hooks.
+
+One compute stream (the GPU) runs the iterations one after another. An iteration runs layers 0..L-1;
+each layer runs its attention, then its router, whose output makes the layer's *needed* experts known:
+the union of the experts its tokens selected, each with the number of tokens routed to it (a prefill
+iteration routes all prompt tokens at once, a decode iteration one token per request, a batch several
+requests). Then each needed expert runs, as soon as it is resident in the fast tier (tier 0, the GPU),
+for ``compute.expert_seconds(tokens routed to it)``; experts already resident run first, the others as
+they arrive, and while no needed expert is resident the stream stalls (``per_layer_stall_seconds``).
+After the last layer the LM head runs and the iteration's tokens are done. Costs come from the
+hardware profile (moe_offload.hardware); how experts reach the GPU is tiers.py's business.
+
+The prefetcher is called as prefetch/base.py says: ``on_iteration_start`` before layer 0,
+``on_layer_routed`` right after each router, ``on_iteration_end`` after the LM head. Its proposals go to
+the transfer queues (simulator/transfers.py), which order them; proposals for layers already routed in
+this iteration are ignored, and when a layer is routed its waiting prefetches are dropped (the needed
+ones become demand loads). A prefetcher that searches a history (``search_latency``) is charged: on the
+compute stream when the search is on the inference path (MoE-Infinity), otherwise on its own matcher
+timeline, its proposals reaching the queues only when the search is done (fMoE's asynchronous matcher).
+
+How AccessContext maps onto the timed model (the replay fills the same fields, see policies/base.py):
+
+    clock       the position of the access in the *timed access order*: iteration by iteration, layer by
+                layer, the layer's needed experts in order of first appearance over the iteration's tokens
+                (row order, then router rank). Between accesses (a transfer starting or landing later)
+                it stays at the latest access.
+    layer       the layer being computed.
+    token, iteration
+                the number of the simulated iteration (0, 1, ...): a time step is one forward pass,
+                because all tokens of a batch or prefill are routed together. With one token per
+                iteration, starting at iteration 0, this is the trace row, as in the replay.
+    request     the request of the iteration's first token.
+    routed      during an access, the tokens routed to the accessed expert by request; None between accesses.
+    probs       the mean router distribution of the iteration's tokens, [L, J], when the trace has probs.
+    predicted   ``prefetcher.predicted_map()`` after its latest hook call (None without a prefetcher).
+    next_use    offline policies: the clock of the key's next access in the timed access order. Refused
+                when serving arrivals (poisson, times), where that order depends on the timing itself.
+    pinned      the experts the current layer still has to compute.
+    prefetch    True while a prefetch into the GPU is reserved or lands.
+
+With one token per iteration, top-1 routing, no prefetcher and zero compute, the timed access order is
+the replay's (trace/flatten.py: token, rank, layer) and every policy makes exactly the replay's misses
+(tests/test_timed.py checks it). With top-k > 1 the orders differ by design: the replay serves paper
+001's rounds (rank-major), the timed simulator the physical order (layer-major).
+
+Split experts (``split``, MoEpic, paper 004). The GPU is then not one cache of whole experts but, per layer,
+a cache of top segments and a buffer for the missing segments (simulator/split.py): a transfer into the
+GPU carries what the expert lacks there (its bottom segment when its top is cached, else all of it),
+resident means complete, and an expert computes the top segment's share of its time as soon as its top is
+in VRAM, the rest once it is complete. Everything else (queues, pinning, prefetchers, counters) is the
+same run; a hit is an expert complete when its layer is routed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+
+import numpy as np
+
+from moe_offload.errors import ConfigError
+from moe_offload.hardware.profile import HardwareProfile
+from moe_offload.policies import AccessContext, ModelSpec, policy_info
+from moe_offload.prefetch import Prefetcher, RoutingView, search_latency
+from moe_offload.simulator.cache import ExpertCache, PartitionedCache
+from moe_offload.simulator.split import SplitConfig, SplitExperts
+from moe_offload.simulator.timed.schedule import Arrivals, make_schedule, trace_iterations
+from moe_offload.simulator.timed.tiers import TierNetwork, home_tier
+from moe_offload.trace.flatten import NEVER, next_use_times
+from moe_offload.trace.format import PREFILL, Trace
+
+
+
+def layer_needs(experts: np.ndarray, rows: np.ndarray, layer: int, num_experts: int) -> tuple[list[int], list[int]]:
+    """The keys layer ``layer`` needs for ``rows`` in access order (first appearance over the rows' [tokens,
+    K] selections, row-major) and the number of tokens routed to each."""
+    selected = experts[rows, layer]
+    if selected.shape[0] == 1:
+        ids = selected[0].astype(np.int64)
+        return (ids + layer * num_experts).tolist(), [1] * ids.size
+    flat = selected.reshape(-1).astype(np.int64)
+    unique, first, counts = np.unique(flat, return_index=True, return_counts=True)
+    order = np.argsort(first)
+    return (unique[order] + layer * num_experts).tolist(), counts[order].tolist()
+
+
+def routed_by_request(experts: np.ndarray, requests: np.ndarray, rows: np.ndarray, layer: int,
+                      num_experts: int) -> dict[int, dict[int, int]]:
+    """For each key layer ``layer`` needs for ``rows``: the tokens routed to it, by request
+    (``AccessContext.routed``)."""
+    selected = experts[rows, layer].astype(np.int64)
+    if selected.shape[0] == 1:
+        request = int(requests[rows[0]])
+        return {int(e) + layer * num_experts: {request: 1} for e in selected[0]}
+    keys = selected.reshape(-1) + layer * num_experts
+    owners = np.repeat(requests[rows].astype(np.int64), selected.shape[1])
+    pairs, counts = np.unique(np.stack([keys, owners]), axis=1, return_counts=True)
+    routed: dict[int, dict[int, int]] = {}
+    for key, request, count in zip(pairs[0].tolist(), pairs[1].tolist(), counts.tolist()):
+        routed.setdefault(key, {})[request] = count
+    return routed
+
+
+
+class TimedRun:
+    """One timed run: build it, then ``run()`` (see the module doc)."""
+
+    def __init__(self, trace: Trace, hardware: HardwareProfile, policy: str, cache_bytes: int, expert_bytes: int,
+                 prefetcher: Prefetcher | None, arrivals: Arrivals, seed: int, policy_options: dict | None,
+                 all_resident: bool, split: SplitConfig | None = None):
+        meta = trace.meta
+        self.trace, self.hardware, self.arrivals = trace, hardware, arrivals
+        self.spec = spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
+        self.L, self.J, self.E = spec.num_layers, spec.num_experts, expert_bytes
+        self.prefetcher = prefetcher
+        self.compute = hardware.compute
+        info = policy_info(policy)
+        self.offline = info.offline and not all_resident
+        make = lambda: info.policy(spec, seed=seed, **(policy_options or {}))  # noqa: E731
+
+        def cache(capacity):
+            if info.partitioned:
+                return PartitionedCache(capacity, self.L, make, self.J, slot_size=expert_bytes)
+            return ExpertCache(capacity, make())
+
+        total = self.L * self.J * expert_bytes
+        self.ctx = ctx = AccessContext()
+        self.pinned: set = set()
+        ctx.pinned = self.pinned
+        self.split: SplitExperts | None = None  # the GPU tier of a split run
+        if all_resident:
+            self.fast = ExpertCache(total, make())
+            for key in range(self.L * self.J):
+                self.fast.reserve(key, ctx, expert_bytes)
+                self.fast.complete(key, ctx)
+        elif split is not None:
+            self.fast = self.split = SplitExperts(split, self.J, spec.top_k, expert_bytes, make)
+        else:
+            self.fast = cache(cache_bytes)
+        # The home tier holds every expert from the start; the tiers between it and the GPU are caches.
+        # every expert in the GPU (all-resident, no home found): no other tier and no link is used
+        home = home_tier(hardware, total) or 0
+        self.events: list = []         # (lane, kind, start, end, layer, key)
+        self.net = TierNetwork(hardware, [self.fast] + [cache(tier.capacity_bytes) for tier in hardware.tiers[1:home]],
+                               home, expert_bytes, self.L, self.J, ctx, self.pinned, self.events, self.split,
+                               self._next_use_after if self.offline else None)
+        self.deliveries: list = []     # (time, order, iteration, proposals) of the asynchronous matcher
+        self.delivery_order = itertools.count()
+        self.matcher_free = 0.0
+        self.clock = -1
+        self.iteration = 0
+        # counters
+        self.accesses = self.hits = self.on_demand = self.used = 0
+        self.per_layer_accesses = [0] * self.L
+        self.per_layer_hits = [0] * self.L
+        self.per_layer_stall = [0.0] * self.L
+        self.search_seconds = 0.0
+        self.schedule = make_schedule(trace, arrivals)
+        if self.offline:
+            self._plan_next_uses()
+
+    # The tier network keeps the time and the routed layer: its transfers start and land by them.
+    @property
+    def now(self) -> float:
+        return self.net.now
+
+    @now.setter
+    def now(self, value: float) -> None:
+        self.net.now = value
+
+    @property
+    def layer_now(self) -> int:
+        return self.net.layer_now
+
+    @layer_now.setter
+    def layer_now(self, value: int) -> None:
+        self.net.layer_now = value
+
+    # ------------------------------------------------------------------------------------------ the future
+
+    def _plan_next_uses(self) -> None:
+        """The timed access order of the whole run (fixed with the trace's order) and each key's positions."""
+        keys = []
+        for rows in trace_iterations(self.trace):
+            for layer in range(self.L):
+                keys += layer_needs(self.trace.experts, rows, layer, self.J)[0]
+        keys = np.asarray(keys, dtype=np.int64)
+        self.next_use_at = next_use_times(keys).tolist()
+        order = np.argsort(keys, kind="stable")
+        cuts = np.flatnonzero(np.diff(keys[order])) + 1
+        self.positions = {int(keys[group[0]]): group.tolist() for group in np.split(order, cuts)}
+
+    def _next_use_after(self, key: int) -> int:
+        positions = self.positions.get(key, ())
+        i = bisect.bisect_right(positions, self.clock)
+        return positions[i] if i < len(positions) else NEVER
+
+    # ------------------------------------------------------------------------------------------ events
+
+    def _next_event_time(self) -> float:
+        best = self.net.next_arrival()[0]
+        if self.deliveries and self.deliveries[0][0] < best:
+            best = self.deliveries[0][0]
+        return best
+
+    def _process_next_event(self) -> None:
+        """The earliest transfer arrival (links in tier order on ties) or matcher delivery, then new starts."""
+        best, link = self.net.next_arrival()
+        if link is not None and not (self.deliveries and self.deliveries[0][0] < best):
+            self.now = best
+            self.net.arrive(link)
+        else:
+            self.now, _, iteration, proposals = heapq.heappop(self.deliveries)
+            if iteration == self.iteration:  # a search for an iteration already over has nothing to offer
+                self.net.propose(proposals)
+        self.net.kick()
+
+    def _advance_to(self, t: float) -> None:
+        while self._next_event_time() <= t:
+            self._process_next_event()
+        self.now = t
+
+    def _compute(self, seconds: float, kind: str, layer: int, key: int = -1) -> None:
+        start = self.now
+        self._advance_to(start + seconds)
+        self.events.append(("compute", kind, start, self.now, layer, key))
+
+    # ------------------------------------------------------------------------------------------ transfers
+
+
+    def _consult(self, hook, view: RoutingView) -> None:
+        proposals = hook(view)
+        self.ctx.predicted = self.prefetcher.predicted_map()
+        seconds, on_inference_path = search_latency(self.prefetcher)
+        self.search_seconds += seconds
+        if seconds and not on_inference_path:
+            done = max(self.now, self.matcher_free) + seconds
+            self.events.append(("matcher", "search", max(self.now, self.matcher_free), done, self.layer_now, -1))
+            self.matcher_free = done
+            heapq.heappush(self.deliveries, (done, next(self.delivery_order), self.iteration, proposals))
+            return
+        if seconds:
+            self._compute(seconds, "search", self.layer_now)
+        self.net.propose(proposals)
+
+    # ------------------------------------------------------------------------------------------ the run
+
+    def _route(self, layer: int, keys: list[int], routed: dict[int, dict[int, int]]) -> None:
+        """Layer ``layer``'s router has run: its accesses, in order (each with its tokens by request), and the
+        demand loads of its misses."""
+        ctx, fast = self.ctx, self.fast
+        self.pinned.update(keys)
+        if self.split is not None:
+            self.split.drop_unneeded(layer, set(keys))
+        net = self.net
+        middle = net.caches[1:]
+        for key in keys:
+            self.clock += 1
+            ctx.clock = self.clock
+            if self.offline:
+                ctx.next_use = self.next_use_at[self.clock]
+            ctx.routed = routed[key]
+            hit = fast.touch(key, ctx)
+            prefetched = key in net.pending_use
+            if prefetched:
+                net.pending_use.discard(key)
+            if hit:
+                self.hits += 1
+                self.per_layer_hits[layer] += 1
+                self.used += prefetched
+                continue
+            for tier in middle:
+                tier.touch(key, ctx)
+            load = net.loads.get(key)
+            if load is not None and not load.demand and net.on_last_wire(key):
+                self.used += prefetched  # a late prefetch, already on its last wire
+                continue
+            self.on_demand += 1
+            net.demand(key, load)
+        ctx.routed = None
+        self.accesses += len(keys)
+        self.per_layer_accesses[layer] += len(keys)
+        net.drop_prefetches_of(layer)
+        net.kick()
+
+    def _part_ready(self, key: int, top_done: bool) -> bool:
+        """Whether the next part of expert ``key`` can run: all of it once resident; split, its top share
+        once it has its top, the rest once it is complete."""
+        if self.split is None or top_done or key in self.fast:
+            return key in self.fast
+        return self.split.has_top(key)
+
+    def _run_experts(self, layer: int, keys: list[int], counts: list[int]) -> None:
+        remaining = [[key, tokens, False] for key, tokens in zip(keys, counts)]  # [key, tokens, top share run]
+        expert_seconds, E, split = self.compute.expert_seconds, self.E, self.split
+        theta = split.ratio[layer] if split is not None else 1.0
+        while remaining:
+            ready = next((i for i, (key, _, top_done) in enumerate(remaining) if self._part_ready(key, top_done)),
+                         None)
+            if ready is None:
+                start = self.now
+                while not any(self._part_ready(key, top_done) for key, _, top_done in remaining):
+                    if self._next_event_time() == math.inf:
+                        raise RuntimeError(f"no transfer can bring the experts layer {layer} waits for "
+                                           f"{[k for k, _, _ in remaining]}")
+                    self._process_next_event()
+                self.per_layer_stall[layer] += self.now - start
+                self.events.append(("stall", "stall", start, self.now, layer, -1))
+                continue
+            key, tokens, top_done = remaining[ready]
+            seconds = expert_seconds(tokens, E)
+            if theta < 1 and not top_done:  # the top segment's share; the bottom's may still be on the wire
+                self._compute(theta * seconds, "expert", layer, key)
+                remaining[ready][2] = True
+                continue
+            remaining.pop(ready)
+            self._compute((1 - theta) * seconds if top_done else seconds, "expert", layer, key)
+            self.pinned.discard(key)
+            if split is not None:
+                split.consume(key)
+            self.net.kick()
+
+    def run(self) -> dict:
+        trace, ctx, compute, L, J = self.trace, self.ctx, self.compute, self.L, self.J
+        arrival: dict[int, float] = {}
+        token_times: dict[int, list[float]] = {}
+        spans = []  # (start, end, is_decode) of every iteration
+        while True:
+            batch = self.schedule.next_batch(self.now)
+            if batch is None:
+                break
+            start, rows = batch
+            if start > self.now:
+                self._advance_to(start)
+            requests = [int(r) for r in dict.fromkeys(trace.request[rows].tolist())]
+            for request in requests:
+                if request not in arrival:
+                    arrival[request] = self.schedule.arrival(request, start)
+                    token_times[request] = []
+            n = len(rows)
+            ctx.iteration = ctx.token = self.iteration
+            ctx.request = requests[0]
+            if trace.probs is not None:
+                ctx.probs = trace.probs[rows].astype(np.float32).mean(axis=0)
+            view = RoutingView(trace, self.iteration, rows)
+            self.layer_now = -1
+            if self.prefetcher is not None:
+                self._consult(self.prefetcher.on_iteration_start, view)
+            for layer in range(L):
+                ctx.layer = layer
+                self._compute(compute.attention(n), "attention", layer)
+                self._compute(compute.router(n), "router", layer)
+                keys, counts = layer_needs(trace.experts, rows, layer, J)
+                self.layer_now = view.layer_now = layer
+                self._route(layer, keys, routed_by_request(trace.experts, trace.request, rows, layer, J))
+                if self.prefetcher is not None:
+                    self._consult(self.prefetcher.on_layer_routed, view)
+                self._run_experts(layer, keys, counts)
+            self._compute(compute.lm_head(n), "lm_head", -1)
+            for request in requests:
+                token_times[request].append(self.now)
+            spans.append((start, self.now, not (trace.phase[rows] == PREFILL).any()))
+            if self.prefetcher is not None:
+                self.prefetcher.on_iteration_end(view)
+                seconds, on_inference_path = search_latency(self.prefetcher)
+                self.search_seconds += seconds
+                if seconds and on_inference_path:
+                    self._compute(seconds, "search", -1)
+                elif seconds:
+                    self.matcher_free = max(self.now, self.matcher_free) + seconds
+            self.schedule.batch_done()
+            self.iteration += 1
+        return {"arrival": arrival, "token_times": token_times, "spans": spans}
+
+    def timeline(self, spans, iteration: int | None) -> dict:
+        """The events of one iteration (default: the decode iteration of median duration), in seconds from
+        its start: lanes compute, stall, matcher and one per link."""
+        if iteration is None:
+            candidates = [i for i, span in enumerate(spans) if span[2]] or list(range(len(spans)))
+            durations = [spans[i][1] - spans[i][0] for i in candidates]
+            iteration = candidates[int(np.argsort(durations, kind="stable")[len(durations) // 2])]
+        if not 0 <= iteration < len(spans):
+            raise ConfigError(f"timeline iteration {iteration} does not exist: the run has {len(spans)} "
+                              "iterations (0-based)")
+        start, end, _ = spans[iteration]
+        events = [{"lane": lane, "kind": kind, "start_s": s - start, "end_s": e - start, "layer": layer,
+                   "expert": key}
+                  for lane, kind, s, e, layer, key in self.events if (e > start and s < end) or s == e == start]
+        lanes = ["compute", "stall"] + [q.link.name for q in self.net.queues.values()]
+        if any(event[0] == "matcher" for event in self.events):
+            lanes.append("matcher")
+        return {"iteration": iteration, "duration_s": end - start, "lanes": lanes, "events": events}
+

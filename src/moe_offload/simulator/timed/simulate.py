@@ -1,0 +1,195 @@
+"""Timed simulation runs: check a configuration, run it, fill the RunResult; a grid of runs over processes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moe_offload.errors import ConfigError
+from moe_offload.hardware.profile import HardwareProfile, format_bytes
+from moe_offload.policies import ModelSpec, policy_info
+from moe_offload.prefetch import Prefetcher, check_trace_columns, make_prefetcher, prefetcher_info, search_latency
+from moe_offload.reporting.results import RunResult
+from moe_offload.simulator.replay import check_cache_size
+from moe_offload.simulator.split import SplitConfig
+from moe_offload.simulator.timed.run import TimedRun
+from moe_offload.simulator.timed.schedule import Arrivals
+from moe_offload.simulator.timed.tiers import home_tier
+from moe_offload.trace.format import Trace
+
+ALL_RESIDENT = "all-resident"
+ORACLE = "oracle"
+PERCENTILES = (50, 90, 99)
+
+
+def latency_summary(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    points = np.percentile(np.asarray(values, dtype=np.float64), PERCENTILES)
+    return {f"p{p}": float(v) for p, v in zip(PERCENTILES, points)}
+
+
+def check_timed_run(trace: Trace, hardware: HardwareProfile, policy: str, cache_bytes: int | None,
+                    expert_bytes: int, arrivals: Arrivals, split: SplitConfig | None = None,
+                    split_source: str = "the split configuration") -> None:
+    """Raise ConfigError when this run cannot be made: a cache that holds no expert, exceeds the GPU or
+    is below what the policy needs (with ``split``, a split configuration the model or the GPU cannot run,
+    named ``split_source`` in the message; ``cache_bytes`` is then unused); experts with no tier to live
+    in; a middle tier too small for one expert; an offline policy with serving arrivals."""
+    meta = trace.meta
+    spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
+    total = meta.num_expert_slots * expert_bytes
+    gpu = hardware.tiers[0]
+    if split is not None:
+        split.check(meta.num_layers, meta.num_experts, meta.top_k, expert_bytes, f"{hardware.name}'s {gpu.name}",
+                    gpu.capacity_bytes, split_source)
+    else:
+        if cache_bytes is None or cache_bytes < expert_bytes:
+            raise ConfigError(f"a GPU expert cache of {cache_bytes} bytes cannot hold one expert of {expert_bytes}")
+        if cache_bytes > gpu.capacity_bytes:
+            raise ConfigError(f"a cache of {format_bytes(cache_bytes)} does not fit in the "
+                              f"{format_bytes(gpu.capacity_bytes)} of {hardware.name}'s {gpu.name}")
+        check_cache_size(policy, min(cache_bytes, total) // expert_bytes, spec)
+    home = home_tier(hardware, total)
+    if home is None:
+        raise ConfigError(f"hardware {hardware.name}: no tier after {gpu.name} holds all {meta.num_expert_slots} "
+                          f"experts ({format_bytes(total)}), so they have nowhere to live")
+    for tier in hardware.tiers[1:home]:
+        if tier.capacity_bytes < expert_bytes:
+            raise ConfigError(f"hardware {hardware.name}: tier {tier.name} ({format_bytes(tier.capacity_bytes)}) "
+                              f"cannot hold one expert of {format_bytes(expert_bytes)}")
+    if policy_info(policy).offline and arrivals.kind != "trace":
+        raise ConfigError(f"{policy} is offline: it needs the future access order, which a serving run decides "
+                          "while it runs (batches depend on timing); use it with --arrivals trace")
+
+
+def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru", cache_bytes: int | None = None, *,
+                   expert_bytes: int | None = None, prefetcher: str | Prefetcher | None = None,
+                   prefetcher_options: dict | None = None, history: Trace | None = None,
+                   arrivals: Arrivals = Arrivals(), seed: int = 0, policy_options: dict | None = None,
+                   timeline_iteration: int | None = None, name: str | None = None,
+                   all_resident: bool = False, split: SplitConfig | None = None) -> RunResult:
+    """Run ``trace`` on ``hardware`` with ``policy`` on a GPU expert cache of ``cache_bytes`` and an optional
+    prefetcher (a registry name, or an instance); ``all_resident`` runs the bound with every expert in the
+    GPU from the start (no transfers; ``policy``, ``cache_bytes``, ``prefetcher`` and ``split`` are ignored).
+    With ``split`` (MoEpic's split experts, simulator/split.py) the GPU holds per-layer caches of top
+    segments and buffers instead of a cache of ``cache_bytes``, which is then ignored."""
+    meta = trace.meta
+    expert_bytes = expert_bytes or meta.expert_bytes
+    if not expert_bytes:
+        raise ConfigError(f"{trace.path}: the trace's metadata gives no expert size; give it (--expert-bytes)")
+    spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
+    total = meta.num_expert_slots * expert_bytes
+    notes = []
+    if all_resident:  # the policy never has to choose: any will do
+        policy, policy_options, cache_bytes, prefetcher, split = "lru", None, total, None, None
+    else:
+        check_timed_run(trace, hardware, policy, cache_bytes, expert_bytes, arrivals, split)
+        if split is not None:
+            cache_bytes = split.cache_bytes(expert_bytes)
+            notes.append(f"split experts: layer i caches the top segments (theta_i of an expert) of C_i experts, "
+                         f"{format_bytes(cache_bytes)} in all, and buffers up to {meta.top_k} experts' missing "
+                         "segments")
+        if policy_info(policy).policy.needs_probs and trace.probs is None:
+            notes.append(f"{policy}: the trace has no router probabilities, so p comes from the prefetcher's map "
+                         "when it has one, else is uniform (fmoe then ranks like LFU)")
+    instance = None
+    if isinstance(prefetcher, str):
+        check_trace_columns(prefetcher_info(prefetcher), trace)
+        instance = make_prefetcher(prefetcher, spec, prefetcher_options)
+        if history is not None:
+            instance.fit(history)
+    elif prefetcher is not None:
+        check_trace_columns(type(prefetcher), trace)
+        instance = prefetcher
+    sim = TimedRun(trace, hardware, policy, cache_bytes, expert_bytes, instance, arrivals, seed, policy_options,
+                    all_resident, split)
+    if sim.net.home > 1 and not all_resident:
+        notes.append(f"{hardware.name}: the experts live in {hardware.tiers[sim.net.home].name}; "
+                     + ", ".join(f"{t.name} caches {format_bytes(t.capacity_bytes)}"
+                                 for t in hardware.tiers[1:sim.net.home]))
+    outcome = sim.run()
+    if sim.search_seconds:
+        where = "on the inference path" if search_latency(instance)[1] else "on its own matcher timeline"
+        notes.append(f"{instance.name}: {sim.search_seconds * 1e3:.1f} ms of history search in all, charged {where}")
+    arrival, token_times = outcome["arrival"], outcome["token_times"]
+    ttft = [token_times[r][0] - arrival[r] for r in arrival]
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
+    gaps = [b - a for t in token_times.values() for a, b in zip(t, t[1:])]
+    misses = sim.accesses - sim.hits
+    return RunResult(
+        trace=name or trace.path, policy=ALL_RESIDENT if all_resident else policy,
+        cache_size=(sum(plan.cached_experts for plan in split.layers) if split is not None
+                    else min(cache_bytes, total) // expert_bytes), accesses=sim.accesses, hits=sim.hits, misses=misses,
+        per_layer_accesses=sim.per_layer_accesses, per_layer_hits=sim.per_layer_hits,
+        bytes_loaded=sim.net.queues[1].bytes_moved if sim.net.queues else 0,
+        prefetches_issued=sim.net.issued if instance is not None else None,
+        prefetches_used=sim.used if instance is not None else None,
+        prefetches_wasted=sim.net.issued - sim.used if instance is not None else None,
+        stall_seconds=sum(sim.per_layer_stall), ttft_seconds=float(np.mean(ttft)),
+        tpot_seconds=float(np.mean(tpot)) if tpot else None,
+        prefetcher=instance.name if instance is not None else None, hardware=hardware.name, cache_bytes=cache_bytes,
+        on_demand_loads=sim.on_demand, prefetch_search_seconds=sim.search_seconds if instance is not None else None,
+        per_layer_stall_seconds=sim.per_layer_stall,
+        bytes_per_link={q.link.name: q.bytes_moved for q in sim.net.queues.values()},
+        ttft_percentiles=latency_summary(ttft), tpot_percentiles=latency_summary(tpot),
+        request_ttft_seconds=ttft, request_tpot_seconds=tpot, token_latency_seconds=gaps,
+        total_seconds=max(t[-1] for t in token_times.values()) - min(arrival.values()),
+        timeline=sim.timeline(outcome["spans"], timeline_iteration), notes=notes)
+
+
+_GRID: tuple | None = None  # (trace, hardware, history) of the worker processes, set once per process
+
+
+def _init_worker(trace: Trace, hardware: HardwareProfile, history: Trace | None) -> None:
+    global _GRID
+    _GRID = (trace, hardware, history)
+
+
+def _run_task(task: dict) -> RunResult:
+    trace, hardware, history = _GRID
+    return simulate_timed(trace, hardware, history=history, **task)
+
+
+def timed_grid(trace: Trace, hardware: HardwareProfile, policies: list[str], prefetchers: list[str | None],
+               cache_sizes: list[int], *, expert_bytes: int | None = None, arrivals: Arrivals = Arrivals(),
+               seed: int = 0, policy_options: dict[str, dict] | None = None,
+               prefetcher_options: dict[str, dict] | None = None, history: Trace | None = None,
+               timeline_iteration: int | None = None, with_oracle: bool = True, name: str | None = None,
+               jobs: int = 1, progress=None, split: SplitConfig | None = None) -> list[RunResult]:
+    """Every (policy, prefetcher, cache size in bytes) and the bounds to compare them with: the all-resident
+    run (first) and, for every policy and size, the oracle prefetcher (unless asked for anyway). With
+    ``split`` every run but the all-resident one runs that split configuration (give one cache size: it is
+    unused).
+
+    Runs are independent, so ``jobs`` > 1 spreads them over processes; results do not depend on it.
+    ``progress`` is called after each run."""
+    shared = dict(expert_bytes=expert_bytes, arrivals=arrivals, seed=seed, timeline_iteration=timeline_iteration,
+                  name=name)
+    runs = [(policy, prefetcher, size) for size in cache_sizes for policy in policies for prefetcher in prefetchers]
+    if with_oracle and ORACLE not in prefetchers:
+        runs += [(policy, ORACLE, size) for size in cache_sizes for policy in policies]
+    tasks = [dict(all_resident=True, **shared)]
+    tasks += [dict(policy=policy, cache_bytes=size, prefetcher=prefetcher, split=split,
+                   prefetcher_options=(prefetcher_options or {}).get(prefetcher),
+                   policy_options=(policy_options or {}).get(policy), **shared)
+              for policy, prefetcher, size in runs]
+    if jobs > 1 and len(tasks) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_init_worker,
+                                 initargs=(trace, hardware, history)) as pool:
+            results = []
+            for result in pool.map(_run_task, tasks):
+                results.append(result)
+                if progress is not None:
+                    progress()
+        return results
+    _init_worker(trace, hardware, history)
+    results = []
+    for task in tasks:
+        results.append(_run_task(task))
+        if progress is not None:
+            progress()
+    return results
