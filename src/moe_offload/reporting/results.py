@@ -45,7 +45,7 @@ class RunResult:
     request_tpot_seconds: list[float] | None = None
     token_latency_seconds: list[float] | None = None  # every output token after each request's first: its gap
     total_seconds: float | None = None        # first arrival to last token
-    timeline: dict | None = None              # one iteration's compute, transfers and stalls (timed.py)
+    timeline: dict | None = None              # one iteration's compute, transfers and stalls (simulator/timed)
     notes: list[str] = field(default_factory=list)
 
     @property
