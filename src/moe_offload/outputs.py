@@ -1,0 +1,150 @@
+"""Every file the project writes: checked before the work starts, written atomically, never over an input.
+
+``check_output(path, inputs=..., suffixes=...)`` refuses, in one line naming the path, an output that is a
+directory, lies in a folder that is missing or not writable, has the wrong extension, or is one of the
+command's inputs (the same file under another name too). Commands call it for every output before they
+start their work, so a bad path costs nothing.
+
+``atomic_output(path)`` yields a temporary path beside the target; when the block ends without an error
+the file is flushed to disk (fsync) and renamed over the target in one step, and otherwise the temporary
+file is removed: a failed or interrupted command leaves an existing file exactly as it was, and never
+leaves a truncated one. ``atomic_directory(path)`` does the same for a whole directory (a packed model):
+it is built beside the target and renamed into place only when complete. A path that existed before the
+command is never removed, whatever it is (a file, a device node, a directory).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from moe_offload.errors import ConfigError
+
+
+def check_output(path, *, inputs: Iterable = (), suffixes: tuple[str, ...] = (), what: str = "output",
+                 directory: bool = False) -> Path:
+    """``path`` as a Path if a command may write it, else ConfigError naming the path and the problem.
+
+    ``inputs`` are the files the command reads (an output may not be one of them); ``suffixes`` the
+    extensions the output must have (a plot's format follows its extension); ``directory`` for outputs
+    that are directories (``pack -o``), which must not exist yet or be empty."""
+    path = Path(path)
+    if str(path) in ("", "."):
+        raise ConfigError(f"{what} path {str(path)!r} names no file")
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise ConfigError(f"{path}: the {what} must end in {' or '.join(suffixes)}")
+    if directory:
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"{path}: exists and is not a directory")
+        if path.is_dir() and any(path.iterdir()):
+            raise ConfigError(f"{path}: exists and is not empty; write into a new directory")
+    elif path.is_dir():
+        raise ConfigError(f"{path}: is a directory; give a file name for the {what}")
+    elif path.exists() and not path.is_file():
+        raise ConfigError(f"{path}: exists and is not a regular file; will not write the {what} over it")
+    parent = _existing_ancestor(path.parent)
+    if parent is None or not parent.is_dir():
+        raise ConfigError(f"{path}: the folder {path.parent} cannot be created (a file is in the way)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{path}: the folder {parent} is not writable")
+    for source in inputs:
+        if source is not None and _same_file(path, Path(source)):
+            raise ConfigError(f"{path}: is also an input of this command; write the {what} to another file")
+    return path
+
+
+@contextmanager
+def atomic_output(path) -> Iterator[Path]:
+    """Yield a temporary file beside ``path``; rename it over ``path`` (after fsync) if the block succeeds."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot write: {exc.strerror or exc}") from None
+    os.close(handle)
+    temporary = Path(temporary)
+    try:
+        yield temporary
+        _fsync(temporary)
+        os.replace(temporary, path)
+        _fsync_directory(path.parent)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        raise ConfigError(f"{path}: cannot write: {exc.strerror or exc}") from None
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def write_atomically(path, data: bytes | str) -> Path:
+    """Write ``data`` to ``path`` through :func:`atomic_output`."""
+    with atomic_output(path) as temporary:
+        if isinstance(data, str):
+            temporary.write_text(data, encoding="utf-8")
+        else:
+            temporary.write_bytes(data)
+    return Path(path)
+
+
+@contextmanager
+def atomic_directory(path) -> Iterator[Path]:
+    """Yield an empty staging directory beside ``path``; rename it to ``path`` if the block succeeds (an
+    empty directory at ``path`` is replaced), else remove the staging directory."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot write: {exc.strerror or exc}") from None
+    try:
+        yield staging
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        os.rename(staging, path)
+        _fsync_directory(path.parent)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ConfigError(f"{path}: cannot write: {exc.strerror or exc}") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _existing_ancestor(folder: Path) -> Path | None:
+    for candidate in (folder, *folder.parents):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_directory(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # some filesystems do not open directories; the rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
