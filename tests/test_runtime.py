@@ -97,8 +97,15 @@ def test_packing_layout_and_skeleton(checkpoint):
     manifest = read_manifest(checkpoint["packed"])
     assert (manifest.num_layers, manifest.num_experts, manifest.top_k) == (3, 6, 2)
     assert manifest.expert_bytes == (2 * 48 * 32 + 32 * 48) * 2  # float16
-    assert all(os.path.getsize(manifest.expert_path(l, e)) == manifest.experts[(l, e)].nbytes
-               for l, e in manifest.experts)
+    assert [t.name for t in manifest.tensors] == ["gate_up_proj", "down_proj"]
+    assert [t.shape for t in manifest.tensors] == [(96, 32), (32, 48)]
+    assert all(os.path.getsize(manifest.layer_path(l)) == 6 * 12288 for l in range(3))  # 9216 B -> 3 pages
+    assert {e.offset for e in manifest.experts.values()} == {i * 12288 for i in range(6)}
+    from moe_offload.runtime.storage import ExpertStore
+    read = ExpertStore(manifest).read_tensors(1, 4)
+    adapter_ = build("mixtral", seed=3)[1]
+    for name, tensor in read.items():
+        assert torch.equal(tensor, adapter_.expert_tensors(1, 4)[name].half())
     model, adapter, seconds = load_skeleton(manifest)
     assert seconds > 0
     assert all(adapter.experts(layer).gate_up_proj.numel() == 0 for layer in range(adapter.num_layers))
@@ -124,47 +131,65 @@ def copy_pack(checkpoint, tmp_path):
     return target, read_manifest(target)
 
 
-def test_missing_and_truncated_expert_files_are_named_at_start(checkpoint, tmp_path):
+def test_missing_and_truncated_layer_files_are_named_at_start(checkpoint, tmp_path):
     packed, manifest = copy_pack(checkpoint, tmp_path)
-    victim = manifest.expert_path(1, 4)
+    victim = manifest.layer_path(1)
     data = victim.read_bytes()
     victim.write_bytes(data[:-10])
-    with pytest.raises(PackError, match=r"expert 4 of layer 1: .*expert004.safetensors: \d+ bytes, the manifest says"):
+    with pytest.raises(PackError, match=r"experts of layer 1: .*layer001.bin: \d+ bytes, the manifest says"):
         OffloadEngine(packed)
     victim.unlink()
-    with pytest.raises(PackError, match=r"expert 4 of layer 1: .*expert004.safetensors: missing"):
+    with pytest.raises(PackError, match=r"experts of layer 1: .*layer001.bin: missing"):
         OffloadEngine(packed)
 
 
 def test_checksum_mismatch_stops_generation_before_a_wrong_token(checkpoint, tmp_path):
     packed, manifest = copy_pack(checkpoint, tmp_path)
-    victim = manifest.expert_path(0, 0)
+    victim = manifest.layer_path(0)
     data = bytearray(victim.read_bytes())
-    data[-3] ^= 0xFF  # same size, one weight byte flipped
+    data[manifest.expert_bytes - 3] ^= 0xFF  # same size, one weight byte of expert 0 flipped
     victim.write_bytes(bytes(data))
     streamed = []
     with OffloadEngine(packed, fast_budget="100%", policy="lru") as engine:
-        with pytest.raises(ExpertReadError, match=r"expert 0 of layer 0: .*expert000.safetensors: checksum mismatch"):
+        with pytest.raises(ExpertReadError, match=r"expert 0 of layer 0: .*layer000.bin \(bytes 0..9216\): checksum "
+                                                  "mismatch"):
             for prompt in PROMPTS * 3:  # some prompt routes to expert 0 of layer 0
                 engine.generate(prompt, max_new_tokens=NEW_TOKENS, on_text=streamed.append)
 
 
+def test_a_chunk_changed_after_its_first_verified_read_is_caught_by_the_fast_checksum(checkpoint, tmp_path):
+    packed, manifest = copy_pack(checkpoint, tmp_path)
+    store = ExpertStore(manifest)
+    store.read_tensors(0, 0)  # SHA-256 checked: later reads check xxHash3
+    victim = manifest.layer_path(0)
+    with open(victim, "r+b") as handle:  # in place: the same file (inode), as a failing disk would
+        handle.seek(100)
+        byte = handle.read(1)
+        handle.seek(100)
+        handle.write(bytes([byte[0] ^ 1]))
+    stat = os.stat(victim)
+    os.utime(victim, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(ExpertReadError, match="checksum mismatch"):
+        store.read_tensors(0, 0)
+    store.close()
+
+
 class FlakyReader:
-    """os.pread that fails with ``error`` the first ``failures`` times."""
+    """os.preadv that fails with ``error`` the first ``failures`` times."""
 
     def __init__(self, failures, error=errno.EIO):
         self.failures, self.error, self.calls = failures, error, 0
 
-    def __call__(self, fd, n, offset):
+    def __call__(self, fd, view, offset):
         self.calls += 1
         if self.calls <= self.failures:
             raise OSError(self.error, os.strerror(self.error))
-        return os.pread(fd, n, offset)
+        return os.preadv(fd, [view], offset)
 
 
 def test_transient_read_errors_are_retried(checkpoint):
     manifest = read_manifest(checkpoint["packed"])
-    store = ExpertStore(manifest, read_at=FlakyReader(2), backoff_s=0.0)
+    store = ExpertStore(manifest, read_into=FlakyReader(2), backoff_s=0.0)
     with OffloadEngine(checkpoint["packed"], fast_budget="50%", store=store) as engine:
         assert_lossless(engine, checkpoint)
     assert store.retried == 2
@@ -172,15 +197,16 @@ def test_transient_read_errors_are_retried(checkpoint):
 
 def test_persistent_read_errors_name_the_expert_and_file(checkpoint):
     manifest = read_manifest(checkpoint["packed"])
-    store = ExpertStore(manifest, read_at=FlakyReader(10 ** 6), retries=2, backoff_s=0.0)
+    store = ExpertStore(manifest, read_into=FlakyReader(10 ** 6), retries=2, backoff_s=0.0)
     with OffloadEngine(checkpoint["packed"], fast_budget="50%", store=store) as engine:
-        with pytest.raises(ExpertReadError, match=r"expert \d+ of layer \d+: .*safetensors: read failed after 3"):
+        with pytest.raises(ExpertReadError, match=r"expert \d+ of layer \d+: .*\.bin \(bytes \d+..\d+\): read failed "
+                                                  "after 3"):
             engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
 
 
 def test_short_reads_are_continued(checkpoint):
     manifest = read_manifest(checkpoint["packed"])
-    store = ExpertStore(manifest, read_at=lambda fd, n, offset: os.pread(fd, min(n, 1000), offset))
+    store = ExpertStore(manifest, read_into=lambda fd, view, offset: os.preadv(fd, [view[:1000]], offset))
     with OffloadEngine(checkpoint["packed"], fast_budget="50%", store=store) as engine:
         assert_lossless(engine, checkpoint)
 
@@ -190,12 +216,12 @@ def test_concurrent_generate_is_refused(checkpoint):
     release = threading.Event()
     reading = threading.Event()
 
-    def blocking_read(fd, n, offset):
+    def blocking_read(fd, view, offset):
         reading.set()
         release.wait(10)
-        return os.pread(fd, n, offset)
+        return os.preadv(fd, [view], offset)
 
-    store = ExpertStore(manifest, read_at=blocking_read)
+    store = ExpertStore(manifest, read_into=blocking_read)
     with OffloadEngine(checkpoint["packed"], fast_budget="50%", store=store) as engine:
         first = threading.Thread(target=engine.generate, args=(PROMPTS[0],), kwargs={"max_new_tokens": 2})
         first.start()
