@@ -158,9 +158,7 @@ class LinkWorker(threading.Thread):
         super().__init__(name=f"moe-offload {link.name}", daemon=True)
         self.path, self.source, self.destination, self.link = path, source, destination, link
         self.queue = TransferQueue(link, path.tiers[destination].cache)
-        self._local = threading.local()  # each reader's scratch buffer (files -> CPU in another dtype)
-        self._ring: list | None = None   # CUDA: pinned buffers and the events of their last copies
-        self._stream = None              # CUDA: this link's copy stream
+        self.mover = ExpertMover(path.store, path.spec.num_experts)
 
     def _reserve(self, transfer, tier: Tier) -> bool:
         """Room for the transfer in the destination (locked). The host tier keeps what is being read out of
@@ -214,7 +212,7 @@ class LinkWorker(threading.Thread):
                 error = None
                 started = time.perf_counter()
                 try:
-                    ready = self.move(key, source_tier, source_slot, tier, slot)
+                    ready = self.mover.move(key, source_tier, source_slot, tier, slot)
                 except BaseException as exc:  # reported to the compute thread, which raises it
                     error = exc
                 finally:
@@ -241,21 +239,35 @@ class LinkWorker(threading.Thread):
                 path.next_hop(key, self.destination, transfer.demand)
                 cond.notify_all()
 
+
+
+class ExpertMover:
+    """Moves one expert into a slot of a tier, by the routes of the module docstring (one per link worker;
+    ``hardware measure`` times the same object)."""
+
+    def __init__(self, store: ExpertStore, num_experts: int):
+        self.store, self.num_experts = store, num_experts
+        self._local = threading.local()  # each reader's scratch buffer (files -> CPU in another dtype)
+        self._ring: list | None = None   # CUDA: pinned buffers and the events of their last copies
+        self._ring_index = -1
+        self._stream = None              # CUDA: this link's copy stream
+        self.ring_allocations = 0
+
     # ------------------------------------------------------------------------------------------- bytes
     def move(self, key: int, source: Tier | None, source_slot: int | None, tier: Tier, slot: int):
         """Write expert ``key`` into ``slot`` of ``tier``; returns the CUDA event of its copy, or None when the
         bytes are in place on return."""
         import torch
 
-        layer, expert = divmod(key, self.path.spec.num_experts)
+        layer, expert = divmod(key, self.num_experts)
         destination = tier.region(slot)
         if tier.is_cuda:
             stream = self._copy_stream(tier)
             if source is None:
                 staged = self._ring_buffer()
                 array = staged.numpy()
-                self.path.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
-                origin = staged.view(getattr(torch, self.path.store.manifest.dtype))
+                self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
+                origin = staged.view(getattr(torch, self.store.manifest.dtype))
             else:
                 origin = source.region(source_slot)
                 staged = None
@@ -277,9 +289,9 @@ class LinkWorker(threading.Thread):
         wait = tier.pool.free_after[slot]
         if wait is not None:  # a pinned host slot that a GPU copy may still read
             wait.synchronize()
-        if destination.dtype == getattr(torch, self.path.store.manifest.dtype):
+        if destination.dtype == getattr(torch, self.store.manifest.dtype):
             array = destination.view(torch.uint8).numpy()
-            self.path.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
+            self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
         else:
             self._read_converting(layer, expert, destination)
         return None
@@ -288,7 +300,7 @@ class LinkWorker(threading.Thread):
         """Each reader reads its chunk into its own scratch buffer and converts it into the slot."""
         import torch
 
-        store = self.path.store
+        store = self.store
         stored = getattr(torch, store.manifest.dtype)
         itemsize = stored.itemsize
         local = self._local
@@ -318,10 +330,9 @@ class LinkWorker(threading.Thread):
         import torch
 
         if self._ring is None:
-            size = self.path.store.manifest.expert_bytes
+            size = self.store.manifest.expert_bytes
             self._ring = [[torch.empty(size, dtype=torch.uint8, pin_memory=True), None] for _ in range(RING_BUFFERS)]
-            self._ring_index = -1
-            self.ring_allocations = RING_BUFFERS
+            self.ring_allocations += RING_BUFFERS
         self._ring_index = (self._ring_index + 1) % len(self._ring)
         buffer, last_copy = self._ring[self._ring_index]
         if last_copy is not None:
