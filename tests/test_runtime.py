@@ -258,3 +258,110 @@ def test_python_api(checkpoint):
         assert_lossless(engine, checkpoint)
         assert engine.stats.accesses > 0
         assert np.isfinite(engine.startup_seconds)
+
+
+# ------------------------------------------------------------------------------------ hostile input (issue 11)
+def one_line_error(capsys) -> str:
+    """The one error line of a failed command (a progress note such as "packing ... (once)" may precede it)."""
+    err = capsys.readouterr().err.strip()
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
+def test_a_truncated_checkpoint_is_a_one_line_error_for_pack_and_generate(checkpoint, tmp_path, capsys,
+                                                                          monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("MOE_OFFLOAD_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    shutil.copytree(checkpoint["root"] / "model", model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    assert main(["pack", str(model), "-o", str(tmp_path / "p")]) == 2
+    assert "cannot be loaded" in one_line_error(capsys) and not (tmp_path / "p").exists()
+    assert main(["generate", "--model", str(model), "x"]) == 2
+    assert "cannot be loaded" in one_line_error(capsys)
+    assert not list((tmp_path / "cache" / "packed").glob("model-*")), "a half-written pack was left in the cache"
+
+
+@pytest.mark.parametrize("device, problem", [("mps", "runs on cpu or cuda"), ("nonsense", "is not a device"),
+                                             ("cuda:7", "sees no CUDA device" if not torch.cuda.is_available()
+                                              else "CUDA device(s)")])
+def test_unknown_or_unavailable_devices_are_one_line_errors(checkpoint, capsys, device, problem):
+    assert main(["generate", "--model", str(checkpoint["packed"]), "--device", device, "x"]) == 2
+    assert problem in one_line_error(capsys)
+    assert main(["hardware", "measure", "--model", str(checkpoint["packed"]), "--device", device]) == 2
+    assert problem in one_line_error(capsys)
+
+
+def test_prompts_and_generations_longer_than_the_context_are_refused(checkpoint, capsys):
+    context = read_manifest(checkpoint["packed"]).max_position_embeddings  # 256 in the test model
+    with OffloadEngine(checkpoint["packed"], fast_budget="100%") as engine:
+        with pytest.raises(ConfigError, match=f"the prompt has {context + 1} tokens, more than the model's context"):
+            engine.generate(list(range(1, context + 2)), max_new_tokens=1)
+        with pytest.raises(ConfigError, match=f"exceed the model's context of {context}: ask for at most 6"):
+            engine.generate(list(range(1, context - 5)), max_new_tokens=7)
+        assert len(engine.generate(list(range(1, context - 5)), max_new_tokens=6).token_ids) == 6
+    assert main(["generate", "--model", str(checkpoint["packed"]), "--max-new-tokens", "1000", "hi"]) == 2
+    assert "exceed the model's context of 256" in one_line_error(capsys)
+
+
+def test_an_interrupted_pack_leaves_nothing_behind(checkpoint, tmp_path):
+    calls = []
+
+    def interrupt():
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pack_model(checkpoint["root"] / "model", tmp_path / "out", on_expert=interrupt)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pack_refuses_a_bad_output_before_any_work(checkpoint, tmp_path, capsys, monkeypatch):
+    import moe_offload.models.adapters as adapters
+
+    monkeypatch.setattr(adapters, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    (tmp_path / "file").write_text("x")
+    source = str(checkpoint["root"] / "model")
+    assert main(["pack", source, "-o", str(tmp_path / "full")]) == 2
+    assert "exists and is not empty" in one_line_error(capsys)
+    assert main(["pack", source, "-o", str(tmp_path / "file" / "out")]) == 2
+    assert "cannot be created" in one_line_error(capsys)
+
+
+def test_generate_json_is_checked_first_and_written_atomically(checkpoint, tmp_path, capsys):
+    import moe_offload.api as api
+
+    target = tmp_path / "r.json"
+    target.write_text("old")
+    (tmp_path / "dir.json").mkdir()
+    assert main(["generate", "--model", str(checkpoint["packed"]), "--json", str(tmp_path / "dir.json"), "x"]) == 2
+    assert "is a directory" in one_line_error(capsys)
+    assert main(["generate", "--model", str(checkpoint["packed"]), "--json", str(tmp_path / "r.txt"), "x"]) == 2
+    assert "must end in .json" in one_line_error(capsys)
+    original = api.load
+
+    def failing_load(*args, **kwargs):
+        engine = original(*args, **kwargs)
+        engine.generate = lambda *a, **k: (_ for _ in ()).throw(ConfigError("injected failure"))
+        return engine
+
+    api.load, saved = failing_load, api.load
+    try:
+        assert main(["generate", "--model", str(checkpoint["packed"]), "--json", str(target), "x"]) == 2
+    finally:
+        api.load = saved
+    capsys.readouterr()
+    assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["dir.json", "r.json"]
+
+
+def test_hardware_measure_checks_its_output_first(checkpoint, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert main(["hardware", "measure", "--model", str(checkpoint["packed"]), "-o",
+                 str(tmp_path / "file" / "p.toml")]) == 2
+    assert "cannot be created" in one_line_error(capsys)

@@ -230,19 +230,21 @@ class OffloadEngine:
     # ---------------------------------------------------------------------------------------- generate
     def generate(self, prompt: str | list[int], max_new_tokens: int = 64, *, tokenizer=None,
                  on_text: Callable[[str], None] | None = None, return_logits: bool = False) -> Generation:
-        """Greedy generation of one prompt; ``on_text`` receives the text as it is produced. A prompt plus
+        """Greedy generation of one prompt (text, or token ids: then the text is decoded only when the model
+        has a tokenizer); ``on_text`` receives the text as it is produced. A prompt plus
         ``max_new_tokens`` longer than the model's context (max_position_embeddings) is refused."""
         if self.replay is not None:
             raise ConfigError("this engine replays a trace's routing: use generate_replayed(request)")
         return self._locked(self._generate, prompt, max_new_tokens, tokenizer, on_text, return_logits, False)
 
-    def generate_replayed(self, request: int = 0, *, return_logits: bool = False) -> Generation:
+    def generate_replayed(self, request: int = 0, max_new_tokens: int | None = None, *,
+                          return_logits: bool = False) -> Generation:
         """Generate as the replayed trace's ``request``-th request did: a prompt of its prefill length (token ids
-        0, 1, 2, ... modulo the vocabulary: the routing is the trace's, not the text's) and exactly as many
-        new tokens as its rows (end-of-sequence tokens do not stop it)."""
+        0, 1, 2, ... modulo the vocabulary: the routing is the trace's, not the text's) and as many new tokens
+        as its rows (at most ``max_new_tokens``; end-of-sequence tokens do not stop it)."""
         if self.replay is None:
             raise ConfigError("generate_replayed needs an engine made with replay=TRACE")
-        prompt_tokens, new_tokens = self.replay.plan(request)
+        prompt_tokens, new_tokens = self.replay.plan(request, max_new_tokens)
         vocab = int(self.model.config.vocab_size)
         prompt = [i % vocab for i in range(prompt_tokens)]
         return self._locked(self._generate, prompt, new_tokens, None, None, return_logits, True)
@@ -285,15 +287,18 @@ class OffloadEngine:
     def _generate(self, prompt, max_new_tokens, tokenizer, on_text, return_logits, replayed) -> Generation:
         import torch
 
-        tokenizer = None if replayed else (tokenizer or self.tokenizer)
+        if tokenizer is None and not replayed and (isinstance(prompt, str) or on_text is not None):
+            tokenizer = self.tokenizer  # token ids without streamed text need none
         ids = torch.tensor([prompt]) if isinstance(prompt, list) else tokenizer(prompt, return_tensors="pt")["input_ids"]
         self.check_length(int(ids.numel()), max_new_tokens)
         ids = ids.to(self.device)
-        streamer = _TimingStreamer(tokenizer, on_text)
+        streamer = TimingStreamer(tokenizer, on_text)
         before = self.counters.copy()
         self.runner.start_request()
-        pad = 0 if tokenizer is None else (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                                          else tokenizer.eos_token_id)
+        if tokenizer is not None:
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        else:
+            pad = self.model.config.pad_token_id or 0
         extra = {"min_new_tokens": max_new_tokens} if replayed else {}
         started = time.perf_counter()
         with torch.inference_mode():
@@ -309,7 +314,13 @@ class OffloadEngine:
         ttft = times[0] - started if times else None
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         stats = self._result(delta, ttft=ttft, tpot=tpot, total=total)
+        stats.token_latency_seconds = [b - a for a, b in zip(times, times[1:])]
         logits = [step[0].float().cpu() for step in out.logits] if return_logits else None
+        if tokenizer is None and not replayed:
+            try:
+                tokenizer = self.tokenizer
+            except ConfigError:  # a model without a tokenizer: the token ids are the result
+                pass
         text = "" if tokenizer is None else tokenizer.decode(tokens, skip_special_tokens=True)
         return Generation(text, tokens, int(ids.shape[1]), stats, logits)
 
@@ -346,7 +357,7 @@ class OffloadEngine:
         self.close()
 
 
-class _TimingStreamer:
+class TimingStreamer:
     """transformers' streamer protocol: records when each generated token appears, forwards text."""
 
     def __init__(self, tokenizer, on_text):

@@ -544,15 +544,16 @@ DECODE_PROBE_TOKENS = 16
 
 
 def measure_decode_step(packed_dir: Path, device, repeats: int) -> float:
-    """Median time per output token of the runtime with every expert preloaded (greedy, a fixed 16-token
-    prompt, 16 new tokens): the all-resident TPOT the simulator's costs must add up to."""
+    """Median time between two output tokens of the runtime with every expert preloaded (greedy, a fixed
+    16-token prompt, 16 new tokens, ``repeats`` times): the all-resident TPOT the simulator's costs must add up
+    to. The median of the gaps, not their mean: a burst of other work on the machine moves a mean, not it."""
     from moe_offload.runtime.engine import OffloadEngine
 
     with OffloadEngine(packed_dir, fast_budget="100%", preload=True, device=device) as engine:
         prompt = list(range(1, 1 + DECODE_PROBE_TOKENS))
-        tpots = [engine.generate(prompt, max_new_tokens=DECODE_PROBE_TOKENS).stats.tpot_seconds
-                 for _ in range(max(2, repeats))]
-    return _median([t for t in tpots if t is not None])
+        gaps = [gap for _ in range(max(2, repeats))
+                for gap in engine.generate(prompt, max_new_tokens=DECODE_PROBE_TOKENS).stats.token_latency_seconds]
+    return _median(gaps)
 
 
 def framework_overhead(m: Measurements, compute: dict, top_k: int) -> float:

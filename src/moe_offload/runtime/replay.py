@@ -23,6 +23,19 @@ from moe_offload.errors import ConfigError
 WEIGHTS = ("trace", "router")
 
 
+def replay_rows(trace, request_index: int, max_new_tokens: int | None = None) -> np.ndarray:
+    """The rows of ``trace`` that a replay of its ``request_index``-th request consumes (its prefill rows, or
+    its first row, then one row per new token after the first), for at most ``max_new_tokens`` new tokens."""
+    requests = list(dict.fromkeys(trace.request.tolist()))
+    if not 0 <= request_index < len(requests):
+        raise ConfigError(f"{trace.path}: request {request_index} does not exist ({len(requests)} requests)")
+    rows = np.flatnonzero(trace.request == requests[request_index])
+    first = int((trace.phase[rows] == 0).sum()) or 1
+    if max_new_tokens is not None:
+        rows = rows[:first + max(max_new_tokens, 1) - 1]
+    return rows
+
+
 class RoutingReplay:
     def __init__(self, trace, adapter, weights: str = "trace"):
         meta = trace.meta
@@ -41,12 +54,13 @@ class RoutingReplay:
         self._pass = -1
         self._handles = []
 
-    def plan(self, request_index: int) -> tuple[int, int]:
-        """Start replaying the trace's ``request_index``-th request: (prompt tokens, new tokens)."""
-        if not 0 <= request_index < len(self.requests):
-            raise ConfigError(f"{self.trace.path}: request {request_index} does not exist "
-                              f"({len(self.requests)} requests)")
-        rows = np.flatnonzero(self.trace.request == self.requests[request_index])
+    def request_rows(self, request_index: int, max_new_tokens: int | None = None) -> np.ndarray:
+        return replay_rows(self.trace, request_index, max_new_tokens)
+
+    def plan(self, request_index: int, max_new_tokens: int | None = None) -> tuple[int, int]:
+        """Start replaying the trace's ``request_index``-th request, at most ``max_new_tokens`` new tokens:
+        (prompt tokens, new tokens)."""
+        rows = self.request_rows(request_index, max_new_tokens)
         prefill = rows[self.trace.phase[rows] == 0]
         first = prefill if prefill.size else rows[:1]
         rest = rows[first.size:]
@@ -69,6 +83,14 @@ class RoutingReplay:
         return self.trace.experts[self.rows(), layer].astype(np.int64)
 
     def install(self) -> None:
+        """Hooks on the model: a pre-hook that starts each forward pass, one on every router that forces it.
+        Install before other hooks that read the routing, so that they see the forced one."""
+        def pass_start(module, args, kwargs):
+            ids = kwargs.get("input_ids")
+            ids = args[0] if ids is None and args else ids
+            self.next_pass(int(ids.shape[-1]) if ids is not None else int(kwargs["inputs_embeds"].shape[-2]))
+
+        self._handles.append(self.adapter.model.model.register_forward_pre_hook(pass_start, with_kwargs=True))
         for layer in range(self.adapter.num_layers):
             self._handles.append(self.adapter.router(layer).register_forward_hook(self._force(layer)))
 

@@ -55,11 +55,11 @@ class ModelRunner:
         from moe_offload.models.routing_tap import RoutingTap
 
         use_project_experts(self.adapter, self)
+        if self.replay is not None:
+            self.replay.install()  # first: the hooks below see the forced routing and the pass already started
         base = self.model.model
         self._hooks = [base.register_forward_pre_hook(self._pass_start, with_kwargs=True),
                        base.register_forward_hook(self._pass_end)]
-        if self.replay is not None:
-            self.replay.install()  # before the tap: the tap sees the forced routing
         if self.needs_routing:
             self._tap = RoutingTap(self.adapter, self._layer_routed, capture_hidden=self.needs_gate_prediction)
             self._tap.__enter__()
@@ -156,8 +156,6 @@ class ModelRunner:
             ids = args[0]
         embeds = kwargs.get("inputs_embeds")
         self.tokens_in_pass = int(ids.shape[-1]) if ids is not None else int(embeds.shape[-2])
-        if self.replay is not None:
-            self.replay.next_pass(self.tokens_in_pass)
         if not self.needs_routing:
             return
         import torch
