@@ -365,3 +365,61 @@ def test_hardware_measure_checks_its_output_first(checkpoint, tmp_path, capsys):
     assert main(["hardware", "measure", "--model", str(checkpoint["packed"]), "-o",
                  str(tmp_path / "file" / "p.toml")]) == 2
     assert "cannot be created" in one_line_error(capsys)
+
+
+# ------------------------------------------------------------------------------------------ routing replay
+def test_replay_forces_every_router_to_the_traces_experts(checkpoint):
+    from moe_offload.models.routing_tap import RoutingTap
+    from moe_offload.runtime.replay import replay_rows
+
+    trace = checkpoint["history"]
+    with OffloadEngine(checkpoint["packed"], fast_budget="100%", replay=trace, replay_weights="router") as engine:
+        seen = {layer: [] for layer in range(3)}
+        with RoutingTap(engine.adapter, lambda layer, routing: seen[layer].append(routing.experts.cpu().numpy())):
+            result = engine.generate_replayed(1)
+    rows = replay_rows(trace, 1)
+    assert len(result.token_ids) == len(rows) - int((trace.phase[rows] == 0).sum()) + 1
+    for layer in range(3):
+        assert np.array_equal(np.concatenate(seen[layer]), trace.experts[rows, layer])
+
+
+def test_the_oracle_runs_under_replay_and_every_prefetch_is_used_whatever_the_policy(checkpoint):
+    """The cache's hold rule in the runtime: a prefetched expert survives until its layer computes, so the
+    oracle's precision is 100% under LRU, LCP (newcomers rank lowest) and fMoE alike when the budget holds
+    what the oracle looks ahead at (3 layers x top-2 beside the 2 experts computing: 8 of 18); the tokens and
+    logits are those of the all-resident replay. Decode steps only: a prefill needs more experts per layer
+    than that, and a demand load may then release holds (simulator/cache.py)."""
+    history = checkpoint["history"]
+    decode = history.select(np.flatnonzero((history.request == history.request[0]) & (history.phase == 1)))
+    with OffloadEngine(checkpoint["packed"], fast_budget="100%", preload=True, replay=decode,
+                       replay_weights="router") as engine:
+        expected = engine.generate_replayed(0, return_logits=True)
+    for policy in ("lru", "lcp", "fmoe"):
+        with OffloadEngine(checkpoint["packed"], fast_budget=str(8 * COMPUTE_EXPERT_BYTES), policy=policy,
+                           prefetch="oracle", replay=decode, replay_weights="router") as engine:
+            result = engine.generate_replayed(0, return_logits=True)
+        stats = result.stats
+        assert result.token_ids == expected.token_ids
+        assert all(torch.equal(a, b) for a, b in zip(result.logits, expected.logits))
+        assert stats.prefetches_issued > 0 and stats.prefetches_used == stats.prefetches_issued, policy
+
+
+def test_the_policy_sees_the_tokens_each_access_carries(checkpoint):
+    from moe_offload.policies.lru import LRU
+
+    seen = []
+
+    class Spy(LRU):
+        def on_access(self, key, ctx):
+            seen.append((ctx.layer, dict(ctx.routed)))
+            super().on_access(key, ctx)
+
+    with OffloadEngine(checkpoint["packed"], fast_budget="100%") as engine:
+        engine.tiers[0].cache.policy = Spy(engine.spec)
+        prompt_tokens = len(engine.tokenizer(PROMPTS[1])["input_ids"])
+        engine.generate(PROMPTS[1], max_new_tokens=2)
+    assert all(list(routed) == [0] for _, routed in seen)  # all from request 0
+    assert any(routed[0] > 1 for _, routed in seen)  # the prefill's accesses carry several tokens
+    # every token of the prompt and of the one decode step is routed to top-2 experts in every layer
+    assert {layer: sum(r[0] for l, r in seen if l == layer) for layer in range(3)} == \
+        {layer: 2 * (prompt_tokens + 1) for layer in range(3)}
