@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -90,42 +91,68 @@ def replay_trace(name: str):
     return read_trace(BUNDLED_TRACES[MODELS[name][2]])
 
 
-def transformers_tpot(packed: Path, trace, weights: str, tokens: int, device, dtype, implementation: str) -> dict:
-    """All-resident TPOT of the plain transformers model (every weight loaded) with ``implementation``
-    (``moe_offload``: this project's experts function without an engine), routing replayed."""
+def resident_tpots(packed: Path, trace, weights: str, tokens: int, device, dtype, readers, rounds: int) -> dict:
+    """All-resident TPOT of the plain transformers model (every weight loaded) with each experts implementation
+    it offers, of this project's experts function without an engine (``moe_offload``), and of the engine with
+    every expert preloaded (``engine``), routing replayed. The runs alternate, ``rounds`` times, and each TPOT
+    is the median of all its per-token gaps: a burst of other work on a shared machine then hits every
+    implementation alike instead of one. Returns name -> {"tpot_s", "tokens"}; an implementation that fails
+    here (no kernel for this device) is left out with a note."""
     import torch
 
     from moe_offload.models.adapters import load_model
     from moe_offload.models.experts import use_project_experts
-    from moe_offload.runtime.engine import TimingStreamer
+    from moe_offload.runtime.engine import OffloadEngine, TimingStreamer
     from moe_offload.runtime.replay import RoutingReplay
 
-    model_dir = packed.parent / "model"
-    model, adapter = load_model(model_dir, dtype=dtype, experts_implementation="eager")
+    model, adapter = load_model(packed.parent / "model", dtype=dtype, experts_implementation="eager")
     model.to(device)
-    if implementation == "moe_offload":
-        use_project_experts(adapter)
-    else:
-        model.set_experts_implementation(implementation)
     replay = RoutingReplay(trace, adapter, weights)
     replay.install()
-    results = []
+    engine = OffloadEngine(packed, device=device, replay=trace, replay_weights=weights, fast_budget="100%",
+                           preload=True, readers=readers)
+    gaps: dict[str, list] = {}
+    tokens_of: dict[str, list] = {}
+    failed: set = set()
+
+    def run_plain(implementation: str) -> tuple[list, list]:
+        if implementation == "moe_offload":
+            use_project_experts(adapter)
+        else:
+            model.set_experts_implementation(implementation)
+        prompt, new = replay.plan(0, tokens)
+        ids = torch.tensor([[i % model.config.vocab_size for i in range(prompt)]], device=device)
+        streamer = TimingStreamer(None, None)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False, streamer=streamer, pad_token_id=0)
+        times = streamer.token_times
+        return [b - a for a, b in zip(times, times[1:])], out[0, prompt:].tolist()
+
     try:
-        for _ in range(2):  # the first is a warm-up
-            prompt, new = replay.plan(0, tokens)
-            ids = torch.tensor([[i % model.config.vocab_size for i in range(prompt)]], device=device)
-            streamer = TimingStreamer(None, None)
-            with torch.inference_mode():
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                     min_new_tokens=new, do_sample=False, streamer=streamer, pad_token_id=0)
-            times = streamer.token_times
-            results.append({"tpot_s": statistics.median(b - a for a, b in zip(times, times[1:])),
-                            "tokens": out[0, prompt:].tolist()})
+        for round_ in range(rounds + 1):  # round 0 warms every implementation up
+            for implementation in (*IMPLEMENTATIONS, "moe_offload", "engine"):
+                if implementation in failed:
+                    continue
+                try:
+                    if implementation == "engine":
+                        result = engine.generate_replayed(0, tokens)
+                        run = result.stats.token_latency_seconds, result.token_ids
+                    else:
+                        run = run_plain(implementation)
+                except (RuntimeError, NotImplementedError, KeyError) as exc:
+                    print(f"  transformers {implementation}: unavailable here ({str(exc).splitlines()[0]})")
+                    failed.add(implementation)
+                    continue
+                if round_:
+                    gaps.setdefault(implementation, []).extend(run[0])
+                tokens_of[implementation] = run[1]
     finally:
+        engine.close()
         replay.remove()
         del model
         gc.collect()
-    return results[-1]
+    return {name: {"tpot_s": statistics.median(values), "tokens": tokens_of[name]} for name, values in gaps.items()}
 
 
 def engine_run(packed: Path, trace, weights: str, tokens: int, device, **options) -> dict:
@@ -146,6 +173,29 @@ def engine_run(packed: Path, trace, weights: str, tokens: int, device, **options
             "on_demand_loads": stats.on_demand_loads, "prefetches_issued": stats.prefetches_issued}
 
 
+def profile_resident(packed: Path, trace, weights: str, tokens: int, device, readers) -> None:
+    """The all-resident engine's replayed generation under the PyTorch profiler: the operators by self time,
+    and how much of the wall time no operator accounts for (Python: generate loop, hooks, the engine)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from moe_offload.runtime.engine import OffloadEngine
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with OffloadEngine(packed, device=device, replay=trace, replay_weights=weights, fast_budget="100%",
+                       preload=True, readers=readers) as engine:
+        engine.generate_replayed(0, tokens)  # warm-up
+        started = time.perf_counter()
+        with profile(activities=activities) as prof:
+            engine.generate_replayed(0, tokens)
+        wall = time.perf_counter() - started
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12))
+    operators = sum(e.self_cpu_time_total for e in events) / 1e6
+    print(f"profiled: {wall * 1e3:.0f} ms of wall time, {operators * 1e3:.0f} ms of it in operators (self CPU time), "
+          f"{(wall - operators) * 1e3:.0f} ms ({(wall - operators) / wall:.0%}) elsewhere: Python, the generate "
+          "loop, hooks, the engine (and the profiler's own cost)", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -157,8 +207,11 @@ def main(argv=None) -> int:
     parser.add_argument("--prefetchers", default="none,moepic,oracle")
     parser.add_argument("--tokens", type=int, default=None, help="new tokens per run (default: the trace's)")
     parser.add_argument("--readers", type=int, default=None, help="reader threads (default: the runtime's)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the all-resident runs")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: 1 on a CPU, leaving a core to the readers; as is on CUDA)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the all-resident engine's decode with the PyTorch profiler: where the time goes")
     parser.add_argument("--json", default=None, metavar="FILE")
     args = parser.parse_args(argv)
 
@@ -214,24 +267,20 @@ def main(argv=None) -> int:
           + f"; bound min(...) {bound / 1e9:.2f} GB/s; profile link {link.name} {link.bandwidth_bytes_per_s / 1e9:.2f}"
             f" GB/s + {link.latency_s * 1e6:.0f} us", flush=True)
 
-    # 2. all-resident: transformers' implementations, this project's function, the engine
-    resident = {}
-    for implementation in (*IMPLEMENTATIONS, "moe_offload"):
-        try:
-            resident[implementation] = transformers_tpot(packed, trace, weights, tokens, device, dtype, implementation)
-        except (RuntimeError, NotImplementedError, KeyError) as exc:
-            print(f"  transformers {implementation}: unavailable here ({str(exc).splitlines()[0]})")
-            continue
-        print(f"  transformers {implementation:<12} all-resident TPOT {resident[implementation]['tpot_s'] * 1e3:8.2f} ms",
-              flush=True)
+    # 2. all-resident: transformers' implementations, this project's function, the engine (alternating)
+    resident = resident_tpots(packed, trace, weights, tokens, device, dtype, args.readers, args.rounds)
+    for name_, run in resident.items():
+        print(f"  {name_:<12} all-resident TPOT {run['tpot_s'] * 1e3:8.2f} ms", flush=True)
     reference = resident["eager"]["tokens"]
     best_name = min((k for k in resident if k in IMPLEMENTATIONS), key=lambda k: resident[k]["tpot_s"])
     best = resident[best_name]["tpot_s"]
-    engine_resident = engine_run(packed, trace, weights, tokens, device, fast_budget="100%", preload=True,
-                                 readers=args.readers)
+    engine_resident = resident.pop("engine")
     assert engine_resident["tokens"] == reference, "the all-resident engine changed the tokens"
     print(f"  engine all-resident TPOT {engine_resident['tpot_s'] * 1e3:.2f} ms = "
           f"{engine_resident['tpot_s'] / best:.2f}x transformers' best ({best_name}); tokens equal eager's", flush=True)
+
+    if args.profile:
+        profile_resident(packed, trace, weights, tokens, device, args.readers)
 
     # 3. the configurations, each beside the timed simulator's prediction on the measured profile
     sim_trace = trace.select(replay_rows(trace, 0, tokens))
@@ -265,7 +314,9 @@ def main(argv=None) -> int:
                       f"{run['bytes_to_fast'] / 1e9:6.2f} GB moved at {rate}, hit {run['hit_rate']:.1%} {precision}; "
                       f"simulator {predicted.tpot_seconds * 1e3:8.2f} ms ({row['tpot_error']:+.0%})", flush=True)
     errors = [abs(r["tpot_error"]) for r in rows]
-    print(f"\nsimulator TPOT error: mean {statistics.mean(errors):.1%}, worst {max(errors):.1%} over {len(rows)} "
+    load = os.getloadavg()
+    print(f"\nload average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores at the end")
+    print(f"simulator TPOT error: mean {statistics.mean(errors):.1%}, worst {max(errors):.1%} over {len(rows)} "
           f"configurations; every run's tokens equal transformers' eager all-resident tokens "
           f"({time.perf_counter() - started:.0f} s)")
     for budget in sorted({r["budget_pct"] for r in rows}):
@@ -275,7 +326,7 @@ def main(argv=None) -> int:
                 print(f"{budget}% {policy}: oracle TPOT / no prefetch {by['oracle']['tpot_s'] / by['none']['tpot_s']:.2f}")
     if args.json:
         write_atomically(args.json, json.dumps({
-            "model": name, "device": str(device), "tokens": tokens, "raw_rates": raw, "bound": bound,
+            "model": name, "device": str(device), "tokens": tokens, "load_average": load, "raw_rates": raw, "bound": bound,
             "profile": {"link": link.name, "bandwidth": link.bandwidth_bytes_per_s, "latency_s": link.latency_s},
             "resident": {k: v["tpot_s"] for k, v in resident.items()}, "transformers_best": best_name,
             "engine_resident_tpot_s": engine_resident["tpot_s"], "runs": rows}, indent=1))

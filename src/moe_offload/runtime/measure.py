@@ -41,6 +41,7 @@ import platform
 import shutil
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -224,8 +225,8 @@ def measure_raw_rates(manifest: Manifest, keys, repeats: int, bypass_page_cache:
                       readers: int | None = None) -> tuple[float, float]:
     """(parallel read, conversion) in stored bytes per second: the reader pool reading experts into a buffer
     that is already mapped (no checksum, no conversion), and a float32 copy of the experts' float16 (or other
-    stored dtype) elements from memory. The bounds of the CPU data path: every expert is read, then
-    converted."""
+    stored dtype) elements from memory by as many threads as the pool has readers. The bounds of the CPU data
+    path: every expert is read, then converted."""
     import torch
 
     from moe_offload.runtime.storage import ExpertStore
@@ -246,11 +247,15 @@ def measure_raw_rates(manifest: Manifest, keys, repeats: int, bypass_page_cache:
         store.close()
     stored = buffer.view(getattr(torch, manifest.dtype))
     target = torch.zeros(stored.numel(), dtype=torch.float32)
+    workers = store.readers
+    step = -(-stored.numel() // workers)
+    parts = [(target[i:i + step], stored[i:i + step]) for i in range(0, stored.numel(), step)]
     converts = []
-    for _ in range(repeats + 1):
-        started = time.perf_counter()
-        target.copy_(stored)
-        converts.append(time.perf_counter() - started)
+    with ThreadPoolExecutor(workers) as pool:  # as many converting threads as the data path has readers
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            list(pool.map(lambda pair: pair[0].copy_(pair[1]), parts))
+            converts.append(time.perf_counter() - started)
     total = len(keys) * size
     return total / _median(reads[1:]), total / _median(converts[1:])
 
