@@ -91,7 +91,8 @@ def replay_trace(name: str):
     return read_trace(BUNDLED_TRACES[MODELS[name][2]])
 
 
-def resident_tpots(packed: Path, trace, weights: str, tokens: int, device, dtype, readers, rounds: int) -> dict:
+def resident_tpots(packed: Path, trace, weights: str, tokens: int, device, dtype, readers, rounds: int,
+                   implementations=IMPLEMENTATIONS) -> dict:
     """All-resident TPOT of the plain transformers model (every weight loaded) with each experts implementation
     it offers, of this project's experts function without an engine (``moe_offload``), and of the engine with
     every expert preloaded (``engine``), routing replayed. The runs alternate, ``rounds`` times, and each TPOT
@@ -131,7 +132,7 @@ def resident_tpots(packed: Path, trace, weights: str, tokens: int, device, dtype
 
     try:
         for round_ in range(rounds + 1):  # round 0 warms every implementation up
-            for implementation in (*IMPLEMENTATIONS, "moe_offload", "engine"):
+            for implementation in (*dict.fromkeys(("eager", *implementations)), "moe_offload", "engine"):
                 if implementation in failed:
                     continue
                 try:
@@ -210,6 +211,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=None, help="new tokens per run (default: the trace's)")
     parser.add_argument("--readers", type=int, default=None, help="reader threads (default: the runtime's)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the all-resident runs")
+    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS),
+                        help="transformers experts implementations to time all-resident (eager is always run: "
+                             "its tokens are the reference)")
+    parser.add_argument("--oracle-distance", type=int, default=None,
+                        help="layers the oracle looks ahead (default: the prefetcher's, 3)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: 1 on a CPU, leaving a core to the readers; as is on CUDA)")
     parser.add_argument("--profile", action="store_true",
@@ -275,7 +281,8 @@ def main(argv=None) -> int:
             f" GB/s + {link.latency_s * 1e6:.0f} us", flush=True)
 
     # 2. all-resident: transformers' implementations, this project's function, the engine (alternating)
-    resident = resident_tpots(packed, trace, weights, tokens, device, dtype, args.readers, args.rounds)
+    resident = resident_tpots(packed, trace, weights, tokens, device, dtype, args.readers, args.rounds,
+                              args.implementations.split(","))
     for name_, run in resident.items():
         print(f"  {name_:<12} all-resident TPOT {run['tpot_s'] * 1e3:8.2f} ms", flush=True)
     reference = resident["eager"]["tokens"]
@@ -297,12 +304,14 @@ def main(argv=None) -> int:
         for policy in policies.split(","):
             for prefetch in prefetchers.split(","):
                 pf = None if prefetch == "none" else prefetch
+                options = {"distance": args.oracle_distance} if pf == "oracle" and args.oracle_distance else None
                 run = engine_run(packed, trace, weights, tokens, device, fast_budget=f"{budget}%", policy=policy,
-                                 prefetch=pf, readers=args.readers)
+                                 prefetch=pf, prefetch_options=options, readers=args.readers)
                 if run["tokens"] != reference:
                     raise SystemExit(f"LOSSLESS VIOLATION: {policy} + {prefetch} at {budget}% changed the tokens")
                 predicted = simulate_timed(sim_trace, profile, policy, cache_bytes=slots * manifest.expert_bytes,
-                                           expert_bytes=manifest.expert_bytes, prefetcher=pf)
+                                           expert_bytes=manifest.expert_bytes, prefetcher=pf,
+                                           prefetcher_options=options)
                 row = {"budget_pct": budget, "policy": policy, "prefetcher": prefetch,
                        **{k: v for k, v in run.items() if k != "tokens"},
                        "tpot_vs_resident": run["tpot_s"] / engine_resident["tpot_s"],
