@@ -151,8 +151,7 @@ def resident_tpots(packed: Path, trace, weights: str, tokens: int, device, dtype
     finally:
         engine.close()
         replay.remove()
-        del model
-        gc.collect()
+    gc.collect()
     return {name: {"tpot_s": statistics.median(values), "tokens": tokens_of[name]} for name, values in gaps.items()}
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 from moe_offload.bundled import DEFAULT_TRACE
 from moe_offload.errors import ConfigError

@@ -240,7 +240,6 @@ class LinkWorker(threading.Thread):
                 cond.notify_all()
 
 
-
 class ExpertMover:
     """Moves one expert into a slot of a tier, by the routes of the module docstring (one per link worker;
     ``hardware measure`` times the same object)."""

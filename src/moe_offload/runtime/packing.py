@@ -142,11 +142,11 @@ def pack_model(model_dir, out_dir, on_expert=None) -> Manifest:
         raise ConfigError(f"{model_dir / 'config.json'}: unknown dtype {stored!r}")
     model, adapter = load_model(model_dir, dtype=dtype)
     with atomic_directory(out_dir) as staging:
-        manifest = _write_pack(model, adapter, config, raw, stored, model_dir, staging, on_expert)
+        _write_pack(model, adapter, config, stored, model_dir, staging, on_expert)
     return read_manifest(out_dir)
 
 
-def _write_pack(model, adapter, config, raw: dict, stored: str, model_dir: Path, out_dir: Path, on_expert) -> dict:
+def _write_pack(model, adapter, config, stored: str, model_dir: Path, out_dir: Path, on_expert) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -201,7 +201,6 @@ def _write_pack(model, adapter, config, raw: dict, stored: str, model_dir: Path,
         "expert_tensors": tensors, "chunk_bytes": CHUNK_BYTES, "layers": layers, "experts": experts,
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    return manifest
 
 
 def read_manifest(directory, check_files: bool = True) -> Manifest:
