@@ -19,6 +19,7 @@ from model_configs import build, tiny_tokenizer  # noqa: E402
 
 from moe_offload.cli.main import main  # noqa: E402
 from moe_offload.hardware import HardwareProfile, load_profile  # noqa: E402
+from moe_offload.hardware.toml_writer import profile_toml, write_profile  # noqa: E402
 from moe_offload.runtime import measure  # noqa: E402
 from moe_offload.runtime.packing import pack_model  # noqa: E402
 
@@ -101,7 +102,7 @@ def test_keeping_the_page_cache_is_recorded(packed):
 
 
 def test_the_toml_writer_round_trips_the_dict(measured, tmp_path):
-    path = measure.write_profile(measured, tmp_path / "profile.toml", header="a header\non two lines")
+    path = write_profile(measured, tmp_path / "profile.toml", header="a header\non two lines")
     assert tomllib.loads(path.read_text()) == measured
     loaded = load_profile(path)
     assert dataclasses.replace(loaded, path="<memory>") == HardwareProfile.from_dict(measured, default_name="x")
@@ -112,7 +113,7 @@ def test_the_toml_writer_escapes_strings(tmp_path):
            "tiers": [{"name": "gpu", "capacity_bytes": 10}],
            "compute": {"expert": {"fixed_s": 1e-05, "per_token_s": 0.0}, "attention": {"fixed_s": 1.0},
                        "router": {"fixed_s": 0.0}, "lm_head": {"fixed_s": 2.5e-300, "per_token_s": 3.0}}}
-    assert tomllib.loads(measure.profile_toml(odd, header="# not a key")) == odd
+    assert tomllib.loads(profile_toml(odd, header="# not a key")) == odd
 
 
 def test_linear_fits_never_go_negative():

@@ -183,6 +183,7 @@ def run_measure(args) -> int:
         raise ConfigError(f"--repeats must be at least 1, not {args.repeats}")
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads must be at least 1, not {args.threads}")
+    from moe_offload.hardware.toml_writer import write_profile
     from moe_offload.outputs import check_output
     from moe_offload.runtime.engine import resolve_device
 
@@ -201,7 +202,7 @@ def run_measure(args) -> int:
                + (f" --host-budget {args.host_budget}" if args.host_budget else ""))
     header = (f"Measured on this machine by `{command}` on {measurements.date}.\n"
               "The sources below say what was timed and how; run the command again to refresh the numbers.")
-    measure.write_profile(profile, output, header)
+    write_profile(profile, output, header)
     out = _console()
     out.print(_measured_table(measurements, profile))
     out.print(f"profile written to {output} (use it with `moe-offload simulate --timed --hardware {output}`)")
