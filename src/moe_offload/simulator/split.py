@@ -160,7 +160,7 @@ class SplitExperts:
         layer = key // self.J
         return self._bottom_bytes(layer) if key in self.tops[layer] else self.E
 
-    def reserve(self, key: int, ctx: AccessContext, nbytes: int) -> bool:
+    def reserve(self, key: int, ctx: AccessContext, nbytes: int, protect=()) -> bool:
         """Make room for a transfer of ``nbytes`` (``transfer_bytes(key)``): a bottom segment in the buffer, or a
         whole expert's top in the cache (tops of pinned or buffered experts are never evicted) and its bottom in
         the buffer, or, when the cache cannot make room, the whole expert in the buffer. False, with nothing
@@ -177,7 +177,7 @@ class SplitExperts:
         pinned = ctx.pinned
         ctx.pinned = pinned | buffer.reserved.keys() | buffer.resident.keys()
         try:
-            admitted = self.tops[layer].reserve(key, ctx, self.top_bytes[layer])
+            admitted = self.tops[layer].reserve(key, ctx, self.top_bytes[layer], protect)
         finally:
             ctx.pinned = pinned
         if admitted:
