@@ -10,7 +10,8 @@ and its outcome counted:
   result computed from it is the intact file's;
 * refused: a TraceError in one line that names the file (exit 2 on the command line);
 * DIFFERENT: it reads back as other data without an error: a silently changed result;
-* CRASH: any other exception (a traceback on the command line), or the reading process died.
+* CRASH: any other exception (a traceback on the command line) or an error that is not one line naming the
+  file. A reading process that dies (a crash in native code) stops the sweep with its byte range.
 
 Counts are printed by region of the file (the leading magic, the column chunks' pages, the footer with the
 schema, the metadata and the checksum). The command fails (exit 1) unless DIFFERENT and CRASH are both 0.
@@ -27,6 +28,8 @@ import tempfile
 import time
 import traceback
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
@@ -115,11 +118,17 @@ def main() -> int:
     start = time.perf_counter()
     context = multiprocessing.get_context("fork")
     try:
-        with context.Pool(args.jobs, initializer=_init, initargs=(data, clean, scratch)) as pool:
-            for position, bit, outcome, detail in pool.imap_unordered(_classify, flips, chunksize=256):
+        with ProcessPoolExecutor(args.jobs, mp_context=context, initializer=_init,
+                                 initargs=(data, clean, scratch)) as pool:
+            for position, bit, outcome, detail in pool.map(_classify, flips, chunksize=256):
                 counts[("magic", "column pages", "footer")[region[position]]][outcome] += 1
                 if detail and len(examples) < 10:
                     examples.append(f"byte {position} bit {bit}: {outcome}: {detail}")
+    except BrokenProcessPool:
+        done = sum(sum(counted.values()) for counted in counts.values())
+        print(f"a reading process died (a crash in native code) after {done:,} flips, near byte "
+              f"{flips[min(done, len(flips) - 1)][0]}")
+        return 1
     finally:
         for leftover in Path(scratch).iterdir():
             leftover.unlink()
