@@ -13,7 +13,6 @@ import contextlib
 import io
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq

@@ -154,7 +154,8 @@ def test_ids_beyond_the_id_type_are_refused_not_wrapped(tmp_path):
 def test_an_unsealed_trace_is_refused_until_sealed(trace_file, capsys):
     table = pq.read_table(trace_file)
     stored = dict(table.schema.metadata)
-    document = json.loads(stored.pop(integrity.CHECKSUM_KEY) and stored[METADATA_KEY])
+    del stored[integrity.CHECKSUM_KEY]  # as written before traces were sealed (format 1)
+    document = json.loads(stored[METADATA_KEY])
     document["format_version"] = 1
     stored[METADATA_KEY] = json.dumps(document).encode()
     pq.write_table(table.replace_schema_metadata(stored), trace_file)

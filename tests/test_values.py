@@ -3,7 +3,7 @@ the same from the command line and from Python."""
 
 from __future__ import annotations
 
-import math
+import json
 
 import numpy as np
 import pytest
@@ -11,7 +11,7 @@ import pytest
 from moe_offload import values
 from moe_offload.cli.main import main
 from moe_offload.errors import ConfigError
-from moe_offload.policies import ModelSpec, make_policy
+from moe_offload.policies import POLICIES, ModelSpec, make_policy
 from moe_offload.simulator.replay import ReplayInput, replay
 from moe_offload.trace.format import write_trace
 from moe_offload.trace.synthetic import zipf_trace
@@ -55,7 +55,7 @@ def test_shares(text, expected):
 @pytest.mark.parametrize("text, message", [
     ("150%", "a percentage must be in (0, 100]"), ("inf%", "a percentage must be in (0, 100]"),
     ("nan%", "a percentage must be in (0, 100]"), ("0%", "a percentage must be in (0, 100]"),
-    ("1.5", "a fraction must be in (0, 1]"), ("x%", "is not a percentage"),
+    ("1.5", "a fraction must be in (0, 1]"), ("x%", "is neither a percentage (25%) nor a fraction"),
 ])
 def test_shares_refused(text, message):
     assert message in refused(values.share, text, "--cache-size")
@@ -148,8 +148,6 @@ def test_a_bad_policy_option_reads_the_same_from_the_command_line_and_from_pytho
     assert main(["simulate", path, "--policy", "lcp", "--cache-size", "4", "--policy-option", f"lcp.rho={raw}"]) == 2
     err = capsys.readouterr().err
     assert err == f"moe-offload: error: {message}\n", err
-    import json
-
     try:
         value = json.loads(raw)
     except ValueError:
@@ -172,9 +170,7 @@ def test_unknown_options_name_those_the_component_takes(capsys):
 def test_the_option_parser_keeps_strings_and_json():
     options = values.component_options(["learned.model_path=/x/y.npz", "lcp.rho=0.5", "lcp.omega=1e3"],
                                        "--policy-option", "POLICY.NAME=VALUE", "policy",
-                                       lambda name: {"learned": __import__("moe_offload.policies", fromlist=["x"])
-                                                     .POLICIES["learned"].policy,
-                                                     "lcp": __import__("moe_offload.policies", fromlist=["x"])
-                                                     .POLICIES["lcp"].policy}[name], skip=("seed",))
+                                       lambda name: POLICIES[name].policy, skip=("seed",))
     assert options == {"learned": {"model_path": "/x/y.npz"}, "lcp": {"rho": 0.5, "omega": 1000.0}}
-    assert math.isclose(options["lcp"]["omega"], 1e3)
+    assert "is not POLICY.NAME=VALUE" in refused(values.component_options, ["lcp.rho"], "--policy-option",
+                                                 "POLICY.NAME=VALUE", "policy", lambda name: POLICIES[name].policy)

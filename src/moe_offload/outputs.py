@@ -66,8 +66,12 @@ def _check_output(path: Path, inputs: Iterable, suffixes: tuple[str, ...], what:
 
 @contextmanager
 def atomic_output(path) -> Iterator[Path]:
-    """Yield a temporary file beside ``path``; rename it over ``path`` (after fsync) if the block succeeds."""
-    path = Path(path)
+    """Yield a temporary file beside ``path``; rename it over ``path`` (after fsync) if the block succeeds.
+
+    A symlink at ``path`` keeps pointing where it did: the file it points to is the one replaced. A path that
+    is not a regular file (a device node, a FIFO, a directory) is never replaced, even by a caller that did
+    not call check_output first (the Python API)."""
+    path = _target_of(Path(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
@@ -89,6 +93,14 @@ def atomic_output(path) -> Iterator[Path]:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def _target_of(path: Path) -> Path:
+    """The file a write to ``path`` replaces: the end of its symlinks; refused when not a regular file."""
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    if os.path.lexists(target) and not target.is_file():
+        raise ConfigError(f"{path}: exists and is not a regular file; will not write over it")
+    return target
 
 
 def write_atomically(path, data: bytes | str) -> Path:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import numbers
 import os
 import re
 from typing import Callable, Iterable
@@ -68,7 +69,7 @@ def number(value, what: str, *, low: float | None = None, high: float | None = N
             parsed = float(value.strip())
         except ValueError:
             refuse(what, value, expected)
-    elif isinstance(value, (int, float)) or _is_numpy_number(value):
+    elif isinstance(value, numbers.Real):  # int, float and NumPy's scalars
         try:
             parsed = float(value)
         except OverflowError:
@@ -103,9 +104,9 @@ def integer(value, what: str, *, low: int | None = None, high: int | None = None
             parsed = int(value.strip())
         except ValueError:
             refuse(what, value, expected)
-    elif isinstance(value, int) or _is_numpy_integer(value):
+    elif isinstance(value, numbers.Integral):
         parsed = int(value)
-    elif isinstance(value, float) or _is_numpy_number(value):
+    elif isinstance(value, numbers.Real):
         if not math.isfinite(value) or value != int(value):
             refuse(what, value, expected)
         parsed = int(value)
@@ -123,14 +124,6 @@ def text(value, what: str) -> str:
     if not isinstance(value, str) or not value:
         refuse(what, value, "must be a non-empty string")
     return value
-
-
-def _is_numpy_integer(value) -> bool:
-    return type(value).__module__ == "numpy" and hasattr(value, "dtype") and value.dtype.kind in "iu"
-
-
-def _is_numpy_number(value) -> bool:
-    return type(value).__module__ == "numpy" and hasattr(value, "dtype") and value.dtype.kind in "iuf"
 
 
 # ------------------------------------------------------------------------------------- sizes and shares
@@ -164,16 +157,19 @@ def is_byte_size(text_value: str) -> bool:
 
 def share(value, what: str) -> float:
     """A share of a whole in (0, 1]: a percentage (``25%``) or a fraction (``0.25``)."""
-    item = value.strip() if isinstance(value, str) else value
-    if isinstance(item, str) and item.endswith("%"):
+    if not isinstance(value, str):
+        fraction, percent = number(value, what), False
+    else:
+        item = value.strip()
+        percent = item.endswith("%")
         try:
-            percent = float(item[:-1])
+            fraction = float(item[:-1] if percent else item)
         except ValueError:
-            refuse(what, value, "is not a percentage")
-        if not (math.isfinite(percent) and 0 < percent <= 100):
+            refuse(what, value, "is neither a percentage (25%) nor a fraction (0.25)")
+    if percent:
+        if not (math.isfinite(fraction) and 0 < fraction <= 100):
             refuse(what, value, "a percentage must be in (0, 100]")
-        return percent / 100
-    fraction = number(item, what) if not isinstance(item, str) else _float_or_refuse(item, what, value)
+        return fraction / 100
     if not (math.isfinite(fraction) and 0 < fraction <= 1):
         refuse(what, value, "a fraction must be in (0, 1]")
     return fraction
@@ -187,13 +183,6 @@ def _is_float(item: str) -> bool:
     return True
 
 
-def _float_or_refuse(item: str, what: str, value) -> float:
-    try:
-        return float(item)
-    except ValueError:
-        refuse(what, value, "is neither a percentage nor a fraction")
-
-
 def expert_amount(value, what: str, total: int, expert_bytes: int | None = None, *,
                   allow_bytes: bool = True) -> float:
     """A number of experts out of ``total`` (all L*J of a model): a count (``240``), a percentage (``25%``)
@@ -202,7 +191,8 @@ def expert_amount(value, what: str, total: int, expert_bytes: int | None = None,
     and at most ``total``."""
     item = value.strip() if isinstance(value, str) else str(value)
     if re.fullmatch(r"[+-]?[0-9]+", item):
-        count = int(item) if len(item) < 40 else (-1 if item.startswith("-") else total + 1)  # no huge ints
+        # compared as text past 30 digits: such a count is no model's, and Python refuses to parse 5,000 digits
+        count = int(item) if len(item) <= 30 else (-1 if item.startswith("-") else total + 1)
         if count <= 0:
             refuse(what, value, "must be positive")
         if count > total:

@@ -36,10 +36,10 @@ def run(args: argparse.Namespace) -> int:
     from moe_offload.models.tiny import load
     from moe_offload.outputs import check_output, write_atomically
     from moe_offload.reporting.progress import progress_bar
-    from moe_offload.text.prompts import load_prompts
+    from moe_offload.text.prompts import BUILTIN_SOURCES, load_prompts
     from moe_offload.trace.format import write_trace
 
-    prompt_files = [name for name in args.prompts.split(",") if Path(name.strip()).exists()]
+    prompt_files = [name.strip() for name in args.prompts.split(",") if name.strip() not in BUILTIN_SOURCES]
     check_output(args.output, inputs=prompt_files, what="trace")
     if args.texts:
         check_output(args.texts, inputs=prompt_files + [args.output], what="texts file")

@@ -290,9 +290,6 @@ def run_timed(args) -> int:
             integer(args.timeline_iteration, "--timeline-iteration", low=0, high=last,
                     why=f"the iterations of {path}" if last is not None else "")
         if split is not None:
-            split.check(trace.meta.num_layers, trace.meta.num_experts, trace.meta.top_k, expert_bytes,
-                        f"{hardware.name}'s {hardware.tiers[0].name}", hardware.tiers[0].capacity_bytes,
-                        args.split_config)
             sizes = [split.cache_bytes(expert_bytes)]
         else:
             sizes = cache_sizes(args.cache_size or DEFAULT_TIMED_CACHE_SIZES, "--cache-size",

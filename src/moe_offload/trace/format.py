@@ -102,17 +102,11 @@ class TraceMeta:
             raise TraceError("<metadata>", f"the trace metadata cannot be written as JSON ({exc})") from None
 
     @classmethod
-    def from_json(cls, text: str | bytes, path) -> "TraceMeta":
-        raw = parse_json(text, path, "trace metadata", TraceError)
-        if not isinstance(raw, dict):
-            raise TraceError(path, f"trace metadata must be a JSON object, not {type(raw).__name__}")
-        return cls.from_document(raw, path)
-
-    @classmethod
     def from_document(cls, document: dict, path) -> "TraceMeta":
+        """The metadata of a stored document (the parsed JSON object), checked."""
         raw = dict(document)
         version = raw.pop("format_version", None)
-        if version not in (UNSEALED_VERSION, FORMAT_VERSION):
+        if not _is_int(version) or version not in (UNSEALED_VERSION, FORMAT_VERSION):
             raise TraceError(path, f"trace format version {version!r} is not supported (this release reads "
                                    f"versions {UNSEALED_VERSION} and {FORMAT_VERSION}; a newer one needs a newer "
                                    "moe-offload)")
