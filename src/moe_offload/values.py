@@ -9,8 +9,9 @@ lcp.rho=abc`` and from ``replay(..., options={"rho": "abc"})``). Every problem i
 
 What is checked beyond the type: numbers are finite (``inf%``, ``NaN`` and ``1e400`` are refused rather than
 turned into an OverflowError later), counts are whole and within their range, and limits that depend on
-where the command runs or on the model are enforced here too (``--jobs`` against this machine's cores, a
-generation against the model's context, an allocation against this machine's memory).
+where the command runs or on the model are enforced here too (the processes ``--jobs`` starts against this
+machine's cores and the work, a generation against the model's context, an allocation against this
+machine's memory).
 """
 
 from __future__ import annotations
@@ -271,13 +272,15 @@ def cores() -> int:
 
 
 def jobs(value, what: str = "--jobs") -> int:
-    """Worker processes: at least 1, at most the cores of this machine (more only wait for each other)."""
-    return integer(value, what, low=1, high=max(1, cores()), why=f"this machine has {cores()} cores")
+    """Worker processes asked for: a whole number of at least 1 (``worker_count`` bounds what starts)."""
+    return integer(value, what, low=1)
 
 
 def worker_count(value, tasks: int, what: str = "--jobs") -> int:
-    """Processes to start for ``tasks`` independent tasks: ``jobs(value)``, never more than the tasks."""
-    return max(1, min(jobs(value, what), tasks))
+    """Processes to start for ``tasks`` independent tasks when ``jobs(value)`` are asked for: never more than
+    the tasks, nor than this machine's cores (more would only wait for each other), so a command or a test
+    asking for 2 behaves the same on a machine of one core, with one process."""
+    return max(1, min(jobs(value, what), tasks, cores()))
 
 
 def memory(nbytes: int, what: str) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 
 from moe_offload import __version__
 from moe_offload.errors import ConfigError
-from moe_offload.values import cores, integer, number
+from moe_offload.values import integer, number
 from moe_offload.models import require_model_stack
 from moe_offload.policies.base import AccessContext, ModelSpec
 from moe_offload.policies.belady import Belady
@@ -330,7 +330,7 @@ def train_learned_eviction(trace: Trace, *, rows: tuple[int, int] | None = None,
     horizon_tokens = number(horizon_tokens, "the horizon (--horizon)", low=0, low_open=True)
     seed = integer(seed, "seed (--seed)", low=0)
     if threads is not None:
-        threads = integer(threads, "threads (--threads)", low=1, high=cores(), why=f"this machine has {cores()} cores")
+        threads = integer(threads, "threads (--threads)", low=1)
     meta = trace.meta
     cache_sizes = sorted(set(integer(c, "cache size (--cache-sizes)", low=1) for c in cache_sizes))
     if not cache_sizes:
