@@ -8,8 +8,9 @@ would be read to its end). A file that opens but whose content is wrong is the r
 
 ``read_bytes`` and ``read_text`` read a whole file through that check; ``parse_json`` turns text into JSON
 and refuses, in one line, invalid JSON, JSON nested too deeply for the parser (Python raises RecursionError
-there) and the non-standard constants ``NaN`` and ``Infinity`` that Python's parser accepts by default, as well as
-numbers too large for a float (``1e400``, which Python would read as infinity).
+there), the non-standard constants ``NaN`` and ``Infinity`` that Python's parser accepts by default, numbers
+too large for a float (``1e400``, which Python would read as infinity) and integers of more digits than
+Python converts; ``parse_toml`` does the same for TOML.
 
 Readers of traces raise :class:`~moe_offload.errors.TraceError`, readers of configuration files (profiles,
 split configurations, prompt files, models) :class:`~moe_offload.errors.ConfigError`; both name the file.
