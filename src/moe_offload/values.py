@@ -298,38 +298,33 @@ def memory(nbytes: int, what: str) -> None:
 
 # ---------------------------------------------------------------------------------------- devices, context
 
-_DEVICE = re.compile(r"^(cpu|cuda|mps)(?::([0-9]+))?$")
+_DEVICE = re.compile(r"^(cpu|cuda)(?::([0-9]+))?$")
 
 
 def device(value, what: str = "--device") -> str:
-    """A PyTorch device this machine has: ``cpu``, ``cuda``, ``cuda:N`` or ``mps``."""
+    """A device of this machine that runs models: ``cpu``, ``cuda`` or ``cuda:N`` with CUDA present."""
     name = text(value, what).strip().lower()
     match = _DEVICE.match(name)
-    if not match or (match.group(1) != "cuda" and match.group(2) is not None and match.group(1) != "cpu"):
-        refuse(what, value, "is not a device: cpu, cuda, cuda:N or mps")
-    kind, index = match.group(1), match.group(2)
-    if kind == "cpu":
+    if not match or (match.group(1) == "cpu" and match.group(2) is not None):
+        refuse(what, value, "is not a device: cpu, cuda or cuda:N")
+    if match.group(1) == "cpu":
         return "cpu"
     import torch
 
-    if kind == "cuda":
-        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if available == 0:
-            refuse(what, value, "CUDA is not available on this machine (use cpu)")
-        if index is not None and int(index) >= available:
-            refuse(what, value, f"this machine has {available} CUDA device(s), cuda:0 to cuda:{available - 1}")
-        return name
-    if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        refuse(what, value, "MPS is not available on this machine (use cpu)")
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if available == 0:
+        refuse(what, value, "this machine (or this build of PyTorch) has no CUDA device; use cpu")
+    if match.group(2) is not None and int(match.group(2)) >= available:
+        refuse(what, value, f"this machine has {available} CUDA device(s), cuda:0 to cuda:{available - 1}")
     return name
 
 
 def context_room(prompt_tokens: int, positions: int, what: str = "the prompt") -> int:
-    """How many tokens can follow a prompt of ``prompt_tokens`` in a model of ``positions`` positions;
-    a prompt that leaves no room is refused."""
-    if prompt_tokens >= positions:
+    """How many tokens can follow a prompt of ``prompt_tokens`` in a model of ``positions`` positions; a
+    prompt longer than the context is refused."""
+    if prompt_tokens > positions:
         raise ConfigError(f"{what} has {prompt_tokens:,} tokens, but the model reads at most {positions:,} "
-                          f"positions: shorten it to {positions - 1:,} tokens or fewer")
+                          f"positions: shorten it")
     return positions - prompt_tokens
 
 
