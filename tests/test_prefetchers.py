@@ -76,7 +76,7 @@ def test_unknown_prefetcher_and_option_are_config_errors():
         prefetcher_info("lru")
     with pytest.raises(ConfigError, match="has no option depth; it takes distance=3"):
         make_prefetcher("oracle", ModelSpec(2, 4, 1), {"depth": 2})
-    with pytest.raises(ConfigError, match="k must be a positive integer"):
+    with pytest.raises(ConfigError, match="topk.k 0: must be a whole number from 1 to 4"):
         make_prefetcher("topk", ModelSpec(2, 4, 1), {"k": 0})
     assert prefetcher_options("fmoe") == {"capacity": 1000, "distance": 3, "search_seconds": None}
 
@@ -464,7 +464,7 @@ def test_search_latency_is_measured_or_modelled():
     modelled.on_layer_routed(view)
     assert search_latency(modelled) == (0.002, True)
     assert search_latency(make_prefetcher("topk", ModelSpec(4, 6, 2))) == (0.0, False)
-    with pytest.raises(ConfigError, match="search_seconds must be a number >= 0"):
+    with pytest.raises(ConfigError, match="fmoe.search_seconds -1: must be a number at least 0"):
         make_prefetcher("fmoe", ModelSpec(4, 6, 2), {"search_seconds": -1})
 
 

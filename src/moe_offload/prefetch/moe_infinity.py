@@ -32,10 +32,11 @@ import numpy as np
 
 from moe_offload.errors import ConfigError
 from moe_offload.policies.moe_infinity import EPSILON
-from moe_offload.prefetch._shared import RequestGroups, check_same_model, positive_int, proposals
+from moe_offload.prefetch._shared import RequestGroups, check_same_model, proposals
 from moe_offload.prefetch.base import Prefetcher
 from moe_offload.prefetch.eam import EAMCollection, build_eamc, sequence_eams
 from moe_offload.prefetch.search_cost import TimedSearch
+from moe_offload.values import integer
 
 DEFAULT_CAPACITY = 300  # paper 002, section 8: "hundreds of EAMs"; its overhead measurement uses 300
 
@@ -50,8 +51,8 @@ class MoEInfinityPrefetcher(TimedSearch, Prefetcher):
 
     def __init__(self, spec, capacity: int = DEFAULT_CAPACITY, seed: int = 0, search_seconds: float | None = None):
         super().__init__(spec)
-        self.capacity = positive_int(self.name, "capacity", capacity)
-        self.seed = seed
+        self.capacity = integer(capacity, f"{self.name}.capacity", low=1)
+        self.seed = integer(seed, f"{self.name}.seed", low=0)
         self._set_search_seconds(search_seconds)
         L, J = spec.num_layers, spec.num_experts
         self.eamc = EAMCollection(np.zeros((0, L, J), dtype=np.int64))

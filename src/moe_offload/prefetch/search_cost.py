@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from moe_offload.errors import ConfigError
+from moe_offload.values import number
 
 
 class TimedSearch:
@@ -36,10 +36,7 @@ class TimedSearch:
 
     def _set_search_seconds(self, search_seconds: float | None) -> None:
         if search_seconds is not None:
-            if isinstance(search_seconds, bool) or not isinstance(search_seconds, (int, float)) \
-                    or not search_seconds >= 0:
-                raise ConfigError(f"{self.name}: search_seconds must be a number >= 0, not {search_seconds!r}")
-            search_seconds = float(search_seconds)
+            search_seconds = number(search_seconds, f"{self.name}.search_seconds", low=0)
         self._modelled_seconds = search_seconds
 
     @contextmanager

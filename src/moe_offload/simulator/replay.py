@@ -14,11 +14,12 @@ from typing import Callable, Iterable
 import numpy as np
 
 from moe_offload.errors import ConfigError
-from moe_offload.policies import AccessContext, ModelSpec, policy_info
+from moe_offload.policies import AccessContext, ModelSpec, make_policy, policy_info
 from moe_offload.reporting.results import RunResult
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
 from moe_offload.trace.flatten import AccessSequence, flatten
 from moe_offload.trace.format import Trace
+from moe_offload.values import integer, worker_count
 
 
 @dataclass
@@ -31,6 +32,7 @@ class ReplayInput:
 
     @classmethod
     def of(cls, trace: Trace, name: str | None = None) -> "ReplayInput":
+        trace.validate()  # a trace built in Python is checked as a file is
         return cls(trace=trace, sequence=flatten(trace), name=name or trace.path)
 
     @property
@@ -53,9 +55,10 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
            options: dict | None = None) -> RunResult:
     """Replay ``data`` through ``policy`` with room for ``cache_size`` experts."""
     spec = data.spec
+    cache_size = integer(cache_size, "cache_size", low=1)
     check_cache_size(policy, cache_size, spec)
     info = policy_info(policy)
-    make = lambda: info.policy(spec, seed=seed, **(options or {}))  # noqa: E731
+    make = lambda: make_policy(policy, spec, seed=seed, options=options)  # noqa: E731
     if info.partitioned:
         cache = PartitionedCache(cache_size, spec.num_layers, make, spec.num_experts)
     else:
@@ -129,10 +132,11 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
     Runs are independent, so ``jobs`` > 1 spreads them over processes; results do not depend on it.
     A (policy, size) pair that cannot run (a -dist policy with fewer slots than layers) is skipped with
     its reason; any other problem raises ConfigError before the first run."""
-    policies, cache_sizes = list(dict.fromkeys(policies)), sorted(set(cache_sizes))
+    policies = list(dict.fromkeys(policies))
+    cache_sizes = sorted({integer(size, "cache_size", low=1) for size in cache_sizes})
     spec = data.spec
-    for policy in policies:
-        policy_info(policy)
+    for policy in policies:  # every policy and its options are checked before the first run
+        make_policy(policy, spec, seed=seed, options=(options or {}).get(policy))
     for size in cache_sizes:
         check_cache_size("belady", size, spec)
     tasks, skipped = [], []
@@ -148,7 +152,8 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
                 continue
             tasks.append((policy, size, seed, (options or {}).get(policy)))
 
-    if jobs > 1 and len(tasks) > 1:
+    jobs = worker_count(jobs, len(tasks))
+    if jobs > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 

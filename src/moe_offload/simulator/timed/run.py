@@ -62,7 +62,7 @@ import numpy as np
 
 from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import HardwareProfile
-from moe_offload.policies import AccessContext, ModelSpec, policy_info
+from moe_offload.policies import AccessContext, ModelSpec, make_policy, policy_info
 from moe_offload.prefetch import Prefetcher, RoutingView, search_latency
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
 from moe_offload.simulator.split import SplitConfig, SplitExperts
@@ -118,7 +118,7 @@ class TimedRun:
         self.compute = hardware.compute
         info = policy_info(policy)
         self.offline = info.offline and not all_resident
-        make = lambda: info.policy(spec, seed=seed, **(policy_options or {}))  # noqa: E731
+        make = lambda: make_policy(policy, spec, seed=seed, options=policy_options)  # noqa: E731
 
         def cache(capacity):
             if info.partitioned:
