@@ -2,8 +2,11 @@
 
 ``fit(history)`` records the EAM of every sequence (request) of the history and builds the EAMC of
 ``capacity`` EAMs by K-means with the distance of equation (1) (moe_offload.prefetch.eam). During the run
-each sequence has its own current EAM, started empty when the sequence first appears and carried through
-all its iterations (Algorithm 1, step 2). After layer l is routed (steps 5-8):
+each sequence has its own current EAM, started empty when the sequence first appears, carried through
+all its iterations (Algorithm 1, step 2), and dropped when the driver reports that the request has run its
+last iteration (``on_request_end``), so memory is bounded by the running sequences. Rows of several
+requests in one iteration (a batch, a batch-recorded trace) each count in their own sequence's EAM. After
+layer l is routed (steps 5-8):
 
 * the sequence's EAM row l gains, for every expert, the number of the sequence's tokens routed to it;
 * PREFETCH (steps 15-28): the EAM of the EAMC nearest to the current EAM (equation 1, first one met on
@@ -70,6 +73,9 @@ class MoEInfinityPrefetcher(TimedSearch, Prefetcher):
     def current_eam(self, request: int) -> np.ndarray:
         """The EAM of sequence ``request`` so far (zeros before it is seen)."""
         return self._current.get(int(request), np.zeros((self.spec.num_layers, self.spec.num_experts), np.int64))
+
+    def on_request_end(self, request):
+        self._current.pop(int(request), None)
 
     def on_iteration_start(self, view):
         if len(self.eamc) == 0:

@@ -91,3 +91,9 @@ def write_oracle_general(sequence: AccessSequence, path, expert_bytes: int | Non
     records["next_access_vtime"] = np.where(sequence.next_use == NEVER, -1, sequence.next_use)
     records.tofile(path)
     return path
+
+
+def last_row_of_each_request(requests: np.ndarray) -> np.ndarray:
+    """The index of the last row (token) of each request in a trace's ``requests`` column, ascending."""
+    _, last_reversed = np.unique(requests[::-1], return_index=True)
+    return np.sort(requests.size - 1 - last_reversed)
