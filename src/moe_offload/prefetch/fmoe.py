@@ -46,7 +46,7 @@ import numpy as np
 from moe_offload.errors import ConfigError
 from moe_offload.prefetch._shared import RequestGroups, check_same_model, positive_int, proposals
 from moe_offload.prefetch.base import Prefetcher
-from moe_offload.prefetch.expert_map_store import ExpertMapStore
+from moe_offload.prefetch.expert_map_store import ExpertMapStore, IterationSearch
 from moe_offload.prefetch.requirements import check_trace_columns
 from moe_offload.prefetch.search_cost import TimedSearch
 
@@ -56,21 +56,30 @@ FIT_BATCH = 256        # entries per redundancy computation while filling the st
 FIT_CHUNK_ROWS = 1 << 15  # history rows converted to float32 at a time
 
 
+def ranked_sets(predicted: np.ndarray, scores, min_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """fMoE's similarity-aware prefetch sets of the predicted distributions ``predicted`` [B, J], searched with
+    similarity ``scores`` [B], as (experts by decreasing probability [B, J] (ties: lower id first), the size
+    of each set [B]): the fewest highest-probability experts whose summed probability reaches
+    delta = clip(1 - score, 0, 1), and at least ``min_experts``."""
+    predicted = np.asarray(predicted)
+    num_experts = predicted.shape[-1]
+    delta = np.minimum(np.maximum(1.0 - np.asarray(scores, dtype=np.float64).reshape(-1), 0.0), 1.0)
+    order = np.argsort(-predicted, axis=1, kind="stable")
+    cumulative = np.cumsum(np.take_along_axis(predicted, order, axis=1), axis=1, dtype=np.float64)
+    # The sums are non-decreasing: the set is the ranks whose sum is still below delta, plus the one reaching it.
+    count = np.minimum(np.maximum((cumulative < delta[:, None]).sum(axis=1) + 1, min_experts), num_experts)
+    return order, count
+
+
 def prefetch_sets(predicted: np.ndarray, scores, min_experts: int) -> np.ndarray:
-    """[..., J] mask of fMoE's similarity-aware prefetch set for each predicted distribution ``predicted``
-    [..., J] searched with similarity ``scores`` [...]: the fewest highest-probability experts whose summed
-    probability reaches delta = clip(1 - score, 0, 1) (ties: lower id first), and at least ``min_experts``."""
+    """[..., J] mask of the prefetch set (``ranked_sets``) of each predicted distribution ``predicted`` [..., J]
+    searched with similarity ``scores`` [...]."""
     predicted = np.asarray(predicted, dtype=np.float64)
     num_experts = predicted.shape[-1]
     rows = predicted.reshape(-1, num_experts)
-    delta = np.minimum(np.maximum(1.0 - np.asarray(scores, dtype=np.float64).reshape(-1), 0.0), 1.0)
-    every_row = np.arange(rows.shape[0])[:, None]
-    order = np.argsort(-rows, axis=1, kind="stable")
-    cumulative = np.cumsum(rows[every_row, order], axis=1)
-    # The sums are non-decreasing: the set is the ranks whose sum is still below delta, plus the one reaching it.
-    count = np.minimum(np.maximum((cumulative < delta[:, None]).sum(axis=1) + 1, min_experts), num_experts)
+    order, count = ranked_sets(rows, scores, min_experts)
     mask = np.empty(rows.shape, dtype=bool)
-    mask[every_row, order] = np.arange(num_experts) < count[:, None]
+    mask[np.arange(rows.shape[0])[:, None], order] = np.arange(num_experts) < count[:, None]
     return mask.reshape(predicted.shape)
 
 
@@ -83,16 +92,28 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
     search_on_inference_path = False
 
     def __init__(self, spec, capacity: int = DEFAULT_CAPACITY, distance: int = DEFAULT_DISTANCE,
-                 search_seconds: float | None = None):
+                 search_seconds: float | None = None, embedding_dims: int | None = None,
+                 candidates: int | None = None, map_dtype: str = "float32", seed: int = 0):
         super().__init__(spec)
         self.capacity = positive_int(self.name, "capacity", capacity)
         self.distance = positive_int(self.name, "distance", distance)
         self._set_search_seconds(search_seconds)
-        self.store = ExpertMapStore(spec.num_layers, spec.num_experts, self.capacity, self.distance)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ConfigError(f"{self.name}: seed must be an integer >= 0, not {seed!r}")
+        try:
+            self.store = ExpertMapStore(
+                spec.num_layers, spec.num_experts, self.capacity, self.distance,
+                embedding_dims=None if embedding_dims is None else positive_int(self.name, "embedding_dims",
+                                                                                embedding_dims),
+                candidates=None if candidates is None else positive_int(self.name, "candidates", candidates),
+                map_dtype=map_dtype, seed=seed)
+        except ConfigError as exc:
+            raise ConfigError(f"{self.name}: {exc}") from None
         self._groups: RequestGroups | None = None
-        self._trajectory = None
+        self._search: IterationSearch | None = None
+        self._observed: np.ndarray | None = None  # [B, L, J]: the iteration's distributions, as layers are routed
         # Per target layer of the current iteration, once searched: its prefetch set over the batch, as
-        # (experts, the highest p any request gives each); the priority p / (t - l_now) follows at proposal time.
+        # (keys, the highest p any request gives each); the priority p / (t - l_now) follows at proposal time.
         self._sets: list[tuple[np.ndarray, np.ndarray] | None] = [None] * spec.num_layers
         self._predicted: np.ndarray | None = None  # [L, J]
 
@@ -119,9 +140,9 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
             for first in range(0, maps.shape[0], FIT_BATCH):
                 self._add(maps[first:first + FIT_BATCH].reshape(-1, L, J), embeddings[first:first + FIT_BATCH])
 
-    def _add(self, maps, embeddings):
+    def _add(self, maps, embeddings, search=None):
         try:
-            self.store.add(maps, embeddings)
+            self.store.add(maps, embeddings, search)
         except ConfigError as exc:
             raise ConfigError(f"{self.name}: {exc}") from None
 
@@ -131,7 +152,7 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
         view.require(type(self))
         L = self.spec.num_layers
         self._groups = RequestGroups(view.requests)
-        self._trajectory = None
+        self._search = None
         self._sets = [None] * L
         if len(self.store) == 0:
             self._predicted = None
@@ -140,16 +161,15 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
         with self._timed_search():
             embeddings = self._groups.mean(view.embedding())
             try:
-                index, score = self.store.semantic_search(embeddings)
+                self._search = search = self.store.search(embeddings)
             except ConfigError as exc:
                 raise ConfigError(f"{self.name}: {view.source}: {exc}") from None
-            maps = self.store.maps(index)  # [B, L, J]
+            maps = self.store.maps(search.index)  # [B, L, J]
             # Every layer starts predicted by the semantic map; layers >= d are replaced by trajectory searches.
             self._predicted = maps.max(axis=0)
             for target in range(min(self.distance, L)):
-                self._set_target(target, maps[:, target], score)
-            if self.distance < L:
-                self._trajectory = self.store.trajectory(len(self._groups))
+                self._set_target(target, maps[:, target], search.score)
+            self._observed = np.empty((len(self._groups), L, self.spec.num_experts), dtype=np.float32)
             result = self._propose(-1)
         return result
 
@@ -161,7 +181,8 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
         with self._timed_search():
             target = now + self.distance
             if target < L:
-                index, score = self._trajectory.observe(now, self._groups.mean(view.probs(now)))
+                probs = self._observed[:, now] = self._groups.mean(view.probs(now))
+                index, score = self._search.observe(now, probs)
                 rows = self.store.layer(target, index)  # [B, J]
                 self._predicted[target] = rows.max(axis=0)
                 self._set_target(target, rows, score)
@@ -169,26 +190,40 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
         return result
 
     def on_iteration_end(self, view):
-        L = self.spec.num_layers
-        groups = RequestGroups(view.requests)
+        L, search = self.spec.num_layers, self._search
+        groups = self._groups if self._groups is not None else RequestGroups(view.requests)
         with self._timed_search():
-            maps = np.stack([groups.mean(view.probs(layer)) for layer in range(L)], axis=1)
-            self._add(maps, groups.mean(view.embedding()))
+            if search is None:
+                maps = np.stack([groups.mean(view.probs(layer)) for layer in range(L)], axis=1)
+                self._add(maps, groups.mean(view.embedding()))
+            else:  # the layers the trajectory search observed are in hand; the store reuses its scores
+                maps = self._observed
+                for layer in range(search.layers_observed, L):
+                    maps[:, layer] = groups.mean(view.probs(layer))
+                self._add(maps, search.embeddings, search)
+        self._search = self._observed = None
 
     def _set_target(self, target: int, rows: np.ndarray, scores: np.ndarray) -> None:
         """Record the batch's prefetch set for ``target`` from its searched distributions ``rows`` [B, J]."""
-        chosen = prefetch_sets(rows, scores, self.spec.top_k)
-        wanted = np.where(chosen, rows, -1.0).max(axis=0)
-        experts = np.flatnonzero(wanted >= 0)
-        self._sets[target] = (experts, wanted[experts].astype(np.float64))
+        J = self.spec.num_experts
+        order, count = ranked_sets(rows, scores, self.spec.top_k)
+        if rows.shape[0] == 1:
+            experts = np.sort(order[0, :count[0]])
+            wanted = rows[0, experts]
+        else:  # an expert in several requests' sets is wanted with the highest p any of them gives it
+            chosen = np.empty(rows.shape, dtype=bool)
+            chosen[np.arange(rows.shape[0])[:, None], order] = np.arange(J) < count[:, None]
+            wanted = np.where(chosen, rows, -1.0).max(axis=0)
+            experts = np.flatnonzero(wanted >= 0)
+            wanted = wanted[experts]
+        self._sets[target] = (target * J + experts, wanted.astype(np.float64))
 
     def _propose(self, now: int):
         """The prefetch sets of the targets now + 1 .. now + d with priority p / (t - now)."""
-        J = self.spec.num_experts
         keys, priorities = [], []
         for target in range(now + 1, min(now + self.distance, self.spec.num_layers - 1) + 1):
-            experts, wanted = self._sets[target]
-            keys.append(target * J + experts)
+            target_keys, wanted = self._sets[target]
+            keys.append(target_keys)
             priorities.append(wanted / (target - now))
         return proposals(np.concatenate(keys), np.concatenate(priorities), distinct=True)  # one layer per target
 

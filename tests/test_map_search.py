@@ -1,0 +1,98 @@
+"""fMoE's Expert Map Store as rewritten for speed: its exhaustive mode proposes exactly what the previous
+implementation proposed (tests/fmoe_reference.py) on the bundled recordings of the tiny model, one
+request at a time and batched; the compact and pruned modes search what they say they search."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+from fmoe_reference import ReferenceFMoE
+
+from moe_offload.bundled import TINY_HISTORY_TRACE
+from moe_offload.policies.base import ModelSpec
+from moe_offload.prefetch.base import RoutingView
+from moe_offload.prefetch.fmoe import FMoEPrefetcher
+from moe_offload.trace import read_trace
+from moe_offload.trace.format import PREFILL, Trace
+
+CAPACITY = 300  # below the history's entries, so that every insert deduplicates
+
+
+@pytest.fixture(scope="module")
+def history():
+    """The first 16 requests of tiny-history: about 1,000 entries for a store of CAPACITY."""
+    trace = read_trace(TINY_HISTORY_TRACE)
+    return trace.select(trace.request < np.unique(trace.request)[16])
+
+
+@pytest.fixture(scope="module")
+def fitted(history):
+    """fMoE (exhaustive, the default) and the reference, each filled from ``history``."""
+    spec = spec_of(history)
+    fast, reference = FMoEPrefetcher(spec, capacity=CAPACITY), ReferenceFMoE(spec, capacity=CAPACITY)
+    fast.fit(history)
+    reference.fit(history)
+    return fast, reference
+
+
+def spec_of(trace: Trace) -> ModelSpec:
+    return ModelSpec(trace.meta.num_layers, trace.meta.num_experts, trace.meta.top_k)
+
+
+def batched(trace: Trace, requests) -> Trace:
+    """``requests`` of ``trace`` served together: iteration s runs step s of each (its prefill first, then one
+    decode token each), as a batch-recorded trace has them."""
+    rows, iteration = [], []
+    for request in requests:
+        own = np.flatnonzero(trace.request == request)
+        prefill = own[trace.phase[own] == PREFILL]
+        steps = [prefill] + [own[[i]] for i in range(prefill.size, own.size)]
+        for step, step_rows in enumerate(steps):
+            rows.extend(step_rows.tolist())
+            iteration.extend([step] * step_rows.size)
+    order = np.argsort(np.asarray(iteration), kind="stable")
+    rows, iteration = np.asarray(rows)[order], np.asarray(iteration)[order]
+    return dataclasses.replace(trace.select(rows), iteration=iteration.astype(np.int32))
+
+
+def run_hooks(prefetcher, trace: Trace, iterations: int):
+    """Per iteration: the proposals of every hook and the predicted map after each."""
+    L = trace.meta.num_layers
+    out = []
+    for iteration in np.unique(trace.iteration)[:iterations]:
+        view = RoutingView(trace, int(iteration), np.flatnonzero(trace.iteration == iteration))
+        hooks = [(prefetcher.on_iteration_start(view), copy_or_none(prefetcher.predicted_map()))]
+        for layer in range(L):
+            view.layer_now = layer
+            hooks.append((prefetcher.on_layer_routed(view), copy_or_none(prefetcher.predicted_map())))
+        prefetcher.on_iteration_end(view)
+        out.append(hooks)
+    return out
+
+
+def copy_or_none(array):
+    return None if array is None else np.array(array)
+
+
+def assert_same_run(got, expected):
+    assert len(got) == len(expected)
+    for iteration, (hooks, reference) in enumerate(zip(got, expected)):
+        for hook, ((proposals, predicted), (ref_proposals, ref_predicted)) in enumerate(zip(hooks, reference)):
+            where = f"iteration {iteration}, hook {hook}"
+            assert proposals == ref_proposals, where
+            assert (predicted is None) == (ref_predicted is None), where
+            if predicted is not None:
+                assert np.array_equal(predicted, ref_predicted), where
+
+
+@pytest.mark.parametrize("batch", [1, 4], ids=["one-request", "batched"])
+def test_exhaustive_search_proposes_exactly_what_the_previous_implementation_did(tiny_trace, fitted, batch):
+    run = tiny_trace if batch == 1 else batched(tiny_trace, np.unique(tiny_trace.request)[:batch])
+    fast, reference = copy.deepcopy(fitted)
+    assert len(fast.store) == CAPACITY
+    np.testing.assert_array_equal(fast.store.maps(np.arange(CAPACITY)), reference.store.maps(np.arange(CAPACITY)))
+    assert_same_run(run_hooks(fast, run, 120), run_hooks(reference, run, 120))
+    np.testing.assert_array_equal(fast.store.maps(np.arange(CAPACITY)), reference.store.maps(np.arange(CAPACITY)))
