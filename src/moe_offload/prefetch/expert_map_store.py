@@ -64,6 +64,12 @@ def _unit(vectors: np.ndarray) -> np.ndarray:
 def best_entries(scores: np.ndarray, stamps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per row of ``scores`` [B, n]: (column of the highest score, that score), ties within TIE_TOLERANCE
     going to the highest ``stamps`` (broadcast to [B, n]: the most recently stored entry)."""
+    if scores.shape[0] == 1:  # one request: the same, without the per-row bookkeeping
+        row = scores[0]
+        first = row.argmax()
+        best = row[first]
+        if np.count_nonzero(row >= best - TIE_TOLERANCE) == 1:
+            return first.reshape(1), best.reshape(1)
     rows = np.arange(scores.shape[0])
     first = scores.argmax(axis=1)
     best = scores[rows, first]
@@ -268,6 +274,7 @@ class IterationSearch:
             self._dots = np.zeros(self.candidates.shape, dtype=np.float32)
         else:
             self._dots = np.zeros((batch, size), dtype=np.float32)
+        self._scores = np.empty_like(self._dots)  # each step's cosines, computed in place
 
     def observe(self, layer: int, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Add layer ``layer``'s distributions ``probs`` [B, J]: (best entry [B], its score [B])."""
@@ -278,15 +285,18 @@ class IterationSearch:
         probs = np.asarray(probs, dtype=np.float32)
         self._observed.append(probs)
         self.layers_observed += 1
-        self._query_sq += (probs ** 2).sum(axis=1)
+        self._query_sq += (probs * probs).sum(axis=1)
         query_norm = np.sqrt(self._query_sq)[:, None]
         if self.candidates is None:
-            self._dots += probs @ store._block(layer).T
-            norms = query_norm * store._prefix_norm[layer, :store.size][None, :]
-            return best_entries(self._dots / np.maximum(norms, _TINY), store._stamp[:store.size])
-        self._dots += np.matmul(self._maps[layer], probs[:, :, None])[:, :, 0]
-        norms = query_norm * self._norms[layer]
-        best, score = best_entries(self._dots / np.maximum(norms, _TINY), self._stamps)
+            self._dots += probs @ store._maps[layer, :store.size].T
+            scores = np.multiply(query_norm, store._prefix_norm[layer, :store.size], out=self._scores)
+        else:
+            self._dots += np.matmul(self._maps[layer], probs[:, :, None])[:, :, 0]
+            scores = np.multiply(query_norm, self._norms[layer], out=self._scores)
+        np.divide(self._dots, np.maximum(scores, _TINY, out=scores), out=scores)
+        if self.candidates is None:
+            return best_entries(scores, store._stamp[:store.size])
+        best, score = best_entries(scores, self._stamps)
         return self.candidates[np.arange(best.size), best], score
 
     def describes(self, maps: np.ndarray, embeddings: np.ndarray) -> bool:

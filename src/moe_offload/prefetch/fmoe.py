@@ -44,8 +44,8 @@ from __future__ import annotations
 import numpy as np
 
 from moe_offload.errors import ConfigError
-from moe_offload.prefetch._shared import RequestGroups, check_same_model, positive_int, proposals
-from moe_offload.prefetch.base import Prefetcher
+from moe_offload.prefetch._shared import RequestGroups, check_same_model, positive_int
+from moe_offload.prefetch.base import Prefetcher, Proposal
 from moe_offload.prefetch.expert_map_store import ExpertMapStore, IterationSearch
 from moe_offload.prefetch.requirements import check_trace_columns
 from moe_offload.prefetch.search_cost import TimedSearch
@@ -56,30 +56,28 @@ FIT_BATCH = 256        # entries per redundancy computation while filling the st
 FIT_CHUNK_ROWS = 1 << 15  # history rows converted to float32 at a time
 
 
-def ranked_sets(predicted: np.ndarray, scores, min_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    """fMoE's similarity-aware prefetch sets of the predicted distributions ``predicted`` [B, J], searched with
-    similarity ``scores`` [B], as (experts by decreasing probability [B, J] (ties: lower id first), the size
-    of each set [B]): the fewest highest-probability experts whose summed probability reaches
-    delta = clip(1 - score, 0, 1), and at least ``min_experts``."""
-    predicted = np.asarray(predicted)
-    num_experts = predicted.shape[-1]
-    delta = np.minimum(np.maximum(1.0 - np.asarray(scores, dtype=np.float64).reshape(-1), 0.0), 1.0)
-    order = np.argsort(-predicted, axis=1, kind="stable")
-    cumulative = np.cumsum(np.take_along_axis(predicted, order, axis=1), axis=1, dtype=np.float64)
+def prefetch_set(predicted: np.ndarray, score: float, min_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """fMoE's similarity-aware prefetch set of the predicted distribution ``predicted`` [J] searched with
+    similarity ``score``: the fewest highest-probability experts whose summed probability reaches
+    delta = clip(1 - score, 0, 1), and at least ``min_experts``; as (those experts by decreasing probability,
+    ties lower id first; their probabilities)."""
+    delta = min(max(1.0 - float(score), 0.0), 1.0)
+    order = (-predicted).argsort(kind="stable")
+    ranked = predicted[order]
     # The sums are non-decreasing: the set is the ranks whose sum is still below delta, plus the one reaching it.
-    count = np.minimum(np.maximum((cumulative < delta[:, None]).sum(axis=1) + 1, min_experts), num_experts)
-    return order, count
+    below = int(ranked.astype(np.float64).cumsum().searchsorted(delta))
+    count = min(max(below + 1, min_experts), predicted.shape[0])
+    return order[:count], ranked[:count]
 
 
 def prefetch_sets(predicted: np.ndarray, scores, min_experts: int) -> np.ndarray:
-    """[..., J] mask of the prefetch set (``ranked_sets``) of each predicted distribution ``predicted`` [..., J]
-    searched with similarity ``scores`` [...]."""
+    """[..., J] mask of the prefetch set (``prefetch_set``) of each predicted distribution ``predicted``
+    [..., J] searched with similarity ``scores`` [...]."""
     predicted = np.asarray(predicted, dtype=np.float64)
-    num_experts = predicted.shape[-1]
-    rows = predicted.reshape(-1, num_experts)
-    order, count = ranked_sets(rows, scores, min_experts)
-    mask = np.empty(rows.shape, dtype=bool)
-    mask[np.arange(rows.shape[0])[:, None], order] = np.arange(num_experts) < count[:, None]
+    rows = predicted.reshape(-1, predicted.shape[-1])
+    mask = np.zeros(rows.shape, dtype=bool)
+    for row, score, chosen in zip(rows, np.asarray(scores).reshape(-1), mask):
+        chosen[prefetch_set(row, score, min_experts)[0]] = True
     return mask.reshape(predicted.shape)
 
 
@@ -204,28 +202,33 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
         self._search = self._observed = None
 
     def _set_target(self, target: int, rows: np.ndarray, scores: np.ndarray) -> None:
-        """Record the batch's prefetch set for ``target`` from its searched distributions ``rows`` [B, J]."""
-        J = self.spec.num_experts
-        order, count = ranked_sets(rows, scores, self.spec.top_k)
+        """Record the batch's prefetch set for ``target`` from its searched distributions ``rows`` [B, J]: keys
+        and p (the highest any request gives the expert), as lists by decreasing p (ties: lower key first)."""
+        offset = target * self.spec.num_experts
         if rows.shape[0] == 1:
-            experts = np.sort(order[0, :count[0]])
-            wanted = rows[0, experts]
-        else:  # an expert in several requests' sets is wanted with the highest p any of them gives it
-            chosen = np.empty(rows.shape, dtype=bool)
-            chosen[np.arange(rows.shape[0])[:, None], order] = np.arange(J) < count[:, None]
-            wanted = np.where(chosen, rows, -1.0).max(axis=0)
-            experts = np.flatnonzero(wanted >= 0)
-            wanted = wanted[experts]
-        self._sets[target] = (target * J + experts, wanted.astype(np.float64))
+            experts, wanted = prefetch_set(rows[0], scores[0], self.spec.top_k)
+            self._sets[target] = ((experts + offset).tolist(), wanted.tolist())
+            return
+        union: dict[int, float] = {}  # an expert in several requests' sets: the highest p any of them gives it
+        for row, score in zip(rows, scores):
+            experts, wanted = prefetch_set(row, score, self.spec.top_k)
+            for key, p in zip((experts + offset).tolist(), wanted.tolist()):
+                if p > union.get(key, -1.0):
+                    union[key] = p
+        ranked = sorted(union.items(), key=lambda item: (-item[1], item[0]))
+        self._sets[target] = ([key for key, _ in ranked], [p for _, p in ranked])
 
     def _propose(self, now: int):
-        """The prefetch sets of the targets now + 1 .. now + d with priority p / (t - now)."""
-        keys, priorities = [], []
+        """The prefetch sets of the targets now + 1 .. now + d with priority p / (t - now), highest first (ties:
+        lower key first; no key twice: each target is one layer)."""
+        ranked = []
         for target in range(now + 1, min(now + self.distance, self.spec.num_layers - 1) + 1):
-            target_keys, wanted = self._sets[target]
-            keys.append(target_keys)
-            priorities.append(wanted / (target - now))
-        return proposals(np.concatenate(keys), np.concatenate(priorities), distinct=True)  # one layer per target
+            keys, wanted = self._sets[target]
+            ahead = target - now
+            ranked += [(-p / ahead, key) for p, key in zip(wanted, keys)]
+        ranked.sort()
+        make = tuple.__new__  # Proposal(key, priority) without the NamedTuple constructor's Python-level checks
+        return [make(Proposal, (key, -negative)) for negative, key in ranked]
 
     def predicted_map(self):
         return self._predicted
