@@ -14,6 +14,7 @@ from fmoe_reference import ReferenceFMoE
 from moe_offload.bundled import TINY_HISTORY_TRACE
 from moe_offload.policies.base import ModelSpec
 from moe_offload.prefetch.base import RoutingView
+from moe_offload.prefetch.eam import EAMCollection, sequence_eams
 from moe_offload.prefetch.fmoe import FMoEPrefetcher
 from moe_offload.trace import read_trace
 from moe_offload.trace.format import PREFILL, Trace
@@ -96,3 +97,37 @@ def test_exhaustive_search_proposes_exactly_what_the_previous_implementation_did
     np.testing.assert_array_equal(fast.store.maps(np.arange(CAPACITY)), reference.store.maps(np.arange(CAPACITY)))
     assert_same_run(run_hooks(fast, run, 120), run_hooks(reference, run, 120))
     np.testing.assert_array_equal(fast.store.maps(np.arange(CAPACITY)), reference.store.maps(np.arange(CAPACITY)))
+
+
+def reference_nearest(eams, current):
+    """MoE-Infinity's nearest-EAM search as it was before (np.linalg.norm, q @ units.T)."""
+    def unit_rows(x):
+        x = np.asarray(x, dtype=np.float32)
+        norms = np.linalg.norm(x, axis=-1, keepdims=True)
+        return np.divide(x, norms, out=np.zeros_like(x), where=norms > 0)
+    units = unit_rows(eams).reshape(eams.shape[0], -1)
+    distance = 1.0 - (unit_rows(current).reshape(current.shape[0], -1) @ units.T) / eams.shape[1]
+    index = distance.argmin(axis=1)
+    return index, distance[np.arange(index.size), index]
+
+
+def test_eamc_search_returns_exactly_what_it_returned_before(history, tiny_trace):
+    """Every prefix (after each iteration and layer) of the tiny trace's sequences, searched in an EAMC of
+    tiny-history's sequences: the same EAM at the same distance, bit for bit."""
+    _, eams = sequence_eams(history)
+    eamc = EAMCollection(eams)
+    L = tiny_trace.meta.num_layers
+    queries = []
+    for request in np.unique(tiny_trace.request)[:6]:
+        counts = np.zeros((L, tiny_trace.meta.num_experts), dtype=np.int64)
+        for row in np.flatnonzero(tiny_trace.request == request)[:60]:
+            for layer in range(L):
+                np.add.at(counts[layer], tiny_trace.experts[row, layer], 1)
+                queries.append(counts.copy())
+    queries = np.asarray(queries)
+    for batch in (1, 5):
+        for first in range(0, len(queries) - batch, 7):
+            got = eamc.nearest(queries[first:first + batch])
+            expected = reference_nearest(eams, queries[first:first + batch])
+            np.testing.assert_array_equal(got[0], expected[0])
+            np.testing.assert_array_equal(got[1], expected[1])
