@@ -26,7 +26,9 @@ trajectory and deduplication over the --candidates best semantic entries):
 * the floor, and the CPU time per token over it; per token as a fraction of a 20 ms offloaded TPOT.
 
 MoE-Infinity: one nearest-EAM search in an EAMC of 300 EAMs (paper 002's 21 us measurement) and of each
-size, mean and p99, per token (L - 1 searches, Algorithm 1 searches after every layer but the last).
+size, mean and p99, per token (L - 1 searches, Algorithm 1 searches after every layer but the last); and the
+incremental search (``search="incremental"``: the routed layer's cosines recomputed, the L layers' added),
+per token L steps.
 
 Every number comes from this one run, on this machine, with one BLAS thread (OPENBLAS_NUM_THREADS, when set,
 decides instead).
@@ -120,16 +122,23 @@ def bench_fmoe(rng, L, J, K, D, capacity, tokens, distance, batch, options):
 
 
 def bench_eamc(rng, L, J, size, searches):
-    """(wall seconds of each search, mean CPU seconds per search over all of them)."""
+    """(wall seconds of each exhaustive search, mean CPU seconds per exhaustive search, the same two for the
+    incremental search: one layer's cosines recomputed, the L layers' summed)."""
     eamc = EAMCollection(rng.integers(0, 50, size=(size, L, J), dtype=np.int32))
     current = rng.integers(0, 50, size=(searches, 1, L, J), dtype=np.int32)
-    times = []
-    cpu = time.thread_time()
-    for query in current:
-        begin = time.perf_counter()
-        eamc.nearest(query)
-        times.append(time.perf_counter() - begin)
-    return np.asarray(times), (time.thread_time() - cpu) / searches
+    by_layer = np.stack([eamc.layer_similarities(layer, current[0, :, layer]) for layer in range(L)], axis=1)
+    out = []
+    for search in (lambda i, query: eamc.nearest(query),
+                   lambda i, query: (eamc.layer_similarities(i % L, query[:, i % L]),
+                                     eamc.nearest_from_layers(by_layer))):
+        times = []
+        cpu = time.thread_time()
+        for i, query in enumerate(current):
+            begin = time.perf_counter()
+            search(i, query)
+            times.append(time.perf_counter() - begin)
+        out += [np.asarray(times), (time.thread_time() - cpu) / searches]
+    return out
 
 
 def main() -> None:
@@ -159,7 +168,7 @@ def main() -> None:
     eamc = Table(title="MoE-Infinity nearest-EAM search, B = 1 sequence: wall us as mean / p99, CPU us as mean; "
                        "per token = L - 1 searches; floor = the EAMC's float32 bytes / bandwidth")
     for column in ("model", "EAMs", "wall", "CPU", f"CPU / paper's {MOE_INFINITY_REFERENCE[1] * 1e6:.0f} us",
-                   "floor", "per token (CPU)", "per token / 20 ms"):
+                   "floor", "per token (CPU)", "per token / 20 ms", "incremental: wall", "CPU", "per token / 20 ms"):
         eamc.add_column(column, justify="right")
 
     for label, L, J, K, D in MODELS:
@@ -175,11 +184,12 @@ def main() -> None:
                              f"{np.median(batch_cpu) / floor:.2f}x")
                 gc.collect()
         for size in sorted({MOE_INFINITY_REFERENCE[0], *sizes}):
-            wall, cpu = bench_eamc(rng, L, J, size, 500)
+            wall, cpu, step_wall, step_cpu = bench_eamc(rng, L, J, size, 500)
             per_token = cpu * (L - 1)
             eamc.add_row(label, f"{size:,}", f"{us(wall.mean())} / {us(np.percentile(wall, 99))}", us(cpu),
                          f"{cpu / MOE_INFINITY_REFERENCE[1]:.2f}x", us(size * L * J * 4 / bandwidth), us(per_token),
-                         f"{per_token / TPOT:.3f}")
+                         f"{per_token / TPOT:.3f}", f"{us(step_wall.mean())} / {us(np.percentile(step_wall, 99))}",
+                         us(step_cpu), f"{step_cpu * L / TPOT:.3f}")
     console.print(fmoe)
     console.print(eamc)
 

@@ -12,10 +12,12 @@ import pytest
 from fmoe_reference import ReferenceFMoE
 
 from moe_offload.bundled import TINY_HISTORY_TRACE
+from moe_offload.errors import ConfigError
 from moe_offload.policies.base import ModelSpec
 from moe_offload.prefetch.base import RoutingView
 from moe_offload.prefetch.eam import EAMCollection, sequence_eams
 from moe_offload.prefetch.fmoe import FMoEPrefetcher
+from moe_offload.prefetch.moe_infinity import MoEInfinityPrefetcher
 from moe_offload.trace import read_trace
 from moe_offload.trace.format import PREFILL, Trace
 
@@ -131,3 +133,28 @@ def test_eamc_search_returns_exactly_what_it_returned_before(history, tiny_trace
             expected = reference_nearest(eams, queries[first:first + batch])
             np.testing.assert_array_equal(got[0], expected[0])
             np.testing.assert_array_equal(got[1], expected[1])
+
+
+def test_incremental_eam_search_equals_the_exhaustive_one(history, tiny_trace):
+    """Per-layer cosines kept per sequence give the exhaustive search's distances (to float32 rounding), and on
+    the tiny traces, batched, the same proposals at every layer."""
+    _, eams = sequence_eams(history)
+    eamc = EAMCollection(eams)
+    rng = np.random.default_rng(3)
+    current = rng.integers(0, 4, size=(20, *eams.shape[1:]))
+    current[:, 5:] = 0  # layers not reached yet
+    by_layer = np.stack([eamc.layer_similarities(layer, current[:, layer]) for layer in range(eams.shape[1])], axis=1)
+    index, distance = eamc.nearest_from_layers(by_layer)
+    exact_index, exact_distance = eamc.nearest(current)
+    np.testing.assert_allclose(distance, exact_distance, atol=1e-6)
+    np.testing.assert_array_equal(index, exact_index)
+    run = batched(tiny_trace, np.unique(tiny_trace.request)[:3])
+    spec = spec_of(run)
+    exhaustive, incremental = (MoEInfinityPrefetcher(spec, search=search) for search in ("exhaustive", "incremental"))
+    exhaustive.fit(history)
+    incremental.fit(history)
+    got, expected = run_hooks(incremental, run, 40), run_hooks(exhaustive, run, 40)
+    assert [[proposals for proposals, _ in hooks] for hooks in got] == \
+        [[proposals for proposals, _ in hooks] for hooks in expected]
+    with pytest.raises(ConfigError, match="search must be one of exhaustive, incremental"):
+        MoEInfinityPrefetcher(spec, search="fast")
