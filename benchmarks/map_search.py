@@ -98,10 +98,7 @@ def bench_fmoe(rng, L, J, K, D, capacity, tokens, distance, batch, options):
                         embedding=rng.normal(size=(rows, D)), request=np.r_[np.zeros(tokens), 1 + np.arange(
                             tokens * batch) % batch], iteration=np.r_[np.arange(tokens), tokens + np.arange(
                                 tokens * batch) // batch])
-    store = prefetcher.store
-    embeddings = store._embeddings[:store.size]
-    streamed = embeddings.nbytes + (store._maps[:, :store.size].nbytes if options.get("candidates") is None else
-                                    store._maps.itemsize * L * J * options["candidates"])
+    streamed = prefetcher.store.bytes_searched()
 
     def iteration(rows_of_iteration):
         view = RoutingView(trace, int(trace.iteration[rows_of_iteration[0]]), rows_of_iteration)

@@ -16,6 +16,7 @@ from moe_offload.errors import ConfigError
 from moe_offload.policies.base import ModelSpec
 from moe_offload.prefetch.base import RoutingView
 from moe_offload.prefetch.eam import EAMCollection, sequence_eams
+from moe_offload.prefetch.expert_map_store import ExpertMapStore
 from moe_offload.prefetch.fmoe import FMoEPrefetcher
 from moe_offload.prefetch.moe_infinity import MoEInfinityPrefetcher
 from moe_offload.trace import read_trace
@@ -158,3 +159,59 @@ def test_incremental_eam_search_equals_the_exhaustive_one(history, tiny_trace):
         [[proposals for proposals, _ in hooks] for hooks in expected]
     with pytest.raises(ConfigError, match="search must be one of exhaustive, incremental"):
         MoEInfinityPrefetcher(spec, search="fast")
+
+
+def small_store(**options):
+    rng = np.random.default_rng(7)
+    L, J, C, D = 4, 6, 40, 16
+    store = ExpertMapStore(L, J, capacity=C, distance=1, **options)
+    maps = rng.dirichlet(np.ones(J), size=(C, L)).astype(np.float32)
+    embeddings = rng.normal(size=(C, D)).astype(np.float32)
+    store.add(maps, embeddings)
+    return store, maps, embeddings, rng
+
+
+def cosines(matrix, vector):
+    return matrix @ vector / (np.linalg.norm(matrix, axis=1) * np.linalg.norm(vector))
+
+
+def test_pruned_search_ranks_only_the_best_semantic_candidates():
+    store, maps, embeddings, rng = small_store(candidates=5)
+    query = rng.normal(size=(2, embeddings.shape[1])).astype(np.float32)
+    observed = rng.dirichlet(np.ones(maps.shape[2]), size=(2, maps.shape[1])).astype(np.float32)
+    search = store.search(query)
+    for b in range(2):
+        semantic = cosines(embeddings, query[b])
+        assert sorted(search.candidates[b].tolist()) == sorted(np.argsort(-semantic)[:5].tolist())
+        assert search.index[b] == int(np.argmax(semantic))  # the semantic search itself still sees every entry
+    for layer in range(maps.shape[1]):
+        index, score = search.observe(layer, observed[:, layer])
+        for b in range(2):
+            among = search.candidates[b]
+            trajectory = cosines(maps[among, :layer + 1].reshape(5, -1), observed[b, :layer + 1].reshape(-1))
+            assert index[b] == among[int(np.argmax(trajectory))]
+            assert score[b] == pytest.approx(trajectory.max(), abs=1e-6)
+    # the insert replaces, for each new entry, its most redundant candidate (RDY over the whole map)
+    search.maps[:] = observed
+    rdy = [0.25 * cosines(embeddings[search.candidates[b]], query[b])
+           + 0.75 * cosines(maps[search.candidates[b]].reshape(5, -1), observed[b].reshape(-1)) for b in range(2)]
+    first = search.candidates[0][int(np.argmax(rdy[0]))]
+    second = search.candidates[1][[i for i in np.argsort(-rdy[1]) if search.candidates[1][i] != first][0]]
+    store.add(search.maps, query, search)
+    np.testing.assert_allclose(store.maps([first, second]), observed, rtol=1e-6)
+
+
+def test_projected_embeddings_and_half_precision_maps():
+    store, maps, embeddings, rng = small_store(embedding_dims=4, candidates=8, map_dtype="float16", seed=3)
+    projection = np.random.default_rng(3).standard_normal((embeddings.shape[1], 4), dtype=np.float32)
+    query = rng.normal(size=(1, embeddings.shape[1])).astype(np.float32)
+    np.testing.assert_allclose(store.semantic_scores(query)[0], cosines(embeddings @ projection, query[0] @ projection),
+                               atol=1e-6)
+    assert store._maps.dtype == np.float16 and store.bytes_searched() == 40 * 4 * 4 + 8 * 4 * 6 * 2
+    np.testing.assert_allclose(store.maps(np.arange(40)), maps, atol=1e-3)
+    with pytest.raises(ConfigError, match="map_dtype=float16 needs candidates=M"):
+        ExpertMapStore(4, 6, capacity=10, distance=1, map_dtype="float16")
+    with pytest.raises(ConfigError, match="embedding_dims=16 does not reduce embeddings of size 16"):
+        small_store(embedding_dims=16)
+    with pytest.raises(ConfigError, match="fmoe: candidates must be a positive integer"):
+        FMoEPrefetcher(ModelSpec(4, 6, 1), candidates=0)

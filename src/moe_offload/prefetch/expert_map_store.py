@@ -106,10 +106,12 @@ class ExpertMapStore:
     def __len__(self) -> int:
         return self.size
 
-    @property
-    def nbytes(self) -> int:
-        """The bytes an exhaustive iteration streams: every stored map and embedding."""
-        return int(self._maps[:, :self.size].nbytes + self._embeddings[:self.size].nbytes)
+    def bytes_searched(self, batch: int = 1) -> int:
+        """The bytes one iteration's searches for ``batch`` requests must read: every stored embedding, and
+        every stored map (exhaustive) or each request's candidates' maps (pruned)."""
+        maps = (self._maps[:, :self.size].nbytes if self.candidates is None or self.candidates >= self.size
+                else batch * self.candidates * self.num_layers * self.num_experts * self._maps.itemsize)
+        return int(self._embeddings[:self.size].nbytes + maps)
 
     # ------------------------------------------------------------------------------------------ reading
 
@@ -262,7 +264,9 @@ class IterationSearch:
         batch, size = self.semantic.shape
         self.index, self.score = best_entries(self.semantic, store._stamp[:size])
         self.layers_observed = 0
-        self._observed: list[np.ndarray] = []
+        # the searched iteration's maps: layers 0 .. layers_observed - 1 as observed, the rest for the caller to
+        # fill before ``add`` (which then reuses this search's scores)
+        self.maps = np.zeros((batch, store.num_layers, store.num_experts), dtype=np.float32)
         self._query_sq = np.zeros(batch, dtype=np.float32)
         self.candidates: np.ndarray | None = None
         if store.candidates is not None and store.candidates < size:
@@ -283,7 +287,7 @@ class IterationSearch:
                              f"got {layer}")
         store = self.store
         probs = np.asarray(probs, dtype=np.float32)
-        self._observed.append(probs)
+        self.maps[:, layer] = probs
         self.layers_observed += 1
         self._query_sq += (probs * probs).sum(axis=1)
         query_norm = np.sqrt(self._query_sq)[:, None]
@@ -302,9 +306,10 @@ class IterationSearch:
     def describes(self, maps: np.ndarray, embeddings: np.ndarray) -> bool:
         """Whether ``maps`` and ``embeddings`` are the entries this search searched for, in a store that has not
         changed since: then ``redundancy`` can reuse its scores."""
+        observed = self.layers_observed
         return (self.version == self.store.version and embeddings.shape == self.embeddings.shape
-                and np.array_equal(embeddings, self.embeddings)
-                and all(np.array_equal(maps[:, layer], probs) for layer, probs in enumerate(self._observed)))
+                and (embeddings is self.embeddings or np.array_equal(embeddings, self.embeddings))
+                and (maps is self.maps or np.array_equal(maps[:, :observed], self.maps[:, :observed])))
 
     def redundancy(self, maps: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """(RDY of the searched entries, whose full maps are ``maps`` [B, L, J], against the stored ones; the

@@ -23,7 +23,14 @@ search for that layer has run.
 The store (moe_offload.prefetch.expert_map_store) is filled by ``fit(history)`` with one entry per
 (iteration, request) of the history, added in batches of up to FIT_BATCH entries, and then, as each
 iteration of the run ends, with that iteration's entries; at capacity the redundancy score decides which
-stored entry each new one replaces. An empty store (no history yet) proposes nothing.
+stored entry each new one replaces, reusing the scores the iteration's searches computed (the store reads
+each of its bytes once per iteration). An empty store (no history yet) proposes nothing.
+
+Options of the store (all off by default; expert_map_store says what each costs and saves):
+``embedding_dims=N`` keeps a fixed random projection of the embeddings, ``candidates=M`` runs the
+trajectory search and the deduplication over each request's M best semantic entries only, and
+``map_dtype="float16"`` (with ``candidates``) halves the maps' memory; ``seed`` seeds the projection.
+benchmarks/map_search.py measures their speed, the README their effect on hit rates and precision.
 
 The trace's embedding is that of the request, so from its second iteration on a request finds its own
 earlier iterations with semantic score 1 (the most recent one wins the tie): delta = 0, and layers
@@ -109,7 +116,6 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
             raise ConfigError(f"{self.name}: {exc}") from None
         self._groups: RequestGroups | None = None
         self._search: IterationSearch | None = None
-        self._observed: np.ndarray | None = None  # [B, L, J]: the iteration's distributions, as layers are routed
         # Per target layer of the current iteration, once searched: its prefetch set over the batch, as
         # (keys, the highest p any request gives each); the priority p / (t - l_now) follows at proposal time.
         self._sets: list[tuple[np.ndarray, np.ndarray] | None] = [None] * spec.num_layers
@@ -167,7 +173,6 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
             self._predicted = maps.max(axis=0)
             for target in range(min(self.distance, L)):
                 self._set_target(target, maps[:, target], search.score)
-            self._observed = np.empty((len(self._groups), L, self.spec.num_experts), dtype=np.float32)
             result = self._propose(-1)
         return result
 
@@ -179,8 +184,7 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
         with self._timed_search():
             target = now + self.distance
             if target < L:
-                probs = self._observed[:, now] = self._groups.mean(view.probs(now))
-                index, score = self._search.observe(now, probs)
+                index, score = self._search.observe(now, self._groups.mean(view.probs(now)))
                 rows = self.store.layer(target, index)  # [B, J]
                 self._predicted[target] = rows.max(axis=0)
                 self._set_target(target, rows, score)
@@ -195,11 +199,10 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
                 maps = np.stack([groups.mean(view.probs(layer)) for layer in range(L)], axis=1)
                 self._add(maps, groups.mean(view.embedding()))
             else:  # the layers the trajectory search observed are in hand; the store reuses its scores
-                maps = self._observed
                 for layer in range(search.layers_observed, L):
-                    maps[:, layer] = groups.mean(view.probs(layer))
-                self._add(maps, search.embeddings, search)
-        self._search = self._observed = None
+                    search.maps[:, layer] = groups.mean(view.probs(layer))
+                self._add(search.maps, search.embeddings, search)
+        self._search = None
 
     def _set_target(self, target: int, rows: np.ndarray, scores: np.ndarray) -> None:
         """Record the batch's prefetch set for ``target`` from its searched distributions ``rows`` [B, J]: keys
