@@ -56,7 +56,7 @@ class SequenceEAMs:
         self.running = [[0] * num_experts for _ in range(num_layers)]  # sum over by_request
         self.running_row_sum = [0] * num_layers
         self._rankers: list = []  # instances ranking by ``running``, told of every change
-        self._last_access = None  # (clock, key) of the access counted last
+        self._last_clock = self._last_key = None  # the access counted last
 
     def eam(self, request) -> list:
         """The EAM of ``request`` so far ([L][J] counts; zeros when it is not running)."""
@@ -65,21 +65,25 @@ class SequenceEAMs:
 
     def count(self, key, ctx) -> None:
         """The access of ``key`` described by ``ctx``: each request's EAM gains its tokens (once per access)."""
-        access = (ctx.clock, key)
-        if access == self._last_access:  # another tier of the run already counted this access
+        if ctx.clock == self._last_clock and key == self._last_key:  # another tier already counted this access
             return
-        self._last_access = access
+        self._last_clock, self._last_key = ctx.clock, key
         layer, expert = divmod(key, self.num_experts)
         routed = ctx.routed
-        if routed is None:
-            routed = {ctx.request: 1}
-        tokens = 0
-        for request, routed_tokens in routed.items():
-            eam = self.by_request.get(request)
+        if routed is None:  # one token of ctx.request (the replay)
+            eam = self.by_request.get(ctx.request)
             if eam is None:
-                eam = self.by_request[request] = [[0] * self.num_experts for _ in range(self.num_layers)]
-            eam[layer][expert] += routed_tokens
-            tokens += routed_tokens
+                eam = self.by_request[ctx.request] = [[0] * self.num_experts for _ in range(self.num_layers)]
+            eam[layer][expert] += 1
+            tokens = 1
+        else:
+            tokens = 0
+            for request, routed_tokens in routed.items():
+                eam = self.by_request.get(request)
+                if eam is None:
+                    eam = self.by_request[request] = [[0] * self.num_experts for _ in range(self.num_layers)]
+                eam[layer][expert] += routed_tokens
+                tokens += routed_tokens
         row = self.running[layer]
         row[expert] += tokens
         self.running_row_sum[layer] += tokens
