@@ -155,14 +155,15 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
     def on_iteration_start(self, view):
         view.require(type(self))
         L = self.spec.num_layers
-        self._groups = RequestGroups(view.requests)
         self._search = None
         self._sets = [None] * L
         if len(self.store) == 0:
+            self._groups = RequestGroups(view.requests)
             self._predicted = None
             self._no_search()
             return []
         with self._timed_search():
+            self._groups = RequestGroups(view.requests)
             embeddings = self._groups.mean(view.embedding())
             try:
                 self._search = search = self.store.search(embeddings)
