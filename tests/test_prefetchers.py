@@ -78,7 +78,9 @@ def test_unknown_prefetcher_and_option_are_config_errors():
         make_prefetcher("oracle", ModelSpec(2, 4, 1), {"depth": 2})
     with pytest.raises(ConfigError, match="topk.k 0: must be a whole number from 1 to 4"):
         make_prefetcher("topk", ModelSpec(2, 4, 1), {"k": 0})
-    assert prefetcher_options("fmoe") == {"capacity": 1000, "distance": 3, "search_seconds": None}
+    assert prefetcher_options("fmoe") == {"capacity": 1000, "distance": 3, "search_seconds": None,
+                                          "embedding_dims": None, "candidates": None, "map_dtype": "float32",
+                                          "seed": 0}
 
 
 @pytest.mark.parametrize("name, column, hint", [
@@ -436,7 +438,7 @@ def test_trajectory_search_equals_the_cosine_over_the_observed_prefix():
     store = ExpertMapStore(L, J, capacity=C, distance=2)
     store.add(maps, rng.normal(size=(C, 4)))
     query = rng.dirichlet(np.ones(J), size=(B, L)).astype(np.float32)
-    search = store.trajectory(B)
+    search = store.search(rng.normal(size=(B, 4)))
     for layer in range(L):
         index, score = search.observe(layer, query[:, layer])
         prefix = maps[:, :layer + 1].reshape(C, -1)
@@ -445,7 +447,7 @@ def test_trajectory_search_equals_the_cosine_over_the_observed_prefix():
             cosines = prefix @ q / (np.linalg.norm(prefix, axis=1) * np.linalg.norm(q))
             assert index[b] == int(np.argmax(cosines)) and score[b] == pytest.approx(cosines.max(), abs=1e-5)
     with pytest.raises(ValueError, match="in order"):
-        store.trajectory(B).observe(1, query[:, 1])
+        store.search(rng.normal(size=(B, 4))).observe(1, query[:, 1])
 
 
 def test_search_latency_is_measured_or_modelled():

@@ -83,5 +83,13 @@ def make_policy(name: str, spec: ModelSpec, *, seed: int = 0, options: dict | No
     return info.policy(spec, seed=integer(seed, "seed", low=0), **(options or {}))
 
 
-__all__ = ["POLICIES", "PolicyInfo", "policy_info", "make_policy", "AccessContext", "EvictionPolicy", "ModelSpec",
+def policy_factory(name: str, spec: ModelSpec, *, seed: int = 0, options: dict | None = None):
+    """A maker of ``name``'s instances for one run, every tier and partition of it (``run_factory``: the
+    instances may share state, as MoE-Infinity's sequence EAMs do), with ``make_policy``'s checks."""
+    info = policy_info(name)
+    check_option_names("policy", name, info.policy, options, skip=("seed",))
+    return info.policy.run_factory(spec, seed=integer(seed, "seed", low=0), **(options or {}))
+
+
+__all__ = ["POLICIES", "PolicyInfo", "policy_info", "make_policy", "policy_factory", "AccessContext", "EvictionPolicy", "ModelSpec",
            "NoEvictableExpert"]

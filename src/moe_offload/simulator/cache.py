@@ -91,6 +91,10 @@ class ExpertCache:
         ordinary resident (or incoming) expert from now on."""
         self.held.pop(key, None)
 
+    def end_request(self, request) -> None:
+        """Request ``request`` has run its last iteration (the policy's per-sequence state may go)."""
+        self.policy.on_request_end(request)
+
     def evict(self, key) -> None:
         self.used -= self.resident.pop(key)
         self.held.pop(key, None)
@@ -222,6 +226,10 @@ class PartitionedCache:
 
     def cancel(self, key) -> None:
         self.parts[key // self.experts_per_layer].cancel(key)
+
+    def end_request(self, request) -> None:
+        for part in self.parts:
+            part.end_request(request)
 
     def release(self, key) -> None:
         self.parts[key // self.experts_per_layer].release(key)

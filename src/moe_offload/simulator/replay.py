@@ -2,8 +2,9 @@
 
 The trace is flattened into expert requests (moe_offload.trace.flatten documents the order); each request
 is a hit if the expert is resident, otherwise a miss that loads it, evicting the policy's victim when the
-cache is full. No clock, no prefetch: this is the model in which Belady's OPT is optimal, so every
-policy's misses are reported against OPT on the same sequence.
+cache is full; after the last token of a request the cache hears that the request has ended (a policy's
+per-sequence state ends with it). No clock, no prefetch: this is the model in which Belady's OPT is
+optimal, so every policy's misses are reported against OPT on the same sequence.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from typing import Callable, Iterable
 import numpy as np
 
 from moe_offload.errors import ConfigError
-from moe_offload.policies import AccessContext, ModelSpec, make_policy, policy_info
+from moe_offload.policies import AccessContext, ModelSpec, make_policy, policy_factory, policy_info
 from moe_offload.reporting.results import RunResult
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
-from moe_offload.trace.flatten import AccessSequence, flatten
+from moe_offload.trace.flatten import AccessSequence, flatten, last_row_of_each_request
 from moe_offload.trace.format import Trace
 from moe_offload.values import integer, worker_count
 
@@ -58,7 +59,7 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
     cache_size = integer(cache_size, "cache_size", low=1)
     check_cache_size(policy, cache_size, spec)
     info = policy_info(policy)
-    make = lambda: make_policy(policy, spec, seed=seed, options=options)  # noqa: E731
+    make = policy_factory(policy, spec, seed=seed, options=options)
     if info.partitioned:
         cache = PartitionedCache(cache_size, spec.num_layers, make, spec.num_experts)
     else:
@@ -70,6 +71,7 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
     next_use = seq.next_use.tolist() if info.offline else None
     probs = trace.probs
     request_ids, iterations = trace.request.tolist(), trace.iteration.tolist()
+    last_rows = set(last_row_of_each_request(trace.request).tolist())
     hit_flags = bytearray(n)
     ctx = AccessContext()
     serve = cache.request
@@ -79,6 +81,8 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
         ctx.layer = layers[t]
         token = tokens[t]
         if token != current_token:
+            if current_token in last_rows:  # its request has run its last token
+                cache.end_request(ctx.request)
             current_token = ctx.token = token
             ctx.request = request_ids[token]
             ctx.iteration = iterations[token]
@@ -88,6 +92,8 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
             ctx.next_use = next_use[t]
         if serve(keys[t], ctx):
             hit_flags[t] = 1
+    if current_token in last_rows:
+        cache.end_request(ctx.request)
 
     hits_mask = np.frombuffer(bytes(hit_flags), dtype=np.uint8).astype(bool)
     layer_arr = seq.layer

@@ -154,6 +154,10 @@ class SplitExperts:
     def release(self, key: int) -> None:
         self.tops[key // self.J].release(key)
 
+    def end_request(self, request) -> None:
+        for top in self.tops:
+            top.end_request(request)
+
     def transfer_bytes(self, key: int) -> int:
         """The bottom segment when the top is cached, else the whole expert."""
         layer = key // self.J

@@ -92,3 +92,9 @@ def write_oracle_general(sequence: AccessSequence, path, expert_bytes: int | Non
     with atomic_output(path) as temporary:
         records.tofile(temporary)
     return path
+
+
+def last_row_of_each_request(requests: np.ndarray) -> np.ndarray:
+    """The index of the last row (token) of each request in a trace's ``requests`` column, ascending."""
+    _, last_reversed = np.unique(requests[::-1], return_index=True)
+    return np.sort(requests.size - 1 - last_reversed)
