@@ -14,11 +14,18 @@ when an :class:`ExpertSource` is attached to the module (the runtime's tiers), t
 source, which yields the layer's experts in the order they become resident (an expert already in fast memory
 computes while another is still loading); the outputs are kept and accumulated in ascending order only
 after all of them are computed, so the order of arrival never changes a bit of the result.
+
+A packed forward pass (runtime/packed.py: several requests' tokens in one sequence, continuous batching)
+carries its segments, the token ranges of its requests. Then each expert computes each segment's tokens
+with its own matrix products, exactly the rows, in exactly the order, that the request's own forward pass
+would give it: a matrix product over more rows does not give the same bits per row on every kernel (MKL on
+this CPU does not), so the batch never changes a request's result. The weights are still fetched once for
+the batch; the source is told how many tokens of each segment each expert serves.
 """
 
 from __future__ import annotations
 
-from contextlib import closing
+from contextlib import closing, nullcontext
 from typing import Iterator, Protocol
 
 IMPLEMENTATION = "moe_offload"
@@ -27,59 +34,73 @@ IMPLEMENTATION = "moe_offload"
 class ExpertSource(Protocol):
     """Where the weights of routed experts come from while a layer computes."""
 
-    def layer_experts(self, layer: int, experts: list[int], tokens: list[int]) -> Iterator[tuple[int, dict]]:
-        """Yield ``(expert, tensors)`` once for each of ``experts`` (ascending, the layer's whole need; ``tokens``
-        are how many tokens of this forward pass each is routed to), each as soon as it is resident and usable
+    def layer_experts(self, layer: int, experts: list[int], tokens: list[list[int]]) -> Iterator[tuple[int, dict]]:
+        """Yield ``(expert, tensors)`` once for each of ``experts`` (ascending, the layer's whole need; ``tokens[i]``
+        holds how many tokens of each segment of this forward pass ``experts[i]`` is routed to: one segment
+        unless the pass is packed), each as soon as it is resident and usable
         by the current stream; ``tensors`` holds ``gate_up_proj`` [2I, H] and ``down_proj`` [H, I]. The source
         may reclaim an expert's memory once the consumer asks for the next one, and releases everything when
         the generator is closed."""
 
 
-def routing_plan(top_k_index):
+def routing_plan(top_k_index, segment_starts=(0,)):
     """The layer's routing on the host, from one device-to-host copy of ``top_k_index`` [T, K] (the only
-    synchronisation of a layer): (needed experts ascending, tokens per expert, index [2, S]) where, for each
-    expert in turn, index[0] holds its tokens and index[1] their top-k positions in the order of the eager
-    forward's ``torch.where`` on the transposed mask (top-k position first, then token)."""
+    synchronisation of a layer): (needed experts ascending, tokens of each segment per expert, groups) where
+    ``groups[i]`` lists expert ``needed[i]``'s (token index, top-k position index) pairs of tensors, one pair
+    per segment it serves (segments start at ``segment_starts``), each in the order of the eager forward's
+    ``torch.where`` on the transposed mask (top-k position first, then token)."""
     import numpy as np
     import torch
 
     routing = top_k_index.cpu().numpy()
     tokens = routing.shape[0]
     flat = routing.T.reshape(-1)                 # entry p * T + t is token t's p-th expert
-    order = np.argsort(flat, kind="stable")      # by expert; within one, ascending (p, t) as torch.where
-    needed, counts = np.unique(flat[order], return_counts=True)
+    segment = np.searchsorted(np.asarray(segment_starts), np.arange(tokens), side="right") - 1
+    # By expert, then segment; within one, ascending (p, t) as torch.where gives a segment's own pass.
+    order = np.lexsort((np.arange(flat.size), segment[np.arange(flat.size) % tokens], flat))
+    expert_of, segment_of = flat[order], segment[order % tokens]
+    bounds = np.flatnonzero(np.r_[True, (np.diff(expert_of) != 0) | (np.diff(segment_of) != 0), True])
     index = torch.from_numpy(np.stack([order % tokens, order // tokens]))
     if top_k_index.device.type != "cpu":
         index = index.pin_memory().to(top_k_index.device, non_blocking=True)
-    return needed.tolist(), counts.tolist(), index
+    needed, counts, groups = [], [], []
+    segments = len(segment_starts)
+    for first, last in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        expert = int(expert_of[first])
+        if not needed or needed[-1] != expert:
+            needed.append(expert)
+            counts.append([0] * segments)
+            groups.append([])
+        counts[-1][int(segment_of[first])] = last - first
+        groups[-1].append((index[0, first:last], index[1, first:last]))
+    return needed, counts, groups
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     import torch.nn.functional as F
 
-    needed, counts, index = routing_plan(top_k_index)
     source: ExpertSource | None = getattr(self, "expert_source", None)
+    packed = getattr(source, "packed", None)
+    needed, counts, groups = routing_plan(top_k_index, packed.segment_starts if packed is not None else (0,))
     if source is None:
         arrivals = ((expert, {"gate_up_proj": self.gate_up_proj[expert], "down_proj": self.down_proj[expert]})
                     for expert in needed)
     else:
         arrivals = source.layer_experts(self.moe_layer, needed, counts)
-    starts, start = {}, 0
-    for expert, count in zip(needed, counts):
-        starts[expert] = (start, start + count)
-        start += count
+    position = {expert: i for i, expert in enumerate(needed)}
     outputs = {}
-    with closing(arrivals):
+    with closing(arrivals), (packed.experts_compute() if packed is not None else nullcontext()):
         for expert, weights in arrivals:
-            first, last = starts[expert]
-            token_idx, top_k_pos = index[0, first:last], index[1, first:last]
-            current = self._apply_gate(F.linear(hidden_states[token_idx], weights["gate_up_proj"]))
-            current = F.linear(current, weights["down_proj"]) * top_k_weights[token_idx, top_k_pos, None]
-            outputs[expert] = (token_idx, current)
+            computed = []
+            for token_idx, top_k_pos in groups[position[expert]]:  # one matrix product per segment
+                current = self._apply_gate(F.linear(hidden_states[token_idx], weights["gate_up_proj"]))
+                current = F.linear(current, weights["down_proj"]) * top_k_weights[token_idx, top_k_pos, None]
+                computed.append((token_idx, current))
+            outputs[expert] = computed
     final_hidden_states = hidden_states.new_zeros(hidden_states.shape)
-    for expert in needed:
-        token_idx, current = outputs[expert]
-        final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
+    for expert in needed:  # ascending: each token sums its experts in the eager forward's order
+        for token_idx, current in outputs[expert]:
+            final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
     return final_hidden_states
 
 

@@ -45,6 +45,18 @@ class Counters:
                 setattr(out, name, value - old)
         return out
 
+    def count_access(self, layer: int, hit: bool, demand: bool, prefetch_used: bool) -> None:
+        """One expert access of one request (the runner's per-request counters)."""
+        self.accesses += 1
+        self.per_layer_accesses[layer] += 1
+        if hit:
+            self.hits += 1
+            self.per_layer_hits[layer] += 1
+        elif demand:
+            self.on_demand_loads += 1
+        if prefetch_used:
+            self.prefetches_used += 1
+
     def moved(self, link: str, nbytes: int, seconds: float) -> None:
         self.bytes_per_link[link] = self.bytes_per_link.get(link, 0) + nbytes
         self.link_busy_seconds[link] = self.link_busy_seconds.get(link, 0.0) + seconds

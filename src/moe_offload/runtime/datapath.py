@@ -57,6 +57,7 @@ class DataPath:
         self.ctx.pinned = self.pinned
         self.stopping = False
         self.failure: BaseException | None = None
+        self.failed_key: int | None = None  # the expert whose transfer failed
         self.forward: dict[int, tuple[bool, float]] = {}  # key -> (demand, priority) of its next hop
         self.prefetched_unused: set[int] = set()
         self.predicted: set[int] = set()  # resident in the fast tier, proposed since their layer was routed
@@ -145,6 +146,10 @@ class DataPath:
     def raise_failure(self) -> None:
         if self.failure is not None:
             raise self.failure
+
+    def clear_failure(self) -> None:
+        """The failure was reported to the requests it concerns: the path serves the others (locked)."""
+        self.failure = self.failed_key = None
 
     def _on_fast_evict(self, key: int) -> None:
         self.tiers[0].vacate(key)
@@ -238,7 +243,10 @@ class LinkWorker(threading.Thread):
                     tier.cache.cancel(key)
                     tier.vacate(key)
                     path.prefetched_unused.discard(key)
-                    path.failure = path.failure or error
+                    path.forward.pop(key, None)
+                    # A prefetch nobody waits for fails quietly: a later demand load meets the error itself.
+                    if (transfer.demand or key in path.pinned) and path.failure is None:
+                        path.failure, path.failed_key = error, key
                     cond.notify_all()
                     continue
                 if ready is not None:

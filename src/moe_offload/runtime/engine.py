@@ -17,8 +17,18 @@ The engine puts the parts together and runs the single-prompt generation loop::
   arrival does not change the result, so generation is lossless: the same tokens and logits as the
   all-resident model on the same device and dtype.
 
-``generate`` is one request at a time; the per-forward-pass machinery (tiers, data path, runner) does not
-depend on it, so a batching scheduler can drive the runner with several requests per pass.
+``generate`` is one request at a time, through transformers' ``generate``. ``submit`` and ``generate_batch``
+go through the continuous-batching scheduler (runtime/batching.py, which says why it is a loop of the
+project's own and not transformers' ContinuousBatchingManager): requests join and leave at iteration
+boundaries, one forward pass computes every running request's next token, the experts of a pass are the
+union of its tokens' selections, fetched once, and each request's tokens are the bits it gets alone
+(runtime/packed.py). The server (moe_offload/server) is a thin layer over ``submit``.
+
+    engine = moe_offload.load("tiny", fast_budget="30%", max_batch=16)
+    outs = engine.generate_batch(["User: hi\nAssistant:", "User: why?\nAssistant:"], max_new_tokens=32)
+    handle = engine.submit("User: hi\nAssistant:", SamplingParams(max_tokens=32, temperature=0.7, seed=1))
+    for delta in handle: print(delta.text, end="")
+    handle.result().stats      # the request's own counters (RunResult)
 """
 
 from __future__ import annotations
@@ -110,7 +120,7 @@ class OffloadEngine:
                  prefetch_options: dict | None = None, prefetch_history=None, device=None,
                  verify_checksums: bool = True, bypass_page_cache: bool = False, retries: int = 3,
                  store: ExpertStore | None = None, preload: bool = False, seed: int = 0,
-                 readers: int | None = None, replay=None, replay_weights: str = "trace"):
+                 readers: int | None = None, replay=None, replay_weights: str = "trace", max_batch: int = 16):
         import torch
 
         from moe_offload.models import quiet_transformers
@@ -173,6 +183,8 @@ class OffloadEngine:
                                   replay=self.replay, source=f"live generation with {m.directory}")
         self.runner.install()
         self._generate_lock = threading.Lock()
+        self.max_batch = max_batch
+        self._scheduler = None
         self.preload_seconds = self._preload() if preload else 0.0
 
     # ------------------------------------------------------------------------------------------ set-up
@@ -249,6 +261,29 @@ class OffloadEngine:
         prompt = [i % vocab for i in range(prompt_tokens)]
         return self._locked(self._generate, prompt, new_tokens, None, None, return_logits, True)
 
+    # -------------------------------------------------------------------------------- batched serving
+    @property
+    def scheduler(self):
+        """The continuous-batching scheduler (runtime/batching.py), made on first use."""
+        if self._scheduler is None:
+            from moe_offload.runtime.batching import BatchScheduler
+
+            self._scheduler = BatchScheduler(self, self.max_batch)
+        return self._scheduler
+
+    def submit(self, prompt, params=None, on_event=None):
+        """Queue one request (text or token ids) with its SamplingParams; it joins the running batch at the next
+        iteration. Returns a RequestHandle: iterate over its TextDeltas, or ``result()`` for its Completion."""
+        return self.scheduler.submit(prompt, params, on_event)
+
+    def generate_batch(self, prompts, max_new_tokens: int = 64, **params) -> list:
+        """Every prompt's Completion, generated together by continuous batching (greedy unless ``temperature``
+        is given; the other SamplingParams fields as keywords)."""
+        from moe_offload.runtime.batching import SamplingParams
+
+        handles = [self.submit(prompt, SamplingParams(max_tokens=max_new_tokens, **params)) for prompt in prompts]
+        return [handle.result() for handle in handles]
+
     def _locked(self, fn, *args):
         if not self._generate_lock.acquire(blocking=False):
             raise EngineBusyError("this engine is already generating: one generate call at a time per engine "
@@ -322,6 +357,7 @@ class OffloadEngine:
             except ConfigError:  # a model without a tokenizer: the token ids are the result
                 pass
         text = "" if tokenizer is None else tokenizer.decode(tokens, skip_special_tokens=True)
+        self.runner.end_request(self.runner.request)
         return Generation(text, tokens, int(ids.shape[1]), stats, logits)
 
     # ------------------------------------------------------------------------------------------ results
@@ -347,6 +383,8 @@ class OffloadEngine:
             return self._result(self.counters.copy())
 
     def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
         self.path.close()
         self.runner.remove()
 

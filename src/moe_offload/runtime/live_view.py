@@ -2,7 +2,8 @@
 
 It answers the same questions as :class:`moe_offload.prefetch.base.RoutingView` does for a trace, from the
 routers as they run: after MoE layer l's router, ``selected``, ``probs`` and ``gate_prediction`` of layers
-<= l; the request's semantic embedding (the mean input embedding of its prompt) from the start. The
+<= l; each row's request and its semantic embedding (the mean input embedding of its prompt) from the start
+(a packed pass holds several requests' rows). The
 future does not exist yet, so ``oracle_selected`` refuses, except under a routing replay
 (runtime/replay.py), whose trace is the future (``future(layer)``).
 """
@@ -18,16 +19,17 @@ LIVE_COLUMNS = ("probs", "embedding", "gate_prediction", "weights")
 
 
 class LiveRoutingView:
-    def __init__(self, spec: ModelSpec, iteration: int, tokens: int, request: int, is_prefill: bool,
+    def __init__(self, spec: ModelSpec, iteration: int, requests: np.ndarray, is_prefill: bool,
                  embedding: np.ndarray | None, source: str, future=None):
+        """``requests``: each row's (token's) request; ``embedding``: each row's request embedding [T, D]."""
         self.spec = spec
         self.iteration = iteration
         self.layer_now = -1
         self.is_prefill = is_prefill
         self.source = source
         self._future = future
-        self._requests = np.full(tokens, request, dtype=np.int64)
-        self._embedding = None if embedding is None else np.repeat(embedding[None].astype(np.float32), tokens, 0)
+        self._requests = requests
+        self._embedding = embedding
         self._selected: list = [None] * spec.num_layers
         self._probs: list = [None] * spec.num_layers
         self._predicted: list = [None] * spec.num_layers

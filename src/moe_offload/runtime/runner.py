@@ -1,17 +1,22 @@
 """The model runner: one forward pass of a transformers MoE model whose experts come from the tiers.
 
-Everything here works per forward pass and knows nothing of prompts or generation loops, so that a
-scheduler that batches several requests into one pass (continuous batching) drives it as the single-prompt
-``generate`` of runtime/engine.py does:
+Everything here works per forward pass and knows nothing of prompts or generation loops: transformers'
+``generate`` (one request, runtime/engine.py) and the continuous-batching scheduler (runtime/batching.py,
+several requests packed into one pass: ``packed``, runtime/packed.py) drive it alike. A pass is made of
+segments, one per request; a single-request pass has one:
 
 - the **expert source** (:meth:`ModelRunner.layer_experts`, the :class:`~moe_offload.models.experts.ExpertSource`
   of models/experts.py): for each MoE layer, count the accesses in the policy's
   :class:`~moe_offload.policies.base.AccessContext` (filled as the simulators fill it, ``routed`` included),
   pin the layer's experts, demand-load the missing ones through the data path, and hand each expert to the
-  compute as soon as it is resident; computed experts are unpinned at once;
+  compute as soon as it is resident; computed experts are unpinned at once. A batch's experts are the union
+  of its tokens' selections: one access per expert and pass, whose ``routed`` carries each request's
+  tokens, one load; each request's own counters (``request_counters``) see the accesses of its experts;
 - the **routing hooks**: a RoutingTap on every router feeds the prefetcher (the same objects as the timed
   simulator's) through a :class:`~moe_offload.runtime.live_view.LiveRoutingView` right after each layer's
-  router ran; a pre-hook and a hook on the decoder mark where a forward pass starts and ends;
+  router ran, with each row's request (``RoutingView.requests``) and each request's semantic embedding (the
+  mean input embedding of its prompt); a pre-hook and a hook on the decoder mark where a forward pass starts
+  and ends; ``end_request`` tells the caches' policies and the prefetcher that a request left;
 - **routing replay** (runtime/replay.py), when given: every router is forced to a trace's experts, and the
   oracle prefetcher may read the trace's future.
 
@@ -41,10 +46,14 @@ class ModelRunner:
         self.needs_gate_prediction = "gate_prediction" in getattr(prefetcher, "requires", ())
         self.needs_routing = prefetcher is not None or policy_needs_probs
         self.iteration = 0
-        self.request = -1
+        self.request = -1          # the request of transformers' generate (one segment per pass)
+        self.packed = None         # the running packed pass (runtime/packed.py), set by the batching scheduler
+        self.segment_requests: list[int] = []  # the requests of the running pass, by segment
+        self.request_counters: dict = {}       # request -> its own Counters (the scheduler's requests)
         self.tokens_in_pass = 0
         self.view: LiveRoutingView | None = None
-        self.request_embedding = None
+        self.embeddings: dict = {}  # request -> its semantic embedding (mean input embedding of its prompt)
+        self.keys_of: dict = {}     # request -> the experts it routed to in the running pass (failures)
         self.probs = np.zeros((spec.num_layers, spec.num_experts), np.float32)
         self._hooks = []
         self._tap = None
@@ -53,8 +62,10 @@ class ModelRunner:
     def install(self) -> None:
         from moe_offload.models.experts import use_project_experts
         from moe_offload.models.routing_tap import RoutingTap
+        from moe_offload.runtime.packed import register_attention
 
         use_project_experts(self.adapter, self)
+        register_attention(self.model)  # sdpa, and per request in a packed pass (runtime/packed.py)
         if self.replay is not None:
             self.replay.install()  # first: the hooks below see the forced routing and the pass already started
         base = self.model.model
@@ -72,23 +83,41 @@ class ModelRunner:
         if self.replay is not None:
             self.replay.remove()
 
-    def start_request(self) -> None:
-        """The next forward passes belong to a new request (sequence)."""
+    def new_request(self) -> int:
+        """A new request (sequence) id."""
         self.request += 1
-        self.view, self.request_embedding = None, None
+        return self.request
+
+    def start_request(self) -> None:
+        """transformers' generate: the next forward passes belong to a new request (sequence)."""
+        self.new_request()
+        self.view = None
+
+    def end_request(self, request: int) -> None:
+        """``request`` has run its last iteration (finished, cancelled, failed): per-sequence state goes."""
+        with self.path.cond:
+            for tier in self.path.tiers:
+                tier.cache.end_request(request)
+            if self.prefetcher is not None:
+                self.prefetcher.on_request_end(request)
+        self.embeddings.pop(request, None)
+        self.request_counters.pop(request, None)
 
     # ----------------------------------------------------------------------------------- expert source
-    def layer_experts(self, layer: int, experts: list[int], tokens: list[int]):
+    def layer_experts(self, layer: int, experts: list[int], tokens: list[list[int]]):
         J = self.spec.num_experts
         keys = [layer * J + e for e in experts]
         c, path = self.counters, self.path
+        requests = self.segment_requests
+        own = [self.request_counters.get(request) for request in requests]
+        per_request = any(counters is not None for counters in own)
         fast_tier = path.tiers[0]
         fast = fast_tier.cache
         cond = path.cond
         with cond:
             path.raise_failure()
             ctx = path.ctx
-            ctx.layer, ctx.iteration, ctx.token, ctx.request = layer, self.iteration, self.iteration, self.request
+            ctx.layer, ctx.iteration, ctx.token, ctx.request = layer, self.iteration, self.iteration, requests[0]
             if self.policy_needs_probs:
                 ctx.probs = self.probs
                 ctx.predicted = self.prefetcher.predicted_map() if self.prefetcher is not None else None
@@ -96,22 +125,31 @@ class ModelRunner:
             pinned.clear()
             pinned.update(keys)
             missing = False
-            for key, count in zip(keys, tokens):
+            for key, counts in zip(keys, tokens):
                 ctx.clock += 1
-                ctx.routed = {self.request: count}
+                ctx.routed = {request: n for request, n in zip(requests, counts) if n}
                 c.accesses += 1
                 c.per_layer_accesses[layer] += 1
-                if key in path.prefetched_unused:
+                used = key in path.prefetched_unused
+                if used:
                     path.prefetched_unused.discard(key)
                     c.prefetches_used += 1
-                if fast.touch(key, ctx):
+                hit = fast.touch(key, ctx)
+                demand = not hit and not path.on_wire_to_fast(key)  # a prefetch on the last wire is no demand load
+                if hit:
                     c.hits += 1
                     c.per_layer_hits[layer] += 1
-                    continue
-                missing = True
-                if not path.on_wire_to_fast(key):  # a prefetch on the last wire is no demand load
-                    path.route(key, demand=True, priority=math.inf)  # also on its way to the host: demand
-                    c.on_demand_loads += 1
+                else:
+                    missing = True
+                    if demand:
+                        path.route(key, demand=True, priority=math.inf)  # also on its way to the host: demand
+                        c.on_demand_loads += 1
+                if per_request:
+                    for counters, n in zip(own, counts):
+                        if counters is not None and n:
+                            counters.count_access(layer, hit, demand, used)
+                for request in ctx.routed:
+                    self.keys_of.setdefault(request, set()).add(key)
             ctx.routed = None
             if missing or self.prefetcher is not None:
                 path.layer_routed(layer, keys)
@@ -137,6 +175,11 @@ class ModelRunner:
                     stalled = time.perf_counter() - waited
                     c.stall_seconds += stalled
                     c.per_layer_stall_seconds[layer] += stalled
+                    if per_request:  # every request of the pass waits for the layer
+                        for counters in own:
+                            if counters is not None:
+                                counters.stall_seconds += stalled
+                                counters.per_layer_stall_seconds[layer] += stalled
                     tensors, event = fast_tier.tensors(key), fast_tier.ready.get(key)
                 remaining.remove(key)
                 _wait(event)
@@ -156,17 +199,31 @@ class ModelRunner:
             ids = args[0]
         embeds = kwargs.get("inputs_embeds")
         self.tokens_in_pass = int(ids.shape[-1]) if ids is not None else int(embeds.shape[-2])
+        packed = self.packed
+        if packed is not None:
+            segments = [(s.request, s.start, s.end, s.prefill) for s in packed.segments]
+        else:  # transformers' generate: one request, whose first pass is its prompt
+            segments = [(self.request, 0, self.tokens_in_pass, self.view is None)]
+        self.segment_requests = [request for request, *_ in segments]
+        self.keys_of = {}
         if not self.needs_routing:
             return
         import torch
 
-        prefill = self.view is None or self.request_embedding is None
-        if prefill and ids is not None:
-            with torch.no_grad():
-                embedded = self.model.get_input_embeddings()(ids.reshape(1, -1)).float()
-            self.request_embedding = embedded[0].mean(dim=0).cpu().numpy()
-        self.view = LiveRoutingView(self.spec, self.iteration, self.tokens_in_pass, self.request, prefill,
-                                    self.request_embedding, source=self.source,
+        requests = np.empty(self.tokens_in_pass, np.int64)
+        for request, start, end, prefill in segments:
+            requests[start:end] = request
+            if prefill and ids is not None:
+                with torch.no_grad():
+                    embedded = self.model.get_input_embeddings()(ids.reshape(1, -1)[:, start:end]).float()
+                self.embeddings[request] = embedded[0].mean(dim=0).cpu().numpy()
+        embedding = None
+        if all(request in self.embeddings for request, *_ in segments):
+            embedding = np.empty((self.tokens_in_pass, len(self.embeddings[segments[0][0]])), np.float32)
+            for request, start, end, _ in segments:
+                embedding[start:end] = self.embeddings[request]
+        self.view = LiveRoutingView(self.spec, self.iteration, requests, any(s[3] for s in segments), embedding,
+                                    source=self.source,
                                     future=self.replay.future if self.replay is not None else None)
         if self.prefetcher is not None:
             proposals = self.prefetcher.on_iteration_start(self.view)

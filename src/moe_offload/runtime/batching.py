@@ -1,0 +1,425 @@
+"""Continuous batching: requests join and leave the running batch at iteration boundaries.
+
+One scheduler thread runs the iterations. Each iteration admits waiting requests (up to ``max_batch``
+running), drops cancelled ones, and runs **one forward pass** for the whole batch: each new request's
+prompt and every running request's last token, packed into one sequence (runtime/packed.py). The experts
+the pass needs are the union of its tokens' selections, fetched once (the runner's expert source, one
+access per expert with ``routed`` = each request's tokens). Then each request samples its next token from
+its own logits, with its own generator, and the finished ones leave: their per-sequence state ends
+(``on_request_end`` of the caches' policies and the prefetcher).
+
+Why a loop of our own and not transformers' ``ContinuousBatchingManager`` (``generate_batch``). It does
+run the project's experts function and router hooks (its forward is the model's, over a packed
+``[1, T]`` sequence with paged attention; checked with transformers 5.23 on this CPU: 3 prompts, 12 tokens
+each, the greedy tokens equal generate's), but:
+
+- its matrix products run over the packed rows, which on this CPU do not give a row the bits it gets in
+  its own pass (MKL: another kernel for one row), and the issue requires bit equality with a request run
+  alone; its paged attention is another kernel again;
+- its hooks cannot tell which request a row of the pass belongs to (the per-request state of the
+  prefetchers and policies), nor when a request left (``on_request_end``);
+- its sampling has no per-request seeded generator, and its start-up (cache sizing, warm-up) took 36 s on
+  this machine for three tiny prompts.
+
+So this loop keeps transformers' model code (embeddings, decoder layers, norms, the LM head) and replaces
+only the batching: the packing, the per-request KV caches (``DynamicCache``), the sampling and the stop
+rules. ``OffloadEngine.generate`` keeps transformers' ``generate`` for one request; this scheduler serves
+``submit``/``generate_batch`` and the server.
+
+A forward pass that fails inside the engine (an expert file vanished, a checksum failed) fails the
+requests that routed to the failing expert with the error; the other requests of the pass roll their KV
+caches back and run again at the next iteration.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from moe_offload.errors import ConfigError, MoeOffloadError
+from moe_offload.reporting.results import RunResult
+from moe_offload.runtime.counters import Counters
+from moe_offload.runtime.packed import PackedPass, Segment, restore, segmented_linear, snapshot
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass
+class SamplingParams:
+    """How one request generates. ``temperature`` 0 is greedy; otherwise softmax sampling at that temperature
+    over the smallest set of tokens whose probability reaches ``top_p``, drawn with the request's own
+    generator seeded with ``seed`` (the same tokens whatever else runs in the batch). ``stop``: strings that
+    end the generation, left out of the text (OpenAI's rule)."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    return_logits: bool = False
+
+    def check(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be a whole number of at least 1, not {self.max_tokens!r}")
+        if not 0.0 <= float(self.temperature) <= 100.0:
+            raise ConfigError(f"temperature must be within 0..100, not {self.temperature!r}")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise ConfigError(f"top_p must be above 0 and at most 1, not {self.top_p!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError("stop sequences must be non-empty strings")
+
+
+@dataclass
+class TextDelta:
+    """New text of a running request (empty while a multi-byte character or a possible stop sequence is
+    held back) and the tokens that produced it."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Completion:
+    """A request's end: its text, tokens and what it cost (its own counters, as a RunResult)."""
+
+    request: int
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+    stats: RunResult
+    error: BaseException | None = None
+    logits: list | None = None  # per generated token, [vocab] (SamplingParams.return_logits)
+
+
+class RequestHandle:
+    """A submitted request: iterate over its TextDeltas (ends after the last), or wait for its Completion.
+    ``on_event`` (called from the scheduler thread) replaces the queue, for event loops."""
+
+    def __init__(self, request: int, on_event=None):
+        self.request = request
+        self._events: queue.Queue = queue.Queue()
+        self._on_event = on_event
+        self.cancelled = False
+        self.completion: Completion | None = None
+        self._done = threading.Event()
+
+    def cancel(self) -> None:
+        """Leave the batch at the next iteration (a client that went away)."""
+        self.cancelled = True
+
+    def _emit(self, event) -> None:
+        if isinstance(event, Completion):
+            self.completion = event
+            self._done.set()
+        if self._on_event is not None:
+            self._on_event(event)
+        else:
+            self._events.put(event)
+
+    def __iter__(self):
+        while True:
+            event = self._events.get()
+            if isinstance(event, Completion):
+                return
+            yield event
+
+    def result(self, timeout: float | None = None) -> Completion:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request} is still running")
+        return self.completion
+
+
+@dataclass
+class _Request:
+    """A request's state inside the scheduler."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    handle: RequestHandle
+    cache: object
+    generator: object
+    counters: Counters
+    arrived: float
+    tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    logits: list = field(default_factory=list)
+    sent: int = 0   # characters of text already emitted
+    text: str = ""
+
+    @property
+    def prefilled(self) -> bool:
+        return bool(self.tokens)
+
+
+class BatchScheduler:
+    """Continuous batching over an engine's runner (see the module docstring); made by the engine."""
+
+    def __init__(self, engine, max_batch: int = 16):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ConfigError(f"max_batch must be a whole number of at least 1, not {max_batch!r}")
+        if engine.replay is not None:
+            raise ConfigError("an engine that replays a trace's routing generates one request at a time "
+                              "(generate_replayed), not in batches")
+        self.engine, self.max_batch = engine, max_batch
+        self.runner, self.model = engine.runner, engine.model
+        self.cond = threading.Condition()
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.stopping = False
+        self.iterations = 0
+        self.observers: list = []  # objects with on_pass(batch, seconds) and on_finish(completion)
+        self._thread: threading.Thread | None = None
+        self._tokenizer = None
+        self._tokenizer_checked = False
+
+    # --------------------------------------------------------------------------------------------- intake
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, or None for a model without one (token ids in, token ids out)."""
+        if not self._tokenizer_checked:
+            self._tokenizer_checked = True
+            try:
+                self._tokenizer = self.engine.tokenizer
+            except ConfigError:
+                self._tokenizer = None
+        return self._tokenizer
+
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError(f"{self.engine.manifest.directory} has no tokenizer: give the prompt as token ids")
+            return self.tokenizer(prompt)["input_ids"]
+        ids = [int(t) for t in prompt]
+        vocab = int(self.model.config.vocab_size)
+        if any(not 0 <= t < vocab for t in ids):
+            raise ConfigError(f"a prompt token id is outside the vocabulary (0..{vocab - 1})")
+        return ids
+
+    def submit(self, prompt, params: SamplingParams | None = None, on_event=None) -> RequestHandle:
+        """Queue a request (text or token ids); it joins the batch at the next iteration. Bad parameters and
+        prompts longer than the context raise ConfigError here, before any work."""
+        import torch
+        from transformers import DynamicCache
+
+        params = params or SamplingParams()
+        params.check()
+        ids = self.encode(prompt)
+        self.engine.check_length(len(ids), params.max_tokens)
+        if params.stop and self.tokenizer is None:
+            raise ConfigError("stop sequences need a tokenizer to read the text")
+        generator = torch.Generator()
+        generator.manual_seed(params.seed if params.seed is not None else int(torch.seed()))
+        with self.cond:
+            if self.stopping:
+                raise MoeOffloadError("the engine is shutting down")
+            request = self.runner.new_request()
+            handle = RequestHandle(request, on_event)
+            self.waiting.append(_Request(request, ids, params, handle, DynamicCache(config=self.model.config),
+                                         generator, Counters.zero(self.engine.spec.num_layers),
+                                         time.perf_counter()))
+            self._start()
+            self.cond.notify_all()
+        return handle
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="moe-offload batching", daemon=True)
+            self._thread.start()
+
+    @property
+    def queued(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        with self.cond:
+            return len(self.running), len(self.waiting)
+
+    def close(self) -> None:
+        """Cancel what has not finished and stop the thread (the engine closes the rest)."""
+        with self.cond:
+            self.stopping = True
+            for request in list(self.waiting):
+                request.handle.cancel()
+            for request in self.running:
+                request.handle.cancel()
+            self.cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.waiting and not self.running and not self.stopping:
+                    self.cond.wait()
+                if self.stopping:
+                    leaving = list(self.waiting) + self.running
+                    self.waiting.clear()
+                    self.running = []
+                else:
+                    leaving = [r for r in self.running if r.handle.cancelled]
+                    self.running = [r for r in self.running if not r.handle.cancelled]
+                    while self.waiting and len(self.running) < self.max_batch:
+                        request = self.waiting.popleft()
+                        if request.handle.cancelled:
+                            leaving.append(request)
+                        else:
+                            self.running.append(request)
+                batch = list(self.running)
+            for request in leaving:
+                self._finish(request, "cancelled")
+            if self.stopping and not batch:
+                return
+            if batch:
+                self._iteration(batch)
+
+    def _iteration(self, batch: list[_Request]) -> None:
+        import torch
+
+        engine, runner = self.engine, self.runner
+        segments, tokens, positions, start = [], [], [], 0
+        for request in batch:
+            if request.prefilled:
+                new = [request.tokens[-1]]
+                positions.append(len(request.prompt) + len(request.tokens) - 1)
+            else:
+                new = request.prompt
+                positions.extend(range(len(new)))
+            segments.append(Segment(request.id, start, start + len(new), not request.prefilled, request.cache))
+            tokens.extend(new)
+            start += len(new)
+        packed = PackedPass(segments)
+        saved = [snapshot(request.cache) for request in batch]
+        device = engine.device
+        # A 4-D mask is taken as built: the packed pass builds none (each segment attends causally over its
+        # own cache, runtime/packed.py), and this placeholder is never read.
+        no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+        started = time.perf_counter()
+        try:
+            with engine._generate_lock:
+                runner.packed = packed
+                for request in batch:
+                    runner.request_counters[request.id] = request.counters
+                try:
+                    with torch.inference_mode(), segmented_linear(packed):
+                        hidden = self.model.model(
+                            input_ids=torch.tensor([tokens], device=device),
+                            position_ids=torch.tensor([positions], device=device),
+                            attention_mask=no_mask, use_cache=False, packed=packed).last_hidden_state
+                        # The last token's logits, one row at a time as generate computes them.
+                        logits = [self.model.lm_head(hidden[:, s.end - 1:s.end, :])[0, -1].float()
+                                  for s in segments]
+                finally:
+                    runner.packed = None
+        except Exception as exc:  # noqa: BLE001 - reported to the requests it concerns, the server goes on
+            self._failed(batch, saved, exc)
+            return
+        now = time.perf_counter()
+        self.iterations += 1
+        for observer in self.observers:
+            observer.on_pass(len(batch), now - started)
+        for request, row in zip(batch, logits):
+            self._advance(request, row, now)
+
+    def _failed(self, batch, saved, exc) -> None:
+        path = self.engine.path
+        with path.cond:
+            key = path.failed_key if path.failure is exc else None
+            path.clear_failure()
+        concerned = [r for r in batch if key is None or key in self.runner.keys_of.get(r.id, ())]
+        for request, state in zip(batch, saved):
+            if request in concerned:
+                with self.cond:
+                    self.running.remove(request)
+                self._finish(request, "error", exc)
+            else:
+                restore(request.cache, state)
+
+    # ------------------------------------------------------------------------------------ per request
+    def _advance(self, request: _Request, logits, now: float) -> None:
+        params = request.params
+        token = sample(logits, params, request.generator)
+        request.tokens.append(token)
+        request.token_times.append(now)
+        if params.return_logits:
+            request.logits.append(logits.cpu())
+        finish = None
+        eos = self.model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if token in eos and not params.ignore_eos:
+            finish = "stop"
+        tokenizer = self.tokenizer
+        if tokenizer is not None:
+            text = tokenizer.decode(request.tokens, skip_special_tokens=True)
+            cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+            request.text = text
+        if finish is None and len(request.tokens) >= params.max_tokens:
+            finish = "length"
+        if finish is None:
+            stable = _stable_prefix(request.text, params.stop)
+            if len(stable) > request.sent:
+                request.handle._emit(TextDelta(stable[request.sent:], [token]))
+                request.sent = len(stable)
+            else:
+                request.handle._emit(TextDelta("", [token]))
+            return
+        if len(request.text) > request.sent:
+            request.handle._emit(TextDelta(request.text[request.sent:], [token]))
+            request.sent = len(request.text)
+        with self.cond:
+            self.running.remove(request)
+        self._finish(request, finish)
+
+    def _finish(self, request: _Request, reason: str, error: BaseException | None = None) -> None:
+        self.runner.end_request(request.id)
+        times = request.token_times
+        ttft = times[0] - request.arrived if times else None
+        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+        total = (times[-1] if times else time.perf_counter()) - request.arrived
+        stats = self.engine._result(request.counters, ttft=ttft, tpot=tpot, total=total)
+        stats.bytes_per_link = stats.bytes_loaded = None  # the links are shared: see the engine's stats
+        stats.token_latency_seconds = [b - a for a, b in zip(times, times[1:])]
+        completion = Completion(request.id, request.text, list(request.tokens), len(request.prompt), reason, stats,
+                                error, request.logits if request.params.return_logits else None)
+        for observer in self.observers:
+            observer.on_finish(completion)
+        request.handle._emit(completion)
+
+
+def sample(logits, params: SamplingParams, generator) -> int:
+    """The next token from one request's logits [vocab] (float32): greedy at temperature 0, otherwise
+    temperature, then top-p (the smallest set of most likely tokens whose probability reaches top_p, as
+    transformers' TopPLogitsWarper), drawn with the request's generator."""
+    import torch
+
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    scores = logits.cpu() / params.temperature
+    if params.top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=False)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - params.top_p)
+        remove[-1] = False  # keep at least the most likely token
+        scores = scores.clone()
+        scores[order[remove]] = -float("inf")
+    probs = scores.softmax(dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _stable_prefix(text: str, stop: tuple[str, ...]) -> str:
+    """The text that can be sent now: not a trailing incomplete character, nor a trailing piece that may
+    become a stop sequence."""
+    text = text.rstrip("\ufffd")
+    hold = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                hold = max(hold, n)
+                break
+    return text[:len(text) - hold]
