@@ -1,0 +1,207 @@
+"""Continuous batching in the runtime (runtime/batching.py, runtime/packed.py): each request's tokens and
+logits are those it gets alone, bit for bit on CPU float32, whatever joins and leaves around it; a batch
+fetches the union of its experts once; per-request state ends with the request; a failing expert fails
+only the requests that need it."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from moe_offload.api import load  # noqa: E402
+from moe_offload.errors import ConfigError  # noqa: E402
+from moe_offload.runtime.batching import SamplingParams  # noqa: E402
+from moe_offload.runtime.packing import packed_directory, read_manifest  # noqa: E402
+from moe_offload.runtime.storage import ExpertReadError  # noqa: E402
+
+PROMPTS = ["User: what is a cache?\nAssistant:", "User: hi\nAssistant:",
+           "User: tell me about the history of Rome, its emperors and its roads\nAssistant:",
+           "def add(a, b):", "The quick brown fox"]
+NEW_TOKENS = [12, 7, 10, 5, 9]
+
+
+class BatchSizes:
+    def __init__(self):
+        self.sizes = []
+
+    def on_pass(self, batch, seconds):
+        self.sizes.append(batch)
+
+    def on_finish(self, completion):
+        pass
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """Each prompt's greedy tokens and logits when it runs alone (transformers' generate)."""
+    with load("tiny", fast_budget="30%", policy="lru") as engine:
+        return [engine.generate(p, max_new_tokens=n, return_logits=True) for p, n in zip(PROMPTS, NEW_TOKENS)]
+
+
+def assert_same(completion, reference):
+    assert completion.token_ids == reference.token_ids
+    assert len(completion.logits) == len(reference.logits)
+    assert all(torch.equal(a, b) for a, b in zip(completion.logits, reference.logits))
+    assert completion.text == reference.text
+
+
+@pytest.mark.parametrize("prefetch", [None, "moepic"])
+def test_greedy_outputs_under_concurrent_load_equal_each_request_alone_bit_for_bit(alone, prefetch):
+    sizes = BatchSizes()
+    with load("tiny", fast_budget="30%", policy="lru", prefetch=prefetch, max_batch=3) as engine:
+        engine.scheduler.observers.append(sizes)
+        first = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True))
+                 for p, n in zip(PROMPTS[:2], NEW_TOKENS[:2])]
+        stream = iter(first[0])
+        for _ in range(3):  # the others join while the first two are decoding
+            next(stream)
+        later = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True))
+                 for p, n in zip(PROMPTS[2:], NEW_TOKENS[2:])]
+        completions = [handle.result(timeout=120) for handle in first + later]
+    for completion, reference in zip(completions, alone):
+        assert completion.finish_reason == "length"
+        assert_same(completion, reference)
+    assert max(sizes.sizes) == 3 and sizes.sizes[0] <= 2 and sizes.sizes[-1] == 1  # joined, waited, left
+
+
+def test_a_batch_fetches_the_union_of_its_experts_once():
+    prompt, n = PROMPTS[0], 6
+    with load("tiny", fast_budget="100%", policy="lru") as engine:
+        single = engine.generate_batch([prompt], max_new_tokens=n)[0]
+        one = engine.stats
+    with load("tiny", fast_budget="100%", policy="lru", max_batch=2) as engine:
+        pair = engine.generate_batch([prompt, prompt], max_new_tokens=n)
+        two = engine.stats
+    # identical requests in the same passes: the same experts, each accessed and loaded once per pass
+    assert two.accesses == one.accesses and two.on_demand_loads == one.on_demand_loads > 0
+    for completion in pair:
+        assert completion.token_ids == single.token_ids
+        assert completion.stats.accesses == single.stats.accesses == one.accesses
+        assert completion.stats.hits == single.stats.hits
+
+
+def test_seeded_sampling_is_the_same_whatever_else_runs():
+    params = dict(max_tokens=10, temperature=1.0, top_p=0.9)
+    with load("tiny", fast_budget="50%", max_batch=4) as engine:
+        alone = engine.submit(PROMPTS[0], SamplingParams(seed=7, **params)).result(timeout=60)
+        crowd = [engine.submit(p, SamplingParams(seed=s, **params)) for p, s in
+                 [(PROMPTS[1], 1), (PROMPTS[0], 7), (PROMPTS[2], 2), (PROMPTS[0], 8)]]
+        results = [handle.result(timeout=60) for handle in crowd]
+    assert results[1].token_ids == alone.token_ids
+    assert results[3].token_ids != alone.token_ids  # another seed draws other tokens
+
+
+def test_stop_sequences_end_the_text_before_them(alone):
+    reference = alone[0]
+    stop = reference.text[len(reference.text) // 2:][:3]
+    assert stop.strip()
+    with load("tiny", fast_budget="50%") as engine:
+        handle = engine.submit(PROMPTS[0], SamplingParams(max_tokens=NEW_TOKENS[0], stop=(stop, "never seen")))
+        streamed = "".join(delta.text for delta in handle)
+        completion = handle.result()
+    cut = reference.text.index(stop)
+    assert completion.finish_reason == "stop"
+    assert completion.text == streamed == reference.text[:cut]
+    assert completion.token_ids == reference.token_ids[:len(completion.token_ids)]
+    assert len(completion.token_ids) < len(reference.token_ids)
+
+
+def test_per_sequence_state_ends_when_the_request_leaves():
+    seen = []
+    with load("tiny", fast_budget="30%", policy="moe-infinity", prefetch="moe-infinity", max_batch=3) as engine:
+        policy = engine.tiers[0].cache.policy
+        original = policy.on_access
+
+        def spy(key, ctx):
+            seen.append(dict(ctx.routed))
+            original(key, ctx)
+
+        policy.on_access = spy
+        handles = [engine.submit(p, SamplingParams(max_tokens=n)) for p, n in zip(PROMPTS[:3], NEW_TOKENS[:3])]
+        for handle in handles:
+            handle.result(timeout=60)
+        assert policy.sequences.by_request == {}
+        assert engine.prefetcher._current == {}
+        assert engine.runner.embeddings == {} and engine.runner.request_counters == {}
+    requests = {handle.request for handle in handles}
+    assert any(len(routed) > 1 for routed in seen)  # an access carried several requests' tokens
+    assert set().union(*seen) == requests
+
+
+def test_cancelled_requests_leave_at_the_next_iteration():
+    with load("tiny", fast_budget="50%", max_batch=2) as engine:
+        handle = engine.submit(PROMPTS[0], SamplingParams(max_tokens=200))
+        other = engine.submit(PROMPTS[1], SamplingParams(max_tokens=5))
+        next(iter(handle))
+        handle.cancel()
+        completion = handle.result(timeout=60)
+        assert completion.finish_reason == "cancelled" and len(completion.token_ids) < 200
+        assert other.result(timeout=60).finish_reason == "length"
+        assert engine.scheduler.queued == (0, 0)
+
+
+def test_bad_parameters_are_refused_before_any_work():
+    with load("tiny", fast_budget="50%") as engine:
+        for params, problem in [(SamplingParams(max_tokens=0), "max_tokens"),
+                                (SamplingParams(top_p=0.0), "top_p"),
+                                (SamplingParams(temperature=-1.0), "temperature"),
+                                (SamplingParams(max_tokens=5000), "context")]:
+            with pytest.raises(ConfigError, match=problem):
+                engine.submit(PROMPTS[0], params)
+        with pytest.raises(ConfigError, match="context"):
+            engine.submit("word " * 2000, SamplingParams(max_tokens=1))
+        assert engine.scheduler.queued == (0, 0)
+
+
+def test_a_failing_expert_fails_only_the_requests_that_need_it(alone, tmp_path):
+    source = packed_directory("tiny")
+    packed = tmp_path / "packed"
+    shutil.copytree(source, packed)
+    manifest = read_manifest(packed)
+    # the experts each prompt routes to at layer 3, from a run on the intact pack
+    routed: dict[int, set] = {}
+    with load("tiny", fast_budget="100%", max_batch=len(PROMPTS)) as engine:
+        policy = engine.tiers[0].cache.policy
+        original = policy.on_access
+        lock = threading.Lock()
+
+        def spy(key, ctx):
+            with lock:
+                for request in ctx.routed:
+                    routed.setdefault(request, set()).add(key)
+            original(key, ctx)
+
+        policy.on_access = spy
+        handles = [engine.submit(p, SamplingParams(max_tokens=n)) for p, n in zip(PROMPTS, NEW_TOKENS)]
+        for handle in handles:
+            handle.result(timeout=60)
+    needs = [routed[handle.request] for handle in handles]
+    J = manifest.num_experts
+    candidates = [key for key in range(3 * J, 4 * J) if 0 < sum(key in n for n in needs) < len(needs)]
+    victim = candidates[0]
+    layer_file = manifest.layer_path(3)
+    data = bytearray(layer_file.read_bytes())
+    data[(victim - 3 * J) * manifest.expert_bytes + 5] ^= 0xFF
+    layer_file.write_bytes(bytes(data))
+    from moe_offload.runtime.engine import OffloadEngine
+
+    with OffloadEngine(packed, fast_budget="100%", max_batch=len(PROMPTS)) as engine:
+        handles = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True))
+                   for p, n in zip(PROMPTS, NEW_TOKENS)]
+        completions = [handle.result(timeout=60) for handle in handles]
+        after = engine.generate_batch([PROMPTS[i] for i, n in enumerate(needs) if victim not in n][:1],
+                                      max_new_tokens=3)[0]
+    for completion, need, reference in zip(completions, needs, alone):
+        if victim in need:
+            assert completion.finish_reason == "error"
+            assert isinstance(completion.error, ExpertReadError)
+            assert "layer003.bin" in str(completion.error) and "checksum" in str(completion.error)
+        else:
+            assert completion.finish_reason == "length"
+            assert_same(completion, reference)
+    assert after.finish_reason == "length"  # the engine serves on
