@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up the test environment (pytest, libcachesim, hypothesis, CPU PyTorch) and run the test suite.
+# Set up the test environment (pytest, libcachesim, hypothesis, the openai client, CPU PyTorch, the server's
+# FastAPI, uvicorn and prometheus-client) and run the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup-env.sh test,models
+bash scripts/setup-env.sh test,models,serve
 exec .venv/bin/python -m pytest "$@"

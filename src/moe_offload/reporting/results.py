@@ -39,6 +39,8 @@ class RunResult:
     prefetch_search_seconds: float | None = None  # the prefetcher's history searches, on or off the inference path
     per_layer_stall_seconds: list[float] | None = None
     bytes_per_link: dict[str, int] | None = None  # link name ("host->gpu") -> bytes put on the wire
+    tier_requests: dict[str, int] | None = None  # runtime: tier -> expert accesses it served (host: fast misses)
+    tier_hits: dict[str, int] | None = None      # runtime: tier -> of those, resident in the tier
     ttft_percentiles: dict[str, float] | None = None  # "p50", "p90", "p99"
     tpot_percentiles: dict[str, float] | None = None
     request_ttft_seconds: list[float] | None = None

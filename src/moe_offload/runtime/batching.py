@@ -43,6 +43,7 @@ from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload.reporting.results import RunResult
 from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.packed import PackedPass, Segment, restore, segmented_linear, snapshot
+from moe_offload.values import integer, number, text
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -63,14 +64,15 @@ class SamplingParams:
     return_logits: bool = False
 
     def check(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ConfigError(f"max_tokens must be a whole number of at least 1, not {self.max_tokens!r}")
-        if not 0.0 <= float(self.temperature) <= 100.0:
-            raise ConfigError(f"temperature must be within 0..100, not {self.temperature!r}")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            raise ConfigError(f"top_p must be above 0 and at most 1, not {self.top_p!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ConfigError("stop sequences must be non-empty strings")
+        """Each field checked (values.py), in place; a ConfigError names the first bad one."""
+        self.max_tokens = integer(self.max_tokens, "max_tokens", low=1)
+        self.temperature = number(self.temperature, "temperature", low=0, high=2)  # OpenAI's range
+        self.top_p = number(self.top_p, "top_p", low=0, high=1, low_open=True)
+        if self.seed is not None:
+            self.seed = integer(self.seed, "seed", low=0, high=2**63 - 1)
+        if isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        self.stop = tuple(text(s, "a stop sequence") for s in self.stop)
 
 
 @dataclass
@@ -238,14 +240,18 @@ class BatchScheduler:
         with self.cond:
             return len(self.running), len(self.waiting)
 
+    def cancel_all(self) -> None:
+        """Every waiting and running request leaves at the next iteration (a server shutting down)."""
+        with self.cond:
+            for request in list(self.waiting) + self.running:
+                request.handle.cancel()
+            self.cond.notify_all()
+
     def close(self) -> None:
         """Cancel what has not finished and stop the thread (the engine closes the rest)."""
+        self.cancel_all()
         with self.cond:
             self.stopping = True
-            for request in list(self.waiting):
-                request.handle.cancel()
-            for request in self.running:
-                request.handle.cancel()
             self.cond.notify_all()
         if self._thread is not None:
             self._thread.join()
@@ -354,11 +360,11 @@ class BatchScheduler:
             finish = "stop"
         tokenizer = self.tokenizer
         if tokenizer is not None:
-            text = tokenizer.decode(request.tokens, skip_special_tokens=True)
-            cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
+            decoded = tokenizer.decode(request.tokens, skip_special_tokens=True)
+            cut = min((i for i in (decoded.find(s) for s in params.stop) if i >= 0), default=-1)
             if cut >= 0:
-                text, finish = text[:cut], "stop"
-            request.text = text
+                decoded, finish = decoded[:cut], "stop"
+            request.text = decoded
         if finish is None and len(request.tokens) >= params.max_tokens:
             finish = "length"
         if finish is None:

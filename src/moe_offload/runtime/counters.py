@@ -10,6 +10,7 @@ class Counters:
     accesses: int = 0
     hits: int = 0
     on_demand_loads: int = 0
+    host_hits: int = 0  # demand loads that found the expert in the host tier
     prefetches_issued: int = 0
     prefetches_used: int = 0
     prefetches_wasted: int = 0
@@ -45,8 +46,9 @@ class Counters:
                 setattr(out, name, value - old)
         return out
 
-    def count_access(self, layer: int, hit: bool, demand: bool, prefetch_used: bool) -> None:
+    def count_access(self, layer: int, hit: bool, demand: bool, prefetch_used: bool, from_host: bool) -> None:
         """One expert access of one request (the runner's per-request counters)."""
+        self.host_hits += from_host
         self.accesses += 1
         self.per_layer_accesses[layer] += 1
         if hit:

@@ -374,6 +374,8 @@ class OffloadEngine:
             total_seconds=total, prefetcher=self.prefetch_name, hardware=f"runtime ({self.device.type})",
             cache_bytes=self.tiers[0].cache.capacity, on_demand_loads=c.on_demand_loads,
             bytes_per_link=dict(c.bytes_per_link),
+            tier_requests={"fast": c.accesses, **({"host": c.on_demand_loads} if len(self.tiers) > 1 else {})},
+            tier_hits={"fast": c.hits, **({"host": c.host_hits} if len(self.tiers) > 1 else {})},
             bytes_loaded=sum(v for k, v in c.bytes_per_link.items() if k.endswith("->fast")))
 
     @property
@@ -381,6 +383,11 @@ class OffloadEngine:
         """Everything since the engine started (or since preloading ended)."""
         with self.path.cond:
             return self._result(self.counters.copy())
+
+    def link_busy_seconds(self) -> dict:
+        """Seconds a transfer was on each link since the engine started."""
+        with self.path.cond:
+            return dict(self.counters.link_busy_seconds)
 
     def close(self) -> None:
         if self._scheduler is not None:

@@ -136,18 +136,20 @@ class ModelRunner:
                     c.prefetches_used += 1
                 hit = fast.touch(key, ctx)
                 demand = not hit and not path.on_wire_to_fast(key)  # a prefetch on the last wire is no demand load
+                from_host = demand and len(path.tiers) > 1 and key in path.tiers[1].cache
                 if hit:
                     c.hits += 1
                     c.per_layer_hits[layer] += 1
                 else:
                     missing = True
                     if demand:
+                        c.host_hits += from_host
                         path.route(key, demand=True, priority=math.inf)  # also on its way to the host: demand
                         c.on_demand_loads += 1
                 if per_request:
                     for counters, n in zip(own, counts):
                         if counters is not None and n:
-                            counters.count_access(layer, hit, demand, used)
+                            counters.count_access(layer, hit, demand, used, from_host)
                 for request in ctx.routed:
                     self.keys_of.setdefault(request, set()).add(key)
             ctx.routed = None

@@ -1,0 +1,73 @@
+"""`moe-offload serve`: an OpenAI-compatible server with continuous batching (moe_offload/server)."""
+
+from __future__ import annotations
+
+import argparse
+
+from moe_offload.cli.simulate_cmd import POLICY_OPTION, PREFETCH_OPTION, parse_component_options
+from moe_offload.errors import ConfigError
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="serve the model over HTTP with the OpenAI API, continuous batching and /metrics",
+        description="An OpenAI-compatible server (/v1/models, /v1/completions, /v1/chat/completions, streaming "
+                    "or not; /health; /metrics in the Prometheus format) over the offloaded engine. Requests "
+                    "join and leave the running batch at iteration boundaries; one forward pass computes every "
+                    "running request's next token, fetching the union of their experts once; a request's "
+                    "greedy tokens are those it gets alone. Ctrl-C or SIGTERM: running requests finish (or are "
+                    "cancelled after a grace period), the engine closes, exit 0. Needs the 'serve' extra.")
+    parser.add_argument("--model", default="tiny", metavar="tiny|DIR", help="model (default: tiny)")
+    parser.add_argument("--fast-budget", default="50%", metavar="SIZE|P%",
+                        help="fast-tier budget: a share of all expert bytes (30%%) or a size (64MiB); default 50%%")
+    parser.add_argument("--host-budget", default=None, metavar="SIZE|P%",
+                        help="add a host-memory tier of this budget between the files and the fast tier")
+    parser.add_argument("--policy", default="lru", help="eviction policy (default lru; see `moe-offload policies`)")
+    parser.add_argument("--prefetch", default=None, metavar="NAME", help="prefetcher (default: none)")
+    parser.add_argument("--prefetch-history", default=None, metavar="TRACE",
+                        help="trace the prefetcher learns from first (default for --model tiny: the bundled one)")
+    parser.add_argument("--policy-option", action="append", default=[], metavar=POLICY_OPTION)
+    parser.add_argument("--prefetch-option", action="append", default=[], metavar=PREFETCH_OPTION)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", default="8000", help="port (default 8000)")
+    parser.add_argument("--max-batch", default="16", metavar="N",
+                        help="requests in the running batch at most (default 16); the others wait")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--bypass-page-cache", action="store_true",
+                        help="drop expert files from the page cache before each read (honest SSD timings)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from moe_offload.models import require_model_stack
+
+    require_model_stack("serve")
+    for module in ("fastapi", "uvicorn", "prometheus_client"):
+        try:
+            __import__(module)
+        except ImportError:
+            raise ConfigError(f"serve needs {module}, which is not installed: pip install 'moe-offload[serve]'") \
+                from None
+    from moe_offload import values
+    from moe_offload.api import load
+    from moe_offload.policies import policy_info
+    from moe_offload.prefetch import prefetcher_info
+    from moe_offload.server import model_name, serve
+
+    port = values.integer(args.port, "--port", low=1, high=65535)
+    max_batch = values.integer(args.max_batch, "--max-batch", low=1, high=4096)
+    host = values.text(args.host, "--host")
+    device = values.device(args.device) if args.device is not None else None
+    policy_options = parse_component_options(args.policy_option, "--policy-option", POLICY_OPTION, policy_info)
+    prefetch_options = parse_component_options(args.prefetch_option, "--prefetch-option", PREFETCH_OPTION,
+                                               prefetcher_info)
+    engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
+                  policy_options=policy_options.get(args.policy), prefetch=args.prefetch,
+                  prefetch_options=prefetch_options.get(args.prefetch) if args.prefetch else None,
+                  prefetch_history=args.prefetch_history, device=device, bypass_page_cache=args.bypass_page_cache,
+                  max_batch=max_batch)
+    name = model_name(args.model)
+    print(f"moe-offload: serving {name} on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics); "
+          "Ctrl-C to stop", flush=True)
+    serve(engine, name, host, port)
+    return 0
