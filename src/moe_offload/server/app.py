@@ -196,13 +196,20 @@ def _config(engine, name: str, host: str, port: int):
 def serve(engine, name: str, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Serve until SIGINT or SIGTERM: running requests finish (or are cancelled after GRACE_SECONDS), then
     the engine is closed."""
+    import signal
+
     import uvicorn
 
     server = uvicorn.Server(_config(engine, name, host, port))
+    # uvicorn handles SIGINT and SIGTERM while it runs, then raises them again for the handlers it found:
+    # these, so that a requested shutdown ends here, with the engine closed and exit status 0.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run()
     finally:
         engine.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if not server.started:
         raise ConfigError(f"cannot serve on {host}:{port} (in use, or not an address of this machine)")
 
