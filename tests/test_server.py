@@ -298,6 +298,7 @@ def test_sigterm_finishes_the_server_and_exits_zero():
         assert response.readline().startswith(b"data: ")
         process.send_signal(signal.SIGTERM)  # the running request finishes within the grace period
         assert response.read().decode().rstrip().endswith("data: [DONE]")
+        response.close()
         assert process.wait(timeout=30) == 0
     finally:
         if process.poll() is None:

@@ -25,7 +25,7 @@ the batch; the source is told how many tokens of each segment each expert serves
 
 from __future__ import annotations
 
-from contextlib import closing, nullcontext
+from contextlib import closing
 from typing import Iterator, Protocol
 
 IMPLEMENTATION = "moe_offload"
@@ -77,6 +77,9 @@ def routing_plan(top_k_index, segment_starts=(0,)):
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    import itertools
+
+    import torch
     import torch.nn.functional as F
 
     source: ExpertSource | None = getattr(self, "expert_source", None)
@@ -89,18 +92,25 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         arrivals = source.layer_experts(self.moe_layer, needed, counts)
     position = {expert: i for i, expert in enumerate(needed)}
     outputs = {}
-    with closing(arrivals), (packed.experts_compute() if packed is not None else nullcontext()):
+    with closing(arrivals):
         for expert, weights in arrivals:
-            computed = []
-            for token_idx, top_k_pos in groups[position[expert]]:  # one matrix product per segment
+            group = groups[position[expert]]
+            if len(group) == 1:
+                token_idx, top_k_pos = group[0]
                 current = self._apply_gate(F.linear(hidden_states[token_idx], weights["gate_up_proj"]))
-                current = F.linear(current, weights["down_proj"]) * top_k_weights[token_idx, top_k_pos, None]
-                computed.append((token_idx, current))
-            outputs[expert] = computed
+                current = F.linear(current, weights["down_proj"])
+            else:  # products once per segment; the element-wise activation over all of them at once
+                token_idx, top_k_pos = torch.cat([g[0] for g in group]), torch.cat([g[1] for g in group])
+                current = self._apply_gate(torch.cat([F.linear(hidden_states[t], weights["gate_up_proj"])
+                                                      for t, _ in group]))
+                bounds = [0, *itertools.accumulate(len(t) for t, _ in group)]
+                current = torch.cat([F.linear(current[a:b], weights["down_proj"])
+                                     for a, b in zip(bounds, bounds[1:])])
+            outputs[expert] = (token_idx, current * top_k_weights[token_idx, top_k_pos, None])
     final_hidden_states = hidden_states.new_zeros(hidden_states.shape)
     for expert in needed:  # ascending: each token sums its experts in the eager forward's order
-        for token_idx, current in outputs[expert]:
-            final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
+        token_idx, current = outputs[expert]
+        final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
     return final_hidden_states
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload.reporting.results import RunResult
 from moe_offload.runtime.counters import Counters
-from moe_offload.runtime.packed import PackedPass, Segment, restore, segmented_linear, snapshot
+from moe_offload.runtime.packed import PackedPass, Segment, restore, snapshot
 from moe_offload.values import integer, number, text
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -175,6 +175,8 @@ class BatchScheduler:
         self.running: list[_Request] = []
         self.stopping = False
         self.iterations = 0
+        self.forward_seconds = 0.0   # in forward passes (expert loads waited for included)
+        self.advance_seconds = 0.0   # sampling, detokenising, stop checks and events after each pass
         self.observers: list = []  # objects with on_pass(batch, seconds) and on_finish(completion)
         self._thread: threading.Thread | None = None
         self._tokenizer = None
@@ -311,7 +313,7 @@ class BatchScheduler:
                 for request in batch:
                     runner.request_counters[request.id] = request.counters
                 try:
-                    with torch.inference_mode(), segmented_linear(packed):
+                    with torch.inference_mode():
                         hidden = self.model.model(
                             input_ids=torch.tensor([tokens], device=device),
                             position_ids=torch.tensor([positions], device=device),
@@ -326,10 +328,12 @@ class BatchScheduler:
             return
         now = time.perf_counter()
         self.iterations += 1
+        self.forward_seconds += now - started
         for observer in self.observers:
             observer.on_pass(len(batch), now - started)
         for request, row in zip(batch, logits):
             self._advance(request, row, now)
+        self.advance_seconds += time.perf_counter() - now
 
     def _failed(self, batch, saved, exc) -> None:
         path = self.engine.path

@@ -281,7 +281,8 @@ class OffloadEngine:
         is given; the other SamplingParams fields as keywords)."""
         from moe_offload.runtime.batching import SamplingParams
 
-        handles = [self.submit(prompt, SamplingParams(max_tokens=max_new_tokens, **params)) for prompt in prompts]
+        with self.scheduler.cond:  # all join the batch at the same iteration (up to max_batch)
+            handles = [self.submit(prompt, SamplingParams(max_tokens=max_new_tokens, **params)) for prompt in prompts]
         return [handle.result() for handle in handles]
 
     def _locked(self, fn, *args):

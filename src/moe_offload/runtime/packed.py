@@ -7,10 +7,11 @@ one *segment* of the sequence. Three things make a segment's result the bits its
 
 - **matrix products per segment**: a product over T rows does not give each row the bits the same product
   gives it over its request's rows alone (measured on this machine's CPU: MKL takes another kernel for one
-  row than for several, and another blocking for a row inside a longer block). :class:`SegmentedLinear`
-  computes every ``linear`` of the pass (projections, routers) once per segment, and the experts function
-  (models/experts.py) computes each expert once per segment it serves. Element-wise operations and
-  reductions along the hidden dimension (norms, softmax, RoPE, residuals) do not mix rows.
+  row than for several, and another blocking for a row inside a longer block). :func:`segment_rows` makes
+  every ``nn.Linear`` and every router of the model run once per segment, and the experts function
+  (models/experts.py) computes each expert's products once per segment it serves. Element-wise operations
+  and reductions along the hidden dimension (norms, softmax, RoPE, residuals, the experts' activation) do
+  not mix rows; they run once over the whole pass.
 - **attention per segment** (:func:`segmented_attention`, registered as the attention implementation
   :data:`ATTENTION`): each segment attends over its own request's KV cache (a transformers ``DynamicCache``
   per request, appended to as transformers' own update does) with the arguments transformers' ``sdpa``
@@ -30,8 +31,7 @@ of rows (cuBLAS picks algorithms by shape) or concurrency: the runtime does not 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 ATTENTION = "moe_offload_segments"
 
@@ -50,7 +50,6 @@ class Segment:
 @dataclass
 class PackedPass:
     segments: list[Segment]
-    inside_experts: bool = field(default=False)
 
     @property
     def tokens(self) -> int:
@@ -63,15 +62,6 @@ class PackedPass:
     @property
     def requests(self) -> list[int]:
         return [segment.request for segment in self.segments]
-
-    @contextmanager
-    def experts_compute(self):
-        """The experts function splits its products by segment itself: the linear mode leaves them alone."""
-        self.inside_experts = True
-        try:
-            yield
-        finally:
-            self.inside_experts = False
 
 
 def segmented_attention(module, query, key, value, attention_mask, packed: PackedPass | None = None, **kwargs):
@@ -92,40 +82,38 @@ def segmented_attention(module, query, key, value, attention_mask, packed: Packe
     return torch.cat(outputs, dim=1), None
 
 
-def _segmented_linear_mode():
+def segment_rows(model, adapter, current) -> list:
+    """Make every row-wise module of ``model`` compute a packed pass once per segment: every ``nn.Linear``
+    (projections, shared experts, the LM head) and every router (a linear, then softmax and top-k per row).
+    ``current()`` returns the running PackedPass or None (then the module runs as it is). Returns the
+    wrapped modules (:func:`unsegment_rows` undoes it)."""
     import torch
-    import torch.nn.functional as F
-    from torch.overrides import TorchFunctionMode
 
-    class SegmentedLinear(TorchFunctionMode):
-        """Every ``linear`` over the packed rows runs once per segment (see the module docstring)."""
-
-        def __init__(self, packed: PackedPass):
-            super().__init__()
-            self.packed = packed
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            packed = self.packed
-            if func is F.linear and not packed.inside_experts and len(packed.segments) > 1:
-                rows = args[0]
-                if rows.dim() >= 2 and rows.shape[-2] == packed.tokens:
-                    parts = [func(rows[..., s.start:s.end, :], *args[1:], **kwargs) for s in packed.segments]
-                    return torch.cat(parts, dim=-2)
-            return func(*args, **kwargs)
-
-    return SegmentedLinear
+    modules = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    modules += [adapter.router(layer) for layer in range(adapter.num_layers) if adapter.router(layer) not in modules]
+    for module in modules:
+        module.forward = _per_segment(module.forward, current)
+    return modules
 
 
-_MODE = None
+def unsegment_rows(modules) -> None:
+    for module in modules:
+        del module.forward  # the class's own forward again
 
 
-def segmented_linear(packed: PackedPass):
-    """A context in which every ``linear`` over the pass's T rows is computed per segment."""
-    global _MODE
-    if _MODE is None:
-        _MODE = _segmented_linear_mode()
-    return _MODE(packed)
+def _per_segment(forward, current):
+    import torch
+
+    def run(rows, *args, **kwargs):
+        packed = current()
+        if packed is None or len(packed.segments) == 1 or rows.dim() < 2 or rows.shape[-2] != packed.tokens:
+            return forward(rows, *args, **kwargs)
+        parts = [forward(rows[..., s.start:s.end, :], *args, **kwargs) for s in packed.segments]
+        if isinstance(parts[0], tuple):  # a router: (logits, weights, experts), each [tokens, ...]
+            return tuple(torch.cat(column, dim=0) for column in zip(*parts))
+        return torch.cat(parts, dim=-2)
+
+    return run
 
 
 def register_attention(model) -> None:

@@ -56,16 +56,18 @@ class ModelRunner:
         self.keys_of: dict = {}     # request -> the experts it routed to in the running pass (failures)
         self.probs = np.zeros((spec.num_layers, spec.num_experts), np.float32)
         self._hooks = []
+        self._segmented = []
         self._tap = None
 
     # ------------------------------------------------------------------------------------------ set-up
     def install(self) -> None:
         from moe_offload.models.experts import use_project_experts
         from moe_offload.models.routing_tap import RoutingTap
-        from moe_offload.runtime.packed import register_attention
+        from moe_offload.runtime.packed import register_attention, segment_rows
 
         use_project_experts(self.adapter, self)
         register_attention(self.model)  # sdpa, and per request in a packed pass (runtime/packed.py)
+        self._segmented = segment_rows(self.model, self.adapter, lambda: self.packed)
         if self.replay is not None:
             self.replay.install()  # first: the hooks below see the forced routing and the pass already started
         base = self.model.model
@@ -76,6 +78,9 @@ class ModelRunner:
             self._tap.__enter__()
 
     def remove(self) -> None:
+        from moe_offload.runtime.packed import unsegment_rows
+
+        unsegment_rows(self._segmented)
         for handle in self._hooks:
             handle.remove()
         if self._tap is not None:

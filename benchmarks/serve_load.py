@@ -1,0 +1,178 @@
+"""Load on the OpenAI-compatible server: concurrent clients against the same requests sent one at a time.
+
+    python benchmarks/serve_load.py [--clients 1,4,16,64] [--budgets 30,100] [--requests 64]
+        [--max-tokens 16] [--policy lru] [--prefetch none] [--max-batch 64] [--json FILE]
+
+For each fast budget a fresh engine (cold fast tier) serves in this process on a free port
+(``ServerThread``); the same ``--requests`` ShareGPT first turns (chat, greedy) are sent by 1, 4, 16 and 64
+concurrent clients through the official ``openai`` client, streaming, each client taking the next request
+when its last one ended. 1 client is the requests sent one at a time. Per level: output tokens/s (all
+output tokens / wall time), TTFT and TPOT p50 and p99 as the clients see them (first streamed text; the
+gaps after it per output token), the fast tier's hit rate over the level, errors (must be 0), and the
+ratio of tokens/s to one at a time. Every level checks that each request's text equals its text at one
+client (greedy outputs do not depend on the batch).
+
+Where the time goes, per level: the scheduler thread's forward passes (``forward``; the part of it spent
+waiting for experts: ``stall``), its sampling, detokenising and stop checks (``advance``), and the rest of
+the wall time, in which the scheduler thread is idle: HTTP, JSON, request parsing and tokenising in the
+event loop and the clients (``other``).
+
+This machine has 2 cores shared with other work: ratios within one run are the numbers to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+
+def sharegpt_first_turns(count: int) -> list[str]:
+    from moe_offload.text.prompts import MAX_SHAREGPT_CHARS
+    from moe_offload.text.sources import sharegpt_prompts
+
+    return [text[:MAX_SHAREGPT_CHARS // 4] for text in sharegpt_prompts()[200:200 + count]]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def one_request(client, question: str, max_tokens: int) -> dict:
+    started = time.perf_counter()
+    times, text, usage, finish = [], [], None, None
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": question}],
+                                            max_tokens=max_tokens, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices:
+            if chunk.choices[0].delta.content:
+                times.append(time.perf_counter())
+                text.append(chunk.choices[0].delta.content)
+            finish = chunk.choices[0].finish_reason or finish
+    tokens = usage.completion_tokens if usage is not None else 0
+    return {"text": "".join(text), "tokens": tokens, "finish": finish,
+            "ttft": times[0] - started if times else None,
+            "tpot": (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else None}
+
+
+def run_level(server, engine, questions: list[str], clients: int, max_tokens: int) -> dict:
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    scheduler = engine.scheduler
+    before, forward, advance = engine.stats, scheduler.forward_seconds, scheduler.advance_seconds
+    errors = []
+
+    def worker(question):
+        try:
+            return one_request(client, question, max_tokens)
+        except Exception as exc:  # noqa: BLE001 - counted, the benchmark reports errors
+            errors.append(f"{type(exc).__name__}: {exc}")
+            return None
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(worker, questions))
+    wall = time.perf_counter() - started
+    after = engine.stats
+    done = [r for r in results if r is not None]
+    tokens = sum(r["tokens"] for r in done)
+    accesses, hits = after.accesses - before.accesses, after.hits - before.hits
+    forward = scheduler.forward_seconds - forward
+    advance = scheduler.advance_seconds - advance
+    stall = after.stall_seconds - before.stall_seconds
+    ttfts = [r["ttft"] for r in done if r["ttft"] is not None]
+    tpots = [r["tpot"] for r in done if r["tpot"] is not None]
+    errors += [f"finish_reason {r['finish']}" for r in done if r["finish"] not in ("length", "stop")]
+    return {"clients": clients, "requests": len(questions), "output_tokens": tokens, "wall_seconds": wall,
+            "tokens_per_second": tokens / wall, "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
+            "tpot_p50": percentile(tpots, 50), "tpot_p99": percentile(tpots, 99),
+            "hit_rate": hits / accesses if accesses else 0.0, "expert_accesses": accesses, "errors": errors,
+            "forward_seconds": forward, "stall_seconds": stall, "advance_seconds": advance,
+            "other_seconds": max(wall - forward - advance, 0.0), "texts": [r["text"] if r else None for r in results]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", default="1,4,16,64")
+    parser.add_argument("--budgets", default="30,100", help="fast budgets, percent of all expert bytes")
+    parser.add_argument("--requests", default="64", help="requests per level (default 64)")
+    parser.add_argument("--max-tokens", default="16")
+    parser.add_argument("--policy", default="lru")
+    parser.add_argument("--prefetch", default="none")
+    parser.add_argument("--max-batch", default="64")
+    parser.add_argument("--json", default=None, metavar="FILE")
+    args = parser.parse_args(argv)
+
+    from moe_offload import values
+    from moe_offload.api import load
+    from moe_offload.outputs import check_output, write_atomically
+    from moe_offload.server import ServerThread
+
+    clients = [values.integer(c, "--clients", low=1) for c in args.clients.split(",")]
+    budgets = [values.number(b, "--budgets", low=0, high=100, low_open=True) for b in args.budgets.split(",")]
+    requests = values.integer(args.requests, "--requests", low=1)
+    max_tokens = values.integer(args.max_tokens, "--max-tokens", low=1)
+    max_batch = values.integer(args.max_batch, "--max-batch", low=1)
+    if args.json:
+        check_output(args.json, suffixes=(".json",), what="benchmark result")
+    if 1 not in clients:
+        clients = [1] + clients  # the baseline: one at a time
+    questions = sharegpt_first_turns(requests)
+    prefetch = None if args.prefetch == "none" else args.prefetch
+    rows = []
+    print(f"{len(questions)} ShareGPT first turns, {max_tokens} new tokens each, greedy, streaming; policy "
+          f"{args.policy}, prefetch {args.prefetch}, max batch {max_batch}; shared 2-core machine: read ratios")
+    header = (f"{'budget':>6} {'clients':>7} {'tok/s':>7} {'x 1':>5} {'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} "
+              f"{'p99':>7} {'hit':>6} {'err':>4} | {'wall':>6} {'forward':>7} {'stall':>6} {'advance':>7} "
+              f"{'other':>6}")
+    print(header)
+    for budget in budgets:
+        with load("tiny", fast_budget=f"{budget:g}%", policy=args.policy, prefetch=prefetch,
+                  max_batch=max_batch) as engine, ServerThread(engine, "tiny") as server:
+            baseline = None
+            for level in clients:
+                row = run_level(server, engine, questions, level, max_tokens)
+                if level == 1:
+                    baseline = row
+                row["budget_percent"] = budget
+                row["speedup"] = row["tokens_per_second"] / baseline["tokens_per_second"]
+                row["same_text_as_one_at_a_time"] = row["texts"] == baseline["texts"]
+                if not row["same_text_as_one_at_a_time"]:
+                    row["errors"].append("a text differs from the one-at-a-time run")
+                rows.append(row)
+                ms = lambda v: f"{v * 1000:7.0f}" if v is not None else "      -"  # noqa: E731
+                print(f"{budget:5g}% {level:7d} {row['tokens_per_second']:7.1f} {row['speedup']:5.2f} "
+                      f"{ms(row['ttft_p50'])}ms {ms(row['ttft_p99'])} {ms(row['tpot_p50'])}ms {ms(row['tpot_p99'])} "
+                      f"{row['hit_rate']:6.1%} {len(row['errors']):4d} | {row['wall_seconds']:6.1f} "
+                      f"{row['forward_seconds']:7.1f} {row['stall_seconds']:6.1f} {row['advance_seconds']:7.1f} "
+                      f"{row['other_seconds']:6.1f}", flush=True)
+    failures = [e for row in rows for e in row["errors"]]
+    for row in rows:
+        row.pop("texts")
+    if args.json:
+        write_atomically(args.json, json.dumps(rows, indent=1))
+    if failures:
+        print(f"{len(failures)} error(s), first: {failures[0]}", file=sys.stderr)
+        return 1
+    sixteen = [r for r in rows if r["clients"] == 16]
+    if sixteen:
+        print("tokens/s at 16 clients / one at a time: " + ", ".join(
+            f"{r['speedup']:.2f}x at {r['budget_percent']:g}%" for r in sixteen))
+    print("median TPOT one at a time: " + ", ".join(
+        f"{statistics.median([r['tpot_p50'] for r in rows if r['clients'] == 1 and r['budget_percent'] == b]) * 1000:.0f}"
+        f" ms at {b:g}%" for b in budgets))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
