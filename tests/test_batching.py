@@ -205,3 +205,16 @@ def test_a_failing_expert_fails_only_the_requests_that_need_it(alone, tmp_path):
             assert completion.finish_reason == "length"
             assert_same(completion, reference)
     assert after.finish_reason == "length"  # the engine serves on
+
+
+def test_fast_batch_math_agrees_up_to_rounding(alone):
+    with load("tiny", fast_budget="30%", policy="lru", max_batch=len(PROMPTS), batch_math="fast") as engine:
+        completions = engine.generate_batch(PROMPTS, max_new_tokens=max(NEW_TOKENS), return_logits=True)
+    for completion, reference in zip(completions, alone):
+        assert torch.allclose(completion.logits[0], reference.logits[0], rtol=1e-4, atol=1e-4)
+        same = next((i for i, (a, b) in enumerate(zip(completion.token_ids, reference.token_ids)) if a != b),
+                    len(reference.token_ids))
+        for a, b in zip(completion.logits[:same + 1], reference.logits[:same + 1]):  # up to the first divergence
+            assert torch.allclose(a, b, rtol=1e-3, atol=1e-3)
+    with pytest.raises(ConfigError, match="batch_math"):
+        load("tiny", batch_math="quick")

@@ -245,6 +245,9 @@ def test_pack_and_generate_commands(checkpoint, tmp_path, capsys):
     assert out.startswith(PROMPTS[0]) and "tokens/s" in out and "prefetch precision" in out
     record_ = json.loads((tmp_path / "r.json").read_text())
     assert record_["policy"] == "lfu" and record_["prefetcher"] == "topk"
+    tokens, _ = checkpoint["expected"][PROMPTS[0]]
+    assert record_["token_ids"] == tokens[:4] and record_["prompt"] == PROMPTS[0]
+    assert out.startswith(PROMPTS[0] + record_["text"]) and record_["prompt_tokens"] > 0
     assert main(["generate", "--model", str(tmp_path / "p"), "--fast-budget", "1%", "x"]) == 2
     assert "cannot hold one layer's top-2" in capsys.readouterr().err
     assert main(["pack", str(tmp_path / "nothing"), "-o", str(tmp_path / "q")]) == 2

@@ -37,7 +37,8 @@ def register(subparsers) -> None:
     parser.add_argument("--bypass-page-cache", action="store_true",
                         help="drop expert files from the page cache before each read (honest SSD timings)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--json", metavar="FILE", default=None, help="also write the run's result record as JSON")
+    parser.add_argument("--json", metavar="FILE", default=None,
+                        help="also write the run's result record, with the prompt, the text and the token ids, as JSON")
     parser.set_defaults(run=run)
 
 
@@ -75,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
                                  on_text=lambda text: (sys.stdout.write(text), sys.stdout.flush()))
         sys.stdout.write("\n\n")
         print_runtime_summary(result, engine)
-    if args.json:
-        write_atomically(args.json, json.dumps(result.stats.to_dict(), indent=1))
+    if args.json:  # the run's record, with what it generated
+        record = {**result.stats.to_dict(), "prompt": prompt, "prompt_tokens": result.prompt_tokens,
+                  "text": result.text, "token_ids": result.token_ids}
+        write_atomically(args.json, json.dumps(record, indent=1))
     return 0

@@ -32,6 +32,9 @@ def register(subparsers) -> None:
     parser.add_argument("--port", default="8000", help="port (default 8000)")
     parser.add_argument("--max-batch", default="16", metavar="N",
                         help="requests in the running batch at most (default 16); the others wait")
+    parser.add_argument("--batch-math", default="exact", choices=("exact", "fast"),
+                        help="exact (default): each request's tokens are the bits it gets alone; fast: matrix "
+                             "products over the whole batch, faster, equal only up to rounding")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--bypass-page-cache", action="store_true",
                         help="drop expert files from the page cache before each read (honest SSD timings)")
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                   policy_options=policy_options.get(args.policy), prefetch=args.prefetch,
                   prefetch_options=prefetch_options.get(args.prefetch) if args.prefetch else None,
                   prefetch_history=args.prefetch_history, device=device, bypass_page_cache=args.bypass_page_cache,
-                  max_batch=max_batch)
+                  max_batch=max_batch, batch_math=args.batch_math)
     name = model_name(args.model)
     print(f"moe-offload: serving {name} on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics); "
           "Ctrl-C to stop", flush=True)

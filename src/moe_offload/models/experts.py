@@ -85,6 +85,11 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     source: ExpertSource | None = getattr(self, "expert_source", None)
     packed = getattr(source, "packed", None)
     needed, counts, groups = routing_plan(top_k_index, packed.segment_starts if packed is not None else (0,))
+    if packed is not None and not packed.exact:  # one product per expert over the whole pass
+        import torch
+
+        groups = [[(torch.cat([t for t, _ in group]), torch.cat([p for _, p in group]))] if len(group) > 1 else group
+                  for group in groups]
     if source is None:
         arrivals = ((expert, {"gate_up_proj": self.gate_up_proj[expert], "down_proj": self.down_proj[expert]})
                     for expert in needed)

@@ -300,7 +300,7 @@ class BatchScheduler:
             segments.append(Segment(request.id, start, start + len(new), not request.prefilled, request.cache))
             tokens.extend(new)
             start += len(new)
-        packed = PackedPass(segments)
+        packed = PackedPass(segments, exact=self.engine.batch_math == "exact")
         saved = [snapshot(request.cache) for request in batch]
         device = engine.device
         # A 4-D mask is taken as built: the packed pass builds none (each segment attends causally over its
@@ -318,9 +318,11 @@ class BatchScheduler:
                             input_ids=torch.tensor([tokens], device=device),
                             position_ids=torch.tensor([positions], device=device),
                             attention_mask=no_mask, use_cache=False, packed=packed).last_hidden_state
-                        # The last token's logits, one row at a time as generate computes them.
-                        logits = [self.model.lm_head(hidden[:, s.end - 1:s.end, :])[0, -1].float()
-                                  for s in segments]
+                        if packed.exact:  # the last token's logits, one row at a time as generate computes them
+                            logits = [self.model.lm_head(hidden[:, s.end - 1:s.end, :])[0, -1].float()
+                                      for s in segments]
+                        else:
+                            logits = list(self.model.lm_head(hidden[0, [s.end - 1 for s in segments]]).float())
                 finally:
                     runner.packed = None
         except Exception as exc:  # noqa: BLE001 - reported to the requests it concerns, the server goes on

@@ -113,19 +113,28 @@ class OffloadEngine:
     trace the prefetcher learns from first (MoE-Infinity's EAMs, fMoE's expert maps). ``readers``: reader
     threads of the slow tier. ``replay``: a trace (or its path) whose routing every router is forced to
     (runtime/replay.py; generate with :meth:`generate_replayed`), ``replay_weights`` ``"trace"`` or
-    ``"router"``; under a replay the oracle prefetcher can run."""
+    ``"router"``; under a replay the oracle prefetcher can run. ``max_batch``: requests a forward pass of
+    the batching scheduler holds at most; ``batch_math``: ``"exact"`` (each request gets the bits it gets
+    alone) or ``"fast"`` (products over the whole pass; runtime/packed.py)."""
 
     def __init__(self, packed_dir, *, fast_budget="50%", host_budget=None, policy: str = "lru",
                  policy_options: dict | None = None, prefetch: str | None = None,
                  prefetch_options: dict | None = None, prefetch_history=None, device=None,
                  verify_checksums: bool = True, bypass_page_cache: bool = False, retries: int = 3,
                  store: ExpertStore | None = None, preload: bool = False, seed: int = 0,
-                 readers: int | None = None, replay=None, replay_weights: str = "trace", max_batch: int = 16):
+                 readers: int | None = None, replay=None, replay_weights: str = "trace", max_batch: int = 16,
+                 batch_math: str = "exact"):
         import torch
 
         from moe_offload.models import quiet_transformers
 
+        from moe_offload.runtime.packed import BATCH_MATH
+        from moe_offload.values import integer
+
         quiet_transformers()
+        if batch_math not in BATCH_MATH:
+            raise ConfigError(f"batch_math {batch_math!r}: choose from {', '.join(BATCH_MATH)}")
+        max_batch = integer(max_batch, "max_batch", low=1)
         self.device = resolve_device(device)
         self.manifest: Manifest = read_manifest(packed_dir)
         m = self.manifest
@@ -183,7 +192,7 @@ class OffloadEngine:
                                   replay=self.replay, source=f"live generation with {m.directory}")
         self.runner.install()
         self._generate_lock = threading.Lock()
-        self.max_batch = max_batch
+        self.max_batch, self.batch_math = max_batch, batch_math
         self._scheduler = None
         self.preload_seconds = self._preload() if preload else 0.0
 

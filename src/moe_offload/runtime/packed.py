@@ -20,9 +20,10 @@ one *segment* of the sequence. Three things make a segment's result the bits its
 - **the logits of each request's last token**, one row at a time as generate computes them.
 
 What this costs: per iteration, one call of each matrix product per request instead of one for the batch,
-and one attention call per request. What it keeps: the experts a batch needs are the union of its tokens'
-selections, fetched once; one pass of Python and hooks for the batch. Outside a packed pass the registered
-attention is transformers' ``sdpa``, unchanged.
+and one attention call per request (benchmarks/serve_load.py measures it against ``batch_math="fast"``,
+which runs each product once over the whole pass and gives up the bit equality). What it keeps: the experts
+a batch needs are the union of its tokens' selections, fetched once; one pass of Python and hooks for the
+batch. Outside a packed pass the registered attention is transformers' ``sdpa``, unchanged.
 
 On a GPU the same structure holds, but bit equality also needs kernels that do not change with the number
 of rows (cuBLAS picks algorithms by shape) or concurrency: the runtime does not promise it there
@@ -47,9 +48,18 @@ class Segment:
     cache: object  # the request's transformers DynamicCache
 
 
+BATCH_MATH = ("exact", "fast")
+
+
 @dataclass
 class PackedPass:
+    """``exact``: every product per segment, each request's bits are those it gets alone. Otherwise (the
+    engine's ``batch_math="fast"``) products run over the whole pass: fewer, larger matrix products, and
+    results that differ from a request's own pass in the last bits (its tokens may differ where two
+    logits nearly tie); attention stays per segment (each request has its own cache)."""
+
     segments: list[Segment]
+    exact: bool = True
 
     @property
     def tokens(self) -> int:
@@ -106,7 +116,8 @@ def _per_segment(forward, current):
 
     def run(rows, *args, **kwargs):
         packed = current()
-        if packed is None or len(packed.segments) == 1 or rows.dim() < 2 or rows.shape[-2] != packed.tokens:
+        if packed is None or not packed.exact or len(packed.segments) == 1 or rows.dim() < 2 \
+                or rows.shape[-2] != packed.tokens:
             return forward(rows, *args, **kwargs)
         parts = [forward(rows[..., s.start:s.end, :], *args, **kwargs) for s in packed.segments]
         if isinstance(parts[0], tuple):  # a router: (logits, weights, experts), each [tokens, ...]
