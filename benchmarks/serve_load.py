@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     for math in maths:
         if math not in ("exact", "fast"):
             values.refuse("--batch-math", math, "must be exact or fast")
-    header = (f"{'math':>5} {'budget':>6} {'clients':>7} {'tok/s':>7} {'x 1':>5} {'TTFT p50':>9} {'p99':>7} {'TPOT p50':>9} "
-              f"{'p99':>7} {'hit':>6} {'err':>4} | {'wall':>6} {'forward':>7} {'stall':>6} {'advance':>7} "
+    header = (f"{'math':>5} {'budget':>6} {'clients':>7} {'tok/s':>7} {'x 1':>5} {'TTFT p50':>9} {'p99':>7} "
+              f"{'TPOT p50':>9} {'p99':>7} {'hit':>6} {'err':>4} | {'wall':>6} {'forward':>7} {'stall':>6} {'advance':>7} "
               f"{'other':>6}")
     print(header)
     for budget, math in [(b, m) for b in budgets for m in maths]:

@@ -215,6 +215,10 @@ class BatchScheduler:
         params.check()
         ids = self.encode(prompt)
         self.engine.check_length(len(ids), params.max_tokens)
+        window = getattr(self.model.config, "sliding_window", None)
+        if window and len(ids) > window:  # a packed prompt attends causally over all of itself (packed.py)
+            raise ConfigError(f"the prompt has {len(ids)} tokens, more than the model's sliding window of {window}: "
+                              "the batching scheduler does not mask a window inside a prompt")
         if params.stop and self.tokenizer is None:
             raise ConfigError("stop sequences need a tokenizer to read the text")
         generator = torch.Generator()
