@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 
 from moe_offload.errors import ConfigError
-from moe_offload.prefetch._shared import RequestGroups, check_same_model, positive_int, proposals
+from moe_offload.prefetch._shared import RequestGroups, check_same_model, proposals
 from moe_offload.prefetch.base import Prefetcher
 from moe_offload.prefetch.requirements import check_trace_columns
 from moe_offload.prefetch.search_cost import TimedSearch
+from moe_offload.values import integer
 
 
 TIE_TOLERANCE = 1e-6
@@ -208,8 +209,8 @@ class ReferenceFMoE(TimedSearch, Prefetcher):
     def __init__(self, spec, capacity: int = DEFAULT_CAPACITY, distance: int = DEFAULT_DISTANCE,
                  search_seconds: float | None = None):
         super().__init__(spec)
-        self.capacity = positive_int(self.name, "capacity", capacity)
-        self.distance = positive_int(self.name, "distance", distance)
+        self.capacity = integer(capacity, f"{self.name}.capacity", low=1)
+        self.distance = integer(distance, f"{self.name}.distance", low=1)
         self._set_search_seconds(search_seconds)
         self.store = ExpertMapStore(spec.num_layers, spec.num_experts, self.capacity, self.distance)
         self._groups: RequestGroups | None = None

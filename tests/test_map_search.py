@@ -213,5 +213,5 @@ def test_projected_embeddings_and_half_precision_maps():
         ExpertMapStore(4, 6, capacity=10, distance=1, map_dtype="float16")
     with pytest.raises(ConfigError, match="embedding_dims=16 does not reduce embeddings of size 16"):
         small_store(embedding_dims=16)
-    with pytest.raises(ConfigError, match="fmoe: candidates must be a positive integer"):
+    with pytest.raises(ConfigError, match="fmoe.candidates 0: must be a whole number of at least 1"):
         FMoEPrefetcher(ModelSpec(4, 6, 1), candidates=0)

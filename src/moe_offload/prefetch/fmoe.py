@@ -105,13 +105,14 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
         self.distance = integer(distance, f"{self.name}.distance", low=1)
         self._set_search_seconds(search_seconds)
         seed = integer(seed, f"{self.name}.seed", low=0)
+        if embedding_dims is not None:
+            embedding_dims = integer(embedding_dims, f"{self.name}.embedding_dims", low=1)
+        if candidates is not None:
+            candidates = integer(candidates, f"{self.name}.candidates", low=1)
         try:
-            self.store = ExpertMapStore(
-                spec.num_layers, spec.num_experts, self.capacity, self.distance,
-                embedding_dims=None if embedding_dims is None else integer(
-                    embedding_dims, f"{self.name}.embedding_dims", low=1),
-                candidates=None if candidates is None else integer(candidates, f"{self.name}.candidates", low=1),
-                map_dtype=map_dtype, seed=seed)
+            self.store = ExpertMapStore(spec.num_layers, spec.num_experts, self.capacity, self.distance,
+                                        embedding_dims=embedding_dims, candidates=candidates, map_dtype=map_dtype,
+                                        seed=seed)
         except ConfigError as exc:
             raise ConfigError(f"{self.name}: {exc}") from None
         self._groups: RequestGroups | None = None
