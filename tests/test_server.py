@@ -303,3 +303,19 @@ def test_sigterm_finishes_the_server_and_exits_zero():
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_serve_options_are_checked_before_the_model_loads(capsys):
+    from moe_offload.cli.main import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for argv, problem in [(["--port", "0"], "--port '0': must be a whole number from 1 to 65,535"),
+                              (["--max-batch", "none"], "--max-batch 'none': must be a whole number"),
+                              (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+                              (["--host", "no.such.host.invalid"], "--host 'no.such.host.invalid'")]:
+            assert main(["serve", *argv]) == 2
+            err = capsys.readouterr().err
+            assert problem in err and len(err.strip().splitlines()) == 1, err

@@ -61,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     max_batch = values.integer(args.max_batch, "--max-batch", low=1, high=4096)
     host = values.text(args.host, "--host")
     device = values.device(args.device) if args.device is not None else None
+    _check_listen(host, port)
     policy_options = parse_component_options(args.policy_option, "--policy-option", POLICY_OPTION, policy_info)
     prefetch_options = parse_component_options(args.prefetch_option, "--prefetch-option", PREFETCH_OPTION,
                                                prefetcher_info)
@@ -74,3 +75,20 @@ def run(args: argparse.Namespace) -> int:
           "Ctrl-C to stop", flush=True)
     serve(engine, name, host, port)
     return 0
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Refuse an address this machine cannot listen on (in use, not its own) before the model loads."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host!r}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
