@@ -14,6 +14,7 @@ import numpy as np
 from moe_offload.bundled import DEFAULT_TRACE, trace_path
 from moe_offload.errors import ConfigError
 from moe_offload.policies import POLICIES, policy_info
+from moe_offload.simulator.replay import ENGINES
 from moe_offload.trace.format import TraceMeta, read_trace
 
 DEFAULT_CACHE_SIZES = "12.5%,25%,50%"
@@ -54,6 +55,10 @@ def register(subparsers) -> None:
                         help="worker processes (default: up to 2)")
     parser.add_argument("--policy-option", action="append", default=[], metavar=POLICY_OPTION,
                         help="a policy parameter, e.g. lcp.rho=0.5 or learned.model_path=model.npz (repeatable)")
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="how the replay runs, never what it finds: 'compiled' runs the policies' Numba kernels "
+                             "(the `fast` extra), 'python' the policy objects, 'auto' (default) the kernel where a "
+                             "policy has one and Numba is installed")
     timed = parser.add_argument_group("timed simulation (--timed)")
     timed.add_argument("--timed", action="store_true",
                        help="run the discrete-event timed simulator instead of the replay")
@@ -200,7 +205,7 @@ def run(args) -> int:
         task = bar.add_task("replaying requests", total=total)
         for data, (table_sizes, sizes) in zip(inputs, plans):
             grid = replay_grid(data, policies, sizes, seed=args.seed, options=options, jobs=args.jobs,
-                               progress=lambda n: bar.advance(task, n))
+                               progress=lambda n: bar.advance(task, n), engine=args.engine)
             results += grid.results
             skipped += grid.skipped
             table_results += [r for r in grid.results if r.cache_size in table_sizes]
@@ -276,6 +281,8 @@ def run_timed(args) -> int:
 
     if args.plot:
         raise ConfigError("--plot draws the replay's misses; with --timed use --plot-cdf and --plot-timeline")
+    if args.engine != "auto":
+        raise ConfigError("--engine chooses how the replay runs; the timed simulator runs the policy objects")
     hardware = resolve_profile(args.hardware)
     policies = parse_policies(args.policy or DEFAULT_TIMED_POLICIES)
     options = parse_component_options(args.policy_option, "--policy-option", POLICY_OPTION, policy_info)

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+
+from moe_offload.policies._linked import list_append, list_head, list_move_to_tail, list_remove, lists_new
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 
 
@@ -72,3 +75,48 @@ class LLRU(EvictionPolicy):
         if best_key is None:
             raise NoEvictableExpert
         return best_key
+
+    @staticmethod
+    def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
+                      layer_hits):
+        """The hooks above as the compiled replay runs them: one linked list per layer in request order, the
+        victim the best of the layer heads by (R, D, age) as ``victim`` ranks them. Clocks are kept as
+        (quotient, remainder) by L, so that R = floor((t - tau) / L) = (t_q - tau_q) - (t_r < tau_r) costs a
+        subtraction per head instead of a division."""
+        L = num_layers
+        num_keys = L * num_experts
+        by_layer = lists_new(num_keys, L)
+        heads = by_layer[2]
+        tau_q = np.zeros(num_keys, np.int64)
+        tau_r = np.zeros(num_keys, np.int64)
+        resident = np.zeros(num_keys, np.bool_)
+        size = 0
+        for i in range(keys.size):
+            key, t = keys[i], clocks[i]
+            t_q, t_r = t // L, t % L
+            b = key // num_experts
+            tau_q[key], tau_r[key] = t_q, t_r
+            if resident[key]:
+                layer_hits[b] += 1
+                list_move_to_tail(by_layer, b, key)
+                continue
+            if size == capacity:
+                best_score, best_age, victim = -1, -1, -1
+                for layer in range(L):
+                    head = heads[layer, 0]
+                    if head < 0:
+                        continue
+                    rounds = t_q - tau_q[head] - (t_r < tau_r[head])  # R
+                    distance = layer - b  # D
+                    if distance < 0:
+                        distance += L
+                    score = rounds * L + distance
+                    age = (t_q - tau_q[head]) * L + t_r - tau_r[head]
+                    if score > best_score or (score == best_score and age > best_age):
+                        best_score, best_age, victim = score, age, head
+                list_remove(by_layer, victim // num_experts, victim)
+                resident[victim] = False
+                size -= 1
+            list_append(by_layer, b, key)
+            resident[key] = True
+            size += 1

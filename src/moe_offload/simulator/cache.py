@@ -161,10 +161,16 @@ class PartitionedCache:
     expert budget does."""
 
     def __init__(self, capacity: int, num_layers: int, make_policy, experts_per_layer: int, slot_size: int = 1):
-        base, extra = divmod(capacity // slot_size, num_layers)
         self.capacity = capacity
         self.experts_per_layer = experts_per_layer
-        self.parts = [ExpertCache((base + (layer < extra)) * slot_size, make_policy()) for layer in range(num_layers)]
+        self.parts = [ExpertCache(slots * slot_size, make_policy())
+                      for slots in self.capacities(capacity // slot_size, num_layers)]
+
+    @staticmethod
+    def capacities(slots: int, num_layers: int) -> list[int]:
+        """The slots of each layer's partition: ``slots // L`` each, one more for the first ``slots % L``."""
+        base, extra = divmod(slots, num_layers)
+        return [base + (layer < extra) for layer in range(num_layers)]
 
     def __contains__(self, key) -> bool:
         return key in self.parts[key // self.experts_per_layer]

@@ -55,8 +55,13 @@ def flatten(trace: Trace) -> AccessSequence:
 
 
 def next_use_times(keys: np.ndarray) -> np.ndarray:
-    """For each position, the next position holding the same key (NEVER if none). O(n log n), vectorised."""
-    order = np.lexsort((np.arange(keys.size), keys))  # by key, then by time
+    """For each position, the next position holding the same key (NEVER if none), vectorised: a stable sort
+    by key keeps each key's positions in time order. Flat expert ids fit 16 bits for every model so far, and
+    NumPy sorts 16-bit integers stably by radix, in O(n)."""
+    keys = np.asarray(keys)
+    if keys.size and 0 <= keys.min() and keys.max() <= np.iinfo(np.uint16).max:
+        keys = keys.astype(np.uint16)
+    order = np.argsort(keys, kind="stable")  # by key, then by time
     nxt = np.full(keys.size, NEVER, dtype=np.int64)
     same = keys[order[1:]] == keys[order[:-1]]
     nxt[order[:-1][same]] = order[1:][same]
