@@ -10,7 +10,6 @@ An expert's flat id is ``layer * J + expert`` everywhere in the project (the CSV
 
 from __future__ import annotations
 
-import csv
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,14 +68,19 @@ def next_use_times(keys: np.ndarray) -> np.ndarray:
 
 
 def write_csv(sequence: AccessSequence, path, expert_bytes: int | None) -> Path:
-    """Write ``time,id,size`` rows (one expert request each) that any cache simulator can replay."""
+    """Write ``time,id,size`` rows (one expert request each) that any cache simulator can replay; the rows
+    are formatted by Arrow's CSV writer, not one by one in Python."""
+    import pyarrow as pa
+    import pyarrow.csv as arrow_csv
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    size = expert_bytes or 1
-    with path.open("w", newline="") as out:
-        writer = csv.writer(out)
-        writer.writerow(("time", "id", "size"))
-        writer.writerows(zip(range(len(sequence)), sequence.expert_id.tolist(), [size] * len(sequence)))
+    n = len(sequence)
+    table = pa.table({"time": np.arange(n, dtype=np.int64), "id": sequence.expert_id,
+                      "size": np.full(n, expert_bytes or 1, dtype=np.int64)})
+    with path.open("wb") as out:
+        out.write(b"time,id,size\r\n")  # Arrow quotes a header it writes
+        arrow_csv.write_csv(table, out, arrow_csv.WriteOptions(include_header=False, eol="\r\n"))
     return path
 
 
