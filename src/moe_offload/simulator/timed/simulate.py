@@ -150,6 +150,18 @@ def _run_task(task: dict) -> RunResult:
     return simulate_timed(trace, hardware, history=history, **task)
 
 
+def timed_runs(policies: list[str], prefetchers: list[str | None], cache_sizes: list[int],
+               with_oracle: bool = True) -> list[tuple[str, str | None, int | None]]:
+    """The (policy, prefetcher, cache bytes) runs of a timed grid: the all-resident bound first
+    (ALL_RESIDENT, None, None), then every policy with every prefetcher at every size, then the oracle
+    prefetcher with every policy at every size (unless asked for anyway, or not ``with_oracle``)."""
+    runs = [(ALL_RESIDENT, None, None)]
+    runs += [(policy, prefetcher, size) for size in cache_sizes for policy in policies for prefetcher in prefetchers]
+    if with_oracle and ORACLE not in prefetchers:
+        runs += [(policy, ORACLE, size) for size in cache_sizes for policy in policies]
+    return runs
+
+
 def timed_grid(trace: Trace, hardware: HardwareProfile, policies: list[str], prefetchers: list[str | None],
                cache_sizes: list[int], *, expert_bytes: int | None = None, arrivals: Arrivals = Arrivals(),
                seed: int = 0, policy_options: dict[str, dict] | None = None,
@@ -165,14 +177,11 @@ def timed_grid(trace: Trace, hardware: HardwareProfile, policies: list[str], pre
     ``progress`` is called after each run."""
     shared = dict(expert_bytes=expert_bytes, arrivals=arrivals, seed=seed, timeline_iteration=timeline_iteration,
                   name=name)
-    runs = [(policy, prefetcher, size) for size in cache_sizes for policy in policies for prefetcher in prefetchers]
-    if with_oracle and ORACLE not in prefetchers:
-        runs += [(policy, ORACLE, size) for size in cache_sizes for policy in policies]
-    tasks = [dict(all_resident=True, **shared)]
-    tasks += [dict(policy=policy, cache_bytes=size, prefetcher=prefetcher, split=split,
-                   prefetcher_options=(prefetcher_options or {}).get(prefetcher),
-                   policy_options=(policy_options or {}).get(policy), **shared)
-              for policy, prefetcher, size in runs]
+    tasks = [dict(all_resident=True, **shared) if policy == ALL_RESIDENT else
+             dict(policy=policy, cache_bytes=size, prefetcher=prefetcher, split=split,
+                  prefetcher_options=(prefetcher_options or {}).get(prefetcher),
+                  policy_options=(policy_options or {}).get(policy), **shared)
+             for policy, prefetcher, size in timed_runs(policies, prefetchers, cache_sizes, with_oracle)]
     if jobs > 1 and len(tasks) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
