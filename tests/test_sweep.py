@@ -187,7 +187,7 @@ BAD = [
     ("traces = [\"zipf.parquet\"]\npolicies = [\"lru\"]\ncache_sizes = [1.5]\n",
      "sweep.toml: cache_sizes: 1.5 is neither a number of experts"),
     ("traces = [\"zipf.parquet\"]\npolicies = \"lru\"\ncache_sizes = [4]\n",
-     "sweep.toml: policies: must be a non-empty list of names"),
+     "sweep.toml: policies: must be \"all\" or a non-empty list of names"),
     ("traces = [\"zipf.parquet\"]\npolicies = [\"lcp\"]\ncache_sizes = [4]\n[policy_options.lcp]\nrho = 2.0\n",
      "sweep.toml: policy_options.lcp: lcp: LCP needs 0 < rho < 1"),
     ("traces = [\"zipf.parquet\"]\npolicies = [\"lcp\"]\ncache_sizes = [4]\n[policy_options.lcp]\nsigma = 2\n",

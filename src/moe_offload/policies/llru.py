@@ -79,44 +79,46 @@ class LLRU(EvictionPolicy):
     @staticmethod
     def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
                       layer_hits):
-        """The hooks above as the compiled replay runs them: one linked list per layer in request order, the
-        victim the best of the layer heads by (R, D, age) as ``victim`` ranks them. Clocks are kept as
-        (quotient, remainder) by L, so that R = floor((t - tau) / L) = (t_q - tau_q) - (t_r < tau_r) costs a
-        subtraction per head instead of a division."""
+        """The hooks above as the compiled replay runs them, without looking at every layer head on a miss.
+
+        D < L, so the victim is the head with the largest R, and among those the largest D. The oldest expert
+        of all is a layer head with the largest R; every head with that R was requested within L clocks of
+        it. So the residents are also kept in one list by last request: the victim is found by walking it from
+        the oldest while R stays the largest (at most L experts, usually a few), among the layer heads met.
+        Two heads never tie: each layer has one head, and D differs between layers."""
         L = num_layers
         num_keys = L * num_experts
-        by_layer = lists_new(num_keys, L)
-        heads = by_layer[2]
-        tau_q = np.zeros(num_keys, np.int64)
-        tau_r = np.zeros(num_keys, np.int64)
+        by_layer = lists_new(num_keys, L)  # each layer's residents, least recent first
+        by_age = lists_new(num_keys, 1)    # all residents, least recent first
+        before_in_layer, after_in_age = by_layer[0], by_age[1]
+        tau = np.zeros(num_keys, np.int64)
         resident = np.zeros(num_keys, np.bool_)
         size = 0
         for i in range(keys.size):
             key, t = keys[i], clocks[i]
-            t_q, t_r = t // L, t % L
             b = key // num_experts
-            tau_q[key], tau_r[key] = t_q, t_r
+            tau[key] = t
             if resident[key]:
                 layer_hits[b] += 1
                 list_move_to_tail(by_layer, b, key)
+                list_move_to_tail(by_age, 0, key)
                 continue
             if size == capacity:
-                best_score, best_age, victim = -1, -1, -1
-                for layer in range(L):
-                    head = heads[layer, 0]
-                    if head < 0:
-                        continue
-                    rounds = t_q - tau_q[head] - (t_r < tau_r[head])  # R
-                    distance = layer - b  # D
-                    if distance < 0:
-                        distance += L
-                    score = rounds * L + distance
-                    age = (t_q - tau_q[head]) * L + t_r - tau_r[head]
-                    if score > best_score or (score == best_score and age > best_age):
-                        best_score, best_age, victim = score, age, head
+                oldest = list_head(by_age, 0)
+                oldest_rounds = (t - tau[oldest]) // L  # the largest R
+                best_distance, victim = -1, -1
+                candidate = oldest
+                while candidate >= 0 and t - tau[candidate] >= oldest_rounds * L:  # R is still the largest
+                    if before_in_layer[candidate] < 0:  # a layer head
+                        distance = (candidate // num_experts - b) % L  # D
+                        if distance > best_distance:
+                            best_distance, victim = distance, candidate
+                    candidate = after_in_age[candidate]
                 list_remove(by_layer, victim // num_experts, victim)
+                list_remove(by_age, 0, victim)
                 resident[victim] = False
                 size -= 1
             list_append(by_layer, b, key)
+            list_append(by_age, 0, key)
             resident[key] = True
             size += 1

@@ -55,12 +55,11 @@ def numba_available() -> bool:
 def compiled_kernel(policy_class):
     """The compiled ``replay_kernel`` of ``policy_class``; None when it has none or Numba is not installed.
     The first call in a process compiles it, or loads it from Numba's cache."""
-    kernel = policy_class.__dict__.get("replay_kernel")
-    if kernel is None or not numba_available():
+    function = policy_class.replay_kernel  # a static method: the plain function
+    if function is None or not numba_available():
         return None
     import numba
 
-    function = kernel.__func__ if isinstance(kernel, staticmethod) else kernel
     helpers: dict = {}
     linked = _link(function, numba, helpers)
     linked.__qualname__ = f"{function.__qualname__}_{_digest(function, helpers)}"

@@ -115,14 +115,14 @@ def read_sweep(path, output=None) -> Sweep:
     engine = raw.get("engine", "auto")
     if engine not in ENGINES:
         raise ConfigError(f"{path}: engine: {engine!r} is not one of {', '.join(ENGINES)}")
-    policies = raw["policies"]
-    policies = list(POLICIES) if policies == "all" else check.names(policies, "policies")
+    policies = list(POLICIES) if raw["policies"] == "all" else check.names(raw["policies"], "policies", '"all" or ')
     for policy in policies:
         check.wrap(lambda: policy_info(policy), "policies")
     traces = {}
     for name in check.names(raw["traces"], "traces"):
         traces[name] = check.wrap(lambda: read_trace(_trace_file(path, name)), "traces")
-    spec = ModelSpec(*(lambda m: (m.num_layers, m.num_experts, m.top_k))(next(iter(traces.values())).meta))
+    first = next(iter(traces.values())).meta  # options are checked on the first trace's model
+    spec = ModelSpec(first.num_layers, first.num_experts, first.top_k)
     policy_options = check.options(raw.get("policy_options", {}), "policy_options", policy_info)
     for name, options in policy_options.items():
         check.wrap(lambda: _build_policy(name, spec, options), f"policy_options.{name}")
@@ -285,16 +285,16 @@ class _Checker:
             raise ConfigError(f"{self.path}: {key}: {value!r} is not a non-empty string")
         return value
 
-    def list_of(self, value, key: str, kinds, what: str) -> list:
+    def list_of(self, value, key: str, kinds, what: str, alternative: str = "") -> list:
         if not isinstance(value, list) or not value:
-            raise ConfigError(f"{self.path}: {key}: must be a non-empty list of {what}")
+            raise ConfigError(f"{self.path}: {key}: must be {alternative}a non-empty list of {what}")
         for item in value:
             if not isinstance(item, kinds) or isinstance(item, bool):
                 raise ConfigError(f"{self.path}: {key}: {item!r} is not one of the {what}")
         return list(dict.fromkeys(value))
 
-    def names(self, value, key: str) -> list[str]:
-        names = self.list_of(value, key, str, "names")
+    def names(self, value, key: str, alternative: str = "") -> list[str]:
+        names = self.list_of(value, key, str, "names", alternative)
         for name in names:
             self.string(name, key)
         return names

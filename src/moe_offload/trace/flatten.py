@@ -55,15 +55,20 @@ def flatten(trace: Trace) -> AccessSequence:
 
 def next_use_times(keys: np.ndarray) -> np.ndarray:
     """For each position, the next position holding the same key (NEVER if none), vectorised: a stable sort
-    by key keeps each key's positions in time order. Flat expert ids fit 16 bits for every model so far, and
-    NumPy sorts 16-bit integers stably by radix, in O(n)."""
+    by key lists each key's positions in time order, and each position's successor in that list is its next
+    use. Flat expert ids fit 16 bits for every model so far, and NumPy sorts 16-bit integers stably by radix,
+    in O(n)."""
     keys = np.asarray(keys)
     if keys.size and 0 <= keys.min() and keys.max() <= np.iinfo(np.uint16).max:
         keys = keys.astype(np.uint16)
     order = np.argsort(keys, kind="stable")  # by key, then by time
-    nxt = np.full(keys.size, NEVER, dtype=np.int64)
-    same = keys[order[1:]] == keys[order[:-1]]
-    nxt[order[:-1][same]] = order[1:][same]
+    sorted_keys = keys[order]
+    following = np.empty(keys.size, dtype=np.int64)  # in sorted order: the next position of the same key
+    following[:-1] = order[1:]
+    following[-1:] = NEVER
+    following[:-1][sorted_keys[1:] != sorted_keys[:-1]] = NEVER
+    nxt = np.empty(keys.size, dtype=np.int64)
+    nxt[order] = following
     return nxt
 
 
