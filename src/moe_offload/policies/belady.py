@@ -43,15 +43,15 @@ class Belady(EvictionPolicy):
         order, scores, stamps, position = heap_new(capacity, num_keys)
         resident = np.zeros(num_keys, np.bool_)
         size = 0
-        for i in range(keys.size):
-            key = keys[i]
+        for t in clocks:
+            key = keys[t]
             if resident[key]:
                 layer_hits[key // num_experts] += 1
-                heap_update(order, scores, stamps, position, size, key, -float(next_use[i]), clocks[i])
+                heap_update(order, scores, stamps, position, size, key, -float(next_use[t]), t)
                 continue
             if size == capacity:
                 resident[heap_pop(order, scores, stamps, position, size)] = False
                 size -= 1
-            heap_push(order, scores, stamps, position, size, key, -float(next_use[i]), clocks[i])
+            heap_push(order, scores, stamps, position, size, key, -float(next_use[t]), t)
             resident[key] = True
             size += 1

@@ -38,8 +38,8 @@ class FIFO(EvictionPolicy):
         order = lists_new(num_layers * num_experts, 1)
         resident = np.zeros(num_layers * num_experts, np.bool_)
         size = 0
-        for i in range(keys.size):
-            key = keys[i]
+        for t in clocks:
+            key = keys[t]
             if resident[key]:
                 layer_hits[key // num_experts] += 1
                 continue

@@ -83,19 +83,19 @@ class LCP(EvictionPolicy):
         last_token = np.full(num_keys, -1, np.int64)
         resident = np.zeros(num_keys, np.bool_)
         size = 0
-        for i in range(keys.size):
-            key = keys[i]
-            if last_token[key] != tokens[i]:
+        for t in clocks:
+            key = keys[t]
+            if last_token[key] != tokens[t]:
                 mu[key] += 1
-                last_token[key] = tokens[i]
+                last_token[key] = tokens[t]
             score = math.log(mu[key]) + last_token[key] * decay
             if resident[key]:
                 layer_hits[key // num_experts] += 1
-                heap_update(order, scores, stamps, position, size, key, score, clocks[i])
+                heap_update(order, scores, stamps, position, size, key, score, t)
                 continue
             if size == capacity:
                 resident[heap_pop(order, scores, stamps, position, size)] = False
                 size -= 1
-            heap_push(order, scores, stamps, position, size, key, score, clocks[i])
+            heap_push(order, scores, stamps, position, size, key, score, t)
             resident[key] = True
             size += 1

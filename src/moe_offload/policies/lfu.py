@@ -47,16 +47,16 @@ class LFU(EvictionPolicy):
         order, scores, stamps, position = heap_new(capacity, num_keys)
         freq = np.zeros(num_keys, np.int64)  # 0: not resident
         size = 0
-        for i in range(keys.size):
-            key = keys[i]
+        for t in clocks:
+            key = keys[t]
             if freq[key] > 0:
                 layer_hits[key // num_experts] += 1
                 freq[key] += 1
-                heap_update(order, scores, stamps, position, size, key, freq[key], clocks[i])
+                heap_update(order, scores, stamps, position, size, key, freq[key], t)
                 continue
             if size == capacity:
                 freq[heap_pop(order, scores, stamps, position, size)] = 0
                 size -= 1
             freq[key] = 1
-            heap_push(order, scores, stamps, position, size, key, 1, clocks[i])
+            heap_push(order, scores, stamps, position, size, key, 1, t)
             size += 1

@@ -81,44 +81,44 @@ class LLRU(EvictionPolicy):
                       layer_hits):
         """The hooks above as the compiled replay runs them, without looking at every layer head on a miss.
 
-        D < L, so the victim is the head with the largest R, and among those the largest D. The oldest expert
-        of all is a layer head with the largest R; every head with that R was requested within L clocks of
-        it. So the residents are also kept in one list by last request: the victim is found by walking it from
-        the oldest while R stays the largest (at most L experts, usually a few), among the layer heads met.
-        Two heads never tie: each layer has one head, and D differs between layers."""
+        D < L, so the victim is the layer head with the largest R, and among those the largest D. The residents
+        are kept in one list by last request (LRU's), so the oldest expert of all is a layer head with the
+        largest R, and every head with that R was requested within L clocks after it. The victim is found by
+        walking the list from the oldest while R stays the largest (at most L experts, usually a few): the
+        first expert met of each layer is that layer's head. Two heads never tie: D differs between layers."""
         L = num_layers
-        num_keys = L * num_experts
-        by_layer = lists_new(num_keys, L)  # each layer's residents, least recent first
-        by_age = lists_new(num_keys, 1)    # all residents, least recent first
-        before_in_layer, after_in_age = by_layer[0], by_age[1]
-        tau = np.zeros(num_keys, np.int64)
-        resident = np.zeros(num_keys, np.bool_)
+        order = lists_new(L * num_experts, 1)  # residents, least recent first
+        following = order[1]
+        tau = np.zeros(L * num_experts, np.int64)
+        resident = np.zeros(L * num_experts, np.bool_)
+        seen = np.full(L, -1, np.int64)  # the miss at which a layer's head was last met in a walk
         size = 0
-        for i in range(keys.size):
-            key, t = keys[i], clocks[i]
+        for t in clocks:
+            key = keys[t]
             b = key // num_experts
             tau[key] = t
             if resident[key]:
                 layer_hits[b] += 1
-                list_move_to_tail(by_layer, b, key)
-                list_move_to_tail(by_age, 0, key)
+                list_move_to_tail(order, 0, key)
                 continue
             if size == capacity:
-                oldest = list_head(by_age, 0)
-                oldest_rounds = (t - tau[oldest]) // L  # the largest R
+                oldest = list_head(order, 0)
+                latest = t - (t - tau[oldest]) // L * L  # the last clock whose R is the largest
                 best_distance, victim = -1, -1
                 candidate = oldest
-                while candidate >= 0 and t - tau[candidate] >= oldest_rounds * L:  # R is still the largest
-                    if before_in_layer[candidate] < 0:  # a layer head
-                        distance = (candidate // num_experts - b) % L  # D
+                while candidate >= 0 and tau[candidate] <= latest:
+                    layer = candidate // num_experts
+                    if seen[layer] != t:  # the first of its layer in the walk: the layer's head
+                        seen[layer] = t
+                        distance = layer - b  # D
+                        if distance < 0:
+                            distance += L
                         if distance > best_distance:
                             best_distance, victim = distance, candidate
-                    candidate = after_in_age[candidate]
-                list_remove(by_layer, victim // num_experts, victim)
-                list_remove(by_age, 0, victim)
+                    candidate = following[candidate]
+                list_remove(order, 0, victim)
                 resident[victim] = False
                 size -= 1
-            list_append(by_layer, b, key)
-            list_append(by_age, 0, key)
+            list_append(order, 0, key)
             resident[key] = True
             size += 1

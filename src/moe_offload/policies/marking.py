@@ -86,8 +86,8 @@ class Marking(EvictionPolicy):
         position = np.full(num_keys, -1, np.int64)  # in unmarked, -1 when not there
         num_unmarked = 0
         size = 0
-        for i in range(keys.size):
-            key = keys[i]
+        for t in clocks:
+            key = keys[t]
             if position[key] >= 0:  # a hit on an unmarked expert marks it
                 layer_hits[key // num_experts] += 1
                 gap = position[key]

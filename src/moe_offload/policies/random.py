@@ -54,8 +54,8 @@ class RandomEviction(EvictionPolicy):
         residents = np.empty(max(capacity, 1), np.int64)
         position = np.full(num_layers * num_experts, -1, np.int64)
         size = 0
-        for i in range(keys.size):
-            key = keys[i]
+        for t in clocks:
+            key = keys[t]
             if position[key] >= 0:
                 layer_hits[key // num_experts] += 1
                 continue

@@ -11,13 +11,15 @@ linked lists in policies/_linked.py, the Mersenne Twister in policies/_seeded.py
 that imports Numba, and only when a kernel is first asked for: the package imports and replays without it.
 
 The contract. ``replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
-layer_hits)`` serves the requests ``keys`` (flat expert ids, int64) in order on one demand-paged cache of
-``capacity`` experts that starts empty, exactly as ExpertCache.request with the policy object would: request i
-has clock ``clocks[i]``, token ``tokens[i]`` and next use ``next_use[i]`` (AccessContext's fields, for the
-policies that read them); ``floats`` and ``ints`` are the policy's ``kernel_arguments()`` (parameters, a
-generator's state, which the kernel may update); it adds each hit to ``layer_hits[key // num_experts]``.
-A -dist policy is a cache split among the layers (simulator/cache.py PartitionedCache), so the replay runs
-the kernel once per layer on that layer's requests and share of the capacity, as the partitions would.
+layer_hits)`` serves, in order, the requests at the positions ``clocks`` of a flattened sequence (its arrays
+``keys``, flat expert ids, ``tokens`` and ``next_use``, all int64) on one demand-paged cache of ``capacity``
+experts that starts empty, exactly as ExpertCache.request with the policy object would: the request at
+position t has clock t, key ``keys[t]``, token ``tokens[t]`` and next use ``next_use[t]`` (AccessContext's
+fields, for the policies that read them); ``floats`` and ``ints`` are the policy's ``kernel_arguments()``
+(parameters, a generator's state, which the kernel may update); it adds each hit to
+``layer_hits[key // num_experts]``. The whole replay passes every position; a -dist policy is a cache split
+among the layers (simulator/cache.py PartitionedCache), so the replay runs the kernel once per layer with
+that layer's positions and share of the capacity, as the partitions would, without copying the sequence.
 
 Compilation. ``compiled_kernel(policy_class)`` compiles the kernel and every plain function it calls (found
 among the names its code uses, recursively) with an explicit signature, so a kernel compiles once, when first

@@ -156,9 +156,8 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel) -
     bounds = np.concatenate([[0], np.cumsum(np.bincount(seq.layer, minlength=spec.num_layers))])
     capacities = PartitionedCache.capacities(cache_size, spec.num_layers)
     for layer in range(spec.num_layers):
-        clocks = by_layer[bounds[layer]:bounds[layer + 1]]
         # each partition has a fresh policy of the same seed (PartitionedCache's make_policy), hence ints.copy()
-        kernel(keys[clocks], clocks, tokens[clocks], next_use[clocks], capacities[layer],
+        kernel(keys, by_layer[bounds[layer]:bounds[layer + 1]], tokens, next_use, capacities[layer],
                spec.num_layers, spec.num_experts, floats, ints.copy(), layer_hits)
     return layer_hits
 

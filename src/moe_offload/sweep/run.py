@@ -66,7 +66,8 @@ def run_cell(workload: Workload, cell: Cell) -> RunResult:
     if cell.mode == "replay":
         key = (workload.token, cell.trace)
         if key not in _FLATTENED:
-            _FLATTENED.clear()  # another sweep's traces are not needed any more
+            if any(token != workload.token for token, _ in _FLATTENED):
+                _FLATTENED.clear()  # another sweep's traces are not needed any more
             _FLATTENED[key] = ReplayInput.of(workload.traces[cell.trace], name=cell.trace)
         return replay(_FLATTENED[key], cell.policy, cell.cache_size, seed=cell.seed, options=options.get("policy"),
                       engine=workload.engine)
