@@ -91,10 +91,10 @@ def measure_statistics(trace: Trace, *, omega: float = 128.0, rho: float = 0.25,
 
     One replay per cache size C = 1..N; ``progress`` is called after each."""
     require_gate_prediction(trace)
-    if not 0.0 < rho < 1.0 or omega <= 0:
-        raise ConfigError(f"LCP needs 0 < rho < 1 and omega > 0, got rho={rho}, omega={omega}")
     meta = trace.meta
     L, J, K = meta.num_layers, meta.num_experts, meta.top_k
+    spec = ModelSpec(L, J, K)
+    LCP(spec, omega=omega, rho=rho)  # checks omega and rho before the work, as any LCP does
     n = trace.num_tokens
     experts = trace.experts.astype(np.intp)
 
@@ -106,7 +106,6 @@ def measure_statistics(trace: Trace, *, omega: float = 128.0, rho: float = 0.25,
 
     hit_rate = np.zeros((L, J + 1))
     prediction_hit_rate = np.zeros((L, J, J + 1))
-    spec = ModelSpec(L, J, K)
     keys = (experts + (np.arange(L) * J)[None, :, None]).reshape(n, L * K).tolist()
     iterations, requests = trace.iteration.tolist(), trace.request.tolist()
     ctx = AccessContext()
