@@ -189,7 +189,7 @@ BAD = [
     ("traces = [\"zipf.parquet\"]\npolicies = \"lru\"\ncache_sizes = [4]\n",
      "sweep.toml: policies: must be \"all\" or a non-empty list of names"),
     ("traces = [\"zipf.parquet\"]\npolicies = [\"lcp\"]\ncache_sizes = [4]\n[policy_options.lcp]\nrho = 2.0\n",
-     "sweep.toml: policy_options.lcp: lcp: LCP needs 0 < rho < 1"),
+     "sweep.toml: policy_options.lcp: lcp.rho 2.0: must be a number in (0, 1)"),
     ("traces = [\"zipf.parquet\"]\npolicies = [\"lcp\"]\ncache_sizes = [4]\n[policy_options.lcp]\nsigma = 2\n",
      "sweep.toml: policy_options.lcp: lcp:"),
     ("traces = [\"zipf.parquet\"]\npolicies = [\"lru\"]\ncache_sizes = [4]\nengine = \"turbo\"\n",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from moe_offload.bundled import BUNDLED_TRACES
 from moe_offload.errors import ConfigError, MoeOffloadError
-from moe_offload.hardware import parse_bytes, resolve_profile
+from moe_offload.hardware import resolve_profile
 from moe_offload.hardware.profile import HardwareProfile, preset_names
 from moe_offload.policies import POLICIES, ModelSpec, policy_info
 from moe_offload.prefetch import check_trace_columns, make_prefetcher, prefetcher_info
@@ -30,6 +30,7 @@ from moe_offload.simulator.replay import ENGINES, grid_runs
 from moe_offload.simulator.timed import ALL_RESIDENT, ORACLE, Arrivals, check_timed_run
 from moe_offload.simulator.timed.simulate import timed_runs
 from moe_offload.trace.format import Trace, read_trace
+from moe_offload.values import parse_bytes
 
 MODES = ("replay", "timed")
 TOP_LEVEL = {"output", "traces", "policies", "cache_sizes", "modes", "seeds", "engine", "policy_options", "timed"}
