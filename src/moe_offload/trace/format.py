@@ -10,9 +10,16 @@ The full specification, with an example, is docs/trace-format.md. In short:
   belongs to; rows are sorted by it), ``experts`` (fixed-size list of L*K unsigned ints, layer-major: the K
   experts of layer 0, then of layer 1, ...; within a layer in the router's rank order when known);
 * optional columns: ``weights`` (L*K float16, router weights of ``experts``), ``probs`` (L*J float16, the
-  router's full distribution, fMoE's expert map), ``embedding`` (D float16, the semantic embedding of the
-  token's request), ``gate_prediction`` ((L-1)*J float16: entry l is layer l+1's router applied to layer l's
-  hidden state, MoEpic's speculative prediction).
+  router's full distribution, fMoE's expert map), ``embedding`` (D float16, the model's input embedding of
+  the row's own token: what its embedding layer outputs for it; fMoE pools an iteration's semantic embedding
+  from these), ``gate_prediction`` ((L-1)*J float16: entry l is layer l+1's router applied to layer l's
+  hidden state, MoEpic's speculative prediction), ``next_token_gate_prediction`` (J float16: layer 0's router
+  applied to the last layer's hidden state of the row's token, MoEpic's prediction of layer 0 of the
+  request's next token).
+
+Version 2 changed what ``embedding`` holds: in version 1 files it is the mean input embedding of the
+request's prompt, repeated on every row. Reading a version 1 file sets ``TraceMeta.embedding_kind`` to
+``request-prompt-mean`` so that nothing takes it for per-token embeddings (fMoE refuses it).
 
 Expert ids use the smallest unsigned type that holds J-1; probabilities are float16. Both are what keep a
 million-token trace small.
@@ -28,7 +35,16 @@ import numpy as np
 
 from moe_offload.errors import TraceError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# What the ``embedding`` column holds (TraceMeta.embedding_kind): each row's own token's input embedding
+# (version 2), or the request's prompt mean repeated on its rows (every version 1 file that has the column).
+EMBEDDING_TOKEN = "token"
+EMBEDDING_PROMPT_MEAN = "request-prompt-mean"
+EMBEDDING_KINDS = {
+    EMBEDDING_TOKEN: "each row's own token's input embedding (the model's embedding layer output for it)",
+    EMBEDDING_PROMPT_MEAN: "the mean input embedding of the request's prompt on every row of the request "
+                           "(format version 1)",
+}
 METADATA_KEY = b"moe_offload.trace"
 PHASES = ("prefill", "decode")
 PREFILL, DECODE = 0, 1
@@ -73,6 +89,7 @@ class TraceMeta:
     source: str = ""
     license: str | None = None
     extra: dict = field(default_factory=dict)
+    embedding_kind: str = EMBEDDING_TOKEN  # what the embedding column holds (EMBEDDING_KINDS)
 
     @property
     def num_expert_slots(self) -> int:
@@ -98,6 +115,8 @@ class TraceMeta:
         missing = [name for name in ("model", "num_layers", "num_experts", "top_k") if name not in known]
         if missing:
             raise TraceError(path, f"trace metadata lacks {', '.join(missing)}")
+        if version < 2:  # version 1 wrote the request's prompt mean, and said so only in prose
+            known.setdefault("embedding_kind", EMBEDDING_PROMPT_MEAN)
         if not isinstance(known.get("extra", {}), dict):
             raise TraceError(path, f"metadata extra must be a JSON object, not {known['extra']!r}")
         meta = cls(**known)
@@ -116,6 +135,9 @@ class TraceMeta:
             raise TraceError(path, f"metadata top_k={self.top_k} exceeds num_experts={self.num_experts}")
         if self.expert_bytes is not None and (not _is_int(self.expert_bytes) or self.expert_bytes < 1):
             raise TraceError(path, f"metadata expert_bytes must be a positive integer, not {self.expert_bytes!r}")
+        if self.embedding_kind not in EMBEDDING_KINDS:
+            raise TraceError(path, f"metadata embedding_kind must be one of {', '.join(EMBEDDING_KINDS)}, "
+                                   f"not {self.embedding_kind!r}")
 
 
 @dataclass
@@ -124,7 +146,8 @@ class Trace:
 
     Shapes (N tokens, L layers, K experts per token and layer, J experts per layer, D embedding size):
     ``experts`` [N, L, K], ``weights`` [N, L, K], ``probs`` [N, L, J], ``embedding`` [N, D],
-    ``gate_prediction`` [N, L-1, J]; the optional ones are None when the trace lacks them.
+    ``gate_prediction`` [N, L-1, J], ``next_token_gate_prediction`` [N, J]; the optional ones are None when the
+    trace lacks them.
     """
 
     meta: TraceMeta
@@ -137,11 +160,13 @@ class Trace:
     probs: np.ndarray | None = None
     embedding: np.ndarray | None = None
     gate_prediction: np.ndarray | None = None
+    next_token_gate_prediction: np.ndarray | None = None
     path: str = "<memory>"
 
     @classmethod
     def build(cls, meta: TraceMeta, experts, *, request=None, position=None, phase=None, iteration=None,
-              weights=None, probs=None, embedding=None, gate_prediction=None, path="<memory>") -> "Trace":
+              weights=None, probs=None, embedding=None, gate_prediction=None, next_token_gate_prediction=None,
+              path="<memory>") -> "Trace":
         """Make a validated trace from array-likes, filling the bookkeeping columns of a single
         decode-only request when they are not given."""
         experts = np.asarray(experts)
@@ -158,6 +183,8 @@ class Trace:
             probs=None if probs is None else np.asarray(probs, np.float16),
             embedding=None if embedding is None else np.asarray(embedding, np.float16),
             gate_prediction=None if gate_prediction is None else np.asarray(gate_prediction, np.float16),
+            next_token_gate_prediction=(None if next_token_gate_prediction is None
+                                        else np.asarray(next_token_gate_prediction, np.float16)),
             path=str(path),
         )
         trace.validate()
@@ -178,7 +205,8 @@ class Trace:
         return replace(self, request=self.request[rows], position=self.position[rows], phase=self.phase[rows],
                        iteration=self.iteration[rows], experts=self.experts[rows], weights=pick(self.weights),
                        probs=pick(self.probs), embedding=pick(self.embedding),
-                       gate_prediction=pick(self.gate_prediction))
+                       gate_prediction=pick(self.gate_prediction),
+                       next_token_gate_prediction=pick(self.next_token_gate_prediction))
 
     def validate(self) -> None:
         """Raise TraceError naming the first offending row, or return when the trace is consistent."""
@@ -230,6 +258,7 @@ class Trace:
         self._check_float("weights", self.weights, (n, L, K))
         self._check_float("probs", self.probs, (n, L, J), upper=1.0)
         self._check_float("gate_prediction", self.gate_prediction, (n, L - 1, J), upper=1.0)
+        self._check_float("next_token_gate_prediction", self.next_token_gate_prediction, (n, J), upper=1.0)
         if self.embedding is not None:
             self._check_float("embedding", self.embedding, (n, self.embedding.shape[-1] if self.embedding.ndim == 2
                                                               else -1), lower=None)
@@ -256,7 +285,7 @@ class Trace:
 
 # ---------------------------------------------------------------------------------------------- Parquet I/O
 
-_OPTIONAL = ("weights", "probs", "embedding", "gate_prediction")
+_OPTIONAL = ("weights", "probs", "embedding", "gate_prediction", "next_token_gate_prediction")
 
 
 def write_trace(trace: Trace, path) -> Path:
@@ -359,7 +388,7 @@ def read_trace(path, columns: tuple[str, ...] | None = None) -> Trace:
 
     optional = {}
     shapes = {"weights": (L * K, (n, L, K)), "probs": (L * J, (n, L, J)),
-              "gate_prediction": ((L - 1) * J, (n, L - 1, J))}
+              "gate_prediction": ((L - 1) * J, (n, L - 1, J)), "next_token_gate_prediction": (J, (n, J))}
     for name in _OPTIONAL:
         if name not in table.column_names:
             continue
