@@ -564,10 +564,10 @@ def test_moepic_prefetches_y_greater_than_k_when_the_configuration_says_so():
                                  one_token_gate_trace(L, J))[0][1]] == [J + e for e in (5, 4, 3, 2, 1, 0)]
 
 
-@pytest.mark.parametrize("window, load, expected", [(2.5, 1.0, 3), (3.0, 1.0, 3), (0.2, 1.0, 1), (9.0, 1.0, 6)])
+@pytest.mark.parametrize("window, load, expected", [(2.5, 1.0, 2), (3.0, 1.0, 3), (0.2, 1.0, 0), (9.0, 1.0, 6)])
 def test_moepic_without_a_configuration_prefetches_until_the_window_is_spent(window, load, expected):
-    # The loads that start on an idle link before the router fires: one at the window's opening and one each
-    # time the previous lands, ceil(window / load) (at least the first; at most the layer's 6 experts).
+    # The loads that complete on an idle link before the router fires, floor(window / load): equation 11's Y
+    # for unsplit experts; none when not one fits; at most the layer's 6 experts.
     from moe_offload.prefetch.budget import PrefetchBudget
 
     L, J = 3, 6
@@ -585,7 +585,7 @@ def test_prefetch_budget_from_a_hardware_profile():
     budget = budget_from_hardware(profile(), 100, num_layers=3, top_k=2)
     assert budget.expert_load_seconds == pytest.approx(1.5)
     assert budget.window_seconds == pytest.approx((0.5 + 1.25, 2 * 2 + 1.25, 2 * 2 + 1.25))
-    assert [budget.loads_in_window(layer) for layer in range(3)] == [2, 4, 4]
+    assert [budget.loads_in_window(layer) for layer in range(3)] == [1, 3, 3]
 
 
 def test_moepic_predicts_layer_0_of_the_next_token_from_the_last_layer():

@@ -43,8 +43,8 @@ def test_one_layer_one_link_one_expert_split_in_halves_by_hand():
     assert result.per_layer_stall_seconds == pytest.approx([3.5])
     assert result.bytes_per_link == {"host->gpu": 200}
     assert (result.accesses, result.hits, result.on_demand_loads) == (3, 0, 3)  # never complete in VRAM
-    # the memory reported is the top segment and the buffer of K = 1 expert: 50 + 100 B, one expert's worth
-    assert result.cache_bytes == 150 and result.cache_size == 1
+    # the memory reported is the top segment and the buffer of K = 1 expert: 50 + 100 B, 1.5 experts' worth
+    assert result.cache_bytes == 150 and result.cache_size == 2
     assert transfers(result) == [("host->gpu", "demand", 0, 1.25, 2.75)]  # from iteration 1's start, 6.25
     experts = [t for e in result.timeline["events"] if e["kind"] == "expert" for t in (e["start_s"], e["end_s"])]
     assert experts == pytest.approx([1.25, 2.25, 2.75, 3.75])  # top half overlaps the bottom's load
@@ -82,9 +82,9 @@ def test_theta_one_with_every_expert_cached_is_the_partitioned_run(prefetcher):
     partitioned = simulate_timed(trace, profile(), "lru-dist", 3 * 8 * E, prefetcher=prefetcher)
     same = ("ttft_seconds", "tpot_seconds", "stall_seconds", "per_layer_stall_seconds", "hits", "misses",
             "on_demand_loads", "bytes_per_link", "prefetches_issued", "prefetches_used", "request_ttft_seconds",
-            "request_tpot_seconds", "token_latency_seconds", "total_seconds", "cache_size")
+            "request_tpot_seconds", "token_latency_seconds", "total_seconds")
     assert {name: getattr(split, name) for name in same} == {name: getattr(partitioned, name) for name in same}
-    assert split.cache_bytes == partitioned.cache_bytes + 2 * E
+    assert (split.cache_bytes, split.cache_size) == (partitioned.cache_bytes + 2 * E, 3 * 8 + 2)
 
 
 def test_theta_one_with_smaller_caches_is_the_partitioned_run():
@@ -130,11 +130,12 @@ def test_configure_json_runs_in_the_simulator(routed_file, tmp_path, capsys):
     assert main(["simulate", routed_file, "--timed", "--hardware", "desktop-rtx4090", "--policy", "lcp",
                  "--prefetch", "moepic", "--split-config", str(config_file), "--timed-json", str(out_json)]) == 0
     rows = json.loads(out_json.read_text())
-    # the memory of a split run: the top segments and the buffer of K = 2 experts, in whole experts
+    # the memory of a split run: the top segments and the buffer of K = 2 experts, to the nearest whole expert
     top_bytes = sum(layer["cache_size"] * round(layer["split_ratio"] * 4096) for layer in document["layers"])
     memory = top_bytes + 2 * 4096
+    assert round(memory / 4096) == 24 + 2  # 25% of 96 experts, and the buffer
     assert [(r["policy"], r["prefetcher"], r["cache_size"]) for r in rows] == [
-        ("all-resident", None, 6 * 16), ("lcp", "moepic", memory // 4096), ("lcp", "oracle", memory // 4096)]
+        ("all-resident", None, 6 * 16), ("lcp", "moepic", 26), ("lcp", "oracle", 26)]
     assert all(r["cache_bytes"] == memory for r in rows[1:])
     assert all(any("split experts" in note for note in r["notes"]) for r in rows[1:])
     assert rows[1]["tpot_seconds"] >= rows[0]["tpot_seconds"]
@@ -237,12 +238,13 @@ def test_moepic_prefetches_the_configurations_y_even_beyond_k(prefetches, ttft, 
 
 
 def test_moepic_without_a_configuration_fills_the_layers_window():
-    # No Y given: the loads that start before the router fires. The window of layer 1 is layer 0's expert
-    # (2 s), layer 1's attention (1 s) and router (0.25 s): 3.25 s, ceil(3.25 / 1.5) = 3 loads, as Y = 3 above.
+    # No Y given: the loads that complete before the router fires. The window of layer 1 is layer 0's expert
+    # (2 s), layer 1's attention (1 s) and router (0.25 s): 3.25 s, floor(3.25 / 1.5) = 2 loads, as Y = 2 above
+    # (the third would start at 5.75 and still be on the wire at the router, 6.0).
     trace = gated_trace([[0, 2]], [[0.4, 0.3, 0.2, 0.1]])
     config = SplitConfig((LayerSplitPlan(1, 1.0), LayerSplitPlan(4, 1.0)))
     result = simulate_timed(trace, profile(), "lru", split=config, prefetcher="moepic")
-    assert (result.ttft_seconds, result.prefetches_issued) == (pytest.approx(9.75), 3)
+    assert (result.ttft_seconds, result.prefetches_issued) == (pytest.approx(10.0), 2)
 
 
 def test_the_buffer_of_k_experts_is_shared_a_demand_drops_speculation_a_prefetch_waits():

@@ -92,7 +92,8 @@ def timings_from_profile(hardware, expert_bytes: int, top_k: int) -> Timings:
     of one expert, and one token's expert, attention and LM head times."""
     link, compute = hardware.link_from(1), hardware.compute
     return timings_from_hardware(expert_bytes=expert_bytes, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
-                                 transfer_latency_s=link.latency_s, expert_compute_s=compute.expert_seconds(1, expert_bytes),
+                                 transfer_latency_s=link.latency_s,
+                                 expert_compute_s=compute.expert_seconds(1, expert_bytes),
                                  attention_s=compute.attention(1), head_s=compute.lm_head(1), top_k=top_k)
 
 

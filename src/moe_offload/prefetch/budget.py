@@ -25,11 +25,13 @@ class PrefetchBudget:
     prefetches: tuple[int, ...] | None = None  # per layer: the count a configuration gives (Y_l), or None
 
     def loads_in_window(self, layer: int) -> int:
-        """How many whole-expert loads start on an idle link before layer ``layer``'s router fires: one at the
-        window's opening and one each time the previous lands, ceil(window / load), at least one."""
+        """How many whole-expert loads complete on an idle link before layer ``layer``'s router fires,
+        floor(window / load): equation 11's Y for experts that are not split (its constraint, the prefetch
+        times summed within the window, with T_pref = T_load). A load that would still be on the wire when the
+        router fires is not started: the paper terminates the prefetch there."""
         if self.expert_load_seconds <= 0:
             return sys.maxsize  # free loads: as many as the layer has
-        return max(1, math.ceil(self.window_seconds[layer] / self.expert_load_seconds - 1e-9))
+        return math.floor(self.window_seconds[layer] / self.expert_load_seconds + 1e-9)
 
 
 def budget_from_hardware(hardware, expert_bytes: int, num_layers: int, top_k: int,

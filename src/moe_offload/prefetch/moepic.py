@@ -20,8 +20,10 @@ Y, the number of experts a layer's prefetch reaches, is the paper's own:
 * with a split configuration (`moe-offload configure`, run by `simulate --timed --split-config`), the count
   Y_l of equation 11, the most predicted experts whose (bottom or whole) loads fit in the layer's window:
   it may exceed K when bottom segments are small or the window is long;
-* without one, the loads that start on the link before the target's router fires, ceil(window / load)
-  (moe_offload.prefetch.budget: the window of equation 7 with every expert loaded, from the hardware);
+* without one, the whole-expert loads that complete on the link before the target's router fires,
+  floor(window / load): the same equation 11 for experts that are not split, with the window of equation 7
+  with every expert loaded, from the hardware (moe_offload.prefetch.budget); 0 when not one load fits, as
+  the configurator's Y can be (a load still on the wire when the router fires would be terminated);
 * ``prefetches=N`` fixes it for every layer; a driver that gives no budget (the runtime today) gets top-k.
 
 A trace without ``next_token_gate_prediction`` (recorded before the column existed) leaves layer 0 to the

@@ -67,9 +67,9 @@ from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies import AccessContext, ModelSpec, policy_info
 from moe_offload.prefetch import Prefetcher, RoutingView, search_latency
+from moe_offload.prefetch.budget import budget_from_hardware
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
 from moe_offload.simulator.split import SplitConfig, SplitExperts
-from moe_offload.prefetch.budget import budget_from_hardware
 from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.simulator.timed.schedule import Arrivals, make_schedule, trace_iterations
 from moe_offload.simulator.timed.tiers import TierNetwork, home_tier

@@ -134,7 +134,7 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
     elif prefetcher is not None:
         check_trace_columns(type(prefetcher), trace)
         instance = prefetcher
-    if instance is not None and home_tier(hardware, total):
+    if instance is not None:
         instance.set_budget(budget_from_hardware(hardware, expert_bytes, meta.num_layers, meta.top_k,
                                                  split.prefetches if split is not None else None))
     online = None
@@ -163,7 +163,10 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
     misses = sim.accesses - sim.hits
     return RunResult(
         trace=name or trace.path, policy=ALL_RESIDENT if all_resident else policy,
-        cache_size=min(cache_bytes, total) // expert_bytes, accesses=sim.accesses, hits=sim.hits, misses=misses,
+        # a split run's memory is fractional experts (tops of theta_i E bytes): the nearest whole number
+        cache_size=(round(cache_bytes / expert_bytes) if split is not None
+                    else min(cache_bytes, total) // expert_bytes),
+        accesses=sim.accesses, hits=sim.hits, misses=misses,
         per_layer_accesses=sim.per_layer_accesses, per_layer_hits=sim.per_layer_hits,
         bytes_loaded=sim.net.queues[1].bytes_moved if sim.net.queues else 0,
         prefetches_issued=sim.net.issued if instance is not None else None,
@@ -215,7 +218,8 @@ def timed_grid(trace: Trace, hardware: HardwareProfile, policies: list[str], pre
     if with_oracle and ORACLE not in prefetchers:
         runs += [(policy, ORACLE, size) for size in cache_sizes for policy in policies]
     tasks = [dict(all_resident=True, **shared)]
-    tasks += [dict(policy=policy, cache_bytes=size, prefetcher=prefetcher, split=split, reconfiguration=reconfiguration,
+    tasks += [dict(policy=policy, cache_bytes=size, prefetcher=prefetcher, split=split,
+                   reconfiguration=reconfiguration,
                    prefetcher_options=(prefetcher_options or {}).get(prefetcher),
                    policy_options=(policy_options or {}).get(policy), **shared)
               for policy, prefetcher, size in runs]
