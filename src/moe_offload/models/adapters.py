@@ -193,11 +193,14 @@ def load_model(directory: str | Path, dtype=None, experts_implementation: str = 
     weights = sorted(Path(directory).glob("*.safetensors")) + sorted(Path(directory).glob("*.bin"))
     if not weights:
         raise ConfigError(f"{directory}: no weight file (*.safetensors) in the model directory")
+    from safetensors import SafetensorError
+
     try:
         model = model_class.from_pretrained(directory, dtype=dtype or torch.float32,
                                             experts_implementation=experts_implementation)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise ConfigError(f"{directory}: the checkpoint cannot be loaded: {str(exc).splitlines()[0]}") from None
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # a truncated file: SafetensorError
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        raise ConfigError(f"{directory}: the checkpoint cannot be loaded: {lines[0]}") from None
     model.eval()
     raw = json.loads((Path(directory) / "config.json").read_text())
     return model, MoeAdapter(model, stored_dtype=raw.get("dtype") or raw.get("torch_dtype"))
