@@ -26,7 +26,9 @@ prefetcher): TPOT, TPOT / all-resident, TPOT / transformers' best, bytes moved i
 rate achieved while the link was busy against the raw bound, hit rate, prefetch precision and recall, and
 the timed simulator's prediction on the profile `hardware measure` writes for this machine and model
 (measured in this run, page cache kept as the runtime reads here), with its error. Every engine run is
-checked to produce the tokens of transformers' eager all-resident run on the same device and dtype (lossless).
+checked to produce the tokens of the all-resident engine on the same device and dtype (lossless), which must equal
+transformers' run with the project's experts function; the agreement of transformers' own implementations is
+reported (bit-identical in float32 on a CPU, not in float16 on a GPU, where their kernels round differently).
 """
 
 from __future__ import annotations
@@ -284,13 +286,20 @@ def main(argv=None) -> int:
                               args.implementations.split(","))
     for name_, run in resident.items():
         print(f"  {name_:<12} all-resident TPOT {run['tpot_s'] * 1e3:8.2f} ms", flush=True)
-    reference = resident["eager"]["tokens"]
     best_name = min((k for k in resident if k in IMPLEMENTATIONS), key=lambda k: resident[k]["tpot_s"])
     best = resident[best_name]["tpot_s"]
     engine_resident = resident.pop("engine")
-    assert engine_resident["tokens"] == reference, "the all-resident engine changed the tokens"
+    # Lossless means: the offloaded engine computes exactly what the all-resident model computes with the same
+    # experts function on the same device and dtype. transformers' own implementations agree bit for bit in
+    # float32 on a CPU; in float16 on a GPU their kernels round differently, so their tokens are reported.
+    reference = engine_resident["tokens"]
+    if resident["moe_offload"]["tokens"] != reference:
+        raise SystemExit("LOSSLESS VIOLATION: the all-resident engine's tokens differ from transformers' run with "
+                         "the project's experts function")
+    agreement = {k: sum(a == b for a, b in zip(v["tokens"], reference)) / len(reference) for k, v in resident.items()}
     print(f"  engine all-resident TPOT {engine_resident['tpot_s'] * 1e3:.2f} ms = "
-          f"{engine_resident['tpot_s'] / best:.2f}x transformers' best ({best_name}); tokens equal eager's", flush=True)
+          f"{engine_resident['tpot_s'] / best:.2f}x transformers' best ({best_name}); tokens equal to the engine's: "
+          + ", ".join(f"{k} {v:.0%}" for k, v in agreement.items()), flush=True)
 
     if args.profile:
         profile_resident(packed, trace, weights, tokens, device, args.readers)
@@ -334,7 +343,7 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     print(f"\nload average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} cores at the end")
     print(f"simulator TPOT error: mean {statistics.mean(errors):.1%}, worst {max(errors):.1%} over {len(rows)} "
-          f"configurations; every run's tokens equal transformers' eager all-resident tokens "
+          f"configurations; every run's tokens equal the all-resident engine's "
           f"({time.perf_counter() - started:.0f} s)")
     for budget in sorted({r["budget_pct"] for r in rows}):
         for policy in policies.split(","):
@@ -346,6 +355,7 @@ def main(argv=None) -> int:
             "model": name, "device": str(device), "tokens": tokens, "load_average": load, "raw_rates": raw, "bound": bound, "serial_bound": serial,
             "profile": {"link": link.name, "bandwidth": link.bandwidth_bytes_per_s, "latency_s": link.latency_s},
             "resident": {k: v["tpot_s"] for k, v in resident.items()}, "transformers_best": best_name,
+            "token_agreement_with_engine": agreement,
             "engine_resident_tpot_s": engine_resident["tpot_s"], "runs": rows}, indent=1))
     return 0
 

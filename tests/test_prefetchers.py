@@ -76,10 +76,12 @@ def test_unknown_prefetcher_and_option_are_config_errors():
         prefetcher_info("lru")
     with pytest.raises(ConfigError, match="has no option depth; it takes distance=3"):
         make_prefetcher("oracle", ModelSpec(2, 4, 1), {"depth": 2})
-    with pytest.raises(ConfigError, match="k must be a positive integer"):
+    with pytest.raises(ConfigError, match="topk.k 0: must be a whole number from 1 to 4"):
         make_prefetcher("topk", ModelSpec(2, 4, 1), {"k": 0})
     assert prefetcher_options("fmoe") == {"capacity": 1000, "distance": 3, "search_seconds": None,
-                                         "semantic": "iteration"}
+                                         "semantic": "iteration",
+                                          "embedding_dims": None, "candidates": None, "map_dtype": "float32",
+                                          "seed": 0}
 
 
 @pytest.mark.parametrize("name, column, hint", [
@@ -488,7 +490,7 @@ def test_trajectory_search_equals_the_cosine_over_the_observed_prefix():
     store = ExpertMapStore(L, J, capacity=C, distance=2)
     store.add(maps, rng.normal(size=(C, 4)))
     query = rng.dirichlet(np.ones(J), size=(B, L)).astype(np.float32)
-    search = store.trajectory(B)
+    search = store.search(rng.normal(size=(B, 4)))
     for layer in range(L):
         index, score = search.observe(layer, query[:, layer])
         prefix = maps[:, :layer + 1].reshape(C, -1)
@@ -497,7 +499,7 @@ def test_trajectory_search_equals_the_cosine_over_the_observed_prefix():
             cosines = prefix @ q / (np.linalg.norm(prefix, axis=1) * np.linalg.norm(q))
             assert index[b] == int(np.argmax(cosines)) and score[b] == pytest.approx(cosines.max(), abs=1e-5)
     with pytest.raises(ValueError, match="in order"):
-        store.trajectory(B).observe(1, query[:, 1])
+        store.search(rng.normal(size=(B, 4))).observe(1, query[:, 1])
 
 
 def test_search_latency_is_measured_or_modelled():
@@ -516,7 +518,7 @@ def test_search_latency_is_measured_or_modelled():
     modelled.on_layer_routed(view)
     assert search_latency(modelled) == (0.002, True)
     assert search_latency(make_prefetcher("topk", ModelSpec(4, 6, 2))) == (0.0, False)
-    with pytest.raises(ConfigError, match="search_seconds must be a number >= 0"):
+    with pytest.raises(ConfigError, match="fmoe.search_seconds -1: must be a number at least 0"):
         make_prefetcher("fmoe", ModelSpec(4, 6, 2), {"search_seconds": -1})
 
 

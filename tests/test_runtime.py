@@ -111,6 +111,20 @@ def test_packing_layout_and_skeleton(checkpoint):
     assert all(adapter.experts(layer).gate_up_proj.numel() == 0 for layer in range(adapter.num_layers))
 
 
+def test_the_skeleton_in_float16_has_from_pretrained_s_buffers_and_weights(checkpoint):
+    # from_pretrained keeps rotary frequencies in float32 whatever the weights' dtype; casting them with the
+    # weights changed the float16 engine's tokens on CUDA against transformers' with the same experts function
+    from moe_offload.models.adapters import load_model
+
+    skeleton, _, _ = load_skeleton(read_manifest(checkpoint["packed"]), dtype=torch.float16)
+    model, _ = load_model(checkpoint["root"] / "model", dtype=torch.float16)
+    buffers = dict(skeleton.named_buffers())
+    assert buffers and all(torch.equal(buffers[name], buffer) and buffers[name].dtype == buffer.dtype
+                           for name, buffer in model.named_buffers())
+    weights = dict(skeleton.named_parameters())
+    assert all(torch.equal(weights[name], p) for name, p in model.named_parameters() if weights[name].numel())
+
+
 def test_refusals(checkpoint):
     packed = checkpoint["packed"]
     with pytest.raises(ConfigError, match="cannot hold one layer's top-2 experts"):

@@ -17,7 +17,7 @@ from moe_offload.cli.main import main
 from moe_offload.errors import ConfigError
 from moe_offload.simulator.split import LayerSplitPlan, SplitConfig
 from moe_offload.simulator.timed import simulate_timed
-from moe_offload.trace.format import write_trace
+from moe_offload.trace.format import Trace, write_trace
 from moe_offload.trace.synthetic import zipf_trace
 from test_configurator import routed_trace
 from test_timed import E, NextLayerTruth, hand_trace, multi_request, profile, spec_of, transfers
@@ -150,8 +150,8 @@ def split_file(tmp_path, layers, num_layers=6):
 @pytest.mark.parametrize("layers, message", [
     ([{"cache_size": 4, "split_ratio": 0.5}] * 5, "5 layers, but the trace's model has 6"),
     ([{"cache_size": 4, "split_ratio": 0.5}] * 5 + [{"cache_size": 4, "split_ratio": 1.5}],
-     "layer 5: split ratio 1.5 is outside (0, 1]"),
-    ([{"cache_size": 4, "split_ratio": 0.0}] * 6, "layer 0: split ratio 0.0 is outside (0, 1]"),
+     "layer 5: split_ratio 1.5: must be a number in (0, 1]"),
+    ([{"cache_size": 4, "split_ratio": 0.0}] * 6, "layer 0: split_ratio 0.0: must be a number in (0, 1]"),
     ([{"cache_size": 17, "split_ratio": 0.5}] * 6, "layer 0: 17 cached experts, not in [1, 16]"),
     ([{"cache_size": 4}] * 6, "layer 0: needs an integer cache_size and a number split_ratio"),
     ([{"cache_size": 16, "split_ratio": 1.0}] * 6, "more than the 100 KiB of the test's gpu"),
@@ -168,7 +168,7 @@ def test_bad_split_files_give_one_line_errors(routed_file, tmp_path, capsys, mon
     assert path in err and message in err, err
 
 
-@pytest.mark.parametrize("text, message", [("not json", "not JSON"), ("[]", "no list of layers")])
+@pytest.mark.parametrize("text, message", [("not json", "line 1: invalid JSON"), ("[]", "no list of layers")])
 def test_unreadable_split_files_give_one_line_errors(routed_file, tmp_path, capsys, text, message):
     path = tmp_path / "split.json"
     path.write_text(text)
@@ -176,7 +176,7 @@ def test_unreadable_split_files_give_one_line_errors(routed_file, tmp_path, caps
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and str(path) in err and message in err, err
     code = main(["simulate", routed_file, "--timed", "--split-config", str(tmp_path / "missing.json")])
-    assert code == 2 and "cannot read the split configuration" in capsys.readouterr().err
+    assert code == 2 and "missing.json: no such file" in capsys.readouterr().err
 
 
 def test_split_config_replaces_the_cache_size(routed_file, tmp_path, capsys):

@@ -218,4 +218,4 @@ def test_writing_into_an_unwritable_place(capsys, tmp_path):
     blocker.write_text("not a directory")
     output = blocker / "trace.parquet"
     code, _, err = run(capsys, "synth", "zipf", "--length", 10, "-o", output)
-    assert_one_line_error(code, err, str(output), "cannot write")
+    assert_one_line_error(code, err, str(output), "cannot be created (a file is in the way)")

@@ -100,7 +100,7 @@ def test_a_version_1_embedding_is_read_as_the_prompt_mean_and_never_as_per_token
     del meta["embedding_kind"]
     old = tmp_path / "v1.parquet"
     pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), old)
-    got = read_trace(old)
+    got = read_trace(old, unsealed=True)
     assert got.meta.embedding_kind == "request-prompt-mean"
     np.testing.assert_array_equal(got.embedding, trace.embedding)  # the column itself reads unchanged
     check_trace_columns(prefetcher_info("fmoe"), read_trace(path))
@@ -158,7 +158,8 @@ def test_a_million_token_trace_stays_small(tmp_path):
 
 def write_raw(path, experts_per_row: np.ndarray, meta, *, phase=None, iteration=None, list_size=None):
     """Write a Parquet file by hand, bypassing write_trace's validation. ``meta`` is a dict (JSON-encoded),
-    raw bytes, or None for no trace metadata at all."""
+    raw bytes, or None for no trace metadata at all. The file has no checksum (format 1): the tests read it
+    with ``unsealed=True``, as `trace seal` does, to reach the checks behind the checksum's."""
     n = len(experts_per_row)
     flat = np.asarray(experts_per_row, dtype=np.uint8).reshape(n, -1)
     if list_size is None:
@@ -193,7 +194,7 @@ def good_rows(tokens=6) -> np.ndarray:
 
 def expect_trace_error(path, *fragments) -> TraceError:
     with pytest.raises(TraceError) as caught:
-        read_trace(path)
+        read_trace(path, unsealed=True)
     message = str(caught.value)
     assert str(path) in message
     for fragment in fragments:
@@ -202,7 +203,7 @@ def expect_trace_error(path, *fragments) -> TraceError:
 
 
 def test_the_hand_written_file_is_valid(tmp_path):
-    trace = read_trace(write_raw(tmp_path / "ok.parquet", good_rows(), meta_dict()))
+    trace = read_trace(write_raw(tmp_path / "ok.parquet", good_rows(), meta_dict()), unsealed=True)
     assert trace.experts.shape == (6, 2, 2)
 
 
@@ -270,7 +271,7 @@ def test_top_k_mismatch_in_memory():
 
 
 @pytest.mark.parametrize("meta, fragment", [
-    (b"{not json", "not valid JSON"),
+    (b"{not json", "invalid JSON"),
     (meta_dict(num_experts=None), "num_experts"),
     ({k: v for k, v in meta_dict().items() if k != "top_k"}, "lacks top_k"),
     (meta_dict(top_k=9), "exceeds num_experts"),

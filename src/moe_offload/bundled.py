@@ -31,7 +31,6 @@ BUNDLED_TRACES = {"olmoe": DEFAULT_TRACE, "tiny": DEFAULT_TINY_TRACE, "tiny-hist
 def trace_path(name: str) -> Path:
     """A trace argument: ``olmoe``, ``tiny`` or ``tiny-history`` (the bundled traces) unless a file of that
     name exists."""
-    path = Path(name)
-    if name in BUNDLED_TRACES and not path.exists():
+    if name in BUNDLED_TRACES and not Path(name).exists():
         return BUNDLED_TRACES[name]
-    return path
+    return Path(name)

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import math
-import re
 import sys
 
 from moe_offload.errors import ConfigError
-from moe_offload.hardware.profile import format_bytes, parse_bytes
-from moe_offload.trace.format import TraceMeta
-
+from moe_offload.hardware.profile import format_bytes
+from moe_offload.values import expert_amount, integer
 
 
 def register(subparsers) -> None:
@@ -56,40 +53,6 @@ def register(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
-def parse_budget(text: str, meta: TraceMeta, expert_bytes: int | None) -> float:
-    """A VRAM budget in experts from experts, bytes with a unit, a fraction or a percentage of all experts."""
-    total = meta.num_expert_slots
-    item = text.strip()
-    problem = None
-    try:
-        if item.endswith("%"):
-            experts = float(item[:-1]) / 100 * total
-            if not 0 < experts <= total:
-                problem = "a percentage must be in (0, 100]"
-        elif re.fullmatch(r"[0-9.]+(?:e[+-]?[0-9]+)?\s*[kmgt]?i?b", item, re.IGNORECASE):  # bytes with a unit
-            if not expert_bytes:
-                raise ConfigError(f"--vram-budget {item!r} is in bytes, but the trace does not give the size of "
-                                  "an expert: add --expert-bytes")
-            experts = parse_bytes(item, "--vram-budget") / expert_bytes
-        elif re.fullmatch(r"[+-]?[0-9]+", item):
-            experts = float(int(item))
-        else:
-            experts = float(item)
-            if not 0 < experts <= 1:
-                problem = "a fraction must be in (0, 1]"
-            experts *= total
-    except ValueError:
-        problem = "it is neither a number of experts, bytes with a unit (6GB), a fraction nor a percentage"
-    if problem is None and not (math.isfinite(experts) and experts > 0):
-        problem = "the budget must be positive"
-    if problem is None and experts > total * (1 + 1e-9):
-        problem = (f"that is {experts:,.6g} experts, more than the model's {total:,} "
-                   f"({meta.num_layers} layers x {meta.num_experts}): everything fits")
-    if problem is not None:
-        raise ConfigError(f"--vram-budget {item!r}: {problem}")
-    return min(experts, float(total))
-
-
 def timings_from_args(args, top_k: int, expert_bytes: int | None):
     """The timings given in milliseconds; those not given come from --hardware: one token's expert, attention
     and LM head times and the GPU link's transfer time of one expert (timings_from_profile)."""
@@ -127,15 +90,13 @@ def run(args) -> int:
     from moe_offload.configurator import check_inputs, configure, measure_statistics, require_gate_prediction
     from moe_offload.trace.format import read_trace
 
-    from moe_offload.bundled import trace_path
-
-    trace = read_trace(trace_path(args.trace), columns=("gate_prediction", "next_token_gate_prediction"))
+    trace = read_trace(args.trace, columns=("gate_prediction", "next_token_gate_prediction"))
     meta = trace.meta
     require_gate_prediction(trace)
-    if args.expert_bytes is not None and args.expert_bytes < 1:
-        raise ConfigError(f"--expert-bytes must be a positive number of bytes, not {args.expert_bytes}")
+    if args.expert_bytes is not None:
+        integer(args.expert_bytes, "--expert-bytes", low=1)
     expert_bytes = args.expert_bytes or meta.expert_bytes
-    budget = parse_budget(args.vram_budget, meta, expert_bytes)
+    budget = expert_amount(args.vram_budget, "--vram-budget", meta.num_expert_slots, expert_bytes)
     timings = timings_from_args(args, meta.top_k, expert_bytes)
     check_inputs(timings, budget, args.granularity, meta.num_layers, meta.num_experts, meta.top_k)
 

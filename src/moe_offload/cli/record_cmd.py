@@ -35,10 +35,15 @@ def run(args: argparse.Namespace) -> int:
 
     from moe_offload.models.recorder import record
     from moe_offload.models.tiny import load
+    from moe_offload.outputs import check_output, write_atomically
     from moe_offload.reporting.progress import progress_bar
-    from moe_offload.text.prompts import load_prompts
+    from moe_offload.text.prompts import BUILTIN_SOURCES, load_prompts
     from moe_offload.trace.format import write_trace
 
+    prompt_files = [name.strip() for name in args.prompts.split(",") if name.strip() not in BUILTIN_SOURCES]
+    check_output(args.output, inputs=prompt_files, what="trace")
+    if args.texts:
+        check_output(args.texts, inputs=prompt_files + [args.output], what="texts file")
     prompts = load_prompts(args.prompts, args.limit, args.skip)
     model, adapter, tokenizer = load(args.model)
     name = "moe-offload/tiny-mixtral" if args.model == "tiny" else Path(args.model).resolve().name
@@ -55,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
           f"with probs, embedding, gate_prediction and next_token_gate_prediction "
           f"({path.stat().st_size / 1e6:.2f} MB)")
     if args.texts:
-        with open(args.texts, "w", encoding="utf-8") as out:
-            for prompt, text in zip(prompts, recording.texts):
-                out.write(json.dumps({"source": prompt.source, "prompt": prompt.text, "generated": text}) + "\n")
+        write_atomically(args.texts, "".join(
+            json.dumps({"source": prompt.source, "prompt": prompt.text, "generated": text}) + "\n"
+            for prompt, text in zip(prompts, recording.texts)))
         print(f"wrote {args.texts}")
     return 0

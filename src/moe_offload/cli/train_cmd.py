@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moe_offload.errors import ConfigError
 
 
 def register(subparsers) -> None:
@@ -18,7 +17,7 @@ def register(subparsers) -> None:
                     "--policy learned --policy-option learned.model_path=MODEL.npz`). "
                     "Then compare misses of the trained policy, LRU, LFU and Belady on the held-out rows. "
                     "Needs PyTorch (CPU is enough).")
-    parser.add_argument("trace", metavar="TRACE", help="routing trace (.parquet)")
+    parser.add_argument("trace", metavar="TRACE", help="routing trace (.parquet), or a bundled trace's name")
     parser.add_argument("-o", "--output", metavar="MODEL.npz", required=True, help="model file to write")
     parser.add_argument("--rows", metavar="START:END", default=None,
                         help="trace rows to train on (default: all); the others are held out for the comparison")
@@ -39,35 +38,21 @@ def register(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
-def parse_rows(text: str | None, total: int, what: str = "--rows") -> tuple[int, int]:
-    """``START:END`` (either side may be empty; negative counts from the end) -> (start, end)."""
-    if text is None:
-        return 0, total
-    parts = text.split(":")
-    try:
-        if len(parts) != 2:
-            raise ValueError
-        start = int(parts[0]) if parts[0].strip() else 0
-        end = int(parts[1]) if parts[1].strip() else total
-    except ValueError:
-        raise ConfigError(f"{what} {text!r} is not START:END (e.g. 0:150)") from None
-    start, end = (start + total if start < 0 else start), (end + total if end < 0 else end)
-    if not 0 <= start < end <= total:
-        raise ConfigError(f"{what} {text} is not a non-empty range within the trace's {total} rows")
-    return start, end
-
-
 def run(args: argparse.Namespace) -> int:
-    from moe_offload.trace.format import read_trace
+    from moe_offload.bundled import trace_path
     from moe_offload.models import require_model_stack
+    from moe_offload.outputs import check_output
+    from moe_offload.trace.format import read_trace
+    from moe_offload.values import row_range
     from moe_offload.training.learned_eviction import evaluate_policies, train_learned_eviction
 
     require_model_stack("training the learned eviction", ("torch",))  # before reading anything
+    check_output(args.output, inputs=[trace_path(args.trace)], what="model")
     trace = read_trace(args.trace)
     n = trace.num_tokens
-    start, end = parse_rows(args.rows, n)
+    start, end = row_range(args.rows, n, "--rows")
     if args.eval_rows is not None:
-        eval_rows = parse_rows(args.eval_rows, n, "--eval-rows")
+        eval_rows = row_range(args.eval_rows, n, "--eval-rows")
     elif end < n:
         eval_rows = (end, n)
     elif start > 0:

@@ -88,8 +88,8 @@ def require_gate_prediction(trace: Trace) -> None:
 
 
 def check_lcp(omega: float, rho: float) -> None:
-    if not 0.0 < rho < 1.0 or omega <= 0:
-        raise ConfigError(f"LCP needs 0 < rho < 1 and omega > 0, got rho={rho}, omega={omega}")
+    """LCP's own checks of omega and rho (values.py), before any work."""
+    LCP(ModelSpec(1, 1, 1), omega=omega, rho=rho)
 
 
 class OnlineStatistics:

@@ -30,6 +30,7 @@ from moe_offload.errors import ConfigError
 from moe_offload.models.routing_tap import LayerRouting, RoutingTap
 from moe_offload.text.prompts import Prompt
 from moe_offload.trace.format import DECODE, PREFILL, Trace, TraceMeta
+from moe_offload.values import context_room, generation_length, integer
 
 
 @dataclass
@@ -89,10 +90,9 @@ def record(model, adapter, tokenizer, prompts: list[Prompt], *, model_name: str,
     ``tap=False`` generates the same way without any hook (the test that recording changes nothing)."""
     import torch
 
-    if max_new_tokens < 1:
-        raise ConfigError("--max-new-tokens must be at least 1")
-    if batch_size < 1:
-        raise ConfigError("--batch-size must be at least 1")
+    max_new_tokens = integer(max_new_tokens, "--max-new-tokens", low=1)
+    batch_size = integer(batch_size, "--batch-size", low=1)
+    positions = getattr(model.config, "max_position_embeddings", None)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     eos = tokenizer.eos_token_id
@@ -111,6 +111,10 @@ def record(model, adapter, tokenizer, prompts: list[Prompt], *, model_name: str,
         if (mask.sum(dim=1) == 0).any():
             empty = batch[int((mask.sum(dim=1) == 0).nonzero()[0])]
             raise ConfigError(f"prompt {empty.source} is empty after tokenization")
+        if positions:  # the model's context: the longest prompt and the tokens after it must fit
+            longest = int(mask.sum(dim=1).argmax())
+            context_room(int(mask[longest].sum()), positions, f"prompt {batch[longest].source}")
+            generation_length(max_new_tokens, int(mask[longest].sum()), positions)
         capture = _ForwardCapture(adapter)
         with torch.no_grad():
             if tap:

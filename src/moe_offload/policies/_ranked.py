@@ -32,12 +32,13 @@ class RankedKeys:
             self._heap = [entry for entry in self._heap if self._stamp.get(entry[2]) == entry[1]]
             heapq.heapify(self._heap)
 
-    def reset_all(self, score) -> None:
-        """Give every key the same ``score``, keeping the order in which their scores were last set."""
+    def rescore_all(self, score_of) -> None:
+        """Give every key the score ``score_of(key)``, keeping, among equal scores, the order in which their
+        scores were last set."""
         keys = sorted(self._stamp, key=self._stamp.get)
         self._heap, self._stamp = [], {}
         for key in keys:
-            self.set(key, score)
+            self.set(key, score_of(key))
 
     def discard(self, key) -> None:
         self._stamp.pop(key, None)

@@ -8,6 +8,13 @@ ranks. For each demand request the cache calls, in this order:
     policy.on_evict(key)                the victim (or any key the cache drops) left
     policy.on_insert(key, ctx)          the key became resident (ctx.prefetch tells a prefetch from a miss)
 
+and, through the cache's ``end_request``, ``policy.on_request_end(request)`` once a request (sequence) has
+run its last iteration, so that per-sequence state (MoE-Infinity's EAMs) ends with it and stays bounded.
+
+A driver builds the instances of one run (one per tier, or per partition of a ``-dist`` cache) with
+``run_factory``: a policy whose instances share state within a run (MoE-Infinity's sequence EAMs, which
+every tier ranks by) builds that state there, once.
+
 The replay simulator, the timed simulator and the runtime fill the same ModelSpec and AccessContext; a
 policy never knows which of them drives it. Keys are flat expert ids, the int ``layer * J + expert``.
 """
@@ -15,7 +22,7 @@ policy never knows which of them drives it. Keys are flat expert ids, the int ``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Hashable
+from typing import Callable, ClassVar, Hashable
 
 import numpy as np
 
@@ -94,6 +101,15 @@ class EvictionPolicy:
     def victim(self, ctx: AccessContext) -> Hashable:
         """The resident key to evict now; never one in ``ctx.pinned``."""
         raise NotImplementedError
+
+    def on_request_end(self, request) -> None:
+        """Request ``request`` has run its last iteration: no access will carry it again."""
+
+    @classmethod
+    def run_factory(cls, spec: ModelSpec, seed: int = 0, **options) -> Callable[[], "EvictionPolicy"]:
+        """A maker of this policy's instances for one run (every tier and partition of it); building the
+        first instance checks the options."""
+        return lambda: cls(spec, seed=seed, **options)
 
 
 class NoEvictableExpert(RuntimeError):

@@ -17,6 +17,7 @@ import math
 
 from moe_offload.policies._ranked import RankedKeys
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
+from moe_offload.values import number
 
 
 class LCP(EvictionPolicy):
@@ -26,8 +27,8 @@ class LCP(EvictionPolicy):
 
     def __init__(self, spec, seed=0, omega: float = 128.0, rho: float = 0.25):
         super().__init__(spec, seed)
-        if not 0.0 < rho < 1.0 or omega <= 0:
-            raise ValueError("LCP needs 0 < rho < 1 and omega > 0")
+        omega = number(omega, "lcp.omega", low=0, low_open=True)
+        rho = number(rho, "lcp.rho", low=0, high=1, low_open=True, high_open=True)
         self.omega, self.rho = omega, rho
         self._decay = -math.log(rho) / omega  # > 0
         self._mu: dict = {}          # key -> activations so far (kept across evictions)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import zipfile
 import zlib
 from dataclasses import dataclass, field
@@ -31,6 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from moe_offload.errors import ConfigError
+from moe_offload import inputs
+from moe_offload.inputs import check_input, parse_json
+from moe_offload.outputs import atomic_output
 
 FORMAT_NAME = "moe-offload.learned-eviction"
 FORMAT_VERSION = 1
@@ -118,11 +120,8 @@ def save_model(path, layers, *, target: dict | None = None, training: dict | Non
     arrays = {"metadata": np.array(json.dumps(metadata, sort_keys=True))}
     for index, (weight, bias) in enumerate(layers, start=1):
         arrays[f"w{index}"], arrays[f"b{index}"] = weight, bias
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as out:
-        np.savez(out, **arrays)
-    os.replace(partial, path)
+    with atomic_output(path) as temporary, open(temporary, "wb") as out:
+        np.savez(out, **arrays)  # a file object: savez adds no .npz to the name
     return path
 
 
@@ -143,24 +142,20 @@ def _check_layers(path, layers, widths) -> None:
 def load_model(path) -> LearnedModel:
     """Read and check a model file; every problem raises ConfigError naming ``path``."""
     path = Path(path)
-    if not path.exists():
+    if inputs.missing(path):
         _fail(path, "no such file (train one with `moe-offload train-eviction TRACE -o MODEL.npz`)")
-    if path.is_dir():
-        _fail(path, "is a directory, not a model file")
+    check_input(path, "learned-eviction model", ConfigError)
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {name: npz[name] for name in npz.files}
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as exc:
+    except (OSError, ValueError, EOFError, KeyError, MemoryError, zipfile.BadZipFile, zlib.error) as exc:
         _fail(path, f"not a readable .npz model file, corrupt or truncated ({type(exc).__name__}: {exc})")
     if "metadata" not in arrays:
         _fail(path, "no metadata array: not a moe-offload learned-eviction model")
     raw = arrays.pop("metadata")
     if raw.shape != () or raw.dtype.kind != "U":
         _fail(path, "the metadata array is not a JSON string")
-    try:
-        meta = json.loads(str(raw))
-    except ValueError as exc:
-        _fail(path, f"metadata is not valid JSON ({exc})")
+    meta = parse_json(str(raw), f"learned-eviction model {path}", "model's metadata")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         _fail(path, f"metadata format is {meta.get('format') if isinstance(meta, dict) else meta!r}, "
                     f"not {FORMAT_NAME!r}")

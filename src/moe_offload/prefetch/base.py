@@ -11,6 +11,7 @@ The driver (the timed simulator now, the runtime later) calls, for every iterati
     on_iteration_start(view)    view.layer_now == -1: only what is known before layer 0 runs
     on_layer_routed(view)       for l = 0 .. L-1, right after layer l's router ran (view.layer_now == l)
     on_iteration_end(view)      the iteration is over; history may be updated
+    on_request_end(request)     after the last iteration of a request: its per-sequence state may go
 
 and ``predicted_map()`` whenever an eviction policy asks for the prefetcher's expert map (fMoE's
 eviction priority uses it). Proposals made after the last layer's router (``on_layer_routed`` with
@@ -143,6 +144,9 @@ class Prefetcher:
     def set_budget(self, budget: PrefetchBudget) -> None:
         """What the link into the fast tier can carry for each layer (see the module doc); prefetchers whose
         proposals do not depend on it ignore it."""
+
+    def on_request_end(self, request: int) -> None:
+        """Request ``request`` has run its last iteration: no view will show it again."""
 
     def predicted_map(self) -> np.ndarray | None:
         """[L, J] predicted probabilities of the current iteration, or None."""

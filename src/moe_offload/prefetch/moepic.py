@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_offload.prefetch._shared import positive_int, proposals
+from moe_offload.prefetch._shared import proposals
 from moe_offload.prefetch.base import Prefetcher
 from moe_offload.prefetch.budget import PrefetchBudget
+from moe_offload.values import integer
 
 
 class MoEpicPrefetcher(Prefetcher):
@@ -48,7 +49,7 @@ class MoEpicPrefetcher(Prefetcher):
 
     def __init__(self, spec, prefetches: int | None = None):
         super().__init__(spec)
-        self.fixed = None if prefetches is None else positive_int(self.name, "prefetches", prefetches)
+        self.fixed = None if prefetches is None else integer(prefetches, f"{self.name}.prefetches", low=1)
         self.budget: PrefetchBudget | None = None
 
     def set_budget(self, budget):

@@ -40,6 +40,7 @@ from moe_offload.policies import AccessContext
 from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.storage import ExpertStore
 from moe_offload.runtime.tiers import Tier
+from moe_offload.simulator.cache import predicted_no_later_than
 from moe_offload.simulator.transfers import TransferQueue
 
 RING_BUFFERS = 3  # pinned buffers per GPU link: one being read, one being copied, one spare
@@ -58,6 +59,8 @@ class DataPath:
         self.failure: BaseException | None = None
         self.forward: dict[int, tuple[bool, float]] = {}  # key -> (demand, priority) of its next hop
         self.prefetched_unused: set[int] = set()
+        self.predicted: set[int] = set()  # resident in the fast tier, proposed since their layer was routed
+        self.layer_now = -1                # the last routed layer of the running forward pass
         self.reading_from: list[set] = [set() for _ in tiers]  # keys being copied out of each tier now
         tiers[0].cache.on_evict = self._on_fast_evict
         for tier in tiers[1:]:
@@ -108,9 +111,13 @@ class DataPath:
             return
         J = self.spec.num_experts
         fast = self.tiers[0].cache
+        self.layer_now = routed_layer
         for key, priority in proposals:
             key = int(key)
-            if key // J <= routed_layer or key in fast or key in fast.reserved:
+            if key // J <= routed_layer or key in fast.reserved:
+                continue
+            if key in fast:  # predicted and resident: no prefetch for a later layer may evict it (cache.py)
+                self.predicted.add(key)
                 continue
             self.route(key, demand=False, priority=float(priority))
         self.cond.notify_all()
@@ -125,9 +132,12 @@ class DataPath:
                     worker.queue.withdraw(waiting)
                     self.forward.pop(waiting, None)
         fast = self.tiers[0].cache
+        self.layer_now = layer
         if fast.held:
             for key in [key for key in fast.held if key // J == layer]:
                 fast.release(key)
+        if self.predicted:
+            self.predicted = {key for key in self.predicted if key // J != layer}
 
     def busy(self) -> bool:
         return any(w.queue.waiting() or w.queue.busy for w in self.workers)
@@ -169,8 +179,10 @@ class LinkWorker(threading.Thread):
             ctx.pinned = path.reading_from[self.destination] | (
                 set(upstream.waiting_demands()) if transfer.demand else upstream.waiting())
         ctx.prefetch = self.destination == 0 and not transfer.demand  # held until used (cache.py)
+        protect = predicted_no_later_than(path.predicted, transfer.key, path.layer_now, path.spec.num_experts,
+                                          path.spec.num_layers) if ctx.prefetch and path.predicted else ()
         try:
-            return tier.cache.reserve(transfer.key, ctx, tier.slot_bytes)
+            return tier.cache.reserve(transfer.key, ctx, tier.slot_bytes, protect)
         finally:
             ctx.prefetch, ctx.pinned = False, path.pinned
 

@@ -30,7 +30,7 @@ from typing import Callable
 
 from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload.hardware.profile import format_bytes, parse_bytes
-from moe_offload.policies import ModelSpec, policy_info
+from moe_offload.policies import ModelSpec, policy_factory, policy_info
 from moe_offload.prefetch import make_prefetcher, prefetcher_info
 from moe_offload.reporting.results import RunResult
 from moe_offload.runtime.counters import Counters
@@ -146,7 +146,7 @@ class OffloadEngine:
 
         self.model, self.adapter, self.startup_seconds = load_skeleton(m, self.device, self.compute_dtype,
                                                                        verify=verify_checksums)
-        make = lambda: info.policy(self.spec, seed=seed, **(policy_options or {}))  # noqa: E731
+        make = policy_factory(policy, self.spec, seed=seed, options=policy_options)  # every partition's policy
         fast_bytes = fast_slots * self.compute_expert_bytes
         fast_cache = (PartitionedCache(fast_bytes, m.num_layers, make, m.num_experts, slot_size=self.compute_expert_bytes)
                       if info.partitioned else ExpertCache(fast_bytes, make()))

@@ -291,14 +291,20 @@ def load_skeleton(manifest: Manifest, device="cpu", dtype=None, verify: bool = T
     if missing or unexpected:
         problem = f"lacks {sorted(missing)[0]}" if missing else f"has unexpected {sorted(unexpected)[0]}"
         raise PackError(f"{file}: {problem}")
+    # Non-persistent buffers (rotary frequencies) are in no file: computed again as from_pretrained computes
+    # them, in the dtype the model's code gives them (float32 for rotary frequencies, whatever the weights'
+    # dtype); casting them with the weights would change the float16 model's rotations, and its tokens.
+    with_buffers = [(module, {name: module._buffers[name].dtype for name in module._non_persistent_buffers_set})
+                    for module in model.modules() if getattr(module, "_non_persistent_buffers_set", None)]
+    model.to(dtype=dtype or getattr(torch, manifest.dtype))
     with torch.no_grad():
         for name, target in manifest.tied.items():
             model.get_parameter(name).copy_(model.get_parameter(target))
-        for module in model.modules():  # non-persistent buffers (rotary frequencies) are not in any file
-            if getattr(module, "_non_persistent_buffers_set", None):
-                model._init_weights(module)
-    model.to(dtype=dtype or getattr(torch, manifest.dtype)).eval()
-    return model, adapter, time.perf_counter() - started
+        for module, dtypes in with_buffers:
+            for name, buffer_dtype in dtypes.items():
+                module._buffers[name] = module._buffers[name].to(buffer_dtype)
+            model._init_weights(module)
+    return model.eval(), adapter, time.perf_counter() - started
 
 
 def cache_root() -> Path:

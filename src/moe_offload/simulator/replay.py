@@ -2,8 +2,9 @@
 
 The trace is flattened into expert requests (moe_offload.trace.flatten documents the order); each request
 is a hit if the expert is resident, otherwise a miss that loads it, evicting the policy's victim when the
-cache is full. No clock, no prefetch: this is the model in which Belady's OPT is optimal, so every
-policy's misses are reported against OPT on the same sequence.
+cache is full; after the last token of a request the cache hears that the request has ended (a policy's
+per-sequence state ends with it). No clock, no prefetch: this is the model in which Belady's OPT is
+optimal, so every policy's misses are reported against OPT on the same sequence.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from typing import Callable, Iterable
 import numpy as np
 
 from moe_offload.errors import ConfigError
-from moe_offload.policies import AccessContext, ModelSpec, policy_info
+from moe_offload.policies import AccessContext, ModelSpec, make_policy, policy_factory, policy_info
 from moe_offload.reporting.results import RunResult
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
-from moe_offload.trace.flatten import AccessSequence, flatten
+from moe_offload.trace.flatten import AccessSequence, flatten, last_row_of_each_request
 from moe_offload.trace.format import Trace
+from moe_offload.values import integer, worker_count
 
 
 @dataclass
@@ -31,6 +33,7 @@ class ReplayInput:
 
     @classmethod
     def of(cls, trace: Trace, name: str | None = None) -> "ReplayInput":
+        trace.validate()  # a trace built in Python is checked as a file is
         return cls(trace=trace, sequence=flatten(trace), name=name or trace.path)
 
     @property
@@ -53,9 +56,10 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
            options: dict | None = None) -> RunResult:
     """Replay ``data`` through ``policy`` with room for ``cache_size`` experts."""
     spec = data.spec
+    cache_size = integer(cache_size, "cache_size", low=1)
     check_cache_size(policy, cache_size, spec)
     info = policy_info(policy)
-    make = lambda: info.policy(spec, seed=seed, **(options or {}))  # noqa: E731
+    make = policy_factory(policy, spec, seed=seed, options=options)
     if info.partitioned:
         cache = PartitionedCache(cache_size, spec.num_layers, make, spec.num_experts)
     else:
@@ -67,6 +71,7 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
     next_use = seq.next_use.tolist() if info.offline else None
     probs = trace.probs
     request_ids, iterations = trace.request.tolist(), trace.iteration.tolist()
+    last_rows = set(last_row_of_each_request(trace.request).tolist())
     hit_flags = bytearray(n)
     ctx = AccessContext()
     serve = cache.request
@@ -76,6 +81,8 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
         ctx.layer = layers[t]
         token = tokens[t]
         if token != current_token:
+            if current_token in last_rows:  # its request has run its last token
+                cache.end_request(ctx.request)
             current_token = ctx.token = token
             ctx.request = request_ids[token]
             ctx.iteration = iterations[token]
@@ -85,6 +92,8 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
             ctx.next_use = next_use[t]
         if serve(keys[t], ctx):
             hit_flags[t] = 1
+    if current_token in last_rows:
+        cache.end_request(ctx.request)
 
     hits_mask = np.frombuffer(bytes(hit_flags), dtype=np.uint8).astype(bool)
     layer_arr = seq.layer
@@ -129,10 +138,11 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
     Runs are independent, so ``jobs`` > 1 spreads them over processes; results do not depend on it.
     A (policy, size) pair that cannot run (a -dist policy with fewer slots than layers) is skipped with
     its reason; any other problem raises ConfigError before the first run."""
-    policies, cache_sizes = list(dict.fromkeys(policies)), sorted(set(cache_sizes))
+    policies = list(dict.fromkeys(policies))
+    cache_sizes = sorted({integer(size, "cache_size", low=1) for size in cache_sizes})
     spec = data.spec
-    for policy in policies:
-        policy_info(policy)
+    for policy in policies:  # every policy and its options are checked before the first run
+        make_policy(policy, spec, seed=seed, options=(options or {}).get(policy))
     for size in cache_sizes:
         check_cache_size("belady", size, spec)
     tasks, skipped = [], []
@@ -148,7 +158,8 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
                 continue
             tasks.append((policy, size, seed, (options or {}).get(policy)))
 
-    if jobs > 1 and len(tasks) > 1:
+    jobs = worker_count(jobs, len(tasks))
+    if jobs > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 

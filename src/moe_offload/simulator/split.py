@@ -34,15 +34,14 @@ before the next pass.
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from moe_offload.errors import ConfigError
+from moe_offload.inputs import parse_json, read_text
 from moe_offload.hardware.profile import format_bytes
 from moe_offload.policies.base import AccessContext
 from moe_offload.simulator.cache import ExpertCache
+from moe_offload.values import integer, number
 
 
 @dataclass(frozen=True)
@@ -50,6 +49,13 @@ class LayerSplitPlan:
     cached_experts: int          # C_i: experts whose top segment layer i caches
     split_ratio: float           # theta_i: the top segment's share of an expert's bytes, in (0, 1]
     prefetches: int | None = None  # Y_i: experts the configurator expects the prefetch to reach (eq 11)
+
+    def __post_init__(self):
+        object.__setattr__(self, "cached_experts", integer(self.cached_experts, "cache_size", low=1))
+        object.__setattr__(self, "split_ratio", number(self.split_ratio, "split_ratio", low=0, high=1,
+                                                       low_open=True))
+        if self.prefetches is not None:
+            object.__setattr__(self, "prefetches", integer(self.prefetches, "prefetches", low=0))
 
 
 @dataclass(frozen=True)
@@ -100,8 +106,6 @@ class SplitConfig:
         if len(self.layers) != num_layers:
             raise ConfigError(f"{source}: {len(self.layers)} layers, but the trace's model has {num_layers}")
         for layer, plan in enumerate(self.layers):
-            if not (math.isfinite(plan.split_ratio) and 0 < plan.split_ratio <= 1):
-                raise ConfigError(f"{source}: layer {layer}: split ratio {plan.split_ratio!r} is outside (0, 1]")
             if not 1 <= plan.cached_experts <= num_experts:
                 raise ConfigError(f"{source}: layer {layer}: {plan.cached_experts} cached experts, not in "
                                   f"[1, {num_experts}]")
@@ -119,27 +123,21 @@ class SplitConfig:
 
 
 def read_split_config(path) -> SplitConfig:
-    """The configuration in a file written by `moe-offload configure --json`."""
-    try:
-        document = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read the split configuration: {error.strerror or error}") from None
-    except ValueError as error:
-        raise ConfigError(f"{path}: not JSON ({error}); write it with `moe-offload configure --json`") from None
+    """The configuration in a file written by `moe-offload configure --json`; every value is checked here,
+    naming the file and the layer."""
+    what = "split configuration"
+    document = parse_json(read_text(path, what), path, what)
     layers = document.get("layers") if isinstance(document, dict) else None
     if not isinstance(layers, list) or not layers:
         raise ConfigError(f"{path}: no list of layers; write it with `moe-offload configure --json`")
     plans = []
     for layer, entry in enumerate(layers):
-        cached = entry.get("cache_size") if isinstance(entry, dict) else None
-        ratio = entry.get("split_ratio") if isinstance(entry, dict) else None
-        prefetches = entry.get("prefetches") if isinstance(entry, dict) else None
-        if isinstance(cached, bool) or not isinstance(cached, int) \
-                or isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        if not isinstance(entry, dict) or "cache_size" not in entry or "split_ratio" not in entry:
             raise ConfigError(f"{path}: layer {layer}: needs an integer cache_size and a number split_ratio")
-        if prefetches is not None and (isinstance(prefetches, bool) or not isinstance(prefetches, int)):
-            raise ConfigError(f"{path}: layer {layer}: prefetches must be an integer, not {prefetches!r}")
-        plans.append(LayerSplitPlan(cached, float(ratio), prefetches))
+        try:
+            plans.append(LayerSplitPlan(entry["cache_size"], entry["split_ratio"], entry.get("prefetches")))
+        except ConfigError as error:
+            raise ConfigError(f"{path}: layer {layer}: {error}") from None
     return SplitConfig(tuple(plans))
 
 
@@ -217,6 +215,10 @@ class SplitExperts:
     def release(self, key: int) -> None:
         self.tops[key // self.J].release(key)
 
+    def end_request(self, request) -> None:
+        for top in self.tops:
+            top.end_request(request)
+
     def transfer_bytes(self, key: int) -> int:
         """The bottom segment when the top is cached, else the whole expert."""
         layer = key // self.J
@@ -235,7 +237,7 @@ class SplitExperts:
             self.consume(key)
         return bool(dropped)
 
-    def reserve(self, key: int, ctx: AccessContext, nbytes: int) -> bool:
+    def reserve(self, key: int, ctx: AccessContext, nbytes: int, protect=()) -> bool:
         """Make room for a transfer of ``nbytes`` (``transfer_bytes(key)``): a bottom segment in the buffer, or a
         whole expert's top in the cache (tops of pinned or buffered experts are never evicted) and its bottom in
         the buffer, or, when the cache cannot make room, the whole expert in the buffer. False, with nothing
@@ -252,7 +254,7 @@ class SplitExperts:
         pinned = ctx.pinned
         ctx.pinned = pinned | buffer.reserved.keys() | buffer.resident.keys()
         try:
-            admitted = self.tops[layer].reserve(key, ctx, self.top_bytes[layer])
+            admitted = self.tops[layer].reserve(key, ctx, self.top_bytes[layer], protect)
         finally:
             ctx.pinned = pinned
         if admitted:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_offload.outputs import atomic_output
 from moe_offload.trace.format import Trace
 
 NEVER = np.iinfo(np.int64).max  # next_use of a request whose expert is not requested again
@@ -64,11 +65,11 @@ def next_use_times(keys: np.ndarray) -> np.ndarray:
 
 
 def write_csv(sequence: AccessSequence, path, expert_bytes: int | None) -> Path:
-    """Write ``time,id,size`` rows (one expert request each) that any cache simulator can replay."""
+    """Write ``time,id,size`` rows (one expert request each) that any cache simulator can replay (atomically:
+    a failed write leaves an existing file as it was)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     size = expert_bytes or 1
-    with path.open("w", newline="") as out:
+    with atomic_output(path) as temporary, temporary.open("w", newline="") as out:
         writer = csv.writer(out)
         writer.writerow(("time", "id", "size"))
         writer.writerows(zip(range(len(sequence)), sequence.expert_id.tolist(), [size] * len(sequence)))
@@ -83,11 +84,17 @@ def write_oracle_general(sequence: AccessSequence, path, expert_bytes: int | Non
     """Write libCacheSim's binary oracleGeneral trace (24-byte records with the next access time, which
     its Belady needs); the request order and ids are those of the CSV."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     records = np.empty(len(sequence), dtype=ORACLE_GENERAL_RECORD)
     records["clock_time"] = np.arange(len(sequence), dtype=np.uint32)
     records["obj_id"] = sequence.expert_id
     records["obj_size"] = expert_bytes or 1
     records["next_access_vtime"] = np.where(sequence.next_use == NEVER, -1, sequence.next_use)
-    records.tofile(path)
+    with atomic_output(path) as temporary:
+        records.tofile(temporary)
     return path
+
+
+def last_row_of_each_request(requests: np.ndarray) -> np.ndarray:
+    """The index of the last row (token) of each request in a trace's ``requests`` column, ascending."""
+    _, last_reversed = np.unique(requests[::-1], return_index=True)
+    return np.sort(requests.size - 1 - last_reversed)

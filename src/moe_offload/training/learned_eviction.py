@@ -30,6 +30,7 @@ import numpy as np
 
 from moe_offload import __version__
 from moe_offload.errors import ConfigError
+from moe_offload.values import integer, number
 from moe_offload.models import require_model_stack
 from moe_offload.policies.base import AccessContext, ModelSpec
 from moe_offload.policies.belady import Belady
@@ -322,14 +323,16 @@ def train_learned_eviction(trace: Trace, *, rows: tuple[int, int] | None = None,
     start, end = rows if rows is not None else (0, n)
     if not 0 <= start < end <= n:
         raise ConfigError(f"training rows {start}:{end} are not within the trace's {n} rows")
-    if not 0.0 < val_fraction < 1.0:
-        raise ConfigError(f"the validation fraction must be between 0 and 1, got {val_fraction}")
-    if epochs < 1 or patience < 1:
-        raise ConfigError(f"epochs and patience must be at least 1, got {epochs} and {patience}")
-    if horizon_tokens <= 0:
-        raise ConfigError(f"the horizon must be positive, got {horizon_tokens}")
+    val_fraction = number(val_fraction, "the validation fraction (--val-fraction)", low=0, high=1, low_open=True,
+                          high_open=True)
+    epochs = integer(epochs, "epochs (--epochs)", low=1)
+    patience = integer(patience, "patience (--patience)", low=1)
+    horizon_tokens = number(horizon_tokens, "the horizon (--horizon)", low=0, low_open=True)
+    seed = integer(seed, "seed (--seed)", low=0)
+    if threads is not None:
+        threads = integer(threads, "threads (--threads)", low=1)
     meta = trace.meta
-    cache_sizes = sorted(set(int(c) for c in cache_sizes))
+    cache_sizes = sorted(set(integer(c, "cache size (--cache-sizes)", low=1) for c in cache_sizes))
     if not cache_sizes:
         raise ConfigError("give at least one cache size")
     for size in cache_sizes:

@@ -11,7 +11,8 @@ After the last layer the LM head runs and the iteration's tokens are done. Costs
 hardware profile (moe_offload.hardware); how experts reach the GPU is tiers.py's business.
 
 The prefetcher is called as prefetch/base.py says: ``on_iteration_start`` before layer 0,
-``on_layer_routed`` right after each router, ``on_iteration_end`` after the LM head. Its proposals go to
+``on_layer_routed`` right after each router, ``on_iteration_end`` after the LM head, and
+``on_request_end`` for each request whose last iteration it was (every tier's cache hears it too). Its proposals go to
 the transfer queues (simulator/transfers.py), which order them; proposals for layers already routed in
 this iteration are ignored, and when a layer is routed its waiting prefetches are dropped (the needed
 ones become demand loads). Once the last layer is routed every layer is ahead again: what is proposed
@@ -65,7 +66,7 @@ import numpy as np
 
 from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import HardwareProfile
-from moe_offload.policies import AccessContext, ModelSpec, policy_info
+from moe_offload.policies import AccessContext, ModelSpec, policy_factory, policy_info
 from moe_offload.prefetch import Prefetcher, RoutingView, search_latency
 from moe_offload.prefetch.budget import budget_from_hardware
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
@@ -124,7 +125,7 @@ class TimedRun:
         self.compute = hardware.compute
         info = policy_info(policy)
         self.offline = info.offline and not all_resident
-        make = lambda: info.policy(spec, seed=seed, **(policy_options or {}))  # noqa: E731
+        make = policy_factory(policy, spec, seed=seed, options=policy_options)  # every tier's policy
 
         def cache(capacity):
             if info.partitioned:
@@ -385,7 +386,11 @@ class TimedRun:
                 plan = self.reconfiguration.observe(trace, rows, self.iteration)
                 if plan is not None:
                     self._reconfigure(plan)
-            self.schedule.batch_done()
+            for request in self.schedule.batch_done():  # per-sequence state of the policies and prefetcher ends
+                for tier in self.net.caches:
+                    tier.end_request(request)
+                if self.prefetcher is not None:
+                    self.prefetcher.on_request_end(request)
             self.iteration += 1
         return {"arrival": arrival, "token_times": token_times, "spans": spans}
 

@@ -17,6 +17,7 @@ from moe_offload.simulator.timed.run import TimedRun
 from moe_offload.simulator.timed.schedule import Arrivals
 from moe_offload.simulator.timed.tiers import home_tier
 from moe_offload.trace.format import Trace
+from moe_offload.values import worker_count
 
 ALL_RESIDENT = "all-resident"
 ORACLE = "oracle"
@@ -223,7 +224,8 @@ def timed_grid(trace: Trace, hardware: HardwareProfile, policies: list[str], pre
                    prefetcher_options=(prefetcher_options or {}).get(prefetcher),
                    policy_options=(policy_options or {}).get(policy), **shared)
               for policy, prefetcher, size in runs]
-    if jobs > 1 and len(tasks) > 1:
+    jobs = worker_count(jobs, len(tasks))
+    if jobs > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
