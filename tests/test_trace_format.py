@@ -87,8 +87,8 @@ def test_parquet_schema_uses_compact_types(tmp_path):
 
 
 def test_a_version_1_embedding_is_read_as_the_prompt_mean_and_never_as_per_token(tmp_path):
-    # Version 1 wrote the request's prompt mean on every row and said so only in prose: reading such a file
-    # must mark it, so that fMoE (which needs each token's embedding) refuses it instead of using it.
+    # Files written before embedding_kind existed hold the request's prompt mean on every row and said so only
+    # in prose: reading one must mark it, so that fMoE (which needs each token's embedding) refuses it instead of using it.
     from moe_offload.errors import ConfigError
     from moe_offload.prefetch import check_trace_columns, prefetcher_info
 
@@ -106,10 +106,11 @@ def test_a_version_1_embedding_is_read_as_the_prompt_mean_and_never_as_per_token
     check_trace_columns(prefetcher_info("fmoe"), read_trace(path))
     with pytest.raises(ConfigError, match=r"v1\.parquet.*'embedding'.*format version 1.*record it again"):
         check_trace_columns(prefetcher_info("fmoe"), got)
-    meta["format_version"], meta["embedding_kind"] = 2, "sentence"
+    meta["embedding_kind"] = "sentence"
     bad = tmp_path / "bad.parquet"
     pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), bad)
-    expect_trace_error(bad, "embedding_kind must be one of token, request-prompt-mean, not 'sentence'")
+    with pytest.raises(TraceError, match="embedding_kind must be one of token, request-prompt-mean, not 'sentence'"):
+        read_trace(bad, unsealed=True)
 
 
 @pytest.mark.parametrize("num_experts, dtype", [(1, np.uint8), (256, np.uint8), (257, np.uint16),
