@@ -126,6 +126,25 @@ class ExpertCache:
         self.resident[key] = self.reserved.pop(key)
         self.policy.on_insert(key, ctx)
 
+    def resize(self, capacity: int, ctx: AccessContext, entry_size: int | None = None) -> None:
+        """A new budget (MoEpic's online reconfiguration): with ``entry_size`` every resident expert counts that
+        size from now on (nothing may be on its way in); then the policy's victims are evicted until the
+        residents fit, never a pinned or held expert. What only those could free stays over the budget until
+        they are released: the next reservation evicts it then."""
+        if entry_size is not None:
+            if self.reserved:
+                raise RuntimeError("resizing the entries of a cache while experts are on their way in")
+            self.resident = dict.fromkeys(self.resident, entry_size)
+            self.used = entry_size * len(self.resident)
+        self.capacity = capacity
+        pinned = ctx.pinned
+        ctx.pinned = pinned | self.held.keys()
+        try:
+            while self.used > capacity and any(key not in ctx.pinned for key in self.resident):
+                self.evict(self.policy.victim(ctx))
+        finally:
+            ctx.pinned = pinned
+
     def _make_room(self, key, ctx, size, protect=()) -> bool:
         """Evict the policy's victims until ``size`` more units fit; False, with nothing evicted, when
         that cannot be done now (module doc: what pinned, reserved, held and protected experts allow)."""
