@@ -54,16 +54,23 @@ def routing_plan(top_k_index):
     return needed.tolist(), counts.tolist(), index
 
 
+def _arrivals(module, needed: list[int], counts: list[int]):
+    source: ExpertSource | None = getattr(module, "expert_source", None)
+    if source is None:
+        return ((expert, {"gate_up_proj": module.gate_up_proj[expert], "down_proj": module.down_proj[expert]})
+                for expert in needed)
+    return source.layer_experts(module.moe_layer, needed, counts)
+
+
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    if hidden_states.shape[0] == 1:
+        final = _one_token_forward(self, hidden_states, top_k_index, top_k_weights)
+        if final is not None:
+            return final
     import torch.nn.functional as F
 
     needed, counts, index = routing_plan(top_k_index)
-    source: ExpertSource | None = getattr(self, "expert_source", None)
-    if source is None:
-        arrivals = ((expert, {"gate_up_proj": self.gate_up_proj[expert], "down_proj": self.down_proj[expert]})
-                    for expert in needed)
-    else:
-        arrivals = source.layer_experts(self.moe_layer, needed, counts)
+    arrivals = _arrivals(self, needed, counts)
     starts, start = {}, 0
     for expert, count in zip(needed, counts):
         starts[expert] = (start, start + count)
@@ -81,6 +88,30 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         token_idx, current = outputs[expert]
         final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
     return final_hidden_states
+
+
+def _one_token_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Decode's common case, one token routed to K distinct experts: the same arithmetic as the general path
+    (the same GEMMs on the same [1, H] row, the same products, the outputs added to zeros in ascending expert
+    order, as ``index_add_`` adds them), hence the same bits, without the index tensors, their host-to-device
+    copy and the gathers and scatters the general path launches for each expert. None when an expert repeats."""
+    import torch.nn.functional as F
+
+    chosen = top_k_index[0].tolist()  # the layer's one synchronisation
+    needed = sorted(chosen)
+    if len(set(needed)) != len(needed):
+        return None
+    position = {expert: p for p, expert in enumerate(chosen)}
+    outputs = {}
+    with closing(_arrivals(self, needed, [1] * len(needed))) as arrivals:
+        for expert, weights in arrivals:
+            current = self._apply_gate(F.linear(hidden_states, weights["gate_up_proj"]))
+            p = position[expert]
+            outputs[expert] = F.linear(current, weights["down_proj"]) * top_k_weights[:, p:p + 1]
+    final = hidden_states.new_zeros(hidden_states.shape)
+    for expert in needed:
+        final.add_(outputs[expert].to(final.dtype))
+    return final
 
 
 def register() -> None:
