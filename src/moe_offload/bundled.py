@@ -17,7 +17,7 @@ DEFAULT_LEARNED_MODEL = DATA_DIR / "learned-eviction.npz"
 TINY_MODEL_DIR = DATA_DIR / "tiny-mixtral"
 
 # Routing of the tiny model on ShareGPT and HumanEval prompts, recorded by `moe-offload record` with every
-# column (probs, embedding, gate_prediction); the second default trace.
+# column (probs, embedding, gate_prediction, next_token_gate_prediction); the second default trace.
 DEFAULT_TINY_TRACE = DATA_DIR / "tiny-mixtral-sharegpt-humaneval.parquet"
 
 # The same recording on the next prompts of both sources: the history that MoE-Infinity's and fMoE's

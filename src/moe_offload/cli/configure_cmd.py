@@ -38,8 +38,8 @@ def register(subparsers) -> None:
                              "shared experts)")
     parser.add_argument("--head-ms", type=float, metavar="MS",
                         help="LM head time, which opens layer 0's prefetch window (default: the hardware's, else "
-                             "0; traces predict layers 1..L-1 only, so layer 0 does not prefetch and this changes "
-                             "nothing yet)")
+                             "0; layer 0 is predicted from the previous token's last layer when the trace has "
+                             "next_token_gate_prediction)")
     parser.add_argument("--expert-bytes", type=int, metavar="N",
                         help="bytes of one expert, for budgets in bytes (default: the trace's metadata)")
     parser.add_argument("--granularity", type=float, default=0.01, metavar="ZETA",
@@ -55,8 +55,8 @@ def register(subparsers) -> None:
 
 def timings_from_args(args, top_k: int, expert_bytes: int | None):
     """The timings given in milliseconds; those not given come from --hardware: one token's expert, attention
-    and LM head times and the GPU link's transfer time of one expert (timings_from_hardware)."""
-    from moe_offload.configurator import Timings, timings_from_hardware
+    and LM head times and the GPU link's transfer time of one expert (timings_from_profile)."""
+    from moe_offload.configurator import Timings, timings_from_profile
 
     given = {"expert_load": args.expert_load_ms, "expert_compute": args.expert_compute_ms,
              "attention": args.attention_ms, "moe": args.moe_ms, "head": args.head_ms}
@@ -67,11 +67,7 @@ def timings_from_args(args, top_k: int, expert_bytes: int | None):
         if not expert_bytes:
             raise ConfigError(f"--hardware {args.hardware}: the load and compute times of an expert depend on its "
                               "size, which the trace does not give: add --expert-bytes")
-        link, compute = hardware.link_from(1), hardware.compute
-        derived = timings_from_hardware(expert_bytes=expert_bytes, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
-                                        transfer_latency_s=link.latency_s,
-                                        expert_compute_s=compute.expert_seconds(1, expert_bytes),
-                                        attention_s=compute.attention(1), head_s=compute.lm_head(1), top_k=top_k)
+        derived = timings_from_profile(hardware, expert_bytes, top_k)
         seconds = {name: getattr(derived, name) if value is None else value / 1e3 for name, value in given.items()}
         if args.moe_ms is None:  # K times the expert time actually used, given or derived
             seconds["moe"] = top_k * seconds["expert_compute"]
@@ -94,7 +90,7 @@ def run(args) -> int:
     from moe_offload.configurator import check_inputs, configure, measure_statistics, require_gate_prediction
     from moe_offload.trace.format import read_trace
 
-    trace = read_trace(args.trace, columns=("gate_prediction",))
+    trace = read_trace(args.trace, columns=("gate_prediction", "next_token_gate_prediction"))
     meta = trace.meta
     require_gate_prediction(trace)
     if args.expert_bytes is not None:
@@ -107,13 +103,14 @@ def run(args) -> int:
     stderr = Console(stderr=True)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   console=stderr, transient=True, disable=not stderr.is_terminal) as bar:
-        task = bar.add_task("replaying LCP caches", total=meta.num_experts)
+        task = bar.add_task("replaying LCP caches", total=trace.num_tokens)
         stats = measure_statistics(trace, omega=args.lcp_omega, rho=args.lcp_rho,
-                                   progress=lambda: bar.advance(task))
+                                   progress=lambda tokens: bar.advance(task, tokens))
     config = configure(stats, timings, budget, args.granularity)
-    notes = ["layer 0 is configured without prefetching: the trace predicts layers 1..L-1 only (the paper "
-             "predicts layer 0 from the previous token's last layer)",
-             "latencies are MoEpic's model (equations 5-7 with alpha + beta theta ~ m), not a simulation"]
+    notes = ["latencies are MoEpic's model (equations 5-7 with alpha + beta theta ~ m), not a simulation"]
+    if not stats.predicted[0]:
+        notes.insert(0, "layer 0 is configured without prefetching: the trace has no next_token_gate_prediction "
+                        "(the paper predicts layer 0 from the previous token's last layer), or no decode token")
 
     if args.json:
         document = {"trace": args.trace, "hardware": args.hardware, "model": meta.model,

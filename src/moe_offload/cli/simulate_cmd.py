@@ -15,6 +15,7 @@ from moe_offload.bundled import DEFAULT_TRACE, trace_path
 from moe_offload.errors import ConfigError
 from moe_offload.outputs import check_output, write_atomically
 from moe_offload.policies import POLICIES, policy_info
+from moe_offload.simulator.replay import ENGINES
 from moe_offload.trace.format import TraceMeta, read_trace
 from moe_offload.values import cache_sizes, check_options_used, component_options, integer, jobs, parse_bytes
 
@@ -25,7 +26,7 @@ DEFAULT_TIMED_POLICIES = "lru"
 # options of the timed simulation and their defaults: given without --timed they are refused
 TIMED_DEFAULTS = {"hardware": None, "prefetch": "none", "prefetch_option": [], "history": None, "expert_bytes": None,
                   "arrivals": "trace", "max_batch": 8, "timed_json": None, "plot_cdf": None, "plot_timeline": None,
-                  "timeline_iteration": None, "split_config": None}
+                  "timeline_iteration": None, "split_config": None, "reconfigure_every": None, "granularity": 0.01}
 
 
 def register(subparsers) -> None:
@@ -56,6 +57,10 @@ def register(subparsers) -> None:
                         help="worker processes (default: up to 2)")
     parser.add_argument("--policy-option", action="append", default=[], metavar=POLICY_OPTION,
                         help="a policy parameter, e.g. lcp.rho=0.5 or learned.model_path=model.npz (repeatable)")
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="how the replay runs, never what it finds: 'compiled' runs the policies' Numba kernels "
+                             "(the `fast` extra), 'python' the policy objects, 'auto' (default) the kernel where a "
+                             "policy has one and Numba is installed")
     timed = parser.add_argument_group("timed simulation (--timed)")
     timed.add_argument("--timed", action="store_true",
                        help="run the discrete-event timed simulator instead of the replay")
@@ -86,6 +91,14 @@ def register(subparsers) -> None:
                        help="run MoEpic's split experts as `moe-offload configure --json` chose them: per layer, "
                             "the top segments of cache_size experts cached, split_ratio of an expert each, and a "
                             "buffer of top-k experts for the missing segments (replaces --cache-size)")
+    timed.add_argument("--reconfigure-every", type=int, metavar="TAU",
+                       help="MoEpic's online configurator (paper 004, Algorithm 1): rerun the split configuration "
+                            "every TAU tokens from the statistics gathered so far and resize the running caches "
+                            "(the paper's tau is 5000); starts from --split-config, or from the uniform allocation "
+                            "with split ratio 0.5 on each --cache-size (less the buffer of top-k experts)")
+    timed.add_argument("--granularity", type=float, default=TIMED_DEFAULTS["granularity"], metavar="ZETA",
+                       help="share of the budget the online configurator moves between two layers per step "
+                            "(default 0.01, the paper's)")
     parser.set_defaults(run=run)
 
 
@@ -199,7 +212,7 @@ def run(args) -> int:
         task = bar.add_task("replaying requests", total=total)
         for data, (table_sizes, sizes) in zip(inputs, plans):
             grid = replay_grid(data, policies, sizes, seed=args.seed, options=options, jobs=args.jobs,
-                               progress=lambda n: bar.advance(task, n))
+                               progress=lambda n: bar.advance(task, n), engine=args.engine)
             results += grid.results
             skipped += grid.skipped
             table_results += [r for r in grid.results if r.cache_size in table_sizes]
@@ -253,10 +266,12 @@ def run_timed(args) -> int:
     from moe_offload.prefetch import check_trace_columns, prefetcher_info
     from moe_offload.reporting.tables import print_timed_tables
     from moe_offload.simulator.split import read_split_config
-    from moe_offload.simulator.timed import ORACLE, Arrivals, check_timed_run, timed_grid
+    from moe_offload.simulator.timed import ORACLE, Arrivals, Reconfiguration, check_timed_run, timed_grid
 
     if args.plot:
         raise ConfigError("--plot draws the replay's misses; with --timed use --plot-cdf and --plot-timeline")
+    if args.engine != "auto":
+        raise ConfigError("--engine chooses how the replay runs; the timed simulator runs the policy objects")
     policies = parse_policies(args.policy or DEFAULT_TIMED_POLICIES)
     options = policy_options(args, policies)
     prefetchers = parse_prefetchers(args.prefetch)
@@ -275,6 +290,10 @@ def run_timed(args) -> int:
     if args.split_config and args.cache_size:
         raise ConfigError("--split-config sets the GPU's expert memory layer by layer: leave out --cache-size")
     split = read_split_config(args.split_config) if args.split_config else None
+    if args.granularity != TIMED_DEFAULTS["granularity"] and args.reconfigure_every is None:
+        raise ConfigError("--granularity belongs to the online configuration: add --reconfigure-every")
+    reconfiguration = (Reconfiguration(args.reconfigure_every, args.granularity)
+                       if args.reconfigure_every is not None else None)
     plans = []
     for path in paths:  # read and check everything before the first run
         trace = read_trace(path)
@@ -290,13 +309,14 @@ def run_timed(args) -> int:
             integer(args.timeline_iteration, "--timeline-iteration", low=0, high=last,
                     why=f"the iterations of {path}" if last is not None else "")
         if split is not None:
-            sizes = [split.cache_bytes(expert_bytes)]
+            sizes = [split.memory_bytes(trace.meta.top_k, expert_bytes)]
         else:
             sizes = cache_sizes(args.cache_size or DEFAULT_TIMED_CACHE_SIZES, "--cache-size",
                                 trace.meta.num_expert_slots, expert_bytes, in_bytes=True)
         for policy in policies:
             for size in sizes:
-                check_timed_run(trace, hardware, policy, size, expert_bytes, arrivals, split, args.split_config)
+                check_timed_run(trace, hardware, policy, size, expert_bytes, arrivals, split, args.split_config,
+                                reconfiguration)
         plans.append((path if args.traces else Path(path).name, trace, expert_bytes, sizes))
 
     stderr = Console(stderr=True)
@@ -311,7 +331,7 @@ def run_timed(args) -> int:
                                   arrivals=arrivals, seed=args.seed, policy_options=options,
                                   prefetcher_options=prefetch_options, history=history,
                                   timeline_iteration=args.timeline_iteration, name=name, jobs=args.jobs,
-                                  progress=lambda: bar.advance(task), split=split)
+                                  progress=lambda: bar.advance(task), split=split, reconfiguration=reconfiguration)
     if "learned" in policies:
         for name, trace, *_ in plans:
             note = learned_training_note(trace.path, options.get("learned", {}))

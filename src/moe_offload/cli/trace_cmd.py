@@ -9,11 +9,11 @@ import numpy as np
 from moe_offload.hardware.profile import format_bytes
 from moe_offload.outputs import check_output
 from moe_offload.trace.flatten import flatten, write_csv, write_oracle_general
-from moe_offload.trace.format import DECODE, PREFILL, Trace, read_trace, seal_trace, write_trace
+from moe_offload.trace.format import DECODE, EMBEDDING_KINDS, PREFILL, Trace, read_trace, seal_trace, write_trace
 from moe_offload.trace.importers import IMPORTERS
 from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
 
-OPTIONAL_COLUMNS = ("weights", "probs", "embedding", "gate_prediction")
+OPTIONAL_COLUMNS = ("weights", "probs", "embedding", "gate_prediction", "next_token_gate_prediction")
 FLATTEN_WRITERS = {"csv": write_csv, "oracle-general": write_oracle_general}
 
 # next_token_reuse compares consecutive tokens this many rows at a time, to bound its memory.
@@ -145,6 +145,7 @@ def describe(trace: Trace, file_bytes: int | None = None) -> dict:
         "prefill_tokens": int(np.count_nonzero(trace.phase == PREFILL)),
         "decode_tokens": int(np.count_nonzero(trace.phase == DECODE)),
         "columns": {name: getattr(trace, name) is not None for name in OPTIONAL_COLUMNS},
+        "embedding_kind": meta.embedding_kind if trace.embedding is not None else None,
         "source": meta.source,
         "license": meta.license,
         "extra": meta.extra,
@@ -201,6 +202,7 @@ def format_summary(summary: dict) -> str:
         ("requests", str(summary["requests"])),
         ("iterations", str(summary["iterations"])),
         ("columns", ", ".join(["experts", *present]) + (f" (absent: {', '.join(absent)})" if absent else "")),
+        *([("embedding", EMBEDDING_KINDS[summary["embedding_kind"]])] if summary["embedding_kind"] else []),
         ("expert order", "sorted by id: the router's rank order is lost" if summary["extra"].get("experts_sorted")
          else "as recorded (the router's rank order where the source knew it)"),
         ("source", summary["source"] or "unknown"),

@@ -76,25 +76,30 @@ def routing_plan(top_k_index, segment_starts=(0,)):
     return needed, counts, groups
 
 
+def _arrivals(module, needed: list[int], counts: list[list[int]]):
+    source: ExpertSource | None = getattr(module, "expert_source", None)
+    if source is None:
+        return ((expert, {"gate_up_proj": module.gate_up_proj[expert], "down_proj": module.down_proj[expert]})
+                for expert in needed)
+    return source.layer_experts(module.moe_layer, needed, counts)
+
+
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    if hidden_states.shape[0] == 1:  # one token: one request's decode step
+        final = _one_token_forward(self, hidden_states, top_k_index, top_k_weights)
+        if final is not None:
+            return final
     import itertools
 
     import torch
     import torch.nn.functional as F
 
-    source: ExpertSource | None = getattr(self, "expert_source", None)
-    packed = getattr(source, "packed", None)
+    packed = getattr(getattr(self, "expert_source", None), "packed", None)
     needed, counts, groups = routing_plan(top_k_index, packed.segment_starts if packed is not None else (0,))
     if packed is not None and not packed.exact:  # one product per expert over the whole pass
-        import torch
-
         groups = [[(torch.cat([t for t, _ in group]), torch.cat([p for _, p in group]))] if len(group) > 1 else group
                   for group in groups]
-    if source is None:
-        arrivals = ((expert, {"gate_up_proj": self.gate_up_proj[expert], "down_proj": self.down_proj[expert]})
-                    for expert in needed)
-    else:
-        arrivals = source.layer_experts(self.moe_layer, needed, counts)
+    arrivals = _arrivals(self, needed, counts)
     position = {expert: i for i, expert in enumerate(needed)}
     outputs = {}
     with closing(arrivals):
@@ -117,6 +122,30 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         token_idx, current = outputs[expert]
         final_hidden_states.index_add_(0, token_idx, current.to(final_hidden_states.dtype))
     return final_hidden_states
+
+
+def _one_token_forward(self, hidden_states, top_k_index, top_k_weights):
+    """Decode's common case, one token routed to K distinct experts: the same arithmetic as the general path
+    (the same GEMMs on the same [1, H] row, the same products, the outputs added to zeros in ascending expert
+    order, as ``index_add_`` adds them), hence the same bits, without the index tensors, their host-to-device
+    copy and the gathers and scatters the general path launches for each expert. None when an expert repeats."""
+    import torch.nn.functional as F
+
+    chosen = top_k_index[0].tolist()  # the layer's one synchronisation
+    needed = sorted(chosen)
+    if len(set(needed)) != len(needed):
+        return None
+    position = {expert: p for p, expert in enumerate(chosen)}
+    outputs = {}
+    with closing(_arrivals(self, needed, [[1]] * len(needed))) as arrivals:
+        for expert, weights in arrivals:
+            current = self._apply_gate(F.linear(hidden_states, weights["gate_up_proj"]))
+            p = position[expert]
+            outputs[expert] = F.linear(current, weights["down_proj"]) * top_k_weights[:, p:p + 1]
+    final = hidden_states.new_zeros(hidden_states.shape)
+    for expert in needed:
+        final.add_(outputs[expert].to(final.dtype))
+    return final
 
 
 def register() -> None:

@@ -17,6 +17,10 @@ every tier ranks by) builds that state there, once.
 
 The replay simulator, the timed simulator and the runtime fill the same ModelSpec and AccessContext; a
 policy never knows which of them drives it. Keys are flat expert ids, the int ``layer * J + expert``.
+
+A policy whose decisions need nothing beyond keys, clocks, tokens and next uses may also give the replay a
+compiled form of the same decisions, ``replay_kernel`` (simulator/kernels.py describes the contract); the
+class stays the reference, and the tests require both to make the same misses.
 """
 
 from __future__ import annotations
@@ -85,9 +89,17 @@ class EvictionPolicy:
     source: ClassVar[str]    # the paper (seed file) or reference the formula comes from
     offline: ClassVar[bool] = False       # reads ctx.next_use (knows the future)
     needs_probs: ClassVar[bool] = False   # reads ctx.probs or ctx.predicted
+    # The replay's compiled twin of the hooks below, in the subset of Python that Numba compiles, or None
+    # (simulator/kernels.py: its arguments and how it is compiled).
+    replay_kernel: ClassVar[Callable | None] = None
 
     def __init__(self, spec: ModelSpec, seed: int = 0):
         self.spec = spec
+
+    def kernel_arguments(self) -> tuple[np.ndarray, np.ndarray]:
+        """(floats, ints) that ``replay_kernel`` starts from, taken from this instance as constructed (its
+        options, its seeded generator): float64 and int64 arrays, empty for a policy without parameters."""
+        return np.zeros(0, np.float64), np.zeros(0, np.int64)
 
     def on_access(self, key: Hashable, ctx: AccessContext) -> None:
         """A demand request for ``key``; called before the cache changes (hit or miss)."""

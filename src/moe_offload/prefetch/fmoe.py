@@ -3,7 +3,8 @@ Expert Map Store).
 
 Per iteration, for every request b of the batch (0-based layers here, the paper's are 1-based):
 
-* before layer 0: semantic search of the store by the request's embedding; the best map's layers
+* before layer 0: semantic search of the store by the request's semantic embedding of this iteration
+  (below); the best map's layers
   0 .. d-1 are the predictions of those layers, with the semantic score;
 * after layer l_now is routed, for l_now + d <= L - 1: trajectory search by the distributions observed in
   layers 0 .. l_now; the best map's layer l_now + d is the prediction of that layer, with the trajectory
@@ -32,12 +33,26 @@ trajectory search and the deduplication over each request's M best semantic entr
 ``map_dtype="float16"`` (with ``candidates``) halves the maps' memory; ``seed`` seeds the projection.
 benchmarks/map_search.py measures their speed, the README their effect on hit rates and precision.
 
-The trace's embedding is that of the request, so from its second iteration on a request finds its own
-earlier iterations with semantic score 1 (the most recent one wins the tie): delta = 0, and layers
-0 .. d-1 get the K most probable experts of its latest stored iteration.
+The semantic embedding of an iteration. The paper records "the semantic embeddings for each inference
+iteration", "using the output from the model's original embedding layer", one vector of the hidden size
+per prompt of the batch. The trace holds that output for every token (its ``embedding`` column), and the
+iteration's embedding of a request pools the rows of the tokens the iteration feeds the model:
+
+* ``semantic="iteration"`` (default): the mean of the embedding layer's output over this iteration's input,
+  the prompt's tokens in prefill (mean pooling keeps the size fixed across prompt lengths) and the one new
+  token in decode: literally what the embedding layer outputs in that iteration;
+* ``semantic="request"``: the mean over every token the request has fed so far, prompt and generated (the
+  sentence-embedding mean pooling that the paper's draft of the section names for decode iterations).
+
+The paper's final text supports the first reading; the second is offered because its draft does. With it a
+request's consecutive iterations differ by one token in the mean, so from its second iteration on a request
+mostly finds its own previous iteration with a score near 1 (delta near 0: the K most probable experts of
+its latest map), which is what the first reading avoids. A trace of format version 1 holds the prompt's
+mean on every row instead of each token's embedding; it is refused (prefetch/requirements.py), since every
+iteration of a request would match the others with score 1.
 
 Both searches need what they search by: the trace must have full router probabilities (the maps) and
-request embeddings (the semantic keys). Paper 000 designs the two searches together and does not describe
+token embeddings (the semantic keys). Paper 000 designs the two searches together and does not describe
 a trajectory-only variant, so a trace without embeddings is refused (moe_offload.prefetch.requirements
 says how to record one) rather than approximated.
 
@@ -60,6 +75,7 @@ from moe_offload.values import integer
 
 DEFAULT_CAPACITY = 1000
 DEFAULT_DISTANCE = 3
+SEMANTIC_POOLINGS = ("iteration", "request")
 FIT_BATCH = 256        # entries per redundancy computation while filling the store from history
 FIT_CHUNK_ROWS = 1 << 15  # history rows converted to float32 at a time
 
@@ -89,6 +105,37 @@ def prefetch_sets(predicted: np.ndarray, scores, min_experts: int) -> np.ndarray
     return mask.reshape(predicted.shape)
 
 
+class SemanticPooling:
+    """The semantic embeddings of (iteration, request) groups from the sums of their tokens' embeddings
+    (module doc); ``request`` pooling keeps each request's running sum, so groups must come in iteration
+    order and one instance serves one stream of requests (the history's, or the run's)."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self._sums: dict[int, np.ndarray] = {}
+        self._counts: dict[int, int] = {}
+
+    def __call__(self, requests: np.ndarray, sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """[G, D] embeddings of groups with request ids ``requests`` [G], embedding sums ``sums`` [G, D] and
+        token counts ``counts`` [G]."""
+        sums = np.asarray(sums, dtype=np.float64)
+        counts = np.asarray(counts, dtype=np.float64)
+        if self.mode == "iteration":
+            return (sums / counts[:, None]).astype(np.float32)
+        pooled = np.empty(sums.shape, dtype=np.float32)
+        for group, request in enumerate(np.asarray(requests).tolist()):
+            total = self._sums.get(request, 0.0) + sums[group]
+            count = self._counts.get(request, 0) + counts[group]
+            self._sums[request], self._counts[request] = total, count
+            pooled[group] = total / count
+        return pooled
+
+    def forget(self, request: int) -> None:
+        """``request`` has ended: its running sum goes."""
+        self._sums.pop(request, None)
+        self._counts.pop(request, None)
+
+
 class FMoEPrefetcher(TimedSearch, Prefetcher):
     name = "fmoe"
     summary = ("expert maps: semantic search for the first d layers, trajectory search after; similarity-aware "
@@ -98,11 +145,17 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
     search_on_inference_path = False
 
     def __init__(self, spec, capacity: int = DEFAULT_CAPACITY, distance: int = DEFAULT_DISTANCE,
-                 search_seconds: float | None = None, embedding_dims: int | None = None,
-                 candidates: int | None = None, map_dtype: str = "float32", seed: int = 0):
+                 search_seconds: float | None = None, semantic: str = "iteration",
+                 embedding_dims: int | None = None, candidates: int | None = None, map_dtype: str = "float32",
+                 seed: int = 0):
         super().__init__(spec)
         self.capacity = integer(capacity, f"{self.name}.capacity", low=1)
         self.distance = integer(distance, f"{self.name}.distance", low=1)
+        if semantic not in SEMANTIC_POOLINGS:
+            raise ConfigError(f"{self.name}: semantic must be one of {', '.join(SEMANTIC_POOLINGS)}, not {semantic!r}")
+        self.semantic = semantic
+        self._pooling = SemanticPooling(semantic)  # the run's requests
+        self._semantic: np.ndarray | None = None     # [B, D] of the current iteration
         self._set_search_seconds(search_seconds)
         seed = integer(seed, f"{self.name}.seed", low=0)
         if embedding_dims is not None:
@@ -128,6 +181,7 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
         check_trace_columns(type(self), history)
         check_same_model(self.spec, history, self.name)
         L, J = self.spec.num_layers, self.spec.num_experts
+        pooling = SemanticPooling(self.semantic)  # the history's requests, apart from the run's
         order = np.lexsort((history.request, history.iteration))
         iteration, request = history.iteration[order], history.request[order]
         starts = np.flatnonzero(np.r_[True, (np.diff(iteration) != 0) | (np.diff(request) != 0)])
@@ -141,7 +195,9 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
             sizes = np.diff(np.r_[group_starts, end - begin])[:, None]
             maps = np.add.reduceat(history.probs[rows].astype(np.float32).reshape(rows.size, L * J),
                                    group_starts, axis=0) / sizes
-            embeddings = np.add.reduceat(history.embedding[rows].astype(np.float32), group_starts, axis=0) / sizes
+            embeddings = pooling(request[begin + group_starts],
+                                 np.add.reduceat(history.embedding[rows].astype(np.float64), group_starts, axis=0),
+                                 sizes[:, 0])
             for first in range(0, maps.shape[0], FIT_BATCH):
                 self._add(maps[first:first + FIT_BATCH].reshape(-1, L, J), embeddings[first:first + FIT_BATCH])
 
@@ -160,14 +216,15 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
         self._sets = [None] * L
         if len(self.store) == 0:
             self._groups = RequestGroups(view.requests)
+            self._semantic = self._pool(view)
             self._predicted = None
             self._no_search()
             return []
         with self._timed_search():
             self._groups = RequestGroups(view.requests)
-            embeddings = self._groups.mean(view.embedding())
+            self._semantic = self._pool(view)
             try:
-                self._search = search = self.store.search(embeddings)
+                self._search = search = self.store.search(self._semantic)
             except ConfigError as exc:
                 raise ConfigError(f"{self.name}: {view.source}: {exc}") from None
             maps = self.store.maps(search.index)  # [B, L, J]
@@ -199,12 +256,22 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
         with self._timed_search():
             if search is None:
                 maps = np.stack([groups.mean(view.probs(layer)) for layer in range(L)], axis=1)
-                self._add(maps, groups.mean(view.embedding()))
+                self._add(maps, self._semantic if self._semantic is not None else self._pool(view))
             else:  # the layers the trajectory search observed are in hand; the store reuses its scores
                 for layer in range(search.layers_observed, L):
                     search.maps[:, layer] = groups.mean(view.probs(layer))
                 self._add(search.maps, search.embeddings, search)
-        self._search = None
+        self._search, self._semantic = None, None
+
+    def on_request_end(self, request: int) -> None:
+        self._pooling.forget(request)
+
+    def _pool(self, view) -> np.ndarray:
+        """[B, D] this iteration's semantic embedding of each request (module doc); once per iteration: the
+        pooling of ``semantic="request"`` keeps each request's running sum."""
+        groups = self._groups
+        counts = np.bincount(groups.inverse, minlength=len(groups))
+        return self._pooling(groups.requests, groups.mean(view.embedding()) * counts[:, None], counts)
 
     def _set_target(self, target: int, rows: np.ndarray, scores: np.ndarray) -> None:
         """Record the batch's prefetch set for ``target`` from its searched distributions ``rows`` [B, J]: keys

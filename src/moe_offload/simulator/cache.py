@@ -126,6 +126,25 @@ class ExpertCache:
         self.resident[key] = self.reserved.pop(key)
         self.policy.on_insert(key, ctx)
 
+    def resize(self, capacity: int, ctx: AccessContext, entry_size: int | None = None) -> None:
+        """A new budget (MoEpic's online reconfiguration): with ``entry_size`` every resident expert counts that
+        size from now on (nothing may be on its way in); then the policy's victims are evicted until the
+        residents fit, never a pinned or held expert. What only those could free stays over the budget until
+        they are released: the next reservation evicts it then."""
+        if entry_size is not None:
+            if self.reserved:
+                raise RuntimeError("resizing the entries of a cache while experts are on their way in")
+            self.resident = dict.fromkeys(self.resident, entry_size)
+            self.used = entry_size * len(self.resident)
+        self.capacity = capacity
+        pinned = ctx.pinned
+        ctx.pinned = pinned | self.held.keys()
+        try:
+            while self.used > capacity and any(key not in ctx.pinned for key in self.resident):
+                self.evict(self.policy.victim(ctx))
+        finally:
+            ctx.pinned = pinned
+
     def _make_room(self, key, ctx, size, protect=()) -> bool:
         """Evict the policy's victims until ``size`` more units fit; False, with nothing evicted, when
         that cannot be done now (module doc: what pinned, reserved, held and protected experts allow)."""
@@ -186,10 +205,16 @@ class PartitionedCache:
     expert budget does."""
 
     def __init__(self, capacity: int, num_layers: int, make_policy, experts_per_layer: int, slot_size: int = 1):
-        base, extra = divmod(capacity // slot_size, num_layers)
         self.capacity = capacity
         self.experts_per_layer = experts_per_layer
-        self.parts = [ExpertCache((base + (layer < extra)) * slot_size, make_policy()) for layer in range(num_layers)]
+        self.parts = [ExpertCache(slots * slot_size, make_policy())
+                      for slots in self.capacities(capacity // slot_size, num_layers)]
+
+    @staticmethod
+    def capacities(slots: int, num_layers: int) -> list[int]:
+        """The slots of each layer's partition: ``slots // L`` each, one more for the first ``slots % L``."""
+        base, extra = divmod(slots, num_layers)
+        return [base + (layer < extra) for layer in range(num_layers)]
 
     def __contains__(self, key) -> bool:
         return key in self.parts[key // self.experts_per_layer]

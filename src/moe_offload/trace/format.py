@@ -10,9 +10,17 @@ The full specification, with an example, is docs/trace-format.md. In short:
   belongs to; rows are sorted by it), ``experts`` (fixed-size list of L*K unsigned ints, layer-major: the K
   experts of layer 0, then of layer 1, ...; within a layer in the router's rank order when known);
 * optional columns: ``weights`` (L*K float16, router weights of ``experts``), ``probs`` (L*J float16, the
-  router's full distribution, fMoE's expert map), ``embedding`` (D float16, the semantic embedding of the
-  token's request), ``gate_prediction`` ((L-1)*J float16: entry l is layer l+1's router applied to layer l's
-  hidden state, MoEpic's speculative prediction).
+  router's full distribution, fMoE's expert map), ``embedding`` (D float16, the model's input embedding of
+  the row's own token: what its embedding layer outputs for it; fMoE pools an iteration's semantic embedding
+  from these), ``gate_prediction`` ((L-1)*J float16: entry l is layer l+1's router applied to layer l's
+  hidden state, MoEpic's speculative prediction), ``next_token_gate_prediction`` (J float16: layer 0's router
+  applied to the last layer's hidden state of the row's token, MoEpic's prediction of layer 0 of the
+  request's next token).
+
+The metadata's ``embedding_kind`` says what ``embedding`` holds: ``token`` (the above, what the recorder
+writes) or ``request-prompt-mean`` (the mean input embedding of the request's prompt, repeated on every row:
+what files written before the field existed hold, and what reading one without it assumes, so that nothing
+takes it for per-token embeddings; fMoE refuses it).
 
 Expert ids use the smallest unsigned type that holds J-1; probabilities are float16. Both are what keep a
 million-token trace small.
@@ -36,6 +44,16 @@ from moe_offload.outputs import atomic_output
 from moe_offload.trace import integrity
 
 FORMAT_VERSION = 2
+# What the ``embedding`` column holds (TraceMeta.embedding_kind): each row's own token's input embedding
+# (what the recorder writes), or the request's prompt mean repeated on its rows (files whose metadata does
+# not say: every file written before embedding_kind existed).
+EMBEDDING_TOKEN = "token"
+EMBEDDING_PROMPT_MEAN = "request-prompt-mean"
+EMBEDDING_KINDS = {
+    EMBEDDING_TOKEN: "each row's own token's input embedding (the model's embedding layer output for it)",
+    EMBEDDING_PROMPT_MEAN: "the mean input embedding of the request's prompt on every row of the request "
+                           "(format version 1)",
+}
 UNSEALED_VERSION = 1  # the format before checksums: `trace seal` reads it
 METADATA_KEY = b"moe_offload.trace"
 # Bounds of the metadata, checked before anything is allocated from it. L * J bounds every per-expert array
@@ -88,6 +106,7 @@ class TraceMeta:
     source: str = ""
     license: str | None = None
     extra: dict = field(default_factory=dict)
+    embedding_kind: str = EMBEDDING_TOKEN  # what the embedding column holds (EMBEDDING_KINDS)
 
     @property
     def num_expert_slots(self) -> int:
@@ -114,6 +133,8 @@ class TraceMeta:
         missing = [name for name in ("model", "num_layers", "num_experts", "top_k") if name not in known]
         if missing:
             raise TraceError(path, f"trace metadata lacks {', '.join(missing)}")
+        # files written before embedding_kind existed hold the request's prompt mean, and said so only in prose
+        known.setdefault("embedding_kind", EMBEDDING_PROMPT_MEAN)
         if not isinstance(known.get("extra", {}), dict):
             raise TraceError(path, f"metadata extra must be a JSON object, not {known['extra']!r}")
         meta = cls(**known)
@@ -144,6 +165,9 @@ class TraceMeta:
             raise TraceError(path, "metadata source and license must be strings")
         if not isinstance(self.extra, dict):
             raise TraceError(path, f"metadata extra must be a JSON object, not {self.extra!r}")
+        if self.embedding_kind not in EMBEDDING_KINDS:
+            raise TraceError(path, f"metadata embedding_kind must be one of {', '.join(EMBEDDING_KINDS)}, "
+                                   f"not {self.embedding_kind!r}")
 
 
 @dataclass
@@ -152,7 +176,8 @@ class Trace:
 
     Shapes (N tokens, L layers, K experts per token and layer, J experts per layer, D embedding size):
     ``experts`` [N, L, K], ``weights`` [N, L, K], ``probs`` [N, L, J], ``embedding`` [N, D],
-    ``gate_prediction`` [N, L-1, J]; the optional ones are None when the trace lacks them.
+    ``gate_prediction`` [N, L-1, J], ``next_token_gate_prediction`` [N, J]; the optional ones are None when the
+    trace lacks them.
     """
 
     meta: TraceMeta
@@ -165,11 +190,13 @@ class Trace:
     probs: np.ndarray | None = None
     embedding: np.ndarray | None = None
     gate_prediction: np.ndarray | None = None
+    next_token_gate_prediction: np.ndarray | None = None
     path: str = "<memory>"
 
     @classmethod
     def build(cls, meta: TraceMeta, experts, *, request=None, position=None, phase=None, iteration=None,
-              weights=None, probs=None, embedding=None, gate_prediction=None, path="<memory>") -> "Trace":
+              weights=None, probs=None, embedding=None, gate_prediction=None, next_token_gate_prediction=None,
+              path="<memory>") -> "Trace":
         """Make a validated trace from array-likes, filling the bookkeeping columns of a single
         decode-only request when they are not given."""
         experts = np.asarray(experts)
@@ -186,6 +213,8 @@ class Trace:
             probs=None if probs is None else np.asarray(probs, np.float16),
             embedding=None if embedding is None else np.asarray(embedding, np.float16),
             gate_prediction=None if gate_prediction is None else np.asarray(gate_prediction, np.float16),
+            next_token_gate_prediction=(None if next_token_gate_prediction is None
+                                        else np.asarray(next_token_gate_prediction, np.float16)),
             path=str(path),
         )
         trace.validate()
@@ -206,7 +235,8 @@ class Trace:
         return replace(self, request=self.request[rows], position=self.position[rows], phase=self.phase[rows],
                        iteration=self.iteration[rows], experts=self.experts[rows], weights=pick(self.weights),
                        probs=pick(self.probs), embedding=pick(self.embedding),
-                       gate_prediction=pick(self.gate_prediction))
+                       gate_prediction=pick(self.gate_prediction),
+                       next_token_gate_prediction=pick(self.next_token_gate_prediction))
 
     def validate(self) -> None:
         """Raise TraceError naming the first offending row, or return when the trace is consistent."""
@@ -266,6 +296,7 @@ class Trace:
         self._check_float("weights", self.weights, (n, L, K))
         self._check_float("probs", self.probs, (n, L, J), upper=1.0)
         self._check_float("gate_prediction", self.gate_prediction, (n, L - 1, J), upper=1.0)
+        self._check_float("next_token_gate_prediction", self.next_token_gate_prediction, (n, J), upper=1.0)
         if self.embedding is not None:
             self._check_float("embedding", self.embedding, (n, self.embedding.shape[-1] if self.embedding.ndim == 2
                                                               else -1), lower=None)
@@ -293,7 +324,7 @@ class Trace:
 # ---------------------------------------------------------------------------------------------- Parquet I/O
 
 _REQUIRED = ("request", "position", "phase", "iteration", "experts")
-_OPTIONAL = ("weights", "probs", "embedding", "gate_prediction")
+_OPTIONAL = ("weights", "probs", "embedding", "gate_prediction", "next_token_gate_prediction")
 
 
 def _stored_columns(trace: Trace) -> dict[str, np.ndarray]:
@@ -469,7 +500,8 @@ def _decode(table, meta: TraceMeta, path) -> dict[str, np.ndarray]:
     arrays = {"request": ints("request"), "position": ints("position"), "phase": phase_codes,
               "iteration": ints("iteration"), "experts": _ids(fixed_list("experts", L * K, (n, L, K)), J, path)}
     shapes = {"weights": (L * K, (n, L, K)), "probs": (L * J, (n, L, J)),
-              "gate_prediction": ((L - 1) * J, (n, L - 1, J)), "embedding": (None, None)}
+              "gate_prediction": ((L - 1) * J, (n, L - 1, J)), "next_token_gate_prediction": (J, (n, J)),
+              "embedding": (None, None)}
     for name in _OPTIONAL:
         if name in table.column_names:
             values = fixed_list(name, *shapes[name])

@@ -237,5 +237,21 @@ class TierNetwork:
             fast.release(key)
         self.predicted = {key for key in self.predicted if key // J != layer}
 
-    # ------------------------------------------------------------------------------------------ prefetcher
+    def withdraw_prefetches(self) -> None:
+        """Drop every waiting prefetch (one on a wire completes and stops where it lands)."""
+        for load in [load for load in self.loads.values() if not load.demand]:
+            if self.queues[load.at].withdraw(load.key):
+                self._forget(load)
+            else:
+                load.stale = True
 
+    def direct_load_seconds(self, transfers: int, nbytes: int) -> float:
+        """Time to bring ``transfers`` pieces of ``nbytes`` bytes in all from the home tier to the GPU over every
+        link of the way, one link after the other, while nothing else moves (MoEpic's reconfiguration); the
+        bytes count on each link."""
+        seconds = 0.0
+        for queue in self.queues.values():
+            link = queue.link
+            seconds += transfers * link.latency_s + nbytes / link.bandwidth_bytes_per_s
+            queue.bytes_moved += nbytes
+        return seconds
