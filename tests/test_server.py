@@ -192,6 +192,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"model": "tiny"}, 400, "prompt"),
     (COMPLETIONS, {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, None),
     (COMPLETIONS, {"model": "tiny", "prompt": "hi", "max_tokens": -3}, 400, None),
+    (CHAT, {"model": "tiny", "messages": MESSAGES, "max_completion_tokens": 0}, 400, None),
     (CHAT, {"model": "tiny", "messages": MESSAGES, "max_tokens": 100000}, 400, None),
     (COMPLETIONS, {"model": "tiny", "prompt": "word " * 1500, "max_tokens": 1}, 400, None),
     (COMPLETIONS, {"model": "tiny", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),

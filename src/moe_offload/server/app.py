@@ -104,7 +104,9 @@ def create_app(engine, name: str) -> FastAPI:
         try:
             ids = scheduler.encode(req.prompt_input() if kind == "text" else chat_text(scheduler.tokenizer,
                                                                                       req.messages))
-            max_tokens = req.max_tokens if kind == "text" else (req.max_completion_tokens or req.max_tokens)
+            max_tokens = req.max_tokens
+            if kind == "chat" and req.max_completion_tokens is not None:  # OpenAI's newer name wins
+                max_tokens = req.max_completion_tokens
             if max_tokens is None:
                 room = (engine.manifest.max_position_embeddings or len(ids) + CHAT_MAX_TOKENS) - len(ids)
                 max_tokens = COMPLETION_MAX_TOKENS if kind == "text" else min(CHAT_MAX_TOKENS, max(room, 1))
