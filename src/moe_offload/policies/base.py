@@ -8,6 +8,9 @@ ranks. For each demand request the cache calls, in this order:
     policy.on_evict(key)                the victim (or any key the cache drops) left
     policy.on_insert(key, ctx)          the key became resident (ctx.prefetch tells a prefetch from a miss)
 
+Before it first asks for a victim the cache sets ``policy.cache_slots``, the number of experts it holds when
+full; the policies whose algorithm is defined by the cache size read it (ARC's c, LeCaR's history size).
+
 The replay simulator, the timed simulator and the runtime fill the same ModelSpec and AccessContext; a
 policy never knows which of them drives it. Keys are flat expert ids, the int ``layer * J + expert``.
 """
@@ -81,6 +84,7 @@ class EvictionPolicy:
 
     def __init__(self, spec: ModelSpec, seed: int = 0):
         self.spec = spec
+        self.cache_slots: int | None = None  # experts the cache holds when full; set by the cache (module doc)
 
     def on_access(self, key: Hashable, ctx: AccessContext) -> None:
         """A demand request for ``key``; called before the cache changes (hit or miss)."""
