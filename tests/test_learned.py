@@ -397,6 +397,9 @@ def test_targets_do_not_saturate_at_large_caches():
     # Issue 9: the version-1 target min(d, 2 tokens) was 1 for 49% and 66% of Belady's residents at 256 and 512
     # cached experts of the bundled trace, so the network could not tell Belady's victim apart. The targets now
     # are strictly monotone in the next use within every eviction moment, and the furthest gets the maximum.
+    # Paper 003: "Assuming Belady's optimal cache replacement algorithm, masked target data indicating which
+    # experts should be evicted at each time step were generated": the samples are Belady's own cache states
+    # (the default), each moment's victim the one Belady evicts.
     from moe_offload.training.learned_eviction import TrainingSource, collect_belady_samples
 
     trace = read_trace(bundled.DEFAULT_TRACE)
