@@ -1,17 +1,25 @@
-"""Replay throughput of every policy, with libCacheSim's LRU, FIFO and Belady on the same trace in the same run.
+"""Replay throughput of every policy, Python and compiled, with libCacheSim's LRU, FIFO and Belady beside.
 
-    python benchmarks/replay_throughput.py [--accesses 1000000] [--cache-fraction 0.25] [--repeat 3]
+    python benchmarks/replay_throughput.py [--accesses 2000000] [--cache-fraction 0.25] [--repeat 3]
+                                           [--python-repeat 1] [--policies lru,fifo,...]
 
-The trace is a seeded Zipf trace of a Mixtral-shaped model (32 layers x 8 experts, top-2), flattened as the
-replay simulator does; libCacheSim reads the same request sequence from its oracleGeneral binary. Each
-timing is the best of --repeat runs. Reported: accesses per second, and for LRU, FIFO and Belady the ratio
-of libCacheSim's throughput to ours (how many times faster the C implementation is) with a check that
-both count the same misses.
+The trace is a seeded Zipf trace of a Mixtral-shaped model (32 layers x 8 experts, top-2) written to Parquet,
+read back and flattened as the replay simulator does (both timed); libCacheSim reads the same request
+sequence from its oracleGeneral binary. For every policy it times the replay through the Python policy
+object (``engine="python"``, best of --python-repeat) and, where the policy has a kernel, the compiled one
+(``engine="compiled"``, best of --repeat), and checks that both make the same misses; for LRU, FIFO and
+Belady it times libCacheSim (best of --repeat) and checks its misses too. Compile time is measured apart
+from replay time: once with an empty Numba cache (a cold compile, the first run on a machine) and once in
+a fresh process that loads the machine code from that cache (every later run). All ratios come from this
+one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,12 +27,25 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from moe_offload.policies import POLICIES
-from moe_offload.simulator.replay import ReplayInput, replay
-from moe_offload.trace.flatten import write_oracle_general
-from moe_offload.trace.synthetic import zipf_trace
-
 LIBCACHESIM = {"lru": "LRU", "fifo": "FIFO", "belady": "Belady"}
+MIN_COMPILED_RATE = 5e6     # requests/s every compiled policy must reach (issue 12)
+MAX_BEHIND_LIBCACHESIM = 2  # LRU, FIFO and Belady may be at most this many times slower than libCacheSim
+
+LOAD_FROM_CACHE = """
+import sys, time
+import numba  # imported first: its own import is not the kernels' loading
+from moe_offload.policies import POLICIES
+from moe_offload.simulator.kernels import compiled_kernel
+for name in sys.argv[1:]:
+    start = time.perf_counter()
+    compiled_kernel(POLICIES[name].policy)
+    print(name, time.perf_counter() - start)
+"""
+
+
+def rate(requests_per_second: float) -> str:
+    millions = requests_per_second / 1e6
+    return f"{millions:.2f}" if millions >= 0.1 else f"{millions:.3f}"
 
 
 def best_time(function, repeat: int):
@@ -38,49 +59,109 @@ def best_time(function, repeat: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--accesses", type=int, default=1_000_000)
+    parser.add_argument("--accesses", type=int, default=2_000_000)
     parser.add_argument("--cache-fraction", type=float, default=0.25)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each compiled and libCacheSim replay")
+    parser.add_argument("--python-repeat", type=int, default=1, help="runs of each Python replay")
+    parser.add_argument("--policies", default=None, help="comma-separated (default: every policy)")
     args = parser.parse_args()
 
+    # An empty Numba cache for this run, set before Numba is imported: the first call compiles.
+    numba_cache = tempfile.TemporaryDirectory(prefix="numba-cache-")
+    os.environ["NUMBA_CACHE_DIR"] = numba_cache.name
+
+    from moe_offload.policies import POLICIES
+    from moe_offload.simulator import kernels
+    from moe_offload.simulator.replay import ReplayInput, replay
+    from moe_offload.trace.flatten import write_oracle_general
+    from moe_offload.trace.format import read_trace, write_trace
+    from moe_offload.trace.synthetic import zipf_trace
+
+    policies = args.policies.split(",") if args.policies else list(POLICIES)
     layers, experts, top_k = 32, 8, 2
     tokens = max(1, args.accesses // (layers * top_k))
-    trace = zipf_trace(layers, experts, top_k, tokens, a=1.0, b=1.0, seed=0, shuffle=True)
+    console = Console(width=170)
+    work_dir = tempfile.TemporaryDirectory(prefix="replay-throughput-")  # removed at exit
+    work = Path(work_dir.name)
+    trace_file = write_trace(zipf_trace(layers, experts, top_k, tokens, a=1.0, b=1.0, seed=0, shuffle=True),
+                             work / "zipf.parquet")
+    read_s, trace = best_time(lambda: read_trace(trace_file), 1)
     flatten_s, data = best_time(lambda: ReplayInput.of(trace, name="zipf"), 1)
     n = len(data.sequence)
     cache_size = max(top_k, round(args.cache_fraction * layers * experts))
-    console = Console(width=150)
-    console.print(f"trace: Zipf a=1 b=1, {layers}x{experts} top-{top_k}, {tokens:,} tokens = {n:,} requests; "
-                  f"cache {cache_size} experts; flattening took {flatten_s:.2f} s")
+    console.print(f"trace: Zipf a=1 b=1, {layers}x{experts} top-{top_k}, {tokens:,} tokens = {n:,} requests; cache "
+                  f"{cache_size} experts; reading the Parquet file took {read_s:.3f} s, flattening {flatten_s:.3f} s")
 
     try:
         import libcachesim as lcs
     except ImportError:
         lcs = None
         console.print("libcachesim is not installed (pip install libcachesim): no reference timings")
+    if not kernels.numba_available():
+        console.print(f"Numba is not installed: no compiled timings ({kernels.INSTALL_HINT})")
 
-    table = Table(title="replay throughput (best of %d)" % args.repeat, title_justify="left")
-    for column in ("policy", "misses", "seconds", "M accesses/s", "libCacheSim M accesses/s",
-                   "libCacheSim / ours", "same misses"):
+    compiled = {name: POLICIES[name].policy for name in policies
+                if kernels.numba_available() and POLICIES[name].policy.replay_kernel is not None}
+    compile_s = {}
+    for name, policy_class in compiled.items():
+        start = time.perf_counter()
+        kernels.compiled_kernel(policy_class)  # -dist variants share their policy's kernel: 0 s
+        compile_s[name] = time.perf_counter() - start
+    load_s = {}
+    if compiled:
+        lines = subprocess.run([sys.executable, "-c", LOAD_FROM_CACHE, *compiled], capture_output=True, text=True,
+                               check=True, env=os.environ).stdout.split()
+        load_s = {name: float(seconds) for name, seconds in zip(lines[::2], lines[1::2])}
+
+    table = Table(title=f"replay throughput, M requests/s (Python: best of {args.python_repeat}; compiled and "
+                        f"libCacheSim: best of {args.repeat})", title_justify="left")
+    for column in ("policy", "misses", "Python", "compiled", "compiled / Python", "compile s (cold)",
+                   "load s (cached)", "libCacheSim", "compiled / libCacheSim", "same misses"):
         table.add_column(column, justify="left" if column == "policy" else "right")
-    with tempfile.TemporaryDirectory() as tmp:
-        oracle = Path(tmp) / "trace.oracleGeneral.bin"
-        write_oracle_general(data.sequence, oracle, expert_bytes=None)
-        for policy in args.policies.split(","):
-            seconds, result = best_time(lambda: replay(data, policy, cache_size), args.repeat)
-            row = [policy, f"{result.misses:,}", f"{seconds:.3f}", f"{n / seconds / 1e6:.2f}"]
-            if lcs is not None and policy in LIBCACHESIM:
-                def run_reference():
-                    reader = lcs.TraceReader(str(oracle), lcs.TraceType.ORACLE_GENERAL_TRACE)
-                    return getattr(lcs, LIBCACHESIM[policy])(cache_size).process_trace(reader)[0]
-                ref_seconds, miss_ratio = best_time(run_reference, args.repeat)
-                row += [f"{n / ref_seconds / 1e6:.2f}", f"{seconds / ref_seconds:.1f}x",
-                        "yes" if round(miss_ratio * n) == result.misses else f"NO ({round(miss_ratio * n):,})"]
-            else:
-                row += ["", "", ""]
-            table.add_row(*row)
+    verdicts, slow = [], []
+    oracle = work / "trace.oracleGeneral.bin"
+    write_oracle_general(data.sequence, oracle, expert_bytes=None)
+    for policy in policies:
+        python_s, result = best_time(lambda: replay(data, policy, cache_size, engine="python"), args.python_repeat)
+        row = [policy, f"{result.misses:,}", rate(n / python_s)]
+        same = True
+        fast_rate = None
+        if policy in compiled:
+            seconds, fast = best_time(lambda: replay(data, policy, cache_size, engine="compiled"), args.repeat)
+            fast_rate = n / seconds
+            same &= fast.misses == result.misses and fast.per_layer_hits == result.per_layer_hits
+            info = POLICIES[policy]
+            shared = f"{info.policy.name}'s" if info.partitioned else None  # a -dist policy runs its policy's kernel
+            row += [rate(fast_rate), f"{python_s / seconds:.0f}x", shared or f"{compile_s[policy]:.2f}",
+                    shared or f"{load_s[policy]:.3f}"]
+            if fast_rate < MIN_COMPILED_RATE:
+                slow.append(policy)
+        else:
+            row += ["-", "-", "-", "-"]
+        if lcs is not None and policy in LIBCACHESIM:
+            def run_reference():
+                reader = lcs.TraceReader(str(oracle), lcs.TraceType.ORACLE_GENERAL_TRACE)
+                return getattr(lcs, LIBCACHESIM[policy])(cache_size).process_trace(reader)[0]
+            ref_seconds, miss_ratio = best_time(run_reference, args.repeat)
+            same &= round(miss_ratio * n) == result.misses
+            ratio = fast_rate * ref_seconds / n if fast_rate else None
+            row += [rate(n / ref_seconds), f"{ratio:.2f}x" if ratio else "-"]
+            if ratio:
+                verdicts.append(f"{policy} {ratio:.2f}x")
+                if ratio < 1 / MAX_BEHIND_LIBCACHESIM:
+                    slow.append(f"{policy} (vs libCacheSim)")
+        else:
+            row += ["", ""]
+        row.append("yes" if same else "NO")
+        table.add_row(*row)
     console.print(table)
+    if verdicts:
+        console.print(f"compiled throughput / libCacheSim's: {', '.join(verdicts)} "
+                      f"(the bar: at least 1/{MAX_BEHIND_LIBCACHESIM})")
+    if compiled:
+        console.print(f"every compiled policy at >= {MIN_COMPILED_RATE / 1e6:.0f} M requests/s and within "
+                      f"{MAX_BEHIND_LIBCACHESIM}x of libCacheSim: "
+                      + ("yes" if not slow else f"NO: {', '.join(slow)}"))
 
 
 if __name__ == "__main__":

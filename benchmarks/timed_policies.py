@@ -26,8 +26,8 @@ On 2 cores (--jobs 2) the default run (284 timed runs) takes about 4 minutes, --
 MoE-Infinity's prefetcher is the slow one (it proposes every expert of every later layer after each layer).
 
 MoE-Infinity's search time is modelled (default 21 us per search, paper 002's figure for an EAMC of 300
-EAMs) rather than measured with the wall clock, so every number repeats from run to run and does not depend
-on how busy this machine is.
+EAMs) rather than measured (moe_offload.prefetch.search_cost), so every number repeats from run to run and
+does not depend on this machine.
 """
 
 from __future__ import annotations
@@ -302,7 +302,7 @@ def main() -> None:
     if searching:
         notes.append(f"search cost: the prefetchers that search a history ({', '.join(sorted(searching))}) are "
                      f"charged a modelled {args.search_us:g} us per search (paper 002: 21 us for 300 EAMs), not "
-                     "the measured wall-clock time, so the numbers repeat run to run; MoE-Infinity's search sits on "
+                     "the measured CPU time, so the numbers repeat run to run; MoE-Infinity's search sits on "
                      "the inference path (paper 002, Algorithm 1), once after every layer but the last")
     if "learned" in policies:
         notes.append("learned: the shipped model was trained on OLMoE rows 0:150; olmoe runs the held-out rows "

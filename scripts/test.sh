@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up the test environment (pytest, libcachesim, hypothesis, CPU PyTorch) and run the test suite.
+# Set up the test environment (pytest, libcachesim, hypothesis, CPU PyTorch, Numba, Ray) and run the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup-env.sh test,models
+bash scripts/setup-env.sh test,models,fast,ray
 exec .venv/bin/python -m pytest "$@"

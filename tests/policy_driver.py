@@ -16,7 +16,7 @@ def drive(policy: str, requests, capacity: int, spec: ModelSpec, *, tokens=None,
     Request t has clock t; its token is ``tokens[t]`` (default t); ``probs[token]`` is an [L, J] router
     distribution. Returns (hits, evicted) where evicted[t] lists the keys the request at t evicted."""
     info = policy_info(policy)
-    make = lambda: info.policy(spec, seed=0, **(options or {}))  # noqa: E731
+    make = info.policy.run_factory(spec, seed=0, **(options or {}))
     cache = (PartitionedCache(capacity, spec.num_layers, make, spec.num_experts) if info.partitioned
              else ExpertCache(capacity, make()))
     keys = [layer * spec.num_experts + expert for layer, expert in requests]

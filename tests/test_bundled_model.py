@@ -44,9 +44,18 @@ def test_bundled_model_loads_through_its_adapter():
     assert tokenizer.decode(tokenizer("def f(x):\n    return x")["input_ids"]) == "def f(x):\n    return x"
 
 
-def test_recorded_trace_has_every_column():
-    trace = read_trace(DEFAULT_TINY_TRACE)
-    assert all(getattr(trace, column) is not None for column in ("weights", "probs", "embedding", "gate_prediction"))
+@pytest.mark.parametrize("name", ["tiny", "tiny-history"])
+def test_recorded_trace_has_every_column(name):
+    from moe_offload.bundled import BUNDLED_TRACES
+
+    trace = read_trace(BUNDLED_TRACES[name])
+    assert all(getattr(trace, column) is not None
+               for column in ("weights", "probs", "embedding", "gate_prediction", "next_token_gate_prediction"))
+    # format 2: each token's own input embedding, which changes along a request (paper 000's per-iteration
+    # semantic embedding), not the prompt's mean on every row
+    assert trace.meta.embedding_kind == "token"
+    decode = trace.embedding[(trace.request == trace.request[0]) & (trace.phase == 1)].astype(np.float32)
+    assert len(decode) > 2 and not np.allclose(decode[1:], decode[:-1])
     sources = [r["source"].split(":")[0] for r in trace.meta.extra["recorder"]["requests"]]
     assert {"sharegpt", "humaneval"} == set(sources) and len(sources) >= 24
     np.testing.assert_allclose(trace.probs.astype(np.float32).sum(axis=2), 1.0, atol=1e-2)

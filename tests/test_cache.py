@@ -7,7 +7,7 @@ import pytest
 
 from moe_offload.hardware.profile import resolve_profile
 from moe_offload.policies import POLICIES, AccessContext, ModelSpec
-from moe_offload.simulator.cache import ExpertCache, PartitionedCache
+from moe_offload.simulator.cache import ExpertCache, PartitionedCache, predicted_no_later_than
 from moe_offload.simulator.timed import simulate_timed
 
 SPEC = ModelSpec(num_layers=2, num_experts=8, top_k=1)
@@ -59,6 +59,32 @@ def test_a_prefetch_waits_rather_than_evict_a_held_prefetch():
     cache.release(0)                   # its layer was routed without it: an ordinary resident now
     assert prefetch(cache, 2, ctx)
     assert set(cache.resident) == {1, 2} and list(cache.held) == [1, 2]
+
+
+def test_which_predicted_residents_a_prefetch_protects():
+    # 3 layers of 4 experts, layer 1 just routed: layers ahead are 2, then 0 and 1 of the next iteration.
+    predicted = {9, 1, 5}  # layer 2, layer 0, layer 1
+    assert predicted_no_later_than(predicted, 10, layer_now=1, num_experts=4, num_layers=3) == {9}
+    assert predicted_no_later_than(predicted, 2, layer_now=1, num_experts=4, num_layers=3) == {9, 1}
+    assert predicted_no_later_than(predicted, 6, layer_now=1, num_experts=4, num_layers=3) == {9, 1, 5}
+
+
+def test_a_prefetch_never_evicts_a_protected_resident_but_a_demand_load_may():
+    # LRU's victim would be 0, the oldest; the prefetch of 3 for a later layer must take 1 instead.
+    cache = ExpertCache(3, POLICIES["lru"].policy(SPEC))
+    ctx = AccessContext()
+    fill(cache, [0, 1, 2], ctx)
+    ctx.prefetch = True
+    try:
+        assert cache.reserve(3, ctx, 1, protect={0})
+        assert set(cache.resident) == {0, 2} and 3 in cache.reserved
+        assert not cache.reserve(4, ctx, 1, protect={0, 2})  # nothing else to evict: it waits, evicting nothing
+        assert set(cache.resident) == {0, 2}
+    finally:
+        ctx.prefetch = False
+    cache.complete(3, ctx)
+    assert cache.reserve(5, ctx, 1, protect={0})  # a demand load ignores protect: LRU's victim is 0
+    assert 0 not in cache.resident
 
 
 def test_a_demand_load_releases_the_most_recent_holds_first():

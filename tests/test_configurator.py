@@ -417,7 +417,7 @@ def test_configure_refuses_bad_budgets(trace_file, capsys, budget, message):
 def test_configure_needs_the_expert_size_for_bytes(tmp_path, capsys):
     path = str(write_trace(routed_trace(tokens=20, expert_bytes=None), tmp_path / "sizeless.parquet"))
     code = main(["configure", path, "--vram-budget", "64KiB", *TIMING_ARGS])
-    assert_one_line_error(code, capsys.readouterr().err, "add --expert-bytes")
+    assert_one_line_error(code, capsys.readouterr().err, "give --expert-bytes")
     assert main(["configure", path, "--vram-budget", "64KiB", "--expert-bytes", "8192", "--json",
                  *TIMING_ARGS]) == 0
     assert json.loads(capsys.readouterr().out)["budget_experts"] == 8.0
@@ -428,7 +428,7 @@ def test_configure_needs_the_expert_size_for_bytes(tmp_path, capsys):
     ([*TIMING_ARGS, "--granularity", "1.5"], "granularity zeta must be in (0, 1)"),
     ([*TIMING_ARGS, "--moe-ms", "0.1"], "shorter than computing its top-k = 2 experts"),
     (["--expert-load-ms", "0", "--expert-compute-ms", "0.1", "--attention-ms", "0.3"], "load time must be positive"),
-    ([*TIMING_ARGS, "--lcp-rho", "1.5"], "0 < rho < 1"),
+    ([*TIMING_ARGS, "--lcp-rho", "1.5"], "lcp.rho 1.5: must be a number in (0, 1)"),
 ])
 def test_configure_refuses_bad_options(trace_file, capsys, args, message):
     code = main(["configure", trace_file, "--vram-budget", "20", *args])

@@ -19,6 +19,7 @@ from model_configs import build, tiny_tokenizer  # noqa: E402
 
 from moe_offload.cli.main import main  # noqa: E402
 from moe_offload.hardware import HardwareProfile, load_profile  # noqa: E402
+from moe_offload.hardware.toml_writer import profile_toml, write_profile  # noqa: E402
 from moe_offload.runtime import measure  # noqa: E402
 from moe_offload.runtime.packing import pack_model  # noqa: E402
 
@@ -66,23 +67,33 @@ def test_the_measured_dict_is_a_profile_of_this_runtime(measured):
     assert all(t.capacity_bytes > 0 for t in profile.tiers)
     assert profile.compute.expert_seconds(1, 9216) > 0
     text = " ".join(profile.sources)
-    assert "page cache bypassed" in text and "18 of 18 expert files" in text
+    assert "page cache bypassed" in text and "18 of 18 experts moved" in text
 
 
-def test_a_cuda_measurement_makes_the_presets_three_tiers(packed):
-    """No GPU needed: the profile of CUDA-shaped measurements has the presets' tiers and links."""
+def test_a_cuda_measurement_has_the_runtimes_tiers(packed):
+    """No GPU needed: the profile of CUDA-shaped measurements has the runtime's tiers and links: without a host
+    tier the data path carries the files straight into GPU memory; with one, both hops."""
     cpu = measure.measure(packed / "packed", device="cpu", **FAST)
     cuda = dataclasses.replace(cpu, device="cuda", device_name="a GPU", compute_dtype="float16",
-                               host_to_gpu_latency_s=1e-5, host_to_gpu_bandwidth=25e9,
-                               capacities={"gpu": 24 * 2**30, "host": 48 * 2**30, "ssd": 2 * 10**12},
-                               capacity_notes={"gpu": "free", "host": "available", "ssd": "disk"})
+                               host_to_gpu_latency_s=1e-5, host_to_gpu_bandwidth=25e9, convert_bandwidth=None,
+                               link_seconds=9216 / 5e9, link_alone_s=9216 / 5e9 + 2e-5,
+                               capacities={"gpu": 24 * 2**30, "ssd": 2 * 10**12},
+                               capacity_notes={"gpu": "free", "ssd": "disk"})
     profile = HardwareProfile.from_dict(measure.profile_dict(cuda))
-    assert [t.name for t in profile.tiers] == ["gpu", "host", "ssd"]
-    assert [link.name for link in profile.links] == ["host->gpu", "ssd->host"]
-    assert profile.link_from(1).bandwidth_bytes_per_s == 25e9
+    assert [t.name for t in profile.tiers] == ["gpu", "ssd"]
+    assert [link.name for link in profile.links] == ["ssd->gpu"]
+    link = profile.link_from(1)
+    assert link.bandwidth_bytes_per_s == pytest.approx(5e9, rel=1e-3) and link.latency_s == pytest.approx(2e-5, rel=1e-3)
     assert profile.tiers[0].capacity_bytes == 24 * 2**30
     # computing in the stored dtype: the roofline's memory rate is the measured one, not halved
     assert profile.compute.roofline.memory_bandwidth_bytes_per_s == pytest.approx(cpu.memory_bandwidth, rel=1e-3)
+    hosted = dataclasses.replace(cuda, host_link_seconds=9216 / 4e9, host_budget_bytes=2**30,
+                                 capacities={"gpu": 24 * 2**30, "host": 2**30, "ssd": 2 * 10**12},
+                                 capacity_notes={"gpu": "free", "host": "budget", "ssd": "disk"})
+    profile = HardwareProfile.from_dict(measure.profile_dict(hosted))
+    assert [link.name for link in profile.links] == ["host->gpu", "ssd->host"]
+    assert profile.link_from(1).bandwidth_bytes_per_s == 25e9
+    assert profile.link_from(2).bandwidth_bytes_per_s == pytest.approx(4e9, rel=1e-3)
 
 
 def test_keeping_the_page_cache_is_recorded(packed):
@@ -91,7 +102,7 @@ def test_keeping_the_page_cache_is_recorded(packed):
 
 
 def test_the_toml_writer_round_trips_the_dict(measured, tmp_path):
-    path = measure.write_profile(measured, tmp_path / "profile.toml", header="a header\non two lines")
+    path = write_profile(measured, tmp_path / "profile.toml", header="a header\non two lines")
     assert tomllib.loads(path.read_text()) == measured
     loaded = load_profile(path)
     assert dataclasses.replace(loaded, path="<memory>") == HardwareProfile.from_dict(measured, default_name="x")
@@ -102,7 +113,7 @@ def test_the_toml_writer_escapes_strings(tmp_path):
            "tiers": [{"name": "gpu", "capacity_bytes": 10}],
            "compute": {"expert": {"fixed_s": 1e-05, "per_token_s": 0.0}, "attention": {"fixed_s": 1.0},
                        "router": {"fixed_s": 0.0}, "lm_head": {"fixed_s": 2.5e-300, "per_token_s": 3.0}}}
-    assert tomllib.loads(measure.profile_toml(odd, header="# not a key")) == odd
+    assert tomllib.loads(profile_toml(odd, header="# not a key")) == odd
 
 
 def test_linear_fits_never_go_negative():
@@ -110,10 +121,9 @@ def test_linear_fits_never_go_negative():
     assert measure.fit_linear_cost([1, 2, 4], [3.0, 2.0, 1.0]) == pytest.approx((2.0, 0.0))  # flat: the mean
     fixed, per_token = measure.fit_linear_cost([1, 2, 4], [0.0, 1.0, 3.0])  # through the origin
     assert fixed == 0 and per_token > 0
-    latency, bandwidth = measure.fit_latency_bandwidth([100, 100], [2.0, 4.0], probe_latency_s=10.0)
-    assert latency == 1.5 and bandwidth == pytest.approx(100 / 1.5)  # latency capped at half the median read
-    latency, bandwidth = measure.fit_latency_bandwidth([100, 300], [2.0, 4.0], probe_latency_s=0.0)
-    assert latency == pytest.approx(1.0) and bandwidth == pytest.approx(100.0)  # sizes differ: least squares
+    latency, bandwidth = measure.fit_latency_bandwidth(100, 2.0, 3.5)  # a stream of 2 s each, one alone 3.5 s
+    assert latency == 1.5 and bandwidth == 50.0
+    assert measure.fit_latency_bandwidth(100, 2.0, 1.0) == (0.0, 50.0)  # alone faster than the stream: no latency
 
 
 def test_the_command_writes_a_profile_that_simulate_runs(packed, tmp_path, capsys, monkeypatch):

@@ -504,7 +504,7 @@ def test_train_eviction_command(tmp_path, capsys):
     assert main(["train-eviction", f"{trace_path}@0:60", "--eval", f"{trace_path}@50:80", "--cache-sizes", "8",
                  "--epochs", "1", "-o", str(out)]) == 0
     assert "50:80*" in capsys.readouterr().out
-    for bad, problem in (([f"{trace_path}@70:60"], "rows 70:60"), ([f"{trace_path}@0:60", "--states", "nope"],
+    for bad, problem in (([f"{trace_path}@70:60"], "rows '70:60'"), ([f"{trace_path}@0:60", "--states", "nope"],
                                                                     "unknown policy"),
                          ([f"{trace_path}@0:60", "--cache-sizes", "64"], "below its 64 experts")):
         assert main(["train-eviction", *bad, "-o", str(out)]) == 2

@@ -48,7 +48,7 @@ class ReversingSource:
         self.adapter = adapter
         self.calls = []
 
-    def layer_experts(self, layer, experts):
+    def layer_experts(self, layer, experts, tokens):
         self.calls.append(("begin", layer, tuple(experts)))
         try:
             for expert in reversed(experts):

@@ -78,3 +78,32 @@ def test_a_read_only_folder_is_refused(tmp_path):
             check_output(folder / "out.json")
     finally:
         folder.chmod(0o700)
+
+
+def test_a_write_through_a_symlink_replaces_the_file_it_points_to(tmp_path):
+    real = tmp_path / "real.json"
+    real.write_text("old")
+    link = tmp_path / "link.json"
+    os.symlink(real, link)
+    write_atomically(link, "new")
+    assert link.is_symlink() and real.read_text() == "new"
+
+
+def test_an_atomic_write_never_replaces_what_is_not_a_regular_file(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        write_atomically(fifo, "x")
+    assert fifo.exists() and not fifo.is_file()
+
+
+def test_an_atomic_write_keeps_the_mode_of_the_file_it_replaces(tmp_path):
+    target = tmp_path / "shared.json"
+    target.write_text("old")
+    target.chmod(0o640)
+    write_atomically(target, "new")
+    assert target.stat().st_mode & 0o777 == 0o640
+    fresh = write_atomically(tmp_path / "fresh.json", "x")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert fresh.stat().st_mode & 0o777 == 0o666 & ~umask

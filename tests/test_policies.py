@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 
+from moe_offload.errors import ConfigError
 from moe_offload.policies import POLICIES, AccessContext, ModelSpec
 from moe_offload.policies.lcp import LCP
 from moe_offload.policies.moe_infinity import EPSILON, MoEInfinity
@@ -138,21 +139,85 @@ def test_moe_infinity_priority_follows_algorithm_2():
     policy = MoEInfinity(spec)
     cache = ExpertCache(3, policy)
     ctx = AccessContext()
-    for layer, expert in requests[:4]:
-        ctx.layer = layer
+    for clock, (layer, expert) in enumerate(requests[:4]):
+        ctx.clock, ctx.layer = clock, layer
         cache.request(layer * 3 + expert, ctx)
     assert policy.priority(0) == pytest.approx(2 / 3 + EPSILON)
     assert policy.priority(3) == pytest.approx((1 + EPSILON) * 0.5)
 
 
-def test_moe_infinity_starts_a_new_eam_per_sequence():
+def serve_sequences(policy, capacity, accesses, ends=()):
+    """Serve ``accesses`` [(request, key, routed or None), ...] on a cache of ``capacity`` with ``policy``;
+    ``ends`` maps an access index to the requests that end after it. Returns the keys each access evicted."""
+    cache, ctx, evicted = ExpertCache(capacity, policy), AccessContext(), []
+    for clock, (request, key, routed) in enumerate(accesses):
+        ctx.clock, ctx.request, ctx.routed = clock, request, routed
+        before = set(cache.resident)
+        cache.request(key, ctx)
+        evicted.append(sorted(before - set(cache.resident)))
+        for ended in dict(ends).get(clock, ()):
+            cache.end_request(ended)
+    return evicted
+
+
+def test_moe_infinity_keeps_one_eam_per_running_sequence():
     spec = ModelSpec(num_layers=1, num_experts=4, top_k=1)
-    # Sequence 0 uses expert 0 three times; sequence 1 starts from an empty EAM, where 0 counts nothing.
-    requests = single_layer(0, 0, 0, 1, 2, 2, 3)
-    _, evicted = drive("moe-infinity", requests, 2, spec, request_ids=[0, 0, 0, 0, 1, 1, 1])
-    # At t=4 (sequence 1, 2 requested): counts 0:0, 1:0, 2:1 -> 0 and 1 tie at 0; 0's score was set first.
+    # Sequences 0 and 1 interleaved (a batch-recorded trace): 0 uses expert 0 three times, 1 experts 1, 2, 2.
+    interleaved = [(0, 0, None), (1, 1, None), (0, 0, None), (1, 2, None), (0, 0, None), (1, 2, None)]
+    policy = MoEInfinity(spec)
+    serve_sequences(policy, 4, interleaved)
+    assert policy.sequences.eam(0) == [[3, 0, 0, 0]] and policy.sequences.eam(1) == [[0, 1, 2, 0]]
+    assert policy.sequences.running == [[3, 1, 2, 0]]
+    # A batched access carries several tokens of several requests (ctx.routed): each EAM gains its own.
+    policy = MoEInfinity(spec)
+    serve_sequences(policy, 4, [(0, 3, {0: 2, 1: 5}), (0, 1, {1: 1})])
+    assert policy.sequences.eam(0) == [[0, 0, 0, 2]] and policy.sequences.eam(1) == [[0, 1, 0, 5]]
+    assert policy.priority(3) == pytest.approx(7 / 8 + EPSILON)
+
+
+def test_moe_infinity_ranks_by_the_running_sequences_and_forgets_ended_ones():
+    spec = ModelSpec(num_layers=1, num_experts=4, top_k=1)
+    # Sequence 0 uses expert 0 three times and ends; sequence 1 starts from an empty EAM, where 0 counts nothing.
+    accesses = [(0, 0, None)] * 3 + [(0, 1, None), (1, 2, None), (1, 2, None), (1, 3, None)]
+    evicted = serve_sequences(MoEInfinity(spec), 2, accesses, ends={3: [0]})
+    # At t=4 (sequence 1, 2 requested): counts 0:0, 1:0, 2:1 -> 0 and 1 tie at 0; 0's count changed first.
     assert evicted[4] == [0]
     assert evicted[6] == [1]  # counts 1:0, 2:2, 3:1
+    # Without the end, sequence 0 still runs: its three tokens on expert 0 keep it, and 1 goes.
+    policy = MoEInfinity(spec)
+    evicted = serve_sequences(policy, 2, accesses)
+    assert evicted[4] == [1]
+    assert policy.sequences.running == [[3, 1, 2, 1]]
+    policy.on_request_end(0)
+    policy.on_request_end(1)
+    assert policy.sequences.by_request == {} and policy.sequences.running == [[0] * 4]  # nothing left
+
+
+def test_moe_infinity_eam_request_ranks_by_the_served_sequence():
+    spec = ModelSpec(num_layers=1, num_experts=4, top_k=1)
+    # Running: 0 has expert 0 twice, 1 has expert 1 once and 2 once; then 1 needs expert 3.
+    accesses = [(0, 0, None), (1, 1, None), (0, 0, None), (1, 2, None), (1, 3, None)]
+    # The running sum 0:2, 1:1, 2:1 evicts 1 (count 1, changed before 2); sequence 1's own EAM (0:0, 1:1,
+    # 2:1) evicts 0, the least recently used of the lowest.
+    assert serve_sequences(MoEInfinity(spec), 3, accesses)[4] == [1]
+    assert serve_sequences(MoEInfinity(spec, eam="request"), 3, accesses)[4] == [0]
+    with pytest.raises(ConfigError, match="moe-infinity: eam must be one of running, request, not 'batch'"):
+        MoEInfinity(spec, eam="batch")
+
+
+def test_moe_infinity_tiers_of_a_run_share_the_sequence_eams():
+    spec = ModelSpec(num_layers=2, num_experts=3, top_k=1)
+    make = POLICIES["moe-infinity"].policy.run_factory(spec)
+    gpu, host = ExpertCache(1, make()), ExpertCache(2, make())
+    assert gpu.policy.sequences is host.policy.sequences
+    ctx = AccessContext()
+    for clock, key in enumerate([0, 1, 1, 1, 0]):
+        ctx.clock = clock
+        if not gpu.request(key, ctx):  # the host is shown the same access on a GPU miss (the timed simulator)
+            host.request(key, ctx)
+    assert host.policy.sequences.running == [[2, 3, 0], [0, 0, 0]]  # each access counted once
+    # The host saw 0 twice and 1 once, but ranks by every access: 1 (3 tokens) stays, 0 goes.
+    assert host.policy.victim(ctx) == 0
 
 
 def test_fmoe_evicts_lowest_probability_times_frequency():
@@ -424,3 +489,11 @@ def test_every_policy_is_listed_with_its_source():
 def test_exhaustive_search_helper_sanity():
     assert optimal_misses([0, 1, 2, 0, 1, 2], 2) == 4
     assert optimal_misses(list(itertools.chain(*[[0, 1]] * 5)), 2) == 2
+
+
+def test_lecar_refuses_bad_options():
+    # the one validation layer (moe_offload.values): the same one-line error from Python and --policy-option
+    with pytest.raises(ConfigError, match="lecar.learning_rate"):
+        POLICIES["lecar"].policy(ONE_LAYER, learning_rate=-0.1)
+    with pytest.raises(ConfigError, match="lecar.history_size"):
+        POLICIES["lecar"].policy(ONE_LAYER, history_size=0)

@@ -76,14 +76,17 @@ def test_unknown_prefetcher_and_option_are_config_errors():
         prefetcher_info("lru")
     with pytest.raises(ConfigError, match="has no option depth; it takes distance=3"):
         make_prefetcher("oracle", ModelSpec(2, 4, 1), {"depth": 2})
-    with pytest.raises(ConfigError, match="k must be a positive integer"):
+    with pytest.raises(ConfigError, match="topk.k 0: must be a whole number from 1 to 4"):
         make_prefetcher("topk", ModelSpec(2, 4, 1), {"k": 0})
-    assert prefetcher_options("fmoe") == {"capacity": 1000, "distance": 3, "search_seconds": None}
+    assert prefetcher_options("fmoe") == {"capacity": 1000, "distance": 3, "search_seconds": None,
+                                         "semantic": "iteration",
+                                          "embedding_dims": None, "candidates": None, "map_dtype": "float32",
+                                          "seed": 0}
 
 
 @pytest.mark.parametrize("name, column, hint", [
     ("fmoe", "probs", "record the trace with full router probabilities"),
-    ("fmoe", "embedding", "record the trace with request embeddings"),
+    ("fmoe", "embedding", "record the trace with `moe-offload record`"),
     ("moepic", "gate_prediction", "record the trace with next-layer gate predictions"),
 ])
 def test_missing_column_is_refused_with_how_to_get_it(name, column, hint):
@@ -352,6 +355,57 @@ def test_fmoe_semantic_search_first_d_layers_then_trajectory():
     assert predicted[:2] == pytest.approx(map_a[:2]) and predicted[2:] == pytest.approx(map_b[2:])
 
 
+def request_of_three_iterations():
+    """Request 0: a prefill of two tokens, then two decode tokens, each token's input embedding its own axis
+    of R^4; each iteration's router prefers expert 0, 1, 2 (every layer)."""
+    L, J = 2, 4
+    e = np.eye(4)
+    probs = np.full((4, L, J), 0.1)
+    for row, expert in enumerate([0, 0, 1, 2]):
+        probs[row, :, expert] = 0.7
+    return make_trace(np.argmax(probs, axis=2)[:, :, None], num_experts=J, request=[0] * 4,
+                      iteration=[0, 0, 1, 2], position=[0, 1, 2, 3], phase=[0, 0, 1, 1], probs=probs, embedding=e)
+
+
+@pytest.mark.parametrize("semantic, expected", [
+    # paper 000: the semantic embedding of each inference iteration, from the embedding layer's output: the
+    # mean over the prompt in prefill, the new token's in decode; it changes along the request
+    ("iteration", [[0.5, 0.5, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]),
+    # the other reading: the mean over every token the request has fed so far
+    ("request", [[0.5, 0.5, 0, 0], [1 / 3, 1 / 3, 1 / 3, 0], [0.25, 0.25, 0.25, 0.25]]),
+])
+def test_fmoe_records_a_semantic_embedding_per_iteration(semantic, expected):
+    trace = request_of_three_iterations()
+    prefetcher = make_prefetcher("fmoe", ModelSpec(2, 4, 1), {"semantic": semantic})
+    drive(prefetcher, trace)
+    store = prefetcher.store
+    assert len(store) == 3  # one entry per iteration of the request, keyed by that iteration's embedding
+    np.testing.assert_allclose(np.diag(store.semantic_scores(np.array(expected))), 1.0, rtol=1e-6)
+    fitted = make_prefetcher("fmoe", ModelSpec(2, 4, 1), {"semantic": semantic})
+    fitted.fit(trace)  # the history's entries pool the same way
+    np.testing.assert_allclose(np.diag(fitted.store.semantic_scores(np.array(expected))), 1.0, rtol=1e-6)
+
+
+def test_fmoe_a_decode_token_matches_history_by_its_own_input_not_its_request():
+    # History holds one iteration whose input was the token of axis 3 and whose router chose expert 3. The
+    # run's last decode token is that token: per iteration it matches the history with score 1 (delta 0:
+    # K = 1 expert, 3). Pooled over the request, its best match is its own previous iteration (score 0.87:
+    # (1,1,1,1)/4 against (1,1,1,0)/3; the history scores 0.5), whose map prefers expert 1 (delta 0.13).
+    trace = request_of_three_iterations()
+    probs = np.full((1, 2, 4), 0.1)
+    probs[0, :, 3] = 0.7
+    history = make_trace(np.full((1, 2, 1), 3), num_experts=4, request=[7], probs=probs, embedding=[np.eye(4)[3]])
+    starts = {}
+    for semantic in ("iteration", "request"):
+        prefetcher = make_prefetcher("fmoe", ModelSpec(2, 4, 1), {"semantic": semantic, "distance": 1})
+        prefetcher.fit(history)
+        starts[semantic] = drive(prefetcher, trace)[2][0]  # on_iteration_start of the last iteration
+    assert as_dict(starts["iteration"]) == pytest.approx({3: 0.7}, rel=1e-3)
+    assert as_dict(starts["request"]) == pytest.approx({1: 0.7}, rel=1e-3)
+    with pytest.raises(ConfigError, match="semantic must be one of iteration, request"):
+        make_prefetcher("fmoe", ModelSpec(2, 4, 1), {"semantic": "prompt"})
+
+
 def test_fmoe_threshold_widens_the_set_for_a_poor_match():
     L, J, K = 2, 4, 1
     stored = np.array([[0.5, 0.3, 0.15, 0.05]] * L)
@@ -436,7 +490,7 @@ def test_trajectory_search_equals_the_cosine_over_the_observed_prefix():
     store = ExpertMapStore(L, J, capacity=C, distance=2)
     store.add(maps, rng.normal(size=(C, 4)))
     query = rng.dirichlet(np.ones(J), size=(B, L)).astype(np.float32)
-    search = store.trajectory(B)
+    search = store.search(rng.normal(size=(B, 4)))
     for layer in range(L):
         index, score = search.observe(layer, query[:, layer])
         prefix = maps[:, :layer + 1].reshape(C, -1)
@@ -445,7 +499,7 @@ def test_trajectory_search_equals_the_cosine_over_the_observed_prefix():
             cosines = prefix @ q / (np.linalg.norm(prefix, axis=1) * np.linalg.norm(q))
             assert index[b] == int(np.argmax(cosines)) and score[b] == pytest.approx(cosines.max(), abs=1e-5)
     with pytest.raises(ValueError, match="in order"):
-        store.trajectory(B).observe(1, query[:, 1])
+        store.search(rng.normal(size=(B, 4))).observe(1, query[:, 1])
 
 
 def test_search_latency_is_measured_or_modelled():
@@ -464,7 +518,7 @@ def test_search_latency_is_measured_or_modelled():
     modelled.on_layer_routed(view)
     assert search_latency(modelled) == (0.002, True)
     assert search_latency(make_prefetcher("topk", ModelSpec(4, 6, 2))) == (0.0, False)
-    with pytest.raises(ConfigError, match="search_seconds must be a number >= 0"):
+    with pytest.raises(ConfigError, match="fmoe.search_seconds -1: must be a number at least 0"):
         make_prefetcher("fmoe", ModelSpec(4, 6, 2), {"search_seconds": -1})
 
 
@@ -480,9 +534,79 @@ def test_moepic_prefetches_the_top_predicted_experts_of_the_next_layer():
     trace = make_trace(np.zeros((2, L, 2), int) + [0, 1], num_experts=J, iteration=[0, 0], request=[0, 1],
                        position=[0, 0], gate_prediction=gate)
     start, l0, l1, l2 = drive(make_prefetcher("moepic", ModelSpec(L, J, 2)), trace)[0]
-    assert start == [] and l2 == []
-    # the highest score any token gives the expert (float16 in the trace)
+    assert start == [] and l2 == []  # no next_token_gate_prediction column: layer 0 is left to the cache
+    # without a budget (no driver timing), top-k = 2 per token; the highest score any token gives the expert
     assert as_dict(l0) == pytest.approx({J + 1: 0.5, J + 0: 0.4, J + 3: 0.3}, rel=1e-3)
     assert [p.key for p in l0] == [J + 1, J + 0, J + 3]  # descending predicted score
     assert as_dict(l1) == pytest.approx({2 * J + 0: 0.2, 2 * J + 1: 0.2}, rel=1e-3)
-    assert [p.key for p in drive(make_prefetcher("moepic", ModelSpec(L, J, 2), {"k": 1}), trace)[0][1]] == [J + 1]
+    assert [p.key for p in drive(make_prefetcher("moepic", ModelSpec(L, J, 2), {"prefetches": 1}),
+                                 trace)[0][1]] == [J + 1]
+
+
+def one_token_gate_trace(L=3, J=6):
+    """One decode token whose prediction of layer 1 ranks experts 5, 4, 3, 2, 1, 0 and of layer 2 0, 1, ..."""
+    gate = np.zeros((1, L - 1, J))
+    gate[0, 0] = [0.01, 0.04, 0.1, 0.15, 0.3, 0.4]
+    gate[0, 1] = [0.4, 0.3, 0.15, 0.1, 0.04, 0.01]
+    return make_trace(np.zeros((1, L, 2), int) + [0, 1], num_experts=J, gate_prediction=gate)
+
+
+def test_moepic_prefetches_y_greater_than_k_when_the_configuration_says_so():
+    # Paper 004: experts are prefetched "one by one in descending order of their predicted scores" and the
+    # configurator's Y (equation 11) counts how many fit in the window; it may exceed K = 2.
+    from moe_offload.prefetch.budget import PrefetchBudget
+
+    L, J = 3, 6
+    prefetcher = make_prefetcher("moepic", ModelSpec(L, J, 2))
+    prefetcher.set_budget(PrefetchBudget(expert_load_seconds=1.0, window_seconds=(9.0,) * L, prefetches=(0, 4, 3)))
+    _, l0, l1, _ = drive(prefetcher, one_token_gate_trace(L, J))[0]
+    assert [p.key for p in l0] == [J + 5, J + 4, J + 3, J + 2]   # Y_1 = 4 > K, in descending score
+    assert [p.key for p in l1] == [2 * J + 0, 2 * J + 1, 2 * J + 2]  # Y_2 = 3
+    assert [p.key for p in drive(make_prefetcher("moepic", ModelSpec(L, J, 2), {"prefetches": 9}),
+                                 one_token_gate_trace(L, J))[0][1]] == [J + e for e in (5, 4, 3, 2, 1, 0)]
+
+
+@pytest.mark.parametrize("window, load, expected", [(2.5, 1.0, 2), (3.0, 1.0, 3), (0.2, 1.0, 0), (9.0, 1.0, 6)])
+def test_moepic_without_a_configuration_prefetches_until_the_window_is_spent(window, load, expected):
+    # The loads that complete on an idle link before the router fires, floor(window / load): equation 11's Y
+    # for unsplit experts; none when not one fits; at most the layer's 6 experts.
+    from moe_offload.prefetch.budget import PrefetchBudget
+
+    L, J = 3, 6
+    prefetcher = make_prefetcher("moepic", ModelSpec(L, J, 2))
+    prefetcher.set_budget(PrefetchBudget(expert_load_seconds=load, window_seconds=(window,) * L))
+    l0 = drive(prefetcher, one_token_gate_trace(L, J))[0][1]
+    assert [p.key for p in l0] == [J + e for e in (5, 4, 3, 2, 1, 0)][:expected]
+
+
+def test_prefetch_budget_from_a_hardware_profile():
+    from moe_offload.prefetch.budget import budget_from_hardware
+    from test_timed import profile
+
+    # test_timed's profile: 100 B/s, 0.5 s latency; attention 1 s, router 0.25 s, expert 2 s, LM head 0.5 s
+    budget = budget_from_hardware(profile(), 100, num_layers=3, top_k=2)
+    assert budget.expert_load_seconds == pytest.approx(1.5)
+    assert budget.window_seconds == pytest.approx((0.5 + 1.25, 2 * 2 + 1.25, 2 * 2 + 1.25))
+    assert [budget.loads_in_window(layer) for layer in range(3)] == [1, 3, 3]
+
+
+def test_moepic_predicts_layer_0_of_the_next_token_from_the_last_layer():
+    # AdapMoE's rule in paper 004: layer 0 of token t+1 is predicted from token t's last layer. A prefill of two
+    # requests (positions 0-2 and 0-1), then one decode token each: after the last router of the prefill, each
+    # request's *last* prompt token predicts layer 0 of its first decode token; the other rows' predictions
+    # are of tokens the same pass already routed.
+    L, J = 2, 4
+    rows = [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (1, 0, 3), (1, 1, 2)]  # iteration, request, pos
+    iteration, request, position = (np.array(column) for column in zip(*rows))
+    next_token = np.full((7, J), 0.25)
+    next_token[2] = [0.1, 0.2, 0.3, 0.4]   # request 0's last prompt token: 3, 2
+    next_token[4] = [0.7, 0.1, 0.1, 0.1]   # request 1's last prompt token: 0, then a tie 1, 2 -> 1
+    next_token[0] = [0.0, 0.0, 0.0, 1.0]   # an earlier prompt token: not a prediction of the next pass
+    trace = make_trace(np.zeros((7, L, 2), int) + [0, 1], num_experts=J, iteration=iteration, request=request,
+                       position=position, phase=[0] * 5 + [1] * 2, gate_prediction=np.full((7, L - 1, J), 0.25),
+                       next_token_gate_prediction=next_token)
+    prefill = drive(make_prefetcher("moepic", ModelSpec(L, J, 2)), trace)[0]
+    assert as_dict(prefill[2]) == pytest.approx({3: 0.4, 2: 0.3, 0: 0.7, 1: 0.1}, rel=1e-3)  # keys of layer 0
+    view = RoutingView(trace, 1, np.array([5, 6]))
+    view.layer_now = L - 1
+    np.testing.assert_allclose(view.gate_prediction(L - 1), next_token[5:], rtol=1e-3)

@@ -61,34 +61,48 @@ def test_rows_iterations_and_columns(tokenizer):
     assert [r["source"] for r in meta.extra["recorder"]["requests"]] == ["t:0", "t:1", "t:2"]
 
 
-def test_prefill_matches_an_independent_forward(tokenizer):
-    """Experts, probabilities, embedding and gate prediction of one prompt, recomputed from hidden states."""
+def test_every_row_matches_an_independent_forward(tokenizer):
+    """Experts, probabilities, embedding and both gate predictions of every row of one request, prefill and
+    decode, recomputed by one forward over the tokens the rows fed the model (prompt, then all generated
+    tokens but the last)."""
     model, adapter = build("mixtral")
     prompt = PROMPTS[1]
-    trace = record(model, adapter, tokenizer, [prompt], model_name="m", max_new_tokens=1, batch_size=1).trace
+    rec = record(model, adapter, tokenizer, [prompt], model_name="m", max_new_tokens=4, batch_size=1)
+    trace = rec.trace
     ids = tokenizer(prompt.text, return_tensors="pt")["input_ids"]
+    fed = torch.cat([ids, torch.tensor([rec.generated[0][:-1]])], dim=1)
+    assert trace.num_tokens == fed.shape[1] and (trace.phase == DECODE).sum() == len(rec.generated[0]) - 1
     attention_out = {}
     hooks = [model.model.layers[i].self_attn.register_forward_hook(
         lambda module, args, out, i=i: attention_out.__setitem__(i, out[0])) for i in range(adapter.num_layers)]
+    L = adapter.num_layers
     with torch.no_grad():
-        out = model(input_ids=ids, output_hidden_states=True)
+        out = model(input_ids=fed, output_hidden_states=True)
         for hook in hooks:
             hook.remove()
-        for layer in range(adapter.num_layers):
-            post_attention = out.hidden_states[layer] + attention_out[layer]  # the residual stream after attention
-            normed = model.model.layers[layer].post_attention_layernorm(post_attention)[0]
-            logits = normed @ model.model.layers[layer].mlp.gate.weight.T
-            probs = logits.softmax(-1).numpy()
+        post_attention = [out.hidden_states[layer] + attention_out[layer] for layer in range(L)]  # residual stream
+
+        def router(layer, hidden):  # router ``layer`` through its own norm
+            following = model.model.layers[layer]
+            return (following.post_attention_layernorm(hidden)[0] @ following.mlp.gate.weight.T).softmax(-1).numpy()
+
+        for layer in range(L):
+            probs = router(layer, post_attention[layer])
             np.testing.assert_allclose(trace.probs[:, layer].astype(np.float32), probs, atol=2e-3)
             assert (np.sort(trace.experts[:, layer], axis=1) == np.sort(np.argsort(-probs, 1)[:, :2], axis=1)).all()
-            if layer + 1 < adapter.num_layers:
-                following = model.model.layers[layer + 1]
-                predicted = (following.post_attention_layernorm(post_attention)[0] @ following.mlp.gate.weight.T)
+            if layer + 1 < L:
                 np.testing.assert_allclose(trace.gate_prediction[:, layer].astype(np.float32),
-                                           predicted.softmax(-1).numpy(), atol=2e-3)
-        embedding = model.get_input_embeddings()(ids)[0].mean(0).numpy()
-    np.testing.assert_allclose(trace.embedding.astype(np.float32), np.repeat(embedding[None], ids.shape[1], 0),
-                               atol=2e-3)
+                                           router(layer + 1, post_attention[layer]), atol=2e-3)
+        # paper 004 (after AdapMoE): layer 0 of the next token from this token's last layer
+        np.testing.assert_allclose(trace.next_token_gate_prediction.astype(np.float32),
+                                   router(0, post_attention[L - 1]), atol=2e-3)
+        embedding = model.get_input_embeddings()(fed)[0].numpy()
+    # paper 000: a semantic embedding per inference iteration, from the embedding layer's output: each row holds
+    # its own token's, so it changes along the request (the prompt's mean would repeat on every row)
+    np.testing.assert_allclose(trace.embedding.astype(np.float32), embedding, atol=2e-3)
+    decode = trace.embedding[trace.phase == DECODE].astype(np.float32)
+    assert len(decode) >= 2 and not np.allclose(decode[0], decode[1])
+    assert trace.meta.embedding_kind == "token"
 
 
 def test_trace_round_trips_and_feeds_every_prefetcher(tokenizer, tmp_path):

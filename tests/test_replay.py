@@ -89,7 +89,7 @@ def test_simulate_table_and_plot(trace_file, tmp_path, capsys):
     (["--policy", "nope"], "unknown policy 'nope'"),
     (["--cache-size", "1"], "smaller than top-k"),
     (["--cache-size", "abc"], "neither a number of experts"),
-    (["--cache-size", "1.5"], "neither a number of experts"),
+    (["--cache-size", "1.5"], "a fraction must be in (0, 1]"),
     (["--policy-option", "lcp.rho"], "POLICY.NAME=VALUE"),
 ])
 def test_simulate_bad_options_fail_in_one_line(trace_file, capsys, args, message):

@@ -97,11 +97,32 @@ def test_packing_layout_and_skeleton(checkpoint):
     manifest = read_manifest(checkpoint["packed"])
     assert (manifest.num_layers, manifest.num_experts, manifest.top_k) == (3, 6, 2)
     assert manifest.expert_bytes == (2 * 48 * 32 + 32 * 48) * 2  # float16
-    assert all(os.path.getsize(manifest.expert_path(l, e)) == manifest.experts[(l, e)].nbytes
-               for l, e in manifest.experts)
+    assert [t.name for t in manifest.tensors] == ["gate_up_proj", "down_proj"]
+    assert [t.shape for t in manifest.tensors] == [(96, 32), (32, 48)]
+    assert all(os.path.getsize(manifest.layer_path(l)) == 6 * 12288 for l in range(3))  # 9216 B -> 3 pages
+    assert {e.offset for e in manifest.experts.values()} == {i * 12288 for i in range(6)}
+    from moe_offload.runtime.storage import ExpertStore
+    read = ExpertStore(manifest).read_tensors(1, 4)
+    adapter_ = build("mixtral", seed=3)[1]
+    for name, tensor in read.items():
+        assert torch.equal(tensor, adapter_.expert_tensors(1, 4)[name].half())
     model, adapter, seconds = load_skeleton(manifest)
     assert seconds > 0
     assert all(adapter.experts(layer).gate_up_proj.numel() == 0 for layer in range(adapter.num_layers))
+
+
+def test_the_skeleton_in_float16_has_from_pretrained_s_buffers_and_weights(checkpoint):
+    # from_pretrained keeps rotary frequencies in float32 whatever the weights' dtype; casting them with the
+    # weights changed the float16 engine's tokens on CUDA against transformers' with the same experts function
+    from moe_offload.models.adapters import load_model
+
+    skeleton, _, _ = load_skeleton(read_manifest(checkpoint["packed"]), dtype=torch.float16)
+    model, _ = load_model(checkpoint["root"] / "model", dtype=torch.float16)
+    buffers = dict(skeleton.named_buffers())
+    assert buffers and all(torch.equal(buffers[name], buffer) and buffers[name].dtype == buffer.dtype
+                           for name, buffer in model.named_buffers())
+    weights = dict(skeleton.named_parameters())
+    assert all(torch.equal(weights[name], p) for name, p in model.named_parameters() if weights[name].numel())
 
 
 def test_refusals(checkpoint):
@@ -124,47 +145,65 @@ def copy_pack(checkpoint, tmp_path):
     return target, read_manifest(target)
 
 
-def test_missing_and_truncated_expert_files_are_named_at_start(checkpoint, tmp_path):
+def test_missing_and_truncated_layer_files_are_named_at_start(checkpoint, tmp_path):
     packed, manifest = copy_pack(checkpoint, tmp_path)
-    victim = manifest.expert_path(1, 4)
+    victim = manifest.layer_path(1)
     data = victim.read_bytes()
     victim.write_bytes(data[:-10])
-    with pytest.raises(PackError, match=r"expert 4 of layer 1: .*expert004.safetensors: \d+ bytes, the manifest says"):
+    with pytest.raises(PackError, match=r"experts of layer 1: .*layer001.bin: \d+ bytes, the manifest says"):
         OffloadEngine(packed)
     victim.unlink()
-    with pytest.raises(PackError, match=r"expert 4 of layer 1: .*expert004.safetensors: missing"):
+    with pytest.raises(PackError, match=r"experts of layer 1: .*layer001.bin: missing"):
         OffloadEngine(packed)
 
 
 def test_checksum_mismatch_stops_generation_before_a_wrong_token(checkpoint, tmp_path):
     packed, manifest = copy_pack(checkpoint, tmp_path)
-    victim = manifest.expert_path(0, 0)
+    victim = manifest.layer_path(0)
     data = bytearray(victim.read_bytes())
-    data[-3] ^= 0xFF  # same size, one weight byte flipped
+    data[manifest.expert_bytes - 3] ^= 0xFF  # same size, one weight byte of expert 0 flipped
     victim.write_bytes(bytes(data))
     streamed = []
     with OffloadEngine(packed, fast_budget="100%", policy="lru") as engine:
-        with pytest.raises(ExpertReadError, match=r"expert 0 of layer 0: .*expert000.safetensors: checksum mismatch"):
+        with pytest.raises(ExpertReadError, match=r"expert 0 of layer 0: .*layer000.bin \(bytes 0..9216\): checksum "
+                                                  "mismatch"):
             for prompt in PROMPTS * 3:  # some prompt routes to expert 0 of layer 0
                 engine.generate(prompt, max_new_tokens=NEW_TOKENS, on_text=streamed.append)
 
 
+def test_a_chunk_changed_after_its_first_verified_read_is_caught_by_the_fast_checksum(checkpoint, tmp_path):
+    packed, manifest = copy_pack(checkpoint, tmp_path)
+    store = ExpertStore(manifest)
+    store.read_tensors(0, 0)  # SHA-256 checked: later reads check xxHash3
+    victim = manifest.layer_path(0)
+    with open(victim, "r+b") as handle:  # in place: the same file (inode), as a failing disk would
+        handle.seek(100)
+        byte = handle.read(1)
+        handle.seek(100)
+        handle.write(bytes([byte[0] ^ 1]))
+    stat = os.stat(victim)
+    os.utime(victim, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(ExpertReadError, match="checksum mismatch"):
+        store.read_tensors(0, 0)
+    store.close()
+
+
 class FlakyReader:
-    """os.pread that fails with ``error`` the first ``failures`` times."""
+    """os.preadv that fails with ``error`` the first ``failures`` times."""
 
     def __init__(self, failures, error=errno.EIO):
         self.failures, self.error, self.calls = failures, error, 0
 
-    def __call__(self, fd, n, offset):
+    def __call__(self, fd, view, offset):
         self.calls += 1
         if self.calls <= self.failures:
             raise OSError(self.error, os.strerror(self.error))
-        return os.pread(fd, n, offset)
+        return os.preadv(fd, [view], offset)
 
 
 def test_transient_read_errors_are_retried(checkpoint):
     manifest = read_manifest(checkpoint["packed"])
-    store = ExpertStore(manifest, read_at=FlakyReader(2), backoff_s=0.0)
+    store = ExpertStore(manifest, read_into=FlakyReader(2), backoff_s=0.0)
     with OffloadEngine(checkpoint["packed"], fast_budget="50%", store=store) as engine:
         assert_lossless(engine, checkpoint)
     assert store.retried == 2
@@ -172,15 +211,16 @@ def test_transient_read_errors_are_retried(checkpoint):
 
 def test_persistent_read_errors_name_the_expert_and_file(checkpoint):
     manifest = read_manifest(checkpoint["packed"])
-    store = ExpertStore(manifest, read_at=FlakyReader(10 ** 6), retries=2, backoff_s=0.0)
+    store = ExpertStore(manifest, read_into=FlakyReader(10 ** 6), retries=2, backoff_s=0.0)
     with OffloadEngine(checkpoint["packed"], fast_budget="50%", store=store) as engine:
-        with pytest.raises(ExpertReadError, match=r"expert \d+ of layer \d+: .*safetensors: read failed after 3"):
+        with pytest.raises(ExpertReadError, match=r"expert \d+ of layer \d+: .*\.bin \(bytes \d+..\d+\): read failed "
+                                                  "after 3"):
             engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
 
 
 def test_short_reads_are_continued(checkpoint):
     manifest = read_manifest(checkpoint["packed"])
-    store = ExpertStore(manifest, read_at=lambda fd, n, offset: os.pread(fd, min(n, 1000), offset))
+    store = ExpertStore(manifest, read_into=lambda fd, view, offset: os.preadv(fd, [view[:1000]], offset))
     with OffloadEngine(checkpoint["packed"], fast_budget="50%", store=store) as engine:
         assert_lossless(engine, checkpoint)
 
@@ -190,12 +230,12 @@ def test_concurrent_generate_is_refused(checkpoint):
     release = threading.Event()
     reading = threading.Event()
 
-    def blocking_read(fd, n, offset):
+    def blocking_read(fd, view, offset):
         reading.set()
         release.wait(10)
-        return os.pread(fd, n, offset)
+        return os.preadv(fd, [view], offset)
 
-    store = ExpertStore(manifest, read_at=blocking_read)
+    store = ExpertStore(manifest, read_into=blocking_read)
     with OffloadEngine(checkpoint["packed"], fast_budget="50%", store=store) as engine:
         first = threading.Thread(target=engine.generate, args=(PROMPTS[0],), kwargs={"max_new_tokens": 2})
         first.start()
@@ -232,3 +272,168 @@ def test_python_api(checkpoint):
         assert_lossless(engine, checkpoint)
         assert engine.stats.accesses > 0
         assert np.isfinite(engine.startup_seconds)
+
+
+# ------------------------------------------------------------------------------------ hostile input (issue 11)
+def one_line_error(capsys) -> str:
+    """The one error line of a failed command (a progress note such as "packing ... (once)" may precede it)."""
+    err = capsys.readouterr().err.strip()
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
+def test_a_truncated_checkpoint_is_a_one_line_error_for_pack_and_generate(checkpoint, tmp_path, capsys,
+                                                                          monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("MOE_OFFLOAD_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    shutil.copytree(checkpoint["root"] / "model", model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    assert main(["pack", str(model), "-o", str(tmp_path / "p")]) == 2
+    assert "cannot be loaded" in one_line_error(capsys) and not (tmp_path / "p").exists()
+    assert main(["generate", "--model", str(model), "x"]) == 2
+    assert "cannot be loaded" in one_line_error(capsys)
+    assert not list((tmp_path / "cache" / "packed").glob("model-*")), "a half-written pack was left in the cache"
+
+
+@pytest.mark.parametrize("device, problem", [("mps", "runs on cpu or cuda"), ("nonsense", "is not a device"),
+                                             ("cuda:7", "sees no CUDA device" if not torch.cuda.is_available()
+                                              else "CUDA device(s)")])
+def test_unknown_or_unavailable_devices_are_one_line_errors(checkpoint, capsys, device, problem):
+    assert main(["generate", "--model", str(checkpoint["packed"]), "--device", device, "x"]) == 2
+    assert problem in one_line_error(capsys)
+    assert main(["hardware", "measure", "--model", str(checkpoint["packed"]), "--device", device]) == 2
+    assert problem in one_line_error(capsys)
+
+
+def test_prompts_and_generations_longer_than_the_context_are_refused(checkpoint, capsys):
+    context = read_manifest(checkpoint["packed"]).max_position_embeddings  # 256 in the test model
+    with OffloadEngine(checkpoint["packed"], fast_budget="100%") as engine:
+        with pytest.raises(ConfigError, match=f"the prompt has {context + 1} tokens, more than the model's context"):
+            engine.generate(list(range(1, context + 2)), max_new_tokens=1)
+        with pytest.raises(ConfigError, match=f"exceed the model's context of {context}: ask for at most 6"):
+            engine.generate(list(range(1, context - 5)), max_new_tokens=7)
+        assert len(engine.generate(list(range(1, context - 5)), max_new_tokens=6).token_ids) == 6
+    assert main(["generate", "--model", str(checkpoint["packed"]), "--max-new-tokens", "1000", "hi"]) == 2
+    assert "exceed the model's context of 256" in one_line_error(capsys)
+
+
+def test_an_interrupted_pack_leaves_nothing_behind(checkpoint, tmp_path):
+    calls = []
+
+    def interrupt():
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        pack_model(checkpoint["root"] / "model", tmp_path / "out", on_expert=interrupt)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pack_refuses_a_bad_output_before_any_work(checkpoint, tmp_path, capsys, monkeypatch):
+    import moe_offload.models.adapters as adapters
+
+    monkeypatch.setattr(adapters, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    (tmp_path / "file").write_text("x")
+    source = str(checkpoint["root"] / "model")
+    assert main(["pack", source, "-o", str(tmp_path / "full")]) == 2
+    assert "exists and is not empty" in one_line_error(capsys)
+    assert main(["pack", source, "-o", str(tmp_path / "file" / "out")]) == 2
+    assert "cannot be created" in one_line_error(capsys)
+
+
+def test_generate_json_is_checked_first_and_written_atomically(checkpoint, tmp_path, capsys):
+    import moe_offload.api as api
+
+    target = tmp_path / "r.json"
+    target.write_text("old")
+    (tmp_path / "dir.json").mkdir()
+    assert main(["generate", "--model", str(checkpoint["packed"]), "--json", str(tmp_path / "dir.json"), "x"]) == 2
+    assert "is a directory" in one_line_error(capsys)
+    assert main(["generate", "--model", str(checkpoint["packed"]), "--json", str(tmp_path / "r.txt"), "x"]) == 2
+    assert "must end in .json" in one_line_error(capsys)
+    original = api.load
+
+    def failing_load(*args, **kwargs):
+        engine = original(*args, **kwargs)
+        engine.generate = lambda *a, **k: (_ for _ in ()).throw(ConfigError("injected failure"))
+        return engine
+
+    api.load, saved = failing_load, api.load
+    try:
+        assert main(["generate", "--model", str(checkpoint["packed"]), "--json", str(target), "x"]) == 2
+    finally:
+        api.load = saved
+    capsys.readouterr()
+    assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["dir.json", "r.json"]
+
+
+def test_hardware_measure_checks_its_output_first(checkpoint, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert main(["hardware", "measure", "--model", str(checkpoint["packed"]), "-o",
+                 str(tmp_path / "file" / "p.toml")]) == 2
+    assert "cannot be created" in one_line_error(capsys)
+
+
+# ------------------------------------------------------------------------------------------ routing replay
+def test_replay_forces_every_router_to_the_traces_experts(checkpoint):
+    from moe_offload.models.routing_tap import RoutingTap
+    from moe_offload.runtime.replay import replay_rows
+
+    trace = checkpoint["history"]
+    with OffloadEngine(checkpoint["packed"], fast_budget="100%", replay=trace, replay_weights="router") as engine:
+        seen = {layer: [] for layer in range(3)}
+        with RoutingTap(engine.adapter, lambda layer, routing: seen[layer].append(routing.experts.cpu().numpy())):
+            result = engine.generate_replayed(1)
+    rows = replay_rows(trace, 1)
+    assert len(result.token_ids) == len(rows) - int((trace.phase[rows] == 0).sum()) + 1
+    for layer in range(3):
+        assert np.array_equal(np.concatenate(seen[layer]), trace.experts[rows, layer])
+
+
+def test_the_oracle_runs_under_replay_and_every_prefetch_is_used_whatever_the_policy(checkpoint):
+    """The cache's hold rule in the runtime: a prefetched expert survives until its layer computes, so the
+    oracle's precision is 100% under LRU, LCP (newcomers rank lowest) and fMoE alike when the budget holds
+    what the oracle looks ahead at (3 layers x top-2 beside the 2 experts computing: 8 of 18); the tokens and
+    logits are those of the all-resident replay. Decode steps only: a prefill needs more experts per layer
+    than that, and a demand load may then release holds (simulator/cache.py)."""
+    history = checkpoint["history"]
+    decode = history.select(np.flatnonzero((history.request == history.request[0]) & (history.phase == 1)))
+    with OffloadEngine(checkpoint["packed"], fast_budget="100%", preload=True, replay=decode,
+                       replay_weights="router") as engine:
+        expected = engine.generate_replayed(0, return_logits=True)
+    for policy in ("lru", "lcp", "fmoe"):
+        with OffloadEngine(checkpoint["packed"], fast_budget=str(8 * COMPUTE_EXPERT_BYTES), policy=policy,
+                           prefetch="oracle", replay=decode, replay_weights="router") as engine:
+            result = engine.generate_replayed(0, return_logits=True)
+        stats = result.stats
+        assert result.token_ids == expected.token_ids
+        assert all(torch.equal(a, b) for a, b in zip(result.logits, expected.logits))
+        assert stats.prefetches_issued > 0 and stats.prefetches_used == stats.prefetches_issued, policy
+
+
+def test_the_policy_sees_the_tokens_each_access_carries(checkpoint):
+    from moe_offload.policies.lru import LRU
+
+    seen = []
+
+    class Spy(LRU):
+        def on_access(self, key, ctx):
+            seen.append((ctx.layer, dict(ctx.routed)))
+            super().on_access(key, ctx)
+
+    with OffloadEngine(checkpoint["packed"], fast_budget="100%") as engine:
+        engine.tiers[0].cache.policy = Spy(engine.spec)
+        prompt_tokens = len(engine.tokenizer(PROMPTS[1])["input_ids"])
+        engine.generate(PROMPTS[1], max_new_tokens=2)
+    assert all(list(routed) == [0] for _, routed in seen)  # all from request 0
+    assert any(routed[0] > 1 for _, routed in seen)  # the prefill's accesses carry several tokens
+    # every token of the prompt and of the one decode step is routed to top-2 experts in every layer
+    assert {layer: sum(r[0] for l, r in seen if l == layer) for layer in range(3)} == \
+        {layer: 2 * (prompt_tokens + 1) for layer in range(3)}

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from moe_offload.cli.main import main
 from moe_offload.errors import ConfigError
 from moe_offload.simulator.split import LayerSplitPlan, SplitConfig
 from moe_offload.simulator.timed import simulate_timed
-from moe_offload.trace.format import write_trace
+from moe_offload.trace.format import Trace, write_trace
 from moe_offload.trace.synthetic import zipf_trace
 from test_configurator import routed_trace
 from test_timed import E, NextLayerTruth, hand_trace, multi_request, profile, spec_of, transfers
@@ -42,7 +43,8 @@ def test_one_layer_one_link_one_expert_split_in_halves_by_hand():
     assert result.per_layer_stall_seconds == pytest.approx([3.5])
     assert result.bytes_per_link == {"host->gpu": 200}
     assert (result.accesses, result.hits, result.on_demand_loads) == (3, 0, 3)  # never complete in VRAM
-    assert result.cache_bytes == 50 and result.cache_size == 1
+    # the memory reported is the top segment and the buffer of K = 1 expert: 50 + 100 B, 1.5 experts' worth
+    assert result.cache_bytes == 150 and result.cache_size == 2
     assert transfers(result) == [("host->gpu", "demand", 0, 1.25, 2.75)]  # from iteration 1's start, 6.25
     experts = [t for e in result.timeline["events"] if e["kind"] == "expert" for t in (e["start_s"], e["end_s"])]
     assert experts == pytest.approx([1.25, 2.25, 2.75, 3.75])  # top half overlaps the bottom's load
@@ -71,7 +73,8 @@ def test_a_prefetched_bottom_segment_lands_in_the_buffer_by_hand():
 @pytest.mark.parametrize("prefetcher", [None, "oracle"])
 def test_theta_one_with_every_expert_cached_is_the_partitioned_run(prefetcher):
     # theta = 1 and C_i = J: the top segment is the whole expert, the buffer takes no bytes, and each layer's
-    # cache is the partition of lru-dist over a cache of all L x J experts.
+    # cache is the partition of lru-dist over a cache of all L x J experts. The memory reported counts the
+    # buffer of K = 2 experts all the same.
     trace = multi_request(zipf_trace(num_layers=3, num_experts=8, top_k=2, length=60, a=1.0, b=1.0, seed=5,
                                      shuffle=True), requests=3)
     whole = SplitConfig(tuple(LayerSplitPlan(8, 1.0) for _ in range(3)))
@@ -79,8 +82,9 @@ def test_theta_one_with_every_expert_cached_is_the_partitioned_run(prefetcher):
     partitioned = simulate_timed(trace, profile(), "lru-dist", 3 * 8 * E, prefetcher=prefetcher)
     same = ("ttft_seconds", "tpot_seconds", "stall_seconds", "per_layer_stall_seconds", "hits", "misses",
             "on_demand_loads", "bytes_per_link", "prefetches_issued", "prefetches_used", "request_ttft_seconds",
-            "request_tpot_seconds", "token_latency_seconds", "total_seconds", "cache_size", "cache_bytes")
+            "request_tpot_seconds", "token_latency_seconds", "total_seconds")
     assert {name: getattr(split, name) for name in same} == {name: getattr(partitioned, name) for name in same}
+    assert (split.cache_bytes, split.cache_size) == (partitioned.cache_bytes + 2 * E, 3 * 8 + 2)
 
 
 def test_theta_one_with_smaller_caches_is_the_partitioned_run():
@@ -126,11 +130,13 @@ def test_configure_json_runs_in_the_simulator(routed_file, tmp_path, capsys):
     assert main(["simulate", routed_file, "--timed", "--hardware", "desktop-rtx4090", "--policy", "lcp",
                  "--prefetch", "moepic", "--split-config", str(config_file), "--timed-json", str(out_json)]) == 0
     rows = json.loads(out_json.read_text())
-    cached = sum(layer["cache_size"] for layer in document["layers"])
-    assert [(r["policy"], r["prefetcher"], r["cache_size"]) for r in rows] == [
-        ("all-resident", None, 6 * 16), ("lcp", "moepic", cached), ("lcp", "oracle", cached)]
+    # the memory of a split run: the top segments and the buffer of K = 2 experts, to the nearest whole expert
     top_bytes = sum(layer["cache_size"] * round(layer["split_ratio"] * 4096) for layer in document["layers"])
-    assert all(r["cache_bytes"] == top_bytes for r in rows[1:])
+    memory = top_bytes + 2 * 4096
+    assert round(memory / 4096) == 24 + 2  # 25% of 96 experts, and the buffer
+    assert [(r["policy"], r["prefetcher"], r["cache_size"]) for r in rows] == [
+        ("all-resident", None, 6 * 16), ("lcp", "moepic", 26), ("lcp", "oracle", 26)]
+    assert all(r["cache_bytes"] == memory for r in rows[1:])
     assert all(any("split experts" in note for note in r["notes"]) for r in rows[1:])
     assert rows[1]["tpot_seconds"] >= rows[0]["tpot_seconds"]
 
@@ -144,8 +150,8 @@ def split_file(tmp_path, layers, num_layers=6):
 @pytest.mark.parametrize("layers, message", [
     ([{"cache_size": 4, "split_ratio": 0.5}] * 5, "5 layers, but the trace's model has 6"),
     ([{"cache_size": 4, "split_ratio": 0.5}] * 5 + [{"cache_size": 4, "split_ratio": 1.5}],
-     "layer 5: split ratio 1.5 is outside (0, 1]"),
-    ([{"cache_size": 4, "split_ratio": 0.0}] * 6, "layer 0: split ratio 0.0 is outside (0, 1]"),
+     "layer 5: split_ratio 1.5: must be a number in (0, 1]"),
+    ([{"cache_size": 4, "split_ratio": 0.0}] * 6, "layer 0: split_ratio 0.0: must be a number in (0, 1]"),
     ([{"cache_size": 17, "split_ratio": 0.5}] * 6, "layer 0: 17 cached experts, not in [1, 16]"),
     ([{"cache_size": 4}] * 6, "layer 0: needs an integer cache_size and a number split_ratio"),
     ([{"cache_size": 16, "split_ratio": 1.0}] * 6, "more than the 100 KiB of the test's gpu"),
@@ -162,7 +168,7 @@ def test_bad_split_files_give_one_line_errors(routed_file, tmp_path, capsys, mon
     assert path in err and message in err, err
 
 
-@pytest.mark.parametrize("text, message", [("not json", "not JSON"), ("[]", "no list of layers")])
+@pytest.mark.parametrize("text, message", [("not json", "line 1: invalid JSON"), ("[]", "no list of layers")])
 def test_unreadable_split_files_give_one_line_errors(routed_file, tmp_path, capsys, text, message):
     path = tmp_path / "split.json"
     path.write_text(text)
@@ -170,7 +176,7 @@ def test_unreadable_split_files_give_one_line_errors(routed_file, tmp_path, caps
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and str(path) in err and message in err, err
     code = main(["simulate", routed_file, "--timed", "--split-config", str(tmp_path / "missing.json")])
-    assert code == 2 and "cannot read the split configuration" in capsys.readouterr().err
+    assert code == 2 and "missing.json: no such file" in capsys.readouterr().err
 
 
 def test_split_config_replaces_the_cache_size(routed_file, tmp_path, capsys):
@@ -197,3 +203,148 @@ def test_configure_takes_the_timings_from_the_hardware_unless_given(routed_file,
     assert main(["configure", routed_file, "--vram-budget", "25%", "--hardware", "desktop-rtx4090", "--json"]) == 0
     derived = json.loads(capsys.readouterr().out)["timings_seconds"]["expert_load"]
     assert derived == pytest.approx(link.latency_s + 4096 / link.bandwidth_bytes_per_s)
+
+
+# ------------------------------------------------------------------------ MoEpic's Y, buffer and online loop
+
+
+def gated_trace(layer_experts, gate, **columns) -> "Trace":
+    """One decode token per row; ``layer_experts[t]`` lists token t's expert of each layer (top-1), ``gate``
+    is the gate_prediction of every row."""
+    from moe_offload.trace.format import Trace, TraceMeta
+
+    experts = np.asarray(layer_experts)[:, :, None]
+    tokens, layers = experts.shape[:2]
+    meta = TraceMeta(model="hand", num_layers=layers, num_experts=len(gate[0]), top_k=1, expert_bytes=E)
+    return Trace.build(meta, experts, gate_prediction=np.tile(np.asarray(gate, float)[None], (tokens, 1, 1)),
+                       **columns)
+
+
+@pytest.mark.parametrize("prefetches, ttft, issued", [(3, 9.75, 3), (2, 10.0, 2), (1, 10.0, 1)])
+def test_moepic_prefetches_the_configurations_y_even_beyond_k(prefetches, ttft, issued):
+    # Paper 004, equation 11: the configuration's Y counts the predicted experts whose loads fit the window;
+    # the prefetcher takes it from the split configuration the run uses. Two layers of 4 experts, top-1, one
+    # token routed to expert 0 then expert 2, which layer 1's prediction ranks third (0.4, 0.3, 0.2, 0.1).
+    # theta = 1: a top segment is a whole expert (1.5 s over the link), layer 1 caches up to 4.
+    #   attention 0 -> 1, router -> 1.25; layer 0's expert loads on demand 1.25 -> 2.75 and computes -> 4.75;
+    #   the prefetches of layer 1 follow on the link: expert 0 2.75 -> 4.25, expert 1 -> 5.75, expert 2 -> 7.25
+    #   layer 1: attention 4.75 -> 5.75, router -> 6.0. With Y = 3 expert 2 is on the wire (a late prefetch):
+    #   it computes 7.25 -> 9.25, LM head -> 9.75. With Y <= 2 it loads on demand 6.0 -> 7.5: TTFT 10.0.
+    trace = gated_trace([[0, 2]], [[0.4, 0.3, 0.2, 0.1]])
+    config = SplitConfig((LayerSplitPlan(1, 1.0, 0), LayerSplitPlan(4, 1.0, prefetches)))
+    result = simulate_timed(trace, profile(), "lru", split=config, prefetcher="moepic")
+    assert result.ttft_seconds == pytest.approx(ttft)
+    assert (result.prefetches_issued, result.prefetches_used) == (issued, 1 if prefetches == 3 else 0)
+
+
+def test_moepic_without_a_configuration_fills_the_layers_window():
+    # No Y given: the loads that complete before the router fires. The window of layer 1 is layer 0's expert
+    # (2 s), layer 1's attention (1 s) and router (0.25 s): 3.25 s, floor(3.25 / 1.5) = 2 loads, as Y = 2 above
+    # (the third would start at 5.75 and still be on the wire at the router, 6.0).
+    trace = gated_trace([[0, 2]], [[0.4, 0.3, 0.2, 0.1]])
+    config = SplitConfig((LayerSplitPlan(1, 1.0), LayerSplitPlan(4, 1.0)))
+    result = simulate_timed(trace, profile(), "lru", split=config, prefetcher="moepic")
+    assert (result.ttft_seconds, result.prefetches_issued) == (pytest.approx(10.0), 2)
+
+
+def test_the_buffer_of_k_experts_is_shared_a_demand_drops_speculation_a_prefetch_waits():
+    from moe_offload.policies import AccessContext
+    from moe_offload.policies.lru import LRU
+    from moe_offload.simulator.split import SplitExperts
+
+    # Two layers of 4 experts, top-1, theta = 0.2: a bottom segment is 80 B, the buffer K = 1 expert, 100 B.
+    plan = SplitConfig((LayerSplitPlan(2, 0.2),) * 2)
+    experts = SplitExperts(plan, num_experts=4, top_k=1, expert_bytes=E, make_policy=lambda: LRU(None))
+    ctx = AccessContext()
+    ctx.pinned = set()
+    for key in (0, 4):  # the tops of expert 0 of both layers are cached (whole loads, their bottoms consumed)
+        assert experts.reserve(key, ctx, E)
+        experts.complete(key, ctx)
+        experts.consume(key)
+    assert experts.transfer_bytes(4) == 80
+    ctx.prefetch = True  # a prefetch of layer 1's expert 0 (its bottom) lands in the buffer
+    assert experts.reserve(4, ctx, 80)
+    experts.complete(4, ctx)
+    assert 4 in experts and experts.buffer.used == 80
+    assert not experts.reserve(0, ctx, 80)  # another prefetch waits: 160 B do not fit in 100
+    ctx.prefetch, ctx.pinned = False, {0}    # layer 0 needs expert 0 now: the demand drops the speculation
+    assert experts.reserve(0, ctx, 80)
+    assert 4 not in experts.buffer.resident and experts.buffer.used == 80
+    with pytest.raises(ConfigError, match="buffer of 2 experts"):
+        SplitConfig((LayerSplitPlan(4, 1.0),)).check(1, 4, 2, E, "gpu", 5 * E)  # 4 tops + 2 buffered > 5
+
+
+def reconfiguration_trace():
+    """Two layers of 8 experts, top-1, 12 decode tokens of one request. Tokens 0-5: layer 0 alternates experts
+    0 and 1, layer 1 never repeats (2..7); tokens 6-11 the other way round. The prediction is uniform (it ranks
+    0, 1, ... and never matters: the windows are empty)."""
+    layer0 = [0, 1, 0, 1, 0, 1, 2, 3, 4, 5, 6, 7]
+    layer1 = [2, 3, 4, 5, 6, 7, 0, 1, 0, 1, 0, 1]
+    return gated_trace(list(zip(layer0, layer1)), [[0.125] * 8])
+
+
+def test_online_reconfiguration_moves_vram_to_the_layer_whose_statistics_ask_for_it():
+    # Algorithm 1, by hand. Hardware without compute (attention, experts and LM head take no time), so every
+    # prefetch window is empty (Y = 0) and the exposed latency of layer i is (K - m_i) T_load with
+    # m_i = max over C >= V_i of K H_i(C) V_i / C. V_e = 2 experts (300 B of VRAM less the 100 B buffer),
+    # zeta = 0.25 (steps of 0.5 expert), tau = 6; the run starts uniform: V = (1, 1), theta 0.5, C = 2 each.
+    # After 6 tokens: H_0(1) = 0 (one slot, two experts alternating), H_0(C >= 2) = 4/6; H_1 = 0.
+    #   V = (1, 1):     m_0 = 4/6 x 1/2 = 1/3 (C = 2), m_1 = 0
+    #   probe +0.5:     layer 0 -> m_0 = 4/6 x 0.75 = 1/2 (profit 1/6), layer 1 nothing: layer 0 receives;
+    #   probe -0.5:     layer 1 loses nothing: it gives. Moved to (1.5, 0.5): total falls by 1/6 T_load.
+    #   next step:      layer 1 cannot give its last 0.5, so VramAllocation stops.
+    # Layer 0: C = 2, theta = 0.75; layer 1: C = 1 (m_1 = 0 whatever C: the smallest), theta = 0.5.
+    # Applying it: layer 0 keeps its two tops (experts 0, 1), each 25 B short: 2 transfers of 0.5 s latency and
+    # 50 B at 100 B/s, 1.5 s before token 6. Layer 1's cache shrinks to one top: LRU evicts one.
+    # After 12 tokens the statistics are symmetric (H_0(C >= 2) = H_1(C >= 2) = 4/12, H(1) = 0). VramAllocation
+    # goes on from (1.5, 0.5): both layers would profit alike from more, layer 0 is probed first and layer 1
+    # cannot give its last 0.5, so the budgets stay; but layer 1 now splits its 0.5 over C = 2 tops
+    # (m_1 = 4/12 x 0.25 = 1/12, against 0 with one), theta = 0.25: nothing grows, nothing loads.
+    from moe_offload.configurator import configure, measure_statistics, timings_from_profile
+    from moe_offload.simulator.timed import Reconfiguration
+
+    trace = reconfiguration_trace()
+    hardware = profile(attention=0.0, expert=0.0, lm_head=0.0, router=0.0)
+    result = simulate_timed(trace, hardware, "lru", 3 * E, reconfiguration=Reconfiguration(every=6, granularity=0.25))
+    first, second = result.reconfigurations
+    assert (first["iteration"], first["tokens"], second["tokens"]) == (5, 6, 12)
+    assert [(layer["cache_size"], layer["split_ratio"]) for layer in first["layers"]] == [(2, 0.75), (1, 0.5)]
+    assert (first["bytes_loaded"], first["seconds"]) == (50, pytest.approx(1.5))
+    assert [(layer["cache_size"], layer["split_ratio"]) for layer in second["layers"]] == [(2, 0.75), (2, 0.25)]
+    assert second["bytes_loaded"] == 0
+    # the online loop read the statistics of the tokens so far: the offline configurator on the first six agrees
+    offline = configure(measure_statistics(trace.select(slice(0, 6))), timings_from_profile(hardware, E, 1), 2.0,
+                        0.25)
+    assert [(split.cache_size, split.split_ratio) for split in offline.layers] == [(2, 0.75), (1, 0.5)]
+    onward = configure(measure_statistics(trace), timings_from_profile(hardware, E, 1), 2.0, 0.25, start=[1.5, 0.5])
+    assert [(split.cache_size, split.split_ratio) for split in onward.layers] == [(2, 0.75), (2, 0.25)]
+    assert any("reran online every 6 tokens: 2 times" in note for note in result.notes)
+    assert result.cache_bytes == 3 * E and result.cache_size == 3
+    # Token 6 waits 1.5 s for the grown tops, then loads layer 0's expert 2 whole (1.5 s; no compute) and layer
+    # 1's expert 0 whole (1.5 s: its one top holds expert 7, LRU's choice).
+    assert result.token_latency_seconds[5] == pytest.approx(1.5 + 1.5 + 1.5)
+
+
+def test_online_reconfiguration_options_and_their_errors(routed_file, capsys):
+    from moe_offload.simulator.timed import Reconfiguration
+
+    trace = reconfiguration_trace()
+    with pytest.raises(ConfigError, match="tau must be a positive number of tokens"):
+        simulate_timed(trace, profile(), "lru", 3 * E, reconfiguration=Reconfiguration(every=0))
+    with pytest.raises(ConfigError, match="zeta must be in"):
+        simulate_timed(trace, profile(), "lru", 3 * E, reconfiguration=Reconfiguration(every=5, granularity=1.5))
+    with pytest.raises(ConfigError, match="a buffer of 1 experts"):
+        simulate_timed(trace, profile(), "lru", E, reconfiguration=Reconfiguration(every=5))
+    with pytest.raises(ConfigError, match="no gate_prediction column"):
+        simulate_timed(hand_trace([[[0]]], layers=1), profile(), "lru", 3 * E,
+                       reconfiguration=Reconfiguration(every=5))
+    with pytest.raises(ConfigError, match="load time must be positive"):
+        simulate_timed(trace, profile(bandwidth=float("inf"), latency=0.0), "lru", 3 * E,
+                       reconfiguration=Reconfiguration(every=5))
+    out = routed_file.replace(".parquet", ".json")
+    assert main(["simulate", routed_file, "--timed", "--policy", "lcp", "--prefetch", "moepic", "--cache-size", "25%",
+                 "--reconfigure-every", "20", "--granularity", "0.05", "--timed-json", out]) == 0
+    rows = json.loads(open(out).read())
+    assert [len(r["reconfigurations"] or []) for r in rows] == [0, 3, 3]  # 60 tokens: at 20, 40 and 60
+    assert main(["simulate", routed_file, "--timed", "--granularity", "0.05"]) == 2
+    assert "add --reconfigure-every" in capsys.readouterr().err

@@ -78,7 +78,7 @@ def test_prompt_file_errors(tmp_path):
         load_prompts(str(tmp_path / "missing.txt"))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\nnot json\n')
-    with pytest.raises(ConfigError, match="bad.jsonl: line 2: not JSON"):
+    with pytest.raises(ConfigError, match="bad.jsonl: line 2: invalid JSON"):
         load_prompts(str(bad))
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")

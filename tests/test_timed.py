@@ -240,6 +240,37 @@ def test_a_demand_load_overtakes_queued_prefetches_and_the_wire_completes_first(
     assert result.prefetch_precision == 0.5 and result.prefetch_recall == 0.5  # used 1 of 1 + 1 on-demand
 
 
+@pytest.mark.parametrize("with_next_token", [True, False])
+def test_moepic_prefetches_layer_0_of_the_next_token_after_the_last_layer_by_hand(with_next_token):
+    # Paper 004 follows AdapMoE: layer 0 of token t+1 is predicted from token t's last layer. Two layers of 4
+    # experts, top-1, an LRU cache of 2 experts; token 0 routes (0, 0), token 1 routes (1, 1); layer 1 is
+    # predicted right, and token 0's last layer predicts expert 1 for layer 0 of token 1. One prefetch a layer.
+    #   token 0: router 1.25: key 0 on demand 1.25 -> 2.75, computes -> 4.75; key 4 (layer 1) prefetched
+    #            2.75 -> 4.25; layer 1 router 6.0: a hit; then key 1 (layer 0 of the next pass) 6.0 -> 7.5,
+    #            evicting key 0; layer 1 computes -> 8.0, LM head -> 8.5                        TTFT 8.5
+    #   token 1: router 9.75: key 1 is resident, a hit, computes -> 11.75; key 5 prefetched 9.75 -> 11.25
+    #            (evicting 4); layer 1 router 13.0: a hit, computes -> 15.0, LM head -> 15.5      TPOT 7.0
+    # Without the prediction of layer 0, key 1 loads on demand 9.75 -> 11.25 and key 5 waits behind it
+    # (11.25 -> 12.75): token 1 computes layer 0 11.25 -> 13.25, layer 1 14.5 -> 16.5, LM head -> 17.0.
+    L, J = 2, 4
+    gate = np.zeros((2, L - 1, J))
+    gate[0, 0, 0] = gate[1, 0, 1] = 1.0
+    next_token = np.array([[0.1, 0.6, 0.2, 0.1], [0.25] * 4]) if with_next_token else None
+    meta = TraceMeta(model="hand", num_layers=L, num_experts=J, top_k=1, expert_bytes=E)
+    trace = Trace.build(meta, np.array([[[0], [0]], [[1], [1]]]), gate_prediction=gate,
+                        next_token_gate_prediction=next_token)
+    result = simulate_timed(trace, profile(), "lru", 2 * E, prefetcher="moepic",
+                            prefetcher_options={"prefetches": 1})
+    assert result.ttft_seconds == pytest.approx(8.5)
+    if with_next_token:
+        assert result.tpot_seconds == pytest.approx(7.0)
+        # token 1's last layer predicts a token the trace never feeds: that prefetch (13.0 -> 14.5) is wasted
+        assert (result.hits, result.on_demand_loads, result.prefetches_issued, result.prefetches_used) == (3, 1, 4, 3)
+    else:
+        assert result.tpot_seconds == pytest.approx(8.5)
+        assert (result.hits, result.on_demand_loads, result.prefetches_issued, result.prefetches_used) == (2, 2, 2, 2)
+
+
 def test_pinned_experts_are_never_evicted_by_a_prefetch():
     # Two layers, top-2, a cache of two experts. Layer 0 needs 0 and 1 (cold), layer 1 needs keys 4 and 5;
     # after layer 0 is routed the prefetcher proposes key 4.

@@ -50,7 +50,9 @@ def test_info_json(capsys, tmp_path):
     assert (summary["num_layers"], summary["num_experts"], summary["top_k"]) == (3, 4, 2)
     assert summary["tokens"] == 50 and summary["requests"] == 1 and summary["iterations"] == 50
     assert summary["decode_tokens"] == 50 and summary["prefill_tokens"] == 0
-    assert summary["columns"] == {"weights": False, "probs": False, "embedding": False, "gate_prediction": False}
+    assert summary["columns"] == {"weights": False, "probs": False, "embedding": False, "gate_prediction": False,
+                                  "next_token_gate_prediction": False}
+    assert summary["embedding_kind"] is None
     assert summary["file_bytes"] == path.stat().st_size
     routing = summary["routing"]
     assert len(routing["top_expert_token_share"]) == 3
@@ -216,4 +218,4 @@ def test_writing_into_an_unwritable_place(capsys, tmp_path):
     blocker.write_text("not a directory")
     output = blocker / "trace.parquet"
     code, _, err = run(capsys, "synth", "zipf", "--length", 10, "-o", output)
-    assert_one_line_error(code, err, str(output), "cannot write")
+    assert_one_line_error(code, err, str(output), "cannot be created (a file is in the way)")

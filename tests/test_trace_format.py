@@ -26,6 +26,8 @@ def full_trace(num_layers=3, num_experts=5, top_k=2, tokens=7, embedding_size=4,
     probs = np.exp(logits) / np.exp(logits).sum(axis=2, keepdims=True)
     gate_logits = rng.normal(size=(tokens, num_layers - 1, num_experts))
     gate_prediction = np.exp(gate_logits) / np.exp(gate_logits).sum(axis=2, keepdims=True)
+    first_logits = rng.normal(size=(tokens, num_experts))
+    next_token = np.exp(first_logits) / np.exp(first_logits).sum(axis=1, keepdims=True)
     split = tokens // 2
     meta = TraceMeta(model="test-model", num_layers=num_layers, num_experts=num_experts, top_k=top_k,
                      expert_bytes=1234, hidden_size=16, source="unit test", license="CC0-1.0",
@@ -37,13 +39,14 @@ def full_trace(num_layers=3, num_experts=5, top_k=2, tokens=7, embedding_size=4,
         phase=[PREFILL, PREFILL] + [DECODE] * (split - 2) + [PREFILL] + [DECODE] * (tokens - split - 1),
         iteration=[0, 0] + list(range(1, split - 1)) + [split - 1] + list(range(split, split + tokens - split - 1)),
         weights=np.take_along_axis(probs, experts, axis=2), probs=probs,
-        embedding=rng.normal(size=(tokens, embedding_size)), gate_prediction=gate_prediction)
+        embedding=rng.normal(size=(tokens, embedding_size)), gate_prediction=gate_prediction,
+        next_token_gate_prediction=next_token)
 
 
 def assert_same_trace(got: Trace, expected: Trace) -> None:
     assert got.meta == expected.meta
     for name in ("request", "position", "phase", "iteration", "experts", "weights", "probs", "embedding",
-                 "gate_prediction"):
+                 "gate_prediction", "next_token_gate_prediction"):
         expected_values, got_values = getattr(expected, name), getattr(got, name)
         if expected_values is None:
             assert got_values is None, name
@@ -78,7 +81,36 @@ def test_parquet_schema_uses_compact_types(tmp_path):
     assert schema.field("probs").type == pa.list_(pa.float16(), 3 * 5)
     assert schema.field("embedding").type == pa.list_(pa.float16(), 4)
     assert schema.field("gate_prediction").type == pa.list_(pa.float16(), 2 * 5)
-    assert json.loads(schema.metadata[METADATA_KEY])["format_version"] == 1
+    assert schema.field("next_token_gate_prediction").type == pa.list_(pa.float16(), 5)
+    meta = json.loads(schema.metadata[METADATA_KEY])
+    assert meta["format_version"] == 2 and meta["embedding_kind"] == "token"
+
+
+def test_a_version_1_embedding_is_read_as_the_prompt_mean_and_never_as_per_token(tmp_path):
+    # Files written before embedding_kind existed hold the request's prompt mean on every row and said so only
+    # in prose: reading one must mark it, so that fMoE (which needs each token's embedding) refuses it instead of using it.
+    from moe_offload.errors import ConfigError
+    from moe_offload.prefetch import check_trace_columns, prefetcher_info
+
+    trace = full_trace()
+    path = write_trace(trace, tmp_path / "v2.parquet")
+    table = pq.read_table(path)
+    meta = json.loads(table.schema.metadata[METADATA_KEY])
+    meta["format_version"] = 1
+    del meta["embedding_kind"]
+    old = tmp_path / "v1.parquet"
+    pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), old)
+    got = read_trace(old, unsealed=True)
+    assert got.meta.embedding_kind == "request-prompt-mean"
+    np.testing.assert_array_equal(got.embedding, trace.embedding)  # the column itself reads unchanged
+    check_trace_columns(prefetcher_info("fmoe"), read_trace(path))
+    with pytest.raises(ConfigError, match=r"v1\.parquet.*'embedding'.*format version 1.*record it again"):
+        check_trace_columns(prefetcher_info("fmoe"), got)
+    meta["embedding_kind"] = "sentence"
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), bad)
+    with pytest.raises(TraceError, match="embedding_kind must be one of token, request-prompt-mean, not 'sentence'"):
+        read_trace(bad, unsealed=True)
 
 
 @pytest.mark.parametrize("num_experts, dtype", [(1, np.uint8), (256, np.uint8), (257, np.uint16),
@@ -127,7 +159,8 @@ def test_a_million_token_trace_stays_small(tmp_path):
 
 def write_raw(path, experts_per_row: np.ndarray, meta, *, phase=None, iteration=None, list_size=None):
     """Write a Parquet file by hand, bypassing write_trace's validation. ``meta`` is a dict (JSON-encoded),
-    raw bytes, or None for no trace metadata at all."""
+    raw bytes, or None for no trace metadata at all. The file has no checksum (format 1): the tests read it
+    with ``unsealed=True``, as `trace seal` does, to reach the checks behind the checksum's."""
     n = len(experts_per_row)
     flat = np.asarray(experts_per_row, dtype=np.uint8).reshape(n, -1)
     if list_size is None:
@@ -162,7 +195,7 @@ def good_rows(tokens=6) -> np.ndarray:
 
 def expect_trace_error(path, *fragments) -> TraceError:
     with pytest.raises(TraceError) as caught:
-        read_trace(path)
+        read_trace(path, unsealed=True)
     message = str(caught.value)
     assert str(path) in message
     for fragment in fragments:
@@ -171,7 +204,7 @@ def expect_trace_error(path, *fragments) -> TraceError:
 
 
 def test_the_hand_written_file_is_valid(tmp_path):
-    trace = read_trace(write_raw(tmp_path / "ok.parquet", good_rows(), meta_dict()))
+    trace = read_trace(write_raw(tmp_path / "ok.parquet", good_rows(), meta_dict()), unsealed=True)
     assert trace.experts.shape == (6, 2, 2)
 
 
@@ -239,7 +272,7 @@ def test_top_k_mismatch_in_memory():
 
 
 @pytest.mark.parametrize("meta, fragment", [
-    (b"{not json", "not valid JSON"),
+    (b"{not json", "invalid JSON"),
     (meta_dict(num_experts=None), "num_experts"),
     ({k: v for k, v in meta_dict().items() if k != "top_k"}, "lacks top_k"),
     (meta_dict(top_k=9), "exceeds num_experts"),

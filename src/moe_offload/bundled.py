@@ -17,7 +17,7 @@ DEFAULT_LEARNED_MODEL = DATA_DIR / "learned-eviction.npz"
 TINY_MODEL_DIR = DATA_DIR / "tiny-mixtral"
 
 # Routing of the tiny model on ShareGPT and HumanEval prompts, recorded by `moe-offload record` with every
-# column (probs, embedding, gate_prediction); the second default trace.
+# column (probs, embedding, gate_prediction, next_token_gate_prediction); the second default trace.
 DEFAULT_TINY_TRACE = DATA_DIR / "tiny-mixtral-sharegpt-humaneval.parquet"
 
 # The same recording on the next prompts of both sources: the history that MoE-Infinity's and fMoE's
@@ -31,7 +31,6 @@ BUNDLED_TRACES = {"olmoe": DEFAULT_TRACE, "tiny": DEFAULT_TINY_TRACE, "tiny-hist
 def trace_path(name: str) -> Path:
     """A trace argument: ``olmoe``, ``tiny`` or ``tiny-history`` (the bundled traces) unless a file of that
     name exists."""
-    path = Path(name)
-    if name in BUNDLED_TRACES and not path.exists():
+    if name in BUNDLED_TRACES and not Path(name).exists():
         return BUNDLED_TRACES[name]
-    return path
+    return Path(name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,11 +33,15 @@ def check_output(path, *, inputs: Iterable = (), suffixes: tuple[str, ...] = (),
     ``inputs`` are the files the command reads (an output may not be one of them); ``suffixes`` the
     extensions the output must have (a plot's format follows its extension); ``directory`` for outputs
     that are directories (``pack -o``), which must not exist yet or be empty."""
-    path = Path(path)
+    try:
+        return _check_output(Path(path), inputs, suffixes, what, directory)
+    except OSError as exc:  # a name too long, a symlink loop in the way
+        raise ConfigError(f"{path}: cannot write the {what} there: {exc.strerror or exc}") from None
+
+
+def _check_output(path: Path, inputs: Iterable, suffixes: tuple[str, ...], what: str, directory: bool) -> Path:
     if str(path) in ("", "."):
         raise ConfigError(f"{what} path {str(path)!r} names no file")
-    if suffixes and path.suffix.lower() not in suffixes:
-        raise ConfigError(f"{path}: the {what} must end in {' or '.join(suffixes)}")
     if directory:
         if path.exists() and not path.is_dir():
             raise ConfigError(f"{path}: exists and is not a directory")
@@ -46,6 +51,8 @@ def check_output(path, *, inputs: Iterable = (), suffixes: tuple[str, ...] = (),
         raise ConfigError(f"{path}: is a directory; give a file name for the {what}")
     elif path.exists() and not path.is_file():
         raise ConfigError(f"{path}: exists and is not a regular file; will not write the {what} over it")
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise ConfigError(f"{path}: the {what} must end in {' or '.join(suffixes)}")
     parent = _existing_ancestor(path.parent)
     if parent is None or not parent.is_dir():
         raise ConfigError(f"{path}: the folder {path.parent} cannot be created (a file is in the way)")
@@ -59,8 +66,12 @@ def check_output(path, *, inputs: Iterable = (), suffixes: tuple[str, ...] = (),
 
 @contextmanager
 def atomic_output(path) -> Iterator[Path]:
-    """Yield a temporary file beside ``path``; rename it over ``path`` (after fsync) if the block succeeds."""
-    path = Path(path)
+    """Yield a temporary file beside ``path``; rename it over ``path`` (after fsync) if the block succeeds.
+
+    A symlink at ``path`` keeps pointing where it did: the file it points to is the one replaced. A path that
+    is not a regular file (a device node, a FIFO, a directory) is never replaced, even by a caller that did
+    not call check_output first (the Python API)."""
+    path = _target_of(Path(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
@@ -69,6 +80,9 @@ def atomic_output(path) -> Iterator[Path]:
     os.close(handle)
     temporary = Path(temporary)
     try:
+        # mkstemp makes the file private (0600); the result gets the mode of the file it replaces, or the
+        # mode a new file gets under this process's umask, as if written in place.
+        os.chmod(temporary, _mode_of(path, 0o666))
         yield temporary
         _fsync(temporary)
         os.replace(temporary, path)
@@ -79,6 +93,14 @@ def atomic_output(path) -> Iterator[Path]:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def _target_of(path: Path) -> Path:
+    """The file a write to ``path`` replaces: the end of its symlinks; refused when not a regular file."""
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    if os.path.lexists(target) and not target.is_file():
+        raise ConfigError(f"{path}: exists and is not a regular file; will not write over it")
+    return target
 
 
 def write_atomically(path, data: bytes | str) -> Path:
@@ -102,6 +124,7 @@ def atomic_directory(path) -> Iterator[Path]:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot write: {exc.strerror or exc}") from None
     try:
+        os.chmod(staging, _mode_of(path, 0o777))
         yield staging
         if path.is_dir() and not any(path.iterdir()):
             path.rmdir()
@@ -115,6 +138,23 @@ def atomic_directory(path) -> Iterator[Path]:
         raise
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # read once: setting it back and forth is not thread-safe
+
+
+def _mode_of(path: Path, default: int) -> int:
+    """The permission bits of ``path`` if it exists, else ``default`` under the process's umask."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return default & ~_UMASK
+
+
 def _existing_ancestor(folder: Path) -> Path | None:
     for candidate in (folder, *folder.parents):
         if candidate.exists():
@@ -123,9 +163,13 @@ def _existing_ancestor(folder: Path) -> Path | None:
 
 
 def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file: the same inode when both exist (a link, another spelling),
+    else the same resolved path (two outputs of one command)."""
     try:
-        return a.exists() and b.exists() and os.path.samefile(a, b)
-    except OSError:
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+        return a.resolve() == b.resolve()
+    except (OSError, RuntimeError):
         return False
 
 

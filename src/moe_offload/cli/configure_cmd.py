@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import math
-import re
 import sys
 
 from moe_offload.errors import ConfigError
-from moe_offload.hardware.profile import format_bytes, parse_bytes
-from moe_offload.trace.format import TraceMeta
-
+from moe_offload.hardware.profile import format_bytes
+from moe_offload.values import expert_amount, integer
 
 
 def register(subparsers) -> None:
@@ -41,8 +38,8 @@ def register(subparsers) -> None:
                              "shared experts)")
     parser.add_argument("--head-ms", type=float, metavar="MS",
                         help="LM head time, which opens layer 0's prefetch window (default: the hardware's, else "
-                             "0; traces predict layers 1..L-1 only, so layer 0 does not prefetch and this changes "
-                             "nothing yet)")
+                             "0; layer 0 is predicted from the previous token's last layer when the trace has "
+                             "next_token_gate_prediction)")
     parser.add_argument("--expert-bytes", type=int, metavar="N",
                         help="bytes of one expert, for budgets in bytes (default: the trace's metadata)")
     parser.add_argument("--granularity", type=float, default=0.01, metavar="ZETA",
@@ -56,44 +53,10 @@ def register(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
-def parse_budget(text: str, meta: TraceMeta, expert_bytes: int | None) -> float:
-    """A VRAM budget in experts from experts, bytes with a unit, a fraction or a percentage of all experts."""
-    total = meta.num_expert_slots
-    item = text.strip()
-    problem = None
-    try:
-        if item.endswith("%"):
-            experts = float(item[:-1]) / 100 * total
-            if not 0 < experts <= total:
-                problem = "a percentage must be in (0, 100]"
-        elif re.fullmatch(r"[0-9.]+(?:e[+-]?[0-9]+)?\s*[kmgt]?i?b", item, re.IGNORECASE):  # bytes with a unit
-            if not expert_bytes:
-                raise ConfigError(f"--vram-budget {item!r} is in bytes, but the trace does not give the size of "
-                                  "an expert: add --expert-bytes")
-            experts = parse_bytes(item, "--vram-budget") / expert_bytes
-        elif re.fullmatch(r"[+-]?[0-9]+", item):
-            experts = float(int(item))
-        else:
-            experts = float(item)
-            if not 0 < experts <= 1:
-                problem = "a fraction must be in (0, 1]"
-            experts *= total
-    except ValueError:
-        problem = "it is neither a number of experts, bytes with a unit (6GB), a fraction nor a percentage"
-    if problem is None and not (math.isfinite(experts) and experts > 0):
-        problem = "the budget must be positive"
-    if problem is None and experts > total * (1 + 1e-9):
-        problem = (f"that is {experts:,.6g} experts, more than the model's {total:,} "
-                   f"({meta.num_layers} layers x {meta.num_experts}): everything fits")
-    if problem is not None:
-        raise ConfigError(f"--vram-budget {item!r}: {problem}")
-    return min(experts, float(total))
-
-
 def timings_from_args(args, top_k: int, expert_bytes: int | None):
     """The timings given in milliseconds; those not given come from --hardware: one token's expert, attention
-    and LM head times and the GPU link's transfer time of one expert (timings_from_hardware)."""
-    from moe_offload.configurator import Timings, timings_from_hardware
+    and LM head times and the GPU link's transfer time of one expert (timings_from_profile)."""
+    from moe_offload.configurator import Timings, timings_from_profile
 
     given = {"expert_load": args.expert_load_ms, "expert_compute": args.expert_compute_ms,
              "attention": args.attention_ms, "moe": args.moe_ms, "head": args.head_ms}
@@ -104,11 +67,7 @@ def timings_from_args(args, top_k: int, expert_bytes: int | None):
         if not expert_bytes:
             raise ConfigError(f"--hardware {args.hardware}: the load and compute times of an expert depend on its "
                               "size, which the trace does not give: add --expert-bytes")
-        link, compute = hardware.link_from(1), hardware.compute
-        derived = timings_from_hardware(expert_bytes=expert_bytes, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
-                                        transfer_latency_s=link.latency_s,
-                                        expert_compute_s=compute.expert_seconds(1, expert_bytes),
-                                        attention_s=compute.attention(1), head_s=compute.lm_head(1), top_k=top_k)
+        derived = timings_from_profile(hardware, expert_bytes, top_k)
         seconds = {name: getattr(derived, name) if value is None else value / 1e3 for name, value in given.items()}
         if args.moe_ms is None:  # K times the expert time actually used, given or derived
             seconds["moe"] = top_k * seconds["expert_compute"]
@@ -131,28 +90,27 @@ def run(args) -> int:
     from moe_offload.configurator import check_inputs, configure, measure_statistics, require_gate_prediction
     from moe_offload.trace.format import read_trace
 
-    from moe_offload.bundled import trace_path
-
-    trace = read_trace(trace_path(args.trace), columns=("gate_prediction",))
+    trace = read_trace(args.trace, columns=("gate_prediction", "next_token_gate_prediction"))
     meta = trace.meta
     require_gate_prediction(trace)
-    if args.expert_bytes is not None and args.expert_bytes < 1:
-        raise ConfigError(f"--expert-bytes must be a positive number of bytes, not {args.expert_bytes}")
+    if args.expert_bytes is not None:
+        integer(args.expert_bytes, "--expert-bytes", low=1)
     expert_bytes = args.expert_bytes or meta.expert_bytes
-    budget = parse_budget(args.vram_budget, meta, expert_bytes)
+    budget = expert_amount(args.vram_budget, "--vram-budget", meta.num_expert_slots, expert_bytes)
     timings = timings_from_args(args, meta.top_k, expert_bytes)
     check_inputs(timings, budget, args.granularity, meta.num_layers, meta.num_experts, meta.top_k)
 
     stderr = Console(stderr=True)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   console=stderr, transient=True, disable=not stderr.is_terminal) as bar:
-        task = bar.add_task("replaying LCP caches", total=meta.num_experts)
+        task = bar.add_task("replaying LCP caches", total=trace.num_tokens)
         stats = measure_statistics(trace, omega=args.lcp_omega, rho=args.lcp_rho,
-                                   progress=lambda: bar.advance(task))
+                                   progress=lambda tokens: bar.advance(task, tokens))
     config = configure(stats, timings, budget, args.granularity)
-    notes = ["layer 0 is configured without prefetching: the trace predicts layers 1..L-1 only (the paper "
-             "predicts layer 0 from the previous token's last layer)",
-             "latencies are MoEpic's model (equations 5-7 with alpha + beta theta ~ m), not a simulation"]
+    notes = ["latencies are MoEpic's model (equations 5-7 with alpha + beta theta ~ m), not a simulation"]
+    if not stats.predicted[0]:
+        notes.insert(0, "layer 0 is configured without prefetching: the trace has no next_token_gate_prediction "
+                        "(the paper predicts layer 0 from the previous token's last layer), or no decode token")
 
     if args.json:
         document = {"trace": args.trace, "hardware": args.hardware, "model": meta.model,

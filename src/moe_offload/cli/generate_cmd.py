@@ -30,7 +30,8 @@ def register(subparsers) -> None:
                              "recorded trace, for the prefetchers that need a history)")
     parser.add_argument("--policy-option", action="append", default=[], metavar=POLICY_OPTION)
     parser.add_argument("--prefetch-option", action="append", default=[], metavar=PREFETCH_OPTION)
-    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="default 64")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                        help="default 64; a prompt plus N beyond the model's context is refused")
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt in the bundled model's chat format (User: ...\\nAssistant:)")
     parser.add_argument("--bypass-page-cache", action="store_true",
@@ -52,6 +53,12 @@ def run(args: argparse.Namespace) -> int:
     from moe_offload.reporting.tables import print_runtime_summary
     from moe_offload.text.sources import chat_prompt
 
+    from moe_offload.outputs import check_output, write_atomically
+    from moe_offload.runtime.engine import resolve_device
+
+    if args.json:
+        check_output(args.json, suffixes=(".json",), what="result record")
+    resolve_device(args.device)
     policy_options = parse_component_options(args.policy_option, "--policy-option", POLICY_OPTION, policy_info)
     prefetch_options = parse_component_options(args.prefetch_option, "--prefetch-option", PREFETCH_OPTION,
                                                prefetcher_info)
@@ -69,6 +76,5 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n\n")
         print_runtime_summary(result, engine)
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result.stats.to_dict(), out, indent=1)
+        write_atomically(args.json, json.dumps(result.stats.to_dict(), indent=1))
     return 0

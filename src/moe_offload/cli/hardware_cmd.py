@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 from moe_offload.bundled import DEFAULT_TRACE
 from moe_offload.errors import ConfigError
-from moe_offload.hardware import DEFAULT_PRESET, format_bytes, parse_bytes, preset_names, resolve_profile
+from moe_offload.hardware import DEFAULT_PRESET, format_bytes, preset_names, resolve_profile
+from moe_offload.values import parse_bytes
 
 DEFAULT_MEASURED = "measured.toml"
 
@@ -46,6 +46,9 @@ def register(subparsers) -> None:
     measure.add_argument("--keep-page-cache", action="store_true",
                          help="read the expert files through the page cache instead of dropping them before "
                               "every read (measures RAM, not the disk, once the files are cached)")
+    measure.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    measure.add_argument("--host-budget", default=None, metavar="SIZE|P%",
+                         help="CUDA: profile the runtime with a host tier of this budget (gpu, host, ssd)")
     measure.add_argument("--threads", type=int, default=None, metavar="N",
                          help="torch CPU threads while measuring (default: torch's, as the runtime runs)")
     measure.set_defaults(run=run_measure)
@@ -137,17 +140,17 @@ def _measured_table(m, profile: dict):
     for column in ("what", "measured", "how"):
         table.add_column(column)
     cache = "page cache bypassed" if m.bypass_page_cache else "page cache kept"
-    table.add_row("expert file read", f"{m.read_median_s * 1e6:.1f} us",
-                  f"median of {m.files_sampled} of {m.files_total} files x {m.repeats}, "
-                  f"{format_bytes(m.expert_file_bytes)} each, {cache}")
-    table.add_row("  latency / bandwidth", f"{m.read_latency_s * 1e6:.1f} us, {format_bytes(m.read_bandwidth)}/s",
-                  "open + 1-byte read; the rest of the read")
-    table.add_row("check + convert", f"{m.convert_median_s * 1e6:.1f} us",
-                  "SHA-256, safetensors load, " + ("pin" if m.device == "cuda" else f"to {m.compute_dtype}"))
+    table.add_row("expert through the data path", f"{m.link_seconds * 1e6:.1f} us, alone {m.link_alone_s * 1e6:.1f} us",
+                  f"{m.files_sampled} of {m.files_total} experts ({format_bytes(m.expert_bytes)}) back to back x "
+                  f"{m.repeats}, {m.readers} readers, {cache}")
+    table.add_row("  raw: parallel read", f"{format_bytes(m.parallel_read_bandwidth)}/s",
+                  "the reader pool reading experts into mapped memory")
+    if m.convert_bandwidth:
+        table.add_row("  raw: conversion", f"{format_bytes(m.convert_bandwidth)}/s", f"stored -> {m.compute_dtype}")
     for link in profile["links"]:
         table.add_row(f"link {link['from']}->{link['to']}",
                       f"{format_bytes(link['bandwidth_bytes_per_s'])}/s + {link['latency_s'] * 1e6:.1f} us",
-                      "in the profile" + (" (read + check + convert)" if link["from"] == "ssd" else ""))
+                      "in the profile" + (" (the data path)" if link["from"] == "ssd" else ""))
     table.add_row("memory read", f"{format_bytes(m.memory_bandwidth)}/s", f"streaming sum on {m.device}")
     roof = expert_roofline(m)
     table.add_row("expert, 1 / 64 tokens",
@@ -181,20 +184,26 @@ def run_measure(args) -> int:
         raise ConfigError(f"--repeats must be at least 1, not {args.repeats}")
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads must be at least 1, not {args.threads}")
-    output = Path(args.output)
-    if output.is_dir():
-        raise ConfigError(f"{output}: is a directory; give -o a profile file name (.toml)")
+    from moe_offload.hardware.toml_writer import write_profile
+    from moe_offload.outputs import check_output
+    from moe_offload.runtime.engine import resolve_device
+
+    output = check_output(args.output, what="profile")
+    resolve_device(args.device)
     packed = packed_directory(args.model)
     _warn_if_busy(args.threads)
     measurements = measure.measure(packed, repeats=args.repeats, bypass_page_cache=not args.keep_page_cache,
-                                   threads=args.threads, model_name=args.model)
+                                   threads=args.threads, model_name=args.model, device=args.device,
+                                   host_budget=args.host_budget)
     profile = measure.profile_dict(measurements, name=output.stem)
     command = (f"moe-offload hardware measure --model {args.model} --repeats {args.repeats}"
                + (" --keep-page-cache" if args.keep_page_cache else "")
-               + (f" --threads {args.threads}" if args.threads else ""))
+               + (f" --threads {args.threads}" if args.threads else "")
+               + (f" --device {args.device}" if args.device else "")
+               + (f" --host-budget {args.host_budget}" if args.host_budget else ""))
     header = (f"Measured on this machine by `{command}` on {measurements.date}.\n"
               "The sources below say what was timed and how; run the command again to refresh the numbers.")
-    measure.write_profile(profile, output, header)
+    write_profile(profile, output, header)
     out = _console()
     out.print(_measured_table(measurements, profile))
     out.print(f"profile written to {output} (use it with `moe-offload simulate --timed --hardware {output}`)")

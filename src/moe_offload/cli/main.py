@@ -8,15 +8,28 @@ import sys
 
 from moe_offload import __version__
 from moe_offload.cli import (configure_cmd, generate_cmd, hardware_cmd, pack_cmd, policies_cmd, record_cmd,
-                              simulate_cmd, trace_cmd, train_cmd, train_tiny_cmd)
+                              simulate_cmd, sweep_cmd, trace_cmd, train_cmd, train_tiny_cmd)
 from moe_offload.errors import MoeOffloadError
 
-COMMANDS = (simulate_cmd, generate_cmd, pack_cmd, record_cmd, trace_cmd, policies_cmd, train_cmd, train_tiny_cmd,
-            configure_cmd, hardware_cmd)
+COMMANDS = (simulate_cmd, sweep_cmd, generate_cmd, pack_cmd, record_cmd, trace_cmd, policies_cmd, train_cmd,
+            train_tiny_cmd, configure_cmd, hardware_cmd)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line, as every other error of the command (argparse prints the
+    usage first, several lines of it for the larger commands)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see `{self.prog} --help`)\n")
+
+
+def one_line(message) -> str:
+    """A message in one line: the line breaks and runs of spaces of the text it quotes become one space."""
+    return " ".join(str(message).split())
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="moe-offload",
         description="Replay MoE routing traces through expert-cache policies and compare them with the optimum.")
     parser.add_argument("--version", action="version", version=f"moe-offload {__version__}")
@@ -31,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args) or 0
     except MoeOffloadError as exc:
-        print(f"moe-offload: error: {exc}", file=sys.stderr)
+        print(f"moe-offload: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("moe-offload: interrupted", file=sys.stderr)

@@ -7,12 +7,13 @@ import argparse
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "pack", help="split a checkpoint into non-expert weights and one safetensors file per expert",
-        description="Write the non-expert weights to one file and every routed expert to its own safetensors file "
-                    "with a manifest of sizes and SHA-256 checksums, so that the runtime loads only the non-experts "
+        "pack", help="split a checkpoint into non-expert weights and one file of raw expert tensors per layer",
+        description="Write the non-expert weights to one file and every layer's routed experts to one file "
+                    "of raw tensors with a manifest of offsets and checksums, so that the runtime loads only the non-experts "
                     "at start-up and reads experts on demand (FlashMoE, paper 003). Reports the start-up time.")
     parser.add_argument("model", metavar="MODEL", help="tiny (the bundled model) or a checkpoint directory")
-    parser.add_argument("-o", "--output", required=True, metavar="DIR", help="new directory to write")
+    parser.add_argument("-o", "--output", required=True, metavar="DIR",
+                        help="new directory to write (missing or empty; written atomically)")
     parser.set_defaults(run=run)
 
 
@@ -25,6 +26,9 @@ def run(args: argparse.Namespace) -> int:
     from moe_offload.reporting.progress import progress_bar
     from moe_offload.runtime.packing import load_skeleton, pack_model
 
+    from moe_offload.outputs import check_output
+
+    check_output(args.output, directory=True, what="packed model")  # before loading anything
     with progress_bar() as bar:
         task = bar.add_task("packing experts", total=None)
         manifest = pack_model(model_directory(args.model), args.output, on_expert=lambda: bar.advance(task))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from moe_offload.policies import POLICIES
 from moe_offload.prefetch import PREFETCHERS
+from moe_offload.simulator import kernels
 
 
 def register(subparsers) -> None:
@@ -21,10 +22,14 @@ def run(args) -> int:
     table.add_column("name", style="bold")
     table.add_column("what it evicts")
     table.add_column("source")
+    table.add_column("replay")
     for name, info in POLICIES.items():
-        table.add_row(name + (" (offline)" if info.offline else ""), info.summary, info.source)
+        table.add_row(name + (" (offline)" if info.offline else ""), info.summary, info.source,
+                      "compiled" if info.policy.replay_kernel is not None else "Python")
     console = Console()
     console.print(table)
+    if not kernels.numba_available():
+        console.print(f"(the replay runs every policy in Python: {kernels.INSTALL_HINT})")
     prefetchers = Table(title="prefetchers (use the name with simulate --timed --prefetch)", title_justify="left")
     prefetchers.add_column("name", style="bold")
     prefetchers.add_column("what it prefetches")

@@ -13,7 +13,8 @@ def register(subparsers) -> None:
         description="Generate greedily with a transformers MoE model (the bundled 'tiny' or a local checkpoint "
                     "directory of Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE or DeepSeek-V2/V3) and write, per token, "
                     "the selected experts and weights, the full router distribution of every layer, the "
-                    "request's semantic embedding and the next layer's gate prediction.")
+                    "token's input embedding and the next layer's gate prediction (for the last layer: layer 0 "
+                    "of the next token).")
     parser.add_argument("--model", default="tiny", metavar="tiny|DIR", help="model (default: tiny, the bundled one)")
     parser.add_argument("--prompts", default="sharegpt", metavar="SOURCES",
                         help="comma-separated prompt sources: sharegpt, humaneval, or files with one prompt per "
@@ -34,10 +35,15 @@ def run(args: argparse.Namespace) -> int:
 
     from moe_offload.models.recorder import record
     from moe_offload.models.tiny import load
+    from moe_offload.outputs import check_output, write_atomically
     from moe_offload.reporting.progress import progress_bar
-    from moe_offload.text.prompts import load_prompts
+    from moe_offload.text.prompts import BUILTIN_SOURCES, load_prompts
     from moe_offload.trace.format import write_trace
 
+    prompt_files = [name.strip() for name in args.prompts.split(",") if name.strip() not in BUILTIN_SOURCES]
+    check_output(args.output, inputs=prompt_files, what="trace")
+    if args.texts:
+        check_output(args.texts, inputs=prompt_files + [args.output], what="texts file")
     prompts = load_prompts(args.prompts, args.limit, args.skip)
     model, adapter, tokenizer = load(args.model)
     name = "moe-offload/tiny-mixtral" if args.model == "tiny" else Path(args.model).resolve().name
@@ -51,10 +57,11 @@ def run(args: argparse.Namespace) -> int:
     trace = recording.trace
     print(f"wrote {path}: {trace.num_tokens} tokens of {trace.num_requests} requests, "
           f"{trace.meta.num_layers} layers x {trace.meta.num_experts} experts, top-{trace.meta.top_k}, "
-          f"with probs, embedding and gate_prediction ({path.stat().st_size / 1e6:.2f} MB)")
+          f"with probs, embedding, gate_prediction and next_token_gate_prediction "
+          f"({path.stat().st_size / 1e6:.2f} MB)")
     if args.texts:
-        with open(args.texts, "w", encoding="utf-8") as out:
-            for prompt, text in zip(prompts, recording.texts):
-                out.write(json.dumps({"source": prompt.source, "prompt": prompt.text, "generated": text}) + "\n")
+        write_atomically(args.texts, "".join(
+            json.dumps({"source": prompt.source, "prompt": prompt.text, "generated": text}) + "\n"
+            for prompt, text in zip(prompts, recording.texts)))
         print(f"wrote {args.texts}")
     return 0

@@ -13,8 +13,11 @@ import numpy as np
 
 from moe_offload.bundled import DEFAULT_TRACE, trace_path
 from moe_offload.errors import ConfigError
+from moe_offload.outputs import check_output, write_atomically
 from moe_offload.policies import POLICIES, policy_info
+from moe_offload.simulator.replay import ENGINES
 from moe_offload.trace.format import TraceMeta, read_trace
+from moe_offload.values import cache_sizes, check_options_used, component_options, integer, jobs, parse_bytes
 
 DEFAULT_CACHE_SIZES = "12.5%,25%,50%"
 POLICY_OPTION, PREFETCH_OPTION = "POLICY.NAME=VALUE", "PREFETCHER.NAME=VALUE"
@@ -23,7 +26,7 @@ DEFAULT_TIMED_POLICIES = "lru"
 # options of the timed simulation and their defaults: given without --timed they are refused
 TIMED_DEFAULTS = {"hardware": None, "prefetch": "none", "prefetch_option": [], "history": None, "expert_bytes": None,
                   "arrivals": "trace", "max_batch": 8, "timed_json": None, "plot_cdf": None, "plot_timeline": None,
-                  "timeline_iteration": None, "split_config": None}
+                  "timeline_iteration": None, "split_config": None, "reconfigure_every": None, "granularity": 0.01}
 
 
 def register(subparsers) -> None:
@@ -54,6 +57,10 @@ def register(subparsers) -> None:
                         help="worker processes (default: up to 2)")
     parser.add_argument("--policy-option", action="append", default=[], metavar=POLICY_OPTION,
                         help="a policy parameter, e.g. lcp.rho=0.5 or learned.model_path=model.npz (repeatable)")
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="how the replay runs, never what it finds: 'compiled' runs the policies' Numba kernels "
+                             "(the `fast` extra), 'python' the policy objects, 'auto' (default) the kernel where a "
+                             "policy has one and Numba is installed")
     timed = parser.add_argument_group("timed simulation (--timed)")
     timed.add_argument("--timed", action="store_true",
                        help="run the discrete-event timed simulator instead of the replay")
@@ -84,6 +91,14 @@ def register(subparsers) -> None:
                        help="run MoEpic's split experts as `moe-offload configure --json` chose them: per layer, "
                             "the top segments of cache_size experts cached, split_ratio of an expert each, and a "
                             "buffer of top-k experts for the missing segments (replaces --cache-size)")
+    timed.add_argument("--reconfigure-every", type=int, metavar="TAU",
+                       help="MoEpic's online configurator (paper 004, Algorithm 1): rerun the split configuration "
+                            "every TAU tokens from the statistics gathered so far and resize the running caches "
+                            "(the paper's tau is 5000); starts from --split-config, or from the uniform allocation "
+                            "with split ratio 0.5 on each --cache-size (less the buffer of top-k experts)")
+    timed.add_argument("--granularity", type=float, default=TIMED_DEFAULTS["granularity"], metavar="ZETA",
+                       help="share of the budget the online configurator moves between two layers per step "
+                            "(default 0.01, the paper's)")
     parser.set_defaults(run=run)
 
 
@@ -98,57 +113,52 @@ def parse_policies(text: str) -> list[str]:
     return names
 
 
-def parse_cache_sizes(text: str, meta: TraceMeta) -> list[int]:
-    """Experts, percentages or fractions of L*J, resolved for one trace's model."""
-    total = meta.num_expert_slots
-    sizes = []
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
-        try:
-            if item.endswith("%"):
-                size = round(float(item[:-1]) / 100 * total)
-            elif any(c in item for c in ".eE"):
-                fraction = float(item)
-                if not 0 < fraction <= 1:
-                    raise ValueError
-                size = round(fraction * total)
-            else:
-                size = int(item)
-        except ValueError:
-            raise ConfigError(f"--cache-size {item!r} is neither a number of experts, a percentage nor a "
-                              "fraction in (0, 1]") from None
-        if size < 1:
-            raise ConfigError(f"--cache-size {item!r} gives {size} experts for a model with {total}")
-        sizes.append(min(size, total))
-    if not sizes:
-        raise ConfigError("--cache-size names no size")
-    return sorted(set(sizes))
-
-
 def parse_component_options(items: list[str], flag: str, form: str, lookup) -> dict[str, dict]:
-    """``NAME.OPTION=VALUE`` items of ``flag`` (--policy-option, --prefetch-option; ``form`` spells its
-    metavar) as {name: {option: value}}; ``lookup(name)`` rejects an unknown policy or prefetcher. Values are
-    JSON where they parse, else strings."""
-    options: dict[str, dict] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        component, dot, name = key.partition(".")
-        if not sep or not dot or not name:
-            raise ConfigError(f"{flag} {item!r} is not {form}")
-        lookup(component)
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            parsed = value  # a plain string such as a path
-        options.setdefault(component, {})[name.replace("-", "_")] = parsed
+    """``generate``'s reading of --policy-option and --prefetch-option (``lookup``: policy_info or
+    prefetcher_info), through the one parser, values.component_options."""
+    kind = "policy" if flag == "--policy-option" else "prefetcher"
+    component = (lambda name: lookup(name).policy) if kind == "policy" else lookup
+    return component_options(items, flag, form, kind, component, skip=("seed",) if kind == "policy" else ())
+
+
+def policy_options(args, policies: list[str]) -> dict[str, dict]:
+    """--policy-option as {policy: {option: value}}; an option of a policy that is not run is refused."""
+    options = component_options(args.policy_option, "--policy-option", POLICY_OPTION, "policy",
+                                lambda name: policy_info(name).policy, skip=("seed",))
+    check_options_used(options, policies, "--policy-option", "--policy")
     return options
 
 
-def sweep_sizes(meta: TraceMeta, points: int) -> list[int]:
-    if points < 2:
-        raise ConfigError("--plot-points must be at least 2")
+def check_components(meta: TraceMeta, policies, options: dict, seed: int, prefetchers=(),
+                     prefetch_options: dict | None = None) -> None:
+    """Build every policy and prefetcher once with its options, so a bad value is refused before any run."""
+    from moe_offload.policies import ModelSpec, make_policy
+    from moe_offload.prefetch import make_prefetcher
+
+    spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
+    for policy in policies:
+        make_policy(policy, spec, seed=seed, options=options.get(policy))
+    for prefetcher in prefetchers:
+        make_prefetcher(prefetcher, spec, (prefetch_options or {}).get(prefetcher))
+
+
+def sweep_sizes(meta: TraceMeta, points) -> list[int]:
+    """``points`` cache sizes from top-k to L*J for the plot: at least 2, at most the distinct sizes."""
+    distinct = meta.num_expert_slots - meta.top_k + 1
+    points = integer(points, "--plot-points", low=2, high=max(2, distinct),
+                     why=f"the cache sizes from top-k = {meta.top_k} to all {meta.num_expert_slots:,} experts")
     return sorted({int(round(x)) for x in np.linspace(meta.top_k, meta.num_expert_slots, points)})
+
+
+def check_outputs(args, inputs: list[str]) -> None:
+    """Every file the command will write, checked before it reads or runs anything."""
+    from moe_offload.reporting.plots import PLOT_SUFFIXES
+
+    for flag, suffixes in (("plot", PLOT_SUFFIXES), ("plot_cdf", PLOT_SUFFIXES), ("plot_timeline", PLOT_SUFFIXES),
+                           ("timed_json", ())):
+        target = getattr(args, flag, None)
+        if target:
+            check_output(target, inputs=inputs, suffixes=suffixes, what=f"--{flag.replace('_', '-')} file")
 
 
 def learned_training_note(trace_path: str, learned_options: dict) -> str | None:
@@ -178,14 +188,16 @@ def run(args) -> int:
     args.policy = args.policy or "all"
     args.cache_size = args.cache_size or DEFAULT_CACHE_SIZES
     policies = parse_policies(args.policy)
-    options = parse_component_options(args.policy_option, "--policy-option", POLICY_OPTION, policy_info)
+    options = policy_options(args, policies)
     paths = [str(trace_path(name)) for name in args.traces] or [str(DEFAULT_TRACE)]
-    if args.jobs < 1:
-        raise ConfigError("--jobs must be at least 1")
+    check_outputs(args, paths)
+    jobs(args.jobs)
+    integer(args.seed, "--seed", low=0)
     inputs, plans = [], []
     for path in paths:  # read and check everything before the first run
         trace = read_trace(path)
-        table_sizes = parse_cache_sizes(args.cache_size, trace.meta)
+        check_components(trace.meta, policies, options, args.seed)
+        table_sizes = cache_sizes(args.cache_size, "--cache-size", trace.meta.num_expert_slots)
         sizes = sorted(set(table_sizes) | set(sweep_sizes(trace.meta, args.plot_points) if args.plot else ()))
         inputs.append(ReplayInput.of(trace, name=path if args.traces else Path(path).name))
         plans.append((table_sizes, sizes))
@@ -199,7 +211,7 @@ def run(args) -> int:
         task = bar.add_task("replaying requests", total=total)
         for data, (table_sizes, sizes) in zip(inputs, plans):
             grid = replay_grid(data, policies, sizes, seed=args.seed, options=options, jobs=args.jobs,
-                               progress=lambda n: bar.advance(task, n))
+                               progress=lambda n: bar.advance(task, n), engine=args.engine)
             results += grid.results
             skipped += grid.skipped
             table_results += [r for r in grid.results if r.cache_size in table_sizes]
@@ -245,66 +257,65 @@ def parse_prefetchers(text: str) -> list[str | None]:
     return list(dict.fromkeys(None if name == "none" else name for name in names))
 
 
-def parse_timed_cache_sizes(text: str, meta: TraceMeta, expert_bytes: int) -> list[int]:
-    """Cache sizes in bytes: a size with a byte unit as given, experts, percentages and fractions of all
-    expert bytes in whole experts (the replay's rule, so `25%` is the same cache in both modes)."""
-    from moe_offload.hardware import parse_bytes
-
-    sizes, counted = [], []
-    for item in (part.strip() for part in text.split(",")):
-        if item and item[-1].lower() == "b":
-            sizes.append(parse_bytes(item, "--cache-size"))
-        elif item:
-            counted.append(item)
-    if counted:
-        sizes += [experts * expert_bytes for experts in parse_cache_sizes(",".join(counted), meta)]
-    if not sizes:
-        raise ConfigError("--cache-size names no size")
-    return sorted(set(sizes))
-
-
 def run_timed(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from moe_offload.hardware import parse_bytes, resolve_profile
+    from moe_offload.hardware import resolve_profile
     from moe_offload.prefetch import check_trace_columns, prefetcher_info
     from moe_offload.reporting.tables import print_timed_tables
     from moe_offload.simulator.split import read_split_config
-    from moe_offload.simulator.timed import ORACLE, Arrivals, check_timed_run, timed_grid
+    from moe_offload.simulator.timed import ORACLE, Arrivals, Reconfiguration, check_timed_run, timed_grid
 
     if args.plot:
         raise ConfigError("--plot draws the replay's misses; with --timed use --plot-cdf and --plot-timeline")
-    hardware = resolve_profile(args.hardware)
+    if args.engine != "auto":
+        raise ConfigError("--engine chooses how the replay runs; the timed simulator runs the policy objects")
     policies = parse_policies(args.policy or DEFAULT_TIMED_POLICIES)
-    options = parse_component_options(args.policy_option, "--policy-option", POLICY_OPTION, policy_info)
+    options = policy_options(args, policies)
     prefetchers = parse_prefetchers(args.prefetch)
-    prefetch_options = parse_component_options(args.prefetch_option, "--prefetch-option", PREFETCH_OPTION,
-                                               prefetcher_info)
+    running = [p for p in prefetchers if p is not None] + [ORACLE]  # the oracle always runs, as a bound
+    prefetch_options = component_options(args.prefetch_option, "--prefetch-option", PREFETCH_OPTION, "prefetcher",
+                                         prefetcher_info)
+    check_options_used(prefetch_options, running, "--prefetch-option", "--prefetch")
+    paths = [str(trace_path(name)) for name in args.traces] or [str(DEFAULT_TRACE)]
+    check_outputs(args, paths + [trace_path(args.history) if args.history else None, args.split_config])
+    jobs(args.jobs)
+    integer(args.seed, "--seed", low=0)
+    integer(args.max_batch, "--max-batch", low=1)
+    hardware = resolve_profile(args.hardware)
     arrivals = Arrivals.parse(args.arrivals, args.max_batch, args.seed)
-    if args.jobs < 1:
-        raise ConfigError("--jobs must be at least 1")
-    history = read_trace(trace_path(args.history)) if args.history else None
+    history = read_trace(args.history) if args.history else None
     if args.split_config and args.cache_size:
         raise ConfigError("--split-config sets the GPU's expert memory layer by layer: leave out --cache-size")
     split = read_split_config(args.split_config) if args.split_config else None
-    paths = [str(trace_path(name)) for name in args.traces] or [str(DEFAULT_TRACE)]
+    if args.granularity != TIMED_DEFAULTS["granularity"] and args.reconfigure_every is None:
+        raise ConfigError("--granularity belongs to the online configuration: add --reconfigure-every")
+    reconfiguration = (Reconfiguration(args.reconfigure_every, args.granularity)
+                       if args.reconfigure_every is not None else None)
     plans = []
     for path in paths:  # read and check everything before the first run
         trace = read_trace(path)
+        check_components(trace.meta, policies, options, args.seed, running, prefetch_options)
         expert_bytes = (parse_bytes(args.expert_bytes, "--expert-bytes") if args.expert_bytes
                         else trace.meta.expert_bytes)
         if not expert_bytes:
             raise ConfigError(f"{path}: the trace's metadata gives no expert size; give --expert-bytes")
-        for name in [p for p in prefetchers if p is not None] + [ORACLE]:
+        for name in running:
             check_trace_columns(prefetcher_info(name), trace)
+        if args.timeline_iteration is not None:
+            last = int(np.unique(trace.iteration).size) - 1 if arrivals.kind == "trace" else None
+            integer(args.timeline_iteration, "--timeline-iteration", low=0, high=last,
+                    why=f"the iterations of {path}" if last is not None else "")
         if split is not None:
-            sizes = [split.cache_bytes(expert_bytes)]
+            sizes = [split.memory_bytes(trace.meta.top_k, expert_bytes)]
         else:
-            sizes = parse_timed_cache_sizes(args.cache_size or DEFAULT_TIMED_CACHE_SIZES, trace.meta, expert_bytes)
+            sizes = cache_sizes(args.cache_size or DEFAULT_TIMED_CACHE_SIZES, "--cache-size",
+                                trace.meta.num_expert_slots, expert_bytes, in_bytes=True)
         for policy in policies:
             for size in sizes:
-                check_timed_run(trace, hardware, policy, size, expert_bytes, arrivals, split, args.split_config)
+                check_timed_run(trace, hardware, policy, size, expert_bytes, arrivals, split, args.split_config,
+                                reconfiguration)
         plans.append((path if args.traces else Path(path).name, trace, expert_bytes, sizes))
 
     stderr = Console(stderr=True)
@@ -319,7 +330,7 @@ def run_timed(args) -> int:
                                   arrivals=arrivals, seed=args.seed, policy_options=options,
                                   prefetcher_options=prefetch_options, history=history,
                                   timeline_iteration=args.timeline_iteration, name=name, jobs=args.jobs,
-                                  progress=lambda: bar.advance(task), split=split)
+                                  progress=lambda: bar.advance(task), split=split, reconfiguration=reconfiguration)
     if "learned" in policies:
         for name, trace, *_ in plans:
             note = learned_training_note(trace.path, options.get("learned", {}))
@@ -329,9 +340,7 @@ def run_timed(args) -> int:
 
     rows = [r.to_dict() for r in results]
     if args.timed_json:
-        target = Path(args.timed_json)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(rows, indent=1) + "\n")
+        write_atomically(args.timed_json, json.dumps(rows, indent=1) + "\n")
     if args.json:
         json.dump(rows, sys.stdout, indent=1)
         sys.stdout.write("\n")

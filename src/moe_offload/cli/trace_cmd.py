@@ -1,20 +1,19 @@
-"""`moe-offload trace`: inspect, import, generate and flatten routing traces."""
+"""`moe-offload trace`: inspect, import, generate, flatten and seal routing traces."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 
-from moe_offload.errors import TraceError
 from moe_offload.hardware.profile import format_bytes
+from moe_offload.outputs import check_output
 from moe_offload.trace.flatten import flatten, write_csv, write_oracle_general
-from moe_offload.trace.format import DECODE, PREFILL, Trace, read_trace, write_trace
+from moe_offload.trace.format import DECODE, EMBEDDING_KINDS, PREFILL, Trace, read_trace, seal_trace, write_trace
 from moe_offload.trace.importers import IMPORTERS
 from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
 
-OPTIONAL_COLUMNS = ("weights", "probs", "embedding", "gate_prediction")
+OPTIONAL_COLUMNS = ("weights", "probs", "embedding", "gate_prediction", "next_token_gate_prediction")
 FLATTEN_WRITERS = {"csv": write_csv, "oracle-general": write_oracle_general}
 
 # next_token_reuse compares consecutive tokens this many rows at a time, to bound its memory.
@@ -94,12 +93,21 @@ def register(subparsers) -> None:
         "flatten", help="export the expert request sequence for other cache simulators",
         description="Write one record per expert request in replay order: for each token, for each rank r, for "
                     "each layer l, id = l*J + expert; size = expert bytes (1 when unknown).")
-    flat.add_argument("file", metavar="FILE", help="trace file (.parquet)")
+    flat.add_argument("file", metavar="FILE", help="trace file (.parquet), or a bundled trace's name")
     flat.add_argument("-o", "--output", required=True, metavar="OUT", help="file to write")
     flat.add_argument("--format", choices=sorted(FLATTEN_WRITERS), default="csv",
                       help="csv: time,id,size rows (default); oracle-general: libCacheSim's binary oracleGeneral "
                            "trace, which also carries each request's next access time")
     flat.set_defaults(run=run_flatten)
+
+    seal = actions.add_parser(
+        "seal", help="check trace files and rewrite them sealed with their checksum (trace format 2)",
+        description="Read each FILE, check it as every command does (a sealed file must match its checksum), "
+                    "and write it back in place, atomically, with the checksum of its content that every "
+                    "read verifies: for traces written before moe-offload sealed its traces (format 1), and "
+                    "for the bundled traces (`moe-offload trace seal src/moe_offload/data/*.parquet`).")
+    seal.add_argument("files", nargs="+", metavar="FILE", help="trace files to seal in place")
+    seal.set_defaults(run=run_seal)
 
 
 # --------------------------------------------------------------------------------------------------- info
@@ -137,6 +145,7 @@ def describe(trace: Trace, file_bytes: int | None = None) -> dict:
         "prefill_tokens": int(np.count_nonzero(trace.phase == PREFILL)),
         "decode_tokens": int(np.count_nonzero(trace.phase == DECODE)),
         "columns": {name: getattr(trace, name) is not None for name in OPTIONAL_COLUMNS},
+        "embedding_kind": meta.embedding_kind if trace.embedding is not None else None,
         "source": meta.source,
         "license": meta.license,
         "extra": meta.extra,
@@ -193,6 +202,7 @@ def format_summary(summary: dict) -> str:
         ("requests", str(summary["requests"])),
         ("iterations", str(summary["iterations"])),
         ("columns", ", ".join(["experts", *present]) + (f" (absent: {', '.join(absent)})" if absent else "")),
+        *([("embedding", EMBEDDING_KINDS[summary["embedding_kind"]])] if summary["embedding_kind"] else []),
         ("expert order", "sorted by id: the router's rank order is lost" if summary["extra"].get("experts_sorted")
          else "as recorded (the router's rank order where the source knew it)"),
         ("source", summary["source"] or "unknown"),
@@ -214,6 +224,7 @@ def _rounded(value: float | None) -> float | None:
 # ------------------------------------------------------------------------------------------ import, synth
 
 def run_import(args) -> int:
+    check_output(args.output, inputs=args.sources, what="trace")
     trace = IMPORTERS[args.format](args.sources, num_experts=args.experts, model=args.model,
                                    expert_bytes=args.expert_bytes, hidden_size=args.hidden_size,
                                    source=args.source, license=args.license)
@@ -221,24 +232,24 @@ def run_import(args) -> int:
 
 
 def run_synth_zipf(args) -> int:
+    check_output(args.output, what="trace")
     trace = zipf_trace(args.layers, args.experts, args.top_k, args.length, args.a, args.b, args.seed,
                        shuffle=args.shuffle)
     return _write(trace, args.output)
 
 
 def run_synth_cyclic(args) -> int:
+    check_output(args.output, what="trace")
     return _write(cyclic_trace(args.layers, args.cache_size, args.rounds), args.output)
 
 
 def run_synth_fixed_partition(args) -> int:
+    check_output(args.output, what="trace")
     return _write(fixed_partition_trace(args.layers, args.experts, args.rounds, args.cycling_layer), args.output)
 
 
 def _write(trace: Trace, output: str) -> int:
-    try:
-        path = write_trace(trace, output)
-    except OSError as exc:
-        raise TraceError(output, f"cannot write the trace ({exc.strerror or exc})") from None
+    path = write_trace(trace, output)
     meta = trace.meta
     print(f"wrote {path}: {trace.num_tokens} tokens in {trace.num_requests} request(s), {meta.num_layers} layers "
           f"x {meta.num_experts} experts, top-{meta.top_k} ({format_bytes(path.stat().st_size)})")
@@ -248,11 +259,26 @@ def _write(trace: Trace, output: str) -> int:
 # -------------------------------------------------------------------------------------------------- flatten
 
 def run_flatten(args) -> int:
+    from moe_offload.bundled import trace_path
+
+    check_output(args.output, inputs=[trace_path(args.file)], what="request sequence")
     trace = read_trace(args.file)
     sequence = flatten(trace)
-    try:
-        path = FLATTEN_WRITERS[args.format](sequence, args.output, trace.meta.expert_bytes)
-    except OSError as exc:
-        raise TraceError(args.output, f"cannot write the request sequence ({exc.strerror or exc})") from None
+    path = FLATTEN_WRITERS[args.format](sequence, args.output, trace.meta.expert_bytes)
     print(f"wrote {path}: {len(sequence)} expert requests ({args.format})")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- seal
+
+def run_seal(args) -> int:
+    from moe_offload.bundled import trace_path
+
+    for name in args.files:  # rewritten in place: the folder must be writable
+        check_output(trace_path(name), what="sealed trace")
+    for name in args.files:
+        was_sealed = seal_trace(name)
+        trace_file = read_trace(name, columns=())
+        print(f"{'re-sealed' if was_sealed else 'sealed'} {trace_file.path}: {trace_file.num_tokens} tokens, "
+              "checksum verified on reading it back")
     return 0

@@ -30,8 +30,8 @@ def register(subparsers) -> None:
                         help="held-out traces and rows to compare on (default: the rows of each training trace not "
                              "trained on)")
     parser.add_argument("--cache-sizes", metavar="SIZES", default=DEFAULT_CACHE_SIZES,
-                        help="comma-separated cache sizes for Belady's replays and the comparison: experts, percentages "
-                             f"or fractions of each trace's L*J experts (default {DEFAULT_CACHE_SIZES})"
+                        help="comma-separated cache sizes for Belady's replays and the comparison: experts, "
+                             f"percentages or fractions of each trace's L*J experts (default {DEFAULT_CACHE_SIZES})"
                              .replace("%", "%%"))
     parser.add_argument("--target", choices=sorted(TARGETS), default="log-distance",
                         help="what the network learns to predict (default: log-distance): " +
@@ -57,24 +57,6 @@ def register(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
-def parse_rows(text: str | None, total: int, what: str = "rows") -> tuple[int, int]:
-    """``START:END`` (either side may be empty; negative counts from the end) -> (start, end)."""
-    if text is None:
-        return 0, total
-    parts = text.split(":")
-    try:
-        if len(parts) != 2:
-            raise ValueError
-        start = int(parts[0]) if parts[0].strip() else 0
-        end = int(parts[1]) if parts[1].strip() else total
-    except ValueError:
-        raise ConfigError(f"{what} {text!r} is not START:END (e.g. 0:150)") from None
-    start, end = (start + total if start < 0 else start), (end + total if end < 0 else end)
-    if not 0 <= start < end <= total:
-        raise ConfigError(f"{what} {text} is not a non-empty range within the trace's {total} rows")
-    return start, end
-
-
 def split_trace_argument(text: str) -> tuple[Path, str | None]:
     """``TRACE[@START:END]`` -> (trace path, rows text or None); a file whose name holds '@' is taken whole."""
     from moe_offload.bundled import trace_path
@@ -88,13 +70,14 @@ def split_trace_argument(text: str) -> tuple[Path, str | None]:
 def read_trace_rows(text: str, traces: dict):
     """(trace, (start, end)) of a ``TRACE[@START:END]`` argument; ``traces`` caches the files read."""
     from moe_offload.trace.format import read_trace
+    from moe_offload.values import row_range
 
     path, rows = split_trace_argument(text)
     key = str(path)
     if key not in traces:
         traces[key] = read_trace(path)
     trace = traces[key]
-    return trace, parse_rows(rows, trace.num_tokens, f"{path} rows")
+    return trace, row_range(rows, trace.num_tokens, f"{path} rows")
 
 
 def held_out_rows(total: int, rows: tuple[int, int]) -> tuple[int, int] | None:
@@ -107,31 +90,40 @@ def held_out_rows(total: int, rows: tuple[int, int]) -> tuple[int, int] | None:
     return None
 
 
+def trace_cache_sizes(text: str, trace) -> list[int]:
+    """--cache-sizes resolved for one trace's L*J experts."""
+    from moe_offload.values import cache_sizes
+
+    return cache_sizes(text, f"{trace.path}: --cache-sizes", trace.meta.num_expert_slots)
+
+
 def run(args: argparse.Namespace) -> int:
-    from moe_offload.cli.simulate_cmd import parse_cache_sizes
     from moe_offload.models import require_model_stack
     from moe_offload.outputs import check_output
     from moe_offload.policies import policy_info
     from moe_offload.training.learned_eviction import (TrainingSource, check_sources, evaluate_policies,
                                                        file_sha256, train_learned_eviction)
+    from moe_offload.values import number
 
     require_model_stack("training the learned eviction", ("torch",))  # before reading anything
-    if args.time_limit < 0:
-        raise ConfigError(f"--time-limit must not be negative, got {args.time_limit:g}")
+    inputs = [split_trace_argument(text)[0] for text in args.traces + (args.eval or [])]
+    output = check_output(args.output, inputs=inputs, suffixes=(".npz",), what="model")
+    time_limit = number(args.time_limit, "--time-limit", low=0)
+    states = [name.strip() for name in args.states.split(",") if name.strip()]
+    for name in states:
+        policy_info(name)
     traces: dict = {}
     sources = []
     for text in args.traces:
         trace, rows = read_trace_rows(text, traces)
-        sources.append(TrainingSource(trace=trace, rows=rows, cache_sizes=parse_cache_sizes(args.cache_sizes,
-                                                                                             trace.meta)))
+        sources.append(TrainingSource(trace, rows, trace_cache_sizes(args.cache_sizes, trace)))
     if args.eval is not None:
         evaluations = [read_trace_rows(text, traces) for text in args.eval]
     else:
         evaluations = [(s.trace, held) for s in sources if (held := held_out_rows(s.trace.num_tokens, s.rows))]
-    output = check_output(args.output, inputs=list(traces), suffixes=(".npz",), what="model")
     check_sources(sources, args.per_layer)
     for trace, _ in evaluations:
-        parse_cache_sizes(args.cache_sizes, trace.meta)
+        trace_cache_sizes(args.cache_sizes, trace)
         if args.per_layer and trace.meta.num_layers != sources[0].trace.meta.num_layers:
             raise ConfigError(f"{trace.path}: {trace.meta.num_layers} layers, but per-layer networks are trained "
                               f"for {sources[0].trace.meta.num_layers}")
@@ -139,20 +131,16 @@ def run(args: argparse.Namespace) -> int:
     def log(message: str) -> None:
         print(message, flush=True)
 
-    states = [name.strip() for name in args.states.split(",") if name.strip()]
-    for name in states:
-        policy_info(name)
     result = train_learned_eviction(sources, target=args.target, per_layer=args.per_layer, states=states,
-                                    epochs=args.epochs,
-                                    patience=args.patience, val_fraction=args.val_fraction,
+                                    epochs=args.epochs, patience=args.patience, val_fraction=args.val_fraction,
                                     max_samples=args.max_samples, seed=args.seed, threads=args.threads,
-                                    time_limit=args.time_limit or None, log=log)
+                                    time_limit=time_limit or None, log=log)
     trained = {}  # sha256 -> the row ranges trained on
     for entry in result.training["traces"]:
         trained.setdefault(entry["sha256"], []).append(tuple(map(int, entry["rows"].split(":"))))
     held_out = []
     for trace, (lo, hi) in evaluations:
-        sizes = [size for size in parse_cache_sizes(args.cache_sizes, trace.meta)
+        sizes = [size for size in trace_cache_sizes(args.cache_sizes, trace)
                  if trace.meta.top_k <= size < trace.meta.num_expert_slots]
         overlap = sum(max(0, min(hi, b) - max(lo, a)) for a, b in trained.get(file_sha256(trace.path), []))
         table = evaluate_policies(trace.select(slice(lo, hi)), sizes, result.model)

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"ShareGPT: {corpus['sharegpt_complete_conversations']} complete conversations recovered from the "
           f"truncated file; {corpus['code_documents']} standard-library files")
     print("held-out perplexity: " + ", ".join(f"{k} {v:.1f}" for k, v in metrics["held_out_perplexity"].items())
-          + f" (random routers: " + ", ".join(f"{k} {v:.1f}" for k, v in
+          + " (random routers: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                               metrics["held_out_perplexity_random_router"].items()) + ")")
     for name in ("routing_trained", "routing_random_router", "routing_uniform"):
         stats = metrics[name]

@@ -3,9 +3,10 @@ and prediction accuracies and the hardware's timings, the per-layer VRAM budget,
 
 from moe_offload.configurator.moepic import (Configuration, LayerLatency, LayerSplit, Timings, check_inputs,
                                              configure, expert_split, layer_latency, solve_layer,
-                                             timings_from_hardware)
-from moe_offload.configurator.statistics import MoepicStatistics, measure_statistics, require_gate_prediction
+                                             timings_from_hardware, timings_from_profile)
+from moe_offload.configurator.statistics import (MoepicStatistics, OnlineStatistics, measure_statistics,
+                                                 require_gate_prediction)
 
-__all__ = ["Configuration", "LayerLatency", "LayerSplit", "MoepicStatistics", "Timings", "check_inputs",
-           "configure", "expert_split", "layer_latency", "measure_statistics", "require_gate_prediction",
-           "solve_layer", "timings_from_hardware"]
+__all__ = ["Configuration", "LayerLatency", "LayerSplit", "MoepicStatistics", "OnlineStatistics", "Timings",
+           "check_inputs", "configure", "expert_split", "layer_latency", "measure_statistics",
+           "require_gate_prediction", "solve_layer", "timings_from_hardware", "timings_from_profile"]

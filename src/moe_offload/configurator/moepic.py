@@ -87,6 +87,16 @@ def timings_from_hardware(*, expert_bytes: float, bandwidth_bytes_per_s: float, 
                    moe=top_k * expert_compute_s if moe_s is None else moe_s, head=head_s)
 
 
+def timings_from_profile(hardware, expert_bytes: int, top_k: int) -> Timings:
+    """The timings of a hardware profile (moe_offload.hardware.HardwareProfile): the GPU link's transfer time
+    of one expert, and one token's expert, attention and LM head times."""
+    link, compute = hardware.link_from(1), hardware.compute
+    return timings_from_hardware(expert_bytes=expert_bytes, bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
+                                 transfer_latency_s=link.latency_s,
+                                 expert_compute_s=compute.expert_seconds(1, expert_bytes),
+                                 attention_s=compute.attention(1), head_s=compute.lm_head(1), top_k=top_k)
+
+
 @dataclass(frozen=True)
 class LayerLatency:
     """Eqs (5)-(7) for one layer with m loaded experts."""
@@ -190,7 +200,7 @@ class Configuration:
     budget: float               # V_e, experts
     granularity: float          # zeta
     layers: list[LayerSplit]
-    uniform: list[LayerSplit]   # ExpertSplit of the uniform start V_e / L, the reference
+    uniform: list[LayerSplit]   # ExpertSplit of the start (uniform V_e / L unless given), the reference
     history: list[float] = field(default_factory=list)  # total exposed latency at the start, after each move
 
     @property
@@ -224,22 +234,30 @@ def check_inputs(timings: Timings, budget: float, granularity: float, num_layers
         raise ConfigError(f"the allocation granularity zeta must be in (0, 1), not {granularity:g}")
 
 
-def configure(stats: MoepicStatistics, timings: Timings, budget: float, granularity: float = 0.01) -> Configuration:
-    """Algorithm 1's VramAllocation for a budget of ``budget`` experts (V_e), granularity zeta.
+def configure(stats: MoepicStatistics, timings: Timings, budget: float, granularity: float = 0.01,
+              start=None) -> Configuration:
+    """Algorithm 1's VramAllocation for a budget of ``budget`` experts (V_e), granularity zeta, from the
+    allocation ``start`` (per layer, in experts, summing to V_e): the current V_i of the online loop, which
+    VramAllocation moves on from (Alg. lines 4 and 16); by default the uniform V_e / L of line 4.
 
-    Budgets live on the lattice V_i = V_e / L + k_i zeta V_e with integer k_i summing to 0, so the total
+    Budgets live on the lattice V_i = start_i + k_i zeta V_e with integer k_i summing to 0, so the total
     is conserved exactly and no allocation can come back; every accepted move lowers the total, so the
     loop ends. Each V_i stays in (0, N] (eq 8 and theta <= 1 with C <= N): a layer at N cannot receive,
     one with no more than zeta V_e cannot give.
     """
     L, N = stats.num_layers, stats.num_experts
     check_inputs(timings, budget, granularity, L, N, stats.top_k)
+    origin = np.full(L, budget / L) if start is None else np.asarray(start, dtype=np.float64)
+    if (origin.shape != (L,) or not ((origin > 0) & (origin <= N * (1 + _ROUNDING))).all()
+            or not math.isclose(origin.sum(), budget, rel_tol=1e-6)):
+        raise ConfigError(f"the starting allocation must give each of the {L} layers a budget in (0, {N}] summing "
+                          f"to {budget:g} experts, not {origin.tolist()}")
     step = granularity * budget
     capacity = N * (1 + _ROUNDING)
     shift = np.zeros(L, dtype=np.int64)
 
     def allocation_of(units):
-        return budget / L + units * step
+        return origin + units * step
 
     current = expert_split(allocation_of(shift), stats, timings)                     # Alg. line 16
     result = Configuration(budget=budget, granularity=granularity, layers=current, uniform=current,

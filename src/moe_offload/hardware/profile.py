@@ -41,41 +41,21 @@ names the file and the key.
 from __future__ import annotations
 
 import math
-import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 from moe_offload.errors import ConfigError
+from moe_offload.inputs import missing, parse_toml, read_text
+from moe_offload.values import number, parse_bytes
 
 PRESET_DIR = Path(__file__).parent / "presets"
 DEFAULT_PRESET = "desktop-rtx4090"
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(value, what: str) -> int:
-    """A byte count from an integer, a float or a string with a unit ("24 GiB", "12.5MB"); ``what`` names the
-    setting in the error message."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what}: {value!r} is not a byte count")
-    if isinstance(value, (int, float)):
-        number = float(value)
-    elif isinstance(value, str):
-        match = _BYTES.match(value)
-        unit = match.group(2).lower() if match else None
-        if not match or unit not in _UNITS:
-            raise ConfigError(f"{what}: {value!r} is not a byte count (a number with an optional unit: "
-                              "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-        number = float(match.group(1)) * _UNITS[unit]
-    else:
-        raise ConfigError(f"{what}: {value!r} is not a byte count")
-    if not math.isfinite(number) or number < 1:
-        raise ConfigError(f"{what}: {value!r} must be at least one byte")
-    return int(round(number))
-
+# The ranges a profile's numbers must lie in. An operation of more than an hour, a rate below one per
+# second or bytes per parameter outside [1/64, 64] is a unit mistake, and keeps the simulator's clock
+# finite (a latency of 1e308 s would overflow it).
+MAX_SECONDS = 3600.0
+MIN_RATE = 1.0
+BYTES_PER_PARAM = (1 / 64, 64.0)
 
 def format_bytes(count: float) -> str:
     """Binary units for a whole number of them (capacities such as 24 GiB), decimal ones otherwise."""
@@ -175,12 +155,9 @@ class HardwareProfile:
 def load_profile(path) -> HardwareProfile:
     """Read a profile file; a ConfigError names the file and the key when it is missing or wrong."""
     path = Path(path)
-    if not path.is_file():
+    if missing(path):
         raise ConfigError(f"{path}: no such hardware profile file (presets: {', '.join(preset_names())})")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not a valid TOML hardware profile ({exc})") from None
+    data = parse_toml(read_text(path, "hardware profile"), path, "hardware profile")
     return HardwareProfile.from_dict(data, str(path), default_name=path.stem)
 
 
@@ -194,7 +171,7 @@ def resolve_profile(name_or_path: str | None) -> HardwareProfile:
     preset = PRESET_DIR / f"{name_or_path}.toml"
     if preset.is_file():
         return load_profile(preset)
-    if not Path(name_or_path).exists() and "/" not in name_or_path and not name_or_path.endswith(".toml"):
+    if missing(name_or_path) and "/" not in name_or_path and not name_or_path.endswith(".toml"):
         raise ConfigError(f"unknown hardware preset {name_or_path!r}; choose from {', '.join(preset_names())} "
                           "or give a profile file (`moe-offload hardware list`)")
     return load_profile(name_or_path)
@@ -215,18 +192,21 @@ class _Reader:
             self.fail(where, "missing table" if value is None else f"must be a table, not {value!r}")
         return value
 
-    def number(self, parent: dict, key: str, where: str, *, positive=False, allow_inf=False,
-               default=None) -> float:
+    def number(self, parent: dict, key: str, where: str, *, low: float, high: float | None = None,
+               allow_inf=False, default=None) -> float:
         value = parent.get(key, default)
         if value is None:
             self.fail(where, "missing")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            self.fail(where, f"must be a number, not {value!r}")
-        if math.isinf(value) and not allow_inf:
-            self.fail(where, "must be finite")
-        if value < 0 or (positive and value == 0):
-            self.fail(where, f"must be {'positive' if positive else 'at least 0'}, not {value!r}")
-        return float(value)
+        if allow_inf and isinstance(value, float) and value == math.inf:
+            return value
+        return number(value, f"{self.path}: key {where!r}", low=low, high=high)
+
+    def seconds(self, parent: dict, key: str, where: str, default=None) -> float:
+        return self.number(parent, key, where, low=0, high=MAX_SECONDS, default=default)
+
+    def rate(self, parent: dict, key: str, where: str) -> float:
+        """Bytes or FLOPs per second: at least MIN_RATE, or ``inf`` (free)."""
+        return self.number(parent, key, where, low=MIN_RATE, allow_inf=True)
 
     def text(self, parent: dict, key: str, where: str, default=None) -> str:
         value = parent.get(key, default)
@@ -240,8 +220,8 @@ class _Reader:
         unknown = set(table) - {"fixed_s", "per_token_s"}
         if unknown:
             self.fail(f"{where}.{sorted(unknown)[0]}", "unknown key (a cost has fixed_s and per_token_s)")
-        return LinearCost(self.number(table, "fixed_s", f"{where}.fixed_s"),
-                          self.number(table, "per_token_s", f"{where}.per_token_s", default=0.0))
+        return LinearCost(self.seconds(table, "fixed_s", f"{where}.fixed_s"),
+                          self.seconds(table, "per_token_s", f"{where}.per_token_s", default=0.0))
 
     def profile(self, default_name: str) -> HardwareProfile:
         data = self.data
@@ -283,9 +263,8 @@ class _Reader:
             if source in by_pair:
                 self.fail(f"links[{i}]", f"a second link from {source}")
             by_pair[source] = Link(source, destination,
-                                   self.number(raw, "bandwidth_bytes_per_s", f"links[{i}].bandwidth_bytes_per_s",
-                                               positive=True, allow_inf=True),
-                                   self.number(raw, "latency_s", f"links[{i}].latency_s", default=0.0))
+                                   self.rate(raw, "bandwidth_bytes_per_s", f"links[{i}].bandwidth_bytes_per_s"),
+                                   self.seconds(raw, "latency_s", f"links[{i}].latency_s", default=0.0))
         for tier in tiers[1:]:
             if tier.name not in by_pair:
                 self.fail("links", f"no link from tier {tier.name!r} to the next faster tier")
@@ -300,11 +279,11 @@ class _Reader:
                                             "roofline keys flops_per_s and memory_bandwidth_bytes_per_s")
             expert = None
             roofline = Roofline(
-                self.number(compute, "flops_per_s", "compute.flops_per_s", positive=True, allow_inf=True),
-                self.number(compute, "memory_bandwidth_bytes_per_s", "compute.memory_bandwidth_bytes_per_s",
-                            positive=True, allow_inf=True),
-                self.number(compute, "expert_overhead_s", "compute.expert_overhead_s", default=0.0),
-                self.number(compute, "bytes_per_param", "compute.bytes_per_param", positive=True, default=2.0))
+                self.rate(compute, "flops_per_s", "compute.flops_per_s"),
+                self.rate(compute, "memory_bandwidth_bytes_per_s", "compute.memory_bandwidth_bytes_per_s"),
+                self.seconds(compute, "expert_overhead_s", "compute.expert_overhead_s", default=0.0),
+                self.number(compute, "bytes_per_param", "compute.bytes_per_param", low=BYTES_PER_PARAM[0],
+                            high=BYTES_PER_PARAM[1], default=2.0))
         model = ComputeModel(attention=self.linear(compute, "attention"), router=self.linear(compute, "router"),
                              lm_head=self.linear(compute, "lm_head"), expert=expert, roofline=roofline)
         return HardwareProfile(name=name, description=description, sources=tuple(sources), tiers=tuple(tiers),

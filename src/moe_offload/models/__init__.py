@@ -6,7 +6,7 @@ from __future__ import annotations
 from moe_offload.errors import ConfigError
 
 
-MODEL_STACK = ("torch", "transformers", "safetensors", "tokenizers")
+MODEL_STACK = ("torch", "transformers", "safetensors", "tokenizers", "xxhash")
 
 
 def require_model_stack(what: str, modules: tuple[str, ...] = MODEL_STACK) -> None:

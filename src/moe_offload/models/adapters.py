@@ -143,11 +143,12 @@ class MoeAdapter:
         return scores / scores.sum(dim=-1, keepdim=True)
 
     def predict_next_router_logits(self, layer: int, hidden_before_norm):
-        """MoEpic's speculative gate: router ``layer+1`` applied to layer ``layer``'s post-attention hidden
-        state, normalised by layer ``layer+1``'s own norm (the input that router expects)."""
+        """MoEpic's speculative gate: the next router in pass order applied to layer ``layer``'s post-attention
+        hidden state, normalised by that router's own norm (the input it expects): router ``layer+1``, or for
+        the last layer router 0, which predicts layer 0 of the next token (AdapMoE's rule in paper 004)."""
         import torch.nn.functional as F
 
-        following = layer + 1
+        following = (layer + 1) % self.num_layers
         normed = self.router_norm(following)(hidden_before_norm)
         weight = self.router(following).weight
         return F.linear(normed.reshape(-1, normed.shape[-1]).float(), weight.float())
@@ -192,11 +193,14 @@ def load_model(directory: str | Path, dtype=None, experts_implementation: str = 
     weights = sorted(Path(directory).glob("*.safetensors")) + sorted(Path(directory).glob("*.bin"))
     if not weights:
         raise ConfigError(f"{directory}: no weight file (*.safetensors) in the model directory")
+    from safetensors import SafetensorError
+
     try:
         model = model_class.from_pretrained(directory, dtype=dtype or torch.float32,
                                             experts_implementation=experts_implementation)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise ConfigError(f"{directory}: the checkpoint cannot be loaded: {str(exc).splitlines()[0]}") from None
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # a truncated file: SafetensorError
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        raise ConfigError(f"{directory}: the checkpoint cannot be loaded: {lines[0]}") from None
     model.eval()
     raw = json.loads((Path(directory) / "config.json").read_text())
     return model, MoeAdapter(model, stored_dtype=raw.get("dtype") or raw.get("torch_dtype"))

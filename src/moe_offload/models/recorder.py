@@ -10,8 +10,10 @@ request's end-of-text) the trace gets a row with
   scores are normalised to sum to 1);
 - ``gate_prediction``: router l+1 applied to layer l's post-attention hidden state through layer l+1's own
   norm (MoEpic's speculative gate), for l = 0..L-2;
-- ``embedding``: the request's semantic embedding, the mean of the model's own embedding layer over the
-  prompt's tokens (fMoE's semantic search key).
+- ``next_token_gate_prediction``: router 0, through layer 0's norm, applied to the last layer's
+  post-attention hidden state (MoEpic's prediction of layer 0 of the request's next token, after AdapMoE);
+- ``embedding``: the token's input embedding, the output of the model's own embedding layer for the token
+  that row feeds the model (fMoE pools each iteration's semantic embedding from these, prefetch/fmoe.py).
 
 The first decode step processes the first generated token, so a request that generates G tokens has
 G - 1 decode rows (its last token is never fed back), or fewer when it ends with end-of-text.
@@ -28,6 +30,7 @@ from moe_offload.errors import ConfigError
 from moe_offload.models.routing_tap import LayerRouting, RoutingTap
 from moe_offload.text.prompts import Prompt
 from moe_offload.trace.format import DECODE, PREFILL, Trace, TraceMeta
+from moe_offload.values import context_room, generation_length, integer
 
 
 @dataclass
@@ -58,15 +61,25 @@ class _ForwardCapture:
             "weights": weights.cpu().numpy(),
             "probs": self.adapter.probabilities(routing.logits).cpu().numpy(),
         }
-        if layer + 1 < self.adapter.num_layers:
-            predicted = self.adapter.predict_next_router_logits(layer, routing.hidden)
-            captured["gate_prediction"] = self.adapter.probabilities(predicted).cpu().numpy()
+        predicted = self.adapter.probabilities(self.adapter.predict_next_router_logits(layer, routing.hidden))
+        last = layer + 1 == self.adapter.num_layers  # the last layer predicts layer 0 of the next token
+        captured["next_token_gate_prediction" if last else "gate_prediction"] = predicted.cpu().numpy()
         layers.append(captured)
+
+
+PER_LAYER = ("experts", "weights", "probs", "gate_prediction")
 
 
 def _stack(layers: list[dict], key: str, rows) -> np.ndarray:
     """[rows, layers, ...] from per-layer captures (gate_prediction exists for all layers but the last)."""
     return np.stack([layer[key][rows] for layer in layers if key in layer], axis=1)
+
+
+def _columns_of(layers: list[dict], rows) -> dict[str, np.ndarray]:
+    """The routing columns of ``rows`` of one forward pass."""
+    columns = {key: _stack(layers, key, rows) for key in PER_LAYER}
+    columns["next_token_gate_prediction"] = layers[-1]["next_token_gate_prediction"][rows]
+    return columns
 
 
 def record(model, adapter, tokenizer, prompts: list[Prompt], *, model_name: str, max_new_tokens: int = 64,
@@ -77,15 +90,15 @@ def record(model, adapter, tokenizer, prompts: list[Prompt], *, model_name: str,
     ``tap=False`` generates the same way without any hook (the test that recording changes nothing)."""
     import torch
 
-    if max_new_tokens < 1:
-        raise ConfigError("--max-new-tokens must be at least 1")
-    if batch_size < 1:
-        raise ConfigError("--batch-size must be at least 1")
+    max_new_tokens = integer(max_new_tokens, "--max-new-tokens", low=1)
+    batch_size = integer(batch_size, "--batch-size", low=1)
+    positions = getattr(model.config, "max_position_embeddings", None)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     eos = tokenizer.eos_token_id
     columns: dict[str, list] = {name: [] for name in ("request", "position", "phase", "iteration", "experts",
-                                                      "weights", "probs", "gate_prediction", "embedding")}
+                                                      "weights", "probs", "gate_prediction",
+                                                      "next_token_gate_prediction", "embedding")}
     generated_ids: list[list[int]] = []
     requests_meta = []
     iteration = 0
@@ -98,6 +111,10 @@ def record(model, adapter, tokenizer, prompts: list[Prompt], *, model_name: str,
         if (mask.sum(dim=1) == 0).any():
             empty = batch[int((mask.sum(dim=1) == 0).nonzero()[0])]
             raise ConfigError(f"prompt {empty.source} is empty after tokenization")
+        if positions:  # the model's context: the longest prompt and the tokens after it must fit
+            longest = int(mask.sum(dim=1).argmax())
+            context_room(int(mask[longest].sum()), positions, f"prompt {batch[longest].source}")
+            generation_length(max_new_tokens, int(mask[longest].sum()), positions)
         capture = _ForwardCapture(adapter)
         with torch.no_grad():
             if tap:
@@ -107,7 +124,7 @@ def record(model, adapter, tokenizer, prompts: list[Prompt], *, model_name: str,
             else:
                 out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                                      do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
-            embeddings = embed(ids).float()
+            embeddings = embed(out).float().numpy()  # [B, padded + generated, H], each token's input embedding
         padded = ids.shape[1]
         new = out[:, padded:].tolist()
         lengths = mask.sum(dim=1).tolist()
@@ -125,14 +142,13 @@ def record(model, adapter, tokenizer, prompts: list[Prompt], *, model_name: str,
         for b, n in enumerate(lengths):
             rows = np.arange(b * padded + padded - n, (b + 1) * padded)
             request = start + b
-            semantic = embeddings[b, padded - n:].mean(dim=0).numpy()
             columns["request"].append(np.full(n, request))
             columns["position"].append(np.arange(n))
             columns["phase"].append(np.full(n, PREFILL))
             columns["iteration"].append(np.full(n, iteration))
-            for key in ("experts", "weights", "probs", "gate_prediction"):
-                columns[key].append(_stack(prefill, key, rows))
-            columns["embedding"].append(np.repeat(semantic[None], n, axis=0))
+            for key, values in _columns_of(prefill, rows).items():
+                columns[key].append(values)
+            columns["embedding"].append(embeddings[b, padded - n:padded])
             requests_meta.append({"request": request, "source": batch[b].source, "prompt_tokens": n,
                                   "generated_tokens": len(generated_ids[request])})
         # decode step s processes generated token s-1 of every request still running
@@ -146,9 +162,9 @@ def record(model, adapter, tokenizer, prompts: list[Prompt], *, model_name: str,
                 columns["position"].append(np.array([n + step - 1]))
                 columns["phase"].append(np.array([DECODE]))
                 columns["iteration"].append(np.array([iteration + step]))
-                for key in ("experts", "weights", "probs", "gate_prediction"):
-                    columns[key].append(_stack(layers, key, [b]))
-                columns["embedding"].append(embeddings[b, padded - n:].mean(dim=0).numpy()[None])
+                for key, values in _columns_of(layers, [b]).items():
+                    columns[key].append(values)
+                columns["embedding"].append(embeddings[b, padded + step - 1][None])
         iteration += steps
         if on_batch:
             on_batch(len(batch))
@@ -169,9 +185,11 @@ def record(model, adapter, tokenizer, prompts: list[Prompt], *, model_name: str,
                             "requests": requests_meta},
                "router_scoring": description["router_scoring"], "top_k_normalised": description["top_k_normalised"],
                "decoder_layers": description["decoder_layers"], "model_config": description["config"],
-               "embedding": "mean of the model's input embeddings over the prompt tokens",
-               "gate_prediction": "router l+1 (through its own norm) on layer l's post-attention hidden state"})
+               "gate_prediction": "router l+1 (through its own norm) on layer l's post-attention hidden state",
+               "next_token_gate_prediction": "router 0 (through its own norm) on the last layer's post-attention "
+                                             "hidden state"})
     trace = Trace.build(meta, data["experts"], request=data["request"], position=data["position"],
                         phase=data["phase"], iteration=data["iteration"], weights=data["weights"],
-                        probs=data["probs"], embedding=data["embedding"], gate_prediction=data["gate_prediction"])
+                        probs=data["probs"], embedding=data["embedding"], gate_prediction=data["gate_prediction"],
+                        next_token_gate_prediction=data["next_token_gate_prediction"])
     return Recording(trace=trace, generated=generated_ids, texts=texts)

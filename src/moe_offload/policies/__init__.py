@@ -24,6 +24,7 @@ from moe_offload.policies.lru import LRU
 from moe_offload.policies.marking import Marking
 from moe_offload.policies.moe_infinity import MoEInfinity
 from moe_offload.policies.random import RandomEviction
+from moe_offload.values import check_option_names, integer
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,27 @@ POLICIES: dict[str, PolicyInfo] = {
 def policy_info(name: str) -> PolicyInfo:
     try:
         return POLICIES[name]
-    except KeyError:
+    except (KeyError, TypeError):
         raise ConfigError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)} "
                           "(`moe-offload policies` describes them)") from None
 
 
-__all__ = ["POLICIES", "PolicyInfo", "policy_info", "AccessContext", "EvictionPolicy", "ModelSpec",
+def make_policy(name: str, spec: ModelSpec, *, seed: int = 0, options: dict | None = None) -> EvictionPolicy:
+    """Build policy ``name`` for ``spec``. An option its constructor does not take is a ConfigError naming
+    those it does; the constructor checks the values (moe_offload.values), so a bad value reads the same
+    from the command line (``--policy-option``) and from Python."""
+    info = policy_info(name)
+    check_option_names("policy", name, info.policy, options, skip=("seed",))
+    return info.policy(spec, seed=integer(seed, "seed", low=0), **(options or {}))
+
+
+def policy_factory(name: str, spec: ModelSpec, *, seed: int = 0, options: dict | None = None):
+    """A maker of ``name``'s instances for one run, every tier and partition of it (``run_factory``: the
+    instances may share state, as MoE-Infinity's sequence EAMs do), with ``make_policy``'s checks."""
+    info = policy_info(name)
+    check_option_names("policy", name, info.policy, options, skip=("seed",))
+    return info.policy.run_factory(spec, seed=integer(seed, "seed", low=0), **(options or {}))
+
+
+__all__ = ["POLICIES", "PolicyInfo", "policy_info", "make_policy", "policy_factory", "AccessContext", "EvictionPolicy", "ModelSpec",
            "NoEvictableExpert"]

@@ -8,17 +8,28 @@ ranks. For each demand request the cache calls, in this order:
     policy.on_evict(key)                the victim (or any key the cache drops) left
     policy.on_insert(key, ctx)          the key became resident (ctx.prefetch tells a prefetch from a miss)
 
+and, through the cache's ``end_request``, ``policy.on_request_end(request)`` once a request (sequence) has
+run its last iteration, so that per-sequence state (MoE-Infinity's EAMs) ends with it and stays bounded.
+
+A driver builds the instances of one run (one per tier, or per partition of a ``-dist`` cache) with
+``run_factory``: a policy whose instances share state within a run (MoE-Infinity's sequence EAMs, which
+every tier ranks by) builds that state there, once.
+
 Before it first asks for a victim the cache sets ``policy.cache_slots``, the number of experts it holds when
 full; the policies whose algorithm is defined by the cache size read it (ARC's c, LeCaR's history size).
 
 The replay simulator, the timed simulator and the runtime fill the same ModelSpec and AccessContext; a
 policy never knows which of them drives it. Keys are flat expert ids, the int ``layer * J + expert``.
+
+A policy whose decisions need nothing beyond keys, clocks, tokens and next uses may also give the replay a
+compiled form of the same decisions, ``replay_kernel`` (simulator/kernels.py describes the contract); the
+class stays the reference, and the tests require both to make the same misses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Hashable
+from typing import Callable, ClassVar, Hashable
 
 import numpy as np
 
@@ -81,10 +92,18 @@ class EvictionPolicy:
     source: ClassVar[str]    # the paper (seed file) or reference the formula comes from
     offline: ClassVar[bool] = False       # reads ctx.next_use (knows the future)
     needs_probs: ClassVar[bool] = False   # reads ctx.probs or ctx.predicted
+    # The replay's compiled twin of the hooks below, in the subset of Python that Numba compiles, or None
+    # (simulator/kernels.py: its arguments and how it is compiled).
+    replay_kernel: ClassVar[Callable | None] = None
 
     def __init__(self, spec: ModelSpec, seed: int = 0):
         self.spec = spec
         self.cache_slots: int | None = None  # experts the cache holds when full; set by the cache (module doc)
+
+    def kernel_arguments(self) -> tuple[np.ndarray, np.ndarray]:
+        """(floats, ints) that ``replay_kernel`` starts from, taken from this instance as constructed (its
+        options, its seeded generator): float64 and int64 arrays, empty for a policy without parameters."""
+        return np.zeros(0, np.float64), np.zeros(0, np.int64)
 
     def on_access(self, key: Hashable, ctx: AccessContext) -> None:
         """A demand request for ``key``; called before the cache changes (hit or miss)."""
@@ -98,6 +117,15 @@ class EvictionPolicy:
     def victim(self, ctx: AccessContext) -> Hashable:
         """The resident key to evict now; never one in ``ctx.pinned``."""
         raise NotImplementedError
+
+    def on_request_end(self, request) -> None:
+        """Request ``request`` has run its last iteration: no access will carry it again."""
+
+    @classmethod
+    def run_factory(cls, spec: ModelSpec, seed: int = 0, **options) -> Callable[[], "EvictionPolicy"]:
+        """A maker of this policy's instances for one run (every tier and partition of it); building the
+        first instance checks the options."""
+        return lambda: cls(spec, seed=seed, **options)
 
 
 class NoEvictableExpert(RuntimeError):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from moe_offload.policies._ranked import RankedKeys
+import numpy as np
+
+from moe_offload.policies._ranked import RankedKeys, heap_new, heap_pop, heap_push, heap_update
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 
 
@@ -31,3 +33,25 @@ class Belady(EvictionPolicy):
         if lowest is None:
             raise NoEvictableExpert
         return lowest[1]
+
+    @staticmethod
+    def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
+                      layer_hits):
+        """The hooks above as the compiled replay runs them: the same (-next use, last set) order in a heap.
+        A next use is below 2**53, so its float is exact; experts never used again (NEVER) tie, as above."""
+        num_keys = num_layers * num_experts
+        order, scores, stamps, position = heap_new(capacity, num_keys)
+        resident = np.zeros(num_keys, np.bool_)
+        size = 0
+        for t in clocks:
+            key = keys[t]
+            if resident[key]:
+                layer_hits[key // num_experts] += 1
+                heap_update(order, scores, stamps, position, size, key, -float(next_use[t]), t)
+                continue
+            if size == capacity:
+                resident[heap_pop(order, scores, stamps, position, size)] = False
+                size -= 1
+            heap_push(order, scores, stamps, position, size, key, -float(next_use[t]), t)
+            resident[key] = True
+            size += 1

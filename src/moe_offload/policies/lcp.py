@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import math
 
-from moe_offload.policies._ranked import RankedKeys
+import numpy as np
+
+from moe_offload.policies._ranked import RankedKeys, heap_new, heap_pop, heap_push, heap_update
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
+from moe_offload.values import number
 
 
 class LCP(EvictionPolicy):
@@ -26,8 +29,8 @@ class LCP(EvictionPolicy):
 
     def __init__(self, spec, seed=0, omega: float = 128.0, rho: float = 0.25):
         super().__init__(spec, seed)
-        if not 0.0 < rho < 1.0 or omega <= 0:
-            raise ValueError("LCP needs 0 < rho < 1 and omega > 0")
+        omega = number(omega, "lcp.omega", low=0, low_open=True)
+        rho = number(rho, "lcp.rho", low=0, high=1, low_open=True, high_open=True)
         self.omega, self.rho = omega, rho
         self._decay = -math.log(rho) / omega  # > 0
         self._mu: dict = {}          # key -> activations so far (kept across evictions)
@@ -63,3 +66,37 @@ class LCP(EvictionPolicy):
         if lowest is None:
             raise NoEvictableExpert
         return lowest[1]
+
+    def kernel_arguments(self):
+        return np.array([self._decay], np.float64), np.zeros(0, np.int64)
+
+    @staticmethod
+    def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
+                      layer_hits):
+        """The hooks above as the compiled replay runs them: the same score, computed with the same floating
+        point operations (log of the count, plus last token times the decay in ``floats[0]``), in a heap
+        ordered by (score, last set). A replayed expert is always requested before it is inserted, so its
+        count is at least 1."""
+        decay = floats[0]
+        num_keys = num_layers * num_experts
+        order, scores, stamps, position = heap_new(capacity, num_keys)
+        mu = np.zeros(num_keys, np.int64)
+        last_token = np.full(num_keys, -1, np.int64)
+        resident = np.zeros(num_keys, np.bool_)
+        size = 0
+        for t in clocks:
+            key = keys[t]
+            if last_token[key] != tokens[t]:
+                mu[key] += 1
+                last_token[key] = tokens[t]
+            score = math.log(mu[key]) + last_token[key] * decay
+            if resident[key]:
+                layer_hits[key // num_experts] += 1
+                heap_update(order, scores, stamps, position, size, key, score, t)
+                continue
+            if size == capacity:
+                resident[heap_pop(order, scores, stamps, position, size)] = False
+                size -= 1
+            heap_push(order, scores, stamps, position, size, key, score, t)
+            resident[key] = True
+            size += 1

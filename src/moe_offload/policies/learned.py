@@ -32,6 +32,7 @@ from moe_offload import bundled
 from moe_offload.errors import ConfigError
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 from moe_offload.policies.learned_model import LearnedModel, features, load_model
+from moe_offload.values import refuse, text
 
 _MEMO_LIMIT = 1 << 16  # distinct (r, f, network) scores remembered at one max f
 
@@ -43,7 +44,12 @@ class LearnedEviction(EvictionPolicy):
 
     def __init__(self, spec, seed=0, model_path=None, model: LearnedModel | None = None):
         super().__init__(spec, seed)
-        self.model = model if model is not None else load_model(model_path or bundled.DEFAULT_LEARNED_MODEL)
+        if model is None:
+            path = bundled.DEFAULT_LEARNED_MODEL if model_path is None else text(model_path, "learned.model_path")
+            model = load_model(path)
+        elif not isinstance(model, LearnedModel):
+            refuse("learned.model", model, "must be a LearnedModel (give a file with learned.model_path)")
+        self.model = model
         self._networks = self.model.networks
         if self.model.per_layer and self._networks != spec.num_layers:
             raise ConfigError(f"learned-eviction model {self.model.path}: its {self._networks} per-layer networks "

@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from moe_offload.errors import ConfigError
+from moe_offload import inputs
+from moe_offload.inputs import check_input, parse_json
 from moe_offload.outputs import atomic_output
 
 FORMAT_NAME = "moe-offload.learned-eviction"
@@ -170,7 +172,7 @@ def save_model(path, layers, *, per_layer: bool = False, target: dict | None = N
     for index, (weight, bias) in enumerate(layers, start=1):
         arrays[f"w{index}"], arrays[f"b{index}"] = weight, bias
     with atomic_output(path) as temporary, open(temporary, "wb") as out:
-        np.savez(out, **arrays)
+        np.savez(out, **arrays)  # a file object: savez adds no .npz to the name
     return path
 
 
@@ -191,24 +193,20 @@ def _check_layers(path, layers, widths, networks) -> None:
 def load_model(path) -> LearnedModel:
     """Read and check a model file; every problem raises ConfigError naming ``path``."""
     path = Path(path)
-    if not path.exists():
+    if inputs.missing(path):
         _fail(path, "no such file (train one with `moe-offload train-eviction TRACE -o MODEL.npz`)")
-    if path.is_dir():
-        _fail(path, "is a directory, not a model file")
+    check_input(path, "learned-eviction model", ConfigError)
     try:
         with np.load(path, allow_pickle=False) as npz:
             arrays = {name: npz[name] for name in npz.files}
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as exc:
+    except (OSError, ValueError, EOFError, KeyError, MemoryError, zipfile.BadZipFile, zlib.error) as exc:
         _fail(path, f"not a readable .npz model file, corrupt or truncated ({type(exc).__name__}: {exc})")
     if "metadata" not in arrays:
         _fail(path, "no metadata array: not a moe-offload learned-eviction model")
     raw = arrays.pop("metadata")
     if raw.shape != () or raw.dtype.kind != "U":
         _fail(path, "the metadata array is not a JSON string")
-    try:
-        meta = json.loads(str(raw))
-    except ValueError as exc:
-        _fail(path, f"metadata is not valid JSON ({exc})")
+    meta = parse_json(str(raw), f"learned-eviction model {path}", "model's metadata")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         _fail(path, f"metadata format is {meta.get('format') if isinstance(meta, dict) else meta!r}, "
                     f"not {FORMAT_NAME!r}")

@@ -46,6 +46,7 @@ from collections import OrderedDict
 
 from moe_offload.policies._ranked import RankedKeys
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
+from moe_offload.values import integer, number
 
 LEARNING_RATE = 0.45
 FINAL_DISCOUNT = 0.005  # d^N: the regret of a key that spent N requests in a history
@@ -58,8 +59,8 @@ class LeCaR(EvictionPolicy):
 
     def __init__(self, spec, seed=0, learning_rate: float = LEARNING_RATE, history_size: int | None = None):
         super().__init__(spec, seed)
-        self.learning_rate = float(learning_rate)
-        self._history_size = None if history_size is None else int(history_size)
+        self.learning_rate = number(learning_rate, "lecar.learning_rate", low=0)
+        self._history_size = None if history_size is None else integer(history_size, "lecar.history_size", low=1)
         self._rng = _random.Random(seed)
         self.w_lru = self.w_lfu = 0.5
         self._order: OrderedDict = OrderedDict()  # resident keys, least recently requested first

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+
+from moe_offload.policies._linked import list_append, list_head, list_move_to_tail, list_remove, lists_new
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 
 
@@ -72,3 +75,50 @@ class LLRU(EvictionPolicy):
         if best_key is None:
             raise NoEvictableExpert
         return best_key
+
+    @staticmethod
+    def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
+                      layer_hits):
+        """The hooks above as the compiled replay runs them, without looking at every layer head on a miss.
+
+        D < L, so the victim is the layer head with the largest R, and among those the largest D. The residents
+        are kept in one list by last request (LRU's), so the oldest expert of all is a layer head with the
+        largest R, and every head with that R was requested within L clocks after it. The victim is found by
+        walking the list from the oldest while R stays the largest (at most L experts, usually a few): the
+        first expert met of each layer is that layer's head. Two heads never tie: D differs between layers."""
+        L = num_layers
+        order = lists_new(L * num_experts, 1)  # residents, least recent first
+        following = order[1]
+        tau = np.zeros(L * num_experts, np.int64)
+        resident = np.zeros(L * num_experts, np.bool_)
+        seen = np.full(L, -1, np.int64)  # the miss at which a layer's head was last met in a walk
+        size = 0
+        for t in clocks:
+            key = keys[t]
+            b = key // num_experts
+            tau[key] = t
+            if resident[key]:
+                layer_hits[b] += 1
+                list_move_to_tail(order, 0, key)
+                continue
+            if size == capacity:
+                oldest = list_head(order, 0)
+                latest = t - (t - tau[oldest]) // L * L  # the last clock whose R is the largest
+                best_distance, victim = -1, -1
+                candidate = oldest
+                while candidate >= 0 and tau[candidate] <= latest:
+                    layer = candidate // num_experts
+                    if seen[layer] != t:  # the first of its layer in the walk: the layer's head
+                        seen[layer] = t
+                        distance = layer - b  # D
+                        if distance < 0:
+                            distance += L
+                        if distance > best_distance:
+                            best_distance, victim = distance, candidate
+                    candidate = following[candidate]
+                list_remove(order, 0, victim)
+                resident[victim] = False
+                size -= 1
+            list_append(order, 0, key)
+            resident[key] = True
+            size += 1

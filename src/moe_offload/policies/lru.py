@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+
+from moe_offload.policies._linked import list_append, list_head, list_move_to_tail, list_remove, lists_new
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 
 
@@ -31,3 +34,25 @@ class LRU(EvictionPolicy):
             if key not in ctx.pinned:
                 return key
         raise NoEvictableExpert
+
+    @staticmethod
+    def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
+                      layer_hits):
+        """The hooks above as the compiled replay runs them: one linked list in request order."""
+        order = lists_new(num_layers * num_experts, 1)
+        resident = np.zeros(num_layers * num_experts, np.bool_)
+        size = 0
+        for t in clocks:
+            key = keys[t]
+            if resident[key]:
+                layer_hits[key // num_experts] += 1
+                list_move_to_tail(order, 0, key)
+                continue
+            if size == capacity:
+                victim = list_head(order, 0)
+                list_remove(order, 0, victim)
+                resident[victim] = False
+                size -= 1
+            list_append(order, 0, key)
+            resident[key] = True
+            size += 1

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random as _random
 
+import numpy as np
+
+from moe_offload.policies._seeded import draw_below, mt_draw_below, rng_state
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 
 
@@ -32,10 +35,37 @@ class RandomEviction(EvictionPolicy):
     def victim(self, ctx):
         keys, pinned = self._keys, ctx.pinned
         for _ in range(16):  # pinned experts are few; rejection sampling stays uniform over the others
-            key = keys[self._rng.randrange(len(keys))]
+            key = keys[draw_below(self._rng, len(keys))]
             if key not in pinned:
                 return key
         candidates = [key for key in keys if key not in pinned]
         if not candidates:
             raise NoEvictableExpert
-        return self._rng.choice(candidates)
+        return candidates[draw_below(self._rng, len(candidates))]
+
+    def kernel_arguments(self):
+        return np.zeros(0, np.float64), rng_state(self._rng)
+
+    @staticmethod
+    def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
+                      layer_hits):
+        """The hooks above as the compiled replay runs them: the same list of residents (appended, removed by
+        moving the last one into the gap) and the same draws from the generator whose state is ``ints``."""
+        residents = np.empty(max(capacity, 1), np.int64)
+        position = np.full(num_layers * num_experts, -1, np.int64)
+        size = 0
+        for t in clocks:
+            key = keys[t]
+            if position[key] >= 0:
+                layer_hits[key // num_experts] += 1
+                continue
+            if size == capacity:
+                victim = residents[mt_draw_below(ints, size)]
+                gap = position[victim]
+                size -= 1
+                residents[gap] = residents[size]
+                position[residents[gap]] = gap
+                position[victim] = -1
+            residents[size] = key
+            position[key] = size
+            size += 1

@@ -9,8 +9,6 @@ inference (moe_offload.prefetch.search_cost explains both).
 
 from __future__ import annotations
 
-import inspect
-
 from moe_offload.errors import ConfigError
 from moe_offload.policies.base import ModelSpec
 from moe_offload.prefetch.base import Prefetcher, Proposal, RoutingView
@@ -21,6 +19,7 @@ from moe_offload.prefetch.oracle import OraclePrefetcher
 from moe_offload.prefetch.requirements import check_trace_columns
 from moe_offload.prefetch.topk import TopKPrefetcher
 from moe_offload.prefetch.traced_topk import TracedTopKPrefetcher
+from moe_offload.values import check_option_names, option_defaults
 
 PREFETCHERS: dict[str, type[Prefetcher]] = {
     cls.name: cls
@@ -38,24 +37,20 @@ PREFETCHERS: dict[str, type[Prefetcher]] = {
 def prefetcher_info(name: str) -> type[Prefetcher]:
     try:
         return PREFETCHERS[name]
-    except KeyError:
+    except (KeyError, TypeError):
         raise ConfigError(f"unknown prefetcher {name!r}; choose from {', '.join(PREFETCHERS)}") from None
 
 
 def prefetcher_options(name: str) -> dict[str, object]:
     """The options a prefetcher takes and their defaults."""
-    parameters = list(inspect.signature(prefetcher_info(name).__init__).parameters.values())[2:]  # self, spec
-    return {p.name: p.default for p in parameters}
+    return option_defaults(prefetcher_info(name))
 
 
 def make_prefetcher(name: str, spec: ModelSpec, options: dict | None = None) -> Prefetcher:
-    """Build prefetcher ``name`` for ``spec``; an option it does not take is a ConfigError naming those it does."""
+    """Build prefetcher ``name`` for ``spec``; an option it does not take is a ConfigError naming those it does,
+    and the constructor checks the values (moe_offload.values), with the same words as ``--prefetch-option``."""
     cls = prefetcher_info(name)
-    known = prefetcher_options(name)
-    unknown = sorted(set(options or {}) - set(known))
-    if unknown:
-        takes = ", ".join(f"{option}={default!r}" for option, default in known.items()) or "no options"
-        raise ConfigError(f"prefetcher {name!r} has no option {', '.join(unknown)}; it takes {takes}")
+    check_option_names("prefetcher", name, cls, options)
     return cls(spec, **(options or {}))
 
 

@@ -9,6 +9,7 @@ from moe_offload.errors import ConfigError
 from moe_offload.policies.base import ModelSpec
 from moe_offload.prefetch.base import Proposal
 from moe_offload.trace.format import Trace
+from moe_offload.values import integer
 
 
 def proposals(keys: np.ndarray, priorities: np.ndarray, distinct: bool = False) -> list[Proposal]:
@@ -38,6 +39,8 @@ class RequestGroups:
         self.requests, inverse = np.unique(request_of_row, return_inverse=True)
         self.inverse = inverse.reshape(-1)
         self._one_row_each = self.requests.size == self.inverse.size
+        # decode with the rows in request order (one request, or a batch as recorded): the rows are the means
+        self._rows_are_requests = self._one_row_each and bool((np.diff(self.inverse) > 0).all())
         if not self._one_row_each:
             # Averaging by a [requests, tokens] matrix product: one BLAS call instead of a Python loop.
             membership = (self.inverse[None, :] == np.arange(self.requests.size)[:, None]).astype(np.float32)
@@ -48,6 +51,8 @@ class RequestGroups:
 
     def mean(self, values: np.ndarray) -> np.ndarray:
         values = np.asarray(values, dtype=np.float32)
+        if self._rows_are_requests:
+            return values
         if self._one_row_each:  # decode: one token per request
             out = np.empty_like(values)
             out[self.inverse] = values
@@ -63,16 +68,9 @@ def check_same_model(spec: ModelSpec, trace: Trace, who: str) -> None:
                           f"experts, the model served has {spec.num_layers} x {spec.num_experts}")
 
 
-def positive_int(who: str, name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ConfigError(f"{who}: {name} must be a positive integer, not {value!r}")
-    return int(value)
-
-
 def experts_per_layer_option(who: str, k, spec) -> int:
     """The ``k`` option of the prefetchers that propose k experts per layer: the model's top-k by default,
     at most the layer's expert count."""
-    k = spec.top_k if k is None else positive_int(who, "k", k)
-    if k > spec.num_experts:
-        raise ConfigError(f"{who}: k={k} exceeds the {spec.num_experts} experts of a layer")
-    return k
+    if k is None:
+        return spec.top_k
+    return integer(k, f"{who}.k", low=1, high=spec.num_experts, why="the experts of a layer")

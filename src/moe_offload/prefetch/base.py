@@ -11,9 +11,14 @@ The driver (the timed simulator now, the runtime later) calls, for every iterati
     on_iteration_start(view)    view.layer_now == -1: only what is known before layer 0 runs
     on_layer_routed(view)       for l = 0 .. L-1, right after layer l's router ran (view.layer_now == l)
     on_iteration_end(view)      the iteration is over; history may be updated
+    on_request_end(request)     after the last iteration of a request: its per-sequence state may go
 
 and ``predicted_map()`` whenever an eviction policy asks for the prefetcher's expert map (fMoE's
-eviction priority uses it).
+eviction priority uses it). Proposals made after the last layer's router (``on_layer_routed`` with
+view.layer_now == L-1) are for the next iteration: every layer is ahead again (MoEpic predicts layer 0 of
+the next token there). Before the run, and whenever a configuration changes what the link may carry, the
+driver also calls ``set_budget(budget)`` with what the link into the fast tier can move for each layer
+(moe_offload.prefetch.budget); a driver that knows no timing never calls it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 
 from moe_offload.policies.base import ModelSpec
+from moe_offload.prefetch.budget import PrefetchBudget
 from moe_offload.trace.format import Trace
 
 
@@ -79,14 +85,26 @@ class RoutingView:
         return None if self.trace.probs is None else self.trace.probs[self.rows, layer].astype(np.float32)
 
     def gate_prediction(self, layer: int) -> np.ndarray | None:
-        """[tokens, J]: layer ``layer + 1``'s router applied to layer ``layer``'s hidden state (MoEpic)."""
+        """[tokens, J]: the router of the next layer in pass order applied to layer ``layer``'s hidden state
+        (MoEpic): layer ``layer + 1`` of the same token, or, for the last layer, layer 0 of each token's
+        successor in its request (the trace's next_token_gate_prediction). None when the trace lacks it."""
         self._check(layer)
-        if self.trace.gate_prediction is None or layer >= self.trace.meta.num_layers - 1:
+        trace = self.trace
+        if layer == trace.meta.num_layers - 1:
+            predicted = trace.next_token_gate_prediction
+            return None if predicted is None else predicted[self.rows].astype(np.float32)
+        if trace.gate_prediction is None:
             return None
-        return self.trace.gate_prediction[self.rows, layer].astype(np.float32)
+        return trace.gate_prediction[self.rows, layer].astype(np.float32)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """[tokens] position of each token in its request."""
+        return self.trace.position[self.rows]
 
     def embedding(self) -> np.ndarray | None:
-        """[tokens, D] semantic embedding of each token's request (known before layer 0)."""
+        """[tokens, D] the model's input embedding of each token this iteration feeds it (known before layer
+        0): the embedding layer's output for the prompt's tokens in prefill, for the one new token in decode."""
         return None if self.trace.embedding is None else self.trace.embedding[self.rows].astype(np.float32)
 
     def oracle_selected(self, layer: int) -> np.ndarray:
@@ -122,6 +140,13 @@ class Prefetcher:
 
     def on_iteration_end(self, view: RoutingView) -> None:
         """The iteration is over: every layer of ``view`` can be read."""
+
+    def set_budget(self, budget: PrefetchBudget) -> None:
+        """What the link into the fast tier can carry for each layer (see the module doc); prefetchers whose
+        proposals do not depend on it ignore it."""
+
+    def on_request_end(self, request: int) -> None:
+        """Request ``request`` has run its last iteration: no view will show it again."""
 
     def predicted_map(self) -> np.ndarray | None:
         """[L, J] predicted probabilities of the current iteration, or None."""

@@ -20,6 +20,11 @@ members' unit rows scaled back to unit length (spherical K-means, one sphere per
 iterations never increase the objective. Seeds are chosen by k-means++ under the same distance with a
 seeded generator, so one seed gives one EAMC. As the paper says, the EAMC keeps, for each cluster, the
 member EAM closest to its centroid (not the centroid itself).
+
+Searching touches only what changed. Routing layer l changes row l of a sequence's EAM and nothing else,
+so the summed cosine can be kept per layer: ``layer_similarities`` recomputes layer l's term ([J] x [J, P],
+the EAMC's bytes of one layer) and ``nearest_from_layers`` adds the L terms, instead of ``nearest``'s product
+over all L rows of every EAM at every layer.
 """
 
 from __future__ import annotations
@@ -30,13 +35,15 @@ from moe_offload.trace.format import Trace
 
 MAX_KMEANS_ITERATIONS = 100
 SAME_DIRECTION = 1e-6  # distances below this are float32 rounding of 0: the EAMs point the same way
+_TINY = np.float32(1e-30)
 
 
 def unit_rows(eams: np.ndarray) -> np.ndarray:
     """``eams`` [..., L, J] with every row scaled to unit Euclidean length (float32); zero rows stay zero."""
     eams = np.asarray(eams, dtype=np.float32)
-    norms = np.linalg.norm(eams, axis=-1, keepdims=True)
-    return np.divide(eams, norms, out=np.zeros_like(eams), where=norms > 0)
+    norms = np.sqrt(np.add.reduce(eams * eams, axis=-1, keepdims=True))  # np.linalg.norm's sum, without its checks
+    # a zero row divides by a tiny number and stays zero; a non-zero row's norm is far above it (counts: >= 1)
+    return eams / np.maximum(norms, _TINY, out=norms)
 
 
 def eam_distance(m1: np.ndarray, m2: np.ndarray) -> float:
@@ -123,7 +130,11 @@ class EAMCollection:
         self.eams = np.asarray(eams)
         size, num_layers = self.eams.shape[0], self.eams.shape[1]
         self.num_layers = num_layers
-        self._unit = unit_rows(self.eams).reshape(size, num_layers * self.eams.shape[2])
+        # [P, L * J]: the unit rows of every EAM laid end to end (the layout the search's sums were first taken
+        # in: BLAS adds in another order over the transposed layout, which moves the last bit of a distance)
+        self._units = unit_rows(self.eams).reshape(size, num_layers * self.eams.shape[2])
+        # [L, J, P]: layer l's unit rows of every EAM, contiguous, for the incremental search
+        self._layer_units = np.ascontiguousarray(self._units.reshape(self.eams.shape).transpose(1, 2, 0))
 
     def __len__(self) -> int:
         return int(self.eams.shape[0])
@@ -131,7 +142,23 @@ class EAMCollection:
     def nearest(self, current: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For current EAMs [B, L, J]: (index of the nearest EAM [B], its distance [B]); ties to the lower index
         (Algorithm 1 keeps the first EAM met with a strictly smaller distance)."""
-        query = unit_rows(current).reshape(current.shape[0], -1)
-        distance = 1.0 - (query @ self._unit.T) / self.num_layers
+        distance = 1.0 - (unit_rows(current).reshape(current.shape[0], -1) @ self._units.T) / self.num_layers
+        if distance.shape[0] == 1:  # one sequence: the same without the per-row indexing
+            index = distance[0].argmin()
+            return index.reshape(1), distance[0, index].reshape(1)
+        index = distance.argmin(axis=1)
+        return index, distance[np.arange(index.size), index]
+
+    def layer_similarities(self, layer: int, rows: np.ndarray) -> np.ndarray:
+        """[B, P]: the cosines between row ``layer`` of B current EAMs (``rows`` [B, J]) and row ``layer`` of every
+        EAM of the collection (0 for a zero row): the one term of the summed cosine of equation (1) that
+        changes when layer ``layer`` is routed."""
+        return unit_rows(rows) @ self._layer_units[layer]
+
+    def nearest_from_layers(self, similarities: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``nearest`` from the per-layer cosines of B current EAMs ([B, L, P], ``layer_similarities`` of every
+        layer): the same EAM and distance in exact arithmetic, summed in another order in float32, so a
+        distance can differ from ``nearest``'s in its last bits (and a near-tie can go the other way)."""
+        distance = 1.0 - similarities.sum(axis=1) / self.num_layers
         index = distance.argmin(axis=1)
         return index, distance[np.arange(index.size), index]

@@ -6,10 +6,7 @@ An entry is one iteration of one request: its expert map, the router distributio
 
 * Semantic search (equation score-sem): cosine between a request's embedding and every stored embedding.
 * Trajectory search (equation score-map): cosine between the distributions observed so far, layers
-  0..l laid end to end, and the same prefix of every stored map. ``TrajectorySearch`` keeps the running dot
-  products and squared norms of the prefix, so observing layer l costs one [C, J] matrix product per
-  request instead of a product over the whole (l + 1) * J prefix: the search at every layer reads each
-  stored map once per iteration, not once per layer.
+  0..l laid end to end, and the same prefix of every stored map.
 * Both return, per request, the entry of highest score; entries whose scores tie (within 1e-6, float32
   cosines) go to the most recently stored, e.g. the same request's latest iteration when embeddings are
   per request.
@@ -18,9 +15,33 @@ An entry is one iteration of one request: its expert map, the router distributio
   (score_map over the whole map); entries of one batch replace distinct y, in batch order (ties: the
   oldest y). Until the store is full, entries are appended.
 
-Memory layout: maps are kept layer-major, [L, C, J] float32, so the block of layer l of every map is one
-contiguous [C, J] matrix (the trajectory step's operand); the per-map prefix squared norms [L, C] are
-kept with them, and embeddings are stored scaled to unit length.
+Reading each stored byte once per iteration. An exhaustive search cannot do better than stream the store
+through memory once per iteration (benchmarks/map_search.py prints that floor beside its times), so:
+
+* ``search(embeddings)`` starts an ``IterationSearch`` for the B requests of one iteration: the semantic
+  search is one [B, D] x [D, C] product over the stored embeddings, kept at unit length;
+* its ``observe(l, probs)`` is the trajectory step after layer l: it adds layer l's block of every map to
+  running dot products and divides by the prefix norms, precomputed per entry and layer. Maps are kept
+  layer-major, [L, C, J], so that block is one contiguous [C, J] matrix, and the steps of an iteration read
+  each stored map once between them, not once per layer;
+* ``add(maps, embeddings, search)`` at the end of the iteration reuses that search's semantic scores and
+  dot products for the redundancy of the new entries (the same numbers, computed once): it reads only the
+  layers the trajectory did not observe (the last d), then writes the replaced slots and nothing else;
+* a batch of requests shares every matrix product.
+
+Options, all off by default (exhaustive, full size, float32), which reproduces the previous implementation's
+results exactly (tests/test_map_search.py):
+
+* ``embedding_dims=N``: embeddings are stored as a fixed random projection to N dimensions (a seeded
+  Gaussian matrix; Johnson-Lindenstrauss: cosines are kept within about 1/sqrt(N)), so the semantic search
+  reads N/D of the bytes;
+* ``candidates=M`` (pruning): the trajectory steps and the deduplication look only at each request's M
+  entries of highest semantic score (the semantic search still scores every entry); their maps are gathered
+  once per iteration;
+* ``map_dtype="float16"`` (with ``candidates`` only): maps kept in half precision, half the memory. NumPy
+  has no float16 matrix product (about 25 times slower than float32 here), so an exhaustive trajectory over
+  them would be slower, not faster; with pruning only the candidates' maps are converted. Embeddings stay
+  float32 for the same reason: the semantic search reads all of them.
 """
 
 from __future__ import annotations
@@ -31,6 +52,7 @@ from moe_offload.errors import ConfigError
 
 TIE_TOLERANCE = 1e-6
 _TINY = np.float32(1e-30)
+MAP_DTYPES = ("float32", "float16")
 
 
 def _unit(vectors: np.ndarray) -> np.ndarray:
@@ -39,77 +61,120 @@ def _unit(vectors: np.ndarray) -> np.ndarray:
     return np.divide(vectors, norms, out=np.zeros_like(vectors), where=norms > 0)
 
 
+def best_entries(scores: np.ndarray, stamps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``scores`` [B, n]: (column of the highest score, that score), ties within TIE_TOLERANCE
+    going to the highest ``stamps`` (broadcast to [B, n]: the most recently stored entry)."""
+    if scores.shape[0] == 1:  # one request: the same, without the per-row bookkeeping
+        row = scores[0]
+        first = row.argmax()
+        best = row[first]
+        if np.count_nonzero(row >= best - TIE_TOLERANCE) == 1:
+            return first.reshape(1), best.reshape(1)
+    rows = np.arange(scores.shape[0])
+    first = scores.argmax(axis=1)
+    best = scores[rows, first]
+    tied = scores >= (best - TIE_TOLERANCE)[:, None]
+    if np.count_nonzero(tied) == scores.shape[0]:  # one per row: the argmax itself
+        return first, best
+    index = np.where(tied, stamps, -1).argmax(axis=1)
+    return index, scores[rows, index]
+
+
 class ExpertMapStore:
-    def __init__(self, num_layers: int, num_experts: int, capacity: int, distance: int):
+    def __init__(self, num_layers: int, num_experts: int, capacity: int, distance: int, *,
+                 embedding_dims: int | None = None, candidates: int | None = None, map_dtype: str = "float32",
+                 seed: int = 0):
+        if map_dtype not in MAP_DTYPES:
+            raise ConfigError(f"map_dtype must be one of {', '.join(MAP_DTYPES)}, not {map_dtype!r}")
+        if map_dtype != "float32" and candidates is None:
+            raise ConfigError(f"map_dtype={map_dtype} needs candidates=M: NumPy has no {map_dtype} matrix product, "
+                              "so an exhaustive trajectory search over such maps would be slower, not faster")
         self.num_layers, self.num_experts, self.capacity = num_layers, num_experts, capacity
         self.semantic_weight = min(distance, num_layers) / num_layers  # d / L of the redundancy score
+        self.embedding_dims, self.candidates, self.seed = embedding_dims, candidates, seed
         self.size = 0
+        self.version = 0  # changes with every write: a search is reused by ``add`` only from the same version
         self.embedding_size: int | None = None
-        self._maps = np.zeros((num_layers, 0, num_experts), dtype=np.float32)
+        self._maps = np.zeros((num_layers, 0, num_experts), dtype=map_dtype)
         self._prefix_sq = np.zeros((num_layers, 0), dtype=np.float32)  # sum over layers 0..l of squared probs
-        self._embeddings = np.zeros((0, 0), dtype=np.float32)  # unit length
+        self._prefix_norm = np.zeros((num_layers, 0), dtype=np.float32)  # its square root
+        self._embeddings = np.zeros((0, 0), dtype=np.float32)  # unit length (projected with embedding_dims)
+        self._projection: np.ndarray | None = None  # [D, embedding_dims]
         self._stamp = np.zeros(0, dtype=np.int64)  # insertion counter of each entry: ties go to the newest
         self._next_stamp = 0
 
     def __len__(self) -> int:
         return self.size
 
+    def bytes_searched(self, batch: int = 1) -> int:
+        """The bytes one iteration's searches for ``batch`` requests must read: every stored embedding, and
+        every stored map (exhaustive) or each request's candidates' maps (pruned)."""
+        maps = (self._maps[:, :self.size].nbytes if self.candidates is None or self.candidates >= self.size
+                else batch * self.candidates * self.num_layers * self.num_experts * self._maps.itemsize)
+        return int(self._embeddings[:self.size].nbytes + maps)
+
     # ------------------------------------------------------------------------------------------ reading
 
     def maps(self, index: np.ndarray) -> np.ndarray:
-        """The stored maps of entries ``index`` [B] as [B, L, J] (a copy)."""
-        return self._maps[:, np.asarray(index)].transpose(1, 0, 2).copy()
+        """The stored maps of entries ``index`` [B] as [B, L, J] float32 (a copy)."""
+        return self._maps[:, np.asarray(index)].transpose(1, 0, 2).astype(np.float32)
 
     def layer(self, layer: int, index: np.ndarray) -> np.ndarray:
-        """Layer ``layer`` of the maps of entries ``index`` [B]: [B, J] (a copy)."""
-        return self._maps[layer, np.asarray(index)]
+        """Layer ``layer`` of the maps of entries ``index`` [B]: [B, J] float32 (a copy)."""
+        return self._maps[layer, np.asarray(index)].astype(np.float32, copy=False)
 
-    def _best(self, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        best = scores.max(axis=1)
-        tied = scores >= (best - TIE_TOLERANCE)[:, None]
-        index = np.where(tied, self._stamp[None, :self.size], -1).argmax(axis=1)
-        return index, scores[np.arange(index.size), index]
+    def keys(self, embeddings: np.ndarray) -> np.ndarray:
+        """The semantic keys of ``embeddings`` [B, D]: projected (with embedding_dims) and at unit length."""
+        embeddings = np.asarray(embeddings, dtype=np.float32)
+        self._check_embeddings(embeddings)
+        if self._projection is not None:
+            embeddings = embeddings @ self._projection
+        return _unit(embeddings)
 
     def semantic_scores(self, embeddings: np.ndarray) -> np.ndarray:
         """Equation score-sem: [B, size] cosines between ``embeddings`` [B, D] and the stored embeddings."""
-        self._check_embeddings(embeddings)
-        return _unit(embeddings) @ self._embeddings[:self.size].T
-
-    def semantic_search(self, embeddings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(entry of highest semantic score [B], that score [B]) for ``embeddings`` [B, D]."""
-        return self._best(self.semantic_scores(embeddings))
+        return self.keys(embeddings) @ self._embeddings[:self.size].T
 
     def map_scores(self, maps: np.ndarray) -> np.ndarray:
         """Equation score-map over whole maps: [B, size] cosines between ``maps`` [B, L, J] and the stored maps."""
         maps = np.asarray(maps, dtype=np.float32)
         dots = np.zeros((maps.shape[0], self.size), dtype=np.float32)
         for layer in range(self.num_layers):
-            dots += maps[:, layer] @ self._maps[layer, :self.size].T
-        norms = np.sqrt((maps ** 2).sum(axis=(1, 2)))[:, None] * np.sqrt(self._prefix_sq[-1, :self.size])[None, :]
-        return dots / np.maximum(norms, _TINY)
+            dots += maps[:, layer] @ self._block(layer).T
+        return self._map_cosines(maps, dots, self._prefix_norm[-1, :self.size])
 
     def redundancy(self, maps: np.ndarray, embeddings: np.ndarray) -> np.ndarray:
         """RDY [B, size] of new entries (``maps`` [B, L, J], ``embeddings`` [B, D]) against the stored ones."""
         return (self.semantic_weight * self.semantic_scores(embeddings)
                 + (1.0 - self.semantic_weight) * self.map_scores(maps))
 
-    def trajectory(self, batch: int) -> "TrajectorySearch":
-        """A trajectory search for ``batch`` requests of one iteration; the store must not change meanwhile."""
-        return TrajectorySearch(self, batch)
+    def search(self, embeddings: np.ndarray) -> "IterationSearch":
+        """The searches of one iteration for the requests of ``embeddings`` [B, D] (their semantic search runs
+        now); the store must not change until its last ``observe``."""
+        return IterationSearch(self, embeddings)
+
+    def _block(self, layer: int) -> np.ndarray:
+        """Layer ``layer`` of every stored map, [size, J] float32 (exhaustive searches keep float32 maps)."""
+        return self._maps[layer, :self.size]
+
+    @staticmethod
+    def _map_cosines(maps: np.ndarray, dots: np.ndarray, stored_norms: np.ndarray) -> np.ndarray:
+        norms = np.sqrt((maps ** 2).sum(axis=(1, 2)))[:, None] * stored_norms
+        return dots / np.maximum(norms, _TINY)
 
     # ------------------------------------------------------------------------------------------ writing
 
-    def add(self, maps: np.ndarray, embeddings: np.ndarray) -> None:
+    def add(self, maps: np.ndarray, embeddings: np.ndarray, search: "IterationSearch | None" = None) -> None:
         """Store new entries (``maps`` [B, L, J], ``embeddings`` [B, D]): appended while there is room, then each
-        replaces its most redundant stored entry (module docstring)."""
+        replaces its most redundant stored entry (module docstring). ``search``: the iteration's search of the
+        same requests, whose scores the redundancy reuses when the store has not changed since."""
         maps = np.asarray(maps, dtype=np.float32)
         embeddings = np.asarray(embeddings, dtype=np.float32)
-        if maps.shape[1:] != (self.num_layers, self.num_experts):
+        if maps.ndim != 3 or maps.shape[1:] != (self.num_layers, self.num_experts):
             raise ConfigError(f"expert maps of shape {maps.shape[1:]} do not fit a store of "
                               f"{self.num_layers} x {self.num_experts}")
         if self.embedding_size is None:
-            self.embedding_size = embeddings.shape[1]
-            self._embeddings = np.zeros((0, self.embedding_size), dtype=np.float32)
+            self._first_embeddings(embeddings.shape[1])
         self._check_embeddings(embeddings)
         room = self.capacity - self.size
         if room > 0:
@@ -119,16 +184,32 @@ class ExpertMapStore:
             return
         # A batch larger than the store: its older entries would only be replaced by its newer ones.
         maps, embeddings = maps[-self.capacity:], embeddings[-self.capacity:]
-        redundancy = self.redundancy(maps, embeddings)
-        # Among equally redundant stored entries replace the oldest: order columns by stamp, take the first.
-        by_age = np.argsort(self._stamp[:self.size], kind="stable")
-        redundancy = redundancy[:, by_age]
+        if search is not None and search.describes(maps, embeddings):
+            redundancy, columns = search.redundancy(maps)
+        else:
+            redundancy, columns = self.redundancy(maps, embeddings), None
         taken = np.zeros(self.size, dtype=bool)
         for row in range(maps.shape[0]):
-            scores = np.where(taken, -np.inf, redundancy[row])
-            column = int(scores.argmax())
-            taken[column] = True
-            self._write(int(by_age[column]), maps[row], embeddings[row])
+            slots = np.arange(self.size) if columns is None else columns[row]
+            scores = np.where(taken[slots], -np.inf, redundancy[row])
+            best = scores.max()
+            if best == -np.inf:  # every candidate of this entry went to earlier entries of the batch
+                slots, scores, best = np.flatnonzero(~taken), np.zeros(np.count_nonzero(~taken)), 0.0
+            tied = slots[scores == best]
+            slot = int(tied[self._stamp[tied].argmin()])  # among equally redundant entries, the oldest
+            taken[slot] = True
+            self._write(slot, maps[row], embeddings[row])
+
+    def _first_embeddings(self, size: int) -> None:
+        self.embedding_size = size
+        dims = size
+        if self.embedding_dims is not None:
+            if self.embedding_dims >= size:
+                raise ConfigError(f"embedding_dims={self.embedding_dims} does not reduce embeddings of size {size}")
+            dims = self.embedding_dims
+            rng = np.random.default_rng(self.seed)
+            self._projection = rng.standard_normal((size, dims), dtype=np.float32)
+        self._embeddings = np.zeros((0, dims), dtype=np.float32)
 
     def _check_embeddings(self, embeddings: np.ndarray) -> None:
         if self.embedding_size is not None and embeddings.shape[-1] != self.embedding_size:
@@ -142,6 +223,7 @@ class ExpertMapStore:
             allocated = min(self.capacity, max(needed, 2 * allocated, 64))
             self._maps = self._grown(self._maps, allocated, axis=1)
             self._prefix_sq = self._grown(self._prefix_sq, allocated, axis=1)
+            self._prefix_norm = self._grown(self._prefix_norm, allocated, axis=1)
             self._embeddings = self._grown(self._embeddings, allocated, axis=0)
             self._stamp = self._grown(self._stamp, allocated, axis=0)
         start = self.size
@@ -159,21 +241,44 @@ class ExpertMapStore:
 
     def _write(self, slot: int, expert_map: np.ndarray, embedding: np.ndarray) -> None:
         self._maps[:, slot] = expert_map
-        self._prefix_sq[:, slot] = np.cumsum((expert_map.astype(np.float64) ** 2).sum(axis=1))
-        self._embeddings[slot] = _unit(embedding)
+        # the norms of the map as stored (rounded to float16 when the maps are)
+        self._prefix_sq[:, slot] = np.cumsum((self._maps[:, slot].astype(np.float64) ** 2).sum(axis=1))
+        self._prefix_norm[:, slot] = np.sqrt(self._prefix_sq[:, slot])
+        self._embeddings[slot] = _unit(embedding) if self._projection is None else self.keys(embedding[None])[0]
         self._stamp[slot] = self._next_stamp
         self._next_stamp += 1
+        self.version += 1
 
 
-class TrajectorySearch:
-    """The trajectory search of one iteration: ``observe`` layers 0, 1, 2, ... in order, each returning the
-    stored entry whose prefix of layers 0..l is closest (cosine) to the observed one, per request."""
+class IterationSearch:
+    """The searches of one iteration for B requests (module docstring): the semantic search at construction
+    (``index``, ``score``), then ``observe`` layers 0, 1, 2, ... in order, each returning the stored entry
+    whose prefix of layers 0..l is closest (cosine) to the observed one, per request. With ``candidates`` the
+    trajectory looks only at each request's M best semantic entries (``candidates`` [B, M])."""
 
-    def __init__(self, store: ExpertMapStore, batch: int):
+    def __init__(self, store: ExpertMapStore, embeddings: np.ndarray):
         self.store = store
+        self.version = store.version
+        self.embeddings = np.array(embeddings, dtype=np.float32)
+        self.semantic = store.semantic_scores(self.embeddings)  # [B, size]
+        batch, size = self.semantic.shape
+        self.index, self.score = best_entries(self.semantic, store._stamp[:size])
         self.layers_observed = 0
-        self._dots = np.zeros((batch, store.size), dtype=np.float32)
+        # the searched iteration's maps: layers 0 .. layers_observed - 1 as observed, the rest for the caller to
+        # fill before ``add`` (which then reuses this search's scores)
+        self.maps = np.zeros((batch, store.num_layers, store.num_experts), dtype=np.float32)
         self._query_sq = np.zeros(batch, dtype=np.float32)
+        self.candidates: np.ndarray | None = None
+        if store.candidates is not None and store.candidates < size:
+            count = store.candidates
+            self.candidates = np.argpartition(-self.semantic, count - 1, axis=1)[:, :count]  # [B, M]
+            self._maps = store._maps[:, self.candidates].astype(np.float32)  # [L, B, M, J]
+            self._norms = store._prefix_norm[:, self.candidates]  # [L, B, M]
+            self._stamps = store._stamp[self.candidates]  # [B, M]
+            self._dots = np.zeros(self.candidates.shape, dtype=np.float32)
+        else:
+            self._dots = np.zeros((batch, size), dtype=np.float32)
+        self._scores = np.empty_like(self._dots)  # each step's cosines, computed in place
 
     def observe(self, layer: int, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Add layer ``layer``'s distributions ``probs`` [B, J]: (best entry [B], its score [B])."""
@@ -182,8 +287,46 @@ class TrajectorySearch:
                              f"got {layer}")
         store = self.store
         probs = np.asarray(probs, dtype=np.float32)
-        self._dots += probs @ store._maps[layer, :store.size].T
-        self._query_sq += (probs ** 2).sum(axis=1)
+        self.maps[:, layer] = probs
         self.layers_observed += 1
-        norms = np.sqrt(self._query_sq)[:, None] * np.sqrt(store._prefix_sq[layer, :store.size])[None, :]
-        return store._best(self._dots / np.maximum(norms, _TINY))
+        self._query_sq += (probs * probs).sum(axis=1)
+        query_norm = np.sqrt(self._query_sq)[:, None]
+        if self.candidates is None:
+            self._dots += probs @ store._maps[layer, :store.size].T
+            scores = np.multiply(query_norm, store._prefix_norm[layer, :store.size], out=self._scores)
+        else:
+            self._dots += np.matmul(self._maps[layer], probs[:, :, None])[:, :, 0]
+            scores = np.multiply(query_norm, self._norms[layer], out=self._scores)
+        np.divide(self._dots, np.maximum(scores, _TINY, out=scores), out=scores)
+        if self.candidates is None:
+            return best_entries(scores, store._stamp[:store.size])
+        best, score = best_entries(scores, self._stamps)
+        return self.candidates[np.arange(best.size), best], score
+
+    def describes(self, maps: np.ndarray, embeddings: np.ndarray) -> bool:
+        """Whether ``maps`` and ``embeddings`` are the entries this search searched for, in a store that has not
+        changed since: then ``redundancy`` can reuse its scores."""
+        observed = self.layers_observed
+        return (self.version == self.store.version and embeddings.shape == self.embeddings.shape
+                and (embeddings is self.embeddings or np.array_equal(embeddings, self.embeddings))
+                and (maps is self.maps or np.array_equal(maps[:, :observed], self.maps[:, :observed])))
+
+    def redundancy(self, maps: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """(RDY of the searched entries, whose full maps are ``maps`` [B, L, J], against the stored ones; the
+        stored entry of each column per row, or None for all of them in order): the semantic scores and the
+        dot products of the observed layers are this search's, only the other layers are read."""
+        store, dots = self.store, self._dots
+        for layer in range(self.layers_observed, store.num_layers):
+            if self.candidates is None:
+                dots += maps[:, layer] @ store._block(layer).T
+            else:
+                dots += np.matmul(self._maps[layer], maps[:, layer, :, None])[:, :, 0]
+        if self.candidates is None:
+            semantic, stored_norms = self.semantic, store._prefix_norm[-1, :store.size][None, :]
+        else:
+            semantic = np.take_along_axis(self.semantic, self.candidates, axis=1)
+            stored_norms = self._norms[-1]
+        self.layers_observed = store.num_layers  # the dot products are complete: no more trajectory steps
+        weight = store.semantic_weight
+        rdy = weight * semantic + (1.0 - weight) * store._map_cosines(maps, dots, stored_norms)
+        return rdy, self.candidates

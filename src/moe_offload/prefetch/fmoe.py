@@ -3,7 +3,8 @@ Expert Map Store).
 
 Per iteration, for every request b of the batch (0-based layers here, the paper's are 1-based):
 
-* before layer 0: semantic search of the store by the request's embedding; the best map's layers
+* before layer 0: semantic search of the store by the request's semantic embedding of this iteration
+  (below); the best map's layers
   0 .. d-1 are the predictions of those layers, with the semantic score;
 * after layer l_now is routed, for l_now + d <= L - 1: trajectory search by the distributions observed in
   layers 0 .. l_now; the best map's layer l_now + d is the prediction of that layer, with the trajectory
@@ -23,14 +24,35 @@ search for that layer has run.
 The store (moe_offload.prefetch.expert_map_store) is filled by ``fit(history)`` with one entry per
 (iteration, request) of the history, added in batches of up to FIT_BATCH entries, and then, as each
 iteration of the run ends, with that iteration's entries; at capacity the redundancy score decides which
-stored entry each new one replaces. An empty store (no history yet) proposes nothing.
+stored entry each new one replaces, reusing the scores the iteration's searches computed (the store reads
+each of its bytes once per iteration). An empty store (no history yet) proposes nothing.
 
-The trace's embedding is that of the request, so from its second iteration on a request finds its own
-earlier iterations with semantic score 1 (the most recent one wins the tie): delta = 0, and layers
-0 .. d-1 get the K most probable experts of its latest stored iteration.
+Options of the store (all off by default; expert_map_store says what each costs and saves):
+``embedding_dims=N`` keeps a fixed random projection of the embeddings, ``candidates=M`` runs the
+trajectory search and the deduplication over each request's M best semantic entries only, and
+``map_dtype="float16"`` (with ``candidates``) halves the maps' memory; ``seed`` seeds the projection.
+benchmarks/map_search.py measures their speed, the README their effect on hit rates and precision.
+
+The semantic embedding of an iteration. The paper records "the semantic embeddings for each inference
+iteration", "using the output from the model's original embedding layer", one vector of the hidden size
+per prompt of the batch. The trace holds that output for every token (its ``embedding`` column), and the
+iteration's embedding of a request pools the rows of the tokens the iteration feeds the model:
+
+* ``semantic="iteration"`` (default): the mean of the embedding layer's output over this iteration's input,
+  the prompt's tokens in prefill (mean pooling keeps the size fixed across prompt lengths) and the one new
+  token in decode: literally what the embedding layer outputs in that iteration;
+* ``semantic="request"``: the mean over every token the request has fed so far, prompt and generated (the
+  sentence-embedding mean pooling that the paper's draft of the section names for decode iterations).
+
+The paper's final text supports the first reading; the second is offered because its draft does. With it a
+request's consecutive iterations differ by one token in the mean, so from its second iteration on a request
+mostly finds its own previous iteration with a score near 1 (delta near 0: the K most probable experts of
+its latest map), which is what the first reading avoids. A trace of format version 1 holds the prompt's
+mean on every row instead of each token's embedding; it is refused (prefetch/requirements.py), since every
+iteration of a request would match the others with score 1.
 
 Both searches need what they search by: the trace must have full router probabilities (the maps) and
-request embeddings (the semantic keys). Paper 000 designs the two searches together and does not describe
+token embeddings (the semantic keys). Paper 000 designs the two searches together and does not describe
 a trajectory-only variant, so a trace without embeddings is refused (moe_offload.prefetch.requirements
 says how to record one) rather than approximated.
 
@@ -44,34 +66,74 @@ from __future__ import annotations
 import numpy as np
 
 from moe_offload.errors import ConfigError
-from moe_offload.prefetch._shared import RequestGroups, check_same_model, positive_int, proposals
-from moe_offload.prefetch.base import Prefetcher
-from moe_offload.prefetch.expert_map_store import ExpertMapStore
+from moe_offload.prefetch._shared import RequestGroups, check_same_model
+from moe_offload.prefetch.base import Prefetcher, Proposal
+from moe_offload.prefetch.expert_map_store import ExpertMapStore, IterationSearch
 from moe_offload.prefetch.requirements import check_trace_columns
 from moe_offload.prefetch.search_cost import TimedSearch
+from moe_offload.values import integer
 
 DEFAULT_CAPACITY = 1000
 DEFAULT_DISTANCE = 3
+SEMANTIC_POOLINGS = ("iteration", "request")
 FIT_BATCH = 256        # entries per redundancy computation while filling the store from history
 FIT_CHUNK_ROWS = 1 << 15  # history rows converted to float32 at a time
 
 
-def prefetch_sets(predicted: np.ndarray, scores, min_experts: int) -> np.ndarray:
-    """[..., J] mask of fMoE's similarity-aware prefetch set for each predicted distribution ``predicted``
-    [..., J] searched with similarity ``scores`` [...]: the fewest highest-probability experts whose summed
-    probability reaches delta = clip(1 - score, 0, 1) (ties: lower id first), and at least ``min_experts``."""
-    predicted = np.asarray(predicted, dtype=np.float64)
-    num_experts = predicted.shape[-1]
-    rows = predicted.reshape(-1, num_experts)
-    delta = np.minimum(np.maximum(1.0 - np.asarray(scores, dtype=np.float64).reshape(-1), 0.0), 1.0)
-    every_row = np.arange(rows.shape[0])[:, None]
-    order = np.argsort(-rows, axis=1, kind="stable")
-    cumulative = np.cumsum(rows[every_row, order], axis=1)
+def prefetch_set(predicted: np.ndarray, score: float, min_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """fMoE's similarity-aware prefetch set of the predicted distribution ``predicted`` [J] searched with
+    similarity ``score``: the fewest highest-probability experts whose summed probability reaches
+    delta = clip(1 - score, 0, 1), and at least ``min_experts``; as (those experts by decreasing probability,
+    ties lower id first; their probabilities)."""
+    delta = min(max(1.0 - float(score), 0.0), 1.0)
+    order = (-predicted).argsort(kind="stable")
+    ranked = predicted[order]
     # The sums are non-decreasing: the set is the ranks whose sum is still below delta, plus the one reaching it.
-    count = np.minimum(np.maximum((cumulative < delta[:, None]).sum(axis=1) + 1, min_experts), num_experts)
-    mask = np.empty(rows.shape, dtype=bool)
-    mask[every_row, order] = np.arange(num_experts) < count[:, None]
+    below = int(ranked.astype(np.float64).cumsum().searchsorted(delta))
+    count = min(max(below + 1, min_experts), predicted.shape[0])
+    return order[:count], ranked[:count]
+
+
+def prefetch_sets(predicted: np.ndarray, scores, min_experts: int) -> np.ndarray:
+    """[..., J] mask of the prefetch set (``prefetch_set``) of each predicted distribution ``predicted``
+    [..., J] searched with similarity ``scores`` [...]."""
+    predicted = np.asarray(predicted, dtype=np.float64)
+    rows = predicted.reshape(-1, predicted.shape[-1])
+    mask = np.zeros(rows.shape, dtype=bool)
+    for row, score, chosen in zip(rows, np.asarray(scores).reshape(-1), mask):
+        chosen[prefetch_set(row, score, min_experts)[0]] = True
     return mask.reshape(predicted.shape)
+
+
+class SemanticPooling:
+    """The semantic embeddings of (iteration, request) groups from the sums of their tokens' embeddings
+    (module doc); ``request`` pooling keeps each request's running sum, so groups must come in iteration
+    order and one instance serves one stream of requests (the history's, or the run's)."""
+
+    def __init__(self, mode: str):
+        self.mode = mode
+        self._sums: dict[int, np.ndarray] = {}
+        self._counts: dict[int, int] = {}
+
+    def __call__(self, requests: np.ndarray, sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """[G, D] embeddings of groups with request ids ``requests`` [G], embedding sums ``sums`` [G, D] and
+        token counts ``counts`` [G]."""
+        sums = np.asarray(sums, dtype=np.float64)
+        counts = np.asarray(counts, dtype=np.float64)
+        if self.mode == "iteration":
+            return (sums / counts[:, None]).astype(np.float32)
+        pooled = np.empty(sums.shape, dtype=np.float32)
+        for group, request in enumerate(np.asarray(requests).tolist()):
+            total = self._sums.get(request, 0.0) + sums[group]
+            count = self._counts.get(request, 0) + counts[group]
+            self._sums[request], self._counts[request] = total, count
+            pooled[group] = total / count
+        return pooled
+
+    def forget(self, request: int) -> None:
+        """``request`` has ended: its running sum goes."""
+        self._sums.pop(request, None)
+        self._counts.pop(request, None)
 
 
 class FMoEPrefetcher(TimedSearch, Prefetcher):
@@ -83,16 +145,33 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
     search_on_inference_path = False
 
     def __init__(self, spec, capacity: int = DEFAULT_CAPACITY, distance: int = DEFAULT_DISTANCE,
-                 search_seconds: float | None = None):
+                 search_seconds: float | None = None, semantic: str = "iteration",
+                 embedding_dims: int | None = None, candidates: int | None = None, map_dtype: str = "float32",
+                 seed: int = 0):
         super().__init__(spec)
-        self.capacity = positive_int(self.name, "capacity", capacity)
-        self.distance = positive_int(self.name, "distance", distance)
+        self.capacity = integer(capacity, f"{self.name}.capacity", low=1)
+        self.distance = integer(distance, f"{self.name}.distance", low=1)
+        if semantic not in SEMANTIC_POOLINGS:
+            raise ConfigError(f"{self.name}: semantic must be one of {', '.join(SEMANTIC_POOLINGS)}, not {semantic!r}")
+        self.semantic = semantic
+        self._pooling = SemanticPooling(semantic)  # the run's requests
+        self._semantic: np.ndarray | None = None     # [B, D] of the current iteration
         self._set_search_seconds(search_seconds)
-        self.store = ExpertMapStore(spec.num_layers, spec.num_experts, self.capacity, self.distance)
+        seed = integer(seed, f"{self.name}.seed", low=0)
+        if embedding_dims is not None:
+            embedding_dims = integer(embedding_dims, f"{self.name}.embedding_dims", low=1)
+        if candidates is not None:
+            candidates = integer(candidates, f"{self.name}.candidates", low=1)
+        try:
+            self.store = ExpertMapStore(spec.num_layers, spec.num_experts, self.capacity, self.distance,
+                                        embedding_dims=embedding_dims, candidates=candidates, map_dtype=map_dtype,
+                                        seed=seed)
+        except ConfigError as exc:
+            raise ConfigError(f"{self.name}: {exc}") from None
         self._groups: RequestGroups | None = None
-        self._trajectory = None
+        self._search: IterationSearch | None = None
         # Per target layer of the current iteration, once searched: its prefetch set over the batch, as
-        # (experts, the highest p any request gives each); the priority p / (t - l_now) follows at proposal time.
+        # (keys, the highest p any request gives each); the priority p / (t - l_now) follows at proposal time.
         self._sets: list[tuple[np.ndarray, np.ndarray] | None] = [None] * spec.num_layers
         self._predicted: np.ndarray | None = None  # [L, J]
 
@@ -102,6 +181,7 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
         check_trace_columns(type(self), history)
         check_same_model(self.spec, history, self.name)
         L, J = self.spec.num_layers, self.spec.num_experts
+        pooling = SemanticPooling(self.semantic)  # the history's requests, apart from the run's
         order = np.lexsort((history.request, history.iteration))
         iteration, request = history.iteration[order], history.request[order]
         starts = np.flatnonzero(np.r_[True, (np.diff(iteration) != 0) | (np.diff(request) != 0)])
@@ -115,13 +195,15 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
             sizes = np.diff(np.r_[group_starts, end - begin])[:, None]
             maps = np.add.reduceat(history.probs[rows].astype(np.float32).reshape(rows.size, L * J),
                                    group_starts, axis=0) / sizes
-            embeddings = np.add.reduceat(history.embedding[rows].astype(np.float32), group_starts, axis=0) / sizes
+            embeddings = pooling(request[begin + group_starts],
+                                 np.add.reduceat(history.embedding[rows].astype(np.float64), group_starts, axis=0),
+                                 sizes[:, 0])
             for first in range(0, maps.shape[0], FIT_BATCH):
                 self._add(maps[first:first + FIT_BATCH].reshape(-1, L, J), embeddings[first:first + FIT_BATCH])
 
-    def _add(self, maps, embeddings):
+    def _add(self, maps, embeddings, search=None):
         try:
-            self.store.add(maps, embeddings)
+            self.store.add(maps, embeddings, search)
         except ConfigError as exc:
             raise ConfigError(f"{self.name}: {exc}") from None
 
@@ -130,26 +212,26 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
     def on_iteration_start(self, view):
         view.require(type(self))
         L = self.spec.num_layers
-        self._groups = RequestGroups(view.requests)
-        self._trajectory = None
+        self._search = None
         self._sets = [None] * L
         if len(self.store) == 0:
+            self._groups = RequestGroups(view.requests)
+            self._semantic = self._pool(view)
             self._predicted = None
             self._no_search()
             return []
         with self._timed_search():
-            embeddings = self._groups.mean(view.embedding())
+            self._groups = RequestGroups(view.requests)
+            self._semantic = self._pool(view)
             try:
-                index, score = self.store.semantic_search(embeddings)
+                self._search = search = self.store.search(self._semantic)
             except ConfigError as exc:
                 raise ConfigError(f"{self.name}: {view.source}: {exc}") from None
-            maps = self.store.maps(index)  # [B, L, J]
+            maps = self.store.maps(search.index)  # [B, L, J]
             # Every layer starts predicted by the semantic map; layers >= d are replaced by trajectory searches.
             self._predicted = maps.max(axis=0)
             for target in range(min(self.distance, L)):
-                self._set_target(target, maps[:, target], score)
-            if self.distance < L:
-                self._trajectory = self.store.trajectory(len(self._groups))
+                self._set_target(target, maps[:, target], search.score)
             result = self._propose(-1)
         return result
 
@@ -161,7 +243,7 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
         with self._timed_search():
             target = now + self.distance
             if target < L:
-                index, score = self._trajectory.observe(now, self._groups.mean(view.probs(now)))
+                index, score = self._search.observe(now, self._groups.mean(view.probs(now)))
                 rows = self.store.layer(target, index)  # [B, J]
                 self._predicted[target] = rows.max(axis=0)
                 self._set_target(target, rows, score)
@@ -169,28 +251,56 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
         return result
 
     def on_iteration_end(self, view):
-        L = self.spec.num_layers
-        groups = RequestGroups(view.requests)
+        L, search = self.spec.num_layers, self._search
+        groups = self._groups if self._groups is not None else RequestGroups(view.requests)
         with self._timed_search():
-            maps = np.stack([groups.mean(view.probs(layer)) for layer in range(L)], axis=1)
-            self._add(maps, groups.mean(view.embedding()))
+            if search is None:
+                maps = np.stack([groups.mean(view.probs(layer)) for layer in range(L)], axis=1)
+                self._add(maps, self._semantic if self._semantic is not None else self._pool(view))
+            else:  # the layers the trajectory search observed are in hand; the store reuses its scores
+                for layer in range(search.layers_observed, L):
+                    search.maps[:, layer] = groups.mean(view.probs(layer))
+                self._add(search.maps, search.embeddings, search)
+        self._search, self._semantic = None, None
+
+    def on_request_end(self, request: int) -> None:
+        self._pooling.forget(request)
+
+    def _pool(self, view) -> np.ndarray:
+        """[B, D] this iteration's semantic embedding of each request (module doc); once per iteration: the
+        pooling of ``semantic="request"`` keeps each request's running sum."""
+        groups = self._groups
+        counts = np.bincount(groups.inverse, minlength=len(groups))
+        return self._pooling(groups.requests, groups.mean(view.embedding()) * counts[:, None], counts)
 
     def _set_target(self, target: int, rows: np.ndarray, scores: np.ndarray) -> None:
-        """Record the batch's prefetch set for ``target`` from its searched distributions ``rows`` [B, J]."""
-        chosen = prefetch_sets(rows, scores, self.spec.top_k)
-        wanted = np.where(chosen, rows, -1.0).max(axis=0)
-        experts = np.flatnonzero(wanted >= 0)
-        self._sets[target] = (experts, wanted[experts].astype(np.float64))
+        """Record the batch's prefetch set for ``target`` from its searched distributions ``rows`` [B, J]: keys
+        and p (the highest any request gives the expert), as lists by decreasing p (ties: lower key first)."""
+        offset = target * self.spec.num_experts
+        if rows.shape[0] == 1:
+            experts, wanted = prefetch_set(rows[0], scores[0], self.spec.top_k)
+            self._sets[target] = ((experts + offset).tolist(), wanted.tolist())
+            return
+        union: dict[int, float] = {}  # an expert in several requests' sets: the highest p any of them gives it
+        for row, score in zip(rows, scores):
+            experts, wanted = prefetch_set(row, score, self.spec.top_k)
+            for key, p in zip((experts + offset).tolist(), wanted.tolist()):
+                if p > union.get(key, -1.0):
+                    union[key] = p
+        ranked = sorted(union.items(), key=lambda item: (-item[1], item[0]))
+        self._sets[target] = ([key for key, _ in ranked], [p for _, p in ranked])
 
     def _propose(self, now: int):
-        """The prefetch sets of the targets now + 1 .. now + d with priority p / (t - now)."""
-        J = self.spec.num_experts
-        keys, priorities = [], []
+        """The prefetch sets of the targets now + 1 .. now + d with priority p / (t - now), highest first (ties:
+        lower key first; no key twice: each target is one layer)."""
+        ranked = []
         for target in range(now + 1, min(now + self.distance, self.spec.num_layers - 1) + 1):
-            experts, wanted = self._sets[target]
-            keys.append(target * J + experts)
-            priorities.append(wanted / (target - now))
-        return proposals(np.concatenate(keys), np.concatenate(priorities), distinct=True)  # one layer per target
+            keys, wanted = self._sets[target]
+            ahead = target - now
+            ranked += [(-p / ahead, key) for p, key in zip(wanted, keys)]
+        ranked.sort()
+        make = tuple.__new__  # Proposal(key, priority) without the NamedTuple constructor's Python-level checks
+        return [make(Proposal, (key, -negative)) for negative, key in ranked]
 
     def predicted_map(self):
         return self._predicted

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_offload.prefetch._shared import positive_int, proposals
+from moe_offload.prefetch._shared import proposals
 from moe_offload.prefetch.base import Prefetcher, Proposal, RoutingView
+from moe_offload.values import integer
 
 DEFAULT_DISTANCE = 3
 
@@ -26,7 +27,7 @@ class OraclePrefetcher(Prefetcher):
 
     def __init__(self, spec, distance: int = DEFAULT_DISTANCE):
         super().__init__(spec)
-        self.distance = positive_int(self.name, "distance", distance)
+        self.distance = integer(distance, f"{self.name}.distance", low=1)
 
     def _propose(self, view: RoutingView) -> list[Proposal]:
         J, now = self.spec.num_experts, view.layer_now

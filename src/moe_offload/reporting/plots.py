@@ -5,7 +5,11 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from moe_offload.outputs import atomic_output
 from moe_offload.reporting.results import RunResult
+
+# The formats a plot may be written in, by its file's extension (commands check it before they run).
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 _OFFLINE_STYLE = {"belady": dict(color="black", linestyle="--", linewidth=2),
                   "belady-dist": dict(color="dimgray", linestyle=":", linewidth=2)}
@@ -14,11 +18,7 @@ _OFFLINE_STYLE = {"belady": dict(color="black", linestyle="--", linewidth=2),
 def plot_misses(results: list[RunResult], path, title: str | None = None) -> Path:
     """Misses against cache size for every policy (left) and the same relative to OPT (right), one row of
     panels per trace."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     by_trace: dict[str, list[RunResult]] = defaultdict(list)
     for result in results:
         by_trace[result.trace].append(result)
@@ -51,11 +51,7 @@ def plot_misses(results: list[RunResult], path, title: str | None = None) -> Pat
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _pyplot():
@@ -68,12 +64,15 @@ def _pyplot():
 
 
 def _save(fig, path) -> Path:
+    """Write the figure atomically, in the format its extension names (one of PLOT_SUFFIXES)."""
     import matplotlib.pyplot as plt
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_output(path) as temporary:
+            fig.savefig(temporary, dpi=120, format=path.suffix.lstrip(".").lower() or "png")
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -46,6 +46,7 @@ class RunResult:
     token_latency_seconds: list[float] | None = None  # every output token after each request's first: its gap
     total_seconds: float | None = None        # first arrival to last token
     timeline: dict | None = None              # one iteration's compute, transfers and stalls (simulator/timed)
+    reconfigurations: list[dict] | None = None  # MoEpic's online configurator: what each reconfiguration chose
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -3,7 +3,8 @@
 It answers the same questions as :class:`moe_offload.prefetch.base.RoutingView` does for a trace, from the
 routers as they run: after MoE layer l's router, ``selected``, ``probs`` and ``gate_prediction`` of layers
 <= l; the request's semantic embedding (the mean input embedding of its prompt) from the start. The
-future does not exist yet, so ``oracle_selected`` refuses.
+future does not exist yet, so ``oracle_selected`` refuses, except under a routing replay
+(runtime/replay.py), whose trace is the future (``future(layer)``).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ LIVE_COLUMNS = ("probs", "embedding", "gate_prediction", "weights")
 
 class LiveRoutingView:
     def __init__(self, spec: ModelSpec, iteration: int, tokens: int, request: int, is_prefill: bool,
-                 embedding: np.ndarray | None, source: str):
+                 embedding: np.ndarray | None, source: str, future=None):
         self.spec = spec
         self.iteration = iteration
         self.layer_now = -1
         self.is_prefill = is_prefill
         self.source = source
+        self._future = future
         self._requests = np.full(tokens, request, dtype=np.int64)
         self._embedding = None if embedding is None else np.repeat(embedding[None].astype(np.float32), tokens, 0)
         self._selected: list = [None] * spec.num_layers
@@ -68,4 +70,7 @@ class LiveRoutingView:
         return self._embedding
 
     def oracle_selected(self, layer: int) -> np.ndarray:
-        raise ConfigError("the oracle prefetcher reads the future routing, which a running engine does not know")
+        if self._future is None:
+            raise ConfigError("the oracle prefetcher reads the future routing, which a running engine knows only "
+                              "when it replays a trace's routing")
+        return self._future(layer)

@@ -2,11 +2,13 @@
 
 What the runtime (runtime/engine.py) does with an expert, timed piece by piece on the real files and shapes:
 
-- the slow tier ``ssd``: every expert file (or an even sample of them) read with ``ExpertStore.read_bytes``,
-  optionally after dropping the file from the page cache, so the numbers are the device's, not RAM's;
-- what turns read bytes into compute-ready tensors: the SHA-256 check, ``safetensors.torch.load`` and, on a
-  CPU, the conversion to float32 (the fast tier holds float32 there); with CUDA, pinning for the host tier
-  and the pinned host -> GPU copy;
+- the link from the packed files into the fast tier, timed through the runtime's own data path
+  (runtime/datapath.py ``ExpertMover``: the reader pool's chunked reads, the checksums, the conversion to
+  float32 on a CPU, the pinned ring and the copy stream with CUDA), experts moved one after another as a
+  link worker moves them, optionally with the files dropped from the page cache first, so the numbers are
+  the device's, not RAM's. Its throughput is the link's bandwidth, one expert moved alone its latency;
+- beside it, the raw rates that bound it, measured in the same run: the reader pool reading experts into
+  memory (parallel read), the conversion (CPU) or the pinned host -> GPU copy (CUDA);
 - one expert's computation (the per-expert work of models/experts.py: select tokens, gate_up, activation,
   down, routing weight, index_add) at 1, 2, 4, ..., 64 tokens, fitted to the profile's roofline;
 - the rest of an iteration (attention, routers, LM head) by running the packed model's skeleton with the
@@ -18,11 +20,13 @@ What the runtime (runtime/engine.py) does with an expert, timed piece by piece o
   router and the next, which is the window a prefetch has. Without it the simulator would predict a decode
   step the runtime never achieves, and prefetch windows shorter than the runtime's.
 
-The tiers follow the presets' names (hardware/presets): ``gpu``, ``host``, ``ssd``, fastest first. Without
-CUDA the fast tier is host RAM holding float32 experts, so the profile is ``host`` + ``ssd`` with one link
-``ssd->host`` that carries the read and the conversion; with CUDA it is ``gpu`` + ``host`` + ``ssd`` with the
-links ``host->gpu`` and ``ssd->host``, as in the presets. The simulator charges every transfer and every
-memory term in the trace's stored expert bytes, so every rate here is in stored bytes per second.
+The tiers are the runtime's: the fast tier (``gpu`` with CUDA, else ``host``: RAM holding compute-ready
+experts) and ``ssd`` (the packed files), with one link ``ssd->gpu`` / ``ssd->host`` that carries what the
+data path does, since without a host tier the runtime reads every expert from the files straight into the
+fast tier. With ``host_budget`` (CUDA only) the profile has the runtime's three tiers ``gpu``, ``host`` (of
+that budget) and ``ssd``, with the links ``host->gpu`` (one pinned copy) and ``ssd->host`` (reads into
+pinned host slots). The simulator charges every transfer and every memory term in the trace's stored expert
+bytes, so every rate here is in stored bytes per second.
 
 Timings are medians over ``repeats``; short operations are timed in batches of at least a few milliseconds
 so that the clock's resolution does not matter.
@@ -37,6 +41,7 @@ import platform
 import shutil
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,17 +70,19 @@ class Measurements:
     model_type: str
     stored_dtype: str
     compute_dtype: str
-    expert_file_bytes: int          # one expert file, header included (what a read moves)
     expert_bytes: int               # one expert's tensors in the stored dtype (what the simulator charges)
     expert_params: int
-    files_sampled: int
+    files_sampled: int              # experts moved per repeat
     files_total: int
     bypass_page_cache: bool
     repeats: int
-    read_median_s: float            # one whole file
-    read_latency_s: float           # open + 1-byte read + close
-    read_bandwidth: float           # file bytes per second after the latency
-    convert_median_s: float         # checksum + safetensors load + dtype/pin, per expert
+    readers: int                    # reader threads of the data path
+    link_seconds: float             # one expert through the data path, in a stream of them (throughput)
+    link_alone_s: float             # one expert through the data path on its own (latency + bytes)
+    parallel_read_bandwidth: float  # the reader pool reading experts into memory, no conversion
+    convert_bandwidth: float | None  # CPU: stored dtype -> float32 copies of whole experts
+    host_link_seconds: float | None  # with a host tier: one expert read into a pinned host slot (stream)
+    host_budget_bytes: int | None
     host_to_gpu_latency_s: float | None
     host_to_gpu_bandwidth: float | None
     memory_bandwidth: float         # streaming read of the compute device's memory
@@ -165,79 +172,102 @@ def sample_experts(manifest: Manifest, at_most: int = MAX_SAMPLED_FILES) -> list
     return [keys[int(i * step)] for i in range(at_most)]
 
 
-def _probe_latency(path: Path, bypass_page_cache: bool) -> float:
-    """Seconds to open a file, read its first byte and close it: what a read costs before bytes flow."""
-    started = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
+def fit_latency_bandwidth(nbytes: int, stream_s: float, alone_s: float) -> tuple[float, float]:
+    """(latency_s, bytes per second) of a link from one transfer of ``nbytes`` in a stream of them
+    (``stream_s`` each: the bandwidth, since a stream overlaps what it can) and one alone (``alone_s``: the
+    latency is what it takes beyond the stream's time, at least 0)."""
+    return max(0.0, alone_s - stream_s), nbytes / max(stream_s, 1e-12)
+
+
+def _itemsize(dtype_name: str) -> int:
+    import torch
+
+    return getattr(torch, dtype_name).itemsize
+
+
+def measure_link(manifest: Manifest, keys, repeats: int, bypass_page_cache: bool, device, dtype,
+                 readers: int | None = None, pinned_host: bool = False) -> tuple[float, float]:
+    """(seconds per expert in a stream, seconds for one expert alone) through the runtime's data path from
+    the files into a tier on ``device`` in ``dtype`` (``pinned_host``: a pinned host slot, as a host tier in
+    front of a GPU); the stream is ``keys`` moved back to back (medians over ``repeats``), CUDA copies
+    included (synchronised at the end)."""
+    from moe_offload.runtime.datapath import ExpertMover
+    from moe_offload.runtime.storage import ExpertStore
+    from moe_offload.runtime.tiers import SlotPool, Tier
+
+    store = ExpertStore(manifest, bypass_page_cache=bypass_page_cache, readers=readers)
+    elements = manifest.expert_bytes // _itemsize(manifest.dtype)
+    tier = Tier("fast", None, SlotPool(2, elements, dtype, device, pin=pinned_host), manifest, device, dtype)
+    mover = ExpertMover(store, manifest.num_experts)
+    sync = _synchronizer(device)
     try:
-        if bypass_page_cache:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.pread(fd, 1, 0)
+        for layer, expert in keys:  # first reads check SHA-256; the runtime's later reads check xxHash3
+            mover.move(layer * manifest.num_experts + expert, None, None, tier, 0)
+        sync()
+        streams, alone = [], []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for i, (layer, expert) in enumerate(keys):
+                mover.move(layer * manifest.num_experts + expert, None, None, tier, i % 2)
+            sync()
+            streams.append((time.perf_counter() - started) / len(keys))
+            layer, expert = keys[0]
+            started = time.perf_counter()
+            mover.move(layer * manifest.num_experts + expert, None, None, tier, 0)
+            sync()
+            alone.append(time.perf_counter() - started)
     finally:
-        os.close(fd)
-    return time.perf_counter() - started
+        store.close()
+    return _median(streams), _median(alone)
 
 
-def fit_latency_bandwidth(sizes, seconds, probe_latency_s: float) -> tuple[float, float]:
-    """(latency_s, bytes per second) such that ``latency + size / bandwidth`` fits the timed reads.
+def measure_raw_rates(manifest: Manifest, keys, repeats: int, bypass_page_cache: bool,
+                      readers: int | None = None) -> tuple[float, float]:
+    """(parallel read, conversion) in stored bytes per second: the reader pool reading experts into a buffer
+    that is already mapped (no checksum, no conversion), and a float32 copy of the experts' float16 (or other
+    stored dtype) elements from memory by as many threads as the pool has readers. The bounds of the CPU data
+    path: every expert is read, then converted."""
+    import torch
 
-    Files of different sizes: the least-squares line of time on size. Files of one size (every expert of a
-    model has the same shapes) cannot separate the two: the latency is the probed 1-byte read and the rest
-    of the median read is the bytes flowing; the latency is capped at half the read so that noise in the
-    probe never leaves no time for the bytes."""
-    if len(set(sizes)) > 1:
-        latency, per_byte = fit_line(sizes, seconds)
-        if latency >= 0 and per_byte > 0:
-            return latency, 1.0 / per_byte
-    size, median = _median(sizes), _median(seconds)
-    latency = min(probe_latency_s, median / 2)
-    return latency, size / (median - latency)
+    from moe_offload.runtime.storage import ExpertStore
 
-
-def measure_reads(manifest: Manifest, keys, repeats: int, bypass_page_cache: bool):
-    """(median read s, latency s, bandwidth B/s, file bytes) of whole expert files through ExpertStore, without
-    the checksum (timed apart, with the conversion)."""
-    store = ExpertStore(manifest, verify=False, bypass_page_cache=bypass_page_cache)
-    bypass = store.bypass_page_cache  # False where posix_fadvise does not exist
-    sizes, seconds, probes = [], [], []
-    for _ in range(repeats):
-        for layer, expert in keys:
+    store = ExpertStore(manifest, verify=False, bypass_page_cache=bypass_page_cache, readers=readers)
+    size = manifest.expert_bytes
+    buffer = torch.zeros(len(keys) * size, dtype=torch.uint8)  # zeros: every page mapped before timing
+    array = buffer.numpy()
+    reads = []
+    try:
+        for _ in range(repeats + 1):
             started = time.perf_counter()
-            data = store.read_bytes(layer, expert)
-            seconds.append(time.perf_counter() - started)
-            sizes.append(len(data))
-            probes.append(_probe_latency(manifest.expert_path(layer, expert), bypass))
-    latency, bandwidth = fit_latency_bandwidth(sizes, seconds, _median(probes))
-    return _median(seconds), latency, bandwidth, int(_median(sizes))
-
-
-def measure_conversion(manifest: Manifest, keys, repeats: int, device, compute_dtype) -> float:
-    """Median seconds from an expert's bytes in memory to the tensors the next tier holds, as the engine's
-    link worker makes them: SHA-256 check, safetensors load, then float32 on a CPU, pinned memory in front of
-    a GPU (the host tier keeps the stored dtype there)."""
-    import hashlib
-
-    from safetensors.torch import load
-
-    store = ExpertStore(manifest, verify=False)
-    blobs = [(store.read_bytes(*key), manifest.experts[key].sha256) for key in keys[:MIN_SAMPLED_FILES]]
-
-    def convert(data: bytes, digest: str) -> None:
-        if hashlib.sha256(data).hexdigest() != digest:
-            raise ConfigError(f"{manifest.directory}: an expert file changed while it was measured")
-        tensors = load(data)
-        if device.type == "cuda":
-            tensors = {name: t.pin_memory() for name, t in tensors.items()}
-        else:
-            tensors = {name: t.to(dtype=compute_dtype) for name, t in tensors.items()}
-
-    samples = []
-    for _ in range(repeats):
-        for data, digest in blobs:
+            for i, (layer, expert) in enumerate(keys):
+                base = i * size
+                store.read(layer, expert, lambda a, b, base=base: memoryview(array[base + a:base + b]))
+            reads.append(time.perf_counter() - started)
+    finally:
+        store.close()
+    stored = buffer.view(getattr(torch, manifest.dtype))
+    target = torch.zeros(stored.numel(), dtype=torch.float32)
+    workers = store.readers
+    step = -(-stored.numel() // workers)
+    parts = [(target[i:i + step], stored[i:i + step]) for i in range(0, stored.numel(), step)]
+    converts = []
+    with ThreadPoolExecutor(workers) as pool:  # as many converting threads as the data path has readers
+        for _ in range(repeats + 1):
             started = time.perf_counter()
-            convert(data, digest)
-            samples.append(time.perf_counter() - started)
-    return _median(samples)
+            list(pool.map(lambda pair: pair[0].copy_(pair[1]), parts))
+            converts.append(time.perf_counter() - started)
+    total = len(keys) * size
+    return total / _median(reads[1:]), total / _median(converts[1:])
+
+
+def measure_pinned_copy(nbytes: int, repeats: int) -> float:
+    """Bytes per second of a memcpy into pinned host memory (CUDA machines: what filling the ring costs
+    once the bytes are in RAM)."""
+    import torch
+
+    source = torch.ones(nbytes, dtype=torch.uint8)
+    target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return nbytes / time_per_call(lambda: target.copy_(source), repeats)
 
 
 # ---------------------------------------------------------------------------------------------- memory and PCIe
@@ -391,9 +421,10 @@ def _available_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def capacities(packed_dir: Path, device, stored_itemsize: int, compute_itemsize: int):
-    """(tier -> bytes, tier -> how it was found). Capacities are in stored expert bytes, the simulator's unit:
-    a CPU's fast tier holds float32 copies, so its RAM holds fewer stored bytes than its size."""
+def capacities(packed_dir: Path, device, stored_itemsize: int, compute_itemsize: int, host_bytes: int | None = None):
+    """(tier -> bytes, tier -> how it was found): the runtime's tiers (module docstring). Capacities are in
+    stored expert bytes, the simulator's unit: a CPU's fast tier holds float32 copies, so its RAM holds fewer
+    stored bytes than its size."""
     import torch
 
     ram = _available_ram()
@@ -402,8 +433,9 @@ def capacities(packed_dir: Path, device, stored_itemsize: int, compute_itemsize:
         free, _total = torch.cuda.mem_get_info(device)
         sizes["gpu"] = free
         notes["gpu"] = "free GPU memory at measurement time"
-        sizes["host"] = ram
-        notes["host"] = "RAM available at measurement time (MemAvailable)"
+        if host_bytes is not None:
+            sizes["host"] = host_bytes
+            notes["host"] = "the host tier's budget (pinned RAM)"
     else:
         sizes["host"] = ram * stored_itemsize // compute_itemsize
         notes["host"] = (f"RAM available at measurement time (MemAvailable), in stored bytes: it holds "
@@ -434,10 +466,12 @@ def _cpu_name() -> str:
 
 def measure(packed_dir, *, repeats: int = 5, bypass_page_cache: bool = True, device=None,
             max_files: int = MAX_SAMPLED_FILES, threads: int | None = None,
-            model_name: str | None = None) -> Measurements:
+            model_name: str | None = None, readers: int | None = None, host_budget=None) -> Measurements:
     """Run every micro-benchmark on the packed model in ``packed_dir`` (see the module docstring).
     ``threads``: torch's CPU threads while measuring (default: as they are, which is what the runtime uses);
-    restored afterwards. ``model_name``: how the profile's sources name the model (default: the directory)."""
+    restored afterwards. ``model_name``: how the profile's sources name the model (default: the directory).
+    ``readers``: the data path's reader threads (default: the runtime's). ``host_budget`` (CUDA): profile the
+    runtime with a host tier of this budget."""
     import torch
 
     if repeats < 1:
@@ -450,36 +484,41 @@ def measure(packed_dir, *, repeats: int = 5, bypass_page_cache: bool = True, dev
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _measure(packed_dir, repeats, bypass_page_cache, device, max_files, model_name)
+        return _measure(packed_dir, repeats, bypass_page_cache, device, max_files, model_name, readers, host_budget)
     finally:
         torch.set_num_threads(before)
 
 
 def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_files: int,
-             model_name: str | None) -> Measurements:
+             model_name: str | None, readers: int | None, host_budget) -> Measurements:
     import torch
 
     from moe_offload.models import quiet_transformers
+    from moe_offload.runtime.engine import parse_budget, resolve_device
+    from moe_offload.runtime.storage import default_readers
 
     started = time.perf_counter()
     quiet_transformers()
+    device = resolve_device(device)
     manifest = read_manifest(packed_dir)
-    device = torch.device(device) if device is not None else \
-        torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device {device}: measured profiles exist for cpu and cuda only")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device}: this torch sees no CUDA device")
     stored = getattr(torch, manifest.dtype)
     compute_dtype = torch.float32 if device.type == "cpu" else stored  # as OffloadEngine computes
     keys = sample_experts(manifest, max_files)
     bypass = bypass_page_cache and hasattr(os, "posix_fadvise")
+    host_bytes = None
+    if host_budget is not None:
+        if device.type != "cuda":
+            raise ConfigError("a host tier is measured in front of a GPU only (on a CPU the fast tier is the RAM)")
+        host_bytes = parse_budget(host_budget, manifest.expert_bytes * len(manifest.experts), "--host-budget")
 
-    read_median, read_latency, read_bandwidth, file_bytes = measure_reads(manifest, keys, repeats, bypass)
-    convert = measure_conversion(manifest, keys, repeats, device, compute_dtype)
-    h2d_latency = h2d_bandwidth = None
+    link_s, alone_s = measure_link(manifest, keys, repeats, bypass, device, compute_dtype, readers)
+    parallel_read, convert = measure_raw_rates(manifest, keys, repeats, bypass, readers)
+    host_link_s = h2d_latency = h2d_bandwidth = None
     if device.type == "cuda":
         h2d_latency, h2d_bandwidth = measure_host_to_gpu(device, manifest.expert_bytes, repeats)
+        if host_bytes is not None:
+            host_link_s, _ = measure_link(manifest, keys, repeats, bypass, torch.device("cpu"), stored, readers,
+                                          pinned_host=True)
     memory_bandwidth = measure_memory_bandwidth(device, repeats)
 
     model, adapter, _ = load_skeleton(manifest, device, compute_dtype, verify=False)
@@ -488,18 +527,19 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
     non_expert = measure_non_expert(model, adapter, device, repeats)
     del model
     decode_step = measure_decode_step(Path(packed_dir), device, repeats)
-    sizes, notes = capacities(Path(packed_dir), device, stored.itemsize, compute_dtype.itemsize)
+    sizes, notes = capacities(Path(packed_dir), device, stored.itemsize, compute_dtype.itemsize, host_bytes)
 
     params = sum(t.numel() for t in tensors.values())
     return Measurements(
         device=device.type, device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
         packed_dir=Path(packed_dir).resolve(), model_name=model_name or str(Path(packed_dir).resolve()),
         model_type=manifest.model_type, stored_dtype=manifest.dtype,
-        compute_dtype=str(compute_dtype).removeprefix("torch."), expert_file_bytes=file_bytes,
+        compute_dtype=str(compute_dtype).removeprefix("torch."),
         expert_bytes=manifest.expert_bytes, expert_params=params, files_sampled=len(keys),
-        files_total=len(manifest.experts), bypass_page_cache=bypass, repeats=repeats, read_median_s=read_median,
-        read_latency_s=read_latency, read_bandwidth=read_bandwidth, convert_median_s=convert,
-        host_to_gpu_latency_s=h2d_latency, host_to_gpu_bandwidth=h2d_bandwidth, memory_bandwidth=memory_bandwidth,
+        files_total=len(manifest.experts), bypass_page_cache=bypass, repeats=repeats,
+        readers=readers or default_readers(), link_seconds=link_s, link_alone_s=alone_s,
+        parallel_read_bandwidth=parallel_read, convert_bandwidth=convert if device.type == "cpu" else None,
+        host_link_seconds=host_link_s, host_budget_bytes=host_bytes, host_to_gpu_latency_s=h2d_latency, host_to_gpu_bandwidth=h2d_bandwidth, memory_bandwidth=memory_bandwidth,
         expert_seconds=expert_seconds, non_expert_seconds=non_expert, num_layers=manifest.num_layers,
         capacities=sizes, capacity_notes=notes, threads=torch.get_num_threads(), decode_step_s=decode_step,
         elapsed_s=time.perf_counter() - started)
@@ -509,15 +549,16 @@ DECODE_PROBE_TOKENS = 16
 
 
 def measure_decode_step(packed_dir: Path, device, repeats: int) -> float:
-    """Median time per output token of the runtime with every expert preloaded (greedy, a fixed 16-token
-    prompt, 16 new tokens): the all-resident TPOT the simulator's costs must add up to."""
+    """Median time between two output tokens of the runtime with every expert preloaded (greedy, a fixed
+    16-token prompt, 16 new tokens, ``repeats`` times): the all-resident TPOT the simulator's costs must add up
+    to. The median of the gaps, not their mean: a burst of other work on the machine moves a mean, not it."""
     from moe_offload.runtime.engine import OffloadEngine
 
     with OffloadEngine(packed_dir, fast_budget="100%", preload=True, device=device) as engine:
         prompt = list(range(1, 1 + DECODE_PROBE_TOKENS))
-        tpots = [engine.generate(prompt, max_new_tokens=DECODE_PROBE_TOKENS).stats.tpot_seconds
-                 for _ in range(max(2, repeats))]
-    return _median([t for t in tpots if t is not None])
+        gaps = [gap for _ in range(max(2, repeats))
+                for gap in engine.generate(prompt, max_new_tokens=DECODE_PROBE_TOKENS).stats.token_latency_seconds]
+    return _median(gaps)
 
 
 def framework_overhead(m: Measurements, compute: dict, top_k: int) -> float:
@@ -534,12 +575,11 @@ def framework_overhead(m: Measurements, compute: dict, top_k: int) -> float:
 
 
 def slow_link(m: Measurements) -> tuple[float, float]:
-    """(latency_s, stored bytes per second) of ssd -> host: the read's latency, then the file's bytes and
-    the conversion, both charged per byte (one file size cannot tell a conversion's fixed cost from its
-    per-byte cost). The file is a little larger than the expert (the safetensors header): the time is what
-    the file costs, the rate is in the expert bytes the simulator charges."""
-    flowing = max(m.read_median_s - m.read_latency_s, 0.0) + m.convert_median_s
-    return m.read_latency_s, m.expert_bytes / max(flowing, 1e-9)  # never a zero time for the bytes
+    """(latency_s, stored bytes per second) of the link out of the packed files: into the fast tier, or into
+    the host tier when there is one, as the data path moved experts in a stream (the bandwidth) and one alone
+    (what it takes beyond, the latency)."""
+    stream = m.host_link_seconds if m.host_link_seconds is not None else m.link_seconds
+    return fit_latency_bandwidth(m.expert_bytes, stream, max(m.link_alone_s, stream))[0], m.expert_bytes / stream
 
 
 def expert_roofline(m: Measurements) -> dict:
@@ -573,19 +613,22 @@ def _sources(m: Measurements, link_latency: float, link_bandwidth: float) -> lis
         f"repeats, {m.elapsed_s:.1f} s in all",
         f"model: {m.model_name} ({m.model_type}, {m.num_layers} MoE layers, experts of {m.expert_params:,} "
         f"parameters, {m.expert_bytes:,} bytes in {m.stored_dtype}); compute in {m.compute_dtype} on {m.device}",
-        f"ssd: {m.files_sampled} of {m.files_total} expert files ({m.expert_file_bytes:,} bytes each) read "
-        f"{m.repeats}x with ExpertStore.read_bytes, {cache}: median {m.read_median_s * 1e6:.1f} us a file, "
-        f"latency {m.read_latency_s * 1e6:.1f} us (open + 1-byte read + close), "
-        f"{m.read_bandwidth / 1e9:.3g} GB/s after it",
-        f"ssd->host also converts: SHA-256 check + safetensors load + "
-        f"{'pinning' if m.device == 'cuda' else f'{m.compute_dtype} conversion'}, median "
-        f"{m.convert_median_s * 1e6:.1f} us an expert, charged per byte: link {link_bandwidth / 1e9:.3g} GB/s "
-        f"of stored expert bytes + {link_latency * 1e6:.1f} us",
+        f"the data path (runtime/datapath.py ExpertMover, {m.readers} reader threads, chunked reads, SHA-256 on "
+        f"the first read then xxHash3, " + ("pinned ring + copy stream" if m.device == "cuda" else
+                                           f"conversion to {m.compute_dtype}") + f"), {cache}: {m.files_sampled} of "
+        f"{m.files_total} experts moved back to back {m.repeats}x, median {m.link_seconds * 1e6:.1f} us an "
+        f"expert ({m.expert_bytes / m.link_seconds / 1e9:.3g} GB/s), one alone {m.link_alone_s * 1e6:.1f} us: "
+        f"link {link_bandwidth / 1e9:.3g} GB/s of stored expert bytes + {link_latency * 1e6:.1f} us",
+        f"raw rates in the same run: the reader pool reading experts {m.parallel_read_bandwidth / 1e9:.3g} GB/s"
+        + (f", {m.compute_dtype} conversion {m.convert_bandwidth / 1e9:.3g} GB/s" if m.convert_bandwidth else ""),
     ]
     if m.device == "cuda":
         sources.append(f"host->gpu: pinned copies, latency of a 4-byte copy {m.host_to_gpu_latency_s * 1e6:.1f} us, "
                        f"bandwidth of a {max(COPY_PROBE_BYTES, m.expert_bytes) >> 20} MiB copy "
                        f"{m.host_to_gpu_bandwidth / 1e9:.3g} GB/s")
+    if m.host_link_seconds is not None:
+        sources.append(f"with a host tier: ssd->host is the data path into pinned host slots, "
+                       f"{m.expert_bytes / m.host_link_seconds / 1e9:.3g} GB/s")
     sources += [
         "expert: the per-expert body of models/experts.py with the model's real weights at "
         + ", ".join(f"{n}: {s * 1e6:.1f} us" for n, s in sorted(m.expert_seconds.items()))
@@ -615,11 +658,12 @@ def profile_dict(m: Measurements, name: str = "measured") -> dict:
     holds it), its numbers rounded to SIGNIFICANT_DIGITS."""
     link_latency, link_bandwidth = slow_link(m)
     tiers = [{"name": tier, "capacity_bytes": capacity_text(size)} for tier, size in m.capacities.items()]
+    names = [tier["name"] for tier in tiers]
     links = []
-    if m.device == "cuda":
+    if "host" in names and names[0] == "gpu":
         links.append({"from": "host", "to": "gpu", "bandwidth_bytes_per_s": _round(m.host_to_gpu_bandwidth),
                       "latency_s": _round(m.host_to_gpu_latency_s)})
-    links.append({"from": "ssd", "to": "host", "bandwidth_bytes_per_s": _round(link_bandwidth),
+    links.append({"from": "ssd", "to": names[-2], "bandwidth_bytes_per_s": _round(link_bandwidth),
                   "latency_s": _round(link_latency)})
     compute = {key: _round(value) for key, value in expert_roofline(m).items()}
     for part in ("attention", "router", "lm_head"):
@@ -644,78 +688,10 @@ def profile_dict(m: Measurements, name: str = "measured") -> dict:
 
 
 def measure_hardware(packed_dir, *, repeats: int = 5, bypass_page_cache: bool = True, device=None,
-                     name: str = "measured", threads: int | None = None, model_name: str | None = None) -> dict:
+                     name: str = "measured", threads: int | None = None, model_name: str | None = None,
+                     readers: int | None = None, host_budget=None) -> dict:
     """Micro-benchmark this machine on the packed model in ``packed_dir`` and return its hardware profile as
     the dict HardwareProfile.from_dict accepts (see the module docstring for what is measured)."""
     return profile_dict(measure(packed_dir, repeats=repeats, bypass_page_cache=bypass_page_cache, device=device,
-                                threads=threads, model_name=model_name), name)
-
-
-# ---------------------------------------------------------------------------------------------------- TOML out
-def _toml_string(text: str) -> str:
-    escaped = []
-    for char in text:
-        if char in '"\\':
-            escaped.append("\\" + char)
-        elif ord(char) < 0x20 or ord(char) == 0x7F:
-            escaped.append(f"\\u{ord(char):04X}")
-        else:
-            escaped.append(char)
-    return '"' + "".join(escaped) + '"'
-
-
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            raise ValueError("TOML profiles hold no NaN")
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        if value != 0 and not 1e-3 <= abs(value) < 1e5:  # 1.567e+08, as the presets write rates, not 156700000.0
-            import numpy as np
-
-            return np.format_float_scientific(value, unique=True, trim="-")  # shortest text that reads back exact
-        return repr(value)
-    if isinstance(value, str):
-        return _toml_string(value)
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{key} = {_toml_value(v)}" for key, v in value.items()) + " }"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML form for {type(value).__name__}")
-
-
-def _toml_key(key: str) -> str:
-    return key if key.replace("_", "").replace("-", "").isalnum() and key.isascii() else _toml_string(key)
-
-
-def profile_toml(profile: dict, header: str = "") -> str:
-    """The profile dict as TOML in the presets' layout: top-level keys, ``sources`` one per line, then the
-    [[tiers]], [[links]] and [compute] tables (tomllib only reads, and this structure is all a profile has)."""
-    lines = [f"# {line}".rstrip() for line in header.splitlines()]
-    for key, value in profile.items():
-        if key in ("tiers", "links", "compute"):
-            continue
-        if key == "sources":
-            lines += ["sources = ["] + [f"  {_toml_string(s)}," for s in value] + ["]"]
-        else:
-            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
-    for array in ("tiers", "links"):
-        for table in profile.get(array, []):
-            lines += ["", f"[[{array}]]"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()]
-    if "compute" in profile:
-        lines += ["", "[compute]"] + [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in profile["compute"].items()]
-    return "\n".join(lines) + "\n"
-
-
-def write_profile(profile: dict, path, header: str = "") -> Path:
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(profile_toml(profile, header), encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot write the profile: {exc.strerror or exc}") from None
-    return path
+                                threads=threads, model_name=model_name, readers=readers,
+                                host_budget=host_budget), name)

@@ -1,14 +1,25 @@
-"""Packed checkpoints: the non-expert weights in one file, every routed expert in its own (paper 003, FlashMoE).
+"""Packed checkpoints: the non-expert weights in one file, the routed experts of each layer in one file of
+raw tensor bytes at offsets the manifest gives (FlashMoE's separation, paper 003).
 
-``moe-offload pack MODEL -o DIR`` writes::
+``moe-offload pack MODEL -o DIR`` writes (format version 2)::
 
-    DIR/moe-offload-pack.json        the manifest: model, shapes, dtype, every file's size and SHA-256
+    DIR/moe-offload-pack.json        the manifest (below)
     DIR/config.json, tokenizer files  copied from MODEL
     DIR/non-experts.safetensors       attention, norms, routers, shared experts, embeddings, LM head
-    DIR/experts/layer003/expert005.safetensors   gate_up_proj [2I, H] and down_proj [H, I] of one expert
+    DIR/experts/layer003.bin          layer 3's experts, each at an offset aligned to 4 KiB
 
-so that start-up loads only the non-experts (:func:`load_skeleton`) and every expert is read when needed, with
-one positional read of one file whose size and checksum the manifest knows.
+An expert's region holds its tensors one after the other in ``EXPERT_TENSORS`` order (``gate_up_proj`` [2I, H],
+``down_proj`` [H, I], the stored dtype, row-major, no header), so the runtime reads an expert with one
+positional read into a reusable buffer and makes its tensors as views, with no parsing on the hot path.
+The manifest lists, once for all experts, each tensor's offset, shape and byte size inside a region (so a
+part of an expert can be read on its own: MoEpic's split along the intermediate dimension reads the
+intermediate rows [a, b) of gate_up_proj as the two ranges of its gate and up halves, and down_proj's
+columns as H runs), and per expert its file offset and one SHA-256 and one xxHash3-64 digest per chunk of
+``chunk_bytes``. The runtime checks a chunk's SHA-256 the first time it reads it in a process, and its
+xxHash3 (an order of magnitude faster) on every later read (runtime/storage.py).
+
+Version 1 (one safetensors file per expert) is not read any more; the pack cache's directory names carry the
+format version, so a stale pack is never served (``packed_directory``).
 """
 
 from __future__ import annotations
@@ -24,7 +35,9 @@ from moe_offload.errors import ConfigError, MoeOffloadError
 
 MANIFEST = "moe-offload-pack.json"
 NON_EXPERTS = "non-experts.safetensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+ALIGNMENT = 4096               # expert regions start on page boundaries (O_DIRECT-ready, whole pages per read)
+CHUNK_BYTES = 1 << 20          # one checksum per MiB: readers verify and convert a chunk while it is in cache
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja")
 
@@ -34,12 +47,22 @@ class PackError(MoeOffloadError):
 
 
 @dataclass(frozen=True)
-class ExpertFile:
+class TensorEntry:
+    """One tensor of every expert: where it lies inside the expert's region."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int   # bytes from the start of the expert's region
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ExpertEntry:
     layer: int
     expert: int
-    path: str     # relative to the pack directory
-    nbytes: int   # file size
-    sha256: str
+    offset: int                 # bytes from the start of the layer file
+    sha256: tuple[str, ...]     # one per chunk of the region
+    xxh3: tuple[str, ...]
 
 
 @dataclass
@@ -51,14 +74,36 @@ class Manifest:
     top_k: int
     hidden_size: int
     dtype: str
-    expert_bytes: int  # tensor bytes of one expert in ``dtype``
+    expert_bytes: int  # tensor bytes of one expert in ``dtype`` (the region's size)
     decoder_layers: list[int]
-    experts: dict[tuple[int, int], ExpertFile]
+    tensors: tuple[TensorEntry, ...]
+    chunk_bytes: int
+    layer_files: list[tuple[str, int]]  # (path relative to the directory, size in bytes) per MoE layer
+    experts: dict[tuple[int, int], ExpertEntry]
     non_experts_sha256: str
     tied: dict[str, str]  # parameter -> the parameter it shares storage with (tied embeddings)
+    max_position_embeddings: int | None = None
 
-    def expert_path(self, layer: int, expert: int) -> Path:
-        return self.directory / self.experts[(layer, expert)].path
+    def layer_path(self, layer: int) -> Path:
+        return self.directory / self.layer_files[layer][0]
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """(start, end) of every checksum chunk of an expert's region."""
+        return [(start, min(start + self.chunk_bytes, self.expert_bytes))
+                for start in range(0, self.expert_bytes, self.chunk_bytes)]
+
+
+def chunk_digests(data, chunk_bytes: int) -> tuple[list[str], list[str]]:
+    """(SHA-256, xxHash3-64) hex digests of every ``chunk_bytes`` of ``data``."""
+    import xxhash
+
+    view = memoryview(data)
+    sha, xxh = [], []
+    for start in range(0, len(view), chunk_bytes):
+        chunk = view[start:start + chunk_bytes]
+        sha.append(hashlib.sha256(chunk).hexdigest())
+        xxh.append(xxhash.xxh3_64_hexdigest(chunk))
+    return sha, xxh
 
 
 def expert_parameter_names(adapter) -> set[str]:
@@ -79,13 +124,16 @@ def _sha256(path: Path) -> str:
 
 
 def pack_model(model_dir, out_dir, on_expert=None) -> Manifest:
-    """Split the checkpoint in ``model_dir`` into ``out_dir`` (see the module docstring)."""
+    """Split the checkpoint in ``model_dir`` into ``out_dir`` (see the module docstring). ``out_dir`` is checked
+    before any work (it must not exist, or be an empty directory, in a writable folder) and written atomically:
+    an interrupted or failed pack leaves nothing behind."""
     import torch
-    from safetensors.torch import save_file
 
     from moe_offload.models.adapters import load_model, read_config
+    from moe_offload.outputs import atomic_directory, check_output
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    check_output(out_dir, inputs=[model_dir], directory=True, what="packed model")
     config = read_config(model_dir)
     raw = json.loads((model_dir / "config.json").read_text())
     stored = raw.get("dtype") or raw.get("torch_dtype") or "float32"
@@ -93,10 +141,16 @@ def pack_model(model_dir, out_dir, on_expert=None) -> Manifest:
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"{model_dir / 'config.json'}: unknown dtype {stored!r}")
     model, adapter = load_model(model_dir, dtype=dtype)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ConfigError(f"{out_dir}: exists and is not empty; pack into a new directory")
-    (out_dir / "experts").mkdir(parents=True, exist_ok=True)
+    with atomic_directory(out_dir) as staging:
+        _write_pack(model, adapter, config, stored, model_dir, staging, on_expert)
+    return read_manifest(out_dir)
 
+
+def _write_pack(model, adapter, config, stored: str, model_dir: Path, out_dir: Path, on_expert) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    (out_dir / "experts").mkdir()
     expert_names = expert_parameter_names(adapter)
     non_experts, tied, seen = {}, {}, {}
     for name, tensor in model.state_dict().items():
@@ -110,34 +164,47 @@ def pack_model(model_dir, out_dir, on_expert=None) -> Manifest:
         non_experts[name] = tensor.contiguous()
     save_file(non_experts, out_dir / NON_EXPERTS, metadata={"format": "pt"})
 
-    experts = []
+    first = adapter.expert_tensors(0, 0)
+    tensors, offset = [], 0
+    for name in adapter.EXPERT_TENSORS:
+        nbytes = first[name].numel() * first[name].element_size()
+        tensors.append({"name": name, "shape": list(first[name].shape), "offset": offset, "bytes": nbytes})
+        offset += nbytes
+    expert_bytes = offset
+    stride = -(-expert_bytes // ALIGNMENT) * ALIGNMENT
+    layers, experts = [], []
     for layer in range(adapter.num_layers):
-        folder = out_dir / "experts" / f"layer{layer:03d}"
-        folder.mkdir(exist_ok=True)
-        for expert in range(adapter.num_experts):
-            path = folder / f"expert{expert:03d}.safetensors"
-            save_file({name: t.contiguous() for name, t in adapter.expert_tensors(layer, expert).items()}, path)
-            experts.append({"layer": layer, "expert": expert, "file": path.relative_to(out_dir).as_posix(),
-                            "bytes": path.stat().st_size, "sha256": _sha256(path)})
-            if on_expert:
-                on_expert()
+        path = out_dir / "experts" / f"layer{layer:03d}.bin"
+        with open(path, "wb") as handle:
+            for expert in range(adapter.num_experts):
+                parts = adapter.expert_tensors(layer, expert)
+                region = torch.cat([parts[name].contiguous().reshape(-1).view(torch.uint8)
+                                    for name in adapter.EXPERT_TENSORS]).numpy()
+                handle.write(memoryview(region))
+                handle.write(bytes(stride - expert_bytes))
+                sha, xxh = chunk_digests(region, CHUNK_BYTES)
+                experts.append({"layer": layer, "expert": expert, "offset": expert * stride, "sha256": sha,
+                                "xxh3": xxh})
+                if on_expert:
+                    on_expert()
+        layers.append({"file": path.relative_to(out_dir).as_posix(), "bytes": path.stat().st_size})
     for name in ("config.json", *TOKENIZER_FILES):
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, out_dir / name)
     manifest = {
         "format_version": FORMAT_VERSION, "model_type": config.model_type, "source": str(model_dir.resolve()),
         "num_layers": adapter.num_layers, "num_experts": adapter.num_experts, "top_k": adapter.top_k,
-        "hidden_size": adapter.hidden_size, "dtype": stored, "expert_bytes": adapter.expert_bytes(),
+        "hidden_size": adapter.hidden_size, "dtype": stored, "expert_bytes": expert_bytes,
+        "max_position_embeddings": getattr(config, "max_position_embeddings", None),
         "decoder_layers": adapter.decoder_layers, "tied": tied,
         "non_experts": {"file": NON_EXPERTS, "sha256": _sha256(out_dir / NON_EXPERTS)},
-        "experts": experts,
+        "expert_tensors": tensors, "chunk_bytes": CHUNK_BYTES, "layers": layers, "experts": experts,
     }
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    return read_manifest(out_dir)
 
 
 def read_manifest(directory, check_files: bool = True) -> Manifest:
-    """The manifest of a packed directory; with ``check_files``, every expert file must exist with the
+    """The manifest of a packed directory; with ``check_files``, every layer file must exist with the
     manifest's size (a cheap stat each, so a missing or truncated file is reported at start-up)."""
     directory = Path(directory)
     path = directory / MANIFEST
@@ -147,32 +214,42 @@ def read_manifest(directory, check_files: bool = True) -> Manifest:
         data = json.loads(path.read_text())
         if data.get("format_version") != FORMAT_VERSION:
             raise PackError(f"{path}: format version {data.get('format_version')!r}, this release reads "
-                            f"{FORMAT_VERSION}")
+                            f"{FORMAT_VERSION}: pack the model again (`moe-offload pack`)")
         experts = {}
         for entry in data["experts"]:
-            item = ExpertFile(int(entry["layer"]), int(entry["expert"]), str(entry["file"]), int(entry["bytes"]),
-                              str(entry["sha256"]))
+            item = ExpertEntry(int(entry["layer"]), int(entry["expert"]), int(entry["offset"]),
+                               tuple(map(str, entry["sha256"])), tuple(map(str, entry["xxh3"])))
             experts[(item.layer, item.expert)] = item
+        tensors = tuple(TensorEntry(str(t["name"]), tuple(int(n) for n in t["shape"]), int(t["offset"]),
+                                    int(t["bytes"])) for t in data["expert_tensors"])
         manifest = Manifest(directory, data["model_type"], int(data["num_layers"]), int(data["num_experts"]),
                             int(data["top_k"]), int(data["hidden_size"]), str(data["dtype"]),
-                            int(data["expert_bytes"]), [int(i) for i in data["decoder_layers"]], experts,
-                            str(data["non_experts"]["sha256"]), dict(data.get("tied", {})))
+                            int(data["expert_bytes"]), [int(i) for i in data["decoder_layers"]], tensors,
+                            int(data["chunk_bytes"]), [(str(f["file"]), int(f["bytes"])) for f in data["layers"]],
+                            experts, str(data["non_experts"]["sha256"]), dict(data.get("tied", {})),
+                            data.get("max_position_embeddings"))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise PackError(f"{path}: not a valid pack manifest ({type(exc).__name__}: {exc})") from None
     expected = {(l, e) for l in range(manifest.num_layers) for e in range(manifest.num_experts)}
-    if set(experts) != expected:
+    if set(experts) != expected or len(manifest.layer_files) != manifest.num_layers:
         missing = sorted(expected - set(experts))
-        raise PackError(f"{path}: lists {len(experts)} experts, expected {len(expected)}"
+        raise PackError(f"{path}: lists {len(experts)} experts in {len(manifest.layer_files)} layer files, expected "
+                        f"{len(expected)} in {manifest.num_layers}"
                         + (f" (no entry for layer {missing[0][0]} expert {missing[0][1]})" if missing else ""))
+    chunks = len(manifest.chunks())
+    if sum(t.nbytes for t in tensors) != manifest.expert_bytes or any(
+            len(e.sha256) != chunks or len(e.xxh3) != chunks for e in experts.values()):
+        raise PackError(f"{path}: the expert tensors or chunk checksums do not add up to {manifest.expert_bytes} "
+                        "bytes per expert")
     if check_files:
-        for item in experts.values():
-            file = directory / item.path
+        for layer, (name, nbytes) in enumerate(manifest.layer_files):
+            file = directory / name
             if not file.is_file():
-                raise PackError(f"expert {item.expert} of layer {item.layer}: {file}: missing")
+                raise PackError(f"experts of layer {layer}: {file}: missing")
             size = file.stat().st_size
-            if size != item.nbytes:
-                raise PackError(f"expert {item.expert} of layer {item.layer}: {file}: {size} bytes, the manifest "
-                                f"says {item.nbytes} (truncated or replaced)")
+            if size != nbytes:
+                raise PackError(f"experts of layer {layer}: {file}: {size} bytes, the manifest says {nbytes} "
+                                "(truncated or replaced)")
         if not (directory / NON_EXPERTS).is_file():
             raise PackError(f"{directory / NON_EXPERTS}: missing")
     return manifest
@@ -214,14 +291,20 @@ def load_skeleton(manifest: Manifest, device="cpu", dtype=None, verify: bool = T
     if missing or unexpected:
         problem = f"lacks {sorted(missing)[0]}" if missing else f"has unexpected {sorted(unexpected)[0]}"
         raise PackError(f"{file}: {problem}")
+    # Non-persistent buffers (rotary frequencies) are in no file: computed again as from_pretrained computes
+    # them, in the dtype the model's code gives them (float32 for rotary frequencies, whatever the weights'
+    # dtype); casting them with the weights would change the float16 model's rotations, and its tokens.
+    with_buffers = [(module, {name: module._buffers[name].dtype for name in module._non_persistent_buffers_set})
+                    for module in model.modules() if getattr(module, "_non_persistent_buffers_set", None)]
+    model.to(dtype=dtype or getattr(torch, manifest.dtype))
     with torch.no_grad():
         for name, target in manifest.tied.items():
             model.get_parameter(name).copy_(model.get_parameter(target))
-        for module in model.modules():  # non-persistent buffers (rotary frequencies) are not in any file
-            if getattr(module, "_non_persistent_buffers_set", None):
-                model._init_weights(module)
-    model.to(dtype=dtype or getattr(torch, manifest.dtype)).eval()
-    return model, adapter, time.perf_counter() - started
+        for module, dtypes in with_buffers:
+            for name, buffer_dtype in dtypes.items():
+                module._buffers[name] = module._buffers[name].to(buffer_dtype)
+            model._init_weights(module)
+    return model.eval(), adapter, time.perf_counter() - started
 
 
 def cache_root() -> Path:
@@ -256,7 +339,8 @@ def packed_directory(name: str, on_expert=None) -> Path:
     if not weights:
         raise ConfigError(f"{directory}: no weight file (*.safetensors) in the model directory")
     digest = hashlib.sha256("".join(_sha256(file) for file in weights).encode()).hexdigest()[:12]
-    target = cache_root() / "packed" / f"{directory.resolve().name}-{digest}"
+    # the format version in the name: a pack written by another release is never served
+    target = cache_root() / "packed" / f"{directory.resolve().name}-{digest}-v{FORMAT_VERSION}"
     if (target / MANIFEST).is_file():
         return target
     print(f"packing {directory} into {target} (once)", file=sys.stderr)

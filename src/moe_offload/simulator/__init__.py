@@ -1,6 +1,7 @@
 """Simulators that drive the cache, the eviction policies and the prefetchers.
 
-replay.py: access-level demand paging, the model of paper 001 (hit rates against Belady's optimum).
+replay.py: access-level demand paging, the model of paper 001 (hit rates against Belady's optimum);
+kernels.py compiles the policies' replay kernels with Numba, which the replay runs where it can.
 timed/: discrete-event simulation on a hardware profile, with transfer queues (transfers.py) and
 prefetchers (TTFT, TPOT, stalls, traffic); split.py: MoEpic's split experts, an option of the timed run.
 """

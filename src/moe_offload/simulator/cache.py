@@ -16,9 +16,17 @@ the driver withdraws its prediction (``release``: its layer was routed without i
 never offered to the policy as a victim, whatever the policy's ranking, and its bytes count in the
 budget. Without this rule a policy that ranks a newcomer low (LCP gives it mu = 0, fMoE freq = 0) evicts
 each prefetch before the token that needed it arrives, and a prefetcher's precision would depend on the
-eviction policy. Two limits keep the rule from blocking anything that must happen:
+eviction policy.
 
-* a prefetch never evicts a held expert: if the room can only come from held experts, the prefetch waits;
+A prediction of an expert that is already resident needs no transfer, but it matters all the same: the
+driver passes ``protect`` to a prefetch's ``reserve``, the resident experts predicted for a layer that
+comes no later than the prefetched one, and the prefetch does not evict them. So a prefetch for a later
+layer never pushes out an expert predicted for an earlier one (an oracle looking three layers ahead would
+otherwise evict what the next layer needs, and run slower than no prefetching); demand loads still evict
+predicted experts by the policy's ranking. Two limits keep the rules from blocking anything that must
+happen:
+
+* a prefetch never evicts a held or protected expert: if the room can only come from those, it waits;
 * a demand load always makes progress: when every unpinned resident is held, holds are released, the
   most recent first (the prediction made furthest ahead), until the room can be made; the policy then
   picks its victim among the released.
@@ -28,6 +36,17 @@ from __future__ import annotations
 
 from moe_offload.errors import ConfigError
 from moe_offload.policies.base import AccessContext, EvictionPolicy
+
+
+def predicted_no_later_than(predicted, key: int, layer_now: int, num_experts: int, num_layers: int) -> set:
+    """Of the resident experts ``predicted`` for layers to come, those whose layer comes no later than
+    ``key``'s, counting layers from the one after ``layer_now`` (the last routed) on into the next
+    iteration: what a prefetch of ``key`` passes as ``protect`` (module doc)."""
+    def ahead(k: int) -> int:
+        return (k // num_experts - layer_now - 1) % num_layers
+
+    limit = ahead(key)
+    return {k for k in predicted if ahead(k) <= limit}
 
 
 class ExpertCache:
@@ -72,6 +91,10 @@ class ExpertCache:
         ordinary resident (or incoming) expert from now on."""
         self.held.pop(key, None)
 
+    def end_request(self, request) -> None:
+        """Request ``request`` has run its last iteration (the policy's per-sequence state may go)."""
+        self.policy.on_request_end(request)
+
     def evict(self, key) -> None:
         self.used -= self.resident.pop(key)
         self.held.pop(key, None)
@@ -85,12 +108,12 @@ class ExpertCache:
         self.used -= self.reserved.pop(key)
         self.held.pop(key, None)
 
-    def reserve(self, key, ctx: AccessContext, size: int = 1) -> bool:
+    def reserve(self, key, ctx: AccessContext, size: int = 1, protect=()) -> bool:
         """Make room for ``key`` (evicting the policy's victims, never one in ``ctx.pinned`` nor a held
-        prefetch) and count its size until ``complete``; a prefetch (``ctx.prefetch``) is held from now on.
-        False, with nothing evicted, when the room cannot be made now because the rest of the cache is
-        pinned, reserved or, for a prefetch, held."""
-        if self.used + size > self.capacity and not self._make_room(key, ctx, size):
+        prefetch nor, for a prefetch, one in ``protect``) and count its size until ``complete``; a prefetch
+        (``ctx.prefetch``) is held from now on. False, with nothing evicted, when the room cannot be made now
+        because the rest of the cache is pinned, reserved or, for a prefetch, held or protected."""
+        if self.used + size > self.capacity and not self._make_room(key, ctx, size, protect):
             return False
         self.reserved[key] = size
         self.used += size
@@ -103,20 +126,41 @@ class ExpertCache:
         self.resident[key] = self.reserved.pop(key)
         self.policy.on_insert(key, ctx)
 
-    def _make_room(self, key, ctx, size) -> bool:
+    def resize(self, capacity: int, ctx: AccessContext, entry_size: int | None = None) -> None:
+        """A new budget (MoEpic's online reconfiguration): with ``entry_size`` every resident expert counts that
+        size from now on (nothing may be on its way in); then the policy's victims are evicted until the
+        residents fit, never a pinned or held expert. What only those could free stays over the budget until
+        they are released: the next reservation evicts it then."""
+        if entry_size is not None:
+            if self.reserved:
+                raise RuntimeError("resizing the entries of a cache while experts are on their way in")
+            self.resident = dict.fromkeys(self.resident, entry_size)
+            self.used = entry_size * len(self.resident)
+        self.capacity = capacity
+        pinned = ctx.pinned
+        ctx.pinned = pinned | self.held.keys()
+        try:
+            while self.used > capacity and any(key not in ctx.pinned for key in self.resident):
+                self.evict(self.policy.victim(ctx))
+        finally:
+            ctx.pinned = pinned
+
+    def _make_room(self, key, ctx, size, protect=()) -> bool:
         """Evict the policy's victims until ``size`` more units fit; False, with nothing evicted, when
-        that cannot be done now (module doc: what pinned, reserved and held experts allow)."""
+        that cannot be done now (module doc: what pinned, reserved, held and protected experts allow)."""
         if size > self.capacity:
             raise ConfigError(f"expert {key} needs {size} units but the whole cache holds {self.capacity}")
         if self.policy.cache_slots is None:  # full for the first time: what it holds is its size in experts
             self.policy.cache_slots = len(self.resident) + len(self.reserved)
         pinned = ctx.pinned
-        if self.reserved or pinned or self.held:  # the hot paths (the replay) have none of these
-            if not self._room_can_be_made(pinned, size, self.held):
+        if self.reserved or pinned or self.held or protect:  # the hot paths (the replay) have none of these
+            spared = self.held.keys() | protect if ctx.prefetch and protect else self.held.keys()
+            if not self._room_can_be_made(pinned, size, spared):
                 if ctx.prefetch or not self._release_holds_for(pinned, size):
                     return False
-            if self.held:  # the policy must not see a held expert as a candidate
-                ctx.pinned = self.held.keys() | pinned
+                spared = self.held.keys()
+            if spared:  # the policy must not see a held or protected expert as a candidate
+                ctx.pinned = spared | pinned
         try:
             policy = self.policy
             while self.used + size > self.capacity:
@@ -125,22 +169,22 @@ class ExpertCache:
             ctx.pinned = pinned
         return True
 
-    def _room_can_be_made(self, pinned, size, held) -> bool:
-        """Whether evicting every resident expert that is neither pinned nor held would make room for
+    def _room_can_be_made(self, pinned, size, spared) -> bool:
+        """Whether evicting every resident expert that is neither pinned nor ``spared`` would make room for
         ``size`` units; asked before the first eviction, so that an attempt that cannot succeed evicts
         nothing."""
         resident = self.resident
-        stuck = sum(self.reserved.values()) + sum(resident[k] for k in held.keys() | pinned if k in resident)
+        stuck = sum(self.reserved.values()) + sum(resident[k] for k in spared | pinned if k in resident)
         return self.capacity - stuck >= size
 
     def _release_holds_for(self, pinned, size) -> bool:
         """A demand load finds the room held by prefetches: release the holds of resident experts, the most
         recent first, until it can be made. False when even releasing every hold would not make it (the
         rest is pinned or reserved)."""
-        if not self._room_can_be_made(pinned, size, {}):
+        if not self._room_can_be_made(pinned, size, set()):
             return False
         for key in reversed([key for key in self.held if key in self.resident]):
-            if self._room_can_be_made(pinned, size, self.held):
+            if self._room_can_be_made(pinned, size, self.held.keys()):
                 break
             del self.held[key]
         return True
@@ -163,10 +207,16 @@ class PartitionedCache:
     expert budget does."""
 
     def __init__(self, capacity: int, num_layers: int, make_policy, experts_per_layer: int, slot_size: int = 1):
-        base, extra = divmod(capacity // slot_size, num_layers)
         self.capacity = capacity
         self.experts_per_layer = experts_per_layer
-        self.parts = [ExpertCache((base + (layer < extra)) * slot_size, make_policy()) for layer in range(num_layers)]
+        self.parts = [ExpertCache(slots * slot_size, make_policy())
+                      for slots in self.capacities(capacity // slot_size, num_layers)]
+
+    @staticmethod
+    def capacities(slots: int, num_layers: int) -> list[int]:
+        """The slots of each layer's partition: ``slots // L`` each, one more for the first ``slots % L``."""
+        base, extra = divmod(slots, num_layers)
+        return [base + (layer < extra) for layer in range(num_layers)]
 
     def __contains__(self, key) -> bool:
         return key in self.parts[key // self.experts_per_layer]
@@ -204,6 +254,10 @@ class PartitionedCache:
     def cancel(self, key) -> None:
         self.parts[key // self.experts_per_layer].cancel(key)
 
+    def end_request(self, request) -> None:
+        for part in self.parts:
+            part.end_request(request)
+
     def release(self, key) -> None:
         self.parts[key // self.experts_per_layer].release(key)
 
@@ -213,8 +267,8 @@ class PartitionedCache:
     def touch(self, key, ctx: AccessContext) -> bool:
         return self.parts[key // self.experts_per_layer].touch(key, ctx)
 
-    def reserve(self, key, ctx: AccessContext, size: int = 1) -> bool:
-        return self.parts[key // self.experts_per_layer].reserve(key, ctx, size)
+    def reserve(self, key, ctx: AccessContext, size: int = 1, protect=()) -> bool:
+        return self.parts[key // self.experts_per_layer].reserve(key, ctx, size, protect)
 
     def complete(self, key, ctx: AccessContext) -> None:
         self.parts[key // self.experts_per_layer].complete(key, ctx)

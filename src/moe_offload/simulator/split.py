@@ -3,43 +3,86 @@ configuration of `moe-offload configure`.
 
 Layer i caches the *top segments*, theta_i of an expert's bytes each, of up to C_i experts, in a cache of
 its own (C_i top segments, V_i = theta_i C_i experts' worth of VRAM) managed by the run's eviction policy.
-The rest of an expert, its *bottom segment*, is fetched when needed into the layer's buffer of K complete
-experts (the paper's U_b; K = top-k): only the bottom segment when the top is cached, else the whole
-expert, whose top segment is then cached if the policy makes room for it (else the whole copy waits in
-the buffer). A buffered segment is consumed once its expert has run, and dropped when its layer is
-routed without it: the buffer serves the layer it was fetched for.
+The rest of an expert, its *bottom segment*, is fetched when needed into the prefetch buffer: only the
+bottom segment when the top is cached, else the whole expert, whose top segment is then cached if the
+policy makes room for it (else the whole copy waits in the buffer). A buffered segment is consumed once its
+expert has run, and dropped when its layer is routed without it: the buffer serves the layer it was
+fetched for.
+
+The buffer is the paper's U_b, "the size of K complete experts" (section 4.1), one for the whole model as
+in equation 8's VRAM constraint U_n + sum V_i + U_b <= V, not one per layer: the segments of the layer
+being computed and the prefetches for the next one share it. A prefetch waits while it has no room; a
+demand load that finds no room drops landed segments of experts the current layer does not need (the
+speculation for the layers ahead), the most recent first. The memory a split run reports is the top
+segments plus this buffer, so that a split run and an unsplit one compare at the same VRAM.
 
 An expert is *complete* (``key in experts``) when its top is cached and its bottom buffered, or its whole
 copy buffered; it has its *top* when the top is cached or the whole copy buffered. The timed simulator
 runs theta_i of an expert's compute as soon as it has its top, and the rest once it is complete, so the
 top's compute overlaps the bottom's transfer (section 3.2).
+
+Online reconfiguration (Algorithm 1, lines 8-10): ``reconfigure`` applies a new configuration to the
+running caches between two passes, with nothing on its way in. Each layer's cache is resized to its C_i
+new tops of the new ratio: the policy's victims are evicted, never a pinned or held expert, until the
+rest fits (a held prefetch stays over the budget until its hold ends); buffered bottom segments of a layer
+whose ratio changed no longer fit their tops and are dropped. The paper then "vertically splits the
+top-C_i experts" by priority, loading the tops of experts not cached; here a layer whose cache grew fills
+on its next misses, since a policy ranks only the experts it holds. When the ratio grows, each kept top
+lacks (theta_new - theta_old) of an expert: ``reconfigure`` returns those bytes, which the simulator loads
+before the next pass.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from moe_offload.errors import ConfigError
+from moe_offload.inputs import parse_json, read_text
 from moe_offload.hardware.profile import format_bytes
 from moe_offload.policies.base import AccessContext
 from moe_offload.simulator.cache import ExpertCache
+from moe_offload.values import integer, number
 
 
 @dataclass(frozen=True)
 class LayerSplitPlan:
-    cached_experts: int   # C_i: experts whose top segment layer i caches
-    split_ratio: float    # theta_i: the top segment's share of an expert's bytes, in (0, 1]
+    cached_experts: int          # C_i: experts whose top segment layer i caches
+    split_ratio: float           # theta_i: the top segment's share of an expert's bytes, in (0, 1]
+    prefetches: int | None = None  # Y_i: experts the configurator expects the prefetch to reach (eq 11)
+
+    def __post_init__(self):
+        object.__setattr__(self, "cached_experts", integer(self.cached_experts, "cache_size", low=1))
+        object.__setattr__(self, "split_ratio", number(self.split_ratio, "split_ratio", low=0, high=1,
+                                                       low_open=True))
+        if self.prefetches is not None:
+            object.__setattr__(self, "prefetches", integer(self.prefetches, "prefetches", low=0))
 
 
 @dataclass(frozen=True)
 class SplitConfig:
-    """Per layer, the experts whose top segment is cached and the split ratio (configure --json's
-    ``layers[i].cache_size`` and ``layers[i].split_ratio``)."""
+    """Per layer, the experts whose top segment is cached, the split ratio and the prefetch count
+    (configure --json's ``layers[i].cache_size``, ``layers[i].split_ratio`` and ``layers[i].prefetches``)."""
 
     layers: tuple[LayerSplitPlan, ...]
+
+    @classmethod
+    def of(cls, layers) -> "SplitConfig":
+        """From the configurator's per-layer answers (``LayerSplit``: cache_size, split_ratio, prefetches)."""
+        return cls(tuple(LayerSplitPlan(split.cache_size, split.split_ratio, split.prefetches) for split in layers))
+
+    @classmethod
+    def uniform(cls, budget_experts: float, num_layers: int, num_experts: int) -> "SplitConfig":
+        """Algorithm 1's start (line 4): V_e / L experts' worth per layer and theta = 0.5, so C = V / 0.5 (at most
+        the layer's N experts, theta = V / C then)."""
+        share = budget_experts / num_layers
+        cached = min(num_experts, max(1, round(share / 0.5)))
+        return cls((LayerSplitPlan(cached, min(1.0, share / cached)),) * num_layers)
+
+    @property
+    def prefetches(self) -> tuple[int, ...] | None:
+        """Y of every layer, or None when the configuration does not give them all."""
+        counts = tuple(plan.prefetches for plan in self.layers)
+        return None if None in counts else counts
 
     def top_bytes(self, layer: int, expert_bytes: int) -> int:
         return round(self.layers[layer].split_ratio * expert_bytes)
@@ -48,47 +91,53 @@ class SplitConfig:
         """Bytes of all layers' top-segment caches."""
         return sum(plan.cached_experts * self.top_bytes(layer, expert_bytes) for layer, plan in enumerate(self.layers))
 
+    @staticmethod
+    def buffer_bytes(top_k: int, expert_bytes: int) -> int:
+        """The prefetch buffer U_b: K complete experts (module doc)."""
+        return top_k * expert_bytes
+
+    def memory_bytes(self, top_k: int, expert_bytes: int) -> int:
+        """The VRAM of the split experts: the top segments and the buffer."""
+        return self.cache_bytes(expert_bytes) + self.buffer_bytes(top_k, expert_bytes)
+
     def check(self, num_layers: int, num_experts: int, top_k: int, expert_bytes: int, gpu_name: str,
               gpu_bytes: int, source: str = "the split configuration") -> None:
         """Raise ConfigError, naming ``source``, unless the model and the GPU can run this configuration."""
         if len(self.layers) != num_layers:
             raise ConfigError(f"{source}: {len(self.layers)} layers, but the trace's model has {num_layers}")
         for layer, plan in enumerate(self.layers):
-            if not (math.isfinite(plan.split_ratio) and 0 < plan.split_ratio <= 1):
-                raise ConfigError(f"{source}: layer {layer}: split ratio {plan.split_ratio!r} is outside (0, 1]")
             if not 1 <= plan.cached_experts <= num_experts:
                 raise ConfigError(f"{source}: layer {layer}: {plan.cached_experts} cached experts, not in "
                                   f"[1, {num_experts}]")
             if self.top_bytes(layer, expert_bytes) < 1:
                 raise ConfigError(f"{source}: layer {layer}: a top segment of {plan.split_ratio:g} x "
                                   f"{expert_bytes} bytes holds no byte")
-        buffers = num_layers * top_k * expert_bytes
-        needed = self.cache_bytes(expert_bytes) + buffers
+            if plan.prefetches is not None and not 0 <= plan.prefetches <= num_experts:
+                raise ConfigError(f"{source}: layer {layer}: {plan.prefetches} prefetches, not in [0, {num_experts}]")
+        buffer = self.buffer_bytes(top_k, expert_bytes)
+        needed = self.memory_bytes(top_k, expert_bytes)
         if needed > gpu_bytes:
             raise ConfigError(f"{source}: the cached top segments ({format_bytes(self.cache_bytes(expert_bytes))}) "
-                              f"and the buffers of {top_k} experts per layer ({format_bytes(buffers)}) need "
+                              f"and the buffer of {top_k} experts ({format_bytes(buffer)}) need "
                               f"{format_bytes(needed)}, more than the {format_bytes(gpu_bytes)} of the {gpu_name}")
 
 
 def read_split_config(path) -> SplitConfig:
-    """The configuration in a file written by `moe-offload configure --json`."""
-    try:
-        document = json.loads(Path(path).read_text())
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read the split configuration: {error.strerror or error}") from None
-    except ValueError as error:
-        raise ConfigError(f"{path}: not JSON ({error}); write it with `moe-offload configure --json`") from None
+    """The configuration in a file written by `moe-offload configure --json`; every value is checked here,
+    naming the file and the layer."""
+    what = "split configuration"
+    document = parse_json(read_text(path, what), path, what)
     layers = document.get("layers") if isinstance(document, dict) else None
     if not isinstance(layers, list) or not layers:
         raise ConfigError(f"{path}: no list of layers; write it with `moe-offload configure --json`")
     plans = []
     for layer, entry in enumerate(layers):
-        cached = entry.get("cache_size") if isinstance(entry, dict) else None
-        ratio = entry.get("split_ratio") if isinstance(entry, dict) else None
-        if isinstance(cached, bool) or not isinstance(cached, int) \
-                or isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
+        if not isinstance(entry, dict) or "cache_size" not in entry or "split_ratio" not in entry:
             raise ConfigError(f"{path}: layer {layer}: needs an integer cache_size and a number split_ratio")
-        plans.append(LayerSplitPlan(cached, float(ratio)))
+        try:
+            plans.append(LayerSplitPlan(entry["cache_size"], entry["split_ratio"], entry.get("prefetches")))
+        except ConfigError as error:
+            raise ConfigError(f"{path}: layer {layer}: {error}") from None
     return SplitConfig(tuple(plans))
 
 
@@ -114,9 +163,21 @@ class SegmentBuffer:
     def release(self, key: int) -> None:
         self.used -= self.resident.pop(key)
 
+    def room_from_landed(self, nbytes: int, keep) -> list[int]:
+        """The landed segments, most recent first and none in ``keep``, whose release would make room for
+        ``nbytes``; empty when no release is needed or none would be enough."""
+        need = self.used + nbytes - self.capacity
+        chosen = []
+        for key in reversed([key for key in self.resident if key not in keep]):
+            if need <= 0:
+                break
+            chosen.append(key)
+            need -= self.resident[key]
+        return chosen if need <= 0 else []
+
 
 class SplitExperts:
-    """The GPU tier of a split run: per-layer top-segment caches and segment buffers (see the module doc).
+    """The GPU tier of a split run: per-layer top-segment caches and the prefetch buffer (see the module doc).
 
     It answers the timed simulator as an ExpertCache does (``in``, ``touch``, ``reserve``, ``complete``),
     with sizes in bytes on the wire: ``transfer_bytes`` says what a transfer of ``key`` carries now."""
@@ -127,20 +188,19 @@ class SplitExperts:
         self.ratio = [plan.split_ratio for plan in config.layers]
         self.tops = [ExpertCache(plan.cached_experts * top, make_policy())
                      for plan, top in zip(config.layers, self.top_bytes)]
-        self.buffers = [SegmentBuffer(top_k * expert_bytes) for _ in config.layers]
+        self.buffer = SegmentBuffer(config.buffer_bytes(top_k, expert_bytes))
         self.whole: set[int] = set()  # keys whose buffered copy is the whole expert (its top was not cached)
 
     def _bottom_bytes(self, layer: int) -> int:
         return self.E - self.top_bytes[layer]
 
     def has_top(self, key: int) -> bool:
-        layer = key // self.J
-        return key in self.tops[layer] or (key in self.whole and key in self.buffers[layer].resident)
+        return key in self.tops[key // self.J] or (key in self.whole and key in self.buffer.resident)
 
     def __contains__(self, key: int) -> bool:
-        layer = key // self.J
-        if key in self.buffers[layer].resident:
+        if key in self.buffer.resident:
             return True
+        layer = key // self.J
         return key in self.tops[layer] and self._bottom_bytes(layer) == 0
 
     def touch(self, key: int, ctx: AccessContext) -> bool:
@@ -155,44 +215,60 @@ class SplitExperts:
     def release(self, key: int) -> None:
         self.tops[key // self.J].release(key)
 
+    def end_request(self, request) -> None:
+        for top in self.tops:
+            top.end_request(request)
+
     def transfer_bytes(self, key: int) -> int:
         """The bottom segment when the top is cached, else the whole expert."""
         layer = key // self.J
         return self._bottom_bytes(layer) if key in self.tops[layer] else self.E
 
-    def reserve(self, key: int, ctx: AccessContext, nbytes: int) -> bool:
+    def _buffer_room(self, nbytes: int, ctx: AccessContext) -> bool:
+        """Whether the buffer can take ``nbytes`` now; a demand load (not ``ctx.prefetch``) drops landed
+        segments of experts the current layer does not need (not pinned), the most recent first."""
+        buffer = self.buffer
+        if buffer.has_room(nbytes):
+            return True
+        if ctx.prefetch:
+            return False
+        dropped = buffer.room_from_landed(nbytes, ctx.pinned)
+        for key in dropped:
+            self.consume(key)
+        return bool(dropped)
+
+    def reserve(self, key: int, ctx: AccessContext, nbytes: int, protect=()) -> bool:
         """Make room for a transfer of ``nbytes`` (``transfer_bytes(key)``): a bottom segment in the buffer, or a
         whole expert's top in the cache (tops of pinned or buffered experts are never evicted) and its bottom in
         the buffer, or, when the cache cannot make room, the whole expert in the buffer. False, with nothing
-        changed, when the buffer has no room."""
+        changed in the caches, when the buffer has no room."""
         layer = key // self.J
-        buffer, bottom = self.buffers[layer], self._bottom_bytes(layer)
+        buffer, bottom = self.buffer, self._bottom_bytes(layer)
         if nbytes == bottom:
-            if not buffer.has_room(bottom):
+            if not self._buffer_room(bottom, ctx):
                 return False
             buffer.reserve(key, bottom)
             return True
-        if not buffer.has_room(bottom):
+        if not self._buffer_room(bottom, ctx):
             return False
         pinned = ctx.pinned
         ctx.pinned = pinned | buffer.reserved.keys() | buffer.resident.keys()
         try:
-            admitted = self.tops[layer].reserve(key, ctx, self.top_bytes[layer])
+            admitted = self.tops[layer].reserve(key, ctx, self.top_bytes[layer], protect)
         finally:
             ctx.pinned = pinned
         if admitted:
             if bottom:
                 buffer.reserve(key, bottom)
             return True
-        if not buffer.has_room(self.E):
+        if not self._buffer_room(self.E, ctx):
             return False
         buffer.reserve(key, self.E)
         self.whole.add(key)
         return True
 
     def complete(self, key: int, ctx: AccessContext) -> None:
-        layer = key // self.J
-        top, buffer = self.tops[layer], self.buffers[layer]
+        top, buffer = self.tops[key // self.J], self.buffer
         if key in top.reserved:
             top.complete(key, ctx)
         if key in buffer.reserved:
@@ -200,12 +276,29 @@ class SplitExperts:
 
     def consume(self, key: int) -> None:
         """``key`` has run (or its layer passed without it): its buffered segment leaves the buffer."""
-        buffer = self.buffers[key // self.J]
-        if key in buffer.resident:
-            buffer.release(key)
+        if key in self.buffer.resident:
+            self.buffer.release(key)
             self.whole.discard(key)
 
     def drop_unneeded(self, layer: int, needed: set) -> None:
-        """Layer ``layer`` is routed: landed segments of experts it does not need leave the buffer."""
-        for key in [key for key in self.buffers[layer].resident if key not in needed]:
+        """Layer ``layer`` is routed: landed segments of its experts that it does not need leave the buffer."""
+        J = self.J
+        for key in [key for key in self.buffer.resident if key // J == layer and key not in needed]:
             self.consume(key)
+
+    def reconfigure(self, config: SplitConfig, ctx: AccessContext) -> list[int]:
+        """Apply ``config`` between two passes, with no transfer into the GPU on its way (module doc). Returns,
+        per layer, the bytes its kept tops lack under the new ratio (0 where it did not grow)."""
+        if self.buffer.reserved or any(top.reserved for top in self.tops):
+            raise RuntimeError("reconfiguring split experts while a segment is on its way in")
+        grown = []
+        for layer, plan in enumerate(config.layers):
+            old, new = self.top_bytes[layer], config.top_bytes(layer, self.E)
+            top = self.tops[layer]
+            top.resize(plan.cached_experts * new, ctx, entry_size=new)
+            if new != old:
+                for key in [key for key in self.buffer.resident if key // self.J == layer and key not in self.whole]:
+                    self.consume(key)  # a bottom cut at the old ratio fits no top of the new one
+            self.top_bytes[layer], self.ratio[layer] = new, plan.split_ratio
+            grown.append(max(0, new - old) * len(top))
+        return grown

@@ -9,12 +9,13 @@ per line, or JSON Lines whose objects carry ``prompt`` or ``text``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from moe_offload.errors import ConfigError
+from moe_offload.inputs import missing, parse_json, read_text
 from moe_offload.text.sources import chat_prompt, humaneval_prompts, sharegpt_prompts
+from moe_offload.values import integer
 
 BUILTIN_SOURCES = ("sharegpt", "humaneval")
 MAX_SHAREGPT_CHARS = 1200
@@ -27,12 +28,9 @@ class Prompt:
 
 
 def _from_file(path: Path) -> list[Prompt]:
-    if not path.is_file():
+    if missing(path):
         raise ConfigError(f"{path}: no such prompt file (and not one of {', '.join(BUILTIN_SOURCES)})")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot be read as UTF-8 text: {exc}") from None
+    lines = read_text(path, "prompt file").splitlines()
     jsonl = path.suffix == ".jsonl"
     prompts = []
     for number, line in enumerate(lines, start=1):
@@ -40,10 +38,7 @@ def _from_file(path: Path) -> list[Prompt]:
             continue
         text = line
         if jsonl:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}: line {number}: not JSON ({exc.msg})") from None
+            record = parse_json(line, path, "prompt line", row=number)
             text = record.get("prompt", record.get("text")) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 raise ConfigError(f"{path}: line {number}: a JSON object with a 'prompt' or 'text' string is needed")
@@ -56,10 +51,9 @@ def _from_file(path: Path) -> list[Prompt]:
 def load_prompts(spec: str, limit: int | None = None, skip: int = 0) -> list[Prompt]:
     """Prompts from a comma-separated list of sources (sharegpt, humaneval, or file paths): from each source,
     the prompts after its first ``skip``, at most ``limit`` of them."""
-    if limit is not None and limit < 1:
-        raise ConfigError("--limit must be at least 1")
-    if skip < 0:
-        raise ConfigError("--skip must not be negative")
+    if limit is not None:
+        limit = integer(limit, "--limit", low=1)
+    skip = integer(skip, "--skip", low=0)
     end = None if limit is None else skip + limit
     prompts: list[Prompt] = []
     for name in [part.strip() for part in spec.split(",") if part.strip()]:

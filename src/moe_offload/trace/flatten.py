@@ -10,12 +10,12 @@ An expert's flat id is ``layer * J + expert`` everywhere in the project (the CSV
 
 from __future__ import annotations
 
-import csv
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from moe_offload.outputs import atomic_output
 from moe_offload.trace.format import Trace
 
 NEVER = np.iinfo(np.int64).max  # next_use of a request whose expert is not requested again
@@ -55,23 +55,38 @@ def flatten(trace: Trace) -> AccessSequence:
 
 
 def next_use_times(keys: np.ndarray) -> np.ndarray:
-    """For each position, the next position holding the same key (NEVER if none). O(n log n), vectorised."""
-    order = np.lexsort((np.arange(keys.size), keys))  # by key, then by time
-    nxt = np.full(keys.size, NEVER, dtype=np.int64)
-    same = keys[order[1:]] == keys[order[:-1]]
-    nxt[order[:-1][same]] = order[1:][same]
+    """For each position, the next position holding the same key (NEVER if none), vectorised: a stable sort
+    by key lists each key's positions in time order, and each position's successor in that list is its next
+    use. Flat expert ids fit 16 bits for every model so far, and NumPy sorts 16-bit integers stably by radix,
+    in O(n)."""
+    keys = np.asarray(keys)
+    if keys.size and 0 <= keys.min() and keys.max() <= np.iinfo(np.uint16).max:
+        keys = keys.astype(np.uint16)
+    order = np.argsort(keys, kind="stable")  # by key, then by time
+    sorted_keys = keys[order]
+    following = np.empty(keys.size, dtype=np.int64)  # in sorted order: the next position of the same key
+    following[:-1] = order[1:]
+    following[-1:] = NEVER
+    following[:-1][sorted_keys[1:] != sorted_keys[:-1]] = NEVER
+    nxt = np.empty(keys.size, dtype=np.int64)
+    nxt[order] = following
     return nxt
 
 
 def write_csv(sequence: AccessSequence, path, expert_bytes: int | None) -> Path:
-    """Write ``time,id,size`` rows (one expert request each) that any cache simulator can replay."""
+    """Write ``time,id,size`` rows (one expert request each) that any cache simulator can replay; the rows
+    are formatted by Arrow's CSV writer, not one by one in Python, and written atomically (a failed write
+    leaves an existing file as it was)."""
+    import pyarrow as pa
+    import pyarrow.csv as arrow_csv
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    size = expert_bytes or 1
-    with path.open("w", newline="") as out:
-        writer = csv.writer(out)
-        writer.writerow(("time", "id", "size"))
-        writer.writerows(zip(range(len(sequence)), sequence.expert_id.tolist(), [size] * len(sequence)))
+    n = len(sequence)
+    table = pa.table({"time": np.arange(n, dtype=np.int64), "id": sequence.expert_id,
+                      "size": np.full(n, expert_bytes or 1, dtype=np.int64)})
+    with atomic_output(path) as temporary, temporary.open("wb") as out:
+        out.write(b"time,id,size\r\n")  # Arrow quotes a header it writes
+        arrow_csv.write_csv(table, out, arrow_csv.WriteOptions(include_header=False, eol="\r\n"))
     return path
 
 
@@ -83,11 +98,17 @@ def write_oracle_general(sequence: AccessSequence, path, expert_bytes: int | Non
     """Write libCacheSim's binary oracleGeneral trace (24-byte records with the next access time, which
     its Belady needs); the request order and ids are those of the CSV."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     records = np.empty(len(sequence), dtype=ORACLE_GENERAL_RECORD)
     records["clock_time"] = np.arange(len(sequence), dtype=np.uint32)
     records["obj_id"] = sequence.expert_id
     records["obj_size"] = expert_bytes or 1
     records["next_access_vtime"] = np.where(sequence.next_use == NEVER, -1, sequence.next_use)
-    records.tofile(path)
+    with atomic_output(path) as temporary:
+        records.tofile(temporary)
     return path
+
+
+def last_row_of_each_request(requests: np.ndarray) -> np.ndarray:
+    """The index of the last row (token) of each request in a trace's ``requests`` column, ascending."""
+    _, last_reversed = np.unique(requests[::-1], return_index=True)
+    return np.sort(requests.size - 1 - last_reversed)

@@ -25,7 +25,6 @@ in either format) or the route (``routes-json``, the 0-based index into ``routes
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,9 @@ from typing import Callable
 import numpy as np
 
 from moe_offload.errors import ConfigError, TraceError
-from moe_offload.trace.format import DECODE, PHASES, PREFILL, Trace, TraceMeta
+from moe_offload.inputs import parse_json, read_text
+from moe_offload.trace.format import DECODE, MAX_EXPERT_SLOTS, PHASES, PREFILL, Trace, TraceMeta
+from moe_offload.values import integer
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
@@ -88,17 +89,12 @@ def _read_topk_jsonl(path: Path, shape: tuple[int, int] | None = None, shape_ori
     the file when not given (``shape_origin`` says where it came from, for messages)."""
     # Split on "\n" only (not str.splitlines, which also splits on other separators) so that line numbers
     # are the ones an editor shows. A complete file ends with "\n", leaving an empty last piece.
-    lines = _read_text(path).split("\n")
+    lines = read_text(path, "trace source", TraceError).split("\n")
     rows, positions, numbers = [], [], []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except ValueError as exc:
-            truncated = number == len(lines)  # a non-empty last piece: the file does not end with a newline
-            problem = f"invalid JSON ({exc})" + ("; the file ends inside this line: truncated?" if truncated else "")
-            raise TraceError(path, problem, row=number, unit="line") from None
+        record = parse_json(line, path, "routing line", TraceError, row=number, unit="line")
         fail = _failer(path, number, "line")
         if not isinstance(record, dict):
             fail(f"expected a JSON object, found {type(record).__name__}")
@@ -175,13 +171,7 @@ def import_routes_json(paths, *, num_experts: int | None = None, model: str | No
 
 
 def _load_routes_document(path: Path) -> dict:
-    text = _read_text(path)
-    try:
-        document = json.loads(text)
-    except ValueError as exc:
-        truncated = exc.pos >= len(text.rstrip())
-        problem = f"invalid JSON ({exc.msg})" + ("; the file ends early: truncated?" if truncated else "")
-        raise TraceError(path, problem, row=exc.lineno, unit="line") from None
+    document = parse_json(read_text(path, "trace source", TraceError), path, "routes document", TraceError)
     if not isinstance(document, dict):
         raise TraceError(path, f"expected a JSON object with 'routes', found {type(document).__name__}")
     if "routes" not in document:
@@ -340,19 +330,6 @@ def _failer(path: Path, row: int, unit: str) -> Callable[[str], None]:
     return fail
 
 
-def _read_text(path: Path) -> str:
-    if not path.exists():
-        raise TraceError(path, "no such file")
-    if path.is_dir():
-        raise TraceError(path, "is a directory, not a trace file")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise TraceError(path, f"not UTF-8 text (byte {exc.start}); is this really a JSON trace?") from None
-    except OSError as exc:
-        raise TraceError(path, f"cannot read ({exc.strerror})") from None
-
-
 def _as_paths(paths) -> list[Path]:
     if isinstance(paths, (str, Path)):
         paths = [paths]
@@ -363,8 +340,9 @@ def _as_paths(paths) -> list[Path]:
 
 
 def _check_num_experts(num_experts) -> None:
-    if num_experts is not None and (not _is_int(num_experts) or num_experts < 1):
-        raise ConfigError(f"the number of experts per layer must be a positive integer, not {num_experts!r}")
+    if num_experts is not None:
+        integer(num_experts, "num_experts (--experts)", low=1, high=MAX_EXPERT_SLOTS,
+                why="experts per layer, at most the experts of a whole model this release handles")
 
 
 def _are_ids(values: list) -> bool:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from moe_offload.errors import ConfigError
-from moe_offload.trace.format import Trace, TraceMeta, expert_dtype
+from moe_offload.trace.format import MAX_EXPERT_SLOTS, Trace, TraceMeta, expert_dtype
+from moe_offload.values import integer, memory, number
 
 # zipf_trace samples this many (token, layer, expert) cells per vectorised step: two float64 arrays of this
 # size, 64 MB. The chunk depends on L and J only, never on the length, so a seed means one trace.
@@ -29,9 +30,17 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _positive_int(name: str, value) -> None:
-    _require(isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1,
-             f"{name} must be a positive integer, not {value!r}")
+def _shape(num_layers, num_experts, tokens, top_k=1, tokens_name: str = "length") -> tuple[int, int, int, int]:
+    """The generator's shape, checked before anything is allocated: whole numbers, at most the experts a
+    trace may have (MAX_EXPERT_SLOTS), positions that int32 holds, and a trace this machine's memory holds
+    (its ids and the validation's int64 copies of them)."""
+    num_layers = integer(num_layers, "num_layers", low=1, high=MAX_EXPERT_SLOTS)
+    num_experts = integer(num_experts, "num_experts", low=1, high=MAX_EXPERT_SLOTS // num_layers,
+                          why=f"at most {MAX_EXPERT_SLOTS:,} experts in all layers")
+    tokens = integer(tokens, tokens_name, low=1, high=2**31 - 1, why="positions are 32-bit")
+    top_k = integer(top_k, "top_k", low=1)
+    memory(tokens * (num_layers * top_k * 9 + 16), f"a trace of {tokens:,} tokens x {num_layers} layers x top-{top_k}")
+    return num_layers, num_experts, tokens, top_k
 
 
 def zipf_probabilities(num_experts: int, a: float, b: float) -> np.ndarray:
@@ -50,13 +59,11 @@ def zipf_trace(num_layers: int, num_experts: int, top_k: int, length: int, a: fl
     With ``shuffle=True`` each layer gets its own random permutation of which expert id holds which
     popularity rank (stored in ``meta.extra["popularity_order"]``), so layers differ.
     """
-    for name, value in (("num_layers", num_layers), ("num_experts", num_experts), ("top_k", top_k),
-                        ("length", length)):
-        _positive_int(name, value)
+    num_layers, num_experts, length, top_k = _shape(num_layers, num_experts, length, top_k)
     _require(top_k <= num_experts, f"top_k={top_k} exceeds num_experts={num_experts}")
-    _require(np.isfinite(a) and a >= 0, f"Zipf exponent a must be a finite number >= 0, not {a!r}")
-    _require(np.isfinite(b) and b > -1, f"Zipf offset b must be a finite number > -1 (so that j + b > 0 "
-                                        f"for j = 1), not {b!r}")
+    a = number(a, "Zipf exponent a", low=0)
+    b = number(b, "Zipf offset b (j + b > 0 for j = 1)", low=-1, low_open=True)
+    seed = integer(seed, "seed", low=0)
     rng = np.random.default_rng(seed)
     probabilities = zipf_probabilities(num_experts, a, b)
     _require(np.count_nonzero(probabilities) >= top_k,
@@ -87,8 +94,8 @@ def zipf_trace(num_layers: int, num_experts: int, top_k: int, length: int, a: fl
 def cyclic_trace(num_layers: int, cache_size: int, rounds: int) -> Trace:
     """Theorem 3.3 of paper 001: ``n = (k + 1) / L`` experts per layer, round i requests expert ``i mod n``
     of every layer, so the ``k + 1`` pages recur cyclically and LRU (cache of k) misses on every request."""
-    for name, value in (("num_layers", num_layers), ("cache_size", cache_size), ("rounds", rounds)):
-        _positive_int(name, value)
+    cache_size = integer(cache_size, "cache_size", low=1, high=MAX_EXPERT_SLOTS - 1)
+    num_layers, _, rounds, _ = _shape(num_layers, 1, rounds, tokens_name="rounds")
     _require((cache_size + 1) % num_layers == 0,
              f"the cyclic sequence of Theorem 3.3 needs num_layers to divide cache_size + 1, but "
              f"{num_layers} does not divide {cache_size + 1}")
@@ -107,10 +114,8 @@ def fixed_partition_trace(num_layers: int, num_experts: int, rounds: int, cyclin
     """Theorem 3.1 of paper 001: round i requests expert 0 of every layer except ``cycling_layer``, which
     requests expert ``i mod n``. A cache giving that layer fewer than n slots misses every n rounds; one
     that holds the n + L - 1 requested experts never misses after warm-up."""
-    for name, value in (("num_layers", num_layers), ("num_experts", num_experts), ("rounds", rounds)):
-        _positive_int(name, value)
-    _require(isinstance(cycling_layer, (int, np.integer)) and 0 <= cycling_layer < num_layers,
-             f"cycling_layer must be a layer index in 0..{num_layers - 1}, not {cycling_layer!r}")
+    num_layers, num_experts, rounds, _ = _shape(num_layers, num_experts, rounds, tokens_name="rounds")
+    cycling_layer = integer(cycling_layer, "cycling_layer", low=0, high=num_layers - 1, why="a layer index")
     experts = np.zeros((rounds, num_layers, 1), dtype=np.int64)
     experts[:, cycling_layer, 0] = np.arange(rounds) % num_experts
     params = dict(num_layers=num_layers, num_experts=num_experts, rounds=rounds, cycling_layer=cycling_layer)

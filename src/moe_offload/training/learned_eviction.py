@@ -62,6 +62,7 @@ from moe_offload.policies.learned_model import FEATURE_NAMES, TARGETS, LearnedMo
 from moe_offload.simulator.cache import ExpertCache
 from moe_offload.trace.flatten import NEVER, flatten
 from moe_offload.trace.format import Trace
+from moe_offload.values import integer, number
 
 HIDDEN = (128, 128)  # paper 003, Table 1: 3 linear layers, hidden size 128
 CENSOR_TOKENS = 16   # eviction moments this close to the end of the rows are left out (module doc)
@@ -195,7 +196,8 @@ def collect_belady_samples(source: TrainingSource, *, behaviour: str = "belady",
                            rng: np.random.Generator | None = None) -> BeladySamples:
     """Replay ``source``'s rows (in the replay simulator's request order) on the project's cache at each of
     its cache sizes, evicting by the policy named ``behaviour``, and record the eviction moments, every
-    resident labelled with its next request; at most ``max_samples`` samples per size, from moments drawn with ``rng``."""
+    resident labelled with its next request; at most ``max_samples`` samples per size, from moments drawn
+    with ``rng``."""
     trace = source.trace.select(slice(*source.rows))
     seq = flatten(trace)
     L, J, K = trace.meta.num_layers, trace.meta.num_experts, trace.meta.top_k
@@ -399,6 +401,7 @@ def check_sources(sources: Sequence[TrainingSource], per_layer: bool) -> None:
         if not source.cache_sizes:
             raise ConfigError(f"{source.trace.path}: give at least one cache size")
         for size in source.cache_sizes:
+            size = integer(size, f"{source.trace.path}: cache size (--cache-sizes)", low=1)
             if not meta.top_k <= size < meta.num_expert_slots:
                 raise ConfigError(f"{source.trace.path}: cache size {size} must be at least top-k = {meta.top_k} and "
                                   f"below its {meta.num_expert_slots} experts (a cache that holds them all never "
@@ -425,12 +428,17 @@ def train_learned_eviction(sources: Sequence[TrainingSource], *, target: str = "
     say = log or (lambda message: None)
     if target not in TARGETS:
         raise ConfigError(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
-    if not 0.0 < val_fraction < 1.0:
-        raise ConfigError(f"the validation fraction must be between 0 and 1, got {val_fraction}")
-    if epochs < 1 or patience < 1:
-        raise ConfigError(f"epochs and patience must be at least 1, got {epochs} and {patience}")
-    if max_samples is not None and max_samples < 1:
-        raise ConfigError(f"the samples per trace and cache size must be at least 1, got {max_samples}")
+    val_fraction = number(val_fraction, "the validation fraction (--val-fraction)", low=0, high=1, low_open=True,
+                          high_open=True)
+    epochs = integer(epochs, "epochs (--epochs)", low=1)
+    patience = integer(patience, "patience (--patience)", low=1)
+    seed = integer(seed, "seed (--seed)", low=0)
+    if threads is not None:
+        threads = integer(threads, "threads (--threads)", low=1)
+    if max_samples is not None:
+        max_samples = integer(max_samples, "the samples per trace and cache size (--max-samples)", low=1)
+    if time_limit is not None:
+        time_limit = number(time_limit, "the time limit (--time-limit)", low=0, low_open=True)
     sources = list(sources)
     check_sources(sources, per_layer)
     states = list(states)
@@ -471,8 +479,8 @@ def train_learned_eviction(sources: Sequence[TrainingSource], *, target: str = "
             "samples": len(samples),
         })
         say(f"{source.name} rows {start}:{end}, cache sizes {', '.join(map(str, source.cache_sizes))}: "
-            f"{samples.moments} eviction moments of {', '.join(map(str, states))}, {len(samples)} samples (moments of the last "
-            f"{CENSOR_TOKENS} tokens left out; validation from row {start + split}); "
+            f"{samples.moments} eviction moments of {', '.join(map(str, states))}, {len(samples)} samples "
+            f"(moments of the last {CENSOR_TOKENS} tokens left out; validation from row {start + split}); "
             f"{time.perf_counter() - began:.1f} s")
     samples = BeladySamples.concatenate(parts)
     splits = np.array([int(math.floor((s.rows[1] - s.rows[0] - CENSOR_TOKENS) * (1.0 - val_fraction)))
@@ -496,7 +504,9 @@ def train_learned_eviction(sources: Sequence[TrainingSource], *, target: str = "
             raise ConfigError(f"layer {network} has no training or no validation samples: use more rows")
         say(f"{'layer %d: ' % network if per_layer else ''}{int(train_m.w.sum())} train / "
             f"{int(val_m.w.sum())} validation samples, {train_m.x.shape[0]} / {val_m.x.shape[0]} distinct inputs")
-        share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / (networks - network)
+        # the time left is shared equally by the networks still to train
+        now = time.perf_counter()
+        share = None if deadline is None else now + (deadline - now) / (networks - network)
         fits.append(_fit(torch, train_m, val_m, epochs=epochs, patience=patience, batch_size=batch_size,
                          seed=seed + network, deadline=share, say=say))
     layers = [(np.stack([fit.layers[i][0] for fit in fits]), np.stack([fit.layers[i][1] for fit in fits]))

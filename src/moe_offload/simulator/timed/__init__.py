@@ -8,13 +8,16 @@ Discrete events over virtual time, no threads. One file per role:
                   resident, stalls; the prefetcher's hooks; the AccessContext the policies see
     tiers.py      the experts' way to the GPU: tiers, links and their transfer queues, pinning, holds
     simulate.py   one run checked and turned into a RunResult; a grid of runs over processes
+    reconfigure.py MoEpic's online configurator: the split configuration rerun every tau tokens
 """
 
+from moe_offload.simulator.timed.reconfigure import PAPER_TAU, Reconfiguration
 from moe_offload.simulator.timed.run import layer_needs, routed_by_request
 from moe_offload.simulator.timed.schedule import Arrivals, request_steps, trace_iterations
 from moe_offload.simulator.timed.simulate import (ALL_RESIDENT, ORACLE, check_timed_run, latency_summary,
                                                   simulate_timed, timed_grid)
 from moe_offload.simulator.timed.tiers import home_tier
 
-__all__ = ["ALL_RESIDENT", "ORACLE", "Arrivals", "check_timed_run", "home_tier", "latency_summary", "layer_needs",
-           "request_steps", "routed_by_request", "simulate_timed", "timed_grid", "trace_iterations"]
+__all__ = ["ALL_RESIDENT", "ORACLE", "PAPER_TAU", "Arrivals", "Reconfiguration", "check_timed_run", "home_tier",
+           "latency_summary", "layer_needs", "request_steps", "routed_by_request", "simulate_timed", "timed_grid",
+           "trace_iterations"]

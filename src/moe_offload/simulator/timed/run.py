@@ -11,10 +11,13 @@ After the last layer the LM head runs and the iteration's tokens are done. Costs
 hardware profile (moe_offload.hardware); how experts reach the GPU is tiers.py's business.
 
 The prefetcher is called as prefetch/base.py says: ``on_iteration_start`` before layer 0,
-``on_layer_routed`` right after each router, ``on_iteration_end`` after the LM head. Its proposals go to
+``on_layer_routed`` right after each router, ``on_iteration_end`` after the LM head, and
+``on_request_end`` for each request whose last iteration it was (every tier's cache hears it too). Its proposals go to
 the transfer queues (simulator/transfers.py), which order them; proposals for layers already routed in
 this iteration are ignored, and when a layer is routed its waiting prefetches are dropped (the needed
-ones become demand loads). A prefetcher that searches a history (``search_latency``) is charged: on the
+ones become demand loads). Once the last layer is routed every layer is ahead again: what is proposed
+from then on (MoEpic's layer 0 of the next token) is for the next pass, and is dropped when that pass
+routes its layer. A prefetcher that searches a history (``search_latency``) is charged: on the
 compute stream when the search is on the inference path (MoE-Infinity), otherwise on its own matcher
 timeline, its proposals reaching the queues only when the search is done (fMoE's asynchronous matcher).
 
@@ -48,7 +51,8 @@ a cache of top segments and a buffer for the missing segments (simulator/split.p
 GPU carries what the expert lacks there (its bottom segment when its top is cached, else all of it),
 resident means complete, and an expert computes the top segment's share of its time as soon as its top is
 in VRAM, the rest once it is complete. Everything else (queues, pinning, prefetchers, counters) is the
-same run; a hit is an expert complete when its layer is routed.
+same run; a hit is an expert complete when its layer is routed. With ``reconfiguration`` (reconfigure.py) the
+split configuration changes every tau tokens, between two passes, as MoEpic's online loop decides.
 """
 
 from __future__ import annotations
@@ -62,10 +66,12 @@ import numpy as np
 
 from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import HardwareProfile
-from moe_offload.policies import AccessContext, ModelSpec, policy_info
+from moe_offload.policies import AccessContext, ModelSpec, policy_factory, policy_info
 from moe_offload.prefetch import Prefetcher, RoutingView, search_latency
+from moe_offload.prefetch.budget import budget_from_hardware
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
 from moe_offload.simulator.split import SplitConfig, SplitExperts
+from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.simulator.timed.schedule import Arrivals, make_schedule, trace_iterations
 from moe_offload.simulator.timed.tiers import TierNetwork, home_tier
 from moe_offload.trace.flatten import NEVER, next_use_times
@@ -109,7 +115,8 @@ class TimedRun:
 
     def __init__(self, trace: Trace, hardware: HardwareProfile, policy: str, cache_bytes: int, expert_bytes: int,
                  prefetcher: Prefetcher | None, arrivals: Arrivals, seed: int, policy_options: dict | None,
-                 all_resident: bool, split: SplitConfig | None = None):
+                 all_resident: bool, split: SplitConfig | None = None,
+                 reconfiguration: OnlineConfigurator | None = None):
         meta = trace.meta
         self.trace, self.hardware, self.arrivals = trace, hardware, arrivals
         self.spec = spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
@@ -118,7 +125,7 @@ class TimedRun:
         self.compute = hardware.compute
         info = policy_info(policy)
         self.offline = info.offline and not all_resident
-        make = lambda: info.policy(spec, seed=seed, **(policy_options or {}))  # noqa: E731
+        make = policy_factory(policy, spec, seed=seed, options=policy_options)  # every tier's policy
 
         def cache(capacity):
             if info.partitioned:
@@ -146,11 +153,14 @@ class TimedRun:
         self.net = TierNetwork(hardware, [self.fast] + [cache(tier.capacity_bytes) for tier in hardware.tiers[1:home]],
                                home, expert_bytes, self.L, self.J, ctx, self.pinned, self.events, self.split,
                                self._next_use_after if self.offline else None)
+        self.reconfiguration = reconfiguration
+        self.reconfigurations: list[dict] = []  # what each online reconfiguration chose, and its cost
         self.deliveries: list = []     # (time, order, iteration, proposals) of the asynchronous matcher
         self.delivery_order = itertools.count()
         self.matcher_free = 0.0
         self.clock = -1
         self.iteration = 0
+        self.passed_last_router = False  # the current pass has routed its last layer
         # counters
         self.accesses = self.hits = self.on_demand = self.used = 0
         self.per_layer_accesses = [0] * self.L
@@ -213,8 +223,8 @@ class TimedRun:
             self.net.arrive(link)
         else:
             self.now, _, iteration, proposals = heapq.heappop(self.deliveries)
-            if iteration == self.iteration:  # a search for an iteration already over has nothing to offer
-                self.net.propose(proposals)
+            if iteration == self.iteration and not self.passed_last_router:
+                self.net.propose(proposals)  # a search for a pass whose routers have all run has nothing to offer
         self.net.kick()
 
     def _advance_to(self, t: float) -> None:
@@ -237,12 +247,12 @@ class TimedRun:
         self.search_seconds += seconds
         if seconds and not on_inference_path:
             done = max(self.now, self.matcher_free) + seconds
-            self.events.append(("matcher", "search", max(self.now, self.matcher_free), done, self.layer_now, -1))
+            self.events.append(("matcher", "search", max(self.now, self.matcher_free), done, view.layer_now, -1))
             self.matcher_free = done
             heapq.heappush(self.deliveries, (done, next(self.delivery_order), self.iteration, proposals))
             return
         if seconds:
-            self._compute(seconds, "search", self.layer_now)
+            self._compute(seconds, "search", view.layer_now)
         self.net.propose(proposals)
 
     # ------------------------------------------------------------------------------------------ the run
@@ -345,7 +355,7 @@ class TimedRun:
             if trace.probs is not None:
                 ctx.probs = trace.probs[rows].astype(np.float32).mean(axis=0)
             view = RoutingView(trace, self.iteration, rows)
-            self.layer_now = -1
+            self.layer_now, self.passed_last_router = -1, False
             if self.prefetcher is not None:
                 self._consult(self.prefetcher.on_iteration_start, view)
             for layer in range(L):
@@ -355,6 +365,8 @@ class TimedRun:
                 keys, counts = layer_needs(trace.experts, rows, layer, J)
                 self.layer_now = view.layer_now = layer
                 self._route(layer, keys, routed_by_request(trace.experts, trace.request, rows, layer, J))
+                if layer == L - 1:  # every layer is ahead again: proposals and arrivals are for the next pass
+                    self.layer_now, self.passed_last_router = -1, True
                 if self.prefetcher is not None:
                     self._consult(self.prefetcher.on_layer_routed, view)
                 self._run_experts(layer, keys, counts)
@@ -370,9 +382,39 @@ class TimedRun:
                     self._compute(seconds, "search", -1)
                 elif seconds:
                     self.matcher_free = max(self.now, self.matcher_free) + seconds
-            self.schedule.batch_done()
+            if self.reconfiguration is not None:
+                plan = self.reconfiguration.observe(trace, rows, self.iteration)
+                if plan is not None:
+                    self._reconfigure(plan)
+            for request in self.schedule.batch_done():  # per-sequence state of the policies and prefetcher ends
+                for tier in self.net.caches:
+                    tier.end_request(request)
+                if self.prefetcher is not None:
+                    self.prefetcher.on_request_end(request)
             self.iteration += 1
         return {"arrival": arrival, "token_times": token_times, "spans": spans}
+
+    def _reconfigure(self, plan: SplitConfig) -> None:
+        """Apply MoEpic's new configuration between two passes (reconfigure.py): wait until nothing moves into
+        the GPU, resize the caches, load what the grown top segments lack, and give the prefetcher its Y."""
+        start, net = self.now, self.net
+        while True:
+            net.withdraw_prefetches()
+            if not net.queues[1].busy:
+                break
+            self._process_next_event()
+        grown = self.split.reconfigure(plan, self.ctx)
+        tops = sum(len(top) for layer, top in enumerate(self.split.tops) if grown[layer])
+        self._advance_to(self.now + net.direct_load_seconds(tops, sum(grown)))
+        self.events.append(("compute", "reconfigure", start, self.now, -1, -1))
+        if self.prefetcher is not None:
+            self.prefetcher.set_budget(budget_from_hardware(self.hardware, self.E, self.L, self.spec.top_k,
+                                                            plan.prefetches))
+        self.reconfigurations.append({
+            "iteration": self.iteration, "tokens": self.reconfiguration.statistics.tokens,
+            "seconds": self.now - start, "bytes_loaded": sum(grown),
+            "layers": [{"cache_size": p.cached_experts, "split_ratio": p.split_ratio, "prefetches": p.prefetches}
+                       for p in plan.layers]})
 
     def timeline(self, spans, iteration: int | None) -> dict:
         """The events of one iteration (default: the decode iteration of median duration), in seconds from

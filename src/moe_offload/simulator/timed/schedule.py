@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_offload.errors import ConfigError
+from moe_offload.trace.flatten import last_row_of_each_request
 from moe_offload.trace.format import Trace
 
 
@@ -102,7 +103,12 @@ class TraceOrder:
     """The trace's own iterations, one after another."""
 
     def __init__(self, trace: Trace):
-        self._iterations = deque(trace_iterations(trace))
+        iterations = trace_iterations(trace)
+        self._iterations = deque(iterations)
+        # the requests whose last row is in each iteration, in order of their last rows
+        last_rows = last_row_of_each_request(trace.request)
+        ending = np.searchsorted(np.cumsum([rows.size for rows in iterations]), last_rows, side="right")
+        self._ending = deque(trace.request[last_rows[ending == i]].tolist() for i in range(len(iterations)))
 
     def next_batch(self, now: float):
         """(start time, rows) of the next iteration, or None when the trace is done."""
@@ -111,8 +117,9 @@ class TraceOrder:
     def arrival(self, request: int, start: float) -> float:
         return start
 
-    def batch_done(self) -> None:
-        """Nothing to update: the next iteration is the trace's next."""
+    def batch_done(self) -> list[int]:
+        """The requests whose last iteration this was."""
+        return self._ending.popleft()
 
 
 class Serving:
@@ -140,12 +147,16 @@ class Serving:
     def arrival(self, request: int, start: float) -> float:
         return self._arrival[request]
 
-    def batch_done(self) -> None:
+    def batch_done(self) -> list[int]:
+        """The requests whose last step this was; they leave the batch."""
         for entry in self._active:
             entry[1] += 1
+        ended = [self._ids[index] for index, step in self._active if step == len(self._steps[index])]
         self._active = [entry for entry in self._active if entry[1] < len(self._steps[entry[0]])]
+        return ended
 
 
 def make_schedule(trace: Trace, arrivals: Arrivals):
-    """The iterations of ``trace`` as ``arrivals`` orders them (``next_batch``, ``arrival``, ``batch_done``)."""
+    """The iterations of ``trace`` as ``arrivals`` orders them (``next_batch``, ``arrival``, ``batch_done``:
+    the requests that end with the batch)."""
     return TraceOrder(trace) if arrivals.kind == "trace" else Serving(trace, arrivals)

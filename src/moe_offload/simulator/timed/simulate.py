@@ -8,13 +8,16 @@ from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import HardwareProfile, format_bytes
 from moe_offload.policies import ModelSpec, policy_info
 from moe_offload.prefetch import Prefetcher, check_trace_columns, make_prefetcher, prefetcher_info, search_latency
+from moe_offload.prefetch.budget import budget_from_hardware
 from moe_offload.reporting.results import RunResult
 from moe_offload.simulator.replay import check_cache_size
 from moe_offload.simulator.split import SplitConfig
+from moe_offload.simulator.timed.reconfigure import OnlineConfigurator, Reconfiguration
 from moe_offload.simulator.timed.run import TimedRun
 from moe_offload.simulator.timed.schedule import Arrivals
 from moe_offload.simulator.timed.tiers import home_tier
 from moe_offload.trace.format import Trace
+from moe_offload.values import worker_count
 
 ALL_RESIDENT = "all-resident"
 ORACLE = "oracle"
@@ -28,17 +31,40 @@ def latency_summary(values: list[float]) -> dict[str, float] | None:
     return {f"p{p}": float(v) for p, v in zip(PERCENTILES, points)}
 
 
+def starting_split(trace: Trace, cache_bytes: int | None, expert_bytes: int, split: SplitConfig | None,
+                   reconfiguration: Reconfiguration | None) -> SplitConfig | None:
+    """The split configuration a run starts with: ``split``, or, when it reconfigures online without one,
+    Algorithm 1's uniform start on ``cache_bytes`` of VRAM less the prefetch buffer of K experts."""
+    if split is not None or reconfiguration is None:
+        return split
+    meta = trace.meta
+    buffer = SplitConfig.buffer_bytes(meta.top_k, expert_bytes)
+    if cache_bytes is None or cache_bytes <= buffer:
+        raise ConfigError(f"MoEpic's online configuration splits {format_bytes(cache_bytes or 0)} of VRAM into top "
+                          f"segments and a buffer of {meta.top_k} experts ({format_bytes(buffer)}): give more")
+    return SplitConfig.uniform((cache_bytes - buffer) / expert_bytes, meta.num_layers, meta.num_experts)
+
+
 def check_timed_run(trace: Trace, hardware: HardwareProfile, policy: str, cache_bytes: int | None,
                     expert_bytes: int, arrivals: Arrivals, split: SplitConfig | None = None,
-                    split_source: str = "the split configuration") -> None:
+                    split_source: str = "the split configuration",
+                    reconfiguration: Reconfiguration | None = None) -> None:
     """Raise ConfigError when this run cannot be made: a cache that holds no expert, exceeds the GPU or
     is below what the policy needs (with ``split``, a split configuration the model or the GPU cannot run,
     named ``split_source`` in the message; ``cache_bytes`` is then unused); experts with no tier to live
-    in; a middle tier too small for one expert; an offline policy with serving arrivals."""
+    in; a middle tier too small for one expert; an offline policy with serving arrivals; an online
+    reconfiguration (``reconfiguration``) without gate predictions, with bad options or a free link."""
     meta = trace.meta
     spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
     total = meta.num_expert_slots * expert_bytes
     gpu = hardware.tiers[0]
+    if reconfiguration is not None:
+        from moe_offload.configurator import require_gate_prediction, timings_from_profile
+
+        reconfiguration.check()
+        require_gate_prediction(trace)
+        timings_from_profile(hardware, expert_bytes, meta.top_k).check(meta.top_k)
+        split = starting_split(trace, cache_bytes, expert_bytes, split, reconfiguration)
     if split is not None:
         split.check(meta.num_layers, meta.num_experts, meta.top_k, expert_bytes, f"{hardware.name}'s {gpu.name}",
                     gpu.capacity_bytes, split_source)
@@ -67,12 +93,17 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
                    prefetcher_options: dict | None = None, history: Trace | None = None,
                    arrivals: Arrivals = Arrivals(), seed: int = 0, policy_options: dict | None = None,
                    timeline_iteration: int | None = None, name: str | None = None,
-                   all_resident: bool = False, split: SplitConfig | None = None) -> RunResult:
+                   all_resident: bool = False, split: SplitConfig | None = None,
+                   reconfiguration: Reconfiguration | None = None) -> RunResult:
     """Run ``trace`` on ``hardware`` with ``policy`` on a GPU expert cache of ``cache_bytes`` and an optional
     prefetcher (a registry name, or an instance); ``all_resident`` runs the bound with every expert in the
-    GPU from the start (no transfers; ``policy``, ``cache_bytes``, ``prefetcher`` and ``split`` are ignored).
-    With ``split`` (MoEpic's split experts, simulator/split.py) the GPU holds per-layer caches of top
-    segments and buffers instead of a cache of ``cache_bytes``, which is then ignored."""
+    GPU from the start (no transfers; ``policy``, ``cache_bytes``, ``prefetcher``, ``split`` and
+    ``reconfiguration`` are ignored). With ``split`` (MoEpic's split experts, simulator/split.py) the GPU holds
+    per-layer caches of top segments and a buffer instead of a cache of ``cache_bytes``, which is then
+    ignored. With ``reconfiguration`` (reconfigure.py, e.g. ``Reconfiguration(every=5000)``) MoEpic's
+    configurator reruns online every tau tokens, from ``split`` or, without one, from Algorithm 1's uniform
+    start on ``cache_bytes``. The prefetcher is told what the GPU's link carries per layer (prefetch/budget.py),
+    and the split configuration's Y when it gives them."""
     meta = trace.meta
     expert_bytes = expert_bytes or meta.expert_bytes
     if not expert_bytes:
@@ -81,14 +112,17 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
     total = meta.num_expert_slots * expert_bytes
     notes = []
     if all_resident:  # the policy never has to choose: any will do
-        policy, policy_options, cache_bytes, prefetcher, split = "lru", None, total, None, None
+        policy, policy_options, cache_bytes, prefetcher, split, reconfiguration = "lru", None, total, None, None, None
     else:
-        check_timed_run(trace, hardware, policy, cache_bytes, expert_bytes, arrivals, split)
+        check_timed_run(trace, hardware, policy, cache_bytes, expert_bytes, arrivals, split,
+                        reconfiguration=reconfiguration)
+        split = starting_split(trace, cache_bytes, expert_bytes, split, reconfiguration)
         if split is not None:
-            cache_bytes = split.cache_bytes(expert_bytes)
+            cache_bytes = split.memory_bytes(meta.top_k, expert_bytes)
             notes.append(f"split experts: layer i caches the top segments (theta_i of an expert) of C_i experts, "
-                         f"{format_bytes(cache_bytes)} in all, and buffers up to {meta.top_k} experts' missing "
-                         "segments")
+                         f"{format_bytes(split.cache_bytes(expert_bytes))} in all, and a buffer of {meta.top_k} "
+                         f"experts ({format_bytes(split.buffer_bytes(meta.top_k, expert_bytes))}) takes the missing "
+                         f"segments: {format_bytes(cache_bytes)} of VRAM, the cache size reported")
         if policy_info(policy).policy.needs_probs and trace.probs is None:
             notes.append(f"{policy}: the trace has no router probabilities, so p comes from the prefetcher's map "
                          "when it has one, else is uniform (fmoe then ranks like LFU)")
@@ -101,13 +135,25 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
     elif prefetcher is not None:
         check_trace_columns(type(prefetcher), trace)
         instance = prefetcher
+    if instance is not None:
+        instance.set_budget(budget_from_hardware(hardware, expert_bytes, meta.num_layers, meta.top_k,
+                                                 split.prefetches if split is not None else None))
+    online = None
+    if reconfiguration is not None:
+        online = OnlineConfigurator(reconfiguration, split, hardware, meta.num_layers, meta.num_experts, meta.top_k,
+                                    expert_bytes)
     sim = TimedRun(trace, hardware, policy, cache_bytes, expert_bytes, instance, arrivals, seed, policy_options,
-                    all_resident, split)
+                   all_resident, split, online)
     if sim.net.home > 1 and not all_resident:
         notes.append(f"{hardware.name}: the experts live in {hardware.tiers[sim.net.home].name}; "
                      + ", ".join(f"{t.name} caches {format_bytes(t.capacity_bytes)}"
                                  for t in hardware.tiers[1:sim.net.home]))
     outcome = sim.run()
+    if online is not None:
+        spent = sum(r["seconds"] for r in sim.reconfigurations)
+        notes.append(f"MoEpic's configurator reran online every {reconfiguration.every} tokens: "
+                     f"{len(sim.reconfigurations)} times, {spent * 1e3:.3f} ms in all waiting for the link and "
+                     "loading grown top segments")
     if sim.search_seconds:
         where = "on the inference path" if search_latency(instance)[1] else "on its own matcher timeline"
         notes.append(f"{instance.name}: {sim.search_seconds * 1e3:.1f} ms of history search in all, charged {where}")
@@ -118,8 +164,10 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
     misses = sim.accesses - sim.hits
     return RunResult(
         trace=name or trace.path, policy=ALL_RESIDENT if all_resident else policy,
-        cache_size=(sum(plan.cached_experts for plan in split.layers) if split is not None
-                    else min(cache_bytes, total) // expert_bytes), accesses=sim.accesses, hits=sim.hits, misses=misses,
+        # a split run's memory is fractional experts (tops of theta_i E bytes): the nearest whole number
+        cache_size=(round(cache_bytes / expert_bytes) if split is not None
+                    else min(cache_bytes, total) // expert_bytes),
+        accesses=sim.accesses, hits=sim.hits, misses=misses,
         per_layer_accesses=sim.per_layer_accesses, per_layer_hits=sim.per_layer_hits,
         bytes_loaded=sim.net.queues[1].bytes_moved if sim.net.queues else 0,
         prefetches_issued=sim.net.issued if instance is not None else None,
@@ -134,7 +182,8 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         ttft_percentiles=latency_summary(ttft), tpot_percentiles=latency_summary(tpot),
         request_ttft_seconds=ttft, request_tpot_seconds=tpot, token_latency_seconds=gaps,
         total_seconds=max(t[-1] for t in token_times.values()) - min(arrival.values()),
-        timeline=sim.timeline(outcome["spans"], timeline_iteration), notes=notes)
+        timeline=sim.timeline(outcome["spans"], timeline_iteration), notes=notes,
+        reconfigurations=sim.reconfigurations if online is not None else None)
 
 
 _GRID: tuple | None = None  # (trace, hardware, history) of the worker processes, set once per process
@@ -150,30 +199,41 @@ def _run_task(task: dict) -> RunResult:
     return simulate_timed(trace, hardware, history=history, **task)
 
 
+def timed_runs(policies: list[str], prefetchers: list[str | None], cache_sizes: list[int],
+               with_oracle: bool = True) -> list[tuple[str, str | None, int | None]]:
+    """The (policy, prefetcher, cache bytes) runs of a timed grid: the all-resident bound first
+    (ALL_RESIDENT, None, None), then every policy with every prefetcher at every size, then the oracle
+    prefetcher with every policy at every size (unless asked for anyway, or not ``with_oracle``)."""
+    runs = [(ALL_RESIDENT, None, None)]
+    runs += [(policy, prefetcher, size) for size in cache_sizes for policy in policies for prefetcher in prefetchers]
+    if with_oracle and ORACLE not in prefetchers:
+        runs += [(policy, ORACLE, size) for size in cache_sizes for policy in policies]
+    return runs
+
+
 def timed_grid(trace: Trace, hardware: HardwareProfile, policies: list[str], prefetchers: list[str | None],
                cache_sizes: list[int], *, expert_bytes: int | None = None, arrivals: Arrivals = Arrivals(),
                seed: int = 0, policy_options: dict[str, dict] | None = None,
                prefetcher_options: dict[str, dict] | None = None, history: Trace | None = None,
                timeline_iteration: int | None = None, with_oracle: bool = True, name: str | None = None,
-               jobs: int = 1, progress=None, split: SplitConfig | None = None) -> list[RunResult]:
+               jobs: int = 1, progress=None, split: SplitConfig | None = None,
+               reconfiguration: Reconfiguration | None = None) -> list[RunResult]:
     """Every (policy, prefetcher, cache size in bytes) and the bounds to compare them with: the all-resident
     run (first) and, for every policy and size, the oracle prefetcher (unless asked for anyway). With
     ``split`` every run but the all-resident one runs that split configuration (give one cache size: it is
-    unused).
+    unused); with ``reconfiguration`` every such run reconfigures it online (simulate_timed).
 
     Runs are independent, so ``jobs`` > 1 spreads them over processes; results do not depend on it.
     ``progress`` is called after each run."""
     shared = dict(expert_bytes=expert_bytes, arrivals=arrivals, seed=seed, timeline_iteration=timeline_iteration,
                   name=name)
-    runs = [(policy, prefetcher, size) for size in cache_sizes for policy in policies for prefetcher in prefetchers]
-    if with_oracle and ORACLE not in prefetchers:
-        runs += [(policy, ORACLE, size) for size in cache_sizes for policy in policies]
-    tasks = [dict(all_resident=True, **shared)]
-    tasks += [dict(policy=policy, cache_bytes=size, prefetcher=prefetcher, split=split,
-                   prefetcher_options=(prefetcher_options or {}).get(prefetcher),
-                   policy_options=(policy_options or {}).get(policy), **shared)
-              for policy, prefetcher, size in runs]
-    if jobs > 1 and len(tasks) > 1:
+    tasks = [dict(all_resident=True, **shared) if policy == ALL_RESIDENT else
+             dict(policy=policy, cache_bytes=size, prefetcher=prefetcher, split=split, reconfiguration=reconfiguration,
+                  prefetcher_options=(prefetcher_options or {}).get(prefetcher),
+                  policy_options=(policy_options or {}).get(policy), **shared)
+             for policy, prefetcher, size in timed_runs(policies, prefetchers, cache_sizes, with_oracle)]
+    jobs = worker_count(jobs, len(tasks))
+    if jobs > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 

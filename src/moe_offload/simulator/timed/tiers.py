@@ -26,6 +26,7 @@ import math
 
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies.base import AccessContext
+from moe_offload.simulator.cache import predicted_no_later_than
 from moe_offload.simulator.transfers import TransferQueue
 
 
@@ -63,6 +64,8 @@ class TierNetwork:
         self.loads: dict[int, _Load] = {}
         self.prefetch_loads_of_layer = [set() for _ in range(num_layers)]
         self.pending_use: set = set()  # prefetched into the GPU, not requested since
+        self.predicted: set = set()    # resident in the GPU and proposed since their layer was last routed
+        self.L = num_layers
         self.issued = 0
         self.now = 0.0
         self.layer_now = -1
@@ -124,7 +127,9 @@ class TierNetwork:
                     ctx = self.ctx
                     ctx.pinned = self.pinned if i == 1 else self._middle_pins(i - 1, transfer.demand)
                     ctx.prefetch = i == 1 and not transfer.demand  # held in the GPU until used (cache.py)
-                    room = self.caches[i - 1].reserve(key, ctx, transfer.nbytes)
+                    protect = predicted_no_later_than(self.predicted, key, self.layer_now, self.J, self.L) \
+                        if ctx.prefetch and self.predicted else ()
+                    room = self.caches[i - 1].reserve(key, ctx, transfer.nbytes, protect)
                     ctx.pinned, ctx.prefetch = self.pinned, False
                     if not room:  # the destination is full of pinned or incoming experts: wait for an event
                         break
@@ -204,7 +209,10 @@ class TierNetwork:
     def propose(self, proposals) -> None:
         layer_now, J, fast, loads = self.layer_now, self.J, self.fast, self.loads
         for key, priority in proposals:
-            if key // J <= layer_now or key in fast:
+            if key // J <= layer_now:
+                continue
+            if key in fast:  # predicted and resident: no prefetch for a later layer may evict it (cache.py)
+                self.predicted.add(key)
                 continue
             load = loads.get(key)
             if load is None:
@@ -227,6 +235,23 @@ class TierNetwork:
         fast, J = self.fast, self.J
         for key in [key for key in fast.held if key // J == layer]:
             fast.release(key)
+        self.predicted = {key for key in self.predicted if key // J != layer}
 
-    # ------------------------------------------------------------------------------------------ prefetcher
+    def withdraw_prefetches(self) -> None:
+        """Drop every waiting prefetch (one on a wire completes and stops where it lands)."""
+        for load in [load for load in self.loads.values() if not load.demand]:
+            if self.queues[load.at].withdraw(load.key):
+                self._forget(load)
+            else:
+                load.stale = True
 
+    def direct_load_seconds(self, transfers: int, nbytes: int) -> float:
+        """Time to bring ``transfers`` pieces of ``nbytes`` bytes in all from the home tier to the GPU over every
+        link of the way, one link after the other, while nothing else moves (MoEpic's reconfiguration); the
+        bytes count on each link."""
+        seconds = 0.0
+        for queue in self.queues.values():
+            link = queue.link
+            seconds += transfers * link.latency_s + nbytes / link.bandwidth_bytes_per_s
+            queue.bytes_moved += nbytes
+        return seconds

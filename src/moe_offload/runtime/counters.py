@@ -1,0 +1,50 @@
+"""What the runtime counts while it runs, and the RunResult record it becomes (the simulators' record)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Counters:
+    accesses: int = 0
+    hits: int = 0
+    on_demand_loads: int = 0
+    prefetches_issued: int = 0
+    prefetches_used: int = 0
+    prefetches_wasted: int = 0
+    stall_seconds: float = 0.0
+    per_layer_accesses: list = field(default_factory=list)
+    per_layer_hits: list = field(default_factory=list)
+    per_layer_stall_seconds: list = field(default_factory=list)
+    bytes_per_link: dict = field(default_factory=dict)
+    link_busy_seconds: dict = field(default_factory=dict)  # link -> seconds a transfer was on it
+
+    @classmethod
+    def zero(cls, num_layers: int) -> "Counters":
+        return cls(per_layer_accesses=[0] * num_layers, per_layer_hits=[0] * num_layers,
+                   per_layer_stall_seconds=[0.0] * num_layers)
+
+    def reset(self) -> None:
+        """Zero every count in place (the data path and the runner keep a reference to this object)."""
+        self.__dict__.update(Counters.zero(len(self.per_layer_accesses)).__dict__)
+
+    def copy(self) -> "Counters":
+        return Counters(**{k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
+                           for k, v in self.__dict__.items()})
+
+    def minus(self, before: "Counters") -> "Counters":
+        out = self.copy()
+        for name, value in self.__dict__.items():
+            old = getattr(before, name)
+            if isinstance(value, list):
+                setattr(out, name, [a - b for a, b in zip(value, old)])
+            elif isinstance(value, dict):
+                setattr(out, name, {k: v - old.get(k, 0) for k, v in value.items()})
+            else:
+                setattr(out, name, value - old)
+        return out
+
+    def moved(self, link: str, nbytes: int, seconds: float) -> None:
+        self.bytes_per_link[link] = self.bytes_per_link.get(link, 0) + nbytes
+        self.link_busy_seconds[link] = self.link_busy_seconds.get(link, 0.0) + seconds

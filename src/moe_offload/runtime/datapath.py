@@ -1,0 +1,351 @@
+"""The data path: how an expert gets from the packed files, through an optional host tier, into the fast tier.
+
+::
+
+    layer files --readers--> [ host tier slot ] --copy--> fast tier slot
+                  (chunks in parallel,  pinned with CUDA      GPU memory, or RAM in the compute dtype
+                   checked, converted)
+
+One :class:`LinkWorker` thread per link serves that link's
+:class:`~moe_offload.simulator.transfers.TransferQueue`, the timed simulator's queue logic: demand loads jump
+the queue and hold prefetches back, a transfer is never duplicated, prefetches go by priority. For each
+transfer the worker reserves room in the destination tier (``ExpertCache.reserve``, evicting the policy's
+victims; a prefetch into the fast tier is held there until its layer uses it or withdraws it), takes a
+slot, and moves the bytes outside the lock:
+
+- **files -> host memory** (a host tier, or a CPU fast tier that computes in the stored dtype): the reader
+  pool (runtime/storage.py) reads every chunk of the expert straight into the slot;
+- **files -> CPU fast tier in another dtype** (float16 files, float32 compute): each reader reads its chunk
+  into its own small scratch buffer, verifies it and converts it into the slot while it is in the cache;
+- **files -> GPU**: the readers fill one buffer of a ring of pinned buffers, then the worker queues one
+  copy into the GPU slot on the link's own CUDA stream and moves on to the next transfer, reading it into
+  the next ring buffer while the copy runs. A ring buffer is reused once its copy's event has completed;
+  the compute stream waits for the copy's event before it uses the expert (events order copy and compute;
+  the host never waits for a copy);
+- **host tier -> fast tier**: one copy from the host slot (pinned with CUDA: one DMA on the copy stream)
+  or one conversion on a CPU. The host slot stays pinned in the host tier while it is read.
+
+All cache, queue and policy state is guarded by one condition variable (``DataPath.cond``); bytes move
+outside it.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+from moe_offload.hardware.profile import Link
+from moe_offload.policies import AccessContext
+from moe_offload.runtime.counters import Counters
+from moe_offload.runtime.storage import ExpertStore
+from moe_offload.runtime.tiers import Tier
+from moe_offload.simulator.cache import predicted_no_later_than
+from moe_offload.simulator.transfers import TransferQueue
+
+RING_BUFFERS = 3  # pinned buffers per GPU link: one being read, one being copied, one spare
+
+
+class DataPath:
+    """The tiers (``tiers[0]`` is the fast tier), their link workers and every expert on its way."""
+
+    def __init__(self, tiers: list[Tier], store: ExpertStore, counters: Counters, spec):
+        self.tiers, self.store, self.counters, self.spec = tiers, store, counters, spec
+        self.cond = threading.Condition()
+        self.ctx = AccessContext()
+        self.pinned: set[int] = set()     # the fast tier's: experts the current layer computes with
+        self.ctx.pinned = self.pinned
+        self.stopping = False
+        self.failure: BaseException | None = None
+        self.forward: dict[int, tuple[bool, float]] = {}  # key -> (demand, priority) of its next hop
+        self.prefetched_unused: set[int] = set()
+        self.predicted: set[int] = set()  # resident in the fast tier, proposed since their layer was routed
+        self.layer_now = -1                # the last routed layer of the running forward pass
+        self.reading_from: list[set] = [set() for _ in tiers]  # keys being copied out of each tier now
+        tiers[0].cache.on_evict = self._on_fast_evict
+        for tier in tiers[1:]:
+            tier.cache.on_evict = tier.vacate
+        names = [tier.name for tier in tiers] + ["ssd"]
+        self.workers = [LinkWorker(self, i + 1 if i + 1 < len(tiers) else None, i,
+                                   Link(names[i + 1], names[i], math.inf, 0.0)) for i in range(len(tiers))]
+        for worker in self.workers:
+            worker.start()
+
+    # ------------------------------------------------------------------------------------ locked helpers
+    def route(self, key: int, demand: bool, priority: float) -> bool:
+        """Queue ``key`` towards the fast tier from the nearest tier that holds it; True if queued."""
+        for index in range(1, len(self.tiers)):
+            if key in self.tiers[index].cache:
+                worker = self.workers[index - 1]
+                break
+        else:
+            worker = self.workers[-1]
+            if len(self.tiers) > 1:  # to the host first; the last hop follows when it lands
+                previous = self.forward.get(key)
+                if demand or previous is None or not previous[0]:
+                    self.forward[key] = (demand, priority)
+        nbytes = self.store.manifest.expert_bytes
+        if demand:
+            return worker.queue.demand(key, nbytes)
+        return worker.queue.propose(key, priority, nbytes)
+
+    def next_hop(self, key: int, landed_in: int, demand: bool) -> None:
+        if landed_in == 0:
+            return
+        demand_next, priority = self.forward.pop(key, (demand, 0.0))
+        if key in self.tiers[0].cache:
+            return
+        queue = self.workers[landed_in - 1].queue
+        if demand_next:
+            queue.demand(key, self.store.manifest.expert_bytes)
+        else:
+            queue.propose(key, priority, self.store.manifest.expert_bytes)
+
+    def on_wire_to_fast(self, key: int) -> bool:
+        wire = self.workers[0].queue.on_wire
+        return wire is not None and wire.key == key
+
+    def propose(self, proposals, routed_layer: int) -> None:
+        """A prefetcher's (key, priority) proposals after layer ``routed_layer`` was routed."""
+        if not proposals:
+            return
+        J = self.spec.num_experts
+        fast = self.tiers[0].cache
+        self.layer_now = routed_layer
+        for key, priority in proposals:
+            key = int(key)
+            if key // J <= routed_layer or key in fast.reserved:
+                continue
+            if key in fast:  # predicted and resident: no prefetch for a later layer may evict it (cache.py)
+                self.predicted.add(key)
+                continue
+            self.route(key, demand=False, priority=float(priority))
+        self.cond.notify_all()
+
+    def layer_routed(self, layer: int, keys) -> None:
+        """Layer ``layer`` is routed to ``keys``: its waiting prefetches are too late, and the experts that
+        were prefetched for it and not chosen are no longer held (cache.py)."""
+        J = self.spec.num_experts
+        for worker in self.workers:
+            for waiting in worker.queue.waiting_prefetches():
+                if waiting // J == layer and waiting not in keys:
+                    worker.queue.withdraw(waiting)
+                    self.forward.pop(waiting, None)
+        fast = self.tiers[0].cache
+        self.layer_now = layer
+        if fast.held:
+            for key in [key for key in fast.held if key // J == layer]:
+                fast.release(key)
+        if self.predicted:
+            self.predicted = {key for key in self.predicted if key // J != layer}
+
+    def busy(self) -> bool:
+        return any(w.queue.waiting() or w.queue.busy for w in self.workers)
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def _on_fast_evict(self, key: int) -> None:
+        self.tiers[0].vacate(key)
+        if key in self.prefetched_unused:
+            self.prefetched_unused.discard(key)
+            self.counters.prefetches_wasted += 1
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        for worker in self.workers:
+            worker.join(timeout=5)
+        self.store.close()
+
+
+class LinkWorker(threading.Thread):
+    """Serves one link's TransferQueue: picks the next transfer, makes room, moves the bytes outside the lock."""
+
+    def __init__(self, path: DataPath, source: int | None, destination: int, link: Link):
+        super().__init__(name=f"moe-offload {link.name}", daemon=True)
+        self.path, self.source, self.destination, self.link = path, source, destination, link
+        self.queue = TransferQueue(link, path.tiers[destination].cache)
+        self.mover = ExpertMover(path.store, path.spec.num_experts)
+
+    def _reserve(self, transfer, tier: Tier) -> bool:
+        """Room for the transfer in the destination (locked). The host tier keeps what is being read out of
+        it or waits to be."""
+        path, ctx = self.path, self.path.ctx
+        if self.destination > 0:
+            upstream = path.workers[self.destination - 1].queue
+            ctx.pinned = path.reading_from[self.destination] | (
+                set(upstream.waiting_demands()) if transfer.demand else upstream.waiting())
+        ctx.prefetch = self.destination == 0 and not transfer.demand  # held until used (cache.py)
+        protect = predicted_no_later_than(path.predicted, transfer.key, path.layer_now, path.spec.num_experts,
+                                          path.spec.num_layers) if ctx.prefetch and path.predicted else ()
+        try:
+            return tier.cache.reserve(transfer.key, ctx, tier.slot_bytes, protect)
+        finally:
+            ctx.prefetch, ctx.pinned = False, path.pinned
+
+    def run(self) -> None:
+        path, queue = self.path, self.queue
+        tier = path.tiers[self.destination]
+        cond = path.cond
+        with cond:
+            while not path.stopping:
+                transfer = queue.next_transfer(time.perf_counter())
+                if transfer is None:
+                    cond.wait()
+                    continue
+                key = transfer.key
+                source_tier = path.tiers[self.source] if self.source is not None else None
+                if source_tier is not None and key not in source_tier.cache:
+                    queue.withdraw(key)  # its host copy was evicted while it waited: from the files again
+                    if transfer.demand:
+                        path.route(key, True, math.inf)
+                    cond.notify_all()
+                    continue
+                if not self._reserve(transfer, tier):  # the rest of the tier is pinned, held or on its way in
+                    if transfer.demand:
+                        cond.wait(0.05)
+                    else:
+                        queue.withdraw(key)
+                        path.forward.pop(key, None)
+                    continue
+                slot = tier.assign(key)
+                queue.start(time.perf_counter())
+                if self.destination == 0 and not transfer.demand:
+                    path.counters.prefetches_issued += 1
+                    path.prefetched_unused.add(key)
+                source_slot = None
+                if source_tier is not None:
+                    source_slot = source_tier.slot_of[key]
+                    path.reading_from[self.source].add(key)
+                cond.release()
+                error = None
+                started = time.perf_counter()
+                try:
+                    ready = self.mover.move(key, source_tier, source_slot, tier, slot)
+                except BaseException as exc:  # reported to the compute thread, which raises it
+                    error = exc
+                finally:
+                    cond.acquire()
+                seconds = time.perf_counter() - started
+                queue.finish()
+                if source_tier is not None:
+                    path.reading_from[self.source].discard(key)
+                path.counters.moved(self.link.name, path.store.manifest.expert_bytes, seconds)  # as stored
+                if error is not None:
+                    tier.cache.cancel(key)
+                    tier.vacate(key)
+                    path.prefetched_unused.discard(key)
+                    path.failure = path.failure or error
+                    cond.notify_all()
+                    continue
+                if ready is not None:
+                    tier.ready[key] = ready
+                path.ctx.prefetch = not transfer.demand
+                try:
+                    tier.cache.complete(key, path.ctx)
+                finally:
+                    path.ctx.prefetch = False
+                path.next_hop(key, self.destination, transfer.demand)
+                cond.notify_all()
+
+
+class ExpertMover:
+    """Moves one expert into a slot of a tier, by the routes of the module docstring (one per link worker;
+    ``hardware measure`` times the same object)."""
+
+    def __init__(self, store: ExpertStore, num_experts: int):
+        self.store, self.num_experts = store, num_experts
+        self._local = threading.local()  # each reader's scratch buffer (files -> CPU in another dtype)
+        self._ring: list | None = None   # CUDA: pinned buffers and the events of their last copies
+        self._ring_index = -1
+        self._stream = None              # CUDA: this link's copy stream
+        self.ring_allocations = 0
+
+    # ------------------------------------------------------------------------------------------- bytes
+    def move(self, key: int, source: Tier | None, source_slot: int | None, tier: Tier, slot: int):
+        """Write expert ``key`` into ``slot`` of ``tier``; returns the CUDA event of its copy, or None when the
+        bytes are in place on return."""
+        import torch
+
+        layer, expert = divmod(key, self.num_experts)
+        destination = tier.region(slot)
+        if tier.is_cuda:
+            stream = self._copy_stream(tier)
+            if source is None:
+                staged = self._ring_buffer()
+                array = staged.numpy()
+                self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
+                origin = staged.view(getattr(torch, self.store.manifest.dtype))
+            else:
+                origin = source.region(source_slot)
+                staged = None
+            wait = tier.pool.free_after[slot]
+            event = torch.cuda.Event()
+            with torch.cuda.stream(stream):
+                if wait is not None:
+                    stream.wait_event(wait)  # kernels that read the slot's previous expert are done
+                destination.copy_(origin, non_blocking=True)
+                event.record(stream)
+            if staged is not None:
+                self._ring[self._ring_index][1] = event
+            elif source is not None:
+                source.pool.free_after[source_slot] = event  # the host slot is read until then
+            return event
+        if source is not None:
+            destination.copy_(source.region(source_slot))
+            return None
+        wait = tier.pool.free_after[slot]
+        if wait is not None:  # a pinned host slot that a GPU copy may still read
+            wait.synchronize()
+        if destination.dtype == getattr(torch, self.store.manifest.dtype):
+            array = destination.view(torch.uint8).numpy()
+            self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
+        else:
+            self._read_converting(layer, expert, destination)
+        return None
+
+    def _read_converting(self, layer: int, expert: int, destination) -> None:
+        """Each reader reads its chunk into its own scratch buffer and converts it into the slot."""
+        import torch
+
+        store = self.store
+        stored = getattr(torch, store.manifest.dtype)
+        itemsize = stored.itemsize
+        local = self._local
+
+        def into(start: int, end: int) -> memoryview:
+            scratch = getattr(local, "scratch", None)
+            if scratch is None:
+                scratch = local.scratch = torch.empty(store.manifest.chunk_bytes, dtype=torch.uint8)
+                local.array = scratch.numpy()
+            return memoryview(local.array[:end - start])
+
+        def convert(start: int, end: int, _view) -> None:
+            chunk = local.scratch[:end - start].view(stored)
+            destination[start // itemsize:end // itemsize].copy_(chunk)
+
+        store.read(layer, expert, into, convert)
+
+    def _copy_stream(self, tier: Tier):
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=tier.device)
+        return self._stream
+
+    def _ring_buffer(self):
+        """The next pinned buffer of the ring, once the copy that last read it has completed."""
+        import torch
+
+        if self._ring is None:
+            size = self.store.manifest.expert_bytes
+            self._ring = [[torch.empty(size, dtype=torch.uint8, pin_memory=True), None] for _ in range(RING_BUFFERS)]
+            self.ring_allocations += RING_BUFFERS
+        self._ring_index = (self._ring_index + 1) % len(self._ring)
+        buffer, last_copy = self._ring[self._ring_index]
+        if last_copy is not None:
+            last_copy.synchronize()
+        return buffer

@@ -1,0 +1,98 @@
+"""The runtime's tiers: residency from the simulators' cache, memory from a pool of fixed slots.
+
+A tier is an :class:`~moe_offload.simulator.cache.ExpertCache` (or a PartitionedCache) with a byte budget and
+an eviction policy, the very objects the simulators use, plus a :class:`SlotPool`: the tier's memory,
+allocated once at start-up as ``slots`` expert-sized slots. A transfer into the tier reserves room in the
+cache (evicting the policy's victims), takes a free slot, and writes the expert into it; an eviction gives
+the slot back. No expert is ever allocated on its own, so the memory a tier uses is exactly its budget and
+a long run never fragments it.
+
+The budget is rounded down to whole slots, so a successful ``reserve`` always finds a free slot (reserved
+and resident experts together never exceed the slots).
+
+With CUDA each slot remembers the event after which it may be overwritten (``free_after``): an expert
+evicted from GPU memory may still be read by kernels already queued on the compute stream, and the copy of
+its successor into the slot waits for them on the GPU, not on the host. An expert copied into the GPU is
+usable once its copy's event (``ready``) has completed; the compute stream waits for that event, so the
+host never blocks on a copy.
+"""
+
+from __future__ import annotations
+
+from moe_offload.runtime.packing import Manifest
+from moe_offload.runtime.storage import expert_views
+
+
+class SlotPool:
+    """``slots`` slots of one expert each, in one allocation of ``dtype`` elements on ``device``."""
+
+    def __init__(self, slots: int, elements: int, dtype, device, pin: bool = False):
+        import torch
+
+        self.memory = torch.empty((slots, elements), dtype=dtype, device=device, pin_memory=pin)
+        self.free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.free_after: list = [None] * slots       # CUDA: event after which the slot may be overwritten
+
+    @property
+    def slots(self) -> int:
+        return self.memory.shape[0]
+
+    def take(self) -> int:
+        return self.free.pop()
+
+    def give_back(self, slot: int) -> None:
+        self.free.append(slot)
+
+
+class Tier:
+    """One tier: ``cache`` decides residency, ``pool`` holds the bytes; ``slot_of`` maps an expert (flat key)
+    that is reserved or resident to its slot."""
+
+    def __init__(self, name: str, cache, pool: SlotPool, manifest: Manifest, device, dtype):
+        self.name, self.cache, self.pool, self.manifest = name, cache, pool, manifest
+        self.device, self.dtype = device, dtype
+        self.slot_of: dict[int, int] = {}
+        self.ready: dict[int, object] = {}  # CUDA: key -> event of its copy into this tier
+        self._views: dict[int, dict] = {}   # slot -> the expert's tensors as views of the slot
+        self.slot_bytes = pool.memory.shape[1] * pool.memory.element_size()
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def assign(self, key: int) -> int:
+        """A slot for ``key``, whose room the cache has just reserved."""
+        slot = self.pool.take()
+        self.slot_of[key] = slot
+        return slot
+
+    def vacate(self, key: int) -> None:
+        """``key`` was evicted or its transfer cancelled: its slot is free (on a GPU, once the compute stream
+        has passed the kernels queued so far, which may still read it)."""
+        slot = self.slot_of.pop(key, None)
+        self.ready.pop(key, None)
+        if slot is None:
+            return
+        if self.is_cuda:
+            import torch
+
+            event = torch.cuda.Event()
+            event.record(torch.cuda.default_stream(self.device))
+            self.pool.free_after[slot] = event
+        self.pool.give_back(slot)
+
+    def region(self, slot: int):
+        """The slot as a flat tensor of the tier's dtype (one expert's elements)."""
+        return self.pool.memory[slot]
+
+    def tensors(self, key: int) -> dict:
+        """The resident expert ``key``'s tensors (views of its slot, made once per slot)."""
+        slot = self.slot_of[key]
+        views = self._views.get(slot)
+        if views is None:
+            views = self._views[slot] = expert_views(self.manifest, self.pool.memory[slot])
+        return views
+
+
+def slots_for(budget_bytes: int, slot_bytes: int) -> int:
+    return budget_bytes // slot_bytes

@@ -1,0 +1,118 @@
+"""Compiled replay: each policy's ``replay_kernel`` compiled with Numba, when Numba is installed.
+
+Where the kernels live, and why there. A kernel is a static method of its policy's class, in the policy's own
+file, under the Python hooks it mirrors: a reader finds a policy's formula (the class docstring), its
+reference implementation (the hooks the cache calls) and its compiled form in one file, and whoever changes
+one has the other in view. A separate package of kernels would put every policy in two places. The kernels are
+written in the subset of Python that Numba compiles (NumPy arrays indexed by flat expert id, no objects), so
+they also run as plain Python, slowly: that is how the tests check them where Numba is missing. The data
+structures several kernels share sit beside their Python twins: the keyed heap in policies/_ranked.py, the
+linked lists in policies/_linked.py, the Mersenne Twister in policies/_seeded.py. This module is the only one
+that imports Numba, and only when a kernel is first asked for: the package imports and replays without it.
+
+The contract. ``replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
+layer_hits)`` serves, in order, the requests at the positions ``clocks`` of a flattened sequence (its arrays
+``keys``, flat expert ids, ``tokens`` and ``next_use``, all int64) on one demand-paged cache of ``capacity``
+experts that starts empty, exactly as ExpertCache.request with the policy object would: the request at
+position t has clock t, key ``keys[t]``, token ``tokens[t]`` and next use ``next_use[t]`` (AccessContext's
+fields, for the policies that read them); ``floats`` and ``ints`` are the policy's ``kernel_arguments()``
+(parameters, a generator's state, which the kernel may update); it adds each hit to
+``layer_hits[key // num_experts]``. The whole replay passes every position; a -dist policy is a cache split
+among the layers (simulator/cache.py PartitionedCache), so the replay runs the kernel once per layer with
+that layer's positions and share of the capacity, as the partitions would, without copying the sequence.
+
+Compilation. ``compiled_kernel(policy_class)`` compiles the kernel and every plain function it calls (found
+among the names its code uses, recursively) with an explicit signature, so a kernel compiles once, when first
+asked for, and never again for other argument types; the replay asks before it starts (before it forks its
+workers, which inherit the machine code), so compile time is not replay time. Numba's on-disk cache
+(``cache=True``) keeps the machine code for the next process: in ``__pycache__`` beside the policy's file,
+or, where that is read-only (an installed package), in Numba's per-user cache folder (or NUMBA_CACHE_DIR);
+where no folder is writable the kernel is compiled in memory only. Numba's cache notices a change to the
+kernel's own file but not to the helpers it calls in other files, so the compiled name carries a digest of
+the bytecode of the kernel and all its helpers: any change to any of them is a new cache entry.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import types
+
+SIGNATURE = ("void(int64[::1], int64[::1], int64[::1], int64[::1], int64, int64, int64, float64[::1], int64[::1], "
+             "int64[::1])")
+HELPER_OPTIONS = {"inline": "always"}  # no call, hence no reference counting of array arguments, per helper use
+INSTALL_HINT = "install Numba for the compiled replay: pip install 'moe-offload[fast]'"
+
+
+@functools.cache
+def numba_available() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def compiled_kernel(policy_class):
+    """The compiled ``replay_kernel`` of ``policy_class``; None when it has none or Numba is not installed.
+    The first call in a process compiles it, or loads it from Numba's cache."""
+    function = policy_class.replay_kernel  # a static method: the plain function
+    if function is None or not numba_available():
+        return None
+    import numba
+
+    helpers: dict = {}
+    linked = _link(function, numba, helpers)
+    linked.__qualname__ = f"{function.__qualname__}_{_digest(function, helpers)}"
+    try:
+        return numba.njit(SIGNATURE, cache=True)(linked)
+    except RuntimeError as exc:  # no folder to cache in (read-only install, no writable home)
+        if "cannot cache" not in str(exc):
+            raise
+        return numba.njit(SIGNATURE)(linked)
+
+
+def _link(function, numba, helpers: dict):
+    """A copy of ``function`` whose calls to plain Python functions go to their Numba dispatchers."""
+    namespace = dict(function.__globals__)
+    for name in _names(function.__code__):
+        value = namespace.get(name)
+        if isinstance(value, types.FunctionType):
+            if value not in helpers:
+                helpers[value] = None  # a placeholder: recursion terminates on cycles
+                helpers[value] = numba.njit(**HELPER_OPTIONS)(_link(value, numba, helpers))
+            namespace[name] = helpers[value]
+    linked = types.FunctionType(function.__code__, namespace, function.__name__, function.__defaults__,
+                                function.__closure__)
+    linked.__qualname__ = function.__qualname__
+    return linked
+
+
+def _names(code) -> set[str]:
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names |= _names(constant)
+    return names
+
+
+def _digest(function, helpers: dict) -> str:
+    """A short hash of the bytecode, constants and names of ``function`` and its helpers, and of how they are
+    compiled."""
+    hasher = hashlib.sha256(repr((SIGNATURE, HELPER_OPTIONS)).encode())
+    for code in [function.__code__] + sorted((helper.__code__ for helper in helpers),
+                                             key=lambda code: (code.co_filename, code.co_qualname)):
+        _hash_code(code, hasher)
+    return hasher.hexdigest()[:12]
+
+
+def _hash_code(code, hasher) -> None:
+    hasher.update(code.co_qualname.encode())
+    hasher.update(code.co_code)
+    hasher.update(repr(code.co_names).encode())
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            _hash_code(constant, hasher)
+        else:
+            hasher.update(repr(constant).encode())

@@ -1,0 +1,71 @@
+"""MoEpic's online cache configuration in a timed run (paper 004, Algorithm 1, lines 5-10).
+
+MoEpic does not configure once: it starts from a uniform allocation (V_e / L per layer, theta = 0.5, line 4),
+keeps H, P and PH up to date as tokens are processed (lines 6-7), and "every tau processed tokens" runs
+VramAllocation "using the latest state variables" and updates the expert cache of each layer (lines 8-10).
+``OnlineConfigurator`` is that loop for the timed simulator:
+
+* every pass's tokens update an OnlineStatistics (configurator/statistics.py: shadow LCP caches of every
+  size, the prediction ranks of gate_prediction and, for layer 0, of the previous token's
+  next_token_gate_prediction), counted from the start of the run, never reset;
+* when the tokens processed reach the next multiple of tau (a prefill pass may cross one in the middle: the
+  configuration changes after that pass), Algorithm 1's VramAllocation runs from the current allocation
+  V_i with the timings of the run's hardware profile (configure --hardware's), keeping the total V_e;
+* the new configuration replaces the old between two passes. The paper waits until "the device is idle";
+  a replayed trace has no idle time, so the run makes it: waiting prefetches are dropped, the transfer on
+  the GPU's wire lands, the caches are resized (simulator/split.py, SplitExperts.reconfigure), and the
+  top segments that grew are loaded before the next pass, one transfer per expert over each link from
+  where the experts live. The compute stream waits for all of it ("reconfigure" in the timeline), so its
+  cost is in the latencies, once every tau tokens (the paper's tau is 5,000);
+* the prefetcher gets the new configuration's Y per layer (Prefetcher.set_budget).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_offload.configurator import OnlineStatistics, configure, timings_from_profile
+from moe_offload.errors import ConfigError
+from moe_offload.simulator.split import SplitConfig
+
+PAPER_TAU = 5000
+
+
+@dataclass(frozen=True)
+class Reconfiguration:
+    """The options of the online loop: tau (tokens between two configurations) and Algorithm 1's zeta."""
+
+    every: int = PAPER_TAU
+    granularity: float = 0.01
+
+    def check(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ConfigError(f"the reconfiguration period tau must be a positive number of tokens, not {self.every!r}")
+        if not 0 < self.granularity < 1:
+            raise ConfigError(f"the allocation granularity zeta must be in (0, 1), not {self.granularity:g}")
+
+
+class OnlineConfigurator:
+    """Statistics and allocation of one run; ``observe`` after every pass returns the configuration to apply
+    when tau tokens have passed since the last one, else None."""
+
+    def __init__(self, options: Reconfiguration, start: SplitConfig, hardware, num_layers: int, num_experts: int,
+                 top_k: int, expert_bytes: int):
+        self.options = options
+        self.statistics = OnlineStatistics(num_layers, num_experts, top_k)
+        self.timings = timings_from_profile(hardware, expert_bytes, top_k)
+        self.allocation = [plan.cached_experts * plan.split_ratio for plan in start.layers]  # V_i, in experts
+        self.budget = sum(self.allocation)                                                   # V_e
+        self.timings.check(top_k)
+        self.done = 0  # configurations made: the last at done * tau tokens
+
+    def observe(self, trace, rows, iteration: int) -> SplitConfig | None:
+        stats = self.statistics
+        stats.observe(trace, rows, iteration)
+        if stats.tokens // self.options.every <= self.done:
+            return None
+        self.done = stats.tokens // self.options.every
+        configuration = configure(stats.statistics(), self.timings, self.budget, self.options.granularity,
+                                  start=self.allocation)
+        self.allocation = [layer.budget for layer in configuration.layers]
+        return SplitConfig.of(configuration.layers)

@@ -1,0 +1,191 @@
+"""The compiled replay (simulator/kernels.py) against its reference, the Python policy objects: every policy that
+has a kernel makes exactly the same misses, layer by layer, on real and synthetic traces; the kernels also
+run uncompiled (how they are checked without Numba); engine choice, errors, and compiling without a cache."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import QWEN_FILES
+from moe_offload.bundled import DEFAULT_TRACE
+from moe_offload.errors import ConfigError
+from moe_offload.policies import POLICIES
+from moe_offload.simulator import kernels
+from moe_offload.simulator.replay import ReplayInput, replay, replay_grid
+from moe_offload.trace.format import read_trace
+from moe_offload.trace.importers import import_routes_json
+from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
+
+COMPILED = [name for name, info in POLICIES.items() if info.policy.replay_kernel is not None]
+SEEDED = ("random", "marking")  # the policies whose victims the seed draws
+needs_numba = pytest.mark.skipif(not kernels.numba_available(), reason="Numba is not installed")
+
+
+def test_the_policies_of_the_issue_have_kernels():
+    assert {"lru", "fifo", "lfu", "belady", "lru-dist", "belady-dist", "llru", "marking", "lcp", "random"} <= set(
+        COMPILED)
+    assert not any(POLICIES[name].policy.needs_probs for name in COMPILED)
+
+
+def assert_same(data: ReplayInput, sizes, seeds=(0,), engine="compiled"):
+    """Both ways give the same RunResult (misses, hits per layer, ...); the seeded policies at every seed."""
+    for policy in COMPILED:
+        for size in sizes:
+            if POLICIES[policy].partitioned and size < data.spec.num_layers:
+                continue
+            for seed in seeds if POLICIES[policy].policy.name in SEEDED else seeds[:1]:
+                reference = replay(data, policy, size, seed=seed, engine="python")
+                fast = replay(data, policy, size, seed=seed, engine=engine)
+                assert reference.to_dict() == fast.to_dict(), (policy, size, seed)
+
+
+@pytest.fixture(scope="module")
+def olmoe():
+    return ReplayInput.of(read_trace(DEFAULT_TRACE))
+
+
+@needs_numba
+def test_bundled_olmoe_trace(olmoe):
+    assert_same(olmoe, (8, 96, 512), seeds=(0, 7))
+
+
+@needs_numba
+def test_qwen_traces(qwen_folder):
+    trace = import_routes_json([qwen_folder / f"{name}.json" for name in QWEN_FILES[:2]], num_experts=60)
+    assert_same(ReplayInput.of(trace), (24, 360))
+
+
+@needs_numba
+def test_bundled_tiny_trace(tiny_trace):
+    # several requests, prefill and decode: tokens (LCP's activations) are not rounds here
+    assert_same(ReplayInput.of(tiny_trace.select(slice(0, 1500))), (16,), seeds=(3,))
+
+
+@needs_numba
+@pytest.mark.parametrize("layers,experts,top_k,a", [(8, 16, 1, 0.8), (6, 10, 3, 1.2), (3, 64, 8, 2.0)])
+def test_zipf_traces(layers, experts, top_k, a):
+    trace = zipf_trace(layers, experts, top_k, 400, a=a, b=1.0, seed=5, shuffle=True)
+    assert_same(ReplayInput.of(trace), (top_k, max(top_k, layers), layers * experts // 3, layers * experts), seeds=(0, 1))
+
+
+@needs_numba
+def test_adversarial_sequences_of_paper_001():
+    assert_same(ReplayInput.of(cyclic_trace(num_layers=4, cache_size=11, rounds=60)), (4, 11, 12))
+    assert_same(ReplayInput.of(fixed_partition_trace(num_layers=4, num_experts=5, rounds=60)), (4, 8, 12))
+
+
+def test_kernels_run_uncompiled_with_the_same_results(monkeypatch):
+    """The kernels are plain Python too: run as such they make the reference's misses (this is also what checks
+    them where Numba is not installed)."""
+    monkeypatch.setattr(kernels, "compiled_kernel", lambda policy_class: policy_class.replay_kernel)
+    trace = zipf_trace(4, 8, 2, 150, a=1.0, b=1.0, seed=2, shuffle=True)
+    assert_same(ReplayInput.of(trace), (2, 5, 12), seeds=(0, 4))
+
+
+@needs_numba
+def test_auto_uses_the_kernel_and_python_forces_the_objects(olmoe, monkeypatch):
+    calls = []
+    original = kernels.compiled_kernel
+
+    def spy(policy_class):
+        calls.append(policy_class.name)
+        return original(policy_class)
+
+    monkeypatch.setattr(kernels, "compiled_kernel", spy)
+    replay(olmoe, "lru", 64)
+    replay(olmoe, "lru", 64, engine="python")
+    replay(olmoe, "fmoe", 64)  # no kernel: the object, whatever the engine
+    assert calls == ["lru", "fmoe"]
+
+
+@needs_numba
+def test_grid_results_do_not_depend_on_the_engine(olmoe):
+    policies = ["lru", "marking", "belady-dist", "moe-infinity"]
+    compiled = replay_grid(olmoe, policies, [32, 512], jobs=2)
+    python = replay_grid(olmoe, policies, [32, 512], engine="python")
+    assert [r.to_dict() for r in compiled.results] == [r.to_dict() for r in python.results]
+
+
+def test_engine_errors(olmoe, monkeypatch):
+    with pytest.raises(ConfigError, match="engine 'fast' is not one of auto, compiled, python"):
+        replay(olmoe, "lru", 64, engine="fast")
+    with pytest.raises(ConfigError, match="fmoe has no compiled kernel"):
+        replay(olmoe, "fmoe", 64, engine="compiled")
+    monkeypatch.setattr(kernels, "compiled_kernel", lambda policy_class: None)  # as without Numba
+    with pytest.raises(ConfigError, match=r"pip install 'moe-offload\[fast\]'"):
+        replay(olmoe, "lru", 64, engine="compiled")
+    assert replay(olmoe, "lru", 64).misses == replay(olmoe, "lru", 64, engine="python").misses
+
+
+def test_replays_without_numba():
+    """With Numba not importable the package imports, replays through the policy objects, and says how to get the
+    compiled replay when it is asked for."""
+    script = """
+import sys
+sys.modules["numba"] = None  # import numba now raises ImportError
+from moe_offload.errors import ConfigError
+from moe_offload.simulator.replay import ReplayInput, replay
+from moe_offload.trace.synthetic import zipf_trace
+data = ReplayInput.of(zipf_trace(4, 8, 2, 100, a=1.0, b=1.0, seed=0))
+print(replay(data, "lru", 8).misses, replay(data, "lru", 8, engine="python").misses)
+try:
+    replay(data, "lru", 8, engine="compiled")
+except ConfigError as exc:
+    print(exc)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
+    first, second = out[0].split()
+    assert first == second
+    assert out[1] == "the compiled replay of lru needs Numba: install Numba for the compiled replay: " \
+                     "pip install 'moe-offload[fast]'"
+
+
+@needs_numba
+def test_compiles_where_no_cache_folder_is_writable(monkeypatch, olmoe):
+    """A read-only install with no writable home: Numba finds no folder for its cache, and the kernel is compiled
+    in memory instead of failing."""
+    from numba.core import config
+
+    # Only the locator of zipped packages, which declines our file: what Numba sees when no folder is writable.
+    monkeypatch.setattr(config, "CACHE_LOCATOR_CLASSES", "ZipCacheLocator")
+    kernels.compiled_kernel.cache_clear()
+    try:
+        kernel = kernels.compiled_kernel(POLICIES["fifo"].policy)
+        assert kernel is not None and kernel._cache.__class__.__name__ == "NullCache"
+        assert replay(olmoe, "fifo", 64).misses == replay(olmoe, "fifo", 64, engine="python").misses
+    finally:
+        kernels.compiled_kernel.cache_clear()  # the next test compiles (or loads from the cache) again
+
+
+def test_simulate_prints_the_same_whatever_the_engine(capsys):
+    from moe_offload.cli.main import main
+
+    outputs = []
+    for engine in ("python", "auto"):
+        assert main(["simulate", "--policy", "lru,llru,lru-dist,random", "--cache-size", "64,25%", "--jobs", "1",
+                     "--engine", engine]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and "lru-dist" in outputs[0]
+    assert main(["simulate", "--timed", "--engine", "python"]) == 2
+    assert "the timed simulator runs the policy objects" in capsys.readouterr().err
+
+
+def test_partition_capacities_are_the_caches():
+    from moe_offload.simulator.cache import PartitionedCache
+
+    assert PartitionedCache.capacities(10, 4) == [3, 3, 2, 2]
+    parts = PartitionedCache(10, 4, lambda: POLICIES["lru"].policy(None), 5).parts
+    assert [part.capacity for part in parts] == [3, 3, 2, 2]
+
+
+def test_next_use_times_match_a_direct_scan():
+    from moe_offload.trace.flatten import NEVER, next_use_times
+
+    rng = np.random.default_rng(0)
+    for keys in (rng.integers(0, 40, 500), rng.integers(0, 2**40, 300), np.array([3, 3, 3]), np.zeros(0, np.int64)):
+        expected = [next((j for j in range(i + 1, len(keys)) if keys[j] == keys[i]), NEVER) for i in range(len(keys))]
+        assert next_use_times(keys).tolist() == expected

@@ -1,0 +1,217 @@
+"""fMoE's Expert Map Store as rewritten for speed: its exhaustive mode proposes exactly what the previous
+implementation proposed (tests/fmoe_reference.py) on the bundled recordings of the tiny model, one
+request at a time and batched; the compact and pruned modes search what they say they search."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+from fmoe_reference import ReferenceFMoE
+
+from moe_offload.bundled import TINY_HISTORY_TRACE
+from moe_offload.errors import ConfigError
+from moe_offload.policies.base import ModelSpec
+from moe_offload.prefetch.base import RoutingView
+from moe_offload.prefetch.eam import EAMCollection, sequence_eams
+from moe_offload.prefetch.expert_map_store import ExpertMapStore
+from moe_offload.prefetch.fmoe import FMoEPrefetcher
+from moe_offload.prefetch.moe_infinity import MoEInfinityPrefetcher
+from moe_offload.trace import read_trace
+from moe_offload.trace.format import PREFILL, Trace
+
+CAPACITY = 300  # below the history's entries, so that every insert deduplicates
+
+
+@pytest.fixture(scope="module")
+def history():
+    """The first 16 requests of tiny-history: about 1,000 entries for a store of CAPACITY."""
+    trace = read_trace(TINY_HISTORY_TRACE)
+    return trace.select(trace.request < np.unique(trace.request)[16])
+
+
+@pytest.fixture(scope="module")
+def fitted(history):
+    """fMoE (exhaustive, the default) and the reference, each filled from ``history``."""
+    spec = spec_of(history)
+    fast, reference = FMoEPrefetcher(spec, capacity=CAPACITY), ReferenceFMoE(spec, capacity=CAPACITY)
+    fast.fit(history)
+    reference.fit(history)
+    return fast, reference
+
+
+def spec_of(trace: Trace) -> ModelSpec:
+    return ModelSpec(trace.meta.num_layers, trace.meta.num_experts, trace.meta.top_k)
+
+
+def batched(trace: Trace, requests) -> Trace:
+    """``requests`` of ``trace`` served together: iteration s runs step s of each (its prefill first, then one
+    decode token each), as a batch-recorded trace has them."""
+    rows, iteration = [], []
+    for request in requests:
+        own = np.flatnonzero(trace.request == request)
+        prefill = own[trace.phase[own] == PREFILL]
+        steps = [prefill] + [own[[i]] for i in range(prefill.size, own.size)]
+        for step, step_rows in enumerate(steps):
+            rows.extend(step_rows.tolist())
+            iteration.extend([step] * step_rows.size)
+    order = np.argsort(np.asarray(iteration), kind="stable")
+    rows, iteration = np.asarray(rows)[order], np.asarray(iteration)[order]
+    return dataclasses.replace(trace.select(rows), iteration=iteration.astype(np.int32))
+
+
+def run_hooks(prefetcher, trace: Trace, iterations: int):
+    """Per iteration: the proposals of every hook and the predicted map after each."""
+    L = trace.meta.num_layers
+    out = []
+    for iteration in np.unique(trace.iteration)[:iterations]:
+        view = RoutingView(trace, int(iteration), np.flatnonzero(trace.iteration == iteration))
+        hooks = [(prefetcher.on_iteration_start(view), copy_or_none(prefetcher.predicted_map()))]
+        for layer in range(L):
+            view.layer_now = layer
+            hooks.append((prefetcher.on_layer_routed(view), copy_or_none(prefetcher.predicted_map())))
+        prefetcher.on_iteration_end(view)
+        out.append(hooks)
+    return out
+
+
+def copy_or_none(array):
+    return None if array is None else np.array(array)
+
+
+def assert_same_run(got, expected):
+    assert len(got) == len(expected)
+    for iteration, (hooks, reference) in enumerate(zip(got, expected)):
+        for hook, ((proposals, predicted), (ref_proposals, ref_predicted)) in enumerate(zip(hooks, reference)):
+            where = f"iteration {iteration}, hook {hook}"
+            assert proposals == ref_proposals, where
+            assert (predicted is None) == (ref_predicted is None), where
+            if predicted is not None:
+                assert np.array_equal(predicted, ref_predicted), where
+
+
+@pytest.mark.parametrize("batch", [1, 4], ids=["one-request", "batched"])
+def test_exhaustive_search_proposes_exactly_what_the_previous_implementation_did(tiny_trace, fitted, batch):
+    run = tiny_trace if batch == 1 else batched(tiny_trace, np.unique(tiny_trace.request)[:batch])
+    fast, reference = copy.deepcopy(fitted)
+    assert len(fast.store) == CAPACITY
+    np.testing.assert_array_equal(fast.store.maps(np.arange(CAPACITY)), reference.store.maps(np.arange(CAPACITY)))
+    assert_same_run(run_hooks(fast, run, 120), run_hooks(reference, run, 120))
+    np.testing.assert_array_equal(fast.store.maps(np.arange(CAPACITY)), reference.store.maps(np.arange(CAPACITY)))
+
+
+def reference_nearest(eams, current):
+    """MoE-Infinity's nearest-EAM search as it was before (np.linalg.norm, q @ units.T)."""
+    def unit_rows(x):
+        x = np.asarray(x, dtype=np.float32)
+        norms = np.linalg.norm(x, axis=-1, keepdims=True)
+        return np.divide(x, norms, out=np.zeros_like(x), where=norms > 0)
+    units = unit_rows(eams).reshape(eams.shape[0], -1)
+    distance = 1.0 - (unit_rows(current).reshape(current.shape[0], -1) @ units.T) / eams.shape[1]
+    index = distance.argmin(axis=1)
+    return index, distance[np.arange(index.size), index]
+
+
+def test_eamc_search_returns_exactly_what_it_returned_before(history, tiny_trace):
+    """Every prefix (after each iteration and layer) of the tiny trace's sequences, searched in an EAMC of
+    tiny-history's sequences: the same EAM at the same distance, bit for bit."""
+    _, eams = sequence_eams(history)
+    eamc = EAMCollection(eams)
+    L = tiny_trace.meta.num_layers
+    queries = []
+    for request in np.unique(tiny_trace.request)[:6]:
+        counts = np.zeros((L, tiny_trace.meta.num_experts), dtype=np.int64)
+        for row in np.flatnonzero(tiny_trace.request == request)[:60]:
+            for layer in range(L):
+                np.add.at(counts[layer], tiny_trace.experts[row, layer], 1)
+                queries.append(counts.copy())
+    queries = np.asarray(queries)
+    for batch in (1, 5):
+        for first in range(0, len(queries) - batch, 7):
+            got = eamc.nearest(queries[first:first + batch])
+            expected = reference_nearest(eams, queries[first:first + batch])
+            np.testing.assert_array_equal(got[0], expected[0])
+            np.testing.assert_array_equal(got[1], expected[1])
+
+
+def test_incremental_eam_search_equals_the_exhaustive_one(history, tiny_trace):
+    """Per-layer cosines kept per sequence give the exhaustive search's distances (to float32 rounding), and on
+    the tiny traces, batched, the same proposals at every layer."""
+    _, eams = sequence_eams(history)
+    eamc = EAMCollection(eams)
+    rng = np.random.default_rng(3)
+    current = rng.integers(0, 4, size=(20, *eams.shape[1:]))
+    current[:, 5:] = 0  # layers not reached yet
+    by_layer = np.stack([eamc.layer_similarities(layer, current[:, layer]) for layer in range(eams.shape[1])], axis=1)
+    index, distance = eamc.nearest_from_layers(by_layer)
+    exact_index, exact_distance = eamc.nearest(current)
+    np.testing.assert_allclose(distance, exact_distance, atol=1e-6)
+    np.testing.assert_array_equal(index, exact_index)
+    run = batched(tiny_trace, np.unique(tiny_trace.request)[:3])
+    spec = spec_of(run)
+    exhaustive, incremental = (MoEInfinityPrefetcher(spec, search=search) for search in ("exhaustive", "incremental"))
+    exhaustive.fit(history)
+    incremental.fit(history)
+    got, expected = run_hooks(incremental, run, 40), run_hooks(exhaustive, run, 40)
+    assert [[proposals for proposals, _ in hooks] for hooks in got] == \
+        [[proposals for proposals, _ in hooks] for hooks in expected]
+    with pytest.raises(ConfigError, match="search must be one of exhaustive, incremental"):
+        MoEInfinityPrefetcher(spec, search="fast")
+
+
+def small_store(**options):
+    rng = np.random.default_rng(7)
+    L, J, C, D = 4, 6, 40, 16
+    store = ExpertMapStore(L, J, capacity=C, distance=1, **options)
+    maps = rng.dirichlet(np.ones(J), size=(C, L)).astype(np.float32)
+    embeddings = rng.normal(size=(C, D)).astype(np.float32)
+    store.add(maps, embeddings)
+    return store, maps, embeddings, rng
+
+
+def cosines(matrix, vector):
+    return matrix @ vector / (np.linalg.norm(matrix, axis=1) * np.linalg.norm(vector))
+
+
+def test_pruned_search_ranks_only_the_best_semantic_candidates():
+    store, maps, embeddings, rng = small_store(candidates=5)
+    query = rng.normal(size=(2, embeddings.shape[1])).astype(np.float32)
+    observed = rng.dirichlet(np.ones(maps.shape[2]), size=(2, maps.shape[1])).astype(np.float32)
+    search = store.search(query)
+    for b in range(2):
+        semantic = cosines(embeddings, query[b])
+        assert sorted(search.candidates[b].tolist()) == sorted(np.argsort(-semantic)[:5].tolist())
+        assert search.index[b] == int(np.argmax(semantic))  # the semantic search itself still sees every entry
+    for layer in range(maps.shape[1]):
+        index, score = search.observe(layer, observed[:, layer])
+        for b in range(2):
+            among = search.candidates[b]
+            trajectory = cosines(maps[among, :layer + 1].reshape(5, -1), observed[b, :layer + 1].reshape(-1))
+            assert index[b] == among[int(np.argmax(trajectory))]
+            assert score[b] == pytest.approx(trajectory.max(), abs=1e-6)
+    # the insert replaces, for each new entry, its most redundant candidate (RDY over the whole map)
+    search.maps[:] = observed
+    rdy = [0.25 * cosines(embeddings[search.candidates[b]], query[b])
+           + 0.75 * cosines(maps[search.candidates[b]].reshape(5, -1), observed[b].reshape(-1)) for b in range(2)]
+    first = search.candidates[0][int(np.argmax(rdy[0]))]
+    second = search.candidates[1][[i for i in np.argsort(-rdy[1]) if search.candidates[1][i] != first][0]]
+    store.add(search.maps, query, search)
+    np.testing.assert_allclose(store.maps([first, second]), observed, rtol=1e-6)
+
+
+def test_projected_embeddings_and_half_precision_maps():
+    store, maps, embeddings, rng = small_store(embedding_dims=4, candidates=8, map_dtype="float16", seed=3)
+    projection = np.random.default_rng(3).standard_normal((embeddings.shape[1], 4), dtype=np.float32)
+    query = rng.normal(size=(1, embeddings.shape[1])).astype(np.float32)
+    np.testing.assert_allclose(store.semantic_scores(query)[0], cosines(embeddings @ projection, query[0] @ projection),
+                               atol=1e-6)
+    assert store._maps.dtype == np.float16 and store.bytes_searched() == 40 * 4 * 4 + 8 * 4 * 6 * 2
+    np.testing.assert_allclose(store.maps(np.arange(40)), maps, atol=1e-3)
+    with pytest.raises(ConfigError, match="map_dtype=float16 needs candidates=M"):
+        ExpertMapStore(4, 6, capacity=10, distance=1, map_dtype="float16")
+    with pytest.raises(ConfigError, match="embedding_dims=16 does not reduce embeddings of size 16"):
+        small_store(embedding_dims=16)
+    with pytest.raises(ConfigError, match="fmoe.candidates 0: must be a whole number of at least 1"):
+        FMoEPrefetcher(ModelSpec(4, 6, 1), candidates=0)
