@@ -59,7 +59,8 @@ def _arrow_type(hint):
     if hint is str:
         return pa.string()
     if typing.get_origin(hint) is list:
-        return pa.list_(_arrow_type(args[0]))
+        element = _arrow_type(args[0])
+        return None if element is None else pa.list_(element)  # a list of objects: JSON text
     if hint is dict or typing.get_origin(hint) is dict:
         return None  # JSON text
     raise TypeError(f"RunResult field type {hint!r} has no column type")

@@ -30,33 +30,35 @@ bytes, so every rate here is in stored bytes per second.
 
 Timings are medians over ``repeats``; short operations are timed in batches of at least a few milliseconds
 so that the clock's resolution does not matter.
+
+The package: timing.py (medians, fits), transfers.py (the link and the raw rates), compute.py (one expert,
+the rest of an iteration, a decode step); here the capacities, and the profile they all make.
 """
 
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import platform
 import shutil
-import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_offload.errors import ConfigError
-from moe_offload.runtime.packing import Manifest, load_skeleton, read_manifest
+from moe_offload.runtime.measure.compute import (DECODE_PROBE_TOKENS, TOKEN_COUNTS, measure_decode_step, measure_expert_compute,
+                                                 measure_non_expert)
+from moe_offload.runtime.measure.timing import _median, _round, fit_linear_cost
+from moe_offload.runtime.measure.transfers import (COPY_PROBE_BYTES, MAX_SAMPLED_FILES, MEMORY_PROBE_BYTES,
+                                                   MIN_SAMPLED_FILES, fit_latency_bandwidth, measure_host_to_gpu,
+                                                   measure_link, measure_memory_bandwidth, measure_pinned_copy,
+                                                   measure_raw_rates, sample_experts)
+from moe_offload.runtime.packing import load_skeleton, read_manifest
 from moe_offload.runtime.storage import ExpertStore
 
-TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64)
-MIN_SAMPLED_FILES = 16
-MAX_SAMPLED_FILES = 64
-MIN_BATCH_S = 2e-3             # a timed batch of short calls lasts at least this long
-MEMORY_PROBE_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}  # well past the caches (an H100's L2 is 50 MB)
-COPY_PROBE_BYTES = 64 << 20    # a pinned host -> GPU copy this long runs at the link's rate
-SIGNIFICANT_DIGITS = 4         # the profile's numbers: more would only record noise
-NO_EXPERTS = "moe_offload_measure_no_experts"
+__all__ = ["Measurements", "measure", "measure_hardware", "profile_dict", "expert_roofline", "capacities",
+           "fit_latency_bandwidth", "fit_linear_cost", "measure_host_to_gpu", "measure_pinned_copy",
+           "measure_raw_rates", "sample_experts"]
 
 
 @dataclass
@@ -97,319 +99,6 @@ class Measurements:
     date: str = field(default_factory=lambda: datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
 
 
-# ----------------------------------------------------------------------------------------------- timing helpers
-def _median(values) -> float:
-    return float(statistics.median(values))
-
-
-def _synchronizer(device):
-    import torch
-
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
-
-def time_per_call(fn, repeats: int, sync=lambda: None) -> float:
-    """Median seconds of one ``fn()``: a warm-up call, then ``repeats`` batches of as many calls as make a
-    batch last MIN_BATCH_S (one call of a few microseconds is below what the clock can resolve)."""
-    fn()
-    sync()
-    calls, elapsed = 1, 0.0
-    while True:  # calibrate the batch size
-        started = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        elapsed = time.perf_counter() - started
-        if elapsed >= MIN_BATCH_S or calls >= 1 << 12:
-            break
-        calls *= 4 if elapsed < MIN_BATCH_S / 8 else 2
-    samples = [elapsed / calls]
-    for _ in range(repeats - 1):
-        started = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        samples.append((time.perf_counter() - started) / calls)
-    return _median(samples)
-
-
-def fit_line(xs, ys) -> tuple[float, float]:
-    """Ordinary least squares ``y = intercept + slope * x``."""
-    n = len(xs)
-    mean_x, mean_y = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    if sxx == 0:
-        return mean_y, 0.0
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx
-    return mean_y - slope * mean_x, slope
-
-
-def fit_linear_cost(tokens, seconds) -> tuple[float, float]:
-    """``fixed_s + per_token_s * n`` with both at least 0 (the profile refuses negative costs): the least-squares
-    line, or the best line with the offending coefficient held at 0 when noise makes one negative."""
-    fixed, per_token = fit_line(tokens, seconds)
-    if per_token < 0:
-        return max(sum(seconds) / len(seconds), 0.0), 0.0
-    if fixed < 0:  # through the origin
-        return 0.0, sum(n * t for n, t in zip(tokens, seconds)) / sum(n * n for n in tokens)
-    return fixed, per_token
-
-
-def _round(value: float) -> float:
-    return float(f"{value:.{SIGNIFICANT_DIGITS}g}") if math.isfinite(value) else value
-
-
-# ------------------------------------------------------------------------------------------------ the slow tier
-def sample_experts(manifest: Manifest, at_most: int = MAX_SAMPLED_FILES) -> list[tuple[int, int]]:
-    """Every expert when there are at most ``at_most``, else ``at_most`` of them evenly spread over the
-    layers (files of one layer tend to lie together on the disk; a sample from every layer does not flatter)."""
-    keys = sorted(manifest.experts)
-    if len(keys) <= at_most:
-        return keys
-    step = len(keys) / at_most
-    return [keys[int(i * step)] for i in range(at_most)]
-
-
-def fit_latency_bandwidth(nbytes: int, stream_s: float, alone_s: float) -> tuple[float, float]:
-    """(latency_s, bytes per second) of a link from one transfer of ``nbytes`` in a stream of them
-    (``stream_s`` each: the bandwidth, since a stream overlaps what it can) and one alone (``alone_s``: the
-    latency is what it takes beyond the stream's time, at least 0)."""
-    return max(0.0, alone_s - stream_s), nbytes / max(stream_s, 1e-12)
-
-
-def _itemsize(dtype_name: str) -> int:
-    import torch
-
-    return getattr(torch, dtype_name).itemsize
-
-
-def measure_link(manifest: Manifest, keys, repeats: int, bypass_page_cache: bool, device, dtype,
-                 readers: int | None = None, pinned_host: bool = False) -> tuple[float, float]:
-    """(seconds per expert in a stream, seconds for one expert alone) through the runtime's data path from
-    the files into a tier on ``device`` in ``dtype`` (``pinned_host``: a pinned host slot, as a host tier in
-    front of a GPU); the stream is ``keys`` moved back to back (medians over ``repeats``), CUDA copies
-    included (synchronised at the end)."""
-    from moe_offload.runtime.datapath import ExpertMover
-    from moe_offload.runtime.storage import ExpertStore
-    from moe_offload.runtime.tiers import SlotPool, Tier
-
-    store = ExpertStore(manifest, bypass_page_cache=bypass_page_cache, readers=readers)
-    elements = manifest.expert_bytes // _itemsize(manifest.dtype)
-    tier = Tier("fast", None, SlotPool(2, elements, dtype, device, pin=pinned_host), manifest, device, dtype)
-    mover = ExpertMover(store, manifest.num_experts)
-    sync = _synchronizer(device)
-    try:
-        for layer, expert in keys:  # first reads check SHA-256; the runtime's later reads check xxHash3
-            mover.move(layer * manifest.num_experts + expert, None, None, tier, 0)
-        sync()
-        streams, alone = [], []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            for i, (layer, expert) in enumerate(keys):
-                mover.move(layer * manifest.num_experts + expert, None, None, tier, i % 2)
-            sync()
-            streams.append((time.perf_counter() - started) / len(keys))
-            layer, expert = keys[0]
-            started = time.perf_counter()
-            mover.move(layer * manifest.num_experts + expert, None, None, tier, 0)
-            sync()
-            alone.append(time.perf_counter() - started)
-    finally:
-        store.close()
-    return _median(streams), _median(alone)
-
-
-def measure_raw_rates(manifest: Manifest, keys, repeats: int, bypass_page_cache: bool,
-                      readers: int | None = None) -> tuple[float, float]:
-    """(parallel read, conversion) in stored bytes per second: the reader pool reading experts into a buffer
-    that is already mapped (no checksum, no conversion), and a float32 copy of the experts' float16 (or other
-    stored dtype) elements from memory by as many threads as the pool has readers. The bounds of the CPU data
-    path: every expert is read, then converted."""
-    import torch
-
-    from moe_offload.runtime.storage import ExpertStore
-
-    store = ExpertStore(manifest, verify=False, bypass_page_cache=bypass_page_cache, readers=readers)
-    size = manifest.expert_bytes
-    buffer = torch.zeros(len(keys) * size, dtype=torch.uint8)  # zeros: every page mapped before timing
-    array = buffer.numpy()
-    reads = []
-    try:
-        for _ in range(repeats + 1):
-            started = time.perf_counter()
-            for i, (layer, expert) in enumerate(keys):
-                base = i * size
-                store.read(layer, expert, lambda a, b, base=base: memoryview(array[base + a:base + b]))
-            reads.append(time.perf_counter() - started)
-    finally:
-        store.close()
-    stored = buffer.view(getattr(torch, manifest.dtype))
-    target = torch.zeros(stored.numel(), dtype=torch.float32)
-    workers = store.readers
-    step = -(-stored.numel() // workers)
-    parts = [(target[i:i + step], stored[i:i + step]) for i in range(0, stored.numel(), step)]
-    converts = []
-    with ThreadPoolExecutor(workers) as pool:  # as many converting threads as the data path has readers
-        for _ in range(repeats + 1):
-            started = time.perf_counter()
-            list(pool.map(lambda pair: pair[0].copy_(pair[1]), parts))
-            converts.append(time.perf_counter() - started)
-    total = len(keys) * size
-    return total / _median(reads[1:]), total / _median(converts[1:])
-
-
-def measure_pinned_copy(nbytes: int, repeats: int) -> float:
-    """Bytes per second of a memcpy into pinned host memory (CUDA machines: what filling the ring costs
-    once the bytes are in RAM)."""
-    import torch
-
-    source = torch.ones(nbytes, dtype=torch.uint8)
-    target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return nbytes / time_per_call(lambda: target.copy_(source), repeats)
-
-
-# ---------------------------------------------------------------------------------------------- memory and PCIe
-def measure_memory_bandwidth(device, repeats: int) -> float:
-    """Bytes per second of a streaming read of the compute device's memory (a sum over a buffer larger than
-    any cache): the roofline's memory term, what reading an expert's weights costs once they no longer fit
-    in a cache."""
-    import torch
-
-    size = MEMORY_PROBE_BYTES[device.type]
-    buffer = torch.ones(size // 4, dtype=torch.float32, device=device)
-    seconds = time_per_call(lambda: buffer.sum(), repeats, _synchronizer(device))
-    return size / seconds
-
-
-def measure_host_to_gpu(device, expert_bytes: int, repeats: int) -> tuple[float, float]:
-    """(latency_s, bytes per second) of pinned host -> GPU copies: the latency from a 4-byte copy, the
-    bandwidth from a copy of at least 64 MiB (one small expert is too short to reach the link's rate)."""
-    import torch
-
-    sync = _synchronizer(device)
-    tiny = torch.ones(1, dtype=torch.float32).pin_memory()
-    latency = time_per_call(lambda: tiny.to(device, non_blocking=True), repeats, sync)
-    size = max(COPY_PROBE_BYTES, expert_bytes)
-    big = torch.ones(size, dtype=torch.uint8).pin_memory()
-    seconds = time_per_call(lambda: big.to(device, non_blocking=True), repeats, sync)
-    return min(latency, seconds / 2), size / (seconds - min(latency, seconds / 2))
-
-
-# ------------------------------------------------------------------------------------------------------ compute
-def measure_expert_compute(experts_module, tensors: dict, device, dtype, repeats: int,
-                           token_counts=TOKEN_COUNTS) -> dict[int, float]:
-    """Seconds of one expert's work on n tokens, n in ``token_counts``: the per-expert body of
-    models/experts.py (select the expert's tokens, gate_up, the module's own activation, down, the routing
-    weight, index_add) with the expert's real weights, so shapes, dtype and activation are the model's."""
-    import torch
-    import torch.nn.functional as F
-
-    gate_up = tensors["gate_up_proj"].to(device, dtype=dtype)
-    down = tensors["down_proj"].to(device, dtype=dtype)
-    hidden = gate_up.shape[1]
-    generator = torch.Generator().manual_seed(0)
-    results = {}
-    for n in token_counts:
-        states = torch.randn(n, hidden, generator=generator).to(device, dtype=dtype)
-        top_k_index = torch.zeros(n, 1, dtype=torch.long, device=device)
-        top_k_weights = torch.ones(n, 1, dtype=dtype, device=device)
-        out = torch.zeros_like(states)
-
-        def one_expert():
-            top_k_pos, token_idx = torch.where((top_k_index == 0).transpose(0, 1))
-            current = experts_module._apply_gate(F.linear(states[token_idx], gate_up))
-            current = F.linear(current, down) * top_k_weights[token_idx, top_k_pos, None]
-            out.index_add_(0, token_idx, current)
-
-        with torch.inference_mode():
-            results[n] = time_per_call(one_expert, repeats, _synchronizer(device))
-    return results
-
-
-def _no_experts(self, hidden_states, top_k_index, top_k_weights):
-    """An experts implementation that computes nothing: the skeleton's forward without the routed experts."""
-    import torch
-
-    return torch.zeros_like(hidden_states)
-
-
-class _ModuleTimer:
-    """Forward hooks that add up the seconds each group of modules spends, synchronizing a GPU first so
-    that the time is the module's and not its predecessor's."""
-
-    def __init__(self, sync):
-        self.sync, self.seconds, self._started, self._handles = sync, {}, {}, []
-
-    def watch(self, group: str, module) -> None:
-        def before(mod, args):
-            self.sync()
-            self._started[id(mod)] = time.perf_counter()
-
-        def after(mod, args, output):
-            self.sync()
-            self.seconds[group] = self.seconds.get(group, 0.0) + time.perf_counter() - self._started.pop(id(mod))
-
-        self._handles += [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
-
-    def reset(self) -> None:
-        self.seconds = {}
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
-def measure_non_expert(model, adapter, device, repeats: int, token_counts=TOKEN_COUNTS) -> dict[str, dict[int, float]]:
-    """Seconds per MoE layer of attention (everything a decoder layer does besides its router and its routed
-    experts: norms, attention, residuals, shared experts, dense layers' MLPs) and of the router, and once per
-    iteration of the LM head (everything outside the decoder layers: embedding, final norm, LM head), for a
-    forward of n tokens with the routed experts stubbed out. Prefill without a KV cache: the simulator's
-    costs are functions of the iteration's tokens only."""
-    import torch
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    if NO_EXPERTS not in ALL_EXPERTS_FUNCTIONS:
-        ALL_EXPERTS_FUNCTIONS.register(NO_EXPERTS, _no_experts)
-    model.set_experts_implementation(NO_EXPERTS)
-    sync = _synchronizer(device)
-    timer = _ModuleTimer(sync)
-    for layer in model.model.layers:
-        timer.watch("layers", layer)
-    for moe_layer in range(adapter.num_layers):
-        timer.watch("router", adapter.router(moe_layer))
-        timer.watch("experts", adapter.experts(moe_layer))
-    vocab = int(model.config.vocab_size)
-    generator = torch.Generator().manual_seed(0)
-    results = {"attention": {}, "router": {}, "lm_head": {}}
-    try:
-        with torch.inference_mode():
-            for n in token_counts:
-                ids = torch.randint(0, vocab, (1, n), generator=generator).to(device)
-                samples = {"attention": [], "router": [], "lm_head": []}
-                for attempt in range(repeats + 1):  # the first is a warm-up
-                    timer.reset()
-                    sync()
-                    started = time.perf_counter()
-                    model(input_ids=ids, use_cache=False)
-                    sync()
-                    total = time.perf_counter() - started
-                    if attempt == 0:
-                        continue
-                    layers, router = timer.seconds["layers"], timer.seconds.get("router", 0.0)
-                    experts = timer.seconds.get("experts", 0.0)
-                    samples["attention"].append((layers - router - experts) / adapter.num_layers)
-                    samples["router"].append(router / adapter.num_layers)
-                    samples["lm_head"].append(total - layers)
-                for part, values in samples.items():
-                    results[part][n] = max(_median(values), 0.0)
-    finally:
-        timer.close()
-    return results
-
-
-# ---------------------------------------------------------------------------------------------------- capacities
 def _available_ram() -> int:
     """Bytes of RAM available now (MemAvailable: free plus reclaimable cache), else the free pages."""
     try:
@@ -543,22 +232,6 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
         expert_seconds=expert_seconds, non_expert_seconds=non_expert, num_layers=manifest.num_layers,
         capacities=sizes, capacity_notes=notes, threads=torch.get_num_threads(), decode_step_s=decode_step,
         elapsed_s=time.perf_counter() - started)
-
-
-DECODE_PROBE_TOKENS = 16
-
-
-def measure_decode_step(packed_dir: Path, device, repeats: int) -> float:
-    """Median time between two output tokens of the runtime with every expert preloaded (greedy, a fixed
-    16-token prompt, 16 new tokens, ``repeats`` times): the all-resident TPOT the simulator's costs must add up
-    to. The median of the gaps, not their mean: a burst of other work on the machine moves a mean, not it."""
-    from moe_offload.runtime.engine import OffloadEngine
-
-    with OffloadEngine(packed_dir, fast_budget="100%", preload=True, device=device) as engine:
-        prompt = list(range(1, 1 + DECODE_PROBE_TOKENS))
-        gaps = [gap for _ in range(max(2, repeats))
-                for gap in engine.generate(prompt, max_new_tokens=DECODE_PROBE_TOKENS).stats.token_latency_seconds]
-    return _median(gaps)
 
 
 def framework_overhead(m: Measurements, compute: dict, top_k: int) -> float:

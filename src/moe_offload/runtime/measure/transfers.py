@@ -1,0 +1,150 @@
+"""The slow tier and the links of ``hardware measure``: experts moved through the runtime's own data path, and
+the raw rates that bound it (parallel reads, pinned copies, memory bandwidth, host -> GPU)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from moe_offload.runtime.measure.timing import _median, _synchronizer, time_per_call
+from moe_offload.runtime.packing import Manifest
+
+MIN_SAMPLED_FILES = 16
+MAX_SAMPLED_FILES = 64
+MEMORY_PROBE_BYTES = {"cpu": 64 << 20, "cuda": 1 << 30}  # well past the caches (an H100's L2 is 50 MB)
+COPY_PROBE_BYTES = 64 << 20    # a pinned host -> GPU copy this long runs at the link's rate
+
+
+def sample_experts(manifest: Manifest, at_most: int = MAX_SAMPLED_FILES) -> list[tuple[int, int]]:
+    """Every expert when there are at most ``at_most``, else ``at_most`` of them evenly spread over the
+    layers (files of one layer tend to lie together on the disk; a sample from every layer does not flatter)."""
+    keys = sorted(manifest.experts)
+    if len(keys) <= at_most:
+        return keys
+    step = len(keys) / at_most
+    return [keys[int(i * step)] for i in range(at_most)]
+
+
+def fit_latency_bandwidth(nbytes: int, stream_s: float, alone_s: float) -> tuple[float, float]:
+    """(latency_s, bytes per second) of a link from one transfer of ``nbytes`` in a stream of them
+    (``stream_s`` each: the bandwidth, since a stream overlaps what it can) and one alone (``alone_s``: the
+    latency is what it takes beyond the stream's time, at least 0)."""
+    return max(0.0, alone_s - stream_s), nbytes / max(stream_s, 1e-12)
+
+
+def _itemsize(dtype_name: str) -> int:
+    import torch
+
+    return getattr(torch, dtype_name).itemsize
+
+
+def measure_link(manifest: Manifest, keys, repeats: int, bypass_page_cache: bool, device, dtype,
+                 readers: int | None = None, pinned_host: bool = False) -> tuple[float, float]:
+    """(seconds per expert in a stream, seconds for one expert alone) through the runtime's data path from
+    the files into a tier on ``device`` in ``dtype`` (``pinned_host``: a pinned host slot, as a host tier in
+    front of a GPU); the stream is ``keys`` moved back to back (medians over ``repeats``), CUDA copies
+    included (synchronised at the end)."""
+    from moe_offload.runtime.datapath import ExpertMover
+    from moe_offload.runtime.storage import ExpertStore
+    from moe_offload.runtime.tiers import SlotPool, Tier
+
+    store = ExpertStore(manifest, bypass_page_cache=bypass_page_cache, readers=readers)
+    elements = manifest.expert_bytes // _itemsize(manifest.dtype)
+    tier = Tier("fast", None, SlotPool(2, elements, dtype, device, pin=pinned_host), manifest, device, dtype)
+    mover = ExpertMover(store, manifest.num_experts)
+    sync = _synchronizer(device)
+    try:
+        for layer, expert in keys:  # first reads check SHA-256; the runtime's later reads check xxHash3
+            mover.move(layer * manifest.num_experts + expert, None, None, tier, 0)
+        sync()
+        streams, alone = [], []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for i, (layer, expert) in enumerate(keys):
+                mover.move(layer * manifest.num_experts + expert, None, None, tier, i % 2)
+            sync()
+            streams.append((time.perf_counter() - started) / len(keys))
+            layer, expert = keys[0]
+            started = time.perf_counter()
+            mover.move(layer * manifest.num_experts + expert, None, None, tier, 0)
+            sync()
+            alone.append(time.perf_counter() - started)
+    finally:
+        store.close()
+    return _median(streams), _median(alone)
+
+
+def measure_raw_rates(manifest: Manifest, keys, repeats: int, bypass_page_cache: bool,
+                      readers: int | None = None) -> tuple[float, float]:
+    """(parallel read, conversion) in stored bytes per second: the reader pool reading experts into a buffer
+    that is already mapped (no checksum, no conversion), and a float32 copy of the experts' float16 (or other
+    stored dtype) elements from memory by as many threads as the pool has readers. The bounds of the CPU data
+    path: every expert is read, then converted."""
+    import torch
+
+    from moe_offload.runtime.storage import ExpertStore
+
+    store = ExpertStore(manifest, verify=False, bypass_page_cache=bypass_page_cache, readers=readers)
+    size = manifest.expert_bytes
+    buffer = torch.zeros(len(keys) * size, dtype=torch.uint8)  # zeros: every page mapped before timing
+    array = buffer.numpy()
+    reads = []
+    try:
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            for i, (layer, expert) in enumerate(keys):
+                base = i * size
+                store.read(layer, expert, lambda a, b, base=base: memoryview(array[base + a:base + b]))
+            reads.append(time.perf_counter() - started)
+    finally:
+        store.close()
+    stored = buffer.view(getattr(torch, manifest.dtype))
+    target = torch.zeros(stored.numel(), dtype=torch.float32)
+    workers = store.readers
+    step = -(-stored.numel() // workers)
+    parts = [(target[i:i + step], stored[i:i + step]) for i in range(0, stored.numel(), step)]
+    converts = []
+    with ThreadPoolExecutor(workers) as pool:  # as many converting threads as the data path has readers
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            list(pool.map(lambda pair: pair[0].copy_(pair[1]), parts))
+            converts.append(time.perf_counter() - started)
+    total = len(keys) * size
+    return total / _median(reads[1:]), total / _median(converts[1:])
+
+
+def measure_pinned_copy(nbytes: int, repeats: int) -> float:
+    """Bytes per second of a memcpy into pinned host memory (CUDA machines: what filling the ring costs
+    once the bytes are in RAM)."""
+    import torch
+
+    source = torch.ones(nbytes, dtype=torch.uint8)
+    target = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return nbytes / time_per_call(lambda: target.copy_(source), repeats)
+
+
+# ---------------------------------------------------------------------------------------------- memory and PCIe
+def measure_memory_bandwidth(device, repeats: int) -> float:
+    """Bytes per second of a streaming read of the compute device's memory (a sum over a buffer larger than
+    any cache): the roofline's memory term, what reading an expert's weights costs once they no longer fit
+    in a cache."""
+    import torch
+
+    size = MEMORY_PROBE_BYTES[device.type]
+    buffer = torch.ones(size // 4, dtype=torch.float32, device=device)
+    seconds = time_per_call(lambda: buffer.sum(), repeats, _synchronizer(device))
+    return size / seconds
+
+
+def measure_host_to_gpu(device, expert_bytes: int, repeats: int) -> tuple[float, float]:
+    """(latency_s, bytes per second) of pinned host -> GPU copies: the latency from a 4-byte copy, the
+    bandwidth from a copy of at least 64 MiB (one small expert is too short to reach the link's rate)."""
+    import torch
+
+    sync = _synchronizer(device)
+    tiny = torch.ones(1, dtype=torch.float32).pin_memory()
+    latency = time_per_call(lambda: tiny.to(device, non_blocking=True), repeats, sync)
+    size = max(COPY_PROBE_BYTES, expert_bytes)
+    big = torch.ones(size, dtype=torch.uint8).pin_memory()
+    seconds = time_per_call(lambda: big.to(device, non_blocking=True), repeats, sync)
+    return min(latency, seconds / 2), size / (seconds - min(latency, seconds / 2))
