@@ -33,6 +33,7 @@ does not depend on this machine.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -94,10 +95,11 @@ class Workload:
 
 def olmoe_workload(console: Console) -> Workload:
     full = read_trace(DEFAULT_TRACE)
-    training_rows = load_model(DEFAULT_LEARNED_MODEL).metadata.get("training", {}).get("rows")
-    if training_rows != f"0:{OLMOE_HISTORY_ROWS}":
-        console.print(f"note: the learned model was trained on rows {training_rows} of its trace, not "
-                      f"0:{OLMOE_HISTORY_ROWS}; on OLMoE its rows are not all held out")
+    training_rows = load_model(DEFAULT_LEARNED_MODEL).rows_trained_on(
+        hashlib.sha256(DEFAULT_TRACE.read_bytes()).hexdigest())
+    if any(rows != f"0:{OLMOE_HISTORY_ROWS}" for rows in training_rows):
+        console.print(f"note: the learned model was trained on rows {', '.join(training_rows)} of the OLMoE trace, "
+                      f"not 0:{OLMOE_HISTORY_ROWS}; on OLMoE its rows are not all held out")
     return Workload(
         name="olmoe",
         description=(f"OLMoE-1B-7B (bundled trace, {full.meta.num_layers}x{full.meta.num_experts} top-"

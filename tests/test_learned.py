@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import hashlib
 import json
 import re
 import zipfile
@@ -14,12 +15,12 @@ from moe_offload import bundled
 from moe_offload.errors import ConfigError
 from moe_offload.policies import POLICIES, AccessContext, ModelSpec
 from moe_offload.policies.learned import LearnedEviction
-from moe_offload.policies.learned_model import (FORMAT_VERSION, LearnedModel, features, load_model, save_model,
-                                                weights_digest)
+from moe_offload.policies.learned_model import (FORMAT_VERSION, TARGETS, LearnedModel, features, load_model,
+                                                save_model, weights_digest)
 from moe_offload.policies.lru import LRU
 from moe_offload.simulator.cache import ExpertCache
 from moe_offload.simulator.replay import ReplayInput, replay
-from moe_offload.trace.format import Trace, TraceMeta, write_trace
+from moe_offload.trace.format import Trace, TraceMeta, read_trace, write_trace
 
 
 def random_layers(widths=(2, 8, 8, 1), seed=0):
@@ -68,19 +69,24 @@ def drive(policy, keys_per_token, cache_size, spec):
 
 def test_round_trip(tmp_path):
     layers = random_layers()
-    path = save_model(tmp_path / "m.npz", layers, target={"horizon_requests": 8}, training={"seed": 3})
+    path = save_model(tmp_path / "m.npz", layers, target={"kind": "log-distance"}, training={"seed": 3})
     model = load_model(path)
     assert model.widths == [2, 8, 8, 1]
     for (w, b), (w2, b2) in zip(layers, model.layers):
-        np.testing.assert_array_equal(w, w2)
-        np.testing.assert_array_equal(b, b2)
-    assert model.metadata["format_version"] == FORMAT_VERSION
+        np.testing.assert_array_equal(w, w2[0])
+        np.testing.assert_array_equal(b, b2[0])
+    assert model.metadata["format_version"] == FORMAT_VERSION == 2
     assert model.metadata["training"] == {"seed": 3}
-    assert model.metadata["weights_sha256"] == weights_digest(layers)
+    assert model.metadata["target"] == {"kind": "log-distance", "definition": TARGETS["log-distance"]}
+    assert model.metadata["weights_sha256"] == weights_digest(model.layers)
+    with pytest.raises(ConfigError, match="unknown learned-eviction target 'capped'"):
+        save_model(tmp_path / "bad.npz", layers, target={"kind": "capped"})
     x = np.random.default_rng(1).random((5, 2)).astype(np.float32)
     np.testing.assert_allclose(model.forward(x), LearnedModel(layers).forward(x))
     with np.load(path, allow_pickle=False) as npz:  # no pickled objects anywhere in the file
         assert sorted(npz.files) == ["b1", "b2", "b3", "metadata", "w1", "w2", "w3"]
+        assert npz["w2"].shape == (1, 8, 8)  # [networks, out, in]
+    assert model.networks == 1 and not model.per_layer
 
 
 def rewrite(path, out, *, meta_change=None, arrays_change=None):
@@ -109,6 +115,14 @@ def _bad_files(tmp_path):
                            meta_change=lambda m: m.update(format_version=FORMAT_VERSION + 1)), "newer"
     yield "bad version", rewrite(good, tmp_path / "v0.npz", meta_change=lambda m: m.update(format_version="1")), \
         "format_version"
+    # version 1: one network trained on a next-use distance capped at two tokens (issue 9, deviation 4)
+    yield "version 1", rewrite(good, tmp_path / "v1.npz", meta_change=lambda m: m.update(format_version=1)), \
+        "retrain it with `moe-offload train-eviction`"
+
+    def several_shared(meta):
+        meta["architecture"]["networks"] = 2
+
+    yield "networks", rewrite(good, tmp_path / "networks.npz", meta_change=several_shared), "per_layer"
     yield "other format", rewrite(good, tmp_path / "fmt.npz", meta_change=lambda m: m.update(format="x")), "format"
     yield "features", rewrite(good, tmp_path / "feat.npz",
                               meta_change=lambda m: m["features"].update(names=["recency"])), "features"
@@ -119,7 +133,7 @@ def _bad_files(tmp_path):
     yield "checksum", rewrite(good, tmp_path / "tampered.npz", arrays_change=tamper), "checksum"
 
     def reshape(arrays):
-        arrays["w2"] = np.zeros((8, 7), np.float32)
+        arrays["w2"] = np.zeros((1, 8, 7), np.float32)
 
     yield "shape", rewrite(good, tmp_path / "shape.npz", arrays_change=reshape), "shape"
 
@@ -301,6 +315,33 @@ def test_prefetched_expert_never_routed_has_zero_features(tmp_path):
     assert set(policy.scores(ctx)) == {0, 1, 5}
 
 
+def test_per_layer_model_scores_each_expert_with_its_layers_network(tmp_path):
+    # Paper 003 trains "the lightweight per-layer ML cache FFN": network l scores the experts of MoE layer l.
+    # Network 0 scores -1/r (evicts layer 0's least recent), network 1 scores +1/r (layer 1's most recent),
+    # and network 1's scores sit above network 0's (bias 5): every victim is layer 1's most recent expert.
+    older_first = (np.array([[[-1.0, 0.0]]], np.float32), np.zeros((1, 1), np.float32))
+    newer_first = (np.array([[[1.0, 0.0]]], np.float32), np.full((1, 1), 5.0, np.float32))
+    layers = [(np.concatenate([older_first[0], newer_first[0]]), np.concatenate([older_first[1], newer_first[1]]))]
+    path = save_model(tmp_path / "per-layer.npz", layers, per_layer=True)
+    model = load_model(path)
+    assert model.networks == 2 and model.per_layer
+    spec = ModelSpec(2, 4, 1)
+    policy = LearnedEviction(spec, model_path=path)
+    ctx = AccessContext()
+    for token, key in enumerate([0, 4, 1, 5, 2]):  # layer 0: 0, 1, 2; layer 1: 4, 5
+        ctx.token = ctx.clock = token
+        policy.on_access(key, ctx)
+        policy.on_insert(key, ctx)
+    scores = policy.scores(ctx)
+    # token 4: r = 5, 4, 3, 2, 1 for keys 0, 4, 1, 5, 2
+    assert scores == pytest.approx({0: -1 / 5, 1: -1 / 3, 2: -1.0, 4: 5 + 1 / 4, 5: 5 + 1 / 2})
+    assert policy.victim(ctx) == 5
+    ctx.pinned = {4, 5}
+    assert policy.victim(ctx) == 0
+    with pytest.raises(ConfigError, match="2 per-layer networks do not fit a model of 3 MoE layers"):
+        LearnedEviction(ModelSpec(3, 4, 1), model_path=path)
+
+
 # ------------------------------------------------------------------------------------------ NumPy vs torch
 
 def test_numpy_forward_matches_torch():
@@ -325,25 +366,116 @@ def test_features_follow_the_paper():
 
 # ----------------------------------------------------------------------------------------------- training
 
-def test_short_training_produces_a_loadable_model(tmp_path):
+def samples_of(moments):
+    """BeladySamples from [(distances, remaining), ...], one eviction moment each (L*K = 8 requests a token)."""
+    from moe_offload.training.learned_eviction import BeladySamples
+
+    distance = np.concatenate([np.asarray(d, dtype=np.int64) for d, _ in moments])
+    n = distance.size
+    moment = np.concatenate([np.full(len(d), i, dtype=np.int64) for i, (d, _) in enumerate(moments)])
+    remaining = np.concatenate([np.full(len(d), r, dtype=np.int64) for d, r in moments])
+    ones = np.ones(n, dtype=np.int64)
+    return BeladySamples(recency=ones, freq=ones, max_freq=ones, distance=distance, remaining=remaining,
+                         layer=0 * ones, moment=moment, token=0 * ones, clock=0 * ones, chosen=np.zeros(n, bool),
+                         cache_size=ones, source=0 * ones, per_token=8 * ones)
+
+
+def test_targets_keep_the_order_of_next_uses():
+    # Paper 003 predicts each cached expert's "routing distance" and evicts the highest; the targets must
+    # order the residents as their next uses do, at any distance. -1: not requested again in the rows.
+    samples = samples_of([([5, -1, 2, 5, 40], 100), ([3, 7], 50)])
+    # rank: positions by distance 2 -> 0, 5 and 5 -> 1.5 (tied), 40 -> 3, never -> 4; over 4
+    np.testing.assert_allclose(samples.targets("rank"), [0.375, 1.0, 0.0, 0.375, 0.75, 0.0, 1.0])
+    # log-distance: ln(d / 8); never requested again: d = the requests left + 1, a lower bound
+    np.testing.assert_allclose(samples.targets("log-distance"),
+                               np.log(np.array([5, 101, 2, 5, 40, 3, 7]) / 8))
+    with pytest.raises(ConfigError, match="unknown target"):
+        samples.targets("capped")
+
+
+def test_targets_do_not_saturate_at_large_caches():
+    # Issue 9: the version-1 target min(d, 2 tokens) was 1 for 49% and 66% of Belady's residents at 256 and 512
+    # cached experts of the bundled trace, so the network could not tell Belady's victim apart. The targets now
+    # are strictly monotone in the next use within every eviction moment, and the furthest gets the maximum.
+    # Paper 003: "Assuming Belady's optimal cache replacement algorithm, masked target data indicating which
+    # experts should be evicted at each time step were generated": the samples are Belady's own cache states
+    # (the default), each moment's victim the one Belady evicts.
+    from moe_offload.training.learned_eviction import TrainingSource, collect_belady_samples
+
+    trace = read_trace(bundled.DEFAULT_TRACE)
+    samples = collect_belady_samples(TrainingSource(trace, (0, 150), [256, 512]))
+    horizon = 2 * 16 * 8
+    kept = samples.select(samples.clock <= 150 * 128 - horizon)
+    for size, share in ((256, 0.49), (512, 0.66)):
+        capped = ((kept.distance < 0) | (kept.distance >= horizon))[kept.cache_size == size].mean()
+        assert capped == pytest.approx(share, abs=0.01)
+    far = np.where(kept.distance < 0, np.iinfo(np.int64).max, kept.distance)
+    for kind in ("rank", "log-distance"):
+        y = kept.targets(kind)
+        order = np.lexsort((far, kept.moment))
+        same_moment = kept.moment[order][1:] == kept.moment[order][:-1]
+        farther = far[order][1:] > far[order][:-1]
+        assert (np.diff(y[order])[same_moment & farther] > 0).all(), kind
+        assert (np.diff(y[order])[same_moment & ~farther] == 0).all(), kind
+        victims = kept.select(kept.chosen)  # Belady's victims have their moment's largest target
+        best = np.full(kept.moment.max() + 1, -np.inf)
+        np.maximum.at(best, kept.moment, y)
+        assert np.array_equal(y[kept.chosen], best[victims.moment]), kind
+
+
+def source(trace, rows, sizes):
+    from moe_offload.training.learned_eviction import TrainingSource
+
+    return TrainingSource(trace=trace, rows=rows, cache_sizes=sizes)
+
+
+def test_training_across_traces_and_cache_sizes(tmp_path):
     pytest.importorskip("torch")
     from moe_offload.training import collect_belady_samples, train_learned_eviction
 
-    trace = synthetic_trace(tokens=80)
-    samples = collect_belady_samples(trace.select(slice(0, 60)), [8])
+    first = synthetic_trace(tokens=80)
+    second = synthetic_trace(tokens=70, layers=2, experts=8, top_k=1, seed=3)
+    samples = collect_belady_samples(source(first, (0, 60), [8]), behaviour="belady")
     assert len(samples) and samples.chosen.sum() == samples.moments  # one Belady victim per moment
     # every sample is a resident at a Belady eviction: 8 residents per moment, routed at least once
     assert len(samples) == 8 * samples.moments and (samples.freq >= 1).all() and (samples.recency >= 1).all()
-    result = train_learned_eviction(trace, rows=(0, 60), cache_sizes=[8, 16], epochs=3, seed=1)
+    lru = collect_belady_samples(source(first, (0, 60), [8]), behaviour="lru")  # LRU's cache states
+    oldest = np.zeros(lru.moment.max() + 1, dtype=np.int64)
+    np.maximum.at(oldest, lru.moment, lru.recency)
+    assert lru.chosen.sum() == lru.moments and (lru.recency[lru.chosen] == oldest[lru.moment[lru.chosen]]).all()
+    result = train_learned_eviction([source(first, (0, 60), [8, 16]), source(second, (10, 70), [4, 6])],
+                                    target="log-distance", states=("lru", "belady"), epochs=3, seed=1)
     path = result.save(tmp_path / "trained.npz")
     model = load_model(path)
-    assert model.widths == [2, 128, 128, 1]
+    assert model.widths == [2, 128, 128, 1] and model.networks == 1
     training = model.metadata["training"]
-    assert training["rows"] == "0:60" and training["cache_sizes"] == [8, 16] and training["seed"] == 1
-    assert training["epochs_run"] <= 3 and np.isfinite(training["validation_loss"])
-    assert "torch_version" in training and model.metadata["target"]["horizon_requests"] > 0
-    held_out = ReplayInput.of(trace.select(slice(60, 80)))
+    assert [(t["rows"], t["cache_sizes"], t["shape"]["num_layers"]) for t in training["traces"]] == \
+        [("0:60", [8, 16], 4), ("10:70", [4, 6], 2)]
+    assert training["states"] == ["lru", "belady"] and training["seed"] == 1
+    assert max(training["epochs_run"]) <= 3 and np.isfinite(training["validation_loss"])
+    assert "torch_version" in training and model.metadata["target"]["kind"] == "log-distance"
+    held_out = ReplayInput.of(first.select(slice(60, 80)))
     result = replay(held_out, "learned", 8, options={"model_path": str(path)})
+    assert 0 < result.misses <= result.accesses
+    with pytest.raises(ConfigError, match="same number of MoE layers"):
+        train_learned_eviction([source(first, (0, 60), [8]), source(second, (0, 60), [4])], per_layer=True)
+    with pytest.raises(ConfigError, match="cache size 64 must be at least top-k = 2 and below its 64 experts"):
+        train_learned_eviction([source(first, (0, 60), [64])])
+
+
+def test_per_layer_training(tmp_path):
+    pytest.importorskip("torch")
+    from moe_offload.training import train_learned_eviction
+
+    trace = synthetic_trace(tokens=80)
+    result = train_learned_eviction([source(trace, (0, 60), [8, 16])], per_layer=True, epochs=2, seed=0)
+    model = load_model(result.save(tmp_path / "per-layer.npz"))
+    assert model.networks == 4 and model.per_layer and model.widths == [2, 128, 128, 1]
+    assert len(model.metadata["training"]["epochs_run"]) == 4
+    # the four networks were trained on different samples: they differ
+    assert not np.array_equal(model.layers[0][0][0], model.layers[0][0][1])
+    result = replay(ReplayInput.of(trace.select(slice(60, 80))), "learned", 8, options={"model_path": str(
+        tmp_path / "per-layer.npz")})
     assert 0 < result.misses <= result.accesses
 
 
@@ -352,16 +484,31 @@ def test_train_eviction_command(tmp_path, capsys):
     from moe_offload.cli.main import main
 
     trace_path = write_trace(synthetic_trace(tokens=80), tmp_path / "synthetic.parquet")
+    other = write_trace(synthetic_trace(tokens=60, seed=5), tmp_path / "other.parquet")
     out = tmp_path / "model.npz"
-    code = main(["train-eviction", str(trace_path), "--rows", "0:60", "--cache-sizes", "8", "16", "--epochs", "2",
+    code = main(["train-eviction", f"{trace_path}@0:60", f"{other}@:40", "--cache-sizes", "8,25%", "--epochs", "2",
                  "--seed", "0", "-o", str(out)])
     printed = capsys.readouterr().out
     assert code == 0
-    assert "validation MSE" in printed and "misses on rows 60:80 (held out)" in printed
-    assert re.search(r"^\s+8\s+\d+\s+\d+\s+\d+\s+\d+", printed, re.M)
-    load_model(out)
-    assert main(["train-eviction", str(trace_path), "--rows", "70:60", "-o", str(out)]) == 2
-    assert "--rows" in capsys.readouterr().err
+    assert "validation MSE" in printed and "misses on held-out rows" in printed
+    # the rows of each training trace not trained on, at 8 and 25% of 64 = 16 experts
+    for name, rows in (("synthetic.parquet", "60:80"), ("other.parquet", "40:60")):
+        for size in (8, 16):
+            assert re.search(rf"^{name}\s+{rows}\s+{size}\s+\d+\s+\d+\s+\d+\s+\d\.\d{{3}}", printed, re.M)
+    held_out = load_model(out).metadata["training"]["held_out"]
+    assert {(h["trace"], h["rows"], h["cache_size"]) for h in held_out} == {
+        ("synthetic.parquet", "60:80", 8), ("synthetic.parquet", "60:80", 16), ("other.parquet", "40:60", 8),
+        ("other.parquet", "40:60", 16)}
+    assert all(h["rows_trained_on"] == 0 and h["learned_misses"] > 0 for h in held_out)
+    # evaluating on rows trained on is said so
+    assert main(["train-eviction", f"{trace_path}@0:60", "--eval", f"{trace_path}@50:80", "--cache-sizes", "8",
+                 "--epochs", "1", "-o", str(out)]) == 0
+    assert "50:80*" in capsys.readouterr().out
+    for bad, problem in (([f"{trace_path}@70:60"], "rows '70:60'"), ([f"{trace_path}@0:60", "--states", "nope"],
+                                                                    "unknown policy"),
+                         ([f"{trace_path}@0:60", "--cache-sizes", "64"], "below its 64 experts")):
+        assert main(["train-eviction", *bad, "-o", str(out)]) == 2
+        assert problem in capsys.readouterr().err
 
 
 def test_train_eviction_without_torch(tmp_path, monkeypatch, capsys):
@@ -382,13 +529,25 @@ def test_train_eviction_without_torch(tmp_path, monkeypatch, capsys):
 # ---------------------------------------------------------------------------------------------- shipped
 
 def test_shipped_model():
+    # The shipped model is the command of src/moe_offload/data/NOTICE.md: one network on the log distance,
+    # trained on Belady's states of OLMoE rows 0:150 at four cache sizes.
     assert POLICIES["learned"].policy is LearnedEviction
     path = bundled.DEFAULT_LEARNED_MODEL
     assert path.stat().st_size < 300_000
     model = load_model(path)
-    assert model.widths == [2, 128, 128, 1]
+    assert model.widths == [2, 128, 128, 1] and model.networks == 1
+    assert model.metadata["target"]["kind"] == "log-distance"
     training = model.metadata["training"]
-    assert training["rows"] == "0:150" and training["cache_sizes"] == [64, 128, 256, 512]
-    assert "olmoe" in training["trace"].lower()
+    assert training["states"] == ["belady"]
+    assert [(t["trace"], t["rows"], t["cache_sizes"]) for t in training["traces"]] == [
+        ("olmoe-1b-7b-decode299.parquet", "0:150", [64, 128, 256, 512])]
+    assert model.rows_trained_on(hashlib.sha256(bundled.DEFAULT_TRACE.read_bytes()).hexdigest()) == ["0:150"]
     spec = ModelSpec(16, 64, 8)
     assert LearnedEviction(spec).model.metadata["weights_sha256"] == model.metadata["weights_sha256"]
+    # the held-out misses the training command recorded are what the NumPy policy makes on those rows
+    held_out = {(h["trace"], h["rows"], h["cache_size"]): h for h in training["held_out"]}
+    assert all(h["rows_trained_on"] == 0 for h in held_out.values())
+    recorded = held_out[("olmoe-1b-7b-decode299.parquet", "150:299", 128)]
+    rows = ReplayInput.of(read_trace(bundled.DEFAULT_TRACE).select(slice(150, 299)))
+    assert replay(rows, "learned", 128).misses == recorded["learned_misses"]
+    assert replay(rows, "lru", 128).misses == recorded["lru_misses"]

@@ -13,7 +13,7 @@ from moe_offload.errors import ConfigError
 from moe_offload.policies import POLICIES, AccessContext, ModelSpec
 from moe_offload.policies.lcp import LCP
 from moe_offload.policies.moe_infinity import EPSILON, MoEInfinity
-from moe_offload.simulator.cache import ExpertCache
+from moe_offload.simulator.cache import ExpertCache, PartitionedCache
 from policy_driver import drive
 
 ONE_LAYER = ModelSpec(num_layers=1, num_experts=6, top_k=1)
@@ -274,6 +274,162 @@ def test_lru_dist_confines_evictions_to_the_layer():
     assert shared[4] == []
 
 
+def test_marking_dist_is_marking_within_each_layer_share():
+    # Paper 001: "Marker-Dist", marking "on each layer with a specific cache of size k/l per layer".
+    spec = ModelSpec(num_layers=2, num_experts=4, top_k=1)
+    requests = [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]
+    for seed in range(10):
+        policy = POLICIES["marking-dist"].policy
+        cache = PartitionedCache(4, 2, lambda: policy(spec, seed=seed), spec.num_experts)
+        ctx = AccessContext()
+        for layer, expert in requests:
+            cache.request(layer * 4 + expert, ctx)
+        # layer 0's two slots held 0 and 1, both marked: a new phase in layer 0 only, one of them goes;
+        # layer 1 keeps both of its experts
+        assert {4, 5} <= set(cache.parts[1].resident)
+        assert len(set(cache.parts[0].resident) & {0, 1}) == 1 and 2 in cache.parts[0].resident
+        cache.request(3, ctx)  # in layer 0's new phase 2 is marked: the other survivor is the only victim
+        assert set(cache.parts[0].resident) == {2, 3}
+        assert set(cache.parts[1].resident) == {4, 5}
+    _, shared = drive("marking", requests, 4, spec)
+    assert shared[4] == [5]  # the shared cache's new phase draws among all four: here layer 1's (1, 1)
+
+
+# ARC (Megiddo & Modha 2003), c = 3. The sequence and, worked out by hand with the pseudo-code in arc.py,
+# the case of each request, the expert it evicts and p after it (T1, T2, B1, B2 LRU first):
+ARC_CASES = [
+    # t  x  case                                  evicted  p   T1 | T2 | B1 | B2 after
+    (0, 0, "IV, not full", None, 0),            # [0]
+    (1, 1, "IV, not full", None, 0),            # [0 1]
+    (2, 2, "IV, not full", None, 0),            # [0 1 2]
+    (3, 0, "I, hit: to T2", None, 0),           # [1 2] | [0]
+    (4, 3, "IV.B, |T1| = 2 > p", 1, 0),         # [2 3] | [0] | [1]
+    (5, 4, "IV.A, |T1|+|B1| = c: drop B1's 1", 2, 0),   # [3 4] | [0] | [2]
+    (6, 2, "II, p += 1; |T1| = 2 > 1", 3, 1),   # [4] | [0 2] | [3]
+    (7, 5, "IV.B, |T1| = 1 = p, 5 not in B2", 0, 1),    # [4 5] | [2] | [3] | [0]
+    (8, 0, "III, p -= 1; |T1| = 2 > 0", 4, 0),  # [5] | [2 0] | [3 4]
+    (9, 6, "IV.A, drop B1's 3", 5, 0),          # [6] | [2 0] | [4 5]
+    (10, 4, "II, p = 1; |T1| = 1 = p", 2, 1),   # [6] | [0 4] | [5] | [2]
+    (11, 2, "III, p = 0", 6, 0),                # [] | [0 4 2] | [5 6]
+    (12, 7, "IV.B, T1 empty", 0, 0),            # [7] | [4 2] | [5 6] | [0]
+    (13, 8, "IV.A, drop B1's 5", 7, 0),         # [8] | [4 2] | [6 7] | [0]
+    (14, 6, "II, |B1| = 2 >= |B2|: p = 1", 4, 1),       # [8] | [2 6] | [7] | [0 4]
+    (15, 7, "II, d1 = |B2|/|B1| = 2: p = 3", 2, 3),     # [8] | [6 7] | [] | [0 4 2]
+    (16, 0, "III, p = 2; |T1| = 1 < 2", 6, 2),  # [8] | [7 0] | [] | [4 2 6]
+    (17, 4, "III, p = 1; x in B2 and |T1| = p", 8, 1),  # [] | [7 0 4] | [8] | [2 6]
+]
+
+
+def test_arc_follows_its_pseudo_code_by_hand():
+    policy = POLICIES["arc"].policy(ModelSpec(1, 10, 1))
+    cache = ExpertCache(3, policy)
+    ctx = AccessContext()
+    for t, key, case, evicted, p in ARC_CASES:
+        ctx.clock = ctx.token = t
+        before = set(cache.resident)
+        cache.request(key, ctx)
+        gone = before - set(cache.resident)
+        assert gone == ({evicted} if evicted is not None else set()), (t, case)
+        assert policy.p == p, (t, case)
+    assert (list(policy.t1), list(policy.t2), list(policy.b1), list(policy.b2)) == ([], [7, 0, 4], [8], [2, 6])
+
+
+def test_arc_scan_leaves_no_ghosts_when_t1_fills_the_cache():
+    # Case IV.A with |T1| = c: T1's LRU expert is evicted and not remembered, so a scan cannot flood B1.
+    policy = POLICIES["arc"].policy(ModelSpec(1, 10, 1))
+    cache = ExpertCache(3, policy)
+    ctx = AccessContext()
+    for key in range(6):
+        cache.request(key, ctx)
+    assert list(policy.t1) == [3, 4, 5] and not policy.b1 and not policy.b2 and not policy.t2
+    cache.request(0, ctx)  # a plain miss, not a ghost hit: p does not move
+    assert policy.p == 0 and list(policy.t1) == [4, 5, 0]
+
+
+def test_arc_ghost_lists_stay_bounded_and_t1_t2_are_the_residents():
+    rng = random.Random(3)
+    for capacity in (2, 5, 9):
+        policy = POLICIES["arc"].policy(ModelSpec(1, 30, 1))
+        cache = ExpertCache(capacity, policy)
+        ctx = AccessContext()
+        for t in range(3000):
+            ctx.clock = t
+            cache.request(min(int(rng.expovariate(0.15)), 29), ctx)
+            t1, t2, b1, b2 = (len(x) for x in (policy.t1, policy.t2, policy.b1, policy.b2))
+            assert set(policy.t1) | set(policy.t2) == set(cache.resident)
+            assert t1 + b1 <= capacity and t1 + t2 + b1 + b2 <= 2 * capacity
+            assert not (set(policy.b1) | set(policy.b2)) & set(cache.resident)
+            assert 0 <= policy.p <= capacity
+
+
+class Draws:
+    """Stands in for LeCaR's random.Random: returns the given numbers in order."""
+
+    def __init__(self, *values):
+        self.values = list(values)
+
+    def random(self):
+        return self.values.pop(0)
+
+
+def test_lecar_follows_its_pseudo_code_by_hand():
+    # N = 2: histories of N // 2 = 1 key each, d = 0.005^(1/2), lambda = 0.45, w = (0.5, 0.5). The draws below
+    # pick LRU when below w_LRU. By hand (C in LRU order with counts; H = (key, eviction time, count)):
+    policy = POLICIES["lecar"].policy(ModelSpec(1, 8, 1))
+    policy._rng = Draws(0.2, 0.9, 0.4, 0.7, 0.1, 0.95)
+    cache = ExpertCache(2, policy)
+    ctx = AccessContext()
+    d, lam = 0.005 ** 0.5, 0.45
+    w1 = 1 / (1 + math.exp(lam * d))                          # after t4: LRU regretted evicting 0
+    w2 = w1 * math.exp(lam * d) / (w1 * math.exp(lam * d) + 1 - w1)  # after t5: LFU regretted evicting 1
+    steps = [
+        # t  key evicted  w_LRU after   C after; why
+        (0, 0, None, 0.5),   # [0:1]
+        (1, 0, None, 0.5),   # [0:2] hit
+        (2, 1, None, 0.5),   # [0:2 1:1]
+        (3, 2, 0, 0.5),      # draw 0.2 < 0.5: LRU evicts 0, H_LRU = (0, 3, 2); [1:1 2:1]
+        (4, 0, 1, w1),       # 0 in H_LRU: w_LFU *= e^(lambda d^1); draw 0.9: LFU, counts 1 and 1, 1 older;
+                             # H_LFU = (1, 4, 1); 0 returns with its count 2 + 1: [2:1 0:3]
+        (5, 1, 2, w2),       # 1 in H_LFU: w_LRU *= e^(lambda d^1); draw 0.4 < w2: LRU evicts 2; [0:3 1:2]
+        (6, 3, 1, w2),       # draw 0.7: LFU evicts 1 (count 2 < 3); H_LFU = (1, 6, 2); [0:3 3:1]
+        (7, 4, 0, w2),       # draw 0.1: LRU evicts 0; H_LRU was full with 2: 2 is forgotten; [3:1 4:1]
+        (8, 2, 3, w2),       # 2 is in no history: no update; draw 0.95: LFU, 3 and 4 tie at 1, 3 older
+    ]
+    for t, key, evicted, w_lru in steps:
+        ctx.clock = ctx.token = t
+        before = set(cache.resident)
+        cache.request(key, ctx)
+        assert before - set(cache.resident) == ({evicted} if evicted is not None else set()), t
+        assert policy.w_lru == pytest.approx(w_lru, rel=1e-12) and policy.w_lru + policy.w_lfu == pytest.approx(1)
+    assert policy.discount_rate == pytest.approx(d)
+    assert dict(policy.h_lru) == {0: (7, 3)} and dict(policy.h_lfu) == {3: (8, 1)}
+    assert w1 < 0.5 and w2 == pytest.approx(0.5)  # two regrets of the same age cancel
+
+
+def test_lecar_with_all_weight_on_one_expert_is_that_expert():
+    requests = single_layer(0, 0, 1, 1, 1, 2, 3, 2, 4, 0, 5, 3)
+    for expert in ("lru", "lfu"):
+        policy = POLICIES["lecar"].policy(ONE_LAYER, learning_rate=0.0)
+        policy.w_lru = 1.0 if expert == "lru" else 0.0
+        policy.w_lfu = 1.0 - policy.w_lru
+        cache = ExpertCache(3, policy)
+        ctx = AccessContext()
+        evicted = []
+        for t, (_, key) in enumerate(requests):
+            ctx.clock = t
+            before = set(cache.resident)
+            cache.request(key, ctx)
+            evicted.append(sorted(before - set(cache.resident)))
+        if expert == "lru":
+            assert evicted == drive("lru", requests, 3, ONE_LAYER)[1]
+        else:
+            # By hand: t6 evicts 2 (count 1) into H_LFU; at t7 2 comes back with its count 1 + 1 = 2 and 3
+            # (count 1) goes; at t8 0 and 2 tie at 2 and 0 is older, where the project's LFU, which restarts a
+            # count, evicts 2; then 4 (count 1), 2 (2 < 0's 2 + 1 = 3), 5 (1).
+            assert sum(evicted, []) == [2, 3, 0, 4, 2, 5]
+            assert drive("lfu", requests, 3, ONE_LAYER)[1][8] == [2]
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_every_policy_respects_pins_and_capacity(policy):
     spec = ModelSpec(num_layers=4, num_experts=6, top_k=2)
@@ -323,8 +479,8 @@ def test_belady_dist_is_optimal_per_layer():
 
 
 def test_every_policy_is_listed_with_its_source():
-    expected = {"lru", "lfu", "fifo", "random", "marking", "lru-dist", "belady", "belady-dist", "llru",
-                "moe-infinity", "fmoe", "lcp", "learned"}
+    expected = {"lru", "lfu", "fifo", "random", "marking", "lru-dist", "marking-dist", "belady", "belady-dist",
+                "llru", "arc", "lecar", "moe-infinity", "fmoe", "lcp", "learned"}
     assert set(POLICIES) == expected
     for info in POLICIES.values():
         assert info.summary and info.source
@@ -333,3 +489,11 @@ def test_every_policy_is_listed_with_its_source():
 def test_exhaustive_search_helper_sanity():
     assert optimal_misses([0, 1, 2, 0, 1, 2], 2) == 4
     assert optimal_misses(list(itertools.chain(*[[0, 1]] * 5)), 2) == 2
+
+
+def test_lecar_refuses_bad_options():
+    # the one validation layer (moe_offload.values): the same one-line error from Python and --policy-option
+    with pytest.raises(ConfigError, match="lecar.learning_rate"):
+        POLICIES["lecar"].policy(ONE_LAYER, learning_rate=-0.1)
+    with pytest.raises(ConfigError, match="lecar.history_size"):
+        POLICIES["lecar"].policy(ONE_LAYER, history_size=0)

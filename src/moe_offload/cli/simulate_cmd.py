@@ -166,12 +166,11 @@ def learned_training_note(trace_path: str, learned_options: dict) -> str | None:
     from moe_offload.bundled import DEFAULT_LEARNED_MODEL
     from moe_offload.policies.learned_model import load_model
 
-    training = load_model(learned_options.get("model_path") or DEFAULT_LEARNED_MODEL).metadata.get("training", {})
-    digest = hashlib.sha256(Path(trace_path).read_bytes()).hexdigest()
-    if training.get("trace_sha256") != digest:
+    model = load_model(learned_options.get("model_path") or DEFAULT_LEARNED_MODEL)
+    rows = model.rows_trained_on(hashlib.sha256(Path(trace_path).read_bytes()).hexdigest())
+    if not rows:
         return None
-    return (f"learned: its model was trained on rows {training.get('rows', '?')} of this trace; "
-            "only the other rows are unseen")
+    return f"learned: its model was trained on rows {', '.join(rows)} of this trace; only the other rows are unseen"
 
 
 def run(args) -> int:

@@ -1,8 +1,8 @@
 """Eviction policies, one file each, behind moe_offload.policies.base.EvictionPolicy.
 
 ``POLICIES`` maps the command-line name of every policy to how it is built. A ``-dist`` variant is the
-same policy run on a cache split equally among the layers (paper 001's LRU-Dist and OPT-Dist): the split
-belongs to the cache (simulator.cache.PartitionedCache), not to the policy.
+same policy run on a cache split equally among the layers (paper 001's LRU-Dist, Marker-Dist and OPT-Dist,
+"a specific cache of size k/l per layer"): the split belongs to the cache (simulator.cache.PartitionedCache), not to the policy.
 """
 
 from __future__ import annotations
@@ -10,19 +10,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_offload.errors import ConfigError
-from moe_offload.values import check_option_names, integer
+from moe_offload.policies.arc import ARC
 from moe_offload.policies.base import AccessContext, EvictionPolicy, ModelSpec, NoEvictableExpert
 from moe_offload.policies.belady import Belady
 from moe_offload.policies.fifo import FIFO
 from moe_offload.policies.fmoe import FMoE
 from moe_offload.policies.lcp import LCP
 from moe_offload.policies.learned import LearnedEviction
+from moe_offload.policies.lecar import LeCaR
 from moe_offload.policies.lfu import LFU
 from moe_offload.policies.llru import LLRU
 from moe_offload.policies.lru import LRU
 from moe_offload.policies.marking import Marking
 from moe_offload.policies.moe_infinity import MoEInfinity
 from moe_offload.policies.random import RandomEviction
+from moe_offload.values import check_option_names, integer
 
 
 @dataclass(frozen=True)
@@ -55,9 +57,12 @@ POLICIES: dict[str, PolicyInfo] = {
         PolicyInfo("random", RandomEviction),
         PolicyInfo("marking", Marking),
         PolicyInfo("lru-dist", LRU, partitioned=True),
+        PolicyInfo("marking-dist", Marking, partitioned=True),
         PolicyInfo("belady", Belady),
         PolicyInfo("belady-dist", Belady, partitioned=True),
         PolicyInfo("llru", LLRU),
+        PolicyInfo("arc", ARC),
+        PolicyInfo("lecar", LeCaR),
         PolicyInfo("moe-infinity", MoEInfinity),
         PolicyInfo("fmoe", FMoE),
         PolicyInfo("lcp", LCP),

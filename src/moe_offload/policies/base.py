@@ -15,6 +15,9 @@ A driver builds the instances of one run (one per tier, or per partition of a ``
 ``run_factory``: a policy whose instances share state within a run (MoE-Infinity's sequence EAMs, which
 every tier ranks by) builds that state there, once.
 
+Before it first asks for a victim the cache sets ``policy.cache_slots``, the number of experts it holds when
+full; the policies whose algorithm is defined by the cache size read it (ARC's c, LeCaR's history size).
+
 The replay simulator, the timed simulator and the runtime fill the same ModelSpec and AccessContext; a
 policy never knows which of them drives it. Keys are flat expert ids, the int ``layer * J + expert``.
 
@@ -95,6 +98,7 @@ class EvictionPolicy:
 
     def __init__(self, spec: ModelSpec, seed: int = 0):
         self.spec = spec
+        self.cache_slots: int | None = None  # experts the cache holds when full; set by the cache (module doc)
 
     def kernel_arguments(self) -> tuple[np.ndarray, np.ndarray]:
         """(floats, ints) that ``replay_kernel`` starts from, taken from this instance as constructed (its

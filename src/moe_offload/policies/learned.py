@@ -6,21 +6,20 @@ which it was routed so far, kept across evictions). The network sees [1/r, f / m
 largest frequency of any expert so far, and predicts a "routing distance"; on a miss with a full cache
 the resident expert with the HIGHEST predicted distance is evicted (the paper's ``cache.MaxDist``).
 Equal scores (equal inputs) are broken by the older last request (LRU). The network (3 linear layers,
-hidden 128, SiLU) is trained by moe_offload.training.learned_eviction to reproduce Belady's choices;
-inference here is NumPy only.
+hidden 128, SiLU) is trained by moe_offload.training.learned_eviction to reproduce Belady's choices:
+its target keeps the order of the residents' next uses at every size of cache (learned_model.TARGETS).
+A per-layer model (the paper's "per-layer ML cache FFN") scores each expert with its MoE layer's
+network; inference here is NumPy only.
 
-The shipped model, src/moe_offload/data/learned-eviction.npz, was made with (rows 150:299 held out):
-
-    PYTHONPATH=src python3 -m moe_offload.cli.main train-eviction \\
-        src/moe_offload/data/olmoe-1b-7b-decode299.parquet --rows 0:150 \\
-        --cache-sizes 64 128 256 512 --epochs 200 --seed 0 -o src/moe_offload/data/learned-eviction.npz
+The shipped model, src/moe_offload/data/learned-eviction.npz, was made by the command in
+src/moe_offload/data/NOTICE.md.
 
 Speed: scores are kept for the resident experts and recomputed lazily, at the next eviction: all of them
 in one batched forward pass when the token advanced or max f changed (every recency or every
 normalised frequency moved), otherwise only those requested or inserted since the last eviction. The
-network is evaluated once per distinct (r, f) pair (a memo valid while max f stays the same), which
-also makes equal inputs get bit-identical scores. The residents sit in a heap ordered by (-score, last
-request), rebuilt at each full rescoring and updated lazily in between, so a victim costs O(log n).
+network is evaluated once per distinct (r, f, network) triple (a memo valid while max f stays the same),
+which also makes equal inputs get bit-identical scores. The residents sit in a heap ordered by (-score,
+last request), rebuilt at each full rescoring and updated lazily in between, so a victim costs O(log n).
 """
 
 from __future__ import annotations
@@ -30,11 +29,12 @@ import heapq
 import numpy as np
 
 from moe_offload import bundled
+from moe_offload.errors import ConfigError
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 from moe_offload.policies.learned_model import LearnedModel, features, load_model
 from moe_offload.values import refuse, text
 
-_MEMO_LIMIT = 1 << 16  # distinct (r, f) scores remembered at one max f
+_MEMO_LIMIT = 1 << 16  # distinct (r, f, network) scores remembered at one max f
 
 
 class LearnedEviction(EvictionPolicy):
@@ -50,10 +50,15 @@ class LearnedEviction(EvictionPolicy):
         elif not isinstance(model, LearnedModel):
             refuse("learned.model", model, "must be a LearnedModel (give a file with learned.model_path)")
         self.model = model
+        self._networks = self.model.networks
+        if self.model.per_layer and self._networks != spec.num_layers:
+            raise ConfigError(f"learned-eviction model {self.model.path}: its {self._networks} per-layer networks "
+                              f"do not fit a model of {spec.num_layers} MoE layers")
         capacity = max(16, spec.num_layers * spec.num_experts)
         # Per slot (one per key ever seen); Python lists for the per-request work ...
         self._slot: dict = {}         # key -> slot
         self._keys: list = []         # slot -> key
+        self._network: list = []      # slot -> the network that scores it (its MoE layer if per-layer)
         self._token: list = []        # token of the last routing, -1: never
         self._freq: list = []         # f
         self._clock: list = []        # clock of the last request (the tie-break), -1: never requested
@@ -62,6 +67,7 @@ class LearnedEviction(EvictionPolicy):
         # ... and NumPy copies for the batched rescoring.
         self._token_np = np.full(capacity, -1, dtype=np.int64)
         self._freq_np = np.zeros(capacity, dtype=np.int64)
+        self._network_np = np.zeros(capacity, dtype=np.int64)
         self._resident = np.zeros(capacity, dtype=bool)
         self._max_freq = 0
         self._heap: list = []         # (-score, clock, slot); an entry is live while it matches the slot
@@ -79,9 +85,12 @@ class LearnedEviction(EvictionPolicy):
         if slot == self._token_np.shape[0]:
             self._token_np = np.concatenate([self._token_np, np.full(slot, -1, np.int64)])
             self._freq_np = np.concatenate([self._freq_np, np.zeros(slot, np.int64)])
+            self._network_np = np.concatenate([self._network_np, np.zeros(slot, np.int64)])
             self._resident = np.concatenate([self._resident, np.zeros(slot, bool)])
         self._slot[key] = slot
+        self._network_np[slot] = self.spec.layer_of(key) if self._networks > 1 else 0
         self._keys.append(key)
+        self._network.append(self.spec.layer_of(key) if self._networks > 1 else 0)
         self._token.append(-1)
         self._freq.append(0)
         self._clock.append(-1)
@@ -151,19 +160,16 @@ class LearnedEviction(EvictionPolicy):
     # ------------------------------------------------------------------------------------- scoring
 
     def _evaluate(self, codes: list, max_freq: int) -> list:
-        """Scores of (r, f) codes ``r * (max f + 1) + f``, from the memo or one batched forward pass."""
+        """Scores of codes ``(r * (max f + 1) + f) * networks + network``, from the memo or one batched
+        forward pass."""
         memo = self._memo
-        if not memo:
-            values = self.model.forward(features(*np.divmod(np.asarray(codes, dtype=np.int64), max_freq + 1),
-                                                 max_freq)).tolist()
-            memo.update(zip(codes, values))
-            return values
-        values = [memo.get(c) for c in codes]
+        values = [memo.get(c) for c in codes] if memo else [None] * len(codes)
         missing = [i for i, value in enumerate(values) if value is None]
         if missing:
             new = np.array([codes[i] for i in missing], dtype=np.int64)
-            base = max_freq + 1
-            out = self.model.forward(features(new // base, new % base, max_freq)).tolist()
+            rest, network = np.divmod(new, self._networks)
+            recency, freq = np.divmod(rest, max_freq + 1)
+            out = self.model.forward(features(recency, freq, max_freq), network).tolist()
             for i, value in zip(missing, out):
                 values[i] = memo[codes[i]] = value
         return values
@@ -176,14 +182,17 @@ class LearnedEviction(EvictionPolicy):
         if max_freq != self._memo_max or len(self._memo) > _MEMO_LIMIT:
             self._memo.clear()
             self._memo_max = max_freq
-        base = max_freq + 1
+        base, networks = max_freq + 1, self._networks
         slots = np.flatnonzero(self._resident)
         last = self._token_np[slots]
         recency = np.where(last >= 0, np.maximum(token - last + 1, 1), 0)  # 0: never routed
         known = self._freq_np[:len(self._keys)]
+        known_network = self._network_np[:len(self._keys)]
         ahead = np.concatenate([known, known + 1])
-        ahead = base + ahead[ahead <= max_freq]
-        codes = np.concatenate([recency * base + self._freq_np[slots], ahead])
+        ahead_network = np.concatenate([known_network, known_network])
+        soon = ahead <= max_freq
+        ahead = (base + ahead[soon]) * networks + ahead_network[soon]
+        codes = np.concatenate([(recency * base + self._freq_np[slots]) * networks + self._network_np[slots], ahead])
         unique, inverse = np.unique(codes, return_inverse=True)
         values = np.asarray(self._evaluate(unique.tolist(), max_freq), dtype=np.float64)
         negs = (-values[inverse.reshape(-1)[:slots.size]]).tolist()
@@ -200,13 +209,13 @@ class LearnedEviction(EvictionPolicy):
     def _rescore_dirty(self, token: int) -> None:
         """Re-score and re-queue the residents requested or inserted since the last eviction (same token,
         same max f)."""
-        base = self._max_freq + 1
-        memo, last_token, freq = self._memo, self._token, self._freq
+        base, networks = self._max_freq + 1, self._networks
+        memo, last_token, freq, network = self._memo, self._token, self._freq, self._network
         pending = []
         scored = []
         for slot in self._dirty:
             last = last_token[slot]
-            code = (max(token - last + 1, 1) if last >= 0 else 0) * base + freq[slot]
+            code = ((max(token - last + 1, 1) if last >= 0 else 0) * base + freq[slot]) * networks + network[slot]
             value = memo.get(code)
             if value is None:
                 pending.append((slot, code))

@@ -2,16 +2,22 @@
 
 A model file is an uncompressed ``.npz`` read with ``allow_pickle=False``. It holds
 
-* ``w1, b1, ..., wN, bN``: the N linear layers of a feed-forward network in PyTorch's layout
-  (``w`` is [out, in], ``b`` is [out]), float32 little-endian, SiLU between layers, none after the last;
+* ``w1, b1, ..., wN, bN``: the N linear layers of ``networks`` feed-forward networks of the same shape,
+  stacked: ``w`` is [networks, out, in] and ``b`` is [networks, out] (PyTorch's layout per network),
+  float32 little-endian, SiLU between layers, none after the last. One network scores every expert; with
+  ``per_layer`` (paper 003's "per-layer ML cache FFN") network l scores the experts of MoE layer l;
 * ``metadata``: a 0-d unicode array holding JSON with
-    - ``format`` (``moe-offload.learned-eviction``) and ``format_version`` (an int, 1 here);
+    - ``format`` (``moe-offload.learned-eviction``) and ``format_version`` (an int, 2 here);
     - ``features``: the input definition (``names`` must be ``inv_recency, freq_over_max``, see ``features``);
-    - ``architecture``: ``layers`` (the widths, input first: [2, 128, 128, 1] for the paper's network) and
-      ``activation`` (``silu``);
+    - ``architecture``: ``layers`` (the widths, input first: [2, 128, 128, 1] for the paper's network),
+      ``activation`` (``silu``), ``networks`` and ``per_layer``;
     - ``weights_sha256``: SHA-256 of the weights (``weights_digest`` defines the bytes hashed);
-    - ``target`` and ``training``: how the weights were made (trace, rows, cache sizes, seed, epochs,
-      validation loss, torch version); informative, not checked.
+    - ``target``: what the score predicts (``kind``, a member of ``TARGETS``; higher always means a later
+      next use) and ``training``: how the weights were made (traces with their rows and SHA-256, cache
+      sizes, seed, epochs, validation loss, held-out misses, torch version); informative, not checked.
+
+Version 1 files (one network whose target was the next-use distance capped at two tokens) are refused
+with the command that retrains them: that target could not rank the experts a larger cache keeps.
 
 ``load_model`` checks all of it and raises ConfigError naming the file and the problem; nothing else
 escapes it. The policy (moe_offload.policies.learned) and the trainer (moe_offload.training) share
@@ -35,7 +41,14 @@ from moe_offload.inputs import check_input, parse_json
 from moe_offload.outputs import atomic_output
 
 FORMAT_NAME = "moe-offload.learned-eviction"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+RETRAIN = ("retrain it with `moe-offload train-eviction` (src/moe_offload/data/NOTICE.md has the command of the "
+           "shipped model)")
+# What a network's score predicts for a resident expert at an eviction of Belady's OPT; higher = used later.
+TARGETS = {
+    "rank": "its rank among the residents by next use, 0 (the next used) to 1 (the furthest, Belady's victim)",
+    "log-distance": "ln(d / (L*K)), d the requests until its next use (in tokens' worth of requests)",
+}
 FEATURE_NAMES = ("inv_recency", "freq_over_max")
 FEATURE_DEFINITION = (
     "per cached expert, at the current token (time step): inv_recency = 1/r where r = tokens since the "
@@ -75,48 +88,86 @@ def weights_digest(layers: list[tuple[np.ndarray, np.ndarray]]) -> str:
 
 @dataclass
 class LearnedModel:
-    """A loaded network: ``layers`` is [(w [out, in], b [out]), ...]; ``metadata`` the file's JSON."""
+    """A loaded network, or one per MoE layer: ``layers`` is [(w [networks, out, in], b [networks, out]), ...];
+    ``metadata`` the file's JSON."""
 
     layers: list[tuple[np.ndarray, np.ndarray]]
     metadata: dict = field(default_factory=dict)
     path: str = "<memory>"
 
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        """Scores ("routing distances") of the [N, 2] feature rows ``x``: an [N] float32 array."""
-        h = np.asarray(x, dtype=np.float32)
-        last = len(self.layers) - 1
-        for index, (weight, bias) in enumerate(self.layers):
-            h = h @ weight.T + bias
-            if index < last:
-                h = silu(h)
-        return h[:, 0]
+    def __post_init__(self):
+        if self.layers and np.ndim(self.layers[0][0]) == 2:  # one network given in PyTorch's layout
+            self.layers = [(np.asarray(w)[None], np.asarray(b)[None]) for w, b in self.layers]
+
+    @property
+    def networks(self) -> int:
+        return int(self.layers[0][0].shape[0])
+
+    @property
+    def per_layer(self) -> bool:
+        return bool((self.metadata.get("architecture") or {}).get("per_layer", self.networks > 1))
 
     @property
     def widths(self) -> list[int]:
-        return [int(self.layers[0][0].shape[1])] + [int(w.shape[0]) for w, _ in self.layers]
+        return [int(self.layers[0][0].shape[2])] + [int(w.shape[1]) for w, _ in self.layers]
+
+    def rows_trained_on(self, trace_sha256: str) -> list[str]:
+        """The row ranges (``START:END``) of the trace file with this SHA-256 that the model was trained on."""
+        traces = (self.metadata.get("training") or {}).get("traces") or []
+        return [str(t.get("rows", "?")) for t in traces if isinstance(t, dict) and t.get("sha256") == trace_sha256]
+
+    def forward(self, x: np.ndarray, network: np.ndarray | None = None) -> np.ndarray:
+        """Scores of the [N, 2] feature rows ``x``: an [N] float32 array. ``network`` gives each row's
+        network (the MoE layer of its expert for a per-layer model); None means network 0 for all."""
+        x = np.asarray(x, dtype=np.float32)
+        if network is None or self.networks == 1:
+            return self._forward_one(x, 0)
+        network = np.asarray(network)
+        out = np.empty(x.shape[0], dtype=np.float32)
+        for index in np.unique(network).tolist():
+            rows = network == index
+            out[rows] = self._forward_one(x[rows], index)
+        return out
+
+    def _forward_one(self, h: np.ndarray, index: int) -> np.ndarray:
+        last = len(self.layers) - 1
+        for depth, (weight, bias) in enumerate(self.layers):
+            h = h @ weight[index].T + bias[index]
+            if depth < last:
+                h = silu(h)
+        return h[:, 0]
 
 
 def _fail(path, problem: str):
     raise ConfigError(f"learned-eviction model {path}: {problem}")
 
 
-def save_model(path, layers, *, target: dict | None = None, training: dict | None = None) -> Path:
-    """Write ``layers`` ([(w, b), ...], any float arrays) with their metadata; returns the path."""
+def save_model(path, layers, *, per_layer: bool = False, target: dict | None = None,
+               training: dict | None = None) -> Path:
+    """Write ``layers`` ([(w, b), ...] with w [networks, out, in] and b [networks, out], or one network's
+    [out, in] and [out]) with their metadata; returns the path. ``target["kind"]`` must be one of TARGETS."""
     path = Path(path)
     layers = [(np.ascontiguousarray(w, dtype=WEIGHT_DTYPE), np.ascontiguousarray(b, dtype=WEIGHT_DTYPE))
-              for w, b in layers]
-    widths = [int(layers[0][0].shape[1])] + [int(w.shape[0]) for w, _ in layers]
+              for w, b in LearnedModel(layers).layers]
+    target = dict(target or {})
+    target.setdefault("kind", "rank")
+    if target["kind"] not in TARGETS:
+        raise ConfigError(f"unknown learned-eviction target {target['kind']!r}; choose from {', '.join(TARGETS)}")
+    target.setdefault("definition", TARGETS[target["kind"]])
+    networks = int(layers[0][0].shape[0])
+    widths = [int(layers[0][0].shape[2])] + [int(w.shape[1]) for w, _ in layers]
     metadata = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "features": {"names": list(FEATURE_NAMES), "definition": FEATURE_DEFINITION},
         "architecture": {"type": "feed-forward", "layers": widths, "activation": ACTIVATION,
-                         "output": "routing distance; the cached expert with the highest score is evicted"},
+                         "networks": networks, "per_layer": bool(per_layer),
+                         "output": "the cached expert with the highest score is evicted"},
         "weights_sha256": weights_digest(layers),
-        "target": target or {},
+        "target": target,
         "training": training or {},
     }
-    _check_layers(path, layers, widths)
+    _check_layers(path, layers, widths, networks)
     arrays = {"metadata": np.array(json.dumps(metadata, sort_keys=True))}
     for index, (weight, bias) in enumerate(layers, start=1):
         arrays[f"w{index}"], arrays[f"b{index}"] = weight, bias
@@ -125,16 +176,16 @@ def save_model(path, layers, *, target: dict | None = None, training: dict | Non
     return path
 
 
-def _check_layers(path, layers, widths) -> None:
+def _check_layers(path, layers, widths, networks) -> None:
     if len(widths) < 2 or widths[0] != len(FEATURE_NAMES) or widths[-1] != 1:
         _fail(path, f"architecture layers {widths} must start with {len(FEATURE_NAMES)} inputs and end with 1 "
                     "output")
     for index, (weight, bias) in enumerate(layers, start=1):
-        want_w, want_b = (widths[index], widths[index - 1]), (widths[index],)
+        want_w, want_b = (networks, widths[index], widths[index - 1]), (networks, widths[index])
         if weight.shape != want_w:
-            _fail(path, f"w{index} has shape {weight.shape}, the architecture {widths} needs {want_w}")
+            _fail(path, f"w{index} has shape {weight.shape}, {networks} network(s) of layers {widths} need {want_w}")
         if bias.shape != want_b:
-            _fail(path, f"b{index} has shape {bias.shape}, the architecture {widths} needs {want_b}")
+            _fail(path, f"b{index} has shape {bias.shape}, {networks} network(s) of layers {widths} need {want_b}")
         if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
             _fail(path, f"layer {index} holds NaN or infinite weights")
 
@@ -165,6 +216,9 @@ def load_model(path) -> LearnedModel:
     if version > FORMAT_VERSION:
         _fail(path, f"format version {version} is newer than this release reads (up to {FORMAT_VERSION}); "
                     "upgrade moe-offload or retrain with this one")
+    if version < FORMAT_VERSION:
+        _fail(path, f"format version {version} predicts a next-use distance capped at two tokens, which cannot "
+                    f"rank the experts a large cache keeps; this release reads version {FORMAT_VERSION}: {RETRAIN}")
     names = (meta.get("features") or {}).get("names") if isinstance(meta.get("features"), dict) else None
     if names != list(FEATURE_NAMES):
         _fail(path, f"the network expects features {names!r}, this release computes {list(FEATURE_NAMES)}")
@@ -176,6 +230,12 @@ def load_model(path) -> LearnedModel:
     if (not isinstance(widths, list) or len(widths) < 2
             or not all(isinstance(w, int) and not isinstance(w, bool) and w > 0 for w in widths)):
         _fail(path, f"architecture layers must be a list of positive widths, got {widths!r}")
+    networks = arch.get("networks")
+    if not isinstance(networks, int) or isinstance(networks, bool) or networks < 1:
+        _fail(path, f"architecture networks must be a positive integer, got {networks!r}")
+    if not isinstance(arch.get("per_layer"), bool) or (networks > 1 and not arch["per_layer"]):
+        _fail(path, f"architecture per_layer must be true or false (true when there are several networks), got "
+                    f"{arch.get('per_layer')!r}")
     count = len(widths) - 1
     expected = {f"{kind}{i}" for i in range(1, count + 1) for kind in "wb"}
     if set(arrays) != expected:
@@ -190,7 +250,7 @@ def load_model(path) -> LearnedModel:
             if array.dtype != WEIGHT_DTYPE:
                 _fail(path, f"{name} has dtype {array.dtype}, expected float32")
         layers.append((weight, bias))
-    _check_layers(path, layers, widths)
+    _check_layers(path, layers, widths, networks)
     digest = weights_digest(layers)
     if meta.get("weights_sha256") != digest:
         _fail(path, f"weights checksum mismatch (metadata says {meta.get('weights_sha256')!r}, the weights hash "

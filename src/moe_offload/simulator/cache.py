@@ -150,6 +150,8 @@ class ExpertCache:
         that cannot be done now (module doc: what pinned, reserved, held and protected experts allow)."""
         if size > self.capacity:
             raise ConfigError(f"expert {key} needs {size} units but the whole cache holds {self.capacity}")
+        if self.policy.cache_slots is None:  # full for the first time: what it holds is its size in experts
+            self.policy.cache_slots = len(self.resident) + len(self.reserved)
         pinned = ctx.pinned
         if self.reserved or pinned or self.held or protect:  # the hot paths (the replay) have none of these
             spared = self.held.keys() | protect if ctx.prefetch and protect else self.held.keys()
