@@ -302,8 +302,9 @@ def test_a_truncated_checkpoint_is_a_one_line_error_for_pack_and_generate(checkp
     assert not list((tmp_path / "cache" / "packed").glob("model-*")), "a half-written pack was left in the cache"
 
 
-@pytest.mark.parametrize("device, problem", [("mps", "runs on cpu or cuda"), ("nonsense", "is not a device"),
-                                             ("cuda:7", "sees no CUDA device" if not torch.cuda.is_available()
+@pytest.mark.parametrize("device, problem", [("mps", "is not a device: cpu, cuda or cuda:N"),
+                                             ("nonsense", "is not a device"),
+                                             ("cuda:7", "has no CUDA device; use cpu" if not torch.cuda.is_available()
                                               else "CUDA device(s)")])
 def test_unknown_or_unavailable_devices_are_one_line_errors(checkpoint, capsys, device, problem):
     assert main(["generate", "--model", str(checkpoint["packed"]), "--device", device, "x"]) == 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moe_offload.cli.simulate_cmd import POLICY_OPTION, PREFETCH_OPTION, parse_component_options
+from moe_offload.cli.simulate_cmd import POLICY_OPTION, PREFETCH_OPTION, runtime_options
 
 
 def register(subparsers) -> None:
@@ -49,8 +49,6 @@ def run(args: argparse.Namespace) -> int:
 
     require_model_stack("generate")
     from moe_offload.api import load
-    from moe_offload.policies import policy_info
-    from moe_offload.prefetch import prefetcher_info
     from moe_offload.reporting.tables import print_runtime_summary
     from moe_offload.text.sources import chat_prompt
 
@@ -60,13 +58,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         check_output(args.json, suffixes=(".json",), what="result record")
     resolve_device(args.device)
-    policy_options = parse_component_options(args.policy_option, "--policy-option", POLICY_OPTION, policy_info)
-    prefetch_options = parse_component_options(args.prefetch_option, "--prefetch-option", PREFETCH_OPTION,
-                                               prefetcher_info)
+    policy_options, prefetch_options = runtime_options(args)
     prompt = chat_prompt(args.prompt) if args.chat else args.prompt
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
-                  policy_options=policy_options.get(args.policy), prefetch=args.prefetch,
-                  prefetch_options=prefetch_options.get(args.prefetch) if args.prefetch else None,
+                  policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
                   prefetch_history=args.prefetch_history, device=args.device,
                   bypass_page_cache=args.bypass_page_cache)
     with engine:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_offload.cli.simulate_cmd import POLICY_OPTION, PREFETCH_OPTION, parse_component_options
+from moe_offload.cli.simulate_cmd import POLICY_OPTION, PREFETCH_OPTION, runtime_options
 from moe_offload.errors import ConfigError
 
 
@@ -53,8 +53,6 @@ def run(args: argparse.Namespace) -> int:
                 from None
     from moe_offload import values
     from moe_offload.api import load
-    from moe_offload.policies import policy_info
-    from moe_offload.prefetch import prefetcher_info
     from moe_offload.server import model_name, serve
 
     port = values.integer(args.port, "--port", low=1, high=65535)
@@ -62,12 +60,9 @@ def run(args: argparse.Namespace) -> int:
     host = values.text(args.host, "--host")
     device = values.device(args.device) if args.device is not None else None
     _check_listen(host, port)
-    policy_options = parse_component_options(args.policy_option, "--policy-option", POLICY_OPTION, policy_info)
-    prefetch_options = parse_component_options(args.prefetch_option, "--prefetch-option", PREFETCH_OPTION,
-                                               prefetcher_info)
+    policy_options, prefetch_options = runtime_options(args)
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
-                  policy_options=policy_options.get(args.policy), prefetch=args.prefetch,
-                  prefetch_options=prefetch_options.get(args.prefetch) if args.prefetch else None,
+                  policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
                   prefetch_history=args.prefetch_history, device=device, bypass_page_cache=args.bypass_page_cache,
                   max_batch=max_batch, batch_math=args.batch_math)
     name = model_name(args.model)

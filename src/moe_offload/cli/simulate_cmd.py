@@ -113,12 +113,16 @@ def parse_policies(text: str) -> list[str]:
     return names
 
 
-def parse_component_options(items: list[str], flag: str, form: str, lookup) -> dict[str, dict]:
-    """``generate``'s reading of --policy-option and --prefetch-option (``lookup``: policy_info or
-    prefetcher_info), through the one parser, values.component_options."""
-    kind = "policy" if flag == "--policy-option" else "prefetcher"
-    component = (lambda name: lookup(name).policy) if kind == "policy" else lookup
-    return component_options(items, flag, form, kind, component, skip=("seed",) if kind == "policy" else ())
+def runtime_options(args) -> tuple[dict | None, dict | None]:
+    """--policy-option and --prefetch-option of a command that runs one policy and at most one prefetcher
+    (generate, serve): (the policy's options, the prefetcher's); an option of another component is refused."""
+    from moe_offload.prefetch import prefetcher_info
+
+    policies = policy_options(args, [args.policy])
+    prefetchers = component_options(args.prefetch_option, "--prefetch-option", PREFETCH_OPTION, "prefetcher",
+                                    prefetcher_info)
+    check_options_used(prefetchers, [args.prefetch] if args.prefetch else [], "--prefetch-option", "--prefetch")
+    return policies.get(args.policy), prefetchers.get(args.prefetch) if args.prefetch else None
 
 
 def policy_options(args, policies: list[str]) -> dict[str, dict]:

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moe_offload.errors import ConfigError, MoeOffloadError
-from moe_offload.hardware.profile import format_bytes, parse_bytes
+from moe_offload import values
+from moe_offload.hardware.profile import format_bytes
 from moe_offload.policies import ModelSpec, policy_factory, policy_info
 from moe_offload.prefetch import make_prefetcher, prefetcher_info
 from moe_offload.reporting.results import RunResult
@@ -56,38 +57,14 @@ class EngineBusyError(MoeOffloadError):
     """generate was called on an engine that is already generating."""
 
 
-def parse_budget(text, total_bytes: int, what: str) -> int:
-    """``"30%"`` of all expert bytes, or a size (``"64MiB"``, ``"2e9"``)."""
-    value = str(text).strip()
-    if value.endswith("%"):
-        try:
-            share = float(value[:-1]) / 100
-        except ValueError:
-            raise ConfigError(f"{what} {text!r} is not a percentage or a size") from None
-        if not 0 < share <= 1:
-            raise ConfigError(f"{what} {text!r} must be above 0% and at most 100% of the expert bytes")
-        return int(total_bytes * share)
-    return parse_bytes(value, what)
-
-
 def resolve_device(device):
-    """A torch.device the runtime can use, or a one-line ConfigError: cpu, or cuda[:N] with CUDA present."""
+    """The torch.device of ``device`` (a name or a torch.device, checked by values.device: cpu, or cuda[:N] with
+    CUDA present); None is cuda where present, else cpu."""
     import torch
 
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ConfigError(f"device {device!r} is not a device (use cpu or cuda)") from None
-    if resolved.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device {device!r}: the runtime runs on cpu or cuda")
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"device {device!r}: this torch sees no CUDA device")
-        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
-    return resolved
+    return torch.device(values.device(str(device) if isinstance(device, torch.device) else device, "device"))
 
 
 @dataclass
@@ -147,7 +124,7 @@ class OffloadEngine:
         if info.offline:
             raise ConfigError(f"policy {policy!r} needs the future (next use of every expert), which a running "
                               "engine does not know; use it in `moe-offload simulate`")
-        fast_slots = self._slots(parse_budget(fast_budget, self.total_expert_bytes, "--fast-budget"),
+        fast_slots = self._slots(values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget"),
                                  self.compute_expert_bytes)
         if fast_slots < m.top_k:
             raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
@@ -155,7 +132,7 @@ class OffloadEngine:
                               f"{format_bytes(self.compute_expert_bytes)} each)")
         host_slots = 0
         if host_budget is not None:
-            host_slots = self._slots(parse_budget(host_budget, m.num_layers * m.num_experts * m.expert_bytes,
+            host_slots = self._slots(values.budget_bytes(host_budget, m.num_layers * m.num_experts * m.expert_bytes,
                                                   "--host-budget"), m.expert_bytes)
             if host_slots < 1:
                 raise ConfigError(f"host budget {host_budget} cannot hold one expert ({format_bytes(m.expert_bytes)})")

@@ -183,7 +183,8 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
     import torch
 
     from moe_offload.models import quiet_transformers
-    from moe_offload.runtime.engine import parse_budget, resolve_device
+    from moe_offload import values
+    from moe_offload.runtime.engine import resolve_device
     from moe_offload.runtime.storage import default_readers
 
     started = time.perf_counter()
@@ -198,7 +199,7 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
     if host_budget is not None:
         if device.type != "cuda":
             raise ConfigError("a host tier is measured in front of a GPU only (on a CPU the fast tier is the RAM)")
-        host_bytes = parse_budget(host_budget, manifest.expert_bytes * len(manifest.experts), "--host-budget")
+        host_bytes = values.budget_bytes(host_budget, manifest.expert_bytes * len(manifest.experts), "--host-budget")
 
     link_s, alone_s = measure_link(manifest, keys, repeats, bypass, device, compute_dtype, readers)
     parallel_read, convert = measure_raw_rates(manifest, keys, repeats, bypass, readers)
