@@ -21,6 +21,17 @@ with its own matrix products, exactly the rows, in exactly the order, that the r
 would give it: a matrix product over more rows does not give the same bits per row on every kernel (MKL on
 this CPU does not), so the batch never changes a request's result. The weights are still fetched once for
 the batch; the source is told how many tokens of each segment each expert serves.
+
+MoEpic's split (paper 004, runtime/split.py): an expert may arrive in two *parts* along its intermediate
+dimension, the top (intermediate rows [0, r): gate rows, up rows, down columns) and the bottom (rows [r, I)),
+each a ``tensors`` dict of its own with ``part`` (0 top, 1 bottom) and ``parts`` (2). Each part computes as
+soon as it arrives (the top while the bottom is still loading); the expert's output is top + bottom, added in
+that order whatever the order of arrival, then weighted. Two GEMMs whose outputs are added do not round as the
+one GEMM over the whole intermediate dimension does, so a split run is not bit-identical to the unsplit model:
+its reference is the all-resident model computing with the same split (:func:`use_project_experts` with
+``split_rows``: the same two contiguous parts from the module's own weights, :func:`split_parts`), and a split
+run is bit-identical to that reference at every budget (README, "MoEpic's split in the runtime", says how far
+that reference is from the unsplit model).
 """
 
 from __future__ import annotations
@@ -76,12 +87,44 @@ def routing_plan(top_k_index, segment_starts=(0,)):
     return needed, counts, groups
 
 
+def split_parts(gate_up, down, rows: int) -> list[dict]:
+    """An expert's weights (``gate_up`` [2I, H], ``down`` [H, I]) as the contiguous parts of MoEpic's split at
+    intermediate row ``rows``: the top (gate rows [0, rows), up rows [0, rows), down columns [0, rows)) and the
+    bottom (the rest); one part, the weights as they are, when ``rows`` is I."""
+    import torch
+
+    intermediate = down.shape[1]
+    if rows >= intermediate:
+        return [{"gate_up_proj": gate_up, "down_proj": down, "part": 0, "parts": 1}]
+    return [{"gate_up_proj": torch.cat([gate_up[first:last], gate_up[intermediate + first:intermediate + last]]),
+             "down_proj": down[:, first:last].contiguous(), "part": part, "parts": 2}
+            for part, (first, last) in enumerate([(0, rows), (rows, intermediate)])]
+
+
 def _arrivals(module, needed: list[int], counts: list[list[int]]):
     source: ExpertSource | None = getattr(module, "expert_source", None)
     if source is None:
+        rows = getattr(module, "split_rows", None)
+        if rows is not None:  # the all-resident reference of a split run
+            return ((expert, part) for expert in needed
+                    for part in split_parts(module.gate_up_proj[expert], module.down_proj[expert], rows))
         return ((expert, {"gate_up_proj": module.gate_up_proj[expert], "down_proj": module.down_proj[expert]})
                 for expert in needed)
     return source.layer_experts(module.moe_layer, needed, counts)
+
+
+def _whole(partials: dict, expert: int, weights: dict, current):
+    """The expert's output once all its parts are computed (top + bottom, in that order), else None (the
+    part is kept until the others come); ``current`` itself for an expert in one piece."""
+    parts = weights.get("parts", 1)
+    if parts == 1:
+        return current
+    got = partials.setdefault(expert, [None] * parts)
+    got[weights["part"]] = current
+    if any(part is None for part in got):
+        return None
+    del partials[expert]
+    return got[0] + got[1]
 
 
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -101,7 +144,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
                   for group in groups]
     arrivals = _arrivals(self, needed, counts)
     position = {expert: i for i, expert in enumerate(needed)}
-    outputs = {}
+    outputs, partials = {}, {}
     with closing(arrivals):
         for expert, weights in arrivals:
             group = groups[position[expert]]
@@ -116,6 +159,9 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
                 bounds = [0, *itertools.accumulate(len(t) for t, _ in group)]
                 current = torch.cat([F.linear(current[a:b], weights["down_proj"])
                                      for a, b in zip(bounds, bounds[1:])])
+            current = _whole(partials, expert, weights, current)
+            if current is None:
+                continue
             outputs[expert] = (token_idx, current * top_k_weights[token_idx, top_k_pos, None])
     final_hidden_states = hidden_states.new_zeros(hidden_states.shape)
     for expert in needed:  # ascending: each token sums its experts in the eager forward's order
@@ -136,12 +182,15 @@ def _one_token_forward(self, hidden_states, top_k_index, top_k_weights):
     if len(set(needed)) != len(needed):
         return None
     position = {expert: p for p, expert in enumerate(chosen)}
-    outputs = {}
+    outputs, partials = {}, {}
     with closing(_arrivals(self, needed, [[1]] * len(needed))) as arrivals:
         for expert, weights in arrivals:
             current = self._apply_gate(F.linear(hidden_states, weights["gate_up_proj"]))
+            current = _whole(partials, expert, weights, F.linear(current, weights["down_proj"]))
+            if current is None:
+                continue
             p = position[expert]
-            outputs[expert] = F.linear(current, weights["down_proj"]) * top_k_weights[:, p:p + 1]
+            outputs[expert] = current * top_k_weights[:, p:p + 1]
     final = hidden_states.new_zeros(hidden_states.shape)
     for expert in needed:
         final.add_(outputs[expert].to(final.dtype))
@@ -156,12 +205,14 @@ def register() -> None:
         ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
 
 
-def use_project_experts(adapter, source: ExpertSource | None = None) -> None:
+def use_project_experts(adapter, source: ExpertSource | None = None, split_rows: list[int] | None = None) -> None:
     """Route every MoE layer of the adapter's model through :func:`experts_forward`, reading weights from
-    ``source`` when one is given (None: the module's own weights)."""
+    ``source`` when one is given (None: the module's own weights, in the parts of MoEpic's split at
+    intermediate row ``split_rows[layer]`` when given: a split run's all-resident reference)."""
     register()
     for layer in range(adapter.num_layers):
         module = adapter.experts(layer)
         module.moe_layer = layer
         module.expert_source = source
+        module.split_rows = split_rows[layer] if split_rows is not None and source is None else None
     adapter.model.set_experts_implementation(IMPLEMENTATION)

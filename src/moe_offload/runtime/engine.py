@@ -92,7 +92,10 @@ class OffloadEngine:
     (runtime/replay.py; generate with :meth:`generate_replayed`), ``replay_weights`` ``"trace"`` or
     ``"router"``; under a replay the oracle prefetcher can run. ``max_batch``: requests a forward pass of
     the batching scheduler holds at most; ``batch_math``: ``"exact"`` (each request gets the bits it gets
-    alone) or ``"fast"`` (products over the whole pass; runtime/packed.py)."""
+    alone) or ``"fast"`` (products over the whole pass; runtime/packed.py). ``split_config``: MoEpic's split
+    experts (runtime/split.py), a configuration of `moe-offload configure --json` (its path, or a
+    SplitConfig) whose cached tops and buffer of top-k experts must fit in ``fast_budget``; the result is the
+    all-resident model's computing with the same split."""
 
     def __init__(self, packed_dir, *, fast_budget="50%", host_budget=None, policy: str = "lru",
                  policy_options: dict | None = None, prefetch: str | None = None,
@@ -100,7 +103,7 @@ class OffloadEngine:
                  verify_checksums: bool = True, bypass_page_cache: bool = False, retries: int = 3,
                  store: ExpertStore | None = None, preload: bool = False, seed: int = 0,
                  readers: int | None = None, replay=None, replay_weights: str = "trace", max_batch: int = 16,
-                 batch_math: str = "exact"):
+                 batch_math: str = "exact", split_config=None):
         import torch
 
         from moe_offload.models import quiet_transformers
@@ -124,9 +127,10 @@ class OffloadEngine:
         if info.offline:
             raise ConfigError(f"policy {policy!r} needs the future (next use of every expert), which a running "
                               "engine does not know; use it in `moe-offload simulate`")
-        fast_slots = self._slots(values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget"),
-                                 self.compute_expert_bytes)
-        if fast_slots < m.top_k:
+        fast_budget_bytes = values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget")
+        fast_slots = self._slots(fast_budget_bytes, self.compute_expert_bytes)
+        split = self._read_split(split_config, fast_budget_bytes, prefetch, host_budget, preload)
+        if fast_slots < m.top_k and split is None:
             raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
                               f"({format_bytes(m.top_k * self.compute_expert_bytes)}, "
                               f"{format_bytes(self.compute_expert_bytes)} each)")
@@ -143,28 +147,28 @@ class OffloadEngine:
         self.model, self.adapter, self.startup_seconds = load_skeleton(m, self.device, self.compute_dtype,
                                                                        verify=verify_checksums)
         make = policy_factory(policy, self.spec, seed=seed, options=policy_options)  # every partition's policy
-        fast_bytes = fast_slots * self.compute_expert_bytes
-        fast_cache = (PartitionedCache(fast_bytes, m.num_layers, make, m.num_experts, slot_size=self.compute_expert_bytes)
-                      if info.partitioned else ExpertCache(fast_bytes, make()))
-        elements = m.expert_bytes // stored.itemsize
-        tiers = [Tier("fast", fast_cache, SlotPool(fast_slots, elements, self.compute_dtype, self.device), m,
-                      self.device, self.compute_dtype)]
-        if host_slots:
-            cpu = torch.device("cpu")
-            tiers.append(Tier("host", ExpertCache(host_slots * m.expert_bytes, policy_info("lru").policy(self.spec)),
-                              SlotPool(host_slots, elements, stored, cpu, pin=self.device.type == "cuda"), m,
-                              cpu, stored))
-        self.tiers = tiers
         self.store = store or ExpertStore(m, verify=verify_checksums, bypass_page_cache=bypass_page_cache,
                                           retries=retries, readers=readers)
         self.counters = Counters.zero(m.num_layers)
-        self.path = DataPath(tiers, self.store, self.counters, self.spec)
+        self.split = None
+        if split is not None:  # MoEpic's tops and buffer (runtime/split.py)
+            from moe_offload.runtime.split import SplitFastTier
+
+            self.split = self.path = SplitFastTier(*split, m, self.store, self.counters, self.spec, make, self.device,
+                                                   self.compute_dtype, fast_budget_bytes)
+            self.tiers = []
+        else:
+            self.tiers = self._make_tiers(info.partitioned, make, fast_slots, host_slots)
+            self.path = DataPath(self.tiers, self.store, self.counters, self.spec)
         self.replay = None
         if self.replay_trace is not None:
             from moe_offload.runtime.replay import RoutingReplay
 
             self.replay = RoutingReplay(self.replay_trace, self.adapter, replay_weights)
-        self.runner = ModelRunner(self.model, self.adapter, self.spec, self.path, self.counters,
+        runner = ModelRunner
+        if self.split is not None:
+            from moe_offload.runtime.split import SplitRunner as runner
+        self.runner = runner(self.model, self.adapter, self.spec, self.path, self.counters,
                                   prefetcher=self.prefetcher, policy_needs_probs=info.policy.needs_probs,
                                   replay=self.replay, source=f"live generation with {m.directory}")
         self.runner.install()
@@ -174,6 +178,42 @@ class OffloadEngine:
         self.preload_seconds = self._preload() if preload else 0.0
 
     # ------------------------------------------------------------------------------------------ set-up
+    def _make_tiers(self, partitioned: bool, make, fast_slots: int, host_slots: int) -> list[Tier]:
+        """The fast tier (and the host tier) of an unsplit run."""
+        import torch
+
+        m = self.manifest
+        stored = getattr(torch, m.dtype)
+        fast_bytes = fast_slots * self.compute_expert_bytes
+        fast_cache = (PartitionedCache(fast_bytes, m.num_layers, make, m.num_experts, slot_size=self.compute_expert_bytes)
+                      if partitioned else ExpertCache(fast_bytes, make()))
+        elements = m.expert_bytes // stored.itemsize
+        tiers = [Tier("fast", fast_cache, SlotPool(fast_slots, elements, self.compute_dtype, self.device), m,
+                      self.device, self.compute_dtype)]
+        if host_slots:
+            cpu = torch.device("cpu")
+            tiers.append(Tier("host", ExpertCache(host_slots * m.expert_bytes, policy_info("lru").policy(self.spec)),
+                              SlotPool(host_slots, elements, stored, cpu, pin=self.device.type == "cuda"), m,
+                              cpu, stored))
+        return tiers
+
+    def _read_split(self, split_config, fast_budget_bytes: int, prefetch, host_budget, preload):
+        """(configuration, its name) of a split run, checked against the model and the fast budget; None
+        without one."""
+        if split_config is None:
+            return None
+        from moe_offload.runtime.split import load_split_config
+
+        config, source = load_split_config(split_config)
+        for given, what in ((prefetch, "a prefetcher"), (host_budget, "a host tier"), (preload, "preloading")):
+            if given:
+                raise ConfigError(f"{source}: the split runtime loads on demand into the tops and the buffer; it does "
+                                  f"not run with {what} yet")
+        m = self.manifest
+        config.check(m.num_layers, m.num_experts, m.top_k, self.compute_expert_bytes, "fast budget",
+                     fast_budget_bytes, source)
+        return config, source
+
     def _slots(self, budget_bytes: int, slot_bytes: int) -> int:
         return min(budget_bytes // slot_bytes, self.spec.num_layers * self.spec.num_experts)
 
@@ -352,14 +392,16 @@ class OffloadEngine:
         prefetching = self.prefetcher is not None
         return RunResult(
             trace=f"runtime:{self.manifest.directory.name}", policy=self.policy_name,
-            cache_size=self.tiers[0].pool.slots, accesses=c.accesses,
+            cache_size=sum(self.split.cached_experts) if self.split else self.tiers[0].pool.slots,
+            accesses=c.accesses,
             hits=c.hits, misses=c.accesses - c.hits, per_layer_accesses=list(c.per_layer_accesses),
             per_layer_hits=list(c.per_layer_hits), prefetches_issued=c.prefetches_issued if prefetching else None,
             prefetches_used=c.prefetches_used if prefetching else None,
             prefetches_wasted=c.prefetches_wasted if prefetching else None, stall_seconds=c.stall_seconds,
             per_layer_stall_seconds=list(c.per_layer_stall_seconds), ttft_seconds=ttft, tpot_seconds=tpot,
             total_seconds=total, prefetcher=self.prefetch_name, hardware=f"runtime ({self.device.type})",
-            cache_bytes=self.tiers[0].cache.capacity, on_demand_loads=c.on_demand_loads,
+            cache_bytes=self.split.memory_bytes if self.split else self.tiers[0].cache.capacity,
+            on_demand_loads=c.on_demand_loads,
             bytes_per_link=dict(c.bytes_per_link),
             tier_requests={"fast": c.accesses, **({"host": c.on_demand_loads} if len(self.tiers) > 1 else {})},
             tier_hits={"fast": c.hits, **({"host": c.host_hits} if len(self.tiers) > 1 else {})},

@@ -119,11 +119,19 @@ class ExpertStore:
         where = f"expert {expert} of layer {layer}: {path} (bytes {entry.offset + start}..{entry.offset + end})"
         index = start // manifest.chunk_bytes
         view = into(start, end)
-        size = end - start
+        identity = self._read_range(layer, view, entry.offset + start, end - start, where)
+        if self.verify:
+            self._verify(view, entry, index, identity + (entry.offset + start,), where)
+        if then is not None:
+            then(start, end, view)
+
+    def _read_range(self, layer: int, view: memoryview, offset: int, size: int, where: str) -> tuple:
+        """Read ``size`` bytes at ``offset`` of the layer file into ``view``, retrying transient errors and
+        short reads (module doc); returns the file's identity."""
         for attempt in range(self.retries + 1):
             try:
                 fd, identity = self._file(layer)
-                got = self._read_fully(fd, view, entry.offset + start, size)
+                got = self._read_fully(fd, view, offset, size)
             except FileNotFoundError:
                 raise ExpertReadError(f"{where}: missing") from None
             except OSError as exc:
@@ -137,11 +145,24 @@ class ExpertStore:
                     self._backoff(attempt)
                     continue
                 raise ExpertReadError(f"{where}: {got} bytes read, the manifest says {size} (truncated)")
-            break
-        if self.verify:
-            self._verify(view, entry, index, identity + (entry.offset + start,), where)
-        if then is not None:
-            then(start, end, view)
+            return identity
+
+    def read_runs(self, layer: int, expert: int, runs: list[tuple[int, int]], into: memoryview) -> None:
+        """Read the byte ranges ``runs`` ((offset in the expert's region, bytes), in order) of expert ``(layer,
+        expert)`` one after the other into ``into``: a part of an expert (MoEpic's bottom segment,
+        runtime/split.py), read in the calling thread. The chunk checksums cover whole chunks, so a part is not
+        verified here: its reader checks it against a digest it took from a verified read of the whole expert."""
+        entry = self.manifest.experts[(layer, expert)]
+        path = self.manifest.layer_path(layer)
+        filled = 0
+        for offset, nbytes in runs:
+            where = (f"expert {expert} of layer {layer}: {path} (bytes {entry.offset + offset}.."
+                     f"{entry.offset + offset + nbytes})")
+            self._read_range(layer, into[filled:filled + nbytes], entry.offset + offset, nbytes, where)
+            filled += nbytes
+        with self._lock:
+            self.reads += 1
+            self.bytes_read += filled
 
     def _read_fully(self, fd: int, view: memoryview, offset: int, size: int) -> int:
         if self.bypass_page_cache:
