@@ -37,6 +37,11 @@ def register(subparsers) -> None:
     parser.add_argument("--bypass-page-cache", action="store_true",
                         help="drop expert files from the page cache before each read (honest SSD timings)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--split-config", default=None, metavar="FILE.json",
+                        help="run MoEpic's split experts as `moe-offload configure --json` wrote them: per layer, the "
+                             "cached top segments and the split ratio, plus a buffer of top-k experts, all within "
+                             "--fast-budget; the tokens are the all-resident model's computing with the same split "
+                             "(no prefetcher or host tier yet)")
     parser.add_argument("--json", metavar="FILE", default=None,
                         help="also write the run's result record, with the prompt, the text and the token ids, as JSON")
     parser.set_defaults(run=run)
@@ -58,12 +63,17 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         check_output(args.json, suffixes=(".json",), what="result record")
     resolve_device(args.device)
+    if args.split_config:  # a bad file is refused before the model is packed or loaded
+        from moe_offload.simulator.split import read_split_config
+
+        read_split_config(args.split_config)
     policy_options, prefetch_options = runtime_options(args)
     prompt = chat_prompt(args.prompt) if args.chat else args.prompt
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
                   policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
                   prefetch_history=args.prefetch_history, device=args.device,
-                  bypass_page_cache=args.bypass_page_cache)
+                  bypass_page_cache=args.bypass_page_cache,
+                  split_config=args.split_config)
     with engine:
         sys.stdout.write(prompt)
         sys.stdout.flush()

@@ -145,8 +145,10 @@ def print_runtime_summary(generation, engine, console: Console | None = None) ->
 
     console = console or Console()
     stats = generation.stats
+    held = (f"{stats.cache_size} cached tops and a buffer of {engine.spec.top_k} experts, of "
+            if getattr(engine, "split", None) is not None else f"{stats.cache_size} experts of ")  # runtime/split.py
     table = Table(title=f"{engine.manifest.directory.name}: {run_label(stats)}, fast tier "
-                        f"{format_bytes(stats.cache_bytes)} ({stats.cache_size} experts of "
+                        f"{format_bytes(stats.cache_bytes)} ({held}"
                         f"{engine.spec.num_layers * engine.spec.num_experts})", show_header=False)
     table.add_column("measure")
     table.add_column("value", justify="right")
