@@ -129,7 +129,7 @@ class OffloadEngine:
                               "engine does not know; use it in `moe-offload simulate`")
         fast_budget_bytes = values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget")
         fast_slots = self._slots(fast_budget_bytes, self.compute_expert_bytes)
-        split = self._read_split(split_config, fast_budget_bytes, prefetch, host_budget, preload)
+        split = self._read_split(split_config, prefetch, host_budget, preload)
         if fast_slots < m.top_k and split is None:
             raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
                               f"({format_bytes(m.top_k * self.compute_expert_bytes)}, "
@@ -197,9 +197,8 @@ class OffloadEngine:
                               cpu, stored))
         return tiers
 
-    def _read_split(self, split_config, fast_budget_bytes: int, prefetch, host_budget, preload):
-        """(configuration, its name) of a split run, checked against the model and the fast budget; None
-        without one."""
+    def _read_split(self, split_config, prefetch, host_budget, preload):
+        """(configuration, its name) of a split run, checked against the model; None without one."""
         if split_config is None:
             return None
         from moe_offload.runtime.split import load_split_config
@@ -210,8 +209,7 @@ class OffloadEngine:
                 raise ConfigError(f"{source}: the split runtime loads on demand into the tops and the buffer; it does "
                                   f"not run with {what} yet")
         m = self.manifest
-        config.check(m.num_layers, m.num_experts, m.top_k, self.compute_expert_bytes, "fast budget",
-                     fast_budget_bytes, source)
+        config.check_model(m.num_layers, m.num_experts, self.compute_expert_bytes, source)  # memory: SplitFastTier
         return config, source
 
     def _slots(self, budget_bytes: int, slot_bytes: int) -> int:

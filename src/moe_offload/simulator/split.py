@@ -103,6 +103,18 @@ class SplitConfig:
     def check(self, num_layers: int, num_experts: int, top_k: int, expert_bytes: int, gpu_name: str,
               gpu_bytes: int, source: str = "the split configuration") -> None:
         """Raise ConfigError, naming ``source``, unless the model and the GPU can run this configuration."""
+        self.check_model(num_layers, num_experts, expert_bytes, source)
+        buffer = self.buffer_bytes(top_k, expert_bytes)
+        needed = self.memory_bytes(top_k, expert_bytes)
+        if needed > gpu_bytes:
+            raise ConfigError(f"{source}: the cached top segments ({format_bytes(self.cache_bytes(expert_bytes))}) "
+                              f"and the buffer of {top_k} experts ({format_bytes(buffer)}) need "
+                              f"{format_bytes(needed)}, more than the {format_bytes(gpu_bytes)} of the {gpu_name}")
+
+    def check_model(self, num_layers: int, num_experts: int, expert_bytes: int,
+                    source: str = "the split configuration") -> None:
+        """Raise ConfigError, naming ``source``, unless the model has this configuration's layers and experts
+        (the memory is checked by ``check``, or by the runtime for its own rounding: runtime/split.py)."""
         if len(self.layers) != num_layers:
             raise ConfigError(f"{source}: {len(self.layers)} layers, but the trace's model has {num_layers}")
         for layer, plan in enumerate(self.layers):
@@ -114,12 +126,6 @@ class SplitConfig:
                                   f"{expert_bytes} bytes holds no byte")
             if plan.prefetches is not None and not 0 <= plan.prefetches <= num_experts:
                 raise ConfigError(f"{source}: layer {layer}: {plan.prefetches} prefetches, not in [0, {num_experts}]")
-        buffer = self.buffer_bytes(top_k, expert_bytes)
-        needed = self.memory_bytes(top_k, expert_bytes)
-        if needed > gpu_bytes:
-            raise ConfigError(f"{source}: the cached top segments ({format_bytes(self.cache_bytes(expert_bytes))}) "
-                              f"and the buffer of {top_k} experts ({format_bytes(buffer)}) need "
-                              f"{format_bytes(needed)}, more than the {format_bytes(gpu_bytes)} of the {gpu_name}")
 
 
 def read_split_config(path) -> SplitConfig:
