@@ -179,3 +179,37 @@ def test_generate_split_config_errors_are_one_line(split_checkpoint, tmp_path, c
     assert main(["generate", "def", "--model", packed, "--device", "cpu", "--split-config", str(good),
                  "--fast-budget", "100%", "--max-new-tokens", "3"]) == 0
     assert "9 cached tops and a buffer of 2 experts" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_cached_top_computes_while_its_bottom_is_read(split_checkpoint):
+    """Every top cached: each expert's top part is handed to the compute before its bottom's read ends."""
+    import threading
+    import time
+
+    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu",
+                       split_config=config([EXPERTS] * LAYERS, [0.5] * LAYERS)) as engine:
+        engine.generate(PROMPTS[0], max_new_tokens=3)  # the first reads are whole: every routed top is cached
+        split, store = engine.split, engine.store
+        events, lock = [], threading.Lock()
+        read_runs, part_tensors = store.read_runs, split.part_tensors
+
+        def slow_read_runs(layer, expert, runs, into):
+            time.sleep(0.02)
+            read_runs(layer, expert, runs, into)
+            with lock:
+                events.append(("bottom read", layer * EXPERTS + expert))
+
+        def logged_part_tensors(key, part):
+            with lock:
+                events.append((f"part {part}", key))
+            return part_tensors(key, part)
+
+        store.read_runs, split.part_tensors = slow_read_runs, logged_part_tensors
+        engine.generate(PROMPTS[0], max_new_tokens=3)
+    tops_first = [key for i, (kind, key) in enumerate(events) if kind == "part 0"
+                  and ("bottom read", key) in events[i:] and ("part 1", key) in events[i:]
+                  and events.index(("bottom read", key), i) < events.index(("part 1", key), i)]
+    assert events and tops_first
+    for i, (kind, key) in enumerate(events):
+        if kind == "part 1":  # each bottom computed is one read before
+            assert events[:i].count(("bottom read", key)) >= events[:i + 1].count(("part 1", key))

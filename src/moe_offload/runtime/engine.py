@@ -7,6 +7,8 @@ The engine puts the parts together and runs the single-prompt generation loop::
     runtime/datapath.py  link workers, reader pool, pinned ring and copy streams: files -> [host] -> fast
     runtime/runner.py    per forward pass: the experts source, routing hooks, prefetcher, AccessContext
     runtime/replay.py    routing replay: the routers select a trace's experts (and the oracle can run)
+    runtime/split.py     MoEpic's split experts (``split_config``): per-layer top caches and a buffer, in place
+                         of the tiers and the data path
 
 - Start-up loads only the non-expert weights; every expert starts in the slow tier (the packed files).
 - The fast tier is GPU memory with CUDA, otherwise a RAM budget of compute-ready tensors (float32 on a CPU);

@@ -1,0 +1,154 @@
+"""MoEpic's split in the runtime against the unsplit runtime at equal fast memory, on the bundled tiny Mixtral,
+measured in one run (ratios; the machine may be shared and noisy).
+
+    python benchmarks/runtime_split.py [--budgets 16,32] [--uniform 0.25,0.5] [--prompts 2]
+        [--max-new-tokens 16] [--reps 3] [--device cpu|cuda] [--json FILE]
+
+For each VRAM budget V_e (experts' worth, `configure --vram-budget`), the split configurations are what
+`moe-offload configure tiny --vram-budget V_e --hardware desktop-rtx4090 --json` writes, and, per ratio theta of
+``--uniform``, every layer caching round(V_e / L / theta) tops of ratio theta. Each split run's fast memory
+(its tops and the buffer of K experts) is the unsplit run's fast budget; both use LRU, no prefetching, and
+generate greedily for the same prompts, alternating split and unsplit ``--reps`` times (fresh engines, cold
+fast memory): TPOT is the median over repetitions of the mean over prompts. Every split run's tokens are
+checked against the all-resident model computing with the same split, every unsplit run's against the
+all-resident model; the table also says whether the split reference's tokens equal the unsplit model's and
+its largest logit difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def configured(budget: int) -> "SplitConfig":  # noqa: F821
+    from moe_offload.simulator.split import read_split_config
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "split.json"
+        out = subprocess.run([sys.executable, "-m", "moe_offload.cli.main", "configure", "tiny", "--vram-budget",
+                              str(budget), "--hardware", "desktop-rtx4090", "--json"], capture_output=True, text=True,
+                             check=True).stdout
+        path.write_text(out)
+        return read_split_config(path)
+
+
+def uniform(budget: int, theta: float, layers: int, experts: int):
+    from moe_offload.simulator.split import LayerSplitPlan, SplitConfig
+
+    cached = min(experts, max(1, round(budget / layers / theta)))
+    return SplitConfig((LayerSplitPlan(cached, theta),) * layers)
+
+
+def reference(model, adapter, tokenizer, prompts, max_new_tokens, rows):
+    """Tokens and logits of the all-resident model (in the split at ``rows``, or unsplit for None)."""
+    import torch
+
+    from moe_offload.models.experts import use_project_experts
+
+    use_project_experts(adapter, None, rows)
+    out = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, return_dict_in_generate=True, output_logits=True,
+                                 pad_token_id=tokenizer.eos_token_id)
+        out.append((gen.sequences[0, ids.shape[1]:].tolist(), [step[0] for step in gen.logits]))
+    return out
+
+
+def timed(packed, prompts, max_new_tokens, device, **options):
+    from moe_offload.runtime.engine import OffloadEngine
+
+    with OffloadEngine(packed, device=device, policy="lru", **options) as engine:
+        results = [engine.generate(prompt, max_new_tokens=max_new_tokens) for prompt in prompts]
+        stats = engine.stats
+        memory = engine.split.memory_bytes if engine.split else stats.cache_bytes
+    return ([r.token_ids for r in results], statistics.mean(r.stats.tpot_seconds for r in results),
+            stats.hit_rate, sum(stats.bytes_per_link.values()), memory)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budgets", default="16,32", help="V_e in experts' worth (of 64)")
+    parser.add_argument("--uniform", default="0.25,0.5", help="uniform split ratios to run besides configure's")
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    from runtime_tpot import benchmark_prompts
+
+    from moe_offload.bundled import TINY_MODEL_DIR
+    from moe_offload.models import quiet_transformers
+    from moe_offload.models.adapters import load_model
+    from moe_offload.runtime.packing import packed_directory, read_manifest
+    from moe_offload.runtime.split import split_rows
+    from transformers import AutoTokenizer
+
+    quiet_transformers()
+    packed = packed_directory("tiny")
+    manifest = read_manifest(packed)
+    intermediate = next(t for t in manifest.tensors if t.name == "down_proj").shape[1]
+    prompts = benchmark_prompts(args.prompts)
+    model, adapter = load_model(TINY_MODEL_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    unsplit_reference = reference(model, adapter, tokenizer, prompts, args.max_new_tokens, None)
+    started = time.perf_counter()
+    timed(packed, prompts[:1], 4, args.device, fast_budget="100%")  # warm-up
+    rows = []
+    for budget in [int(b) for b in args.budgets.split(",")]:
+        configs = [("configure", configured(budget))]
+        configs += [(f"theta={theta}", uniform(budget, float(theta), manifest.num_layers, manifest.num_experts))
+                    for theta in args.uniform.split(",")]
+        for name, config in configs:
+            split_ref = reference(model, adapter, tokenizer, prompts, args.max_new_tokens,
+                                  split_rows(config, intermediate, name))
+            same_tokens = [t for t, _ in split_ref] == [t for t, _ in unsplit_reference]
+            logit_gap = max(float((a - b).abs().max()) for (_, la), (_, lb) in zip(split_ref, unsplit_reference)
+                            for a, b in zip(la, lb))
+            split_tpots, unsplit_tpots = [], []
+            for _ in range(args.reps):
+                tokens, tpot, split_hits, split_bytes, memory = timed(packed, prompts, args.max_new_tokens, args.device,
+                                                                      fast_budget="100%", split_config=config)
+                if tokens != [t for t, _ in split_ref]:
+                    raise SystemExit(f"LOSSLESS VIOLATION: split {name} at V_e={budget}")
+                split_tpots.append(tpot)
+                tokens, tpot, unsplit_hits, unsplit_bytes, _ = timed(packed, prompts, args.max_new_tokens, args.device,
+                                                                     fast_budget=str(memory))
+                if tokens != [t for t, _ in unsplit_reference]:
+                    raise SystemExit(f"LOSSLESS VIOLATION: unsplit at {memory} bytes")
+                unsplit_tpots.append(tpot)
+            split_tpot, unsplit_tpot = statistics.median(split_tpots), statistics.median(unsplit_tpots)
+            row = {"vram_budget_experts": budget, "config": name,
+                   "cached": [p.cached_experts for p in config.layers],
+                   "ratios": [p.split_ratio for p in config.layers], "fast_bytes": memory,
+                   "split_tpot_s": split_tpot, "unsplit_tpot_s": unsplit_tpot, "split_over_unsplit": split_tpot / unsplit_tpot,
+                   "split_hit_rate": split_hits, "unsplit_hit_rate": unsplit_hits, "split_bytes_moved": split_bytes,
+                   "unsplit_bytes_moved": unsplit_bytes, "reference_tokens_equal_unsplit": same_tokens,
+                   "reference_max_logit_difference": logit_gap}
+            rows.append(row)
+            print(f"V_e={budget:>3} {name:<11} fast {memory / 2**20:6.2f} MiB  split TPOT {split_tpot * 1e3:6.2f} ms  "
+                  f"unsplit {unsplit_tpot * 1e3:6.2f} ms  x{row['split_over_unsplit']:.2f}  hit(top) "
+                  f"{split_hits:.0%} vs {unsplit_hits:.0%}  moved {split_bytes / 2**20:.0f} vs "
+                  f"{unsplit_bytes / 2**20:.0f} MiB  reference: tokens {'=' if same_tokens else '!='} unsplit, "
+                  f"max |logit diff| {logit_gap:.2e}", flush=True)
+    print(f"\n{len(rows)} configurations x {args.reps} repetitions in {time.perf_counter() - started:.0f} s "
+          f"({len(prompts)} prompts x {args.max_new_tokens} tokens, {args.device}); every run lossless")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": rows, "prompts": len(prompts),
+                                               "max_new_tokens": args.max_new_tokens, "reps": args.reps}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
