@@ -213,3 +213,38 @@ def test_a_cached_top_computes_while_its_bottom_is_read(split_checkpoint):
     for i, (kind, key) in enumerate(events):
         if kind == "part 1":  # each bottom computed is one read before
             assert events[:i].count(("bottom read", key)) >= events[:i + 1].count(("part 1", key))
+
+
+def test_bottom_reads_retry_transient_errors_continue_short_reads_and_name_a_failing_expert(split_checkpoint):
+    import errno
+    import os
+
+    from moe_offload.runtime.storage import ExpertStore
+
+    packed = split_checkpoint / "packed"
+    manifest = read_manifest(packed)
+    calls = []
+
+    def flaky_short(fd, view, offset):  # every 37th call fails with EIO; none reads more than 1000 bytes
+        calls.append(offset)
+        if len(calls) % 37 == 0:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return os.preadv(fd, [view[:1000]], offset)
+
+    store = ExpertStore(manifest, read_into=flaky_short, backoff_s=0.0)
+    expected = reference(split_checkpoint, (24,) * LAYERS)
+    with OffloadEngine(packed, fast_budget="100%", device="cpu", store=store,
+                       split_config=config([4] * LAYERS, [0.5] * LAYERS)) as engine:
+        for prompt in PROMPTS:
+            assert engine.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids == expected[prompt][0]
+        assert engine.stats.hits > 0 and store.retried > 0  # bottoms read alone (hits), reads retried
+
+    def failing(fd, view, offset):
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+
+    store = ExpertStore(manifest, read_into=failing, retries=1, backoff_s=0.0)
+    with OffloadEngine(packed, fast_budget="100%", device="cpu", store=store,
+                       split_config=config([4] * LAYERS, [0.5] * LAYERS)) as engine:
+        with pytest.raises(ExpertReadError, match=r"expert \d+ of layer \d+: .*\.bin \(bytes \d+..\d+\): read failed"):
+            engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+        assert not engine.split.buffer_slot and len(engine.split.buffer.free) == TOP_K  # nothing left behind

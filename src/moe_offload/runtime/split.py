@@ -158,7 +158,10 @@ class SplitFastTier:
                 "parts": self.parts(key)}, event
 
     def consume(self, key: int) -> None:
-        """``key`` has computed (or its layer gave up on it): its buffer slot is free."""
+        """``key`` has computed (or its layer gave up on it): its buffer slot is free. A key still on the wire
+        keeps its slot: the worker frees it when it lands unpinned."""
+        if key == self.on_wire:
+            return
         slot = self.buffer_slot.pop(key, None)
         self.landed.pop(key, None)
         self.ready.pop(key, None)
