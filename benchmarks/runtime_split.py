@@ -40,10 +40,11 @@ def configured(budget: int) -> "SplitConfig":  # noqa: F821
 
 
 def uniform(budget: int, theta: float, layers: int, experts: int):
+    """Every layer caching round(V_e / L / theta) tops of ratio theta; None when a layer has too few experts."""
     from moe_offload.simulator.split import LayerSplitPlan, SplitConfig
 
-    cached = min(experts, max(1, round(budget / layers / theta)))
-    return SplitConfig((LayerSplitPlan(cached, theta),) * layers)
+    cached = max(1, round(budget / layers / theta))
+    return SplitConfig((LayerSplitPlan(cached, theta),) * layers) if cached <= experts else None
 
 
 def reference(model, adapter, tokenizer, prompts, max_new_tokens, rows):
@@ -111,6 +112,10 @@ def main(argv=None) -> int:
         configs += [(f"theta={theta}", uniform(budget, float(theta), manifest.num_layers, manifest.num_experts))
                     for theta in args.uniform.split(",")]
         for name, config in configs:
+            if config is None:
+                print(f"V_e={budget:>3} {name:<11} skipped: it would cache more tops per layer than the layer's "
+                      f"{manifest.num_experts} experts", flush=True)
+                continue
             split_ref = reference(model, adapter, tokenizer, prompts, args.max_new_tokens,
                                   split_rows(config, intermediate, name))
             same_tokens = [t for t, _ in split_ref] == [t for t, _ in unsplit_reference]
