@@ -69,6 +69,26 @@ def load_split_config(split) -> tuple[SplitConfig, str]:
     return read_split_config(split), str(split)
 
 
+def bottom_ranges(manifest, rows: int) -> tuple[list[tuple[int, int]], int]:
+    """The byte ranges, in an expert's region, of its bottom below intermediate row ``rows`` (gate rows, up rows,
+    each down row's columns; ranges that touch are merged), in the segment layout's order, and its size."""
+    tensors = {t.name: t for t in manifest.tensors}
+    gate_up, down = tensors["gate_up_proj"], tensors["down_proj"]
+    H, I = down.shape
+    item = gate_up.nbytes // (2 * I * H)
+    b = I - rows
+    runs = [(gate_up.offset + rows * H * item, b * H * item), (gate_up.offset + (I + rows) * H * item, b * H * item)]
+    runs += [(down.offset + (h * I + rows) * item, b * item) for h in range(H)]
+    merged = [runs[0]]
+    for offset, nbytes in runs[1:]:
+        last_offset, last_bytes = merged[-1]
+        if last_offset + last_bytes == offset:
+            merged[-1] = (last_offset, last_bytes + nbytes)
+        else:
+            merged.append((offset, nbytes))
+    return merged, 3 * b * H * item
+
+
 class SplitFastTier:
     """The fast memory of a split run (module doc) and its one link worker (files -> fast), demand loads only.
 
@@ -253,24 +273,6 @@ class SplitFastTier:
                     self.tops[layer].complete(key, self.ctx)
                     cond.notify_all()
 
-    def _ranges(self, layer: int) -> tuple[list[tuple[int, int]], int]:
-        """The bottom's byte ranges in the expert's region (gate rows, up rows, each down row's columns; ranges
-        that touch are merged) and its size in bytes."""
-        r, I, H = self.rows[layer], self.intermediate, self.hidden
-        item = self.stored.itemsize
-        b = I - r
-        runs = [(self.gate_up.offset + r * H * item, b * H * item),
-                (self.gate_up.offset + (I + r) * H * item, b * H * item)]
-        runs += [(self.down.offset + (h * I + r) * item, b * item) for h in range(H)]
-        merged = [runs[0]]
-        for offset, nbytes in runs[1:]:
-            last_offset, last_bytes = merged[-1]
-            if last_offset + last_bytes == offset:
-                merged[-1] = (last_offset, last_bytes + nbytes)
-            else:
-                merged.append((offset, nbytes))
-        return merged, 3 * b * H * item
-
     def _load(self, key: int, slot: int, whole: bool):
         """Write ``key``'s whole expert ([top | bottom]) or its bottom into buffer slot ``slot``; returns (the CUDA
         event of the copy or None, bytes read)."""
@@ -296,7 +298,7 @@ class SplitFastTier:
             nbytes = self.manifest.expert_bytes
             first = 0
         else:
-            runs, nbytes = self._ranges(layer)
+            runs, nbytes = bottom_ranges(self.manifest, r)
             self.store.read_runs(layer, expert, runs, memoryview(array[:nbytes]))
             if self.store.verify and xxhash.xxh3_64_hexdigest(array[:nbytes]) != self.bottom_digest[key]:
                 path = self.manifest.layer_path(layer)
