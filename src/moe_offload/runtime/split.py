@@ -101,10 +101,8 @@ class SplitFastTier:
         import torch
 
         self.manifest, self.store, self.counters, self.spec = manifest, store, counters, spec
-        self.device, self.dtype = device, compute_dtype
-        tensors = {t.name: t for t in manifest.tensors}
-        self.gate_up, self.down = tensors["gate_up_proj"], tensors["down_proj"]
-        self.hidden, self.intermediate = self.down.shape
+        self.device = device
+        self.hidden, self.intermediate = next(t for t in manifest.tensors if t.name == "down_proj").shape
         self.stored = getattr(torch, manifest.dtype)
         self.rows = split_rows(config, self.intermediate, source)
         element_bytes = compute_dtype.itemsize
