@@ -15,7 +15,7 @@ def load(model: str = "tiny", *, fast_budget="50%", policy: str = "lru", prefetc
          prefetch_history=None, **options):
     """An :class:`~moe_offload.runtime.engine.OffloadEngine` for ``model`` (``tiny``, a checkpoint directory,
     packed once into the cache, or a packed directory). ``options`` go to the engine (host_budget, device,
-    policy_options, prefetch_options, bypass_page_cache, verify_checksums, preload, ...)."""
+    policy_options, prefetch_options, bypass_page_cache, verify_checksums, preload, split_config, ...)."""
     from moe_offload.models import require_model_stack
 
     require_model_stack("the runtime")
