@@ -295,10 +295,10 @@ class ModelRunner:
         if not proposals:
             return
         J = self.spec.num_experts
-        view = self.view  # read once: the decode thread replaces it at the next pass
-        now = view.layer_now if view is not None and view.iteration == iteration else self.spec.num_layers - 1
-        late = sum(1 for key, _ in proposals if key // J <= now)
-        with self.path.cond:
+        with self.path.cond:  # the view's router count is never behind the data path's (locked) layer_now
+            view = self.view  # read once: the decode thread replaces it at the next pass
+            now = view.layer_now if view is not None and view.iteration == iteration else self.spec.num_layers - 1
+            late = sum(1 for key, _ in proposals if key // J <= now)
             self.proposals_arrived += len(proposals)
             self.proposals_late += late
             if late < len(proposals):
