@@ -191,19 +191,33 @@ def test_a_matcher_failure_is_raised_on_the_decode_thread_and_the_engine_goes_on
         assert len(engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS).token_ids) == NEW_TOKENS
 
 
-@pytest.mark.parametrize("matcher", MATCHERS)
-def test_generation_is_lossless_whatever_the_matcher(setup, matcher):
+def test_generation_is_lossless_whatever_the_matcher(setup):
     with OffloadEngine(setup["packed"], fast_budget="100%", preload=True) as resident:
         expected = [resident.generate(p, max_new_tokens=NEW_TOKENS, return_logits=True) for p in PROMPTS]
         batched = [c.token_ids for c in resident.generate_batch(PROMPTS, max_new_tokens=NEW_TOKENS)]
-    with engine_of(setup, matcher) as engine:
-        for prompt, want in zip(PROMPTS, expected):
-            got = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
-            assert got.token_ids == want.token_ids
-            assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
-        assert [c.token_ids for c in engine.generate_batch(PROMPTS, max_new_tokens=NEW_TOKENS)] == batched
+    for matcher in MATCHERS:
+        with engine_of(setup, matcher) as engine:
+            for prompt, want in zip(PROMPTS, expected):
+                got = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
+                assert got.token_ids == want.token_ids
+                assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+            assert [c.token_ids for c in engine.generate_batch(PROMPTS, max_new_tokens=NEW_TOKENS)] == batched
 
 
 def test_a_bad_matcher_mode_is_refused(setup):
     with pytest.raises(ConfigError, match="matcher 'threads': choose from async, inline, lockstep"):
         engine_of(setup, "threads")
+
+
+def test_generate_command_takes_the_matcher_and_reports_late_proposals(setup, tmp_path, capsys):
+    from moe_offload.cli.main import main
+    from moe_offload.trace.format import write_trace
+
+    history = write_trace(setup["history"], tmp_path / "history.parquet")
+    command = ["generate", "--model", str(setup["packed"]), "--fast-budget", FAST, "--prefetch", "fmoe",
+               "--prefetch-history", str(history), "--max-new-tokens", "4", PROMPTS[0]]
+    assert main(command[:-1] + ["--matcher", "lockstep", PROMPTS[0]]) == 0
+    assert "matcher: 0 of " in capsys.readouterr().out  # waited for: never late
+    with pytest.raises(SystemExit):
+        main(command[:-1] + ["--matcher", "threads", PROMPTS[0]])
+    assert "invalid choice: 'threads'" in capsys.readouterr().err
