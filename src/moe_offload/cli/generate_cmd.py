@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from moe_offload.cli.simulate_cmd import POLICY_OPTION, PREFETCH_OPTION, runtime_options
+from moe_offload.runtime.matcher import MATCHERS
 
 
 def register(subparsers) -> None:
@@ -36,6 +37,10 @@ def register(subparsers) -> None:
                         help="wrap the prompt in the bundled model's chat format (User: ...\\nAssistant:)")
     parser.add_argument("--bypass-page-cache", action="store_true",
                         help="drop expert files from the page cache before each read (honest SSD timings)")
+    parser.add_argument("--matcher", default="async", choices=MATCHERS,
+                        help="where fMoE's matcher searches: on a thread of its own, its proposals applied when they "
+                             "arrive (async, the paper's; default), on the decode thread (inline), or on its thread "
+                             "with the decode thread waiting for each result (lockstep)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--split-config", default=None, metavar="FILE.json",
                         help="run MoEpic's split experts as `moe-offload configure --json` wrote them: per layer, the "
@@ -72,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
                   policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
                   prefetch_history=args.prefetch_history, device=args.device,
-                  bypass_page_cache=args.bypass_page_cache,
+                  bypass_page_cache=args.bypass_page_cache, matcher=args.matcher,
                   split_config=args.split_config)
     with engine:
         sys.stdout.write(prompt)
@@ -81,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
                                  on_text=lambda text: (sys.stdout.write(text), sys.stdout.flush()))
         sys.stdout.write("\n\n")
         print_runtime_summary(result, engine)
+        late, arrived = engine.late_proposals
+        if arrived:
+            print(f"matcher: {late} of {arrived} proposals arrived after their layer was routed ({late / arrived:.1%})")
     if args.json:  # the run's record, with what it generated
         record = {**result.stats.to_dict(), "prompt": prompt, "prompt_tokens": result.prompt_tokens,
                   "text": result.text, "token_ids": result.token_ids}

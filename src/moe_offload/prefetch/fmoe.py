@@ -58,7 +58,8 @@ says how to record one) rather than approximated.
 
 The matcher is asynchronous (``search_on_inference_path`` False): ``last_search_seconds`` is the time of
 each hook's search and set selection, or of the store update in ``on_iteration_end``
-(moe_offload.prefetch.search_cost).
+(moe_offload.prefetch.search_cost), which the timed simulator charges on the matcher's own timeline; the
+runtime calls the hooks on a matcher thread and applies the proposals when they arrive (runtime/matcher.py).
 """
 
 from __future__ import annotations

@@ -94,7 +94,11 @@ class OffloadEngine:
     (runtime/replay.py; generate with :meth:`generate_replayed`), ``replay_weights`` ``"trace"`` or
     ``"router"``; under a replay the oracle prefetcher can run. ``max_batch``: requests a forward pass of
     the batching scheduler holds at most; ``batch_math``: ``"exact"`` (each request gets the bits it gets
-    alone) or ``"fast"`` (products over the whole pass; runtime/packed.py). ``split_config``: MoEpic's split
+    alone) or ``"fast"`` (products over the whole pass; runtime/packed.py). ``matcher``: where a prefetcher
+    whose search is off the inference path (fMoE) searches: ``"async"`` on a thread of its own, its proposals
+    applied when they arrive (paper 000), ``"inline"`` on the decode thread, ``"lockstep"`` on its own thread
+    while the decode thread waits for each result (runtime/matcher.py); ``late_proposals`` counts what
+    arrived too late. ``split_config``: MoEpic's split
     experts (runtime/split.py), a configuration of `moe-offload configure --json` (its path, or a
     SplitConfig) whose cached tops and buffer of top-k experts must fit in ``fast_budget``; the result is the
     all-resident model's computing with the same split."""
@@ -105,17 +109,20 @@ class OffloadEngine:
                  verify_checksums: bool = True, bypass_page_cache: bool = False, retries: int = 3,
                  store: ExpertStore | None = None, preload: bool = False, seed: int = 0,
                  readers: int | None = None, replay=None, replay_weights: str = "trace", max_batch: int = 16,
-                 batch_math: str = "exact", split_config=None):
+                 batch_math: str = "exact", matcher: str = "async", split_config=None):
         import torch
 
         from moe_offload.models import quiet_transformers
 
+        from moe_offload.runtime.matcher import MATCHERS
         from moe_offload.runtime.packed import BATCH_MATH
         from moe_offload.values import integer
 
         quiet_transformers()
         if batch_math not in BATCH_MATH:
             raise ConfigError(f"batch_math {batch_math!r}: choose from {', '.join(BATCH_MATH)}")
+        if matcher not in MATCHERS:
+            raise ConfigError(f"matcher {matcher!r}: choose from {', '.join(MATCHERS)}")
         max_batch = integer(max_batch, "max_batch", low=1)
         self.device = resolve_device(device)
         self.manifest: Manifest = read_manifest(packed_dir)
@@ -172,7 +179,8 @@ class OffloadEngine:
             from moe_offload.runtime.split import SplitRunner as runner
         self.runner = runner(self.model, self.adapter, self.spec, self.path, self.counters,
                                   prefetcher=self.prefetcher, policy_needs_probs=info.policy.needs_probs,
-                                  replay=self.replay, source=f"live generation with {m.directory}")
+                                  replay=self.replay, source=f"live generation with {m.directory}",
+                                  matcher=matcher)
         self.runner.install()
         self._generate_lock = threading.Lock()
         self.max_batch, self.batch_math = max_batch, batch_math
@@ -385,6 +393,7 @@ class OffloadEngine:
                 pass
         text = "" if tokenizer is None else tokenizer.decode(tokens, skip_special_tokens=True)
         self.runner.end_request(self.runner.request)
+        self.runner.wait_for_matcher()  # the request's last searches and store updates are in before it returns
         return Generation(text, tokens, int(ids.shape[1]), stats, logits)
 
     # ------------------------------------------------------------------------------------------ results
@@ -413,6 +422,13 @@ class OffloadEngine:
         with self.path.cond:
             return self._result(self.counters.copy())
 
+    @property
+    def late_proposals(self) -> tuple[int, int]:
+        """(proposals the asynchronous matcher delivered too late to be used, proposals it delivered) since the
+        engine started."""
+        with self.path.cond:
+            return self.runner.proposals_late, self.runner.proposals_arrived
+
     def link_busy_seconds(self) -> dict:
         """Seconds a transfer was on each link since the engine started."""
         with self.path.cond:
@@ -421,8 +437,8 @@ class OffloadEngine:
     def close(self) -> None:
         if self._scheduler is not None:
             self._scheduler.close()
+        self.runner.remove()  # the matcher's last deliveries first
         self.path.close()
-        self.runner.remove()
 
     def __enter__(self) -> "OffloadEngine":
         return self

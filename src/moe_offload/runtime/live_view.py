@@ -2,13 +2,17 @@
 
 It answers the same questions as :class:`moe_offload.prefetch.base.RoutingView` does for a trace, from the
 routers as they run: after MoE layer l's router, ``selected``, ``probs`` and ``gate_prediction`` of layers
-<= l; each row's request and its semantic embedding (the mean input embedding of its prompt) from the start
-(a packed pass holds several requests' rows). The
+<= l; from the start, each row's request (a packed pass holds several requests' rows) and its token's input
+embedding: the output of the model's embedding layer for the token this pass feeds (the prompt's tokens in
+prefill, the new token in decode), the trace's ``embedding`` column as the recorder writes it
+(models/recorder.py), from which fMoE pools each iteration's semantic embedding. The
 future does not exist yet, so ``oracle_selected`` refuses, except under a routing replay
 (runtime/replay.py), whose trace is the future (``future(layer)``).
 """
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 
@@ -21,7 +25,8 @@ LIVE_COLUMNS = ("probs", "embedding", "gate_prediction", "weights")
 class LiveRoutingView:
     def __init__(self, spec: ModelSpec, iteration: int, requests: np.ndarray, is_prefill: bool,
                  embedding: np.ndarray | None, source: str, future=None):
-        """``requests``: each row's (token's) request; ``embedding``: each row's request embedding [T, D]."""
+        """``requests``: each row's (token's) request; ``embedding``: each row's token input embedding [T, D],
+        or None when no prefetcher reads it."""
         self.spec = spec
         self.iteration = iteration
         self.layer_now = -1
@@ -47,6 +52,14 @@ class LiveRoutingView:
             raise RuntimeError(f"router of layer {layer} ran after layer {self.layer_now}")
         self._selected[layer], self._probs[layer], self._predicted[layer] = selected, probs, predicted
         self.layer_now = layer
+
+    def at(self, layer: int) -> "LiveRoutingView":
+        """The view as it was right after layer ``layer``'s router ran (-1: before layer 0), for a reader on
+        another thread (runtime/matcher.py) while this one moves on: a layer's arrays are never changed once
+        routed, so the snapshot shares them."""
+        snapshot = copy.copy(self)
+        snapshot.layer_now = layer
+        return snapshot
 
     @property
     def requests(self) -> np.ndarray:

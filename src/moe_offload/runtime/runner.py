@@ -14,9 +14,15 @@ segments, one per request; a single-request pass has one:
   tokens, one load; each request's own counters (``request_counters``) see the accesses of its experts;
 - the **routing hooks**: a RoutingTap on every router feeds the prefetcher (the same objects as the timed
   simulator's) through a :class:`~moe_offload.runtime.live_view.LiveRoutingView` right after each layer's
-  router ran, with each row's request (``RoutingView.requests``) and each request's semantic embedding (the
-  mean input embedding of its prompt); a pre-hook and a hook on the decoder mark where a forward pass starts
-  and ends; ``end_request`` tells the caches' policies and the prefetcher that a request left;
+  router ran, with each row's request (``RoutingView.requests``) and, when the prefetcher reads them
+  (``requires`` embedding: fMoE), each row's token input embedding (one lookup of the embedding layer and one
+  copy to the host per pass, the trace's ``embedding`` column as the recorder writes it); a pre-hook and a
+  hook on the decoder mark where a forward pass starts and ends; ``end_request`` tells the caches' policies
+  and the prefetcher that a request left;
+- the **matcher** (runtime/matcher.py): a prefetcher whose search is off the inference path (fMoE) gets its
+  hooks on a thread of its own, with snapshots of the view, and its proposals are applied when they arrive
+  (``_deliver``: those for a pass that is over or a layer already routed are late and dropped); the others
+  are called on the decode thread and their proposals applied at once;
 - **routing replay** (runtime/replay.py), when given: every router is forced to a trace's experts, and the
   oracle prefetcher may read the trace's future.
 
@@ -35,16 +41,26 @@ import numpy as np
 from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.live_view import LiveRoutingView
+from moe_offload.runtime.matcher import AsyncMatcher, runs_off_the_decode_thread
 
 
 class ModelRunner:
     def __init__(self, model, adapter, spec, path: DataPath, counters: Counters, *, prefetcher=None,
-                 policy_needs_probs: bool = False, replay=None, source: str = "live generation"):
+                 policy_needs_probs: bool = False, replay=None, source: str = "live generation",
+                 matcher: str = "async"):
+        """``matcher``: ``async``, ``inline`` or ``lockstep`` (runtime/matcher.py), for a prefetcher whose
+        search is off the inference path; the others always run on the decode thread."""
         self.model, self.adapter, self.spec, self.path, self.counters = model, adapter, spec, path, counters
         self.prefetcher, self.replay, self.source = prefetcher, replay, source
         self.policy_needs_probs = policy_needs_probs
         self.needs_gate_prediction = "gate_prediction" in getattr(prefetcher, "requires", ())
         self.needs_routing = prefetcher is not None or policy_needs_probs
+        self.needs_embedding = "embedding" in getattr(prefetcher, "requires", ())
+        self.matcher = None
+        if prefetcher is not None and matcher != "inline" and runs_off_the_decode_thread(prefetcher):
+            self.matcher = AsyncMatcher(prefetcher, self._deliver, lockstep=matcher == "lockstep")
+        self.proposals_arrived = 0  # proposals the matcher delivered (locked)
+        self.proposals_late = 0     # ... for a pass that was over or a layer already routed: dropped
         self.iteration = 0
         self.request = -1          # the request of transformers' generate (one segment per pass)
         self.packed = None         # the running packed pass (runtime/packed.py), set by the batching scheduler
@@ -52,7 +68,6 @@ class ModelRunner:
         self.request_counters: dict = {}       # request -> its own Counters (the scheduler's requests)
         self.tokens_in_pass = 0
         self.view: LiveRoutingView | None = None
-        self.embeddings: dict = {}  # request -> its semantic embedding (mean input embedding of its prompt)
         self.keys_of: dict = {}     # request -> the experts it routed to in the running pass (failures)
         self.probs = np.zeros((spec.num_layers, spec.num_experts), np.float32)
         self._hooks = []
@@ -87,6 +102,8 @@ class ModelRunner:
             self._tap.__exit__(None, None, None)
         if self.replay is not None:
             self.replay.remove()
+        if self.matcher is not None:
+            self.matcher.close()
 
     def new_request(self) -> int:
         """A new request (sequence) id."""
@@ -103,10 +120,16 @@ class ModelRunner:
         with self.path.cond:
             for tier in self.path.tiers:
                 tier.cache.end_request(request)
-            if self.prefetcher is not None:
+            if self.prefetcher is not None and self.matcher is None:
                 self.prefetcher.on_request_end(request)
-        self.embeddings.pop(request, None)
+        if self.matcher is not None:
+            self.matcher.submit("on_request_end", request, self.iteration)
         self.request_counters.pop(request, None)
+
+    def wait_for_matcher(self) -> None:
+        """Until the matcher has run every hook submitted so far (a hook's failure is raised here)."""
+        if self.matcher is not None:
+            self.matcher.drain()
 
     # ----------------------------------------------------------------------------------- expert source
     def layer_experts(self, layer: int, experts: list[int], tokens: list[list[int]]):
@@ -125,7 +148,8 @@ class ModelRunner:
             ctx.layer, ctx.iteration, ctx.token, ctx.request = layer, self.iteration, self.iteration, requests[0]
             if self.policy_needs_probs:
                 ctx.probs = self.probs
-                ctx.predicted = self.prefetcher.predicted_map() if self.prefetcher is not None else None
+                ctx.predicted = (None if self.prefetcher is None else self.matcher.predicted
+                                 if self.matcher is not None else self.prefetcher.predicted_map())
             pinned = path.pinned
             pinned.clear()
             pinned.update(keys)
@@ -215,27 +239,22 @@ class ModelRunner:
         self.keys_of = {}
         if not self.needs_routing:
             return
-        import torch
-
         requests = np.empty(self.tokens_in_pass, np.int64)
-        for request, start, end, prefill in segments:
+        for request, start, end, _ in segments:
             requests[start:end] = request
-            if prefill and ids is not None:
-                with torch.no_grad():
-                    embedded = self.model.get_input_embeddings()(ids.reshape(1, -1)[:, start:end]).float()
-                self.embeddings[request] = embedded[0].mean(dim=0).cpu().numpy()
         embedding = None
-        if all(request in self.embeddings for request, *_ in segments):
-            embedding = np.empty((self.tokens_in_pass, len(self.embeddings[segments[0][0]])), np.float32)
-            for request, start, end, _ in segments:
-                embedding[start:end] = self.embeddings[request]
+        if self.needs_embedding:  # what the decoder's embedding layer is about to compute, as the recorder records it
+            if embeds is None:
+                import torch
+
+                with torch.no_grad():
+                    embeds = self.model.get_input_embeddings()(ids.reshape(1, -1))
+            embedding = embeds.reshape(self.tokens_in_pass, -1).float().cpu().numpy()
         self.view = LiveRoutingView(self.spec, self.iteration, requests, any(s[3] for s in segments), embedding,
                                     source=self.source,
                                     future=self.replay.future if self.replay is not None else None)
         if self.prefetcher is not None:
-            proposals = self.prefetcher.on_iteration_start(self.view)
-            with self.path.cond:
-                self.path.propose(proposals, -1)
+            self._consult("on_iteration_start", -1)
 
     def _layer_routed(self, layer: int, routing) -> None:
         view = self.view
@@ -248,14 +267,42 @@ class ModelRunner:
         view.routed(layer, selected, probs, predicted)
         self.probs[layer] = probs.mean(axis=0)
         if self.prefetcher is not None:
-            proposals = self.prefetcher.on_layer_routed(view)
-            with self.path.cond:
-                self.path.propose(proposals, layer)
+            self._consult("on_layer_routed", layer)
 
     def _pass_end(self, module, args, output):
         if self.prefetcher is not None and self.view is not None:
-            self.prefetcher.on_iteration_end(self.view)
+            if self.matcher is not None:
+                self.matcher.submit("on_iteration_end", self.view, self.view.iteration)
+            else:
+                self.prefetcher.on_iteration_end(self.view)
         self.iteration += 1
+
+    # -------------------------------------------------------------------------------------- the matcher
+    def _consult(self, hook: str, layer: int) -> None:
+        """The prefetcher's ``hook`` now that layer ``layer`` was routed (-1: before layer 0): on the matcher's
+        thread with a snapshot of the view, or here with its proposals applied at once."""
+        view = self.view
+        if self.matcher is not None:
+            self.matcher.submit(hook, view.at(layer), view.iteration)
+            return
+        proposals = getattr(self.prefetcher, hook)(view)
+        with self.path.cond:
+            self.path.propose(proposals, layer)
+
+    def _deliver(self, iteration: int, proposals) -> None:
+        """The matcher's proposals for pass ``iteration`` arrived (its thread): those whose layer the running pass
+        has routed, all of them once that pass is over, are late and dropped, as the timed simulator drops them."""
+        if not proposals:
+            return
+        J = self.spec.num_experts
+        with self.path.cond:  # the view's router count is never behind the data path's (locked) layer_now
+            view = self.view  # read once: the decode thread replaces it at the next pass
+            now = view.layer_now if view is not None and view.iteration == iteration else self.spec.num_layers - 1
+            late = sum(1 for key, _ in proposals if key // J <= now)
+            self.proposals_arrived += len(proposals)
+            self.proposals_late += late
+            if late < len(proposals):
+                self.path.propose(proposals, now)
 
 
 def _wait(event) -> None:

@@ -353,7 +353,6 @@ class SplitRunner(ModelRunner):
     def end_request(self, request: int) -> None:
         with self.path.cond:
             self.path.end_request(request)
-        self.embeddings.pop(request, None)
         self.request_counters.pop(request, None)
 
     def layer_experts(self, layer: int, experts: list[int], tokens: list[list[int]]):
