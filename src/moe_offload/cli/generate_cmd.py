@@ -19,6 +19,27 @@ def register(subparsers) -> None:
                     "model. Ends with tokens/s, TTFT, TPOT, hit rate, prefetch precision and recall, bytes moved "
                     "per link and stall time.")
     parser.add_argument("prompt", metavar="PROMPT", help="the prompt text")
+    add_engine_arguments(parser)
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                        help="default 64; a prompt plus N beyond the model's context is refused")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt in the bundled model's chat format (User: ...\\nAssistant:)")
+    parser.add_argument("--matcher", default="async", choices=MATCHERS,
+                        help="where fMoE's matcher searches: on a thread of its own, its proposals applied when they "
+                             "arrive (async, the paper's; default), on the decode thread (inline), or on its thread "
+                             "with the decode thread waiting for each result (lockstep)")
+    parser.add_argument("--split-config", default=None, metavar="FILE.json",
+                        help="run MoEpic's split experts as `moe-offload configure --json` wrote them: per layer, the "
+                             "cached top segments and the split ratio, plus a buffer of top-k experts, all within "
+                             "--fast-budget; the tokens are the all-resident model's computing with the same split "
+                             "(no prefetcher or host tier yet)")
+    parser.add_argument("--json", metavar="FILE", default=None,
+                        help="also write the run's result record, with the prompt, the text and the token ids, as JSON")
+    parser.set_defaults(run=run)
+
+
+def add_engine_arguments(parser) -> None:
+    """The options of the offloaded engine, shared by ``generate`` and ``serve``."""
     parser.add_argument("--model", default="tiny", metavar="tiny|DIR", help="model (default: tiny)")
     parser.add_argument("--fast-budget", default="50%", metavar="SIZE|P%",
                         help="fast-tier budget: a share of all expert bytes (30%%) or a size (64MiB); default 50%%")
@@ -31,25 +52,9 @@ def register(subparsers) -> None:
                              "recorded trace, for the prefetchers that need a history)")
     parser.add_argument("--policy-option", action="append", default=[], metavar=POLICY_OPTION)
     parser.add_argument("--prefetch-option", action="append", default=[], metavar=PREFETCH_OPTION)
-    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
-                        help="default 64; a prompt plus N beyond the model's context is refused")
-    parser.add_argument("--chat", action="store_true",
-                        help="wrap the prompt in the bundled model's chat format (User: ...\\nAssistant:)")
     parser.add_argument("--bypass-page-cache", action="store_true",
                         help="drop expert files from the page cache before each read (honest SSD timings)")
-    parser.add_argument("--matcher", default="async", choices=MATCHERS,
-                        help="where fMoE's matcher searches: on a thread of its own, its proposals applied when they "
-                             "arrive (async, the paper's; default), on the decode thread (inline), or on its thread "
-                             "with the decode thread waiting for each result (lockstep)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--split-config", default=None, metavar="FILE.json",
-                        help="run MoEpic's split experts as `moe-offload configure --json` wrote them: per layer, the "
-                             "cached top segments and the split ratio, plus a buffer of top-k experts, all within "
-                             "--fast-budget; the tokens are the all-resident model's computing with the same split "
-                             "(no prefetcher or host tier yet)")
-    parser.add_argument("--json", metavar="FILE", default=None,
-                        help="also write the run's result record, with the prompt, the text and the token ids, as JSON")
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from moe_offload.cli.simulate_cmd import POLICY_OPTION, PREFETCH_OPTION, runtime_options
+from moe_offload.cli.generate_cmd import add_engine_arguments
+from moe_offload.cli.simulate_cmd import runtime_options
 from moe_offload.errors import ConfigError
 
 
@@ -17,17 +18,7 @@ def register(subparsers) -> None:
                     "running request's next token, fetching the union of their experts once; a request's "
                     "greedy tokens are those it gets alone. Ctrl-C or SIGTERM: running requests finish (or are "
                     "cancelled after a grace period), the engine closes, exit 0. Needs the 'serve' extra.")
-    parser.add_argument("--model", default="tiny", metavar="tiny|DIR", help="model (default: tiny)")
-    parser.add_argument("--fast-budget", default="50%", metavar="SIZE|P%",
-                        help="fast-tier budget: a share of all expert bytes (30%%) or a size (64MiB); default 50%%")
-    parser.add_argument("--host-budget", default=None, metavar="SIZE|P%",
-                        help="add a host-memory tier of this budget between the files and the fast tier")
-    parser.add_argument("--policy", default="lru", help="eviction policy (default lru; see `moe-offload policies`)")
-    parser.add_argument("--prefetch", default=None, metavar="NAME", help="prefetcher (default: none)")
-    parser.add_argument("--prefetch-history", default=None, metavar="TRACE",
-                        help="trace the prefetcher learns from first (default for --model tiny: the bundled one)")
-    parser.add_argument("--policy-option", action="append", default=[], metavar=POLICY_OPTION)
-    parser.add_argument("--prefetch-option", action="append", default=[], metavar=PREFETCH_OPTION)
+    add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", default="8000", help="port (default 8000)")
     parser.add_argument("--max-batch", default="16", metavar="N",
@@ -35,9 +26,6 @@ def register(subparsers) -> None:
     parser.add_argument("--batch-math", default="exact", choices=("exact", "fast"),
                         help="exact (default): each request's tokens are the bits it gets alone; fast: matrix "
                              "products over the whole batch, faster, equal only up to rounding")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--bypass-page-cache", action="store_true",
-                        help="drop expert files from the page cache before each read (honest SSD timings)")
     parser.set_defaults(run=run)
 
 
