@@ -24,10 +24,6 @@ def register(subparsers) -> None:
                         help="default 64; a prompt plus N beyond the model's context is refused")
     parser.add_argument("--chat", action="store_true",
                         help="wrap the prompt in the bundled model's chat format (User: ...\\nAssistant:)")
-    parser.add_argument("--matcher", default="async", choices=MATCHERS,
-                        help="where fMoE's matcher searches: on a thread of its own, its proposals applied when they "
-                             "arrive (async, the paper's; default), on the decode thread (inline), or on its thread "
-                             "with the decode thread waiting for each result (lockstep)")
     parser.add_argument("--split-config", default=None, metavar="FILE.json",
                         help="run MoEpic's split experts as `moe-offload configure --json` wrote them: per layer, the "
                              "cached top segments and the split ratio, plus a buffer of top-k experts, all within "
@@ -55,6 +51,10 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--bypass-page-cache", action="store_true",
                         help="drop expert files from the page cache before each read (honest SSD timings)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--matcher", default="async", choices=MATCHERS,
+                        help="where fMoE's matcher searches: on a thread of its own, its proposals applied when they "
+                             "arrive (async, the paper's; default), on the decode thread (inline), or on its thread "
+                             "with the decode thread waiting for each result (lockstep)")
 
 
 def run(args: argparse.Namespace) -> int:
