@@ -87,11 +87,6 @@ def require_gate_prediction(trace: Trace) -> None:
                           "record the trace with the next-layer gate prediction")
 
 
-def check_lcp(omega: float, rho: float) -> None:
-    """LCP's own checks of omega and rho (values.py), before any work."""
-    LCP(ModelSpec(1, 1, 1), omega=omega, rho=rho)
-
-
 class OnlineStatistics:
     """Algorithm 1's state: the counts behind H, P and PH, updated by every token ``observe`` is given.
 
@@ -99,10 +94,10 @@ class OnlineStatistics:
     predicted by its request's previous token only when that one ran in an earlier pass."""
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, *, omega: float = 128.0, rho: float = 0.25):
-        check_lcp(omega, rho)
         L, J = num_layers, num_experts
         self.L, self.J, self.K = L, J, top_k
         spec = ModelSpec(L, J, top_k)
+        LCP(spec, omega=omega, rho=rho)  # LCP's own checks of omega and rho, before any work
         self.caches = [PartitionedCache(size * L, L, lambda: LCP(spec, omega=omega, rho=rho), J)
                        for size in range(1, J + 1)]
         self.tokens = 0
