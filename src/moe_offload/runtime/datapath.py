@@ -113,6 +113,7 @@ class DataPath:
         J = self.spec.num_experts
         fast = self.tiers[0].cache
         self.layer_now = routed_layer
+        routed = False
         for key, priority in proposals:
             key = int(key)
             if key // J <= routed_layer or key in fast.reserved:
@@ -121,7 +122,9 @@ class DataPath:
                 self.predicted.add(key)
                 continue
             self.route(key, demand=False, priority=float(priority))
-        self.cond.notify_all()
+            routed = True
+        if routed:
+            self.cond.notify_all()
 
     def layer_routed(self, layer: int, keys) -> None:
         """Layer ``layer`` is routed to ``keys``: its waiting prefetches are too late, and the experts that
@@ -139,6 +142,13 @@ class DataPath:
                 fast.release(key)
         if self.predicted:
             self.predicted = {key for key in self.predicted if key // J != layer}
+
+    def room_freed(self) -> None:
+        """Experts were unpinned or released (locked): wake the link workers only if a demand load waits for
+        room. Waking them at every layer of a decode whose experts are all resident costs the compute thread
+        a context switch and the lock per layer, for nothing."""
+        if any(worker.queue.has_waiting_demands for worker in self.workers):
+            self.cond.notify_all()
 
     def busy(self) -> bool:
         return any(w.queue.waiting() or w.queue.busy for w in self.workers)

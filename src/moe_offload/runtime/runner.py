@@ -184,7 +184,10 @@ class ModelRunner:
             ctx.routed = None
             if missing or self.prefetcher is not None:
                 path.layer_routed(layer, keys)
-                cond.notify_all()
+                if missing:  # demand loads were queued
+                    cond.notify_all()
+                else:  # withdrawn prefetches and released holds may make room for a waiting load
+                    path.room_freed()
             if not missing:  # every expert resident: hand them all over at once
                 ready = [(key, fast_tier.tensors(key), fast_tier.ready.get(key)) for key in keys]
         try:
@@ -217,11 +220,11 @@ class ModelRunner:
                 yield key - layer * J, tensors
                 with cond:  # computed: it may be evicted from now on
                     pinned.discard(key)
-                    cond.notify_all()
+                    path.room_freed()
         finally:
             with cond:
                 pinned.difference_update(keys)
-                cond.notify_all()
+                path.room_freed()
 
     # -------------------------------------------------------------------------------- routing hooks
     def _pass_start(self, module, args, kwargs):

@@ -105,6 +105,10 @@ class TransferQueue:
         come from another tier); False if none waits."""
         return self._prefetches.pop(key, None) is not None or self._demands.pop(key, None) is not None
 
+    @property
+    def has_waiting_demands(self) -> bool:
+        return bool(self._demands)
+
     def waiting_demands(self) -> list[int]:
         return list(self._demands)
 
