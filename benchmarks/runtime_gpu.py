@@ -1,6 +1,6 @@
 """The offloaded runtime at real sizes under real access patterns: random weights, a real trace's routing.
 
-    python benchmarks/runtime_gpu.py [--device cuda|cpu] [--model wide|olmoe|mixtral-8x7b] [--quick]
+    python benchmarks/runtime_gpu.py [--device cuda|cpu] [--model wide|small|olmoe|mixtral-8x7b] [--quick]
         [--budgets 25,50] [--policies lru,lcp,fmoe] [--prefetchers none,moepic,oracle] [--tokens N] [--json FILE]
 
 A model of a real architecture and size is built from its transformers config with random weights (float16),
@@ -14,6 +14,9 @@ saved and packed once into a folder under the pack cache. Its routers are forced
   replaying the bundled OLMoE trace (299 decode steps; it has no weights, so the router's own);
 - ``mixtral-8x7b``: Mixtral-8x7B's layer dimensions (hidden 4096, expert width 14336: 336 MiB per expert)
   on 8 layers, replaying the tiny Mixtral's recording (a GPU with 80 GB; 21 GiB of experts);
+- ``small``: the wide model's shape at hidden 256, expert width 512 (256 KiB per expert): its compute is so
+  small that the all-resident TPOTs are each implementation's per-token overhead (Python, hooks, kernel
+  launches), which is what the engine adds to transformers;
 - ``--quick`` (CPU machines without much RAM): the wide model at half the width (hidden 1024, expert width
   2048: 12 MiB per expert, 768 MiB in all) and 24 new tokens.
 
@@ -51,6 +54,9 @@ MODELS = {
                                          num_local_experts=8, num_experts_per_tok=2, num_attention_heads=8,
                                          num_key_value_heads=4, vocab_size=4096, max_position_embeddings=4096),
                    "tiny", "trace"),
+    "small": ("MixtralConfig", dict(num_hidden_layers=8, hidden_size=256, intermediate_size=512, num_local_experts=8,
+                                    num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+                                    vocab_size=4096, max_position_embeddings=4096), "tiny", "trace"),
     "olmoe": ("OlmoeConfig", dict(num_hidden_layers=16, hidden_size=2048, intermediate_size=1024, num_experts=64,
                                   num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=16,
                                   vocab_size=50304, max_position_embeddings=4096), "olmoe", "router"),
