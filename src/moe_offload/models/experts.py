@@ -132,8 +132,6 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         final = _one_token_forward(self, hidden_states, top_k_index, top_k_weights)
         if final is not None:
             return final
-    import itertools
-
     import torch
     import torch.nn.functional as F
 
@@ -152,13 +150,14 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
                 token_idx, top_k_pos = group[0]
                 current = self._apply_gate(F.linear(hidden_states[token_idx], weights["gate_up_proj"]))
                 current = F.linear(current, weights["down_proj"])
-            else:  # products once per segment; the element-wise activation over all of them at once
+            else:  # products per segment, those of one row in one product (packed.blocks), the element-wise
+                # activation over all of them at once. Segments of one row first: an expert serves a token once,
+                # so index_add_ adds one row to each token whatever their order.
+                group = sorted(group, key=lambda pair: len(pair[0]) > 1)
+                sizes = [len(t) for t, _ in group]
                 token_idx, top_k_pos = torch.cat([g[0] for g in group]), torch.cat([g[1] for g in group])
-                current = self._apply_gate(torch.cat([F.linear(hidden_states[t], weights["gate_up_proj"])
-                                                      for t, _ in group]))
-                bounds = [0, *itertools.accumulate(len(t) for t, _ in group)]
-                current = torch.cat([F.linear(current[a:b], weights["down_proj"])
-                                     for a, b in zip(bounds, bounds[1:])])
+                current = self._apply_gate(packed.blocks(hidden_states[token_idx], sizes, weights["gate_up_proj"]))
+                current = packed.blocks(current, sizes, weights["down_proj"])
             current = _whole(partials, expert, weights, current)
             if current is None:
                 continue

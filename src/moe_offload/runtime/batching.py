@@ -322,11 +322,7 @@ class BatchScheduler:
                             input_ids=torch.tensor([tokens], device=device),
                             position_ids=torch.tensor([positions], device=device),
                             attention_mask=no_mask, use_cache=False, packed=packed).last_hidden_state
-                        if packed.exact:  # the last token's logits, one row at a time as generate computes them
-                            logits = [self.model.lm_head(hidden[:, s.end - 1:s.end, :])[0, -1].float()
-                                      for s in segments]
-                        else:
-                            logits = list(self.model.lm_head(hidden[0, [s.end - 1 for s in segments]]).float())
+                        logits = list(packed.last_logits(hidden, self.model.lm_head).float())
                 finally:
                     runner.packed = None
         except Exception as exc:  # noqa: BLE001 - reported to the requests it concerns, the server goes on
