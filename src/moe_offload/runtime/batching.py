@@ -176,6 +176,7 @@ class BatchScheduler:
         self.stopping = False
         self.iterations = 0
         self.forward_seconds = 0.0   # in forward passes (expert loads waited for included)
+        self.prompt_pass_seconds = 0.0  # ... of them, in passes with at least one prompt (prefill)
         self.advance_seconds = 0.0   # sampling, detokenising, stop checks and events after each pass
         self.observers: list = []  # objects with on_pass(batch, seconds) and on_finish(completion)
         self._thread: threading.Thread | None = None
@@ -331,6 +332,8 @@ class BatchScheduler:
         now = time.perf_counter()
         self.iterations += 1
         self.forward_seconds += now - started
+        if any(s.prefill for s in segments):
+            self.prompt_pass_seconds += now - started
         for observer in self.observers:
             observer.on_pass(len(batch), now - started)
         for request, row in zip(batch, logits):
