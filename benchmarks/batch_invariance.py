@@ -15,7 +15,8 @@ batch math, the best round's mean wall time of a forward pass in which all 16 re
 split into the model's linear layers and routers (``PackedPass.linear``), attention (per request), the
 experts function (of it, the experts' products: ``PackedPass.blocks`` in exact batch math), the LM head,
 and the rest (norms, RoPE, residuals, hooks, the runner); and a generated token's mean wall time when its
-request runs alone (its prompt's pass included), 16 of which the pass replaces. ``--threads N`` sets PyTorch's threads for the run (default: PyTorch's own choice).
+request runs alone (its prompt's pass included), 16 of which the pass replaces. ``--threads N`` sets
+PyTorch's threads for the run (default: PyTorch's own choice).
 """
 
 from __future__ import annotations
