@@ -1,7 +1,7 @@
 """How often a batched request gets the tokens and logits it gets alone, on this device.
 
     python benchmarks/batch_invariance.py [--device cpu|cuda] [--max-tokens 24] [--budget 100%]
-        [--batch-math exact,fast] [--json FILE]
+        [--batch-math exact,fast] [--timing] [--threads N] [--json FILE]
 
 Each of 16 prompts is generated alone (transformers' generate through the offloaded engine, greedy), then all
 16 together by the continuous-batching scheduler, which packs them into each forward pass. Per batch math:
@@ -9,6 +9,14 @@ how many requests have the same tokens, how many of the decoding steps before a 
 token have bit-identical logits, the largest logit difference over those steps, and where tokens first
 differ. On CPU float32 with exact batch math every request must be identical (the tests assert it); on a
 GPU this measures what the kernels do (the README's "Serving" section).
+
+``--timing``: where a pass's time goes. Three more rounds of the 16 prompts batched and 4 of them alone; per
+batch math, the best round's mean wall time of a forward pass in which all 16 requests decode one token,
+split into the model's linear layers and routers (``PackedPass.linear``), attention (per request), the
+experts function (of it, the experts' products: ``PackedPass.blocks`` in exact batch math), the LM head,
+and the rest (norms, RoPE, residuals, hooks, the runner); and a generated token's mean wall time when its
+request runs alone (its prompt's pass included), 16 of which the pass replaces. ``--threads N`` sets
+PyTorch's threads for the run (default: PyTorch's own choice).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 PROMPTS = [
     "User: What is a cache?\nAssistant:", "User: hi\nAssistant:", "def add(a, b):",
@@ -49,12 +58,80 @@ def compare(alone, batched) -> dict:
             "first_token_difference_at": first_difference}
 
 
+class PassTimer:
+    """Wall time of the batching scheduler's all-decode passes of 16 requests, and of the parts named in the
+    module docstring inside them (functions wrapped with timers before the engine is made)."""
+
+    PARTS = ("linear", "attention", "experts", "products", "lm_head")
+
+    def __init__(self):
+        from moe_offload.models import experts
+        from moe_offload.runtime import batching, packed
+
+        self.passes, self.seconds, self.parts, self.on = 0, 0.0, dict.fromkeys(self.PARTS, 0.0), False
+        self._wrap(packed.PackedPass, "linear", "linear")
+        self._wrap(packed.PackedPass, "blocks", "products")
+        self._wrap(packed.PackedPass, "last_logits", "lm_head")
+        self._wrap(packed, "segmented_attention", "attention")
+        self._wrap(experts, "experts_forward", "experts")
+        iteration = batching.BatchScheduler._iteration
+
+        def timed_iteration(scheduler, batch):
+            counted = self.on and len(batch) == len(PROMPTS) and all(r.prefilled for r in batch)
+            started = time.perf_counter()
+            iteration(scheduler, batch)
+            if counted:
+                self.passes += 1
+                self.seconds += time.perf_counter() - started
+
+        batching.BatchScheduler._iteration = timed_iteration
+
+    def _wrap(self, owner, name, part):
+        function = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if self.on:
+                    self.parts[part] += time.perf_counter() - started
+
+        setattr(owner, name, timed)
+
+    def reset(self):
+        self.passes, self.seconds, self.parts = 0, 0.0, dict.fromkeys(self.PARTS, 0.0)
+
+    def per_pass_ms(self) -> dict:
+        parts = {name: seconds / self.passes * 1000 for name, seconds in self.parts.items()}
+        total = self.seconds / self.passes * 1000
+        rest = total - parts["linear"] - parts["attention"] - parts["experts"] - parts["lm_head"]
+        return {"decode_pass_ms": total, **{f"{name}_ms": value for name, value in parts.items()}, "rest_ms": rest}
+
+
+def timing(engine, timer: PassTimer, max_tokens: int) -> dict:
+    best = None
+    for _ in range(3):
+        timer.reset()
+        timer.on = True
+        engine.generate_batch(PROMPTS, max_new_tokens=max_tokens)
+        timer.on = False
+        if timer.passes and (best is None or timer.seconds / timer.passes < best["decode_pass_ms"] / 1000):
+            best = timer.per_pass_ms()
+    started = time.perf_counter()
+    tokens = sum(len(engine.generate(prompt, max_new_tokens=max_tokens).token_ids) for prompt in PROMPTS[:4])
+    alone = (time.perf_counter() - started) / tokens * 1000  # prompts' prefill included, as in a served request
+    return {**best, "alone_token_ms": alone, "decode_pass_over_16_alone_tokens": 16 * alone / best["decode_pass_ms"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default=None)
     parser.add_argument("--max-tokens", default="24")
     parser.add_argument("--budget", default="100%")
     parser.add_argument("--batch-math", default="exact,fast")
+    parser.add_argument("--timing", action="store_true", help="also: where a 16-request decoding pass's time goes")
+    parser.add_argument("--threads", default=None, help="PyTorch threads (default: PyTorch's choice)")
     parser.add_argument("--json", default=None, metavar="FILE")
     args = parser.parse_args(argv)
 
@@ -63,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     from moe_offload.outputs import check_output, write_atomically
 
     max_tokens = values.integer(args.max_tokens, "--max-tokens", low=1)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(values.integer(args.threads, "--threads", low=1))
+    timer = PassTimer() if args.timing else None  # before any engine: it wraps what the engine registers
     if args.json:
         check_output(args.json, suffixes=(".json",), what="benchmark result")
     rows = []
@@ -73,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             batched = engine.generate_batch(PROMPTS, max_new_tokens=max_tokens, return_logits=True)
             row = {"batch_math": math, "device": str(engine.device), "dtype": str(engine.compute_dtype),
                    **compare(alone, batched)}
+            if timer is not None:
+                row.update(timing(engine, timer, max_tokens))
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:

@@ -24,8 +24,10 @@ def register(subparsers) -> None:
     parser.add_argument("--max-batch", default="16", metavar="N",
                         help="requests in the running batch at most (default 16); the others wait")
     parser.add_argument("--batch-math", default="exact", choices=("exact", "fast"),
-                        help="exact (default): each request's tokens are the bits it gets alone; fast: matrix "
-                             "products over the whole batch, faster, equal only up to rounding")
+                        help="exact (default, so that an answer does not depend on what else the server runs): "
+                             "each request's tokens and logits are the bits it gets alone, its products one row "
+                             "at a time; fast: each matrix product once over the whole batch, faster, equal only "
+                             "up to rounding (a greedy token may differ where two logits nearly tie)")
     parser.set_defaults(run=run)
 
 

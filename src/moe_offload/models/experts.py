@@ -132,12 +132,14 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         final = _one_token_forward(self, hidden_states, top_k_index, top_k_weights)
         if final is not None:
             return final
-    import itertools
-
     import torch
     import torch.nn.functional as F
 
     packed = getattr(getattr(self, "expert_source", None), "packed", None)
+    if packed is not None and not packed.longer:  # every request of the pass decodes one token
+        final = _one_token_each_forward(self, packed, hidden_states, top_k_index, top_k_weights)
+        if final is not None:
+            return final
     needed, counts, groups = routing_plan(top_k_index, packed.segment_starts if packed is not None else (0,))
     if packed is not None and not packed.exact:  # one product per expert over the whole pass
         groups = [[(torch.cat([t for t, _ in group]), torch.cat([p for _, p in group]))] if len(group) > 1 else group
@@ -152,13 +154,14 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
                 token_idx, top_k_pos = group[0]
                 current = self._apply_gate(F.linear(hidden_states[token_idx], weights["gate_up_proj"]))
                 current = F.linear(current, weights["down_proj"])
-            else:  # products once per segment; the element-wise activation over all of them at once
+            else:  # products per segment, those of one row in one product (packed.blocks), the element-wise
+                # activation over all of them at once. Segments of one row first: an expert serves a token once,
+                # so index_add_ adds one row to each token whatever their order.
+                group = sorted(group, key=lambda pair: len(pair[0]) > 1)
+                sizes = [len(t) for t, _ in group]
                 token_idx, top_k_pos = torch.cat([g[0] for g in group]), torch.cat([g[1] for g in group])
-                current = self._apply_gate(torch.cat([F.linear(hidden_states[t], weights["gate_up_proj"])
-                                                      for t, _ in group]))
-                bounds = [0, *itertools.accumulate(len(t) for t, _ in group)]
-                current = torch.cat([F.linear(current[a:b], weights["down_proj"])
-                                     for a, b in zip(bounds, bounds[1:])])
+                current = self._apply_gate(packed.blocks(hidden_states[token_idx], sizes, weights["gate_up_proj"]))
+                current = packed.blocks(current, sizes, weights["down_proj"])
             current = _whole(partials, expert, weights, current)
             if current is None:
                 continue
@@ -194,6 +197,52 @@ def _one_token_forward(self, hidden_states, top_k_index, top_k_weights):
     final = hidden_states.new_zeros(hidden_states.shape)
     for expert in needed:
         final.add_(outputs[expert].to(final.dtype))
+    return final
+
+
+def _one_token_each_forward(self, packed, hidden_states, top_k_index, top_k_weights):
+    """A packed pass in which every request decodes one token (each segment one row, each routed to K distinct
+    experts): the general path's arithmetic without its per-segment index tensors. The rows are sorted by
+    expert once (one gather of the hidden states and one of the routing weights for the layer); each expert
+    computes its rows in one product per weight (exact batch math: each row with the bits of its own
+    product, ``packed.blocks``; fast: one product over them), and the outputs are added with ``index_add_``
+    in ascending expert order, one row per token each, as the general path adds them. None when a token
+    repeats an expert."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    routing = top_k_index.cpu().numpy()  # the layer's one synchronisation
+    tokens, k = routing.shape
+    if k > 1 and (np.diff(np.sort(routing, axis=1), axis=1) == 0).any():
+        return None
+    flat = routing.reshape(-1)                   # entry t * K + p is token t's p-th expert
+    order = np.argsort(flat, kind="stable")      # by expert, then token
+    bounds = np.flatnonzero(np.r_[True, np.diff(flat[order]) != 0, True])
+    needed = flat[order[bounds[:-1]]].tolist()
+    counts = np.zeros((len(needed), tokens), dtype=np.int64)  # tokens of each segment (one row each) per expert
+    counts[np.repeat(np.arange(len(needed)), np.diff(bounds)), order // k] = 1
+    entries = torch.from_numpy(order).to(hidden_states.device)
+    token_idx = entries // k
+    rows, gate_weights = hidden_states[token_idx], top_k_weights.reshape(-1)[entries]
+    span = dict(zip(needed, zip(bounds[:-1].tolist(), bounds[1:].tolist())))
+
+    def products(x, weight):
+        return packed.blocks(x, [1] * len(x), weight) if packed.exact else F.linear(x, weight)
+
+    outputs, partials = {}, {}
+    with closing(_arrivals(self, needed, counts.tolist())) as arrivals:
+        for expert, weights in arrivals:
+            first, last = span[expert]
+            current = self._apply_gate(products(rows[first:last], weights["gate_up_proj"]))
+            current = _whole(partials, expert, weights, products(current, weights["down_proj"]))
+            if current is None:
+                continue
+            outputs[expert] = current * gate_weights[first:last, None]
+    final = hidden_states.new_zeros(hidden_states.shape)
+    for expert in needed:
+        first, last = span[expert]
+        final.index_add_(0, token_idx[first:last], outputs[expert].to(final.dtype))
     return final
 
 

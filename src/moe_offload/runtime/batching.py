@@ -176,6 +176,7 @@ class BatchScheduler:
         self.stopping = False
         self.iterations = 0
         self.forward_seconds = 0.0   # in forward passes (expert loads waited for included)
+        self.prompt_pass_seconds = 0.0  # ... of them, in passes with at least one prompt (prefill)
         self.advance_seconds = 0.0   # sampling, detokenising, stop checks and events after each pass
         self.observers: list = []  # objects with on_pass(batch, seconds) and on_finish(completion)
         self._thread: threading.Thread | None = None
@@ -322,11 +323,7 @@ class BatchScheduler:
                             input_ids=torch.tensor([tokens], device=device),
                             position_ids=torch.tensor([positions], device=device),
                             attention_mask=no_mask, use_cache=False, packed=packed).last_hidden_state
-                        if packed.exact:  # the last token's logits, one row at a time as generate computes them
-                            logits = [self.model.lm_head(hidden[:, s.end - 1:s.end, :])[0, -1].float()
-                                      for s in segments]
-                        else:
-                            logits = list(self.model.lm_head(hidden[0, [s.end - 1 for s in segments]]).float())
+                        logits = list(packed.last_logits(hidden, self.model.lm_head).float())
                 finally:
                     runner.packed = None
         except Exception as exc:  # noqa: BLE001 - reported to the requests it concerns, the server goes on
@@ -335,6 +332,8 @@ class BatchScheduler:
         now = time.perf_counter()
         self.iterations += 1
         self.forward_seconds += now - started
+        if any(s.prefill for s in segments):
+            self.prompt_pass_seconds += now - started
         for observer in self.observers:
             observer.on_pass(len(batch), now - started)
         for request, row in zip(batch, logits):

@@ -7,11 +7,20 @@ one *segment* of the sequence. Three things make a segment's result the bits its
 
 - **matrix products per segment**: a product over T rows does not give each row the bits the same product
   gives it over its request's rows alone (measured on this machine's CPU: MKL takes another kernel for one
-  row than for several, and another blocking for a row inside a longer block). :func:`segment_rows` makes
-  every ``nn.Linear`` and every router of the model run once per segment, and the experts function
-  (models/experts.py) computes each expert's products once per segment it serves. Element-wise operations
-  and reductions along the hidden dimension (norms, softmax, RoPE, residuals, the experts' activation) do
-  not mix rows; they run once over the whole pass.
+  row than for several, and another blocking for a row inside a longer block). :meth:`PackedPass.linear`
+  makes every ``nn.Linear`` and every router of the model (:func:`segment_rows`) compute each segment's rows
+  as that segment alone, and the experts function (models/experts.py) computes each expert's products per
+  segment it serves. The rows that are alone in their product (a decoding request's one token; an expert
+  that serves one token of a segment) all go into **one** ``torch.bmm`` against the weight broadcast over
+  them (:func:`alone_rows`): on CPU, PyTorch computes a float32 ``bmm`` whose operands are plain or
+  transposed matrices with one BLAS ``gemm`` call per batch entry, the very call ``F.linear`` makes for one
+  row, so each row gets the bits of its own product (checked on this machine for every product shape of the
+  bundled model and of 2048-wide ones, 1 to 69 rows, 1 and 2 threads: ``tests/test_batching_rows.py``). Where
+  that does not hold (another device or dtype, a bias, a weight that is not one contiguous matrix, or a
+  product under 400 multiply-adds, which PyTorch's ``bmm`` computes with a loop of its own) the rows take
+  one product each. Segments of several rows (prompts) take one product each. Element-wise operations
+  and reductions along the hidden dimension (norms, softmax, top-k, RoPE, residuals, the experts'
+  activation) do not mix rows; they run once over the whole pass.
 - **attention per segment** (:func:`segmented_attention`, registered as the attention implementation
   :data:`ATTENTION`): each segment attends over its own request's KV cache (a transformers ``DynamicCache``
   per request, appended to as transformers' own update does) with the arguments transformers' ``sdpa``
@@ -19,9 +28,11 @@ one *segment* of the sequence. Three things make a segment's result the bits its
   change a reduction.
 - **the logits of each request's last token**, one row at a time as generate computes them.
 
-What this costs: per iteration, one call of each matrix product per request instead of one for the batch,
-and one attention call per request (benchmarks/serve_load.py measures it against ``batch_math="fast"``,
-which runs each product once over the whole pass and gives up the bit equality). What it keeps: the experts
+What this costs: each decoding request's products read the weights once for that request (a ``bmm`` of
+one-row products is as many matrix-vector products), where ``batch_math="fast"`` runs each product once
+over the whole pass (one read of the weights, one matrix-matrix product) and gives up the bit equality;
+each prompt's products and each request's attention are calls of their own (benchmarks/serve_load.py
+measures both modes). What it keeps: the experts
 a batch needs are the union of its tokens' selections, fetched once; one pass of Python and hooks for the
 batch. Outside a packed pass the registered attention is transformers' ``sdpa``, unchanged.
 
@@ -33,6 +44,7 @@ of rows (cuBLAS picks algorithms by shape) or concurrency: the runtime does not 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache, cached_property
 
 ATTENTION = "moe_offload_segments"
 
@@ -73,6 +85,95 @@ class PackedPass:
     def requests(self) -> list[int]:
         return [segment.request for segment in self.segments]
 
+    @cached_property
+    def alone(self):
+        """The rows that are a segment by themselves (a decoding request's token), an index tensor."""
+        import torch
+
+        return torch.tensor([s.start for s in self.segments if s.end - s.start == 1], dtype=torch.long)
+
+    @cached_property
+    def longer(self) -> list[Segment]:
+        """The segments of more than one row (prompts)."""
+        return [s for s in self.segments if s.end - s.start > 1]
+
+    def linear(self, rows, weight, bias=None):
+        """``F.linear`` over the pass's rows (``rows`` [..., T, in], leading dimensions of size 1): with exact
+        batch math each segment's rows get the bits ``F.linear`` gives that segment alone, the one-row
+        segments all in one :func:`alone_rows` product where it gives those bits."""
+        import torch
+        import torch.nn.functional as F
+
+        if not self.exact or len(self.segments) == 1:
+            return F.linear(rows, weight, bias)
+        if len(self.alone) < 2 or not batches_alone(rows, weight, bias):
+            return torch.cat([F.linear(rows[..., s.start:s.end, :], weight, bias) for s in self.segments], dim=-2)
+        flat = rows.reshape(-1, rows.shape[-1])
+        if not self.longer:
+            return alone_rows(flat, weight, bias).reshape(*rows.shape[:-1], weight.shape[0])
+        out = flat.new_empty(self.tokens, weight.shape[0])
+        out[self.alone] = alone_rows(flat[self.alone], weight, bias)
+        for s in self.longer:
+            out[s.start:s.end] = F.linear(rows[..., s.start:s.end, :], weight, bias).reshape(-1, weight.shape[0])
+        return out.reshape(*rows.shape[:-1], weight.shape[0])
+
+
+    def blocks(self, rows, sizes: list[int], weight):
+        """The experts' products (models/experts.py): ``F.linear(rows, weight)`` over consecutive blocks of
+        ``rows``, ``sizes[i]`` rows each, each block with the bits it has alone; the one-row blocks first (the
+        caller orders them so), in one :func:`alone_rows` product where that keeps their bits."""
+        import torch
+        import torch.nn.functional as F
+
+        ones = sizes.count(1)
+        if ones < 2 or not batches_alone(rows, weight):
+            ones = 0  # a product per block
+        parts = [alone_rows(rows[:ones], weight)] if ones else []
+        first = ones
+        for size in sizes[ones:]:
+            parts.append(F.linear(rows[first:first + size], weight))
+            first += size
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def last_logits(self, hidden, head):
+        """The logits [segments, vocab] of each segment's last row of ``hidden`` [1, T, H] under ``head`` (the
+        LM head): with exact batch math each row as generate computes it alone (a one-row product), else one
+        product over the rows."""
+        import torch
+
+        last = hidden[0, [s.end - 1 for s in self.segments]]
+        if not self.exact:
+            return head(last)
+        if batches_alone(last, head.weight, head.bias):
+            return alone_rows(last, head.weight, head.bias)
+        return torch.cat([head(last[i:i + 1][None])[0] for i in range(len(last))])
+
+
+def batches_alone(rows, weight, bias=None) -> bool:
+    """Whether :func:`alone_rows` gives each row of ``rows`` the bits of ``F.linear`` over that row alone: on
+    CPU with MKL, float32 at the highest matmul precision, a weight that is one contiguous [out, in] matrix
+    and at least 400 multiply-adds per row (below that PyTorch's ``bmm`` runs a loop of its own, which sums
+    in another order)."""
+    import torch
+
+    return (rows.device.type == "cpu" and rows.dtype == weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.is_contiguous() and weight.shape[0] * weight.shape[1] >= 400
+            and (bias is None or (bias.dtype == torch.float32 and bias.dim() == 1))
+            and torch.backends.mkl.is_available() and torch.get_float32_matmul_precision() == "highest")
+
+
+def alone_rows(rows, weight, bias=None):
+    """``rows`` [R, in] times ``weight`` [out, in] transposed (plus ``bias``), as R one-row products in one
+    ``bmm``: PyTorch runs one BLAS ``gemm`` per batch entry with the operands ``F.linear`` passes for one row
+    (the weight broadcast, transposed, never copied), so under :func:`batches_alone` each row has the bits of
+    its own ``F.linear``."""
+    import torch
+
+    columns = weight.t().expand(rows.shape[0], -1, -1)
+    if bias is None:
+        return torch.bmm(rows.unsqueeze(1), columns).squeeze(1)
+    return torch.baddbmm(bias.expand(rows.shape[0], 1, -1), rows.unsqueeze(1), columns).squeeze(1)
+
 
 def segmented_attention(module, query, key, value, attention_mask, packed: PackedPass | None = None, **kwargs):
     """transformers' attention interface. In a packed pass: each segment's queries attend over its request's
@@ -93,17 +194,19 @@ def segmented_attention(module, query, key, value, attention_mask, packed: Packe
 
 
 def segment_rows(model, adapter, current) -> list:
-    """Make every row-wise module of ``model`` compute a packed pass once per segment: every ``nn.Linear``
-    (projections, shared experts, the LM head) and every router (a linear, then softmax and top-k per row).
-    ``current()`` returns the running PackedPass or None (then the module runs as it is). Returns the
-    wrapped modules (:func:`unsegment_rows` undoes it)."""
+    """Make every row-wise module of ``model`` compute a packed pass as :meth:`PackedPass.linear` does: every
+    ``nn.Linear`` (projections, shared experts, the LM head) and every router (its linear; the softmax and
+    top-k after it are per row and run over the whole pass). ``current()`` returns the running PackedPass or
+    None (then the module runs as it is). Returns the wrapped modules (:func:`unsegment_rows` undoes it)."""
     import torch
 
-    modules = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    modules += [adapter.router(layer) for layer in range(adapter.num_layers) if adapter.router(layer) not in modules]
-    for module in modules:
-        module.forward = _per_segment(module.forward, current)
-    return modules
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    routers = [adapter.router(layer) for layer in range(adapter.num_layers) if adapter.router(layer) not in linears]
+    for module in linears:
+        module.forward = _linear_per_segment(module, current)
+    for module in routers:
+        module.forward = _router_per_segment(module.forward, current)
+    return linears + routers
 
 
 def unsegment_rows(modules) -> None:
@@ -111,20 +214,58 @@ def unsegment_rows(modules) -> None:
         del module.forward  # the class's own forward again
 
 
-def _per_segment(forward, current):
-    import torch
+def _in_pass(packed, rows) -> bool:
+    return packed is not None and packed.exact and len(packed.segments) > 1 and rows.dim() >= 2 \
+        and rows.shape[-2] == packed.tokens
 
-    def run(rows, *args, **kwargs):
+
+def _linear_per_segment(module, current):
+    forward = module.forward
+
+    def run(rows):
         packed = current()
-        if packed is None or not packed.exact or len(packed.segments) == 1 or rows.dim() < 2 \
-                or rows.shape[-2] != packed.tokens:
-            return forward(rows, *args, **kwargs)
-        parts = [forward(rows[..., s.start:s.end, :], *args, **kwargs) for s in packed.segments]
-        if isinstance(parts[0], tuple):  # a router: (logits, weights, experts), each [tokens, ...]
-            return tuple(torch.cat(column, dim=0) for column in zip(*parts))
-        return torch.cat(parts, dim=-2)
+        if not _in_pass(packed, rows):
+            return forward(rows)
+        return packed.linear(rows, module.weight, module.bias)
 
     return run
+
+
+def _router_per_segment(forward, current):
+    """A router (a linear, then per-row softmax and top-k: transformers' routers are functions of their own,
+    not ``nn.Linear``): its forward over the whole pass, with its ``F.linear`` calls over the pass's rows
+    computed by :meth:`PackedPass.linear`."""
+    def run(rows, *args, **kwargs):
+        packed = current()
+        if not _in_pass(packed, rows):
+            return forward(rows, *args, **kwargs)
+        with _packed_linear_mode()(packed):
+            return forward(rows, *args, **kwargs)
+
+    return run
+
+
+@cache  # one class, made on first use: PyTorch is imported lazily
+def _packed_linear_mode():
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class PackedLinear(TorchFunctionMode):
+        """Inside: ``F.linear`` over a packed pass's T rows runs as :meth:`PackedPass.linear` (the mode is off
+        while it handles a call, so the products it runs are plain)."""
+
+        def __init__(self, packed):
+            super().__init__()
+            self.packed = packed
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.linear and isinstance(args[0], torch.Tensor) and _in_pass(self.packed, args[0]):
+                return self.packed.linear(*args, **kwargs)
+            return func(*args, **kwargs)
+
+    return PackedLinear
 
 
 def register_attention(model) -> None:
