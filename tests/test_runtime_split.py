@@ -27,14 +27,18 @@ LAYERS, EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 3, 6, 2, 32, 48  # tests/model_co
 FLOAT32 = 4
 
 
-@pytest.fixture(scope="module")
-def split_checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("split")
+def make_checkpoint(root):
+    """The tiny random Mixtral saved in float16 with a tokenizer under ``root``/model, packed under ``root``/packed."""
     model, _ = build("mixtral", seed=3)
     model.half().save_pretrained(root / "model")
     tiny_tokenizer().save_pretrained(root / "model")
     pack_model(root / "model", root / "packed")
     return root
+
+
+@pytest.fixture(scope="module")
+def split_checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("split"))
 
 
 _REFERENCES: dict = {}
@@ -171,8 +175,8 @@ def test_generate_split_config_errors_are_one_line(split_checkpoint, tmp_path, c
         code = main(["generate", "hi", "--model", packed, "--device", "cpu", "--split-config", str(path)])
         err = capsys.readouterr().err
         assert code == 2 and problem in err and str(path) in err and len(err.strip().splitlines()) == 1
-    with pytest.raises(ConfigError, match="prefetcher"):
-        OffloadEngine(packed, fast_budget="100%", device="cpu", prefetch="topk",
+    with pytest.raises(ConfigError, match="host tier"):
+        OffloadEngine(packed, fast_budget="100%", device="cpu", host_budget="50%",
                       split_config=config([2] * LAYERS, [0.5] * LAYERS))
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"layers": [{"cache_size": 3, "split_ratio": 0.5}] * LAYERS}))
@@ -247,4 +251,7 @@ def test_bottom_reads_retry_transient_errors_continue_short_reads_and_name_a_fai
                        split_config=config([4] * LAYERS, [0.5] * LAYERS)) as engine:
         with pytest.raises(ExpertReadError, match=r"expert \d+ of layer \d+: .*\.bin \(bytes \d+..\d+\): read failed"):
             engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
-        assert not engine.split.buffer_slot and len(engine.split.buffer.free) == TOP_K  # nothing left behind
+        split = engine.split
+        with split.cond:  # a read that started before the failure ends in one too: then nothing is left behind
+            assert split.cond.wait_for(lambda: split.queue.on_wire is None, timeout=10)
+            assert not split.buffer_slot and len(split.buffer.free) == TOP_K

@@ -27,8 +27,8 @@ def register(subparsers) -> None:
     parser.add_argument("--split-config", default=None, metavar="FILE.json",
                         help="run MoEpic's split experts as `moe-offload configure --json` wrote them: per layer, the "
                              "cached top segments and the split ratio, plus a buffer of top-k experts, all within "
-                             "--fast-budget; the tokens are the all-resident model's computing with the same split "
-                             "(no prefetcher or host tier yet)")
+                             "--fast-budget; the tokens are the all-resident model's computing with the same split; "
+                             "--prefetch moepic takes the configuration's prefetch count per layer (no host tier yet)")
     parser.add_argument("--json", metavar="FILE", default=None,
                         help="also write the run's result record, with the prompt, the text and the token ids, as JSON")
     parser.set_defaults(run=run)

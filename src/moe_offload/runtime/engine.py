@@ -138,7 +138,7 @@ class OffloadEngine:
                               "engine does not know; use it in `moe-offload simulate`")
         fast_budget_bytes = values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget")
         fast_slots = self._slots(fast_budget_bytes, self.compute_expert_bytes)
-        split = self._read_split(split_config, prefetch, host_budget, preload)
+        split = self._read_split(split_config, host_budget, preload)
         if fast_slots < m.top_k and split is None:
             raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
                               f"({format_bytes(m.top_k * self.compute_expert_bytes)}, "
@@ -161,7 +161,7 @@ class OffloadEngine:
         self.counters = Counters.zero(m.num_layers)
         self.split = None
         if split is not None:  # MoEpic's tops and buffer (runtime/split.py)
-            from moe_offload.runtime.split import SplitFastTier
+            from moe_offload.runtime.split_tier import SplitFastTier
 
             self.split = self.path = SplitFastTier(*split, m, self.store, self.counters, self.spec, make, self.device,
                                                    self.compute_dtype, fast_budget_bytes)
@@ -207,17 +207,17 @@ class OffloadEngine:
                               cpu, stored))
         return tiers
 
-    def _read_split(self, split_config, prefetch, host_budget, preload):
+    def _read_split(self, split_config, host_budget, preload):
         """(configuration, its name) of a split run, checked against the model; None without one."""
         if split_config is None:
             return None
         from moe_offload.runtime.split import load_split_config
 
         config, source = load_split_config(split_config)
-        for given, what in ((prefetch, "a prefetcher"), (host_budget, "a host tier"), (preload, "preloading")):
+        for given, what in ((host_budget, "a host tier"), (preload, "preloading")):
             if given:
-                raise ConfigError(f"{source}: the split runtime loads on demand into the tops and the buffer; it does "
-                                  f"not run with {what} yet")
+                raise ConfigError(f"{source}: the split runtime loads into the tops and the buffer from the files; it "
+                                  f"does not run with {what} yet")
         m = self.manifest
         config.check_model(m.num_layers, m.num_experts, self.compute_expert_bytes, source)  # memory: SplitFastTier
         return config, source

@@ -1,0 +1,413 @@
+"""The fast memory of a split run and its one link worker (runtime/split.py says what a split run is).
+
+Per layer a cache of C_i expert tops (an ExpertCache of C_i entries with the run's eviction policy, over a pool
+of top-sized slots) and one buffer of K slots of a whole expert each (the paper's U_b, K = top-k); a buffer
+slot holds one expert's bottom, or its whole copy when its top is not cached. One worker thread serves the
+link from the files, in the order of the timed simulator's TransferQueue (simulator/transfers.py): demand
+loads first, then prefetches by priority, never one expert twice.
+
+Prefetching follows the timed simulator's split run (simulator/split.py, simulator/timed/tiers.py):
+
+- a proposal for a layer ahead (after the last layer's router every layer is ahead: layer 0 of the next
+  pass) queues what the expert lacks: its bottom when its top is cached, else the whole expert; an expert
+  already complete (its bottom or whole copy buffered, or its top cached at ratio 1) is noted as predicted
+  instead, and a prefetched top does not evict it;
+- a prefetch starts only into a free buffer slot: it never drops anything. A demand load that finds no free
+  slot drops a landed segment that the current layer does not compute with, the most recent first (the
+  speculation for the layers ahead), and waits while there is none;
+- the top of a whole expert is copied into its layer's cache when the policy makes room, never evicting a
+  top that the current layer computes with or whose bottom is buffered; a prefetched top is *held* until its
+  layer uses it or is routed without it (simulator/cache.py);
+- when a layer is routed its waiting prefetches that it does not need are withdrawn (those it needs become
+  demand loads), its landed segments that it does not need leave the buffer, its held tops that it does not
+  need are released; a prefetch landing after its layer was routed without it leaves the buffer at once.
+
+Counters (engine's): a prefetch is *issued* when it goes on the wire, *used* when its layer is routed to it
+(landed or still on the wire: no demand load then), *wasted* when its segment leaves the buffer unused.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+from moe_offload.errors import ConfigError
+from moe_offload.hardware.profile import Link
+from moe_offload.policies import AccessContext
+from moe_offload.runtime.split import bottom_ranges, split_rows
+from moe_offload.runtime.tiers import SlotPool
+from moe_offload.simulator.cache import ExpertCache, predicted_no_later_than
+from moe_offload.simulator.split import SplitConfig
+from moe_offload.simulator.transfers import TransferQueue
+
+
+class _Landed:
+    """The TransferQueue's destination: an expert is there once its bottom or whole copy is buffered."""
+
+    def __init__(self, landed: dict):
+        self.landed = landed
+
+    def __contains__(self, key) -> bool:
+        return key in self.landed
+
+
+class SplitFastTier:
+    """The tops, the buffer and the worker (module doc).
+
+    Guarded by ``cond`` (the runner's lock, as DataPath's): ``pinned`` holds the experts the current layer
+    computes with (their tops are never evicted, their buffer slots never reused); ``queue`` the transfers
+    waiting for the link and the one on it."""
+
+    def __init__(self, config: SplitConfig, source: str, manifest, store, counters, spec, make_policy, device,
+                 compute_dtype, budget_bytes: int):
+        import torch
+
+        self.manifest, self.store, self.counters, self.spec = manifest, store, counters, spec
+        self.device = device
+        self.hidden, self.intermediate = next(t for t in manifest.tensors if t.name == "down_proj").shape
+        self.stored = getattr(torch, manifest.dtype)
+        self.rows = split_rows(config, self.intermediate, source)
+        self.prefetches = config.prefetches  # Y_i of the configuration, or None
+        element_bytes = compute_dtype.itemsize
+        self.memory_bytes = (sum(plan.cached_experts * 3 * r * self.hidden for plan, r in zip(config.layers, self.rows))
+                             + spec.top_k * 3 * self.intermediate * self.hidden) * element_bytes
+        if self.memory_bytes > budget_bytes:
+            from moe_offload.hardware.profile import format_bytes
+
+            raise ConfigError(f"{source}: the cached tops and the buffer of {spec.top_k} experts need "
+                              f"{format_bytes(self.memory_bytes)}, more than the fast budget of "
+                              f"{format_bytes(budget_bytes)}")
+        self.cached_experts = [plan.cached_experts for plan in config.layers]
+        self.tops = [ExpertCache(plan.cached_experts, make_policy()) for plan in config.layers]
+        self.top_pools = [SlotPool(plan.cached_experts, 3 * r * self.hidden, compute_dtype, device)
+                          for plan, r in zip(config.layers, self.rows)]
+        for top in self.tops:
+            top.on_evict = self._vacate_top
+        self.top_slot: dict[int, int] = {}
+        self.buffer = SlotPool(spec.top_k, 3 * self.intermediate * self.hidden, compute_dtype, device)
+        self.buffer_slot: dict[int, int] = {}
+        self.landed: dict[int, bool] = {}    # key -> whether its buffered copy is the whole expert; landing order
+        self.ready: dict[int, object] = {}   # CUDA: key -> event of its copy into the buffer
+        self.top_ready: dict[int, object] = {}
+        self.bottom_digest: dict[int, str] = {}  # key -> xxHash3 of its bottom's stored bytes (verified read)
+        self.cond = threading.Condition()
+        self.ctx = AccessContext()
+        self.pinned: set[int] = set()
+        self.ctx.pinned = self.pinned
+        self.queue = TransferQueue(Link("ssd", "fast", math.inf, 0.0), _Landed(self.landed))
+        self.prefetched_unused: set[int] = set()  # prefetches on the wire or landed, not used yet
+        self.predicted: set[int] = set()  # complete, proposed since their layer was routed
+        self.layer_now = -1               # the last routed layer of the running pass; -1 after its last
+        self.failure: BaseException | None = None
+        self.failed_key: int | None = None
+        self.stopping = False
+        self._stream = None  # CUDA: the copy stream
+        self._staging = None
+        self._worker = threading.Thread(target=self._run, name="moe-offload ssd->fast (split)", daemon=True)
+        self._worker.start()
+
+    # --------------------------------------------------------------------------------------- state (locked)
+    def parts(self, key: int) -> int:
+        return 1 if self.rows[key // self.spec.num_experts] == self.intermediate else 2
+
+    def has_part(self, key: int, part: int) -> bool:
+        if part == 0 and key in self.tops[key // self.spec.num_experts]:
+            return True
+        return key in self.landed and (part == 1 or self.landed[key])
+
+    def has_top(self, key: int) -> bool:
+        """Whether ``key``'s top is in fast memory: cached, or in its whole copy in the buffer."""
+        return self.has_part(key, 0)
+
+    def needs_bytes(self, key: int) -> bool:
+        """Whether ``key`` must load something: its bottom, or the whole expert when its top is not cached."""
+        return self.parts(key) == 2 or key not in self.tops[key // self.spec.num_experts]
+
+    def complete(self, key: int) -> bool:
+        return key in self.landed or not self.needs_bytes(key)
+
+    def on_wire(self, key: int) -> bool:
+        wire = self.queue.on_wire
+        return wire is not None and wire.key == key
+
+    def transfer_bytes(self, key: int) -> int:
+        """Bytes a load of ``key`` reads now: its bottom when its top is cached, else the whole expert."""
+        layer = key // self.spec.num_experts
+        if key in self.tops[layer]:
+            return self.manifest.expert_bytes * (self.intermediate - self.rows[layer]) // self.intermediate
+        return self.manifest.expert_bytes
+
+    def demand(self, key: int) -> bool:
+        """Queue a demand load of ``key`` (a waiting prefetch of it becomes one); False when it is on the wire or
+        landed: no demand load then."""
+        return self.queue.demand(key, self.transfer_bytes(key))
+
+    def propose(self, proposals, routed_layer: int) -> None:
+        """A prefetcher's (key, priority) proposals after layer ``routed_layer`` was routed (module doc)."""
+        if not proposals:
+            return
+        J, L = self.spec.num_experts, self.spec.num_layers
+        ahead_of = -1 if routed_layer == L - 1 else routed_layer
+        for key, priority in proposals:
+            key = int(key)
+            if key // J <= ahead_of:
+                continue
+            if self.complete(key):
+                self.predicted.add(key)
+                continue
+            self.queue.propose(key, float(priority), self.transfer_bytes(key))
+        self.cond.notify_all()
+
+    def layer_routed(self, layer: int, keys: list[int]) -> None:
+        """Layer ``layer`` is routed to ``keys`` (pinned already): what was fetched or held for it in vain goes."""
+        J = self.spec.num_experts
+        self.layer_now = -1 if layer == self.spec.num_layers - 1 else layer
+        for waiting in self.queue.waiting_prefetches():
+            if waiting // J == layer and waiting not in self.pinned:
+                self.queue.withdraw(waiting)
+        for key in [key for key in self.landed if key // J == layer and key not in self.pinned]:
+            self.consume(key)
+        top = self.tops[layer]
+        for key in [key for key in top.held if key not in self.pinned]:
+            top.release(key)
+        if self.predicted:
+            self.predicted = {key for key in self.predicted if key // J != layer}
+
+    def use(self, key: int) -> bool:
+        """``key`` is accessed: True when a prefetch of it is used now."""
+        if key in self.prefetched_unused:
+            self.prefetched_unused.discard(key)
+            self.counters.prefetches_used += 1
+            return True
+        return False
+
+    def part_tensors(self, key: int, part: int) -> tuple[dict, object]:
+        """The part's tensors (views of its slot, the segment layout) and the CUDA event to wait for."""
+        layer = key // self.spec.num_experts
+        r = self.rows[layer]
+        if part == 0 and key in self.tops[layer]:
+            region, event = self.top_pools[layer].memory[self.top_slot[key]], self.top_ready.get(key)
+            first = 0
+        else:
+            region, event = self.buffer.memory[self.buffer_slot[key]], self.ready.get(key)
+            first = 0 if part == 0 else 3 * r * self.hidden
+        rows = r if part == 0 else self.intermediate - r
+        H = self.hidden
+        part_region = region[first:first + 3 * rows * H]
+        return {"gate_up_proj": part_region[:2 * rows * H].view(2 * rows, H),
+                "down_proj": part_region[2 * rows * H:].view(H, rows), "part": part,
+                "parts": self.parts(key)}, event
+
+    def consume(self, key: int) -> None:
+        """``key`` has computed (or its layer gave up on it, or was routed without it): its buffer slot is free.
+        A key still on the wire keeps its slot: the worker frees it when it lands unpinned."""
+        if self.on_wire(key):
+            return
+        slot = self.buffer_slot.pop(key, None)
+        self.landed.pop(key, None)
+        self.ready.pop(key, None)
+        if key in self.prefetched_unused:
+            self.prefetched_unused.discard(key)
+            self.counters.prefetches_wasted += 1
+        if slot is not None:
+            self._free_after_compute(self.buffer, slot)
+            self.buffer.give_back(slot)
+        self.cond.notify_all()
+
+    def _room(self, demand: bool) -> bool:
+        """Whether a buffer slot is free for a load; a demand load drops the most recent landed segment that the
+        current layer does not compute with to make one."""
+        if self.buffer.free:
+            return True
+        if not demand:
+            return False
+        droppable = [key for key in self.landed if key not in self.pinned]
+        if droppable:
+            self.consume(droppable[-1])
+        return bool(self.buffer.free)
+
+    def _vacate_top(self, key: int) -> None:
+        pool = self.top_pools[key // self.spec.num_experts]
+        slot = self.top_slot.pop(key)
+        self.top_ready.pop(key, None)
+        self._free_after_compute(pool, slot)
+        pool.give_back(slot)
+
+    def _free_after_compute(self, pool: SlotPool, slot: int) -> None:
+        if self.device.type == "cuda":  # kernels queued so far may still read the slot
+            import torch
+
+            event = torch.cuda.Event()
+            event.record(torch.cuda.default_stream(self.device))
+            pool.free_after[slot] = event
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def clear_failure(self) -> None:
+        self.failure = self.failed_key = None
+
+    def end_request(self, request) -> None:
+        for top in self.tops:
+            top.end_request(request)
+
+    def close(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self._worker.join(timeout=5)
+        self.store.close()
+
+    # ------------------------------------------------------------------------------------------ the worker
+    def _run(self) -> None:
+        cond, queue, J = self.cond, self.queue, self.spec.num_experts
+        with cond:
+            while not self.stopping:
+                transfer = queue.next_transfer(0.0)
+                if transfer is None or not self._room(transfer.demand):
+                    cond.wait()
+                    continue
+                queue.start(0.0)
+                key, prefetch = transfer.key, not transfer.demand
+                layer = key // J
+                whole = key not in self.tops[layer]
+                slot = self.buffer.take()
+                self.buffer_slot[key] = slot
+                if prefetch:
+                    self.counters.prefetches_issued += 1
+                    self.prefetched_unused.add(key)
+                cond.release()
+                started, error, event = time.perf_counter(), None, None
+                try:
+                    event, nbytes = self._load(key, slot, whole)
+                except BaseException as exc:  # reported to the compute thread, which raises it
+                    error = exc
+                finally:
+                    cond.acquire()
+                queue.finish()
+                if error is not None:
+                    self.buffer_slot.pop(key)
+                    self.buffer.give_back(slot)
+                    self.prefetched_unused.discard(key)
+                    # A prefetch nobody waits for fails quietly: a later demand load meets the error itself.
+                    if key in self.pinned and self.failure is None:
+                        self.failure, self.failed_key = error, key
+                    cond.notify_all()
+                    continue
+                self.counters.moved("ssd->fast", nbytes, time.perf_counter() - started)
+                self.landed[key] = whole
+                if event is not None:
+                    self.ready[key] = event
+                if key not in self.pinned and not (prefetch and layer > self.layer_now):
+                    self.consume(key)  # its layer gave up on it (a failure) or was routed without it
+                    continue
+                cond.notify_all()
+                if whole:
+                    self._cache_top(key, slot, event, held=key not in self.pinned)
+
+    def _cache_top(self, key: int, slot: int, landed_event, held: bool) -> None:
+        """Copy the top of the whole expert in buffer slot ``slot`` into its layer's cache if the policy makes
+        room, never evicting a top the current layer computes with or whose bottom is buffered; a prefetch's
+        top is held (module doc). Locked; the copy runs outside the lock."""
+        layer = key // self.spec.num_experts
+        ctx, top = self.ctx, self.tops[layer]
+        ctx.pinned, ctx.prefetch = self.pinned | self.buffer_slot.keys(), held
+        protect = predicted_no_later_than(self.predicted, key, self.layer_now, self.spec.num_experts,
+                                          self.spec.num_layers) if held and self.predicted else ()
+        try:
+            admitted = top.reserve(key, ctx, 1, protect)
+        finally:
+            ctx.pinned, ctx.prefetch = self.pinned, False
+        if not admitted:
+            return
+        self.top_slot[key] = top_slot = self.top_pools[layer].take()
+        self.cond.release()
+        try:
+            top_event = self._copy_top(layer, slot, top_slot, landed_event)
+        finally:
+            self.cond.acquire()
+        if top_event is not None:
+            self.top_ready[key] = top_event
+        ctx.prefetch = held
+        try:
+            top.complete(key, ctx)
+        finally:
+            ctx.prefetch = False
+        self.cond.notify_all()
+
+    def _load(self, key: int, slot: int, whole: bool):
+        """Write ``key``'s whole expert ([top | bottom]) or its bottom into buffer slot ``slot``; returns (the CUDA
+        event of the copy or None, bytes read)."""
+        import torch
+        import xxhash
+
+        from moe_offload.runtime.storage import ExpertReadError, expert_views
+
+        layer, expert = divmod(key, self.spec.num_experts)
+        r, I, H = self.rows[layer], self.intermediate, self.hidden
+        staging = self._staging_buffer()
+        array = staging.numpy()
+        if whole:
+            self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
+            views = expert_views(self.manifest, staging)
+            gate_up, down = views["gate_up_proj"], views["down_proj"]
+            compact = torch.cat([gate_up[:r].reshape(-1), gate_up[I:I + r].reshape(-1),
+                                 down[:, :r].reshape(-1), gate_up[r:I].reshape(-1),
+                                 gate_up[I + r:].reshape(-1), down[:, r:].reshape(-1)])
+            if r < I:
+                bottom = compact[3 * r * H:].view(torch.uint8).numpy()
+                self.bottom_digest[key] = xxhash.xxh3_64_hexdigest(bottom)
+            nbytes = self.manifest.expert_bytes
+            first = 0
+        else:
+            runs, nbytes = bottom_ranges(self.manifest, r)
+            self.store.read_runs(layer, expert, runs, memoryview(array[:nbytes]))
+            if self.store.verify and xxhash.xxh3_64_hexdigest(array[:nbytes]) != self.bottom_digest[key]:
+                path = self.manifest.layer_path(layer)
+                raise ExpertReadError(f"expert {expert} of layer {layer}: {path}: its bottom segment does not match "
+                                      "the bytes read and verified before (the file is corrupt or was replaced)")
+            compact = staging[:nbytes].view(self.stored)
+            first = 3 * r * H
+        destination = self.buffer.memory[slot][first:first + compact.numel()]
+        return self._copy(destination, compact, self.buffer.free_after[slot]), nbytes
+
+    def _copy_top(self, layer: int, slot: int, top_slot: int, landed_event):
+        """The top of the whole expert in buffer slot ``slot`` into ``top_slot`` of the layer's cache."""
+        pool = self.top_pools[layer]
+        source = self.buffer.memory[slot][:pool.memory.shape[1]]
+        return self._copy(pool.memory[top_slot], source, pool.free_after[top_slot], landed_event)
+
+    def _copy(self, destination, source, free_after, after=None):
+        """``destination.copy_(source)``; on CUDA on the copy stream once the slot's readers are done (and
+        ``after``), returning the copy's event (the staging buffer is reused only after it)."""
+        if self.device.type != "cuda":
+            destination.copy_(source)
+            return None
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        event = torch.cuda.Event()
+        with torch.cuda.stream(self._stream):
+            for wait in (free_after, after):
+                if wait is not None:
+                    self._stream.wait_event(wait)
+            destination.copy_(source, non_blocking=True)
+            event.record(self._stream)
+        self._staging_event = event
+        return event
+
+    def _staging_buffer(self):
+        """The worker's staging buffer (pinned with CUDA), once the copy that last read it has completed."""
+        import torch
+
+        if self._staging is None:
+            self._staging = torch.empty(self.manifest.expert_bytes, dtype=torch.uint8,
+                                        pin_memory=self.device.type == "cuda")
+            self._staging_event = None
+        if self._staging_event is not None:
+            self._staging_event.synchronize()
+            self._staging_event = None
+        return self._staging
