@@ -89,13 +89,36 @@ def bottom_ranges(manifest, rows: int) -> tuple[list[tuple[int, int]], int]:
 class SplitRunner(ModelRunner):
     """The model runner of a split run: its expert source yields each expert in parts (module doc)."""
 
-    def __init__(self, model, adapter, spec, path, counters, **options):
+    def __init__(self, model, adapter, spec, path, counters, *, online=None, **options):
+        """``online``: MoEpic's online reconfiguration (runtime/split_online.py), or None."""
         super().__init__(model, adapter, spec, path, counters, **options)
+        self.online = online
+        if online is not None:  # its statistics read every pass's routing and speculative gate predictions
+            self.needs_routing = self.needs_gate_prediction = True
         if self.prefetcher is not None and path.prefetches is not None:
-            # MoEpic's Y_i: the configuration's count alone (the runtime knows no link timings to derive one)
-            self.prefetcher.set_budget(PrefetchBudget(expert_load_seconds=math.nan,
-                                                      window_seconds=(math.nan,) * spec.num_layers,
-                                                      prefetches=path.prefetches))
+            self.prefetcher.set_budget(self._budget(path.prefetches))
+
+    def _budget(self, prefetches):
+        """MoEpic's Y_i: the configuration's count alone without a profile (the runtime derives no link timings of
+        its own), else with the online loop's profile."""
+        if self.online is not None:
+            return self.online.budget(prefetches)
+        return PrefetchBudget(expert_load_seconds=math.nan, window_seconds=(math.nan,) * self.spec.num_layers,
+                              prefetches=prefetches)
+
+    def _pass_end(self, module, args, output):
+        view, iteration = self.view, self.iteration
+        super()._pass_end(module, args, output)
+        if self.online is None or view is None:
+            return
+        config = self.online.after_pass(view, iteration)
+        if config is None:
+            return
+        split = self.path
+        with split.cond:
+            tokens = self.online.configurator.statistics.tokens
+            if split.reconfigure(config, iteration, tokens) and self.prefetcher is not None:
+                self.prefetcher.set_budget(self._budget(config.prefetches))
 
     def end_request(self, request: int) -> None:
         with self.path.cond:
@@ -104,6 +127,8 @@ class SplitRunner(ModelRunner):
                 self.prefetcher.on_request_end(request)
         if self.matcher is not None:
             self.matcher.submit("on_request_end", request, self.iteration)
+        if self.online is not None:
+            self.online.end_request(request)
         self.request_counters.pop(request, None)
 
     def layer_experts(self, layer: int, experts: list[int], tokens: list[list[int]]):

@@ -69,9 +69,8 @@ class SplitFastTier:
         self.stored = getattr(torch, manifest.dtype)
         self.rows = split_rows(config, self.intermediate, source)
         self.prefetches = config.prefetches  # Y_i of the configuration, or None
-        element_bytes = compute_dtype.itemsize
-        self.memory_bytes = (sum(plan.cached_experts * 3 * r * self.hidden for plan, r in zip(config.layers, self.rows))
-                             + spec.top_k * 3 * self.intermediate * self.hidden) * element_bytes
+        self.compute_dtype, self.budget_bytes = compute_dtype, budget_bytes
+        self.memory_bytes = self._memory(config, self.rows)
         if self.memory_bytes > budget_bytes:
             from moe_offload.hardware.profile import format_bytes
 
@@ -102,10 +101,18 @@ class SplitFastTier:
         self.failure: BaseException | None = None
         self.failed_key: int | None = None
         self.stopping = False
+        self.moving = False                # the worker is between taking a transfer and being done with it
+        self.reconfigurations: list[dict] = []  # online reconfiguration (runtime/split_online.py)
         self._stream = None  # CUDA: the copy stream
         self._staging = None
         self._worker = threading.Thread(target=self._run, name="moe-offload ssd->fast (split)", daemon=True)
         self._worker.start()
+
+    def _memory(self, config: SplitConfig, rows: list[int]) -> int:
+        """Bytes of the tops of ``config`` at ``rows`` and of the buffer of K whole experts."""
+        H = self.hidden
+        return (sum(plan.cached_experts * 3 * r * H for plan, r in zip(config.layers, rows))
+                + self.spec.top_k * 3 * self.intermediate * H) * self.compute_dtype.itemsize
 
     # --------------------------------------------------------------------------------------- state (locked)
     def parts(self, key: int) -> int:
@@ -260,6 +267,70 @@ class SplitFastTier:
         self._worker.join(timeout=5)
         self.store.close()
 
+    # ---------------------------------------------------------------------------------------- reconfiguration
+    def reconfigure(self, config: SplitConfig, iteration: int, tokens: int) -> bool:
+        """Apply ``config`` between two passes (runtime/split_online.py): nothing moves, nothing is buffered or
+        held, each layer's tops are cut to C_i by the policy's victims and moved into a pool of the new size,
+        re-read where the ratio changed. False, with nothing changed, when it would not fit in the fast budget.
+        Locked; the caller's pass is over (nothing pinned)."""
+        source = f"the online configuration after {tokens} tokens"
+        rows = split_rows(config, self.intermediate, source)
+        memory = self._memory(config, rows)
+        record = {"iteration": iteration, "tokens": tokens, "applied": memory <= self.budget_bytes,
+                  "memory_bytes": memory, "bytes_loaded": 0,
+                  "layers": [{"cache_size": p.cached_experts, "split_ratio": p.split_ratio, "rows": r,
+                              "prefetches": p.prefetches} for p, r in zip(config.layers, rows)]}
+        self.reconfigurations.append(record)
+        if not record["applied"]:
+            return False
+        for key in self.queue.waiting_prefetches():
+            self.queue.withdraw(key)
+        self.cond.wait_for(lambda: not self.moving and self.queue.on_wire is None)
+        self.raise_failure()
+        for key in list(self.landed):
+            self.consume(key)
+        for top in self.tops:
+            for key in list(top.held):
+                top.release(key)
+        self.predicted.clear()
+        for layer, (plan, r) in enumerate(zip(config.layers, rows)):
+            record["bytes_loaded"] += self._resize_layer(layer, plan.cached_experts, r)
+        self.cached_experts = [plan.cached_experts for plan in config.layers]
+        self.memory_bytes, self.prefetches = memory, config.prefetches
+        return True
+
+    def _resize_layer(self, layer: int, cached: int, rows: int) -> int:
+        """Layer ``layer`` caches ``cached`` tops of ``rows`` rows from now on; returns the bytes re-read."""
+        top, old_pool, old_rows = self.tops[layer], self.top_pools[layer], self.rows[layer]
+        if cached == old_pool.slots and rows == old_rows:
+            return 0
+        import torch
+
+        top.resize(cached, self.ctx)  # nothing is pinned or held: exactly C_i stay
+        with torch.inference_mode(False):  # called under generate's inference mode; the worker writes the pool too
+            pool = SlotPool(cached, 3 * rows * self.hidden, self.compute_dtype, self.device)
+        kept = {key: self.top_slot.pop(key) for key in list(top.resident)}
+        self.top_pools[layer], self.rows[layer] = pool, rows
+        moved = 0
+        for key, old_slot in kept.items():
+            self.top_slot[key] = slot = pool.take()
+            previous = self.top_ready.pop(key, None)
+            if rows == old_rows:  # the same top: copied from the old pool
+                event = self._copy(pool.memory[slot], old_pool.memory[old_slot], None, previous)
+            else:  # cut at another row: read the whole expert again (its bottom's checksum changes too)
+                started = time.perf_counter()
+                buffered = self.buffer.take()
+                try:
+                    landed, nbytes = self._load(key, buffered, whole=True)
+                    event = self._copy_top(layer, buffered, slot, landed)
+                finally:
+                    self.buffer.give_back(buffered)
+                self.counters.moved("ssd->fast", nbytes, time.perf_counter() - started)
+                moved += nbytes
+            if event is not None:
+                event.synchronize()  # CUDA: the old pool is freed on return
+        return moved
+
     # ------------------------------------------------------------------------------------------ the worker
     def _run(self) -> None:
         cond, queue, J = self.cond, self.queue, self.spec.num_experts
@@ -270,6 +341,7 @@ class SplitFastTier:
                     cond.wait()
                     continue
                 queue.start(0.0)
+                self.moving = True
                 key, prefetch = transfer.key, not transfer.demand
                 layer = key // J
                 whole = key not in self.tops[layer]
@@ -287,6 +359,7 @@ class SplitFastTier:
                 finally:
                     cond.acquire()
                 queue.finish()
+                self.moving = False
                 if error is not None:
                     self.buffer_slot.pop(key)
                     self.buffer.give_back(slot)
@@ -305,7 +378,12 @@ class SplitFastTier:
                     continue
                 cond.notify_all()
                 if whole:
-                    self._cache_top(key, slot, event, held=key not in self.pinned)
+                    self.moving = True
+                    try:
+                        self._cache_top(key, slot, event, held=key not in self.pinned)
+                    finally:
+                        self.moving = False
+                    cond.notify_all()
 
     def _cache_top(self, key: int, slot: int, landed_event, held: bool) -> None:
         """Copy the top of the whole expert in buffer slot ``slot`` into its layer's cache if the policy makes
