@@ -58,7 +58,8 @@ def test_online_reconfiguration_is_lossless_per_pass(split_checkpoint, start, pr
         split, seen = engine.split, set()
         for prompt in PROMPTS:
             rows_of_pass = []
-            hook = engine.model.model.register_forward_pre_hook(lambda *_: rows_of_pass.append(tuple(split.rows)))
+            hook = engine.model.model.register_forward_pre_hook(
+                lambda *_, passes=rows_of_pass: passes.append(tuple(split.rows)))
             result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
             hook.remove()
             seen.update(rows_of_pass)

@@ -43,7 +43,7 @@ from typing import Callable
 
 from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload import values
-from moe_offload.hardware.profile import HardwareProfile, format_bytes
+from moe_offload.hardware.profile import format_bytes
 from moe_offload.policies import ModelSpec, policy_factory, policy_info
 from moe_offload.prefetch import make_prefetcher, prefetcher_info
 from moe_offload.reporting.results import RunResult
@@ -221,27 +221,14 @@ class OffloadEngine:
             if hardware is not None:
                 raise ConfigError("hardware is the online configuration's: give a reconfiguration")
             return None, None
-        from moe_offload.runtime.split import load_split_config
-        from moe_offload.runtime.split_online import OnlineSplit, intermediate_rows, uniform_start
+        from moe_offload.runtime.split_online import split_plan
 
-        if split_config is None:
-            config, source = uniform_start(budget_bytes, self.compute_expert_bytes, intermediate_rows(self.manifest),
-                                           self.spec)
-        else:
-            config, source = load_split_config(split_config)
+        (config, source), online = split_plan(split_config, reconfiguration, hardware, self.manifest, self.spec,
+                                              self.compute_expert_bytes, budget_bytes)
         for given, what in ((host_budget, "a host tier"), (preload, "preloading")):
             if given:
                 raise ConfigError(f"{source}: the split runtime loads into the tops and the buffer from the files; it "
                                   f"does not run with {what} yet")
-        m = self.manifest
-        config.check_model(m.num_layers, m.num_experts, self.compute_expert_bytes, source)  # memory: SplitFastTier
-        online = None
-        if reconfiguration is not None:
-            from moe_offload.hardware import resolve_profile
-
-            profile = hardware if isinstance(hardware, HardwareProfile) else resolve_profile(hardware)
-            online = OnlineSplit(reconfiguration, config, profile, self.spec, m, self.compute_expert_bytes,
-                                 budget_bytes)
         return (config, source), online
 
     def _slots(self, budget_bytes: int, slot_bytes: int) -> int:

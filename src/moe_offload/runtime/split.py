@@ -1,15 +1,15 @@
-"""MoEpic's split experts in the runtime (paper 004, sections 3.1-3.2): what `generate --split-config` runs.
+"""MoEpic's split experts in the runtime (paper 004, sections 3.1-3.4): what `generate --split-config` runs.
 
 The configuration is the one `moe-offload configure` writes and the timed simulator runs
-(simulator/split.py: per layer i, C_i cached tops and the split ratio theta_i). In the runtime an expert is
-split along its intermediate dimension: its *top* is intermediate rows [0, r_i) (gate rows, up rows and
-down columns [0, r_i)), r_i = round(theta_i I) of the I rows (at least one), its *bottom* the rest. The
-fast memory holds
+(simulator/split.py: per layer i, C_i cached tops, the split ratio theta_i and the prefetch count Y_i). In the
+runtime an expert is split along its intermediate dimension: its *top* is intermediate rows [0, r_i) (gate
+rows, up rows and down columns [0, r_i)), r_i = round(theta_i I) of the I rows (at least one), its *bottom*
+the rest. The fast memory (runtime/split_tier.py) holds
 
-- per layer, a cache of C_i tops (an ExpertCache of C_i entries with the run's eviction policy, over a
-  pool of C_i top-sized slots), and
-- one prefetch buffer of K whole experts (the paper's U_b, K = top-k): a slot holds an expert's bottom, or
-  its whole copy when its top is not cached.
+- per layer, a cache of C_i tops (an ExpertCache of C_i entries with the run's eviction policy, over a pool of
+  C_i top-sized slots), and
+- one buffer of K whole experts (the paper's U_b, K = top-k): a slot holds an expert's bottom, or its whole
+  copy when its top is not cached.
 
 A layer's expert whose top is cached loads only its bottom; otherwise the whole expert is loaded into the
 buffer and its top is copied into the layer's cache if the policy makes room (never evicting a top the
@@ -17,6 +17,12 @@ layer computes with). The expert computes its top part as soon as it has its top
 when the bottom lands (models/experts.py adds them in a fixed order): the top's compute overlaps the
 bottom's transfer. A buffer slot is freed once its expert has computed. The memory of a split run is the
 tops and the buffer, which is what a split run and an unsplit one are compared at.
+
+A prefetcher (MoEpic's speculative one: its Y_i from the configuration) fills free buffer slots ahead of the
+router with the predicted experts' bottoms, or whole experts when their top is not cached, as the timed
+simulator's split run does (split_tier.py says how: never evicting what the current layer computes with,
+dropped when its layer is routed without it). MoEpic's online loop (split_online.py) reconfigures the tops
+every tau tokens between two passes.
 
 A slot holds a part in the *segment layout*: gate rows, up rows (together ``gate_up_proj`` [2r, H]), then
 the down columns as a row-major [H, r] block (``down_proj``); a buffer slot is [top | bottom] in that
@@ -28,12 +34,14 @@ was read and verified: a top is cached only from a whole read, so every bottom-o
 
 Lossless: the parts are the same contiguous tensors as the all-resident reference's
 (models/experts.py ``split_parts``) and are added in the same order, so a split run gives the tokens and
-logits of the all-resident model computing with the same split, whatever the budget. What is not done here:
-prefetching (MoEpic's Y_i), a host tier, preloading and online reconfiguration; the engine refuses them with
-a split configuration.
+logits of the all-resident model computing with the same split, whatever the budget, policy or prefetcher
+(with online reconfiguration: with the split in force in each pass, split_online.py). What is not done
+here: a host tier and preloading; the engine refuses them with a split configuration.
 
-Counters: an access is a *hit* when the expert's top is cached (its bottom is always loaded, unless theta is
-1), a miss loads the whole expert; both count as demand loads when bytes move.
+Counters: an access is a *hit* when the expert's top is in fast memory when its layer is routed (cached, or in
+a prefetched whole copy; its bottom is loaded unless theta is 1 or a prefetch brought it), a miss loads the
+whole expert; either counts as a demand load when bytes move on demand. (The timed simulator's split hit is an
+expert complete when routed.)
 """
 
 from __future__ import annotations

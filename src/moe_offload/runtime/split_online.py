@@ -87,6 +87,26 @@ def uniform_start(budget_bytes: int, expert_bytes: int, intermediate: int, spec)
     return fit_rows(config, intermediate, expert_bytes, spec.top_k, budget_bytes), source
 
 
+def split_plan(split_config, reconfiguration, hardware, manifest, spec, fast_expert_bytes: int, budget_bytes: int):
+    """((configuration, its name for messages), OnlineSplit or None) of a split run: ``split_config`` (a path or a
+    SplitConfig) or, with ``reconfiguration`` alone, the uniform start; checked against the model (the memory is
+    SplitFastTier's to check). ``hardware``: a profile, its name or file, for the online loop (default: the
+    timed simulator's default profile)."""
+    from moe_offload.hardware import HardwareProfile, resolve_profile
+    from moe_offload.runtime.split import load_split_config
+
+    if split_config is None:
+        config, source = uniform_start(budget_bytes, fast_expert_bytes, intermediate_rows(manifest), spec)
+    else:
+        config, source = load_split_config(split_config)
+    config.check_model(spec.num_layers, spec.num_experts, fast_expert_bytes, source)
+    online = None
+    if reconfiguration is not None:
+        profile = hardware if isinstance(hardware, HardwareProfile) else resolve_profile(hardware)
+        online = OnlineSplit(reconfiguration, config, profile, spec, manifest, fast_expert_bytes, budget_bytes)
+    return (config, source), online
+
+
 class OnlineSplit:
     """The statistics and allocation of one split run (module doc); ``after_pass`` returns the configuration to
     apply when tau tokens have passed since the last one, else None."""

@@ -22,6 +22,12 @@ Prefetching follows the timed simulator's split run (simulator/split.py, simulat
   demand loads), its landed segments that it does not need leave the buffer, its held tops that it does not
   need are released; a prefetch landing after its layer was routed without it leaves the buffer at once.
 
+One difference from the simulator: its buffer counts bytes (K experts' worth, so it holds more than K bottoms
+when they are small), while a runtime slot holds one segment, a bottom as a whole expert would: at most K
+segments are buffered at once, fewer prefetches land ahead of a layer than the simulator lets when Y_i > K.
+Packing several bottoms into one slot needs an allocator of contiguous ranges that a segment's lifetime does
+not fragment; not done.
+
 Counters (engine's): a prefetch is *issued* when it goes on the wire, *used* when its layer is routed to it
 (landed or still on the wire: no demand load then), *wasted* when its segment leaves the buffer unused.
 """
