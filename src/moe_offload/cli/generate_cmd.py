@@ -28,7 +28,7 @@ def register(subparsers) -> None:
                         help="run MoEpic's split experts as `moe-offload configure --json` wrote them: per layer, the "
                              "cached top segments and the split ratio, plus a buffer of top-k experts, all within "
                              "--fast-budget; the tokens are the all-resident model's computing with the same split; "
-                             "--prefetch moepic takes the configuration's prefetch count per layer (no host tier yet)")
+                             "--prefetch moepic takes the configuration's prefetch count per layer; --host-budget adds a host tier")
     parser.add_argument("--reconfigure-every", type=int, metavar="TAU",
                         help="MoEpic's online configurator (paper 004, Algorithm 1): rerun the split configuration "
                              "every TAU tokens from the routing seen so far and resize the running tops between two "

@@ -142,8 +142,7 @@ class OffloadEngine:
                               "engine does not know; use it in `moe-offload simulate`")
         fast_budget_bytes = values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget")
         fast_slots = self._slots(fast_budget_bytes, self.compute_expert_bytes)
-        split, online = self._read_split(split_config, host_budget, preload, reconfiguration, hardware,
-                                         fast_budget_bytes)
+        split, online = self._read_split(split_config, preload, reconfiguration, hardware, fast_budget_bytes)
         if fast_slots < m.top_k and split is None:
             raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
                               f"({format_bytes(m.top_k * self.compute_expert_bytes)}, "
@@ -169,7 +168,7 @@ class OffloadEngine:
             from moe_offload.runtime.split_tier import SplitFastTier
 
             self.split = self.path = SplitFastTier(*split, m, self.store, self.counters, self.spec, make, self.device,
-                                                   self.compute_dtype, fast_budget_bytes)
+                                                   self.compute_dtype, fast_budget_bytes, host_slots)
             self.tiers = []
         else:
             self.tiers = self._make_tiers(info.partitioned, make, fast_slots, host_slots)
@@ -214,7 +213,7 @@ class OffloadEngine:
                               cpu, stored))
         return tiers
 
-    def _read_split(self, split_config, host_budget, preload, reconfiguration, hardware, budget_bytes):
+    def _read_split(self, split_config, preload, reconfiguration, hardware, budget_bytes):
         """((configuration, its name), its online loop or None) of a split run, checked against the model; (None,
         None) without one."""
         if split_config is None and reconfiguration is None:
@@ -225,10 +224,9 @@ class OffloadEngine:
 
         (config, source), online = split_plan(split_config, reconfiguration, hardware, self.manifest, self.spec,
                                               self.compute_expert_bytes, budget_bytes)
-        for given, what in ((host_budget, "a host tier"), (preload, "preloading")):
-            if given:
-                raise ConfigError(f"{source}: the split runtime loads into the tops and the buffer from the files; it "
-                                  f"does not run with {what} yet")
+        if preload:
+            raise ConfigError(f"{source}: the split runtime loads into the tops and the buffer as experts are needed; "
+                              "it does not preload yet")
         return (config, source), online
 
     def _slots(self, budget_bytes: int, slot_bytes: int) -> int:
@@ -421,9 +419,13 @@ class OffloadEngine:
             cache_bytes=self.split.memory_bytes if self.split else self.tiers[0].cache.capacity,
             on_demand_loads=c.on_demand_loads,
             bytes_per_link=dict(c.bytes_per_link),
-            tier_requests={"fast": c.accesses, **({"host": c.on_demand_loads} if len(self.tiers) > 1 else {})},
-            tier_hits={"fast": c.hits, **({"host": c.host_hits} if len(self.tiers) > 1 else {})},
+            tier_requests={"fast": c.accesses, **({"host": c.on_demand_loads} if self._has_host else {})},
+            tier_hits={"fast": c.hits, **({"host": c.host_hits} if self._has_host else {})},
             bytes_loaded=sum(v for k, v in c.bytes_per_link.items() if k.endswith("->fast")))
+
+    @property
+    def _has_host(self) -> bool:
+        return len(self.tiers) > 1 or (self.split is not None and self.split.host is not None)
 
     @property
     def stats(self) -> RunResult:

@@ -35,8 +35,9 @@ was read and verified: a top is cached only from a whole read, so every bottom-o
 Lossless: the parts are the same contiguous tensors as the all-resident reference's
 (models/experts.py ``split_parts``) and are added in the same order, so a split run gives the tokens and
 logits of the all-resident model computing with the same split, whatever the budget, policy or prefetcher
-(with online reconfiguration: with the split in force in each pass, split_online.py). What is not done
-here: a host tier and preloading; the engine refuses them with a split configuration.
+(with online reconfiguration: with the split in force in each pass, split_online.py). A host tier
+(``host_budget``) holds whole experts as stored between the files and the fast memory (split_tier.py).
+Preloading is not done here; the engine refuses it with a split configuration.
 
 Counters: an access is a *hit* when the expert's top is in fast memory when its layer is routed (cached, or in
 a prefetched whole copy; its bottom is loaded unless theta is 1 or a prefetch brought it), a miss loads the
@@ -167,10 +168,12 @@ class SplitRunner(ModelRunner):
                 c.hits += hit
                 c.per_layer_hits[layer] += hit
                 demand = split.needs_bytes(key) and split.demand(key)
+                from_host = demand and split.host is not None and key in split.host
                 c.on_demand_loads += demand
+                c.host_hits += from_host
                 for counters, n in zip(own, counts):
                     if counters is not None and n:
-                        counters.count_access(layer, hit, demand, used, False)
+                        counters.count_access(layer, hit, demand, used, from_host)
                 for request in ctx.routed:
                     self.keys_of.setdefault(request, set()).add(key)
             ctx.routed = None

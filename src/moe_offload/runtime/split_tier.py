@@ -6,6 +6,13 @@ slot holds one expert's bottom, or its whole copy when its top is not cached. On
 link from the files, in the order of the timed simulator's TransferQueue (simulator/transfers.py): demand
 loads first, then prefetches by priority, never one expert twice.
 
+With a host tier (``host_budget``), an LRU cache of whole experts as stored in host memory (pinned with CUDA),
+every load comes through it: an expert it lacks is read there whole from the files (the pack's checked chunk
+reads, ``ssd->host``), then its bottom or its whole copy goes to the fast memory (``host->fast``: a bottom is
+gathered from the host copy's byte ranges). The one worker does both hops in turn, where the unsplit data path
+(runtime/datapath.py) runs a worker per link and overlaps them; a demand load that finds its expert there
+counts as a host hit.
+
 Prefetching follows the timed simulator's split run (simulator/split.py, simulator/timed/tiers.py):
 
 - a proposal for a layer ahead (after the last layer's router every layer is ahead: layer 0 of the next
@@ -66,7 +73,9 @@ class SplitFastTier:
     waiting for the link and the one on it."""
 
     def __init__(self, config: SplitConfig, source: str, manifest, store, counters, spec, make_policy, device,
-                 compute_dtype, budget_bytes: int):
+                 compute_dtype, budget_bytes: int, host_slots: int = 0):
+        """``host_slots``: whole experts, as stored, that a host tier between the files and the fast memory holds
+        (0: none; module doc)."""
         import torch
 
         self.manifest, self.store, self.counters, self.spec = manifest, store, counters, spec
@@ -100,7 +109,18 @@ class SplitFastTier:
         self.ctx = AccessContext()
         self.pinned: set[int] = set()
         self.ctx.pinned = self.pinned
-        self.queue = TransferQueue(Link("ssd", "fast", math.inf, 0.0), _Landed(self.landed))
+        self.host = self.host_pool = None
+        if host_slots:
+            from moe_offload.policies import policy_info
+
+            self.host = ExpertCache(host_slots, policy_info("lru").policy(spec))
+            self.host_pool = SlotPool(host_slots, manifest.expert_bytes // self.stored.itemsize, self.stored,
+                                      torch.device("cpu"), pin=device.type == "cuda")
+            self.host.on_evict = lambda key: self.host_pool.give_back(self.host_slot.pop(key))
+        self.host_slot: dict[int, int] = {}
+        self.host_ctx = AccessContext()
+        self.queue = TransferQueue(Link("host" if host_slots else "ssd", "fast", math.inf, 0.0),
+                                   _Landed(self.landed))
         self.prefetched_unused: set[int] = set()  # prefetches on the wire or landed, not used yet
         self.predicted: set[int] = set()  # complete, proposed since their layer was routed
         self.layer_now = -1               # the last routed layer of the running pass; -1 after its last
@@ -327,11 +347,11 @@ class SplitFastTier:
                 started = time.perf_counter()
                 buffered = self.buffer.take()
                 try:
-                    landed, nbytes = self._load(key, buffered, whole=True)
+                    landed, nbytes, link = self._load(key, buffered, whole=True)
                     event = self._copy_top(layer, buffered, slot, landed)
                 finally:
                     self.buffer.give_back(buffered)
-                self.counters.moved("ssd->fast", nbytes, time.perf_counter() - started)
+                self.counters.moved(link, nbytes, time.perf_counter() - started)
                 moved += nbytes
             if event is not None:
                 event.synchronize()  # CUDA: the old pool is freed on return
@@ -359,7 +379,7 @@ class SplitFastTier:
                 cond.release()
                 started, error, event = time.perf_counter(), None, None
                 try:
-                    event, nbytes = self._load(key, slot, whole)
+                    event, nbytes, link = self._load(key, slot, whole)
                 except BaseException as exc:  # reported to the compute thread, which raises it
                     error = exc
                 finally:
@@ -375,7 +395,7 @@ class SplitFastTier:
                         self.failure, self.failed_key = error, key
                     cond.notify_all()
                     continue
-                self.counters.moved("ssd->fast", nbytes, time.perf_counter() - started)
+                self.counters.moved(link, nbytes, time.perf_counter() - started)
                 self.landed[key] = whole
                 if event is not None:
                     self.ready[key] = event
@@ -422,8 +442,8 @@ class SplitFastTier:
         self.cond.notify_all()
 
     def _load(self, key: int, slot: int, whole: bool):
-        """Write ``key``'s whole expert ([top | bottom]) or its bottom into buffer slot ``slot``; returns (the CUDA
-        event of the copy or None, bytes read)."""
+        """Write ``key``'s whole expert ([top | bottom]) or its bottom into buffer slot ``slot``, from the host tier
+        when there is one; returns (the CUDA event of the copy or None, bytes read, the link they came over)."""
         import torch
         import xxhash
 
@@ -433,9 +453,11 @@ class SplitFastTier:
         r, I, H = self.rows[layer], self.intermediate, self.hidden
         staging = self._staging_buffer()
         array = staging.numpy()
+        host = self._host_copy(key) if self.host is not None else None
         if whole:
-            self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
-            views = expert_views(self.manifest, staging)
+            if host is None:
+                self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
+            views = expert_views(self.manifest, staging if host is None else host)
             gate_up, down = views["gate_up_proj"], views["down_proj"]
             compact = torch.cat([gate_up[:r].reshape(-1), gate_up[I:I + r].reshape(-1),
                                  down[:, :r].reshape(-1), gate_up[r:I].reshape(-1),
@@ -447,15 +469,51 @@ class SplitFastTier:
             first = 0
         else:
             runs, nbytes = bottom_ranges(self.manifest, r)
-            self.store.read_runs(layer, expert, runs, memoryview(array[:nbytes]))
-            if self.store.verify and xxhash.xxh3_64_hexdigest(array[:nbytes]) != self.bottom_digest[key]:
+            if host is not None:  # the host copy was read and verified whole
+                copied, source = 0, host.numpy()
+                for offset, length in runs:
+                    array[copied:copied + length] = source[offset:offset + length]
+                    copied += length
+            else:
+                self.store.read_runs(layer, expert, runs, memoryview(array[:nbytes]))
+            if host is None and self.store.verify \
+                    and xxhash.xxh3_64_hexdigest(array[:nbytes]) != self.bottom_digest[key]:
                 path = self.manifest.layer_path(layer)
                 raise ExpertReadError(f"expert {expert} of layer {layer}: {path}: its bottom segment does not match "
                                       "the bytes read and verified before (the file is corrupt or was replaced)")
             compact = staging[:nbytes].view(self.stored)
             first = 3 * r * H
         destination = self.buffer.memory[slot][first:first + compact.numel()]
-        return self._copy(destination, compact, self.buffer.free_after[slot]), nbytes
+        link = "ssd->fast" if host is None else "host->fast"
+        return self._copy(destination, compact, self.buffer.free_after[slot]), nbytes, link
+
+    def _host_copy(self, key: int):
+        """``key``'s bytes as stored, in the host tier (an LRU cache of whole experts), read there from the files
+        first (checked chunk reads) when it is not; the worker's only (no copy reads a host slot afterwards)."""
+        import torch
+
+        layer, expert = divmod(key, self.spec.num_experts)
+        with self.cond:
+            ctx = self.host_ctx
+            ctx.clock += 1
+            if self.host.touch(key, ctx):
+                return self.host_pool.memory[self.host_slot[key]].view(torch.uint8)
+            self.host.reserve(key, ctx, 1)  # nothing is pinned in it: the worker reads one expert at a time
+            slot = self.host_slot[key] = self.host_pool.take()
+        memory = self.host_pool.memory[slot].view(torch.uint8)
+        array = memory.numpy()
+        started = time.perf_counter()
+        try:
+            self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
+        except BaseException:
+            with self.cond:
+                self.host.cancel(key)
+                self.host_pool.give_back(self.host_slot.pop(key))
+            raise
+        with self.cond:
+            self.counters.moved("ssd->host", self.manifest.expert_bytes, time.perf_counter() - started)
+            self.host.complete(key, ctx)
+        return memory
 
     def _copy_top(self, layer: int, slot: int, top_slot: int, landed_event):
         """The top of the whole expert in buffer slot ``slot`` into ``top_slot`` of the layer's cache."""
