@@ -1,5 +1,5 @@
-"""MoEpic's split in the runtime against the unsplit runtime at equal fast memory, on the bundled tiny Mixtral,
-measured in one run (ratios; the machine may be shared and noisy).
+"""MoEpic's split in the runtime, with and without its speculative prefetch, against the unsplit runtime at equal
+fast memory, on the bundled tiny Mixtral, measured in one run (ratios; the machine may be shared and noisy).
 
     python benchmarks/runtime_split.py [--budgets 16,32] [--uniform 0.25,0.5] [--prompts 2]
         [--max-new-tokens 16] [--reps 3] [--device cpu|cuda] [--json FILE]
@@ -7,12 +7,14 @@ measured in one run (ratios; the machine may be shared and noisy).
 For each VRAM budget V_e (experts' worth, `configure --vram-budget`), the split configurations are what
 `moe-offload configure tiny --vram-budget V_e --hardware desktop-rtx4090 --json` writes, and, per ratio theta of
 ``--uniform``, every layer caching round(V_e / L / theta) tops of ratio theta. Each split run's fast memory
-(its tops and the buffer of K experts) is the unsplit run's fast budget; both use LRU, no prefetching, and
-generate greedily for the same prompts, alternating split and unsplit ``--reps`` times (fresh engines, cold
-fast memory): TPOT is the median over repetitions of the mean over prompts. Every split run's tokens are
-checked against the all-resident model computing with the same split, every unsplit run's against the
-all-resident model; the table also says whether the split reference's tokens equal the unsplit model's and
-its largest logit difference.
+(its tops and the buffer of K experts) is the unsplit run's fast budget. Each configuration runs three ways:
+split with MoEpic's speculative prefetch (`--prefetch moepic`: Y_i from `configure`'s file, top-k for the
+uniform ones, which give no Y), split without prefetching, and unsplit without prefetching; all use LRU and
+generate greedily for the same prompts, the three alternating ``--reps`` times (fresh engines, cold fast
+memory): TPOT is the median over repetitions of the mean over prompts. Every split run's tokens are checked
+against the all-resident model computing with the same split, every unsplit run's against the all-resident
+model; the table also says whether the split reference's tokens equal the unsplit model's and its largest
+logit difference. Threads: PyTorch's defaults (the machine's cores).
 """
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ def timed(packed, prompts, max_new_tokens, device, **options):
         results = [engine.generate(prompt, max_new_tokens=max_new_tokens) for prompt in prompts]
         stats = engine.stats
         memory = engine.split.memory_bytes if engine.split else stats.cache_bytes
+    prefetch = (stats.prefetches_used, stats.prefetches_issued) if stats.prefetches_issued is not None else None
     return ([r.token_ids for r in results], statistics.mean(r.stats.tpot_seconds for r in results),
-            stats.hit_rate, sum(stats.bytes_per_link.values()), memory)
+            stats.hit_rate, sum(stats.bytes_per_link.values()), memory, prefetch)
 
 
 def main(argv=None) -> int:
@@ -148,29 +151,44 @@ def main(argv=None) -> int:
             same_tokens = [t for t, _ in split_ref] == [t for t, _ in unsplit_reference]
             logit_gap = max(float((a - b).abs().max()) for (_, la), (_, lb) in zip(split_ref, unsplit_reference)
                             for a, b in zip(la, lb))
-            split_tpots, unsplit_tpots = [], []
+            prefetch_tpots, split_tpots, unsplit_tpots = [], [], []
             for _ in range(args.reps):
-                tokens, tpot, split_hits, split_bytes, memory = timed(packed, prompts, args.max_new_tokens, args.device,
-                                                                      fast_budget="100%", split_config=config)
+                tokens, tpot, prefetch_hits, prefetch_bytes, _, (used, issued) = timed(
+                    packed, prompts, args.max_new_tokens, args.device, fast_budget="100%", split_config=config,
+                    prefetch="moepic")
+                if tokens != [t for t, _ in split_ref]:
+                    raise SystemExit(f"LOSSLESS VIOLATION: split + moepic {name} at V_e={budget}")
+                prefetch_tpots.append(tpot)
+                tokens, tpot, split_hits, split_bytes, memory, _ = timed(packed, prompts, args.max_new_tokens,
+                                                                         args.device, fast_budget="100%",
+                                                                         split_config=config)
                 if tokens != [t for t, _ in split_ref]:
                     raise SystemExit(f"LOSSLESS VIOLATION: split {name} at V_e={budget}")
                 split_tpots.append(tpot)
-                tokens, tpot, unsplit_hits, unsplit_bytes, _ = timed(packed, prompts, args.max_new_tokens, args.device,
-                                                                     fast_budget=str(memory))
+                tokens, tpot, unsplit_hits, unsplit_bytes, _, _ = timed(packed, prompts, args.max_new_tokens,
+                                                                        args.device, fast_budget=str(memory))
                 if tokens != [t for t, _ in unsplit_reference]:
                     raise SystemExit(f"LOSSLESS VIOLATION: unsplit at {memory} bytes")
                 unsplit_tpots.append(tpot)
             split_tpot, unsplit_tpot = statistics.median(split_tpots), statistics.median(unsplit_tpots)
+            prefetch_tpot = statistics.median(prefetch_tpots)
             row = {"vram_budget_experts": budget, "config": name,
                    "cached": [p.cached_experts for p in config.layers],
                    "ratios": [p.split_ratio for p in config.layers], "fast_bytes": memory,
-                   "split_tpot_s": split_tpot, "unsplit_tpot_s": unsplit_tpot, "split_over_unsplit": split_tpot / unsplit_tpot,
+                   "split_prefetch_tpot_s": prefetch_tpot, "split_tpot_s": split_tpot, "unsplit_tpot_s": unsplit_tpot,
+                   "split_over_unsplit": split_tpot / unsplit_tpot,
+                   "split_prefetch_over_unsplit": prefetch_tpot / unsplit_tpot,
+                   "split_prefetch_hit_rate": prefetch_hits, "split_prefetch_bytes_moved": prefetch_bytes,
+                   "prefetches_used": used, "prefetches_issued": issued,
                    "split_hit_rate": split_hits, "unsplit_hit_rate": unsplit_hits, "split_bytes_moved": split_bytes,
                    "unsplit_bytes_moved": unsplit_bytes, "reference_tokens_equal_unsplit": same_tokens,
                    "reference_max_logit_difference": logit_gap}
             rows.append(row)
-            print(f"V_e={budget:>3} {name:<11} fast {memory / 2**20:6.2f} MiB  split TPOT {split_tpot * 1e3:6.2f} ms  "
-                  f"unsplit {unsplit_tpot * 1e3:6.2f} ms  x{row['split_over_unsplit']:.2f}  hit(top) "
+            print(f"V_e={budget:>3} {name:<11} fast {memory / 2**20:6.2f} MiB  TPOT split+moepic "
+                  f"{prefetch_tpot * 1e3:6.2f} ms (x{row['split_prefetch_over_unsplit']:.2f}, prefetches used "
+                  f"{used}/{issued}, hit {prefetch_hits:.0%}, moved {prefetch_bytes / 2**20:.0f} MiB)  split "
+                  f"{split_tpot * 1e3:6.2f} ms  unsplit {unsplit_tpot * 1e3:6.2f} ms  "
+                  f"x{row['split_over_unsplit']:.2f}  hit(top) "
                   f"{split_hits:.0%} vs {unsplit_hits:.0%}  moved {split_bytes / 2**20:.0f} vs "
                   f"{unsplit_bytes / 2**20:.0f} MiB  reference: tokens {'=' if same_tokens else '!='} unsplit, "
                   f"max |logit diff| {logit_gap:.2e}", flush=True)

@@ -27,14 +27,18 @@ LAYERS, EXPERTS, TOP_K, HIDDEN, INTERMEDIATE = 3, 6, 2, 32, 48  # tests/model_co
 FLOAT32 = 4
 
 
-@pytest.fixture(scope="module")
-def split_checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("split")
+def make_checkpoint(root):
+    """The tiny random Mixtral saved in float16 with a tokenizer under ``root``/model, packed under ``root``/packed."""
     model, _ = build("mixtral", seed=3)
     model.half().save_pretrained(root / "model")
     tiny_tokenizer().save_pretrained(root / "model")
     pack_model(root / "model", root / "packed")
     return root
+
+
+@pytest.fixture(scope="module")
+def split_checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("split"))
 
 
 _REFERENCES: dict = {}
@@ -171,8 +175,8 @@ def test_generate_split_config_errors_are_one_line(split_checkpoint, tmp_path, c
         code = main(["generate", "hi", "--model", packed, "--device", "cpu", "--split-config", str(path)])
         err = capsys.readouterr().err
         assert code == 2 and problem in err and str(path) in err and len(err.strip().splitlines()) == 1
-    with pytest.raises(ConfigError, match="prefetcher"):
-        OffloadEngine(packed, fast_budget="100%", device="cpu", prefetch="topk",
+    with pytest.raises(ConfigError, match="does not preload"):
+        OffloadEngine(packed, fast_budget="100%", device="cpu", preload=True,
                       split_config=config([2] * LAYERS, [0.5] * LAYERS))
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"layers": [{"cache_size": 3, "split_ratio": 0.5}] * LAYERS}))
@@ -247,4 +251,46 @@ def test_bottom_reads_retry_transient_errors_continue_short_reads_and_name_a_fai
                        split_config=config([4] * LAYERS, [0.5] * LAYERS)) as engine:
         with pytest.raises(ExpertReadError, match=r"expert \d+ of layer \d+: .*\.bin \(bytes \d+..\d+\): read failed"):
             engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
-        assert not engine.split.buffer_slot and len(engine.split.buffer.free) == TOP_K  # nothing left behind
+        split = engine.split
+        with split.cond:  # a read that started before the failure ends in one too: then nothing is left behind
+            assert split.cond.wait_for(lambda: split.queue.on_wire is None, timeout=10)
+            assert not split.buffer_slot and len(split.buffer.free) == TOP_K
+
+
+@pytest.mark.parametrize("host_budget, prefetch", [("1", None), ("25%", "moepic"), ("100%", None), ("100%", "moepic")])
+def test_a_host_tier_between_the_files_and_the_split_stays_lossless(split_checkpoint, host_budget, prefetch):
+    """The host tier holds whole experts as stored ("1" byte rounds up to no expert: refused; one expert is the
+    least); loads come through it, lossless with and without prefetching, batches included."""
+    if host_budget == "1":
+        with pytest.raises(ConfigError, match="cannot hold one expert"):
+            OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu", host_budget=host_budget,
+                          split_config=config([2] * LAYERS, [0.5] * LAYERS))
+        host_budget = str(read_manifest(split_checkpoint / "packed").expert_bytes)
+    expected = reference(split_checkpoint, (24, 12, 36))
+    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu", host_budget=host_budget,
+                       prefetch=prefetch, split_config=config([2, 4, 3], [0.5, 0.25, 0.75])) as engine:
+        for prompt, (tokens, logits) in expected.items():
+            result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
+            assert result.token_ids == tokens
+            assert all(torch.equal(a, b) for a, b in zip(result.logits, logits))
+        outs = engine.generate_batch(PROMPTS, max_new_tokens=NEW_TOKENS)
+        assert [out.token_ids for out in outs] == [expected[prompt][0] for prompt in PROMPTS]
+        assert "ssd->fast" not in engine.stats.bytes_per_link  # every load came through the host tier
+
+
+def test_the_host_tier_reads_each_expert_from_the_files_once_and_the_fast_memory_from_it(split_checkpoint):
+    """All 18 experts fit in the host tier: the files give each routed expert once (ssd->host), the host tier
+    gives the fast memory what the split loads (host->fast: a whole expert per miss, 24 of 48 rows per hit), and
+    every demand load after an expert's first is a host hit."""
+    manifest = read_manifest(split_checkpoint / "packed")
+    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu", host_budget="100%",
+                       split_config=config([2] * LAYERS, [0.5] * LAYERS)) as engine:
+        for _ in range(2):
+            engine.generate(PROMPTS[1], max_new_tokens=NEW_TOKENS)
+        stats, host = engine.stats, engine.split.host
+        first_reads = len(host)
+        assert stats.bytes_per_link["ssd->host"] == first_reads * manifest.expert_bytes
+        bottom = manifest.expert_bytes * 24 // 48
+        assert stats.bytes_per_link["host->fast"] == stats.misses * manifest.expert_bytes + stats.hits * bottom
+        assert stats.tier_requests["host"] == stats.on_demand_loads
+        assert stats.tier_hits["host"] == stats.on_demand_loads - first_reads

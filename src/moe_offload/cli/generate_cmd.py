@@ -27,8 +27,19 @@ def register(subparsers) -> None:
     parser.add_argument("--split-config", default=None, metavar="FILE.json",
                         help="run MoEpic's split experts as `moe-offload configure --json` wrote them: per layer, the "
                              "cached top segments and the split ratio, plus a buffer of top-k experts, all within "
-                             "--fast-budget; the tokens are the all-resident model's computing with the same split "
-                             "(no prefetcher or host tier yet)")
+                             "--fast-budget; the tokens are the all-resident model's computing with the same split; "
+                             "--prefetch moepic takes the configuration's prefetch count per layer; --host-budget adds a host tier")
+    parser.add_argument("--reconfigure-every", type=int, metavar="TAU",
+                        help="MoEpic's online configurator (paper 004, Algorithm 1): rerun the split configuration "
+                             "every TAU tokens from the routing seen so far and resize the running tops between two "
+                             "passes (the paper's tau is 5000); starts from --split-config, or from the uniform "
+                             "allocation with split ratio 0.5 on --fast-budget less the buffer of top-k experts")
+    parser.add_argument("--granularity", type=float, default=None, metavar="ZETA",
+                        help="share of the budget the online configurator moves between two layers per step "
+                             "(default 0.01, the paper's)")
+    parser.add_argument("--hardware", metavar="PRESET|FILE",
+                        help="the hardware profile whose timings the online configurator plans with (default "
+                             "desktop-rtx4090; `moe-offload hardware list`)")
     parser.add_argument("--json", metavar="FILE", default=None,
                         help="also write the run's result record, with the prompt, the text and the token ids, as JSON")
     parser.set_defaults(run=run)
@@ -77,13 +88,14 @@ def run(args: argparse.Namespace) -> int:
         from moe_offload.simulator.split import read_split_config
 
         read_split_config(args.split_config)
+    reconfiguration = online_reconfiguration(args)
     policy_options, prefetch_options = runtime_options(args)
     prompt = chat_prompt(args.prompt) if args.chat else args.prompt
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
                   policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
                   prefetch_history=args.prefetch_history, device=args.device,
                   bypass_page_cache=args.bypass_page_cache, matcher=args.matcher,
-                  split_config=args.split_config)
+                  split_config=args.split_config, reconfiguration=reconfiguration, hardware=args.hardware)
     with engine:
         sys.stdout.write(prompt)
         sys.stdout.flush()
@@ -91,6 +103,13 @@ def run(args: argparse.Namespace) -> int:
                                  on_text=lambda text: (sys.stdout.write(text), sys.stdout.flush()))
         sys.stdout.write("\n\n")
         print_runtime_summary(result, engine)
+        if engine.split is not None and engine.split.reconfigurations:
+            records = engine.split.reconfigurations
+            applied = [record for record in records if record["applied"]]
+            last = "; now " + ", ".join(f"{layer['cache_size']}x{layer['rows']}" for layer in applied[-1]["layers"]) \
+                if applied else ""
+            print(f"online configuration: reconfigured {len(applied)} of {len(records)} times (tops x rows per layer"
+                  f"{last})")
         late, arrived = engine.late_proposals
         if arrived:
             print(f"matcher: {late} of {arrived} proposals arrived after their layer was routed ({late / arrived:.1%})")
@@ -99,3 +118,24 @@ def run(args: argparse.Namespace) -> int:
                   "text": result.text, "token_ids": result.token_ids}
         write_atomically(args.json, json.dumps(record, indent=1))
     return 0
+
+
+def online_reconfiguration(args):
+    """MoEpic's online loop of --reconfigure-every and --granularity (simulate --timed's options), checked before
+    any work; None without --reconfigure-every."""
+    from moe_offload.errors import ConfigError
+    from moe_offload.simulator.timed import Reconfiguration
+
+    if args.reconfigure_every is None:
+        for given, option in ((args.granularity, "--granularity"), (args.hardware, "--hardware")):
+            if given is not None:
+                raise ConfigError(f"{option} belongs to the online configuration: add --reconfigure-every")
+        return None
+    given = {} if args.granularity is None else {"granularity": args.granularity}
+    reconfiguration = Reconfiguration(args.reconfigure_every, **given)
+    reconfiguration.check()
+    if args.hardware is not None:
+        from moe_offload.hardware import resolve_profile
+
+        resolve_profile(args.hardware)
+    return reconfiguration

@@ -35,6 +35,7 @@ union of its tokens' selections, fetched once, and each request's tokens are the
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -101,7 +102,9 @@ class OffloadEngine:
     arrived too late. ``split_config``: MoEpic's split
     experts (runtime/split.py), a configuration of `moe-offload configure --json` (its path, or a
     SplitConfig) whose cached tops and buffer of top-k experts must fit in ``fast_budget``; the result is the
-    all-resident model's computing with the same split."""
+    all-resident model's computing with the same split. ``reconfiguration``: MoEpic's online loop
+    (``Reconfiguration(every=tau)``, runtime/split_online.py) with the timings of ``hardware`` (a profile's
+    name or file; default desktop-rtx4090), from ``split_config`` or the uniform start on ``fast_budget``."""
 
     def __init__(self, packed_dir, *, fast_budget="50%", host_budget=None, policy: str = "lru",
                  policy_options: dict | None = None, prefetch: str | None = None,
@@ -109,7 +112,8 @@ class OffloadEngine:
                  verify_checksums: bool = True, bypass_page_cache: bool = False, retries: int = 3,
                  store: ExpertStore | None = None, preload: bool = False, seed: int = 0,
                  readers: int | None = None, replay=None, replay_weights: str = "trace", max_batch: int = 16,
-                 batch_math: str = "exact", matcher: str = "async", split_config=None):
+                 batch_math: str = "exact", matcher: str = "async", split_config=None, reconfiguration=None,
+                 hardware=None):
         import torch
 
         from moe_offload.models import quiet_transformers
@@ -138,7 +142,7 @@ class OffloadEngine:
                               "engine does not know; use it in `moe-offload simulate`")
         fast_budget_bytes = values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget")
         fast_slots = self._slots(fast_budget_bytes, self.compute_expert_bytes)
-        split = self._read_split(split_config, prefetch, host_budget, preload)
+        split, online = self._read_split(split_config, preload, reconfiguration, hardware, fast_budget_bytes)
         if fast_slots < m.top_k and split is None:
             raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
                               f"({format_bytes(m.top_k * self.compute_expert_bytes)}, "
@@ -161,10 +165,10 @@ class OffloadEngine:
         self.counters = Counters.zero(m.num_layers)
         self.split = None
         if split is not None:  # MoEpic's tops and buffer (runtime/split.py)
-            from moe_offload.runtime.split import SplitFastTier
+            from moe_offload.runtime.split_tier import SplitFastTier
 
             self.split = self.path = SplitFastTier(*split, m, self.store, self.counters, self.spec, make, self.device,
-                                                   self.compute_dtype, fast_budget_bytes)
+                                                   self.compute_dtype, fast_budget_bytes, host_slots)
             self.tiers = []
         else:
             self.tiers = self._make_tiers(info.partitioned, make, fast_slots, host_slots)
@@ -176,7 +180,9 @@ class OffloadEngine:
             self.replay = RoutingReplay(self.replay_trace, self.adapter, replay_weights)
         runner = ModelRunner
         if self.split is not None:
-            from moe_offload.runtime.split import SplitRunner as runner
+            from moe_offload.runtime.split import SplitRunner
+
+            runner = functools.partial(SplitRunner, online=online)
         self.runner = runner(self.model, self.adapter, self.spec, self.path, self.counters,
                                   prefetcher=self.prefetcher, policy_needs_probs=info.policy.needs_probs,
                                   replay=self.replay, source=f"live generation with {m.directory}",
@@ -207,20 +213,21 @@ class OffloadEngine:
                               cpu, stored))
         return tiers
 
-    def _read_split(self, split_config, prefetch, host_budget, preload):
-        """(configuration, its name) of a split run, checked against the model; None without one."""
-        if split_config is None:
-            return None
-        from moe_offload.runtime.split import load_split_config
+    def _read_split(self, split_config, preload, reconfiguration, hardware, budget_bytes):
+        """((configuration, its name), its online loop or None) of a split run, checked against the model; (None,
+        None) without one."""
+        if split_config is None and reconfiguration is None:
+            if hardware is not None:
+                raise ConfigError("hardware is the online configuration's: give a reconfiguration")
+            return None, None
+        from moe_offload.runtime.split_online import split_plan
 
-        config, source = load_split_config(split_config)
-        for given, what in ((prefetch, "a prefetcher"), (host_budget, "a host tier"), (preload, "preloading")):
-            if given:
-                raise ConfigError(f"{source}: the split runtime loads on demand into the tops and the buffer; it does "
-                                  f"not run with {what} yet")
-        m = self.manifest
-        config.check_model(m.num_layers, m.num_experts, self.compute_expert_bytes, source)  # memory: SplitFastTier
-        return config, source
+        (config, source), online = split_plan(split_config, reconfiguration, hardware, self.manifest, self.spec,
+                                              self.compute_expert_bytes, budget_bytes)
+        if preload:
+            raise ConfigError(f"{source}: the split runtime loads into the tops and the buffer as experts are needed; "
+                              "it does not preload yet")
+        return (config, source), online
 
     def _slots(self, budget_bytes: int, slot_bytes: int) -> int:
         return min(budget_bytes // slot_bytes, self.spec.num_layers * self.spec.num_experts)
@@ -412,9 +419,13 @@ class OffloadEngine:
             cache_bytes=self.split.memory_bytes if self.split else self.tiers[0].cache.capacity,
             on_demand_loads=c.on_demand_loads,
             bytes_per_link=dict(c.bytes_per_link),
-            tier_requests={"fast": c.accesses, **({"host": c.on_demand_loads} if len(self.tiers) > 1 else {})},
-            tier_hits={"fast": c.hits, **({"host": c.host_hits} if len(self.tiers) > 1 else {})},
+            tier_requests={"fast": c.accesses, **({"host": c.on_demand_loads} if self._has_host else {})},
+            tier_hits={"fast": c.hits, **({"host": c.host_hits} if self._has_host else {})},
             bytes_loaded=sum(v for k, v in c.bytes_per_link.items() if k.endswith("->fast")))
+
+    @property
+    def _has_host(self) -> bool:
+        return len(self.tiers) > 1 or (self.split is not None and self.split.host is not None)
 
     @property
     def stats(self) -> RunResult:
