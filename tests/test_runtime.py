@@ -277,6 +277,28 @@ def test_python_api(checkpoint):
         assert np.isfinite(engine.startup_seconds)
 
 
+def test_moepic_prefetches_layer_0_of_the_next_token_after_the_last_layer(checkpoint, monkeypatch):
+    """Paper 004: router 0 on the last layer's hidden state predicts layer 0 of the next token; the runtime
+    computes that prediction and queues its prefetches, as the timed simulator does."""
+    import moe_offload
+    from moe_offload.runtime.datapath import DataPath
+
+    queued = []
+    route = DataPath.route
+
+    def recording_route(self, key, demand, priority):
+        queued.append((int(key), demand, self.layer_now))
+        return route(self, key, demand, priority)
+
+    monkeypatch.setattr(DataPath, "route", recording_route)
+    engine = moe_offload.load(str(checkpoint["packed"]), fast_budget="25%", policy="lru", prefetch="moepic")
+    with engine:
+        assert_lossless(engine, checkpoint)
+        layers, experts = engine.spec.num_layers, engine.spec.num_experts
+    next_token = [key for key, demand, now in queued if not demand and now == layers - 1]
+    assert next_token and all(key // experts == 0 for key in next_token)
+
+
 # ------------------------------------------------------------------------------------ hostile input (issue 11)
 def one_line_error(capsys) -> str:
     """The one error line of a failed command (a progress note such as "packing ... (once)" may precede it)."""

@@ -164,7 +164,7 @@ def test_the_matcher_runs_off_the_decode_thread_which_never_waits_for_it(setup):
 def test_results_for_routed_layers_or_ended_passes_are_dropped_and_counted(setup):
     with engine_of(setup, "async") as engine:
         runner, path, J = engine.runner, engine.path, engine.spec.num_experts
-        view = LiveRoutingView(engine.spec, 7, np.zeros(1, np.int64), False, None, "test")
+        view = LiveRoutingView(engine.spec, 7, np.zeros(1, np.int64), np.zeros(1, np.int64), False, None, "test")
         view.layer_now = 0
         runner.view = view
         runner._deliver(7, [Proposal(0 * J + 1, 1.0), Proposal(1 * J + 2, 0.5), Proposal(2 * J + 3, 0.25)])

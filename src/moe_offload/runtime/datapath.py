@@ -113,10 +113,13 @@ class DataPath:
         J = self.spec.num_experts
         fast = self.tiers[0].cache
         self.layer_now = routed_layer
+        # once the last layer is routed every layer is ahead: proposals are for the next pass (prefetch/base.py),
+        # MoEpic's layer 0 of the next token among them, as the timed simulator takes them
+        passed = -1 if routed_layer == self.spec.num_layers - 1 else routed_layer
         routed = False
         for key, priority in proposals:
             key = int(key)
-            if key // J <= routed_layer or key in fast.reserved:
+            if key // J <= passed or key in fast.reserved:
                 continue
             if key in fast:  # predicted and resident: no prefetch for a later layer may evict it (cache.py)
                 self.predicted.add(key)

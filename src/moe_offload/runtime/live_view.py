@@ -23,10 +23,10 @@ LIVE_COLUMNS = ("probs", "embedding", "gate_prediction", "weights")
 
 
 class LiveRoutingView:
-    def __init__(self, spec: ModelSpec, iteration: int, requests: np.ndarray, is_prefill: bool,
-                 embedding: np.ndarray | None, source: str, future=None):
-        """``requests``: each row's (token's) request; ``embedding``: each row's token input embedding [T, D],
-        or None when no prefetcher reads it."""
+    def __init__(self, spec: ModelSpec, iteration: int, requests: np.ndarray, positions: np.ndarray,
+                 is_prefill: bool, embedding: np.ndarray | None, source: str, future=None):
+        """``requests``: each row's (token's) request; ``positions``: each row's position in its request;
+        ``embedding``: each row's token input embedding [T, D], or None when no prefetcher reads it."""
         self.spec = spec
         self.iteration = iteration
         self.layer_now = -1
@@ -34,6 +34,7 @@ class LiveRoutingView:
         self.source = source
         self._future = future
         self._requests = requests
+        self._positions = positions
         self._embedding = embedding
         self._selected: list = [None] * spec.num_layers
         self._probs: list = [None] * spec.num_layers
@@ -64,6 +65,10 @@ class LiveRoutingView:
     @property
     def requests(self) -> np.ndarray:
         return self._requests
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self._positions
 
     def _check(self, layer: int) -> None:
         if not 0 <= layer <= self.layer_now:

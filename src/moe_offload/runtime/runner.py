@@ -67,6 +67,7 @@ class ModelRunner:
         self.segment_requests: list[int] = []  # the requests of the running pass, by segment
         self.request_counters: dict = {}       # request -> its own Counters (the scheduler's requests)
         self.tokens_in_pass = 0
+        self.tokens_fed: dict = {}  # request -> tokens it fed the model so far: the positions of the next
         self.view: LiveRoutingView | None = None
         self.keys_of: dict = {}     # request -> the experts it routed to in the running pass (failures)
         self.probs = np.zeros((spec.num_layers, spec.num_experts), np.float32)
@@ -125,6 +126,7 @@ class ModelRunner:
         if self.matcher is not None:
             self.matcher.submit("on_request_end", request, self.iteration)
         self.request_counters.pop(request, None)
+        self.tokens_fed.pop(request, None)
 
     def wait_for_matcher(self) -> None:
         """Until the matcher has run every hook submitted so far (a hook's failure is raised here)."""
@@ -243,8 +245,12 @@ class ModelRunner:
         if not self.needs_routing:
             return
         requests = np.empty(self.tokens_in_pass, np.int64)
+        positions = np.empty(self.tokens_in_pass, np.int64)
         for request, start, end, _ in segments:
             requests[start:end] = request
+            fed = self.tokens_fed.get(request, 0)
+            positions[start:end] = np.arange(fed, fed + end - start)
+            self.tokens_fed[request] = fed + end - start
         embedding = None
         if self.needs_embedding:  # what the decoder's embedding layer is about to compute, as the recorder records it
             if embeds is None:
@@ -253,7 +259,8 @@ class ModelRunner:
                 with torch.no_grad():
                     embeds = self.model.get_input_embeddings()(ids.reshape(1, -1))
             embedding = embeds.reshape(self.tokens_in_pass, -1).float().cpu().numpy()
-        self.view = LiveRoutingView(self.spec, self.iteration, requests, any(s[3] for s in segments), embedding,
+        self.view = LiveRoutingView(self.spec, self.iteration, requests, positions, any(s[3] for s in segments),
+                                    embedding,
                                     source=self.source,
                                     future=self.replay.future if self.replay is not None else None)
         if self.prefetcher is not None:
@@ -264,7 +271,7 @@ class ModelRunner:
         selected = routing.experts.cpu().numpy()
         probs = self.adapter.probabilities(routing.logits).cpu().numpy()
         predicted = None
-        if self.needs_gate_prediction and layer + 1 < self.spec.num_layers:
+        if self.needs_gate_prediction:  # after the last layer: router 0's, for the next token (adapters.py)
             predicted = self.adapter.probabilities(
                 self.adapter.predict_next_router_logits(layer, routing.hidden)).cpu().numpy()
         view.routed(layer, selected, probs, predicted)
