@@ -56,9 +56,8 @@ import numpy as np
 
 from moe_offload.errors import ConfigError
 from moe_offload.prefetch.coarse_index import CoarseIndex
+from moe_offload.prefetch.map_ranking import TINY, best_entries, compiled_trajectory_step
 
-TIE_TOLERANCE = 1e-6
-_TINY = np.float32(1e-30)
 MAP_DTYPES = ("float32", "float16")
 DEFAULT_PROBES = 8
 
@@ -67,25 +66,6 @@ def _unit(vectors: np.ndarray) -> np.ndarray:
     vectors = np.asarray(vectors, dtype=np.float32)
     norms = np.linalg.norm(vectors, axis=-1, keepdims=True)
     return np.divide(vectors, norms, out=np.zeros_like(vectors), where=norms > 0)
-
-
-def best_entries(scores: np.ndarray, stamps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of ``scores`` [B, n]: (column of the highest score, that score), ties within TIE_TOLERANCE
-    going to the highest ``stamps`` (broadcast to [B, n]: the most recently stored entry)."""
-    if scores.shape[0] == 1:  # one request: the same, without the per-row bookkeeping
-        row = scores[0]
-        first = row.argmax()
-        best = row[first]
-        if np.count_nonzero(row >= best - TIE_TOLERANCE) == 1:
-            return first.reshape(1), best.reshape(1)
-    rows = np.arange(scores.shape[0])
-    first = scores.argmax(axis=1)
-    best = scores[rows, first]
-    tied = scores >= (best - TIE_TOLERANCE)[:, None]
-    if np.count_nonzero(tied) == scores.shape[0]:  # one per row: the argmax itself
-        return first, best
-    index = np.where(tied, stamps, -1).argmax(axis=1)
-    return index, scores[rows, index]
 
 
 class ExpertMapStore:
@@ -118,6 +98,8 @@ class ExpertMapStore:
         self._stamp = np.zeros(0, dtype=np.int64)  # insertion counter of each entry: ties go to the newest
         self._next_stamp = 0
         self._index = None if lists is None else CoarseIndex(lists, probes, seed)
+        # the pruned trajectory step, compiled now (when Numba is installed) rather than in the first search
+        self._trajectory_step = compiled_trajectory_step() if candidates is not None else None
 
     def __len__(self) -> int:
         return self.size
@@ -192,7 +174,7 @@ class ExpertMapStore:
     @staticmethod
     def _map_cosines(maps: np.ndarray, dots: np.ndarray, stored_norms: np.ndarray) -> np.ndarray:
         norms = np.sqrt((maps ** 2).sum(axis=(1, 2)))[:, None] * stored_norms
-        return dots / np.maximum(norms, _TINY)
+        return dots / np.maximum(norms, TINY)
 
     # ------------------------------------------------------------------------------------------ writing
 
@@ -314,9 +296,10 @@ class IterationSearch:
             semantic = self.keys @ store._embeddings[:size].T  # equation score-sem, as ``semantic_scores``
             self.index, self.score = best_entries(semantic, stamps)
             self._semantic = semantic
-            if store.candidates is not None and store.candidates < size:
+            if store.candidates is not None:  # [B, M]; every entry while the store holds no more than M
                 count = store.candidates
-                self.candidates = np.argpartition(-semantic, count - 1, axis=1)[:, :count]  # [B, M]
+                self.candidates = (np.argpartition(-semantic, count - 1, axis=1)[:, :count] if count < size
+                                   else np.broadcast_to(np.arange(size), semantic.shape).copy())
                 self._semantic = np.take_along_axis(semantic, self.candidates, axis=1)
         self.layers_observed = 0
         # the searched iteration's maps: layers 0 .. layers_observed - 1 as observed, the rest for the caller to
@@ -327,15 +310,14 @@ class IterationSearch:
             # [L, B, M, J] and [L, B, M], from the entry-major store
             self._maps = store._maps[self.candidates].transpose(2, 0, 1, 3).astype(np.float32, order="C")
             self._norms = store._prefix_norm[self.candidates].transpose(2, 0, 1).copy()
-            # their inverses (a zero map has cosine 0 with any query: 0 x 1e30), and the rows' indices: with a few
-            # candidates the fixed cost of each NumPy call is most of a trajectory step
-            self._inverse_norms = 1.0 / np.maximum(self._norms, _TINY)
+            # their inverses (a zero map has cosine 0 with any query: 0 x 1e30), for map_ranking.trajectory_step
+            self._inverse_norms = 1.0 / np.maximum(self._norms, TINY)
             self._rows = np.arange(batch)
             self._stamps = store._stamp[self.candidates]  # [B, M]
             self._dots = np.zeros(self.candidates.shape, dtype=np.float32)
         else:
             self._dots = np.zeros((batch, size), dtype=np.float32)
-        self._scores = np.empty_like(self._dots)  # each step's cosines, computed in place
+            self._scores = np.empty_like(self._dots)  # each step's cosines, computed in place
 
     def _probe(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(candidates [B, M], their semantic scores [B, M]): the M best entries of each request's probed lists
@@ -360,17 +342,16 @@ class IterationSearch:
         probs = np.asarray(probs, dtype=np.float32)
         self.maps[:, layer] = probs
         self.layers_observed += 1
-        self._query_sq += (probs * probs).sum(axis=1)
-        query_norm = np.sqrt(self._query_sq)[:, None]
         if self.candidates is None:
+            self._query_sq += (probs * probs).sum(axis=1)
+            query_norm = np.sqrt(self._query_sq)[:, None]
             self._dots += probs @ store._maps[layer, :store.size].T
             scores = np.multiply(query_norm, store._prefix_norm[layer, :store.size], out=self._scores)
-            np.divide(self._dots, np.maximum(scores, _TINY, out=scores), out=scores)
+            np.divide(self._dots, np.maximum(scores, TINY, out=scores), out=scores)
             return best_entries(scores, store._stamp[:store.size])
-        self._dots += np.matmul(self._maps[layer], probs[:, :, None])[:, :, 0]
-        scores = np.multiply(self._dots, self._inverse_norms[layer], out=self._scores)
-        scores /= np.maximum(query_norm, _TINY)
-        best, score = best_entries(scores, self._stamps)
+        best, score = np.empty(probs.shape[0], dtype=np.int64), np.empty(probs.shape[0], dtype=np.float32)
+        store._trajectory_step(self._maps[layer], np.ascontiguousarray(probs), self._dots, self._query_sq,
+                               self._inverse_norms[layer], self._stamps, best, score)
         return self.candidates[self._rows, best], score
 
     def describes(self, maps: np.ndarray, embeddings: np.ndarray) -> bool:
