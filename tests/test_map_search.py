@@ -270,7 +270,8 @@ def test_coarse_index_lists_every_key_once_and_searches_the_nearest_lists():
         members = [sorted(index._members[row, :index._counts[row]].tolist()) for row in range(lists)]
         assert members == [sorted(np.flatnonzero(nearest == row).tolist()) for row in range(lists)]
         for row in range(lists):  # each list's copy of its keys
-            np.testing.assert_array_equal(index._keys[row, :index._counts[row]], keys[index._members[row, :index._counts[row]]])
+            count = index._counts[row]
+            np.testing.assert_array_equal(index._keys[row, :count], keys[index._members[row, :count]])
 
     check(keys)
     for slot in (3, 0, 31, 32, 33):  # replaced keys move between lists; new slots join one
