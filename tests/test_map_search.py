@@ -15,13 +15,13 @@ from moe_offload.bundled import TINY_HISTORY_TRACE
 from moe_offload.errors import ConfigError
 from moe_offload.policies.base import ModelSpec
 from moe_offload.prefetch.base import RoutingView
-from moe_offload.prefetch.eam import EAMCollection, sequence_eams
 from moe_offload.prefetch.coarse_index import MIN_KEYS_PER_LIST, CoarseIndex
+from moe_offload.prefetch.eam import EAMCollection, sequence_eams
 from moe_offload.prefetch.expert_map_store import ExpertMapStore
-from moe_offload.prefetch.map_ranking import trajectory_step, trajectory_step_numpy
-from moe_offload.simulator.kernels import numba_available
 from moe_offload.prefetch.fmoe import FMoEPrefetcher
+from moe_offload.prefetch.map_ranking import compiled_trajectory_step, trajectory_step, trajectory_step_numpy
 from moe_offload.prefetch.moe_infinity import MoEInfinityPrefetcher
+from moe_offload.simulator import kernels
 from moe_offload.trace import read_trace
 from moe_offload.trace.format import PREFILL, Trace
 
@@ -225,7 +225,7 @@ def test_pruned_trajectory_step_compiled_and_numpy_agree_bit_for_bit():
     operations: the same dot products, norms, best columns and cosines, bit for bit, over 40 steps of random
     batches, with ties made on purpose (duplicated candidate maps) and a zero map."""
     compiled = trajectory_step
-    if numba_available():
+    if kernels.numba_available():
         import numba
 
         compiled = numba.njit(trajectory_step)
@@ -253,6 +253,30 @@ def test_pruned_trajectory_step_compiled_and_numpy_agree_bit_for_bit():
             for b in range(batch):  # against the definition: the best cosine, ties to the newest
                 tied = np.flatnonzero(cosines[b] >= cosines[b].max() - np.float32(1e-6))
                 assert out[1][0][b] == tied[np.argmax(stamps[b, tied])]
+
+
+@pytest.mark.parametrize("options", [{"candidates": 8}, {"candidates": 8, "lists": 8, "probes": 2}],
+                         ids=["pruned", "pruned-ivf"])
+def test_pruned_fmoe_proposes_the_same_with_and_without_the_compiled_step(history, tiny_trace, options):
+    """The package without Numba: a pruned store running map_ranking's NumPy step proposes exactly what the
+    compiled step proposes (with Numba installed; without it both run the NumPy form), batched."""
+    run = batched(tiny_trace, np.unique(tiny_trace.request)[:3])
+    spec = spec_of(run)
+    compiled, numpy_only = (FMoEPrefetcher(spec, capacity=CAPACITY, **options) for _ in range(2))
+    numpy_only.store._trajectory_step = trajectory_step_numpy
+    for prefetcher in (compiled, numpy_only):
+        prefetcher.fit(history)
+    assert_same_run(run_hooks(compiled, run, 60), run_hooks(numpy_only, run, 60))
+    np.testing.assert_array_equal(compiled.store.maps(np.arange(CAPACITY)), numpy_only.store.maps(np.arange(CAPACITY)))
+
+
+def test_without_numba_a_pruned_store_takes_the_numpy_step(monkeypatch):
+    monkeypatch.setattr(kernels, "numba_available", lambda: False)
+    compiled_trajectory_step.cache_clear()
+    try:
+        assert ExpertMapStore(4, 6, capacity=10, distance=1, candidates=3)._trajectory_step is trajectory_step_numpy
+    finally:
+        compiled_trajectory_step.cache_clear()
 
 
 def test_coarse_index_lists_every_key_once_and_searches_the_nearest_lists():

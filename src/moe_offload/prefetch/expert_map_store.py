@@ -37,13 +37,17 @@ results exactly (tests/test_map_search.py):
   reads N/D of the bytes;
 * ``candidates=M`` (pruning): the trajectory steps and the deduplication look only at each request's M
   entries of highest semantic score (the semantic search still scores every entry); their maps are gathered
-  once per iteration;
+  once per iteration, so the store keeps them entry-major, [C, L, J] (M contiguous blocks to gather, where
+  layer-major would be M x L scattered rows), and each step is one call of map_ranking's trajectory step
+  (Numba-compiled; the same bits in NumPy without Numba, slower for large J). Its results differ from the
+  exhaustive search's where the best entry is not among the candidates (the README measures the cost);
 * ``lists=N`` (with ``candidates`` only; ``probes=P``, default DEFAULT_PROBES): the semantic search goes
   through a coarse quantizer (prefetch/coarse_index.py): the stored keys are partitioned into N lists by
   k-means, and a request's search reads the N centroids and the keys of its P nearest lists (at least M
   keys), about P / N of the store's key bytes instead of all of them, and picks its candidates among them.
   Approximate: an entry in a list not probed is not found (the README measures the cost in hit rate and
-  precision); until the store holds enough keys to train it (coarse_index.py) the search is exhaustive;
+  precision); until the store holds enough keys to train it (coarse_index.py) the search is exhaustive. The
+  index keeps a second copy of the keys, grouped by list (padded to the longest list);
 * ``map_dtype="float16"`` (with ``candidates`` only): maps kept in half precision, half the memory. NumPy
   has no float16 matrix product (about 25 times slower than float32 here), so an exhaustive trajectory over
   them would be slower, not faster; with pruning only the candidates' maps are converted. Embeddings stay
