@@ -8,8 +8,10 @@ behind.
 
 Bandwidth: this machine's memory bandwidth, measured first in the same run as the best of several
 matrix-vector products over a 512 MiB float32 matrix (the operation the semantic search is), one BLAS thread.
-The floor of a search is the bytes it must read per token over that bandwidth: the whole store (every
-stored embedding and map) for the exhaustive search, the embeddings and the candidates' maps with pruning.
+The floor of a search is the bytes it must read per token over that bandwidth (ExpertMapStore.bytes_searched):
+the whole store (every stored embedding and map) for the exhaustive search; the projection matrix, the
+embeddings and the candidates' maps with compaction and pruning; with IVF the projection, the centroids, P / N
+of the embeddings and the candidates' maps.
 
 Two model shapes: 32 layers x 8 experts with a 4096-wide embedding (Mixtral-8x7B) and 48 x 128 with a
 2048-wide one (Qwen3-30B-A3B). Stores of random expert maps (peaked random distributions) and random
@@ -17,8 +19,8 @@ embeddings, filled to capacity; the searched iterations are random too (search t
 the values). Per store and mode (``exhaustive``, the default, which returns exactly the previous
 implementation's results; ``compact + pruned``: embeddings projected to --embedding-dims, float16 maps,
 trajectory and deduplication over the --candidates best semantic entries; ``+ IVF``: the same with the
-semantic search through a coarse quantizer of --lists lists probing --probes, lists=N, probes=P, whose floor
-counts the centroids and P / N of the embeddings):
+semantic search through a coarse quantizer, lists=N (--lists) probing P (--probes); below 8 N maps the index
+is not trained and the search is the pruned one):
 
 * the matcher per token: the FMoEPrefetcher hooks of one decode iteration of one request, 1 semantic
   search + (L - d) trajectory steps + the similarity-aware sets and their proposals, and the store update

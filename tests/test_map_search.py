@@ -210,7 +210,7 @@ def test_projected_embeddings_and_half_precision_maps():
     query = rng.normal(size=(1, embeddings.shape[1])).astype(np.float32)
     np.testing.assert_allclose(store.semantic_scores(query)[0], cosines(embeddings @ projection, query[0] @ projection),
                                atol=1e-6)
-    assert store._maps.dtype == np.float16 and store.bytes_searched() == 40 * 4 * 4 + 8 * 4 * 6 * 2
+    assert store._maps.dtype == np.float16 and store.bytes_searched() == 16 * 4 * 4 + 40 * 4 * 4 + 8 * 4 * 6 * 2
     np.testing.assert_allclose(store.maps(np.arange(40)), maps, atol=1e-3)
     with pytest.raises(ConfigError, match="map_dtype=float16 needs candidates=M"):
         ExpertMapStore(4, 6, capacity=10, distance=1, map_dtype="float16")

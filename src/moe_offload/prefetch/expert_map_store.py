@@ -113,9 +113,10 @@ class ExpertMapStore:
         return shape if self._entry_axis == 1 else (shape[1], shape[0]) + shape[2:]
 
     def bytes_searched(self, batch: int = 1) -> int:
-        """The bytes one iteration's searches for ``batch`` requests must read: every stored embedding (with a
-        trained ``lists`` index: the centroids and, per request, the probed share of the embeddings were the
-        lists of equal size), and every stored map (exhaustive) or each request's candidates' maps (pruned)."""
+        """The bytes one iteration's searches for ``batch`` requests must read: the projection (with
+        ``embedding_dims``), every stored embedding (with a trained ``lists`` index: the centroids and, per
+        request, P / N of the embeddings, as if the lists were of equal size), and every stored map
+        (exhaustive) or each request's candidates' maps (pruned)."""
         per_map = self.num_layers * self.num_experts * self._maps.itemsize
         maps = (self.size * per_map if self.candidates is None or self.candidates >= self.size
                 else batch * self.candidates * per_map)
@@ -123,7 +124,8 @@ class ExpertMapStore:
         if self._index is not None and self._index.centroids is not None:
             read = max(self.candidates, self._index.expected_fraction() * self.size)
             keys = self._index.centroids.nbytes + batch * read * self._embeddings.itemsize * self._embeddings.shape[1]
-        return int(keys + maps)
+        projection = 0 if self._projection is None else self._projection.nbytes
+        return int(projection + keys + maps)
 
     # ------------------------------------------------------------------------------------------ reading
 
