@@ -3,19 +3,24 @@ exhaustive search cannot beat (streaming the store's bytes once through memory) 
 behind.
 
     python benchmarks/map_search.py [--sizes 1000,50000] [--tokens 40] [--batch 8] [--distance 3]
-                                    [--embedding-dims 32] [--candidates 32]
+                                    [--embedding-dims 32] [--candidates 32] [--lists 224] [--probes 8]
+                                    [--models 32x8,48x128]
 
 Bandwidth: this machine's memory bandwidth, measured first in the same run as the best of several
 matrix-vector products over a 512 MiB float32 matrix (the operation the semantic search is), one BLAS thread.
-The floor of a search is the bytes it must read per token over that bandwidth: the whole store (every
-stored embedding and map) for the exhaustive search, the embeddings and the candidates' maps with pruning.
+The floor of a search is the bytes it must read per token over that bandwidth (ExpertMapStore.bytes_searched):
+the whole store (every stored embedding and map) for the exhaustive search; the projection matrix, the
+embeddings and the candidates' maps with compaction and pruning; with IVF the projection, the centroids, P / N
+of the embeddings and the candidates' maps.
 
 Two model shapes: 32 layers x 8 experts with a 4096-wide embedding (Mixtral-8x7B) and 48 x 128 with a
 2048-wide one (Qwen3-30B-A3B). Stores of random expert maps (peaked random distributions) and random
 embeddings, filled to capacity; the searched iterations are random too (search time does not depend on
 the values). Per store and mode (``exhaustive``, the default, which returns exactly the previous
 implementation's results; ``compact + pruned``: embeddings projected to --embedding-dims, float16 maps,
-trajectory and deduplication over the --candidates best semantic entries):
+trajectory and deduplication over the --candidates best semantic entries; ``+ IVF``: the same with the
+semantic search through a coarse quantizer, lists=N (--lists) probing P (--probes); below 8 N maps the index
+is not trained and the search is the pruned one):
 
 * the matcher per token: the FMoEPrefetcher hooks of one decode iteration of one request, 1 semantic
   search + (L - d) trajectory steps + the similarity-aware sets and their proposals, and the store update
@@ -55,7 +60,7 @@ from moe_offload.prefetch.eam import EAMCollection  # noqa: E402
 from moe_offload.prefetch.fmoe import FMoEPrefetcher  # noqa: E402
 from moe_offload.trace.format import Trace, TraceMeta  # noqa: E402
 
-MODELS = (("32x8 (Mixtral-8x7B)", 32, 8, 2, 4096), ("48x128 (Qwen3-30B-A3B)", 48, 128, 8, 2048))
+MODELS = {"32x8": ("32x8 (Mixtral-8x7B)", 32, 8, 2, 4096), "48x128": ("48x128 (Qwen3-30B-A3B)", 48, 128, 8, 2048)}
 TPOT = 0.020
 MOE_INFINITY_REFERENCE = (300, 21e-6)  # paper 002, section 8: 21 us to search an EAMC of 300 EAMs
 FILL_CHUNK = 2000
@@ -146,16 +151,23 @@ def main() -> None:
     parser.add_argument("--distance", type=int, default=3, help="fMoE's prefetch distance d")
     parser.add_argument("--embedding-dims", type=int, default=32, help="compact mode: projected embedding size")
     parser.add_argument("--candidates", type=int, default=32, help="pruned mode: candidates per request")
+    parser.add_argument("--lists", type=int, default=224, help="IVF mode: the coarse quantizer's lists")
+    parser.add_argument("--probes", type=int, default=8, help="IVF mode: lists probed per search")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"model shapes among {', '.join(MODELS)}")
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]
+    unknown = set(args.models.split(",")) - set(MODELS)
+    if unknown:
+        parser.error(f"--models: unknown {', '.join(sorted(unknown))} (known: {', '.join(MODELS)})")
     rng = np.random.default_rng(0)
     console = Console(width=200)
     bandwidth = memory_bandwidth()
     console.print(f"memory bandwidth (best float32 matrix-vector product over {BANDWIDTH_BYTES >> 20} MiB, one "
                   f"thread): {bandwidth / 1e9:.1f} GB/s")
+    compact = {"embedding_dims": args.embedding_dims, "candidates": args.candidates, "map_dtype": "float16"}
     modes = (("exhaustive", {}),
-             (f"compact + pruned (D'={args.embedding_dims}, float16 maps, M={args.candidates})",
-              {"embedding_dims": args.embedding_dims, "candidates": args.candidates, "map_dtype": "float16"}))
+             (f"compact + pruned (D'={args.embedding_dims}, float16 maps, M={args.candidates})", compact),
+             (f"+ IVF (N={args.lists}, P={args.probes})", {**compact, "lists": args.lists, "probes": args.probes}))
 
     fmoe = Table(title="fMoE's matcher per token (1 semantic search, L - d trajectory steps, sets and proposals, "
                        "store update): CPU us as median / p99, wall us as mean; floor = bytes read / bandwidth")
@@ -168,7 +180,7 @@ def main() -> None:
                    "floor", "per token (CPU)", "per token / 20 ms", "incremental: wall", "CPU", "per token / 20 ms"):
         eamc.add_column(column, justify="right")
 
-    for label, L, J, K, D in MODELS:
+    for label, L, J, K, D in (MODELS[name] for name in args.models.split(",")):
         for size in sizes:
             for mode, options in modes:
                 console.print(f"fMoE {label}, {size:,} maps, {mode} ...")

@@ -15,10 +15,13 @@ from moe_offload.bundled import TINY_HISTORY_TRACE
 from moe_offload.errors import ConfigError
 from moe_offload.policies.base import ModelSpec
 from moe_offload.prefetch.base import RoutingView
+from moe_offload.prefetch.coarse_index import MIN_KEYS_PER_LIST, CoarseIndex
 from moe_offload.prefetch.eam import EAMCollection, sequence_eams
 from moe_offload.prefetch.expert_map_store import ExpertMapStore
 from moe_offload.prefetch.fmoe import FMoEPrefetcher
+from moe_offload.prefetch.map_ranking import compiled_trajectory_step, trajectory_step, trajectory_step_numpy
 from moe_offload.prefetch.moe_infinity import MoEInfinityPrefetcher
+from moe_offload.simulator import kernels
 from moe_offload.trace import read_trace
 from moe_offload.trace.format import PREFILL, Trace
 
@@ -207,7 +210,7 @@ def test_projected_embeddings_and_half_precision_maps():
     query = rng.normal(size=(1, embeddings.shape[1])).astype(np.float32)
     np.testing.assert_allclose(store.semantic_scores(query)[0], cosines(embeddings @ projection, query[0] @ projection),
                                atol=1e-6)
-    assert store._maps.dtype == np.float16 and store.bytes_searched() == 40 * 4 * 4 + 8 * 4 * 6 * 2
+    assert store._maps.dtype == np.float16 and store.bytes_searched() == 16 * 4 * 4 + 40 * 4 * 4 + 8 * 4 * 6 * 2
     np.testing.assert_allclose(store.maps(np.arange(40)), maps, atol=1e-3)
     with pytest.raises(ConfigError, match="map_dtype=float16 needs candidates=M"):
         ExpertMapStore(4, 6, capacity=10, distance=1, map_dtype="float16")
@@ -215,3 +218,132 @@ def test_projected_embeddings_and_half_precision_maps():
         small_store(embedding_dims=16)
     with pytest.raises(ConfigError, match="fmoe.candidates 0: must be a whole number of at least 1"):
         FMoEPrefetcher(ModelSpec(4, 6, 1), candidates=0)
+
+
+def test_pruned_trajectory_step_compiled_and_numpy_agree_bit_for_bit():
+    """map_ranking's trajectory step, compiled with Numba (or, without Numba, run as plain Python) and as NumPy
+    operations: the same dot products, norms, best columns and cosines, bit for bit, over 40 steps of random
+    batches, with ties made on purpose (duplicated candidate maps) and a zero map."""
+    compiled = trajectory_step
+    if kernels.numba_available():
+        import numba
+
+        compiled = numba.njit(trajectory_step)
+    rng = np.random.default_rng(11)
+    for batch, count, experts in ((1, 32, 8), (3, 17, 128)):
+        maps = rng.random((batch, count, experts), dtype=np.float32) ** 4
+        maps[:, 1] = maps[:, 0]  # a tie: the later stamp wins
+        maps[:, 2] = 0.0  # a zero map: cosine 0
+        inverse_norms = 1.0 / np.maximum(rng.random((batch, count), dtype=np.float32), np.float32(1e-30))
+        inverse_norms[:, 1] = inverse_norms[:, 0]
+        stamps = rng.permutation(batch * count).reshape(batch, count).astype(np.int64)
+        state = [(np.zeros((batch, count), np.float32), np.zeros(batch, np.float32)) for _ in range(2)]
+        for _ in range(40):
+            probs = rng.dirichlet(np.ones(experts), size=batch).astype(np.float32)
+            out = []
+            for step, (dots, query_sq) in zip((compiled, trajectory_step_numpy), state):
+                best, score = np.empty(batch, np.int64), np.empty(batch, np.float32)
+                step(maps, probs, dots, query_sq, inverse_norms, stamps, best, score)
+                out.append((best, score))
+            np.testing.assert_array_equal(state[0][0], state[1][0])
+            np.testing.assert_array_equal(state[0][1], state[1][1])
+            np.testing.assert_array_equal(out[0][0], out[1][0])
+            np.testing.assert_array_equal(out[0][1], out[1][1])
+            cosines = state[1][0] * inverse_norms / np.sqrt(state[1][1])[:, None]
+            for b in range(batch):  # against the definition: the best cosine, ties to the newest
+                tied = np.flatnonzero(cosines[b] >= cosines[b].max() - np.float32(1e-6))
+                assert out[1][0][b] == tied[np.argmax(stamps[b, tied])]
+
+
+@pytest.mark.parametrize("options", [{"candidates": 8}, {"candidates": 8, "lists": 8, "probes": 2}],
+                         ids=["pruned", "pruned-ivf"])
+def test_pruned_fmoe_proposes_the_same_with_and_without_the_compiled_step(history, tiny_trace, options):
+    """The package without Numba: a pruned store running map_ranking's NumPy step proposes exactly what the
+    compiled step proposes (with Numba installed; without it both run the NumPy form), batched."""
+    run = batched(tiny_trace, np.unique(tiny_trace.request)[:3])
+    spec = spec_of(run)
+    compiled, numpy_only = (FMoEPrefetcher(spec, capacity=CAPACITY, **options) for _ in range(2))
+    numpy_only.store._trajectory_step = trajectory_step_numpy
+    for prefetcher in (compiled, numpy_only):
+        prefetcher.fit(history)
+    assert_same_run(run_hooks(compiled, run, 60), run_hooks(numpy_only, run, 60))
+    np.testing.assert_array_equal(compiled.store.maps(np.arange(CAPACITY)), numpy_only.store.maps(np.arange(CAPACITY)))
+
+
+def test_without_numba_a_pruned_store_takes_the_numpy_step(monkeypatch):
+    monkeypatch.setattr(kernels, "numba_available", lambda: False)
+    compiled_trajectory_step.cache_clear()
+    try:
+        assert ExpertMapStore(4, 6, capacity=10, distance=1, candidates=3)._trajectory_step is trajectory_step_numpy
+    finally:
+        compiled_trajectory_step.cache_clear()
+
+
+def test_coarse_index_lists_every_key_once_and_searches_the_nearest_lists():
+    rng = np.random.default_rng(5)
+    lists, dims = 4, 8
+    index = CoarseIndex(lists, probes=2, seed=0)
+    keys = rng.normal(size=(MIN_KEYS_PER_LIST * lists, dims)).astype(np.float32)
+    keys /= np.linalg.norm(keys, axis=1, keepdims=True)
+    assert index.due(keys.shape[0]) and not index.due(keys.shape[0] - 1)
+    index.train(keys)
+    assert not index.due(keys.shape[0]) and index.due(2 * keys.shape[0])
+
+    def check(keys):
+        nearest = (keys @ index.centroids.T).argmax(axis=1)
+        members = [sorted(index._members[row, :index._counts[row]].tolist()) for row in range(lists)]
+        assert members == [sorted(np.flatnonzero(nearest == row).tolist()) for row in range(lists)]
+        for row in range(lists):  # each list's copy of its keys
+            count = index._counts[row]
+            np.testing.assert_array_equal(index._keys[row, :count], keys[index._members[row, :count]])
+
+    check(keys)
+    for slot in (3, 0, 31, 32, 33):  # replaced keys move between lists; new slots join one
+        key = rng.normal(size=dims).astype(np.float32)
+        key /= np.linalg.norm(key)
+        keys = np.vstack([keys, key]) if slot == keys.shape[0] else keys
+        keys[slot] = key
+        index.assign(slot, key)
+        check(keys)
+    query = keys[7]
+    slots, cosines = index.search(query, minimum=1)
+    ranked = np.argsort(-(index.centroids @ query), kind="stable")
+    nearest = (keys @ index.centroids.T).argmax(axis=1)
+    assert sorted(slots.tolist()) == sorted(np.flatnonzero(np.isin(nearest, ranked[:2])).tolist())
+    np.testing.assert_allclose(cosines, keys[slots] @ query, rtol=1e-6)
+    assert index.search(query, minimum=keys.shape[0])[0].size == keys.shape[0]  # more lists until the minimum
+
+
+def test_pruned_store_with_a_coarse_index_searches_its_probed_candidates():
+    """lists=N: the candidates are the M best of the probed lists' entries, the semantic result the best of
+    them; the pruned trajectory and the insert work on them as without the index."""
+    rng = np.random.default_rng(2)
+    L, J, C, D = 3, 5, 200, 12
+    store = ExpertMapStore(L, J, capacity=C, distance=1, candidates=6, lists=5, probes=2, seed=1)
+    maps = rng.dirichlet(np.ones(J), size=(C, L)).astype(np.float32)
+    embeddings = rng.normal(size=(C, D)).astype(np.float32)
+    store.add(maps[:150], embeddings[:150])
+    store.add(maps[150:], embeddings[150:])
+    assert store._index.trained_size == 150  # the first add passed 5 x 8 keys; 200 is not yet twice 150
+    query = rng.normal(size=(2, D)).astype(np.float32)
+    search = store.search(query)
+    keys = embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
+    for b in range(2):
+        unit = query[b] / np.linalg.norm(query[b])
+        probed = store._index.search(unit, 6)[0]
+        expected = probed[np.argsort(-(keys[probed] @ unit))[:6]]
+        assert sorted(search.candidates[b].tolist()) == sorted(expected.tolist())
+        assert search.index[b] == expected[0]
+    observed = rng.dirichlet(np.ones(J), size=(2, L)).astype(np.float32)
+    for layer in range(L):
+        index, _ = search.observe(layer, observed[:, layer])
+        for b in range(2):
+            among = search.candidates[b]
+            trajectory = cosines(maps[among, :layer + 1].reshape(6, -1), observed[b, :layer + 1].reshape(-1))
+            assert index[b] == among[int(np.argmax(trajectory))]
+    # the centroids, 2 of 5 lists' keys were they of equal size, the candidates' maps
+    assert store.bytes_searched() == 5 * D * 4 + 2 / 5 * C * D * 4 + 6 * L * J * 4
+    with pytest.raises(ConfigError, match="lists=4 needs candidates=M"):
+        ExpertMapStore(L, J, capacity=C, distance=1, lists=4)
+    with pytest.raises(ConfigError, match="probes=9 must be between 1 and lists=4"):
+        ExpertMapStore(L, J, capacity=C, distance=1, candidates=3, lists=4, probes=9)

@@ -81,7 +81,7 @@ def test_unknown_prefetcher_and_option_are_config_errors():
     assert prefetcher_options("fmoe") == {"capacity": 1000, "distance": 3, "search_seconds": None,
                                          "semantic": "iteration",
                                           "embedding_dims": None, "candidates": None, "map_dtype": "float32",
-                                          "seed": 0}
+                                          "lists": None, "probes": 8, "seed": 0}
 
 
 @pytest.mark.parametrize("name, column, hint", [

@@ -37,7 +37,17 @@ results exactly (tests/test_map_search.py):
   reads N/D of the bytes;
 * ``candidates=M`` (pruning): the trajectory steps and the deduplication look only at each request's M
   entries of highest semantic score (the semantic search still scores every entry); their maps are gathered
-  once per iteration;
+  once per iteration, so the store keeps them entry-major, [C, L, J] (M contiguous blocks to gather, where
+  layer-major would be M x L scattered rows), and each step is one call of map_ranking's trajectory step
+  (Numba-compiled; the same bits in NumPy without Numba, slower for large J). Its results differ from the
+  exhaustive search's where the best entry is not among the candidates (the README measures the cost);
+* ``lists=N`` (with ``candidates`` only; ``probes=P``, default DEFAULT_PROBES): the semantic search goes
+  through a coarse quantizer (prefetch/coarse_index.py): the stored keys are partitioned into N lists by
+  k-means, and a request's search reads the N centroids and the keys of its P nearest lists (at least M
+  keys), about P / N of the store's key bytes instead of all of them, and picks its candidates among them.
+  Approximate: an entry in a list not probed is not found (the README measures the cost in hit rate and
+  precision); until the store holds enough keys to train it (coarse_index.py) the search is exhaustive. The
+  index keeps a second copy of the keys, grouped by list (padded to the longest list);
 * ``map_dtype="float16"`` (with ``candidates`` only): maps kept in half precision, half the memory. NumPy
   has no float16 matrix product (about 25 times slower than float32 here), so an exhaustive trajectory over
   them would be slower, not faster; with pruning only the candidates' maps are converted. Embeddings stay
@@ -49,10 +59,11 @@ from __future__ import annotations
 import numpy as np
 
 from moe_offload.errors import ConfigError
+from moe_offload.prefetch.coarse_index import CoarseIndex
+from moe_offload.prefetch.map_ranking import TINY, best_entries, compiled_trajectory_step
 
-TIE_TOLERANCE = 1e-6
-_TINY = np.float32(1e-30)
 MAP_DTYPES = ("float32", "float16")
+DEFAULT_PROBES = 8
 
 
 def _unit(vectors: np.ndarray) -> np.ndarray:
@@ -61,67 +72,73 @@ def _unit(vectors: np.ndarray) -> np.ndarray:
     return np.divide(vectors, norms, out=np.zeros_like(vectors), where=norms > 0)
 
 
-def best_entries(scores: np.ndarray, stamps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of ``scores`` [B, n]: (column of the highest score, that score), ties within TIE_TOLERANCE
-    going to the highest ``stamps`` (broadcast to [B, n]: the most recently stored entry)."""
-    if scores.shape[0] == 1:  # one request: the same, without the per-row bookkeeping
-        row = scores[0]
-        first = row.argmax()
-        best = row[first]
-        if np.count_nonzero(row >= best - TIE_TOLERANCE) == 1:
-            return first.reshape(1), best.reshape(1)
-    rows = np.arange(scores.shape[0])
-    first = scores.argmax(axis=1)
-    best = scores[rows, first]
-    tied = scores >= (best - TIE_TOLERANCE)[:, None]
-    if np.count_nonzero(tied) == scores.shape[0]:  # one per row: the argmax itself
-        return first, best
-    index = np.where(tied, stamps, -1).argmax(axis=1)
-    return index, scores[rows, index]
-
-
 class ExpertMapStore:
     def __init__(self, num_layers: int, num_experts: int, capacity: int, distance: int, *,
                  embedding_dims: int | None = None, candidates: int | None = None, map_dtype: str = "float32",
-                 seed: int = 0):
+                 lists: int | None = None, probes: int = DEFAULT_PROBES, seed: int = 0):
         if map_dtype not in MAP_DTYPES:
             raise ConfigError(f"map_dtype must be one of {', '.join(MAP_DTYPES)}, not {map_dtype!r}")
         if map_dtype != "float32" and candidates is None:
             raise ConfigError(f"map_dtype={map_dtype} needs candidates=M: NumPy has no {map_dtype} matrix product, "
                               "so an exhaustive trajectory search over such maps would be slower, not faster")
+        if lists is not None and candidates is None:
+            raise ConfigError(f"lists={lists} needs candidates=M: the trajectory search and the deduplication read "
+                              "the semantic scores of every stored entry unless they are pruned to candidates")
+        if lists is not None and not 1 <= probes <= lists:
+            raise ConfigError(f"probes={probes} must be between 1 and lists={lists}")
         self.num_layers, self.num_experts, self.capacity = num_layers, num_experts, capacity
         self.semantic_weight = min(distance, num_layers) / num_layers  # d / L of the redundancy score
         self.embedding_dims, self.candidates, self.seed = embedding_dims, candidates, seed
         self.size = 0
         self.version = 0  # changes with every write: a search is reused by ``add`` only from the same version
         self.embedding_size: int | None = None
-        self._maps = np.zeros((num_layers, 0, num_experts), dtype=map_dtype)
-        self._prefix_sq = np.zeros((num_layers, 0), dtype=np.float32)  # sum over layers 0..l of squared probs
-        self._prefix_norm = np.zeros((num_layers, 0), dtype=np.float32)  # its square root
+        # Exhaustive: layer-major, [L, C, J] and [L, C] (a trajectory step streams one layer of every map). Pruned:
+        # entry-major, [C, L, J] and [C, L] (a search gathers its candidates' whole maps, M contiguous blocks).
+        self._entry_axis = 0 if candidates is not None else 1
+        self._maps = np.zeros(self._entry_major((num_layers, 0, num_experts)), dtype=map_dtype)
+        self._prefix_norm = np.zeros(self._entry_major((num_layers, 0)), dtype=np.float32)  # of layers 0..l
         self._embeddings = np.zeros((0, 0), dtype=np.float32)  # unit length (projected with embedding_dims)
         self._projection: np.ndarray | None = None  # [D, embedding_dims]
         self._stamp = np.zeros(0, dtype=np.int64)  # insertion counter of each entry: ties go to the newest
         self._next_stamp = 0
+        self._index = None if lists is None else CoarseIndex(lists, probes, seed)
+        # the pruned trajectory step, compiled now (when Numba is installed) rather than in the first search
+        self._trajectory_step = compiled_trajectory_step() if candidates is not None else None
 
     def __len__(self) -> int:
         return self.size
 
+    def _entry_major(self, shape: tuple) -> tuple:
+        """``shape`` (L, C, ...) in this store's layout: swapped to (C, L, ...) when it is entry-major."""
+        return shape if self._entry_axis == 1 else (shape[1], shape[0]) + shape[2:]
+
     def bytes_searched(self, batch: int = 1) -> int:
-        """The bytes one iteration's searches for ``batch`` requests must read: every stored embedding, and
-        every stored map (exhaustive) or each request's candidates' maps (pruned)."""
-        maps = (self._maps[:, :self.size].nbytes if self.candidates is None or self.candidates >= self.size
-                else batch * self.candidates * self.num_layers * self.num_experts * self._maps.itemsize)
-        return int(self._embeddings[:self.size].nbytes + maps)
+        """The bytes one iteration's searches for ``batch`` requests must read: the projection (with
+        ``embedding_dims``), every stored embedding (with a trained ``lists`` index: the centroids and, per
+        request, P / N of the embeddings, as if the lists were of equal size), and every stored map
+        (exhaustive) or each request's candidates' maps (pruned)."""
+        per_map = self.num_layers * self.num_experts * self._maps.itemsize
+        maps = (self.size * per_map if self.candidates is None or self.candidates >= self.size
+                else batch * self.candidates * per_map)
+        keys = self._embeddings[:self.size].nbytes
+        if self._index is not None and self._index.centroids is not None:
+            read = max(self.candidates, self._index.expected_fraction() * self.size)
+            keys = self._index.centroids.nbytes + batch * read * self._embeddings.itemsize * self._embeddings.shape[1]
+        projection = 0 if self._projection is None else self._projection.nbytes
+        return int(projection + keys + maps)
 
     # ------------------------------------------------------------------------------------------ reading
 
     def maps(self, index: np.ndarray) -> np.ndarray:
         """The stored maps of entries ``index`` [B] as [B, L, J] float32 (a copy)."""
+        if self._entry_axis == 0:
+            return self._maps[np.asarray(index)].astype(np.float32)
         return self._maps[:, np.asarray(index)].transpose(1, 0, 2).astype(np.float32)
 
     def layer(self, layer: int, index: np.ndarray) -> np.ndarray:
         """Layer ``layer`` of the maps of entries ``index`` [B]: [B, J] float32 (a copy)."""
-        return self._maps[layer, np.asarray(index)].astype(np.float32, copy=False)
+        rows = self._maps[np.asarray(index), layer] if self._entry_axis == 0 else self._maps[layer, np.asarray(index)]
+        return rows.astype(np.float32, copy=False)
 
     def keys(self, embeddings: np.ndarray) -> np.ndarray:
         """The semantic keys of ``embeddings`` [B, D]: projected (with embedding_dims) and at unit length."""
@@ -138,6 +155,9 @@ class ExpertMapStore:
     def map_scores(self, maps: np.ndarray) -> np.ndarray:
         """Equation score-map over whole maps: [B, size] cosines between ``maps`` [B, L, J] and the stored maps."""
         maps = np.asarray(maps, dtype=np.float32)
+        if self._entry_axis == 0:
+            dots = maps.reshape(maps.shape[0], -1) @ self._maps[:self.size].reshape(self.size, -1).T
+            return self._map_cosines(maps, dots, self._prefix_norm[:self.size, -1])
         dots = np.zeros((maps.shape[0], self.size), dtype=np.float32)
         for layer in range(self.num_layers):
             dots += maps[:, layer] @ self._block(layer).T
@@ -154,13 +174,13 @@ class ExpertMapStore:
         return IterationSearch(self, embeddings)
 
     def _block(self, layer: int) -> np.ndarray:
-        """Layer ``layer`` of every stored map, [size, J] float32 (exhaustive searches keep float32 maps)."""
+        """Layer ``layer`` of every stored map, [size, J] float32 (exhaustive stores: layer-major, float32)."""
         return self._maps[layer, :self.size]
 
     @staticmethod
     def _map_cosines(maps: np.ndarray, dots: np.ndarray, stored_norms: np.ndarray) -> np.ndarray:
         norms = np.sqrt((maps ** 2).sum(axis=(1, 2)))[:, None] * stored_norms
-        return dots / np.maximum(norms, _TINY)
+        return dots / np.maximum(norms, TINY)
 
     # ------------------------------------------------------------------------------------------ writing
 
@@ -176,14 +196,16 @@ class ExpertMapStore:
         if self.embedding_size is None:
             self._first_embeddings(embeddings.shape[1])
         self._check_embeddings(embeddings)
+        # the stored keys: the search's, when it searched for these entries (the projection read once)
+        keys = search.keys if search is not None and search.describes(maps, embeddings) else self.keys(embeddings)
         room = self.capacity - self.size
         if room > 0:
-            self._append(maps[:room], embeddings[:room])
-            maps, embeddings = maps[room:], embeddings[room:]
+            self._append(maps[:room], keys[:room])
+            maps, embeddings, keys = maps[room:], embeddings[room:], keys[room:]
         if maps.shape[0] == 0:
             return
         # A batch larger than the store: its older entries would only be replaced by its newer ones.
-        maps, embeddings = maps[-self.capacity:], embeddings[-self.capacity:]
+        maps, embeddings, keys = maps[-self.capacity:], embeddings[-self.capacity:], keys[-self.capacity:]
         if search is not None and search.describes(maps, embeddings):
             redundancy, columns = search.redundancy(maps)
         else:
@@ -198,7 +220,7 @@ class ExpertMapStore:
             tied = slots[scores == best]
             slot = int(tied[self._stamp[tied].argmin()])  # among equally redundant entries, the oldest
             taken[slot] = True
-            self._write(slot, maps[row], embeddings[row])
+            self._write(slot, maps[row], keys[row])
 
     def _first_embeddings(self, size: int) -> None:
         self.embedding_size = size
@@ -216,20 +238,22 @@ class ExpertMapStore:
             raise ConfigError(f"embeddings of size {embeddings.shape[-1]} do not match the expert map store's "
                               f"{self.embedding_size}")
 
-    def _append(self, maps: np.ndarray, embeddings: np.ndarray) -> None:
+    def _append(self, maps: np.ndarray, keys: np.ndarray) -> None:
         needed = self.size + maps.shape[0]
-        allocated = self._maps.shape[1]
+        axis = self._entry_axis
+        allocated = self._maps.shape[axis]
         if needed > allocated:  # grow geometrically up to the capacity, so a large C costs nothing until used
             allocated = min(self.capacity, max(needed, 2 * allocated, 64))
-            self._maps = self._grown(self._maps, allocated, axis=1)
-            self._prefix_sq = self._grown(self._prefix_sq, allocated, axis=1)
-            self._prefix_norm = self._grown(self._prefix_norm, allocated, axis=1)
+            self._maps = self._grown(self._maps, allocated, axis=axis)
+            self._prefix_norm = self._grown(self._prefix_norm, allocated, axis=axis)
             self._embeddings = self._grown(self._embeddings, allocated, axis=0)
             self._stamp = self._grown(self._stamp, allocated, axis=0)
         start = self.size
         self.size = needed
         for offset in range(maps.shape[0]):
-            self._write(start + offset, maps[offset], embeddings[offset])
+            self._write(start + offset, maps[offset], keys[offset])
+        if self._index is not None and self._index.due(self.size):
+            self._index.train(self._embeddings[:self.size])
 
     @staticmethod
     def _grown(array: np.ndarray, allocated: int, axis: int) -> np.ndarray:
@@ -239,12 +263,16 @@ class ExpertMapStore:
         grown[(slice(None),) * axis + (slice(0, array.shape[axis]),)] = array
         return grown
 
-    def _write(self, slot: int, expert_map: np.ndarray, embedding: np.ndarray) -> None:
-        self._maps[:, slot] = expert_map
+    def _write(self, slot: int, expert_map: np.ndarray, key: np.ndarray) -> None:
+        """Store ``expert_map`` [L, J] and the semantic key ``key`` [D'] (``keys``) in ``slot``."""
+        entry = (slot,) if self._entry_axis == 0 else (slice(None), slot)
+        self._maps[entry] = expert_map
         # the norms of the map as stored (rounded to float16 when the maps are)
-        self._prefix_sq[:, slot] = np.cumsum((self._maps[:, slot].astype(np.float64) ** 2).sum(axis=1))
-        self._prefix_norm[:, slot] = np.sqrt(self._prefix_sq[:, slot])
-        self._embeddings[slot] = _unit(embedding) if self._projection is None else self.keys(embedding[None])[0]
+        squares = np.cumsum((self._maps[entry].astype(np.float64) ** 2).sum(axis=1)).astype(np.float32)
+        self._prefix_norm[entry] = np.sqrt(squares)
+        self._embeddings[slot] = key
+        if self._index is not None:
+            self._index.assign(slot, self._embeddings[slot])
         self._stamp[slot] = self._next_stamp
         self._next_stamp += 1
         self.version += 1
@@ -254,31 +282,62 @@ class IterationSearch:
     """The searches of one iteration for B requests (module docstring): the semantic search at construction
     (``index``, ``score``), then ``observe`` layers 0, 1, 2, ... in order, each returning the stored entry
     whose prefix of layers 0..l is closest (cosine) to the observed one, per request. With ``candidates`` the
-    trajectory looks only at each request's M best semantic entries (``candidates`` [B, M])."""
+    trajectory looks only at each request's M best semantic entries (``candidates`` [B, M]); with a trained
+    ``lists`` index those are the M best of the probed lists, and the semantic search's entry the best of them."""
 
     def __init__(self, store: ExpertMapStore, embeddings: np.ndarray):
         self.store = store
         self.version = store.version
         self.embeddings = np.array(embeddings, dtype=np.float32)
-        self.semantic = store.semantic_scores(self.embeddings)  # [B, size]
-        batch, size = self.semantic.shape
-        self.index, self.score = best_entries(self.semantic, store._stamp[:size])
+        self.keys = store.keys(self.embeddings)  # [B, D'], which ``add`` stores if these entries are added
+        batch, size = self.embeddings.shape[0], store.size
+        stamps = store._stamp[:size]
+        self.candidates: np.ndarray | None = None
+        # the semantic scores the deduplication reuses: [B, size], or [B, M] of the candidates
+        if store._index is not None and store._index.centroids is not None and store.candidates < size:
+            self.candidates, self._semantic = self._probe(self.keys)
+            best, self.score = best_entries(self._semantic, stamps[self.candidates])
+            self.index = self.candidates[np.arange(batch), best]
+        else:
+            semantic = self.keys @ store._embeddings[:size].T  # equation score-sem, as ``semantic_scores``
+            self.index, self.score = best_entries(semantic, stamps)
+            self._semantic = semantic
+            if store.candidates is not None:  # [B, M]; every entry while the store holds no more than M
+                count = store.candidates
+                self.candidates = (np.argpartition(-semantic, count - 1, axis=1)[:, :count] if count < size
+                                   else np.broadcast_to(np.arange(size), semantic.shape).copy())
+                self._semantic = np.take_along_axis(semantic, self.candidates, axis=1)
         self.layers_observed = 0
         # the searched iteration's maps: layers 0 .. layers_observed - 1 as observed, the rest for the caller to
         # fill before ``add`` (which then reuses this search's scores)
         self.maps = np.zeros((batch, store.num_layers, store.num_experts), dtype=np.float32)
         self._query_sq = np.zeros(batch, dtype=np.float32)
-        self.candidates: np.ndarray | None = None
-        if store.candidates is not None and store.candidates < size:
-            count = store.candidates
-            self.candidates = np.argpartition(-self.semantic, count - 1, axis=1)[:, :count]  # [B, M]
-            self._maps = store._maps[:, self.candidates].astype(np.float32)  # [L, B, M, J]
-            self._norms = store._prefix_norm[:, self.candidates]  # [L, B, M]
+        if self.candidates is not None:
+            # [L, B, M, J] and [L, B, M], from the entry-major store
+            self._maps = store._maps[self.candidates].transpose(2, 0, 1, 3).astype(np.float32, order="C")
+            self._norms = store._prefix_norm[self.candidates].transpose(2, 0, 1).copy()
+            # their inverses (a zero map has cosine 0 with any query: 0 x 1e30), for map_ranking.trajectory_step
+            self._inverse_norms = 1.0 / np.maximum(self._norms, TINY)
+            self._rows = np.arange(batch)
             self._stamps = store._stamp[self.candidates]  # [B, M]
             self._dots = np.zeros(self.candidates.shape, dtype=np.float32)
         else:
             self._dots = np.zeros((batch, size), dtype=np.float32)
-        self._scores = np.empty_like(self._dots)  # each step's cosines, computed in place
+            self._scores = np.empty_like(self._dots)  # each step's cosines, computed in place
+
+    def _probe(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(candidates [B, M], their semantic scores [B, M]): the M best entries of each request's probed lists
+        (of the unit ``keys`` [B, D'])."""
+        store, count = self.store, self.store.candidates
+        candidates = np.empty((keys.shape[0], count), dtype=np.int64)
+        scores = np.empty((keys.shape[0], count), dtype=np.float32)
+        for row, key in enumerate(keys):
+            slots, semantic = store._index.search(key, count)
+            if slots.size > count:
+                best = np.argpartition(-semantic, count - 1)[:count]
+                slots, semantic = slots[best], semantic[best]
+            candidates[row], scores[row] = slots, semantic
+        return candidates, scores
 
     def observe(self, layer: int, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Add layer ``layer``'s distributions ``probs`` [B, J]: (best entry [B], its score [B])."""
@@ -289,19 +348,17 @@ class IterationSearch:
         probs = np.asarray(probs, dtype=np.float32)
         self.maps[:, layer] = probs
         self.layers_observed += 1
-        self._query_sq += (probs * probs).sum(axis=1)
-        query_norm = np.sqrt(self._query_sq)[:, None]
         if self.candidates is None:
+            self._query_sq += (probs * probs).sum(axis=1)
+            query_norm = np.sqrt(self._query_sq)[:, None]
             self._dots += probs @ store._maps[layer, :store.size].T
             scores = np.multiply(query_norm, store._prefix_norm[layer, :store.size], out=self._scores)
-        else:
-            self._dots += np.matmul(self._maps[layer], probs[:, :, None])[:, :, 0]
-            scores = np.multiply(query_norm, self._norms[layer], out=self._scores)
-        np.divide(self._dots, np.maximum(scores, _TINY, out=scores), out=scores)
-        if self.candidates is None:
+            np.divide(self._dots, np.maximum(scores, TINY, out=scores), out=scores)
             return best_entries(scores, store._stamp[:store.size])
-        best, score = best_entries(scores, self._stamps)
-        return self.candidates[np.arange(best.size), best], score
+        best, score = np.empty(probs.shape[0], dtype=np.int64), np.empty(probs.shape[0], dtype=np.float32)
+        store._trajectory_step(self._maps[layer], np.ascontiguousarray(probs), self._dots, self._query_sq,
+                               self._inverse_norms[layer], self._stamps, best, score)
+        return self.candidates[self._rows, best], score
 
     def describes(self, maps: np.ndarray, embeddings: np.ndarray) -> bool:
         """Whether ``maps`` and ``embeddings`` are the entries this search searched for, in a store that has not
@@ -321,11 +378,8 @@ class IterationSearch:
                 dots += maps[:, layer] @ store._block(layer).T
             else:
                 dots += np.matmul(self._maps[layer], maps[:, layer, :, None])[:, :, 0]
-        if self.candidates is None:
-            semantic, stored_norms = self.semantic, store._prefix_norm[-1, :store.size][None, :]
-        else:
-            semantic = np.take_along_axis(self.semantic, self.candidates, axis=1)
-            stored_norms = self._norms[-1]
+        semantic = self._semantic
+        stored_norms = store._prefix_norm[-1, :store.size][None, :] if self.candidates is None else self._norms[-1]
         self.layers_observed = store.num_layers  # the dot products are complete: no more trajectory steps
         weight = store.semantic_weight
         rdy = weight * semantic + (1.0 - weight) * store._map_cosines(maps, dots, stored_norms)

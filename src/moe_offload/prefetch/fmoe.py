@@ -29,8 +29,10 @@ each of its bytes once per iteration). An empty store (no history yet) proposes 
 
 Options of the store (all off by default; expert_map_store says what each costs and saves):
 ``embedding_dims=N`` keeps a fixed random projection of the embeddings, ``candidates=M`` runs the
-trajectory search and the deduplication over each request's M best semantic entries only, and
-``map_dtype="float16"`` (with ``candidates``) halves the maps' memory; ``seed`` seeds the projection.
+trajectory search and the deduplication over each request's M best semantic entries only,
+``map_dtype="float16"`` (with ``candidates``) halves the maps' memory, ``lists=N`` (with ``candidates``;
+``probes=P``) finds the candidates through a coarse quantizer that reads about P / N of the stored
+embeddings (approximate); ``seed`` seeds the projection and the quantizer's k-means.
 benchmarks/map_search.py measures their speed, the README their effect on hit rates and precision.
 
 The semantic embedding of an iteration. The paper records "the semantic embeddings for each inference
@@ -69,7 +71,7 @@ import numpy as np
 from moe_offload.errors import ConfigError
 from moe_offload.prefetch._shared import RequestGroups, check_same_model
 from moe_offload.prefetch.base import Prefetcher, Proposal
-from moe_offload.prefetch.expert_map_store import ExpertMapStore, IterationSearch
+from moe_offload.prefetch.expert_map_store import DEFAULT_PROBES, ExpertMapStore, IterationSearch
 from moe_offload.prefetch.requirements import check_trace_columns
 from moe_offload.prefetch.search_cost import TimedSearch
 from moe_offload.values import integer
@@ -148,7 +150,7 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
     def __init__(self, spec, capacity: int = DEFAULT_CAPACITY, distance: int = DEFAULT_DISTANCE,
                  search_seconds: float | None = None, semantic: str = "iteration",
                  embedding_dims: int | None = None, candidates: int | None = None, map_dtype: str = "float32",
-                 seed: int = 0):
+                 lists: int | None = None, probes: int = DEFAULT_PROBES, seed: int = 0):
         super().__init__(spec)
         self.capacity = integer(capacity, f"{self.name}.capacity", low=1)
         self.distance = integer(distance, f"{self.name}.distance", low=1)
@@ -163,10 +165,13 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
             embedding_dims = integer(embedding_dims, f"{self.name}.embedding_dims", low=1)
         if candidates is not None:
             candidates = integer(candidates, f"{self.name}.candidates", low=1)
+        if lists is not None:
+            lists = integer(lists, f"{self.name}.lists", low=1)
+        probes = integer(probes, f"{self.name}.probes", low=1)
         try:
             self.store = ExpertMapStore(spec.num_layers, spec.num_experts, self.capacity, self.distance,
                                         embedding_dims=embedding_dims, candidates=candidates, map_dtype=map_dtype,
-                                        seed=seed)
+                                        lists=lists, probes=probes, seed=seed)
         except ConfigError as exc:
             raise ConfigError(f"{self.name}: {exc}") from None
         self._groups: RequestGroups | None = None
@@ -246,7 +251,7 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
             if target < L:
                 index, score = self._search.observe(now, self._groups.mean(view.probs(now)))
                 rows = self.store.layer(target, index)  # [B, J]
-                self._predicted[target] = rows.max(axis=0)
+                self._predicted[target] = rows[0] if rows.shape[0] == 1 else rows.max(axis=0)
                 self._set_target(target, rows, score)
             result = self._propose(now)
         return result

@@ -1,0 +1,108 @@
+"""How the Expert Map Store's searches rank the stored entries: ``best_entries`` (the highest score, ties
+within TIE_TOLERANCE to the most recently stored), and one step of the pruned trajectory search
+(expert_map_store.IterationSearch.observe with ``candidates``), compiled with Numba when it is installed.
+
+Why a kernel. A pruned step does little arithmetic (B x M x J multiply-adds, M = 32 candidates) but takes a
+dozen NumPy calls of a microsecond each, once per layer per token; compiled, the whole step is one call of
+about a microsecond (benchmarks/map_search.py). Numba is optional (the ``fast`` extra): without it the NumPy
+form below runs, with the same result bit for bit, since both do the same float32 operations in the same
+order (test: tests/test_map_search.py):
+
+* the query's squared norm gains probs[b, j]^2 for j = 0, 1, ... in turn; the running dot product of every
+  candidate gains maps[b, m, j] * probs[b, j] in the same order (each product rounded to float32, then the
+  sum: no fused multiply-add, which Numba does not emit without ``fastmath``);
+* cosine = dot * (1 / prefix norm) / max(sqrt(squared norm), 1e-30);
+* the best column: the first of highest cosine, or, if others are within TIE_TOLERANCE of it (in float32),
+  the one of them stored last (highest stamp), as ``best_entries``.
+
+The NumPy form loops over the J experts (one vectorised operation over the B x M candidates per expert), so
+it is slower than a matrix product for large J; it is the reference and the fallback, not the fast path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+TIE_TOLERANCE = 1e-6  # float32 cosines this close are a tie
+TINY = np.float32(1e-30)  # the smallest norm divided by: a zero vector has cosine 0 with anything
+SIGNATURE = ("void(float32[:, :, ::1], float32[:, ::1], float32[:, ::1], float32[::1], float32[:, ::1], "
+             "int64[:, ::1], int64[::1], float32[::1])")
+_TOLERANCE = np.float32(TIE_TOLERANCE)
+
+
+def best_entries(scores: np.ndarray, stamps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``scores`` [B, n]: (column of the highest score, that score), ties within TIE_TOLERANCE
+    going to the highest ``stamps`` (broadcast to [B, n]: the most recently stored entry)."""
+    if scores.shape[0] == 1:  # one request: the same, without the per-row bookkeeping
+        row = scores[0]
+        first = row.argmax()
+        best = row[first]
+        if np.count_nonzero(row >= best - TIE_TOLERANCE) == 1:
+            return first.reshape(1), best.reshape(1)
+    rows = np.arange(scores.shape[0])
+    first = scores.argmax(axis=1)
+    best = scores[rows, first]
+    tied = scores >= (best - TIE_TOLERANCE)[:, None]
+    if np.count_nonzero(tied) == scores.shape[0]:  # one per row: the argmax itself
+        return first, best
+    index = np.where(tied, stamps, -1).argmax(axis=1)
+    return index, scores[rows, index]
+
+
+def trajectory_step(maps, probs, dots, query_sq, inverse_norms, stamps, best, score):
+    """Add one layer: ``maps`` [B, M, J] (the candidates' rows of that layer), ``probs`` [B, J] (the observed
+    distributions); updates ``dots`` [B, M] and ``query_sq`` [B] in place and writes, per request, the best
+    column ``best`` [B] and its cosine ``score`` [B] (``inverse_norms`` [B, M]: 1 / the candidates' prefix
+    norms up to this layer; ``stamps`` [B, M]: their insertion counters). Numba's subset of Python."""
+    batch, count, experts = maps.shape
+    cosines = np.empty(count, dtype=np.float32)
+    for b in range(batch):
+        for j in range(experts):
+            query_sq[b] += probs[b, j] * probs[b, j]
+        norm = max(np.sqrt(query_sq[b]), TINY)
+        first = 0
+        for m in range(count):
+            dot = dots[b, m]
+            for j in range(experts):
+                dot += maps[b, m, j] * probs[b, j]
+            dots[b, m] = dot
+            cosines[m] = dot * inverse_norms[b, m] / norm
+            if cosines[m] > cosines[first]:
+                first = m
+        floor = cosines[first] - _TOLERANCE
+        pick = first
+        for m in range(count):
+            if cosines[m] >= floor and stamps[b, m] > stamps[b, pick]:
+                pick = m
+        best[b] = pick
+        score[b] = cosines[pick]
+
+
+def trajectory_step_numpy(maps, probs, dots, query_sq, inverse_norms, stamps, best, score):
+    """``trajectory_step`` with NumPy operations over the B x M candidates, expert by expert (the same float32
+    operations in the same order: the same result bit for bit)."""
+    for j in range(maps.shape[2]):
+        query_sq += probs[:, j] * probs[:, j]
+    for j in range(maps.shape[2]):
+        dots += maps[:, :, j] * probs[:, j, None]
+    cosines = dots * inverse_norms / np.maximum(np.sqrt(query_sq), TINY)[:, None]
+    best[:], score[:] = best_entries(cosines, stamps)
+
+
+@functools.cache
+def compiled_trajectory_step():
+    """``trajectory_step`` compiled (or loaded from Numba's cache), or the NumPy form without Numba."""
+    from moe_offload.simulator.kernels import numba_available
+
+    if not numba_available():
+        return trajectory_step_numpy
+    import numba
+
+    try:
+        return numba.njit(SIGNATURE, cache=True)(trajectory_step)
+    except RuntimeError as exc:  # no folder to cache in (read-only install, no writable home)
+        if "cannot cache" not in str(exc):
+            raise
+        return numba.njit(SIGNATURE)(trajectory_step)
