@@ -278,14 +278,15 @@ def main(argv=None) -> int:
     # they can reach together is their harmonic composition, not the smaller of the two (a GPU's copy engine
     # overlaps the copy with the reads, so there min(...) is the bound)
     serial = 1 / (1 / raw["parallel_read"] + 1 / raw["convert"]) if "convert" in raw else bound
-    profile = HardwareProfile.from_dict(measure.measure_hardware(packed, repeats=3, bypass_page_cache=False,
-                                                                 device=device, readers=args.readers,
-                                                                 model_name=name), path="<measured>")
+    measured = measure.measure_hardware(packed, repeats=3, bypass_page_cache=False, device=device,
+                                        readers=args.readers, model_name=name)
+    profile = HardwareProfile.from_dict(measured, path="<measured>")
     link = profile.links[-1]
     print("raw rates: " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in raw.items())
           + f"; bound min(...) {bound / 1e9:.2f} GB/s"
           + (f", read then convert {serial / 1e9:.2f} GB/s" if device.type == "cpu" else "") + f"; profile link {link.name} {link.bandwidth_bytes_per_s / 1e9:.2f}"
-            f" GB/s + {link.latency_s * 1e6:.0f} us", flush=True)
+            f" GB/s + {link.latency_s * 1e6:.0f} us, {link.slowdown_while_computing:.3g}x slower while computing; compute "
+            f"{profile.compute.slowdown_while_loading:.3g}x slower while loading", flush=True)
 
     # 2. all-resident: transformers' implementations, this project's function, the engine (alternating)
     resident = resident_tpots(packed, trace, weights, tokens, device, dtype, args.readers, args.rounds,
@@ -359,7 +360,7 @@ def main(argv=None) -> int:
     if args.json:
         write_atomically(args.json, json.dumps({
             "model": name, "device": str(device), "tokens": tokens, "load_average": load, "raw_rates": raw, "bound": bound, "serial_bound": serial,
-            "profile": {"link": link.name, "bandwidth": link.bandwidth_bytes_per_s, "latency_s": link.latency_s},
+            "profile": measured,
             "resident": {k: v["tpot_s"] for k, v in resident.items()}, "transformers_best": best_name,
             "token_agreement_with_engine": agreement,
             "engine_resident_tpot_s": engine_resident["tpot_s"], "runs": rows}, indent=1))

@@ -85,6 +85,7 @@ def test_costs_follow_the_file(tmp_path):
     # 20 tokens: 4000 FLOPs / 1000 FLOP/s = 4 s, compute-bound. Plus 0.25 s of overhead each.
     assert compute.expert_seconds(1, 200) == pytest.approx(2.25)
     assert compute.expert_seconds(20, 200) == pytest.approx(4.25)
+    assert compute.slowdown_while_loading == 1.0 and link.slowdown_while_computing == 1.0  # shared nothing
 
 
 def test_an_explicit_expert_cost_replaces_the_roofline_and_inf_bandwidth_costs_only_latency(tmp_path):
@@ -110,6 +111,9 @@ def test_an_explicit_expert_cost_replaces_the_roofline_and_inf_bandwidth_costs_o
      "'compute.router.per_tok'"),
     (lambda t: t.replace("flops_per_s = 1e3\nmemory_bandwidth_bytes_per_s = 100\n", ""), "'compute.expert'"),
     (lambda t: t.replace("flops_per_s = 1e3", 'flops_per_s = "fast"'), "'compute.flops_per_s'"),
+    (lambda t: t.replace("[compute]", "[compute]\nslowdown_while_loading = 0.5"), "'compute.slowdown_while_loading'"),
+    (lambda t: t.replace("bandwidth_bytes_per_s = 100\nlatency", "slowdown_while_computing = 1e9\n"
+                         "bandwidth_bytes_per_s = 100\nlatency"), "'links[0].slowdown_while_computing'"),
 ])
 def test_a_bad_profile_names_the_file_and_the_key(tmp_path, edit, key):
     path = write(tmp_path, edit(GOOD))

@@ -68,6 +68,9 @@ def test_the_measured_dict_is_a_profile_of_this_runtime(measured):
     assert profile.compute.expert_seconds(1, 9216) > 0
     text = " ".join(profile.sources)
     assert "page cache bypassed" in text and "18 of 18 experts moved" in text
+    # decoding with experts streaming in the background: both slowdowns measured, neither below 1
+    assert "sharing: while a thread streamed experts" in text
+    assert 1 <= profile.compute.slowdown_while_loading <= 100 and 1 <= profile.links[0].slowdown_while_computing <= 100
 
 
 def test_a_cuda_measurement_has_the_runtimes_tiers(packed):
@@ -77,6 +80,8 @@ def test_a_cuda_measurement_has_the_runtimes_tiers(packed):
     cuda = dataclasses.replace(cpu, device="cuda", device_name="a GPU", compute_dtype="float16",
                                host_to_gpu_latency_s=1e-5, host_to_gpu_bandwidth=25e9, convert_bandwidth=None,
                                link_seconds=9216 / 5e9, link_alone_s=9216 / 5e9 + 2e-5,
+                               link_seconds_decoding=1.5 * 9216 / 5e9, decode_step_s=0.02,
+                               decode_step_streaming_s=0.025,
                                capacities={"gpu": 24 * 2**30, "ssd": 2 * 10**12},
                                capacity_notes={"gpu": "free", "ssd": "disk"})
     profile = HardwareProfile.from_dict(measure.profile_dict(cuda))
@@ -84,6 +89,9 @@ def test_a_cuda_measurement_has_the_runtimes_tiers(packed):
     assert [link.name for link in profile.links] == ["ssd->gpu"]
     link = profile.link_from(1)
     assert link.bandwidth_bytes_per_s == pytest.approx(5e9, rel=1e-3) and link.latency_s == pytest.approx(2e-5, rel=1e-3)
+    # decoding slowed the stream 1.5x, streaming slowed the decode 1.25x
+    assert link.slowdown_while_computing == pytest.approx(1.5, rel=1e-3)
+    assert profile.compute.slowdown_while_loading == pytest.approx(1.25, rel=1e-3)
     assert profile.tiers[0].capacity_bytes == 24 * 2**30
     # computing in the stored dtype: the roofline's memory rate is the measured one, not halved
     assert profile.compute.roofline.memory_bandwidth_bytes_per_s == pytest.approx(cpu.memory_bandwidth, rel=1e-3)
@@ -114,6 +122,32 @@ def test_the_toml_writer_escapes_strings(tmp_path):
            "compute": {"expert": {"fixed_s": 1e-05, "per_token_s": 0.0}, "attention": {"fixed_s": 1.0},
                        "router": {"fixed_s": 0.0}, "lm_head": {"fixed_s": 2.5e-300, "per_token_s": 3.0}}}
     assert tomllib.loads(profile_toml(odd, header="# not a key")) == odd
+
+
+def roofline_of(measurements, expert_seconds: dict, memory_bandwidth: float):
+    """The roofline fitted to an expert of 1,000 stored bytes (500 float16 parameters) computed in float32."""
+    m = dataclasses.replace(measurements, expert_bytes=1000, expert_params=500, compute_dtype="float32",
+                            memory_bandwidth=memory_bandwidth, expert_seconds=expert_seconds)
+    return HardwareProfile.from_dict(measure.profile_dict(m)).compute.roofline
+
+
+def test_the_expert_roofline_passes_through_the_one_token_time(packed):
+    """Hand-computed: the streaming read gives 2e6 float32 bytes/s = 1e6 stored bytes/s, so the memory term
+    is 1 ms. A GPU-like expert, flat at 1.2 ms: all memory-bound, the overhead is 0.2 ms. A CPU-like one
+    whose weights stay in the cache (0.5 ms at one token, below the 1 ms the streaming read predicts) and
+    compute-bound from 4 tokens at 0.25 ms a token: the memory rate becomes the one-token rate (2e6 stored
+    bytes/s), no overhead, 2 * 500 / 0.25 ms = 4e6 FLOP/s; it is exact at one token and at 64."""
+    measurements = measure.measure(packed / "packed", device="cpu", **FAST)
+    flat = roofline_of(measurements, {n: 1.2e-3 for n in measure.TOKEN_COUNTS}, 2e6)
+    assert flat.memory_bandwidth_bytes_per_s == pytest.approx(1e6, rel=1e-3)
+    assert flat.expert_overhead_s == pytest.approx(0.2e-3, rel=1e-3)
+    assert flat.expert_seconds(1, 1000) == pytest.approx(1.2e-3, rel=1e-3)
+    cached = roofline_of(measurements, {1: 0.5e-3, 2: 0.55e-3, 4: 1e-3, 8: 2e-3, 16: 4e-3, 32: 8e-3, 64: 16e-3}, 2e6)
+    assert cached.memory_bandwidth_bytes_per_s == pytest.approx(2e6, rel=1e-3)
+    assert cached.expert_overhead_s == 0
+    assert cached.flops_per_s == pytest.approx(4e6, rel=1e-3)
+    assert cached.expert_seconds(1, 1000) == pytest.approx(0.5e-3, rel=1e-3)
+    assert cached.expert_seconds(64, 1000) == pytest.approx(16e-3, rel=1e-3)
 
 
 def test_linear_fits_never_go_negative():

@@ -36,9 +36,11 @@ E = 100  # bytes of one expert in the hand-made traces
 
 def profile(*, bandwidth=100.0, latency=0.5, attention=1.0, attention_per_token=0.0, router=0.25, expert=2.0,
             expert_per_token=0.0, lm_head=0.5, lm_head_per_token=0.0, gpu=10**9, host=10**12, ssd=None,
-            ssd_bandwidth=50.0, ssd_latency=0.5) -> HardwareProfile:
+            ssd_bandwidth=50.0, ssd_latency=0.5, slowdown_while_loading=1.0,
+            slowdown_while_computing=1.0) -> HardwareProfile:
     tiers = [{"name": "gpu", "capacity_bytes": gpu}, {"name": "host", "capacity_bytes": host}]
-    links = [{"from": "host", "to": "gpu", "bandwidth_bytes_per_s": bandwidth, "latency_s": latency}]
+    links = [{"from": "host", "to": "gpu", "bandwidth_bytes_per_s": bandwidth, "latency_s": latency,
+              "slowdown_while_computing": slowdown_while_computing}]
     if ssd is not None:
         tiers.append({"name": "ssd", "capacity_bytes": ssd})
         links.append({"from": "ssd", "to": "host", "bandwidth_bytes_per_s": ssd_bandwidth, "latency_s": ssd_latency})
@@ -47,7 +49,8 @@ def profile(*, bandwidth=100.0, latency=0.5, attention=1.0, attention_per_token=
         "compute": {"attention": {"fixed_s": attention, "per_token_s": attention_per_token},
                     "router": {"fixed_s": router},
                     "expert": {"fixed_s": expert, "per_token_s": expert_per_token},
-                    "lm_head": {"fixed_s": lm_head, "per_token_s": lm_head_per_token}}})
+                    "lm_head": {"fixed_s": lm_head, "per_token_s": lm_head_per_token},
+                    "slowdown_while_loading": slowdown_while_loading}})
 
 
 def hand_trace(experts, *, layers, num_experts=4, request=None, phase=None, iteration=None) -> Trace:
@@ -218,6 +221,39 @@ def test_a_prefetch_hides_part_of_each_load_by_hand():
         assert (result.hits, result.misses, result.on_demand_loads) == (1, 2, 0)
         assert (result.prefetches_issued, result.prefetches_used, result.prefetches_wasted) == (2, 2, 0)
         assert result.prefetch_precision == 1.0 and result.prefetch_recall == 1.0
+
+
+def test_compute_slowed_while_a_prefetch_is_on_the_wire_by_hand():
+    # The trace above with the oracle, compute twice as slow while a transfer runs (a CPU's shared cores).
+    #   token 0: prefetch 0 at 0 -> 1.5; attention (1 s of work) at half speed until 1.5: 0.75 done, the rest
+    #            -> 1.75; router -> 2.0; expert 0 resident: -> 4.0; LM head -> 4.5                TTFT = 4.5
+    #   token 1: nothing moves: 4.5 -> 8.25
+    #   token 2: prefetch 1 at 8.25 -> 9.75; attention 0.75 done by 9.75, -> 10.0; router -> 10.25; expert
+    #            -> 12.25; LM head -> 12.75; no stall                       TPOT = (12.75 - 4.5) / 2 = 4.125
+    trace = hand_trace([[[0]], [[0]], [[1]]], layers=1)
+    result = simulate_timed(trace, profile(slowdown_while_loading=2.0), "lru", 1 * E, prefetcher="oracle",
+                            timeline_iteration=2)
+    assert (result.ttft_seconds, result.tpot_seconds, result.stall_seconds) == pytest.approx((4.5, 4.125, 0.0))
+    assert transfers(result) == [("host->gpu", "prefetch", 1, 0.0, 1.5)]  # from iteration 2's start, 8.25
+    # demand loads run while the run waits for them, not while it computes: nothing is slowed
+    demand = simulate_timed(trace, profile(slowdown_while_loading=2.0), "lru", 1 * E)
+    assert (demand.ttft_seconds, demand.tpot_seconds) == pytest.approx((5.25, 4.5))
+
+
+def test_a_transfer_slowed_while_compute_runs_by_hand():
+    # The same, the link twice as slow while compute runs. A transfer needs 1.5 s of the wire at full speed.
+    #   token 0: prefetch 0 from 0; attention and router compute 0 -> 1.25 (0.625 of the wire's work done),
+    #            the rest at full speed -> 2.125: a stall of 0.875; expert -> 4.125; LM head -> 4.625
+    #   token 1: -> 8.375
+    #   token 2: prefetch 1 from 8.375; computing until 9.625, then 0.875 more -> 10.5 (stall 0.875); expert
+    #            -> 12.5; LM head -> 13.0                              TPOT = (13.0 - 4.625) / 2 = 4.1875
+    trace = hand_trace([[[0]], [[0]], [[1]]], layers=1)
+    result = simulate_timed(trace, profile(slowdown_while_computing=2.0), "lru", 1 * E, prefetcher="oracle",
+                            timeline_iteration=2)
+    assert (result.ttft_seconds, result.tpot_seconds, result.stall_seconds) == pytest.approx((4.625, 4.1875, 1.75))
+    assert transfers(result) == [("host->gpu", "prefetch", 1, 0.0, 2.125)]  # from iteration 2's start, 8.375
+    demand = simulate_timed(trace, profile(slowdown_while_computing=2.0), "lru", 1 * E)
+    assert (demand.ttft_seconds, demand.tpot_seconds) == pytest.approx((5.25, 4.5))
 
 
 def test_a_demand_load_overtakes_queued_prefetches_and_the_wire_completes_first():

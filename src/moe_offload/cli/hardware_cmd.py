@@ -104,7 +104,9 @@ def run_show(args) -> int:
     for link in profile.links:
         out.print(f"  {link.name:<12} {format_bytes(link.bandwidth_bytes_per_s):>10}/s  latency "
                   f"{link.latency_s * 1e6:.1f} us  ({example}, {format_bytes(expert_bytes)}: "
-                  f"{link.transfer_seconds(expert_bytes) * 1e3:.3f} ms)")
+                  f"{link.transfer_seconds(expert_bytes) * 1e3:.3f} ms)"
+                  + (f"; {link.slowdown_while_computing:.3g}x slower while compute runs"
+                     if link.slowdown_while_computing != 1 else ""))
     compute = profile.compute
     out.print("compute (n = tokens in the iteration):")
     for label, cost in (("attention / layer", compute.attention), ("router / layer", compute.router),
@@ -122,6 +124,8 @@ def run_show(args) -> int:
                   f"+{roof.expert_overhead_s * 1e6:.1f} us")
     out.print(f"  {example}: {compute.expert_seconds(1, expert_bytes) * 1e6:.1f} us for 1 token, "
               f"{compute.expert_seconds(64, expert_bytes) * 1e6:.1f} us for 64")
+    if compute.slowdown_while_loading != 1:
+        out.print(f"  compute runs {compute.slowdown_while_loading:.3g}x slower while a transfer runs")
     if profile.sources:
         out.print("sources:")
         for source in profile.sources:
@@ -133,7 +137,7 @@ def run_show(args) -> int:
 def _measured_table(m, profile: dict):
     from rich.table import Table
 
-    from moe_offload.runtime.measure import expert_roofline
+    from moe_offload.runtime.measure import expert_roofline, sharing
 
     table = Table(title=f"measured on {m.device_name} ({m.device}, {m.threads} threads, {m.repeats} repeats, "
                         f"{m.elapsed_s:.1f} s)", title_justify="left")
@@ -160,6 +164,14 @@ def _measured_table(m, profile: dict):
         cost = profile["compute"][part]
         table.add_row(label, f"{cost['fixed_s'] * 1e6:.1f} us + {cost['per_token_s'] * 1e6:.3f} us x n",
                       "skeleton forward, 1..64 tokens")
+    if m.decode_step_s is not None:
+        table.add_row("decode step, all resident", f"{m.decode_step_s * 1e3:.2f} ms", "the runtime, preloaded")
+    if m.decode_step_streaming_s is not None:
+        compute_slowdown, link_slowdown = sharing(m)
+        table.add_row("  while experts stream", f"{m.decode_step_streaming_s * 1e3:.2f} ms",
+                      f"compute {compute_slowdown:.3g}x slower while loading")
+        table.add_row("expert streamed while decoding", f"{m.link_seconds_decoding * 1e6:.1f} us",
+                      f"the link {link_slowdown:.3g}x slower while computing")
     for tier in profile["tiers"]:
         table.add_row(f"tier {tier['name']}", tier["capacity_bytes"], m.capacity_notes[tier["name"]])
     return table

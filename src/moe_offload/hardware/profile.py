@@ -16,6 +16,7 @@ sheets)::
     to = "gpu"
     bandwidth_bytes_per_s = 25e9   # `inf` is allowed: transfers then cost only their latency
     latency_s = 10e-6              # per transfer, paid before the bytes flow
+    slowdown_while_computing = 1.0 # optional: transfers take this many times longer while compute runs
 
     [compute]                  # times of one iteration's work, as functions of its tokens n
     attention = { fixed_s = 5.3e-5, per_token_s = 2.0e-7 }   # one layer: fixed_s + per_token_s * n
@@ -29,6 +30,12 @@ sheets)::
     memory_bandwidth_bytes_per_s = 1008e9
     expert_overhead_s = 5e-6
     bytes_per_param = 2
+    slowdown_while_loading = 1.0   # optional: compute takes this many times longer while a transfer runs
+
+The two slowdowns describe a machine whose compute and transfers share something: on a CPU the data path reads
+and converts experts on the cores that compute, and its Python holds the interpreter's lock the decode needs.
+``hardware measure`` measures both by decoding with experts streaming in the background; a GPU's copy engine
+shares little, and the presets, made from spec sheets, leave both at 1.
 
 Why only a chain of links: the tiers of an offloading server form one pipeline (SSD -> host -> GPU in
 MoE-Infinity, paper 002 section 5), with one copy engine or I/O thread per hop; a transfer between
@@ -56,6 +63,7 @@ DEFAULT_PRESET = "desktop-rtx4090"
 MAX_SECONDS = 3600.0
 MIN_RATE = 1.0
 BYTES_PER_PARAM = (1 / 64, 64.0)
+MAX_SLOWDOWN = 100.0  # compute or a link 100 times slower while the other runs: no machine shares that badly
 
 def format_bytes(count: float) -> str:
     """Binary units for a whole number of them (capacities such as 24 GiB), decimal ones otherwise."""
@@ -84,6 +92,7 @@ class Link:
     destination: str
     bandwidth_bytes_per_s: float
     latency_s: float
+    slowdown_while_computing: float = 1.0  # transfers take this many times longer while compute runs
 
     @property
     def name(self) -> str:
@@ -126,6 +135,7 @@ class ComputeModel:
     lm_head: LinearCost     # once per iteration
     expert: LinearCost | None = None     # one expert, when given explicitly ...
     roofline: Roofline | None = None     # ... otherwise from the roofline
+    slowdown_while_loading: float = 1.0  # compute runs this many times slower while a transfer is on a wire
 
     def expert_seconds(self, tokens: int, expert_bytes: int) -> float:
         if self.expert is not None:
@@ -264,7 +274,10 @@ class _Reader:
                 self.fail(f"links[{i}]", f"a second link from {source}")
             by_pair[source] = Link(source, destination,
                                    self.rate(raw, "bandwidth_bytes_per_s", f"links[{i}].bandwidth_bytes_per_s"),
-                                   self.seconds(raw, "latency_s", f"links[{i}].latency_s", default=0.0))
+                                   self.seconds(raw, "latency_s", f"links[{i}].latency_s", default=0.0),
+                                   self.number(raw, "slowdown_while_computing",
+                                               f"links[{i}].slowdown_while_computing", low=1.0, high=MAX_SLOWDOWN,
+                                               default=1.0))
         for tier in tiers[1:]:
             if tier.name not in by_pair:
                 self.fail("links", f"no link from tier {tier.name!r} to the next faster tier")
@@ -285,6 +298,9 @@ class _Reader:
                 self.number(compute, "bytes_per_param", "compute.bytes_per_param", low=BYTES_PER_PARAM[0],
                             high=BYTES_PER_PARAM[1], default=2.0))
         model = ComputeModel(attention=self.linear(compute, "attention"), router=self.linear(compute, "router"),
-                             lm_head=self.linear(compute, "lm_head"), expert=expert, roofline=roofline)
+                             lm_head=self.linear(compute, "lm_head"), expert=expert, roofline=roofline,
+                             slowdown_while_loading=self.number(compute, "slowdown_while_loading",
+                                                                "compute.slowdown_while_loading", low=1.0,
+                                                                high=MAX_SLOWDOWN, default=1.0))
         return HardwareProfile(name=name, description=description, sources=tuple(sources), tiers=tuple(tiers),
                                links=links, compute=model, path=self.path)

@@ -41,6 +41,7 @@ class Transfer:
     order: int                 # submission order: FIFO among demand loads and among equal priorities
     start_s: float | None = None
     end_s: float | None = None
+    event: int = -1            # its entry in the run's timeline events
 
 
 class TransferQueue:
@@ -60,6 +61,7 @@ class TransferQueue:
         self._order = itertools.count()
         self.bytes_moved = 0
         self.transfers_started = 0
+        self.slowdown = 1.0  # the wire runs this many times slower now (the link's slowdown_while_computing)
 
     @property
     def busy(self) -> bool:
@@ -136,7 +138,7 @@ class TransferQueue:
             del self._demands[key]
         best = self._best_prefetch()
         if best is not None and self._announced \
-                and now + self.link.transfer_seconds(best.nbytes) > min(self._announced.values()):
+                and now + self.seconds(best.nbytes) > min(self._announced.values()):
             return None
         return best
 
@@ -165,11 +167,24 @@ class TransferQueue:
             del self._prefetches[transfer.key]
             heapq.heappop(self._heap)
         transfer.start_s = now
-        transfer.end_s = now + self.link.transfer_seconds(transfer.nbytes)
+        transfer.end_s = now + self.seconds(transfer.nbytes)
         self.on_wire = transfer
         self.bytes_moved += transfer.nbytes
         self.transfers_started += 1
         return transfer
+
+    def seconds(self, nbytes: int) -> float:
+        """How long ``nbytes`` take on the wire at its speed now."""
+        return self.link.transfer_seconds(nbytes) * self.slowdown
+
+    def slow_down(self, factor: float, now: float) -> bool:
+        """Run the wire ``factor`` times slower than the link's own speed from ``now`` on: the transfer on it
+        (if any) ends when its remaining time at the new speed has passed. True when its end moved."""
+        previous, self.slowdown = self.slowdown, factor
+        if self.on_wire is None or factor == previous:
+            return False
+        self.on_wire.end_s = now + (self.on_wire.end_s - now) * factor / previous
+        return True
 
     def finish(self) -> Transfer:
         """The transfer on the wire has arrived; the wire is free."""

@@ -18,7 +18,13 @@ What the runtime (runtime/engine.py) does with an expert, timed piece by piece o
   kernels) is framework overhead per token. It is spread over the layers (added to the attention's fixed
   cost, which the simulator charges once per layer), because that is where the Python runs: between one
   router and the next, which is the window a prefetch has. Without it the simulator would predict a decode
-  step the runtime never achieves, and prefetch windows shorter than the runtime's.
+  step the runtime never achieves, and prefetch windows shorter than the runtime's;
+- the same decode step while a thread streams experts through the data path, and that stream's rate while
+  the decode runs: how much compute and transfers slow each other down when they share the machine (on a
+  CPU they share the cores, and everywhere the Python of both shares the interpreter's lock). The ratios to
+  the idle step and the idle stream are the profile's ``compute.slowdown_while_loading`` and the slow link's
+  ``slowdown_while_computing``, which the timed simulator applies while both run. With a host tier the
+  stream goes from the files to the GPU, and its slowdown is given to the ``ssd->host`` link.
 
 The tiers are the runtime's: the fast tier (``gpu`` with CUDA, else ``host``: RAM holding compute-ready
 experts) and ``ssd`` (the packed files), with one link ``ssd->gpu`` / ``ssd->host`` that carries what the
@@ -38,6 +44,7 @@ the rest of an iteration, a decode step); here the capacities, and the profile t
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import shutil
@@ -46,17 +53,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_offload.errors import ConfigError
+from moe_offload.hardware.profile import MAX_SLOWDOWN
 from moe_offload.runtime.measure.compute import (DECODE_PROBE_TOKENS, TOKEN_COUNTS, measure_decode_step, measure_expert_compute,
                                                  measure_non_expert)
-from moe_offload.runtime.measure.timing import _median, _round, fit_linear_cost
+from moe_offload.runtime.measure.timing import _round, fit_linear_cost
 from moe_offload.runtime.measure.transfers import (COPY_PROBE_BYTES, MAX_SAMPLED_FILES, MEMORY_PROBE_BYTES,
                                                    MIN_SAMPLED_FILES, fit_latency_bandwidth, measure_host_to_gpu,
                                                    measure_link, measure_memory_bandwidth, measure_pinned_copy,
-                                                   measure_raw_rates, sample_experts)
+                                                   measure_raw_rates, sample_experts, streaming)
 from moe_offload.runtime.packing import load_skeleton, read_manifest
 from moe_offload.runtime.storage import ExpertStore
 
-__all__ = ["Measurements", "measure", "measure_hardware", "profile_dict", "expert_roofline", "capacities",
+__all__ = ["Measurements", "measure", "measure_hardware", "profile_dict", "expert_roofline", "sharing", "capacities",
            "fit_latency_bandwidth", "fit_linear_cost", "measure_host_to_gpu", "measure_pinned_copy",
            "measure_raw_rates", "sample_experts"]
 
@@ -95,6 +103,8 @@ class Measurements:
     capacity_notes: dict[str, str]
     threads: int
     decode_step_s: float | None = None          # one all-resident decode step of the runtime, end to end
+    decode_step_streaming_s: float | None = None  # the same while experts stream through the data path
+    link_seconds_decoding: float | None = None  # one expert of that stream, while the decode runs
     elapsed_s: float = 0.0
     date: str = field(default_factory=lambda: datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
 
@@ -216,7 +226,9 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
     expert_seconds = measure_expert_compute(adapter.experts(0), tensors, device, compute_dtype, repeats)
     non_expert = measure_non_expert(model, adapter, device, repeats)
     del model
-    decode_step = measure_decode_step(Path(packed_dir), device, repeats)
+    decode_step, decode_step_streaming, link_decoding = measure_decode_step(
+        Path(packed_dir), device, repeats, stream=functools.partial(streaming, manifest, keys, bypass, device,
+                                                                    compute_dtype, readers))
     sizes, notes = capacities(Path(packed_dir), device, stored.itemsize, compute_dtype.itemsize, host_bytes)
 
     params = sum(t.numel() for t in tensors.values())
@@ -232,6 +244,7 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
         host_link_seconds=host_link_s, host_budget_bytes=host_bytes, host_to_gpu_latency_s=h2d_latency, host_to_gpu_bandwidth=h2d_bandwidth, memory_bandwidth=memory_bandwidth,
         expert_seconds=expert_seconds, non_expert_seconds=non_expert, num_layers=manifest.num_layers,
         capacities=sizes, capacity_notes=notes, threads=torch.get_num_threads(), decode_step_s=decode_step,
+        decode_step_streaming_s=decode_step_streaming, link_seconds_decoding=link_decoding,
         elapsed_s=time.perf_counter() - started)
 
 
@@ -248,6 +261,15 @@ def framework_overhead(m: Measurements, compute: dict, top_k: int) -> float:
     return max(0.0, m.decode_step_s - modelled)
 
 
+def sharing(m: Measurements) -> tuple[float | None, float | None]:
+    """(compute's slowdown while experts stream in the background, the stream's slowdown while the decode
+    runs), each within [1, MAX_SLOWDOWN]; None when the decode step was not measured with a stream."""
+    if m.decode_step_s is None or m.decode_step_streaming_s is None:
+        return None, None
+    return (min(MAX_SLOWDOWN, max(1.0, m.decode_step_streaming_s / m.decode_step_s)),
+            min(MAX_SLOWDOWN, max(1.0, m.link_seconds_decoding / m.link_seconds)))
+
+
 def slow_link(m: Measurements) -> tuple[float, float]:
     """(latency_s, stored bytes per second) of the link out of the packed files: into the fast tier, or into
     the host tier when there is one, as the data path moved experts in a stream (the bandwidth) and one alone
@@ -259,8 +281,12 @@ def slow_link(m: Measurements) -> tuple[float, float]:
 def expert_roofline(m: Measurements) -> dict:
     """The roofline ``overhead + max(bytes / memory bandwidth, 2 P n / flops)`` fitted to the measured expert:
     the memory term from the streaming read (converted to stored bytes, the simulator's unit), the slope of
-    time over tokens as the FLOP rate, the intercept as the overhead. A roofline rather than a linear cost so
-    that the profile scales with the expert size of whatever trace it simulates."""
+    time over tokens as the FLOP rate, and the overhead that makes the roofline pass through the one-token
+    time: a decoding token is one token per expert, so TPOT is made of that point. Where one token takes less
+    than the streaming read predicts (a weight that stays in a CPU's last-level cache between tokens), the
+    memory bandwidth is the one-token rate instead. A roofline rather than a linear cost so that the profile
+    scales with the expert size of whatever trace it simulates; between one token and the compute-bound
+    sizes it is a bound, not a fit (MKL's products of 4 to 16 rows on CPU take up to twice what it says)."""
     stored_itemsize = m.expert_bytes / m.expert_params
     compute_itemsize = 4 if m.compute_dtype == "float32" else stored_itemsize
     memory_bandwidth = m.memory_bandwidth * stored_itemsize / compute_itemsize
@@ -272,7 +298,10 @@ def expert_roofline(m: Measurements) -> dict:
     if len(compute_bound) >= 2:  # the slope where the FLOPs, not the weights' bytes, set the time
         _, per_token = fit_linear_cost(compute_bound, [m.expert_seconds[n] for n in compute_bound])
     per_token = max(per_token, 1e-12)  # flat within noise: a rate too high to matter, still finite
-    overhead = max(0.0, _median([t - max(memory_s, per_token * n) for n, t in zip(tokens, seconds)]))
+    one = m.expert_seconds[tokens[0]]
+    if one < max(memory_s, per_token * tokens[0]) and per_token * tokens[0] < one:
+        memory_bandwidth, memory_s = m.expert_bytes / one, one
+    overhead = max(0.0, one - max(memory_s, per_token * tokens[0]))
     return {"flops_per_s": 2.0 * m.expert_params / per_token, "memory_bandwidth_bytes_per_s": memory_bandwidth,
             "expert_overhead_s": overhead, "bytes_per_param": stored_itemsize}
 
@@ -306,9 +335,10 @@ def _sources(m: Measurements, link_latency: float, link_bandwidth: float) -> lis
     sources += [
         "expert: the per-expert body of models/experts.py with the model's real weights at "
         + ", ".join(f"{n}: {s * 1e6:.1f} us" for n, s in sorted(m.expert_seconds.items()))
-        + f" tokens; roofline slope -> flops_per_s, intercept -> expert_overhead_s; memory bandwidth from a "
-          f"streaming sum over {MEMORY_PROBE_BYTES[m.device] >> 20} MiB: {m.memory_bandwidth / 1e9:.3g} GB/s of "
-          f"{m.compute_dtype}",
+        + f" tokens; roofline: slope over the compute-bound sizes -> flops_per_s, expert_overhead_s so that it "
+          f"passes through the one-token time (a decoding token's); memory bandwidth from a streaming sum over "
+          f"{MEMORY_PROBE_BYTES[m.device] >> 20} MiB: {m.memory_bandwidth / 1e9:.3g} GB/s of {m.compute_dtype} "
+          f"(the one-token rate where that is faster: weights that stay in the CPU's cache)",
         "attention, router, lm_head: the packed model's skeleton (routed experts stubbed out) run on n = "
         + ", ".join(str(n) for n in TOKEN_COUNTS)
         + " tokens of prefill without a KV cache, modules timed with hooks; attention is each decoder layer's "
@@ -339,6 +369,9 @@ def profile_dict(m: Measurements, name: str = "measured") -> dict:
                       "latency_s": _round(m.host_to_gpu_latency_s)})
     links.append({"from": "ssd", "to": names[-2], "bandwidth_bytes_per_s": _round(link_bandwidth),
                   "latency_s": _round(link_latency)})
+    compute_slowdown, link_slowdown = sharing(m)
+    if link_slowdown is not None:
+        links[-1]["slowdown_while_computing"] = _round(link_slowdown)
     compute = {key: _round(value) for key, value in expert_roofline(m).items()}
     for part in ("attention", "router", "lm_head"):
         tokens = sorted(m.non_expert_seconds[part])
@@ -346,6 +379,8 @@ def profile_dict(m: Measurements, name: str = "measured") -> dict:
         compute[part] = {"fixed_s": _round(fixed), "per_token_s": _round(per_token)}
     overhead = framework_overhead(m, compute, read_manifest(m.packed_dir, check_files=False).top_k)
     compute["attention"]["fixed_s"] = _round(compute["attention"]["fixed_s"] + overhead / m.num_layers)
+    if compute_slowdown is not None:
+        compute["slowdown_while_loading"] = _round(compute_slowdown)
     fast = "GPU" if m.device == "cuda" else "RAM (float32 experts)"
     sources = _sources(m, link_latency, link_bandwidth)
     if m.decode_step_s is not None:
@@ -354,6 +389,12 @@ def profile_dict(m: Measurements, name: str = "measured") -> dict:
                        f"{max(2, m.repeats)} x {DECODE_PROBE_TOKENS} tokens); the {overhead * 1e3:.2f} ms the "
                        "parts above do not explain (generate loop, hooks, Python) is spread over the "
                        f"{m.num_layers} layers: added to attention.fixed_s")
+    if compute_slowdown is not None:
+        sources.append(f"sharing: while a thread streamed experts through the data path (as the link above), "
+                       f"the decode step took {m.decode_step_streaming_s * 1e3:.2f} ms: compute."
+                       f"slowdown_while_loading {compute_slowdown:.3g}; while the decode ran, the stream took "
+                       f"{m.link_seconds_decoding * 1e6:.1f} us an expert: the ssd link's slowdown_while_computing "
+                       f"{link_slowdown:.3g} (ratios below 1 are noise, read as 1)")
     return {"name": name,
             "description": f"measured on {m.date[:10]}: {m.device_name}, experts computed in {fast}, read from "
                            f"the expert files of a packed {m.model_type} model",

@@ -126,14 +126,29 @@ def measure_non_expert(model, adapter, device, repeats: int, token_counts=TOKEN_
 DECODE_PROBE_TOKENS = 16
 
 
-def measure_decode_step(packed_dir: Path, device, repeats: int) -> float:
+def measure_decode_step(packed_dir: Path, device, repeats: int, stream=None) -> tuple[float, float | None,
+                                                                                    float | None]:
     """Median time between two output tokens of the runtime with every expert preloaded (greedy, a fixed
     16-token prompt, 16 new tokens, ``repeats`` times): the all-resident TPOT the simulator's costs must add up
-    to. The median of the gaps, not their mean: a burst of other work on the machine moves a mean, not it."""
+    to. The median of the gaps, not their mean: a burst of other work on the machine moves a mean, not it.
+    With ``stream`` (a context manager factory, transfers.streaming): the same again while it moves experts
+    in the background, and the stream's median seconds per expert meanwhile. Returns (idle step, step while
+    streaming, seconds per streamed expert while decoding); the last two None without ``stream``."""
     from moe_offload.runtime.engine import OffloadEngine
 
     with OffloadEngine(packed_dir, fast_budget="100%", preload=True, device=device) as engine:
         prompt = list(range(1, 1 + DECODE_PROBE_TOKENS))
-        gaps = [gap for _ in range(max(2, repeats))
-                for gap in engine.generate(prompt, max_new_tokens=DECODE_PROBE_TOKENS).stats.token_latency_seconds]
-    return _median(gaps)
+
+        def gaps() -> list[float]:
+            return engine.generate(prompt, max_new_tokens=DECODE_PROBE_TOKENS).stats.token_latency_seconds
+
+        idle = _median([gap for _ in range(max(2, repeats)) for gap in gaps()])
+        if stream is None:
+            return idle, None, None
+        with stream() as per_expert:
+            loaded, runs = [], 0
+            while runs < max(2, repeats) or len(per_expert) < 2:  # two whole passes of the stream, at least
+                loaded += gaps()
+                runs += 1
+            streamed = list(per_expert)
+        return idle, _median(loaded), _median(streamed)

@@ -3,8 +3,10 @@ the raw rates that bound it (parallel reads, pinned copies, memory bandwidth, ho
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 from moe_offload.runtime.measure.timing import _median, _synchronizer, time_per_call
 from moe_offload.runtime.packing import Manifest
@@ -44,6 +46,30 @@ def measure_link(manifest: Manifest, keys, repeats: int, bypass_page_cache: bool
     the files into a tier on ``device`` in ``dtype`` (``pinned_host``: a pinned host slot, as a host tier in
     front of a GPU); the stream is ``keys`` moved back to back (medians over ``repeats``), CUDA copies
     included (synchronised at the end)."""
+    sync = _synchronizer(device)
+    with _data_path(manifest, bypass_page_cache, device, dtype, readers, pinned_host) as move:
+        for layer, expert in keys:  # first reads check SHA-256; the runtime's later reads check xxHash3
+            move(layer, expert, 0)
+        sync()
+        streams, alone = [], []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            for i, (layer, expert) in enumerate(keys):
+                move(layer, expert, i % 2)
+            sync()
+            streams.append((time.perf_counter() - started) / len(keys))
+            started = time.perf_counter()
+            move(*keys[0], 0)
+            sync()
+            alone.append(time.perf_counter() - started)
+    return _median(streams), _median(alone)
+
+
+@contextmanager
+def _data_path(manifest: Manifest, bypass_page_cache: bool, device, dtype, readers: int | None,
+               pinned_host: bool = False):
+    """``move(layer, expert, slot)``: one expert through the runtime's data path (ExpertMover) into a slot of a
+    two-slot tier on ``device`` in ``dtype``."""
     from moe_offload.runtime.datapath import ExpertMover
     from moe_offload.runtime.storage import ExpertStore
     from moe_offload.runtime.tiers import SlotPool, Tier
@@ -52,26 +78,46 @@ def measure_link(manifest: Manifest, keys, repeats: int, bypass_page_cache: bool
     elements = manifest.expert_bytes // _itemsize(manifest.dtype)
     tier = Tier("fast", None, SlotPool(2, elements, dtype, device, pin=pinned_host), manifest, device, dtype)
     mover = ExpertMover(store, manifest.num_experts)
-    sync = _synchronizer(device)
     try:
-        for layer, expert in keys:  # first reads check SHA-256; the runtime's later reads check xxHash3
-            mover.move(layer * manifest.num_experts + expert, None, None, tier, 0)
-        sync()
-        streams, alone = [], []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            for i, (layer, expert) in enumerate(keys):
-                mover.move(layer * manifest.num_experts + expert, None, None, tier, i % 2)
-            sync()
-            streams.append((time.perf_counter() - started) / len(keys))
-            layer, expert = keys[0]
-            started = time.perf_counter()
-            mover.move(layer * manifest.num_experts + expert, None, None, tier, 0)
-            sync()
-            alone.append(time.perf_counter() - started)
+        yield lambda layer, expert, slot: mover.move(layer * manifest.num_experts + expert, None, None, tier, slot)
     finally:
         store.close()
-    return _median(streams), _median(alone)
+
+
+@contextmanager
+def streaming(manifest: Manifest, keys, bypass_page_cache: bool, device, dtype, readers: int | None):
+    """While the block runs, a thread moves ``keys`` back to back through the data path, over and over, as
+    measure_link's stream does; yields a list that receives the seconds per expert of each whole pass (the
+    first pass, and one the block's end cuts short, are left out). An error in the thread is raised here."""
+    stop, per_expert, failed = threading.Event(), [], []
+    sync = _synchronizer(device)
+
+    def run():
+        try:
+            with _data_path(manifest, bypass_page_cache, device, dtype, readers) as move:
+                passes = 0
+                while not stop.is_set():
+                    started = time.perf_counter()
+                    for i, (layer, expert) in enumerate(keys):
+                        if stop.is_set():
+                            return
+                        move(layer, expert, i % 2)
+                    sync()
+                    if passes:
+                        per_expert.append((time.perf_counter() - started) / len(keys))
+                    passes += 1
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the measuring thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="moe-offload measure stream", daemon=True)
+    thread.start()
+    try:
+        yield per_expert
+    finally:
+        stop.set()
+        thread.join()
+    if failed:
+        raise failed[0]
 
 
 def measure_raw_rates(manifest: Manifest, keys, repeats: int, bypass_page_cache: bool,

@@ -233,8 +233,26 @@ class TimedRun:
         self.now = t
 
     def _compute(self, seconds: float, kind: str, layer: int, key: int = -1) -> None:
-        start = self.now
-        self._advance_to(start + seconds)
+        """``seconds`` of work. Compute and transfers may share what they run on (on a CPU the data path reads
+        and converts on the cores that compute, and its Python holds the interpreter's lock): while a
+        transfer is on a wire the work runs the profile's ``slowdown_while_loading`` times slower, and while
+        the work runs each link its ``slowdown_while_computing`` times slower. Processor sharing, piecewise
+        between events; with both at 1 (the presets) the work takes ``seconds``."""
+        start, slowdown = self.now, self.compute.slowdown_while_loading
+        self.net.computing(True)
+        if slowdown == 1.0:
+            self._advance_to(start + seconds)
+        else:
+            work = seconds
+            while True:
+                rate = 1.0 / slowdown if self.net.moving() else 1.0
+                finish = self.now + work / rate
+                if self._next_event_time() > finish:
+                    break
+                work = max(0.0, work - (self._next_event_time() - self.now) * rate)
+                self._process_next_event()
+            self.now = finish
+        self.net.computing(False)
         self.events.append(("compute", kind, start, self.now, layer, key))
 
     # ------------------------------------------------------------------------------------------ transfers

@@ -78,6 +78,19 @@ class TierNetwork:
                 best, link = queue.on_wire.end_s, i
         return best, link
 
+    def moving(self) -> bool:
+        """Whether a transfer is on any link's wire now."""
+        return any(queue.busy for queue in self.queues.values())
+
+    def computing(self, busy: bool) -> None:
+        """Compute starts (``busy``) or stops: each link runs at its ``slowdown_while_computing`` meanwhile, and
+        a transfer on its wire is re-timed (its timeline entry too)."""
+        for queue in self.queues.values():
+            if queue.slow_down(queue.link.slowdown_while_computing if busy else 1.0, self.now):
+                transfer = queue.on_wire
+                lane, kind, start, _, layer, key = self.events[transfer.event]
+                self.events[transfer.event] = (lane, kind, start, transfer.end_s, layer, key)
+
     def on_last_wire(self, key: int) -> bool:
         """Whether ``key`` is on the wire into the GPU now."""
         wire = self.queues.get(1)
@@ -140,6 +153,7 @@ class TierNetwork:
                     if i == 1 and not transfer.demand:
                         self.issued += 1
                         self.pending_use.add(key)
+                    transfer.event = len(self.events)
                     self.events.append((queue.link.name, "demand" if transfer.demand else "prefetch",
                                         transfer.start_s, transfer.end_s, key // self.J, key))
 
