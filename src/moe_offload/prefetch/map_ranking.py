@@ -94,15 +94,8 @@ def trajectory_step_numpy(maps, probs, dots, query_sq, inverse_norms, stamps, be
 @functools.cache
 def compiled_trajectory_step():
     """``trajectory_step`` compiled (or loaded from Numba's cache), or the NumPy form without Numba."""
-    from moe_offload.simulator.kernels import numba_available
+    from moe_offload.simulator.kernels import njit_cached, numba_available
 
     if not numba_available():
         return trajectory_step_numpy
-    import numba
-
-    try:
-        return numba.njit(SIGNATURE, cache=True)(trajectory_step)
-    except RuntimeError as exc:  # no folder to cache in (read-only install, no writable home)
-        if "cannot cache" not in str(exc):
-            raise
-        return numba.njit(SIGNATURE)(trajectory_step)
+    return njit_cached(trajectory_step, SIGNATURE)

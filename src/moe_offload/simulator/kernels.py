@@ -65,12 +65,19 @@ def compiled_kernel(policy_class):
     helpers: dict = {}
     linked = _link(function, numba, helpers)
     linked.__qualname__ = f"{function.__qualname__}_{_digest(function, helpers)}"
+    return njit_cached(linked, SIGNATURE)
+
+
+def njit_cached(function, signature):
+    """``function`` compiled for ``signature`` by Numba, kept in Numba's on-disk cache where it can be."""
+    import numba
+
     try:
-        return numba.njit(SIGNATURE, cache=True)(linked)
+        return numba.njit(signature, cache=True)(function)
     except RuntimeError as exc:  # no folder to cache in (read-only install, no writable home)
         if "cannot cache" not in str(exc):
             raise
-        return numba.njit(SIGNATURE)(linked)
+        return numba.njit(signature)(function)
 
 
 def _link(function, numba, helpers: dict):
