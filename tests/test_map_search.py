@@ -19,6 +19,7 @@ from moe_offload.prefetch.coarse_index import MIN_KEYS_PER_LIST, CoarseIndex
 from moe_offload.prefetch.eam import EAMCollection, sequence_eams
 from moe_offload.prefetch.expert_map_store import ExpertMapStore
 from moe_offload.prefetch.fmoe import FMoEPrefetcher
+from moe_offload.prefetch.fmoe_sets import compiled_set_functions, ranked_proposals, similarity_aware_set
 from moe_offload.prefetch.map_ranking import compiled_trajectory_step, trajectory_step, trajectory_step_numpy
 from moe_offload.prefetch.moe_infinity import MoEInfinityPrefetcher
 from moe_offload.simulator import kernels
@@ -258,16 +259,65 @@ def test_pruned_trajectory_step_compiled_and_numpy_agree_bit_for_bit():
 @pytest.mark.parametrize("options", [{"candidates": 8}, {"candidates": 8, "lists": 8, "probes": 2}],
                          ids=["pruned", "pruned-ivf"])
 def test_pruned_fmoe_proposes_the_same_with_and_without_the_compiled_step(history, tiny_trace, options):
-    """The package without Numba: a pruned store running map_ranking's NumPy step proposes exactly what the
-    compiled step proposes (with Numba installed; without it both run the NumPy form), batched."""
+    """The package without Numba: a pruned store running map_ranking's NumPy step, and the prefetch sets and
+    proposals of fmoe_sets run as plain Python, propose exactly what the compiled functions propose (with
+    Numba installed; without it both run the plain forms), batched."""
     run = batched(tiny_trace, np.unique(tiny_trace.request)[:3])
     spec = spec_of(run)
     compiled, numpy_only = (FMoEPrefetcher(spec, capacity=CAPACITY, **options) for _ in range(2))
     numpy_only.store._trajectory_step = trajectory_step_numpy
+    numpy_only._similarity_aware_set, numpy_only._ranked_proposals = similarity_aware_set, ranked_proposals
     for prefetcher in (compiled, numpy_only):
         prefetcher.fit(history)
     assert_same_run(run_hooks(compiled, run, 60), run_hooks(numpy_only, run, 60))
     np.testing.assert_array_equal(compiled.store.maps(np.arange(CAPACITY)), numpy_only.store.maps(np.arange(CAPACITY)))
+
+
+def reference_sets(rows, scores, min_experts, offset):
+    """fMoE's batch prefetch set as the formula reads, with Python's sort and dict: per request the fewest
+    experts of highest p (ties: lower id) whose float64 sum reaches clip(1 - score, 0, 1), at least
+    ``min_experts``; over the batch each expert's highest p; by decreasing p, ties lower key."""
+    union = {}
+    for row, score in zip(rows, scores):
+        delta = min(max(1.0 - float(score), 0.0), 1.0)
+        ranked = sorted(range(row.size), key=lambda e: (-float(row[e]), e))
+        total, count = 0.0, row.size
+        for rank, expert in enumerate(ranked):
+            total += float(row[expert])
+            if total >= delta:
+                count = rank + 1
+                break
+        for expert in ranked[:min(max(count, min_experts), row.size)]:
+            union[offset + expert] = max(union.get(offset + expert, -1.0), float(row[expert]))
+    return sorted(union.items(), key=lambda item: (-item[1], item[0]))
+
+
+@pytest.mark.parametrize("form", ["compiled", "plain"])
+def test_prefetch_sets_and_proposals_follow_the_formula_with_ties(form):
+    """fmoe_sets against reference_sets and a sort of (-p / (t - now), key) tuples: random batches of
+    distributions drawn from a few values (so that probabilities tie within and across requests, and
+    priorities across targets), every delta from 0 to 1."""
+    set_of, proposals_of = compiled_set_functions() if form == "compiled" else (similarity_aware_set,
+                                                                              ranked_proposals)
+    rng = np.random.default_rng(3)
+    L, J, d = 6, 7, 3
+    for _ in range(200):
+        batch, k = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        set_keys, set_wanted, sizes = np.zeros((L, J), np.int64), np.zeros((L, J)), np.zeros(L, np.int64)
+        expected = {}
+        for target in range(L):
+            rows = rng.choice(np.float32([0.0, 0.05, 0.1, 0.2, 0.25]), size=(batch, J))
+            scores = rng.choice([-0.5, 0.0, 0.3, 0.55, 0.9, 1.0, 1.2], size=batch)
+            sizes[target] = set_of(rows, scores, k, target * J, set_keys[target], set_wanted[target])
+            expected[target] = reference_sets(rows, scores, k, target * J)
+            got = list(zip(set_keys[target, :sizes[target]].tolist(), set_wanted[target, :sizes[target]].tolist()))
+            assert got == expected[target]
+        for now in range(-1, L - 1):
+            last = min(now + d, L - 1)
+            keys, priorities = np.empty(d * J, np.int64), np.empty(d * J)
+            count = proposals_of(set_keys, set_wanted, sizes, now, last, keys, priorities)
+            reference = sorted((-p / (t - now), key) for t in range(now + 1, last + 1) for key, p in expected[t])
+            assert list(zip(keys[:count].tolist(), priorities[:count].tolist())) == [(key, -n) for n, key in reference]
 
 
 def test_without_numba_a_pruned_store_takes_the_numpy_step(monkeypatch):

@@ -7,7 +7,7 @@ import numpy as np
 
 from moe_offload.errors import ConfigError
 from moe_offload.policies.base import ModelSpec
-from moe_offload.prefetch.base import Proposal
+from moe_offload.prefetch.base import Proposal, proposal_list
 from moe_offload.trace.format import Trace
 from moe_offload.values import integer
 
@@ -28,7 +28,7 @@ def proposals(keys: np.ndarray, priorities: np.ndarray, distinct: bool = False) 
         _, first = np.unique(keys, return_index=True)  # the first occurrence of a key has its highest priority
         first.sort()
         keys, priorities = keys[first], priorities[first]
-    return list(map(Proposal._make, zip(keys.tolist(), priorities.tolist())))
+    return proposal_list(keys.tolist(), priorities.tolist())
 
 
 class RequestGroups:

@@ -23,6 +23,7 @@ driver also calls ``set_budget(budget)`` with what the link into the fast tier c
 
 from __future__ import annotations
 
+from itertools import repeat
 from typing import ClassVar, NamedTuple
 
 import numpy as np
@@ -35,6 +36,12 @@ from moe_offload.trace.format import Trace
 class Proposal(NamedTuple):
     key: int          # flat expert id, layer * J + expert
     priority: float   # higher is fetched sooner
+
+
+def proposal_list(keys: list[int], priorities: list[float]) -> list[Proposal]:
+    """Proposals of ``keys`` with ``priorities``, in that order. Built by ``tuple.__new__``: the NamedTuple's
+    own ``_make`` checks each one's length, a third of the time of a hook that proposes a few dozen."""
+    return list(map(tuple.__new__, repeat(Proposal), zip(keys, priorities)))
 
 
 class RoutingView:

@@ -70,8 +70,9 @@ import numpy as np
 
 from moe_offload.errors import ConfigError
 from moe_offload.prefetch._shared import RequestGroups, check_same_model
-from moe_offload.prefetch.base import Prefetcher, Proposal
+from moe_offload.prefetch.base import Prefetcher, proposal_list
 from moe_offload.prefetch.expert_map_store import DEFAULT_PROBES, ExpertMapStore, IterationSearch
+from moe_offload.prefetch.fmoe_sets import compiled_set_functions
 from moe_offload.prefetch.requirements import check_trace_columns
 from moe_offload.prefetch.search_cost import TimedSearch
 from moe_offload.values import integer
@@ -83,29 +84,18 @@ FIT_BATCH = 256        # entries per redundancy computation while filling the st
 FIT_CHUNK_ROWS = 1 << 15  # history rows converted to float32 at a time
 
 
-def prefetch_set(predicted: np.ndarray, score: float, min_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    """fMoE's similarity-aware prefetch set of the predicted distribution ``predicted`` [J] searched with
-    similarity ``score``: the fewest highest-probability experts whose summed probability reaches
-    delta = clip(1 - score, 0, 1), and at least ``min_experts``; as (those experts by decreasing probability,
-    ties lower id first; their probabilities)."""
-    delta = min(max(1.0 - float(score), 0.0), 1.0)
-    order = (-predicted).argsort(kind="stable")
-    ranked = predicted[order]
-    # The sums are non-decreasing: the set is the ranks whose sum is still below delta, plus the one reaching it.
-    below = int(ranked.astype(np.float64).cumsum().searchsorted(delta))
-    count = min(max(below + 1, min_experts), predicted.shape[0])
-    return order[:count], ranked[:count]
-
-
 def prefetch_sets(predicted: np.ndarray, scores, min_experts: int) -> np.ndarray:
-    """[..., J] mask of the prefetch set (``prefetch_set``) of each predicted distribution ``predicted``
-    [..., J] searched with similarity ``scores`` [...]."""
-    predicted = np.asarray(predicted, dtype=np.float64)
-    rows = predicted.reshape(-1, predicted.shape[-1])
+    """[..., J] mask of the similarity-aware prefetch set (fmoe_sets.similarity_aware_set, one request) of each
+    predicted distribution ``predicted`` [..., J] (as float32) searched with similarity ``scores`` [...]."""
+    similarity_aware_set = compiled_set_functions()[0]
+    rows = np.asarray(predicted, dtype=np.float32).reshape(-1, np.shape(predicted)[-1])
+    scores = np.broadcast_to(np.asarray(scores, dtype=np.float64), np.shape(predicted)[:-1]).reshape(-1)
     mask = np.zeros(rows.shape, dtype=bool)
-    for row, score, chosen in zip(rows, np.asarray(scores).reshape(-1), mask):
-        chosen[prefetch_set(row, score, min_experts)[0]] = True
-    return mask.reshape(predicted.shape)
+    keys, wanted = np.empty(rows.shape[1], dtype=np.int64), np.empty(rows.shape[1])
+    for row, score, chosen in zip(rows, scores, mask):
+        count = similarity_aware_set(row[None], np.array([score]), min_experts, 0, keys, wanted)
+        chosen[keys[:count]] = True
+    return mask.reshape(np.shape(predicted))
 
 
 class SemanticPooling:
@@ -176,9 +166,15 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
             raise ConfigError(f"{self.name}: {exc}") from None
         self._groups: RequestGroups | None = None
         self._search: IterationSearch | None = None
-        # Per target layer of the current iteration, once searched: its prefetch set over the batch, as
-        # (keys, the highest p any request gives each); the priority p / (t - l_now) follows at proposal time.
-        self._sets: list[tuple[np.ndarray, np.ndarray] | None] = [None] * spec.num_layers
+        # Per target layer of the current iteration, once searched: its prefetch set over the batch, as keys and
+        # the highest p any request gives each, by decreasing p (fmoe_sets); the priority p / (t - l_now)
+        # follows at proposal time.
+        L, J = spec.num_layers, spec.num_experts
+        self._set_keys, self._set_wanted = np.zeros((L, J), dtype=np.int64), np.zeros((L, J))
+        self._set_sizes = np.zeros(L, dtype=np.int64)
+        self._proposal_keys, self._proposal_priorities = np.empty(self.distance * J, dtype=np.int64), np.empty(
+            self.distance * J)
+        self._similarity_aware_set, self._ranked_proposals = compiled_set_functions()
         self._predicted: np.ndarray | None = None  # [L, J]
 
     # ------------------------------------------------------------------------------------------ history
@@ -219,7 +215,7 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
         view.require(type(self))
         L = self.spec.num_layers
         self._search = None
-        self._sets = [None] * L
+        self._set_sizes[:] = 0
         if len(self.store) == 0:
             self._groups = RequestGroups(view.requests)
             self._semantic = self._pool(view)
@@ -280,33 +276,20 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
         return self._pooling(groups.requests, groups.mean(view.embedding()) * counts[:, None], counts)
 
     def _set_target(self, target: int, rows: np.ndarray, scores: np.ndarray) -> None:
-        """Record the batch's prefetch set for ``target`` from its searched distributions ``rows`` [B, J]: keys
-        and p (the highest any request gives the expert), as lists by decreasing p (ties: lower key first)."""
-        offset = target * self.spec.num_experts
-        if rows.shape[0] == 1:
-            experts, wanted = prefetch_set(rows[0], scores[0], self.spec.top_k)
-            self._sets[target] = ((experts + offset).tolist(), wanted.tolist())
-            return
-        union: dict[int, float] = {}  # an expert in several requests' sets: the highest p any of them gives it
-        for row, score in zip(rows, scores):
-            experts, wanted = prefetch_set(row, score, self.spec.top_k)
-            for key, p in zip((experts + offset).tolist(), wanted.tolist()):
-                if p > union.get(key, -1.0):
-                    union[key] = p
-        ranked = sorted(union.items(), key=lambda item: (-item[1], item[0]))
-        self._sets[target] = ([key for key, _ in ranked], [p for _, p in ranked])
+        """Record the batch's prefetch set for ``target`` from its searched distributions ``rows`` [B, J] and
+        their similarities ``scores`` [B] (fmoe_sets.similarity_aware_set)."""
+        self._set_sizes[target] = self._similarity_aware_set(
+            np.ascontiguousarray(rows, dtype=np.float32), np.asarray(scores, dtype=np.float64), self.spec.top_k,
+            target * self.spec.num_experts, self._set_keys[target], self._set_wanted[target])
 
     def _propose(self, now: int):
         """The prefetch sets of the targets now + 1 .. now + d with priority p / (t - now), highest first (ties:
         lower key first; no key twice: each target is one layer)."""
-        ranked = []
-        for target in range(now + 1, min(now + self.distance, self.spec.num_layers - 1) + 1):
-            keys, wanted = self._sets[target]
-            ahead = target - now
-            ranked += [(-p / ahead, key) for p, key in zip(wanted, keys)]
-        ranked.sort()
-        make = tuple.__new__  # Proposal(key, priority) without the NamedTuple constructor's Python-level checks
-        return [make(Proposal, (key, -negative)) for negative, key in ranked]
+        last = min(now + self.distance, self.spec.num_layers - 1)
+        keys, priorities = self._proposal_keys, self._proposal_priorities
+        count = self._ranked_proposals(self._set_keys, self._set_wanted, self._set_sizes, now, last, keys,
+                                       priorities)
+        return proposal_list(keys[:count].tolist(), priorities[:count].tolist())
 
     def predicted_map(self):
         return self._predicted
