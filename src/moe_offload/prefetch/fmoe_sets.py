@@ -4,8 +4,9 @@ as two functions in the subset of Python that Numba compiles.
 Why compiled. The prefetcher chooses a set after every layer and re-ranks the sets of the d layers ahead:
 a handful of arithmetic per expert, but in NumPy and Python a few dozen calls of a microsecond or more each,
 once per layer per token, which made up most of the matcher's time per token once the store's searches
-were fast (benchmarks/map_search.py: about 20 us per hook of a 32 x 8 model, 50 us of a 48 x 128 one).
-Compiled, each is one call. Numba is optional (the ``fast`` extra): without it the same functions run as
+were fast (measured per hook on benchmarks/map_search.py's stores: about 20 us of a 32 x 8 model, 50 us of
+a 48 x 128 one). Compiled, each is one call (the 32 x 8 hook: about 16 us, the rest being the search's step
+and Python around it). Numba is optional (the ``fast`` extra): without it the same functions run as
 plain Python, with the same results and more slowly, as the compiled replay's kernels do
 (simulator/kernels.py); the tests run them both ways.
 
