@@ -40,7 +40,7 @@ class Proposal(NamedTuple):
 
 def proposal_list(keys: list[int], priorities: list[float]) -> list[Proposal]:
     """Proposals of ``keys`` with ``priorities``, in that order. Built by ``tuple.__new__``: the NamedTuple's
-    own ``_make`` checks each one's length, a third of the time of a hook that proposes a few dozen."""
+    own ``_make`` also checks each one's length, which makes a list of a few dozen 1.5 times as slow."""
     return list(map(tuple.__new__, repeat(Proposal), zip(keys, priorities)))
 
 
