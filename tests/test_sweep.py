@@ -186,6 +186,8 @@ BAD = [
      "sweep.toml: cache_sizes: a cache of 1 experts is smaller than top-k = 2"),
     ("traces = [\"zipf.parquet\"]\npolicies = [\"lru\"]\ncache_sizes = [1.5]\n",
      "sweep.toml: cache_sizes: 1.5 is neither a number of experts"),
+    ("traces = [\"zipf.parquet\"]\npolicies = [\"lru\"]\ncache_sizes = [\"200%\"]\n",
+     "sweep.toml: cache_sizes: '200%' is neither a number of experts, a percentage in (0, 100]"),
     ("traces = [\"zipf.parquet\"]\npolicies = \"lru\"\ncache_sizes = [4]\n",
      "sweep.toml: policies: must be \"all\" or a non-empty list of names"),
     ("traces = [\"zipf.parquet\"]\npolicies = [\"lcp\"]\ncache_sizes = [4]\n[policy_options.lcp]\nrho = 2.0\n",

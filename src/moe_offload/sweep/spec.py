@@ -308,13 +308,17 @@ class _Checker:
         return {name: dict(options) for name, options in value.items()}
 
     def experts(self, size, meta, trace_name: str) -> int:
-        """A replay cache size in experts: a number of experts, a percentage ("25%") or a fraction of L*J."""
+        """A replay cache size in experts: a number of experts, a percentage ("25%") or a fraction of L*J. A
+        number above the trace's L*J is all of them: one sweep may cover models of several sizes."""
         total = meta.num_expert_slots
         try:
             if isinstance(size, int):
                 experts = size
             elif isinstance(size, str) and size.endswith("%"):
-                experts = round(float(size[:-1]) / 100 * total)
+                percent = float(size[:-1])
+                if not 0 < percent <= 100:
+                    raise ValueError
+                experts = round(percent / 100 * total)
             elif isinstance(size, str) and not any(c in size for c in ".eE"):
                 experts = int(size)
             else:
@@ -323,8 +327,8 @@ class _Checker:
                     raise ValueError
                 experts = round(fraction * total)
         except ValueError:
-            raise ConfigError(f"{self.path}: cache_sizes: {size!r} is neither a number of experts, a percentage nor "
-                              "a fraction in (0, 1] (byte sizes are for timed sweeps only)") from None
+            raise ConfigError(f"{self.path}: cache_sizes: {size!r} is neither a number of experts, a percentage in "
+                              "(0, 100] nor a fraction in (0, 1] (byte sizes are for timed sweeps only)") from None
         if experts < 1:
             raise ConfigError(f"{self.path}: cache_sizes: {size!r} gives {experts} experts for trace {trace_name} "
                               f"({total} experts)")
