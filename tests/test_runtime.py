@@ -343,8 +343,14 @@ def test_prompts_and_generations_longer_than_the_context_are_refused(checkpoint,
         with pytest.raises(ConfigError, match=f"exceed the model's context of {context}: ask for at most 6"):
             engine.generate(list(range(1, context - 5)), max_new_tokens=7)
         assert len(engine.generate(list(range(1, context - 5)), max_new_tokens=6).token_ids) == 6
+    capsys.readouterr()
     assert main(["generate", "--model", str(checkpoint["packed"]), "--max-new-tokens", "1000", "hi"]) == 2
-    assert "exceed the model's context of 256" in one_line_error(capsys)
+    captured = capsys.readouterr()
+    assert captured.out == ""  # refused before the prompt is echoed
+    assert "exceed the model's context of 256" in captured.err and "Traceback" not in captured.err
+    # a count that is none is refused before the model is even looked for
+    assert main(["generate", "--model", "/no/such/model", "--max-new-tokens", "0", "hi"]) == 2
+    assert "--max-new-tokens 0: must be a whole number of at least 1" in one_line_error(capsys)
 
 
 def test_an_interrupted_pack_leaves_nothing_behind(checkpoint, tmp_path):

@@ -81,8 +81,11 @@ def run(args: argparse.Namespace) -> int:
     from moe_offload.outputs import check_output, write_atomically
     from moe_offload.runtime.engine import resolve_device
 
+    from moe_offload import values
+
     if args.json:
         check_output(args.json, suffixes=(".json",), what="result record")
+    values.integer(args.max_new_tokens, "--max-new-tokens", low=1)
     resolve_device(args.device)
     if args.split_config:  # a bad file is refused before the model is packed or loaded
         from moe_offload.simulator.split import read_split_config
@@ -97,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
                   bypass_page_cache=args.bypass_page_cache, matcher=args.matcher,
                   split_config=args.split_config, reconfiguration=reconfiguration, hardware=args.hardware)
     with engine:
+        # the prompt's length against the context before the prompt is echoed (the engine checks it again)
+        engine.check_length(len(engine.tokenizer(prompt)["input_ids"]), args.max_new_tokens)
         sys.stdout.write(prompt)
         sys.stdout.flush()
         result = engine.generate(prompt, max_new_tokens=args.max_new_tokens,
