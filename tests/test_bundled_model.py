@@ -85,3 +85,18 @@ def test_runtime_on_the_bundled_model_matches_the_all_resident_model():
     with moe_offload.load("tiny", fast_budget="25%", policy="lcp", prefetch="fmoe") as engine:
         result = engine.generate(prompt, max_new_tokens=8)
     assert result.token_ids == expected
+
+
+@pytest.mark.parametrize("where", ["a-file/model", "non-empty"])
+def test_train_tiny_refuses_an_output_it_cannot_write_before_any_work(where, tmp_path, capsys, monkeypatch):
+    """A file in the way, or a directory that already holds files: one line, exit 2, before the corpus is read."""
+    from moe_offload.training import tiny_model
+
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "non-empty").mkdir()
+    (tmp_path / "non-empty" / "kept.txt").write_text("kept")
+    monkeypatch.setattr(tiny_model, "load_corpus", lambda seed: pytest.fail("the corpus was read"))
+    assert main(["train-tiny", "-o", str(tmp_path / where)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and str(tmp_path / where) in err, err
+    assert (tmp_path / "non-empty" / "kept.txt").read_text() == "kept"

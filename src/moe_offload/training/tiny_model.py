@@ -252,11 +252,15 @@ def randomize_routers(model, seed: int):
 def train_tiny(out_dir: Path, recipe: TinyRecipe = TinyRecipe(),
                on_step: Callable[[int, float], None] | None = None,
                on_stage: Callable[[str], None] = lambda stage: None) -> dict:
+    """Train the tiny model by ``recipe`` and write it to ``out_dir`` (checked first: a new or empty directory;
+    written atomically: a failed or interrupted run leaves no partial model); the training report."""
     import torch
-    from transformers import MixtralForCausalLM, PreTrainedTokenizerFast
+    from transformers import MixtralForCausalLM
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    from moe_offload.outputs import atomic_directory, check_output
+
+    # checked before the 40 minutes of work: a new or empty directory in a writable folder
+    out_dir = check_output(out_dir, directory=True, what="trained model")
     started = time.perf_counter()
     random.seed(recipe.seed)
     np.random.seed(recipe.seed)
@@ -308,6 +312,18 @@ def train_tiny(out_dir: Path, recipe: TinyRecipe = TinyRecipe(),
         "routing_trained": routing_statistics(model, held),
     }
     model.half()
+    with atomic_directory(out_dir) as staging:  # a failure from here on leaves no partial model behind
+        return _write_model(staging, model, tokenizer, recipe, corpus, held, metrics, losses, aux_losses,
+                            train_seconds)
+
+
+def _write_model(out_dir: Path, model, tokenizer, recipe: TinyRecipe, corpus, held, metrics: dict,
+                 losses: list[float], aux_losses: list[float], train_seconds: float) -> dict:
+    """Write the trained float16 ``model``, its tokenizer, the random-router control's metrics, the training
+    report and the loss curve into ``out_dir``; the report."""
+    import torch
+    from transformers import MixtralForCausalLM, PreTrainedTokenizerFast
+
     model.save_pretrained(out_dir)
     (out_dir / "generation_config.json").unlink(missing_ok=True)  # greedy by default; nothing to configure
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT,
