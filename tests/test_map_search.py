@@ -20,7 +20,8 @@ from moe_offload.prefetch.eam import EAMCollection, sequence_eams
 from moe_offload.prefetch.expert_map_store import ExpertMapStore
 from moe_offload.prefetch.fmoe import FMoEPrefetcher
 from moe_offload.prefetch.fmoe_sets import compiled_set_functions, ranked_proposals, similarity_aware_set
-from moe_offload.prefetch.map_ranking import compiled_trajectory_step, trajectory_step, trajectory_step_numpy
+from moe_offload.prefetch.map_ranking import (compiled_half_gather, compiled_trajectory_step, gather_half_maps,
+                                             gather_half_maps_numpy, trajectory_step, trajectory_step_numpy)
 from moe_offload.prefetch.moe_infinity import MoEInfinityPrefetcher
 from moe_offload.simulator import kernels
 from moe_offload.trace import read_trace
@@ -256,8 +257,9 @@ def test_pruned_trajectory_step_compiled_and_numpy_agree_bit_for_bit():
                 assert out[1][0][b] == tied[np.argmax(stamps[b, tied])]
 
 
-@pytest.mark.parametrize("options", [{"candidates": 8}, {"candidates": 8, "lists": 8, "probes": 2}],
-                         ids=["pruned", "pruned-ivf"])
+@pytest.mark.parametrize("options", [{"candidates": 8}, {"candidates": 8, "lists": 8, "probes": 2},
+                                     {"candidates": 8, "map_dtype": "float16"}],
+                         ids=["pruned", "pruned-ivf", "pruned-float16"])
 def test_pruned_fmoe_proposes_the_same_with_and_without_the_compiled_step(history, tiny_trace, options):
     """The package without Numba: a pruned store running map_ranking's NumPy step, and the prefetch sets and
     proposals of fmoe_sets run as plain Python, propose exactly what the compiled functions propose (with
@@ -266,6 +268,8 @@ def test_pruned_fmoe_proposes_the_same_with_and_without_the_compiled_step(histor
     spec = spec_of(run)
     compiled, numpy_only = (FMoEPrefetcher(spec, capacity=CAPACITY, **options) for _ in range(2))
     numpy_only.store._trajectory_step = trajectory_step_numpy
+    if numpy_only.store._gather_half_maps is not None:
+        numpy_only.store._gather_half_maps = gather_half_maps_numpy
     numpy_only._similarity_aware_set, numpy_only._ranked_proposals = similarity_aware_set, ranked_proposals
     for prefetcher in (compiled, numpy_only):
         prefetcher.fit(history)
@@ -318,6 +322,21 @@ def test_prefetch_sets_and_proposals_follow_the_formula_with_ties(form):
             count = proposals_of(set_keys, set_wanted, sizes, now, last, keys, priorities)
             reference = sorted((-p / (t - now), key) for t in range(now + 1, last + 1) for key, p in expected[t])
             assert list(zip(keys[:count].tolist(), priorities[:count].tolist())) == [(key, -n) for n, key in reference]
+
+
+@pytest.mark.parametrize("form", ["compiled", "plain", "numpy"])
+def test_the_float16_gather_converts_every_half_exactly(form):
+    """All 65,536 float16 bit patterns, gathered in a shuffled candidate order: the value NumPy gives each
+    (bit for bit: zeros keep their sign, subnormals normalised, infinities), NaN for NaN."""
+    gather = {"compiled": compiled_half_gather(), "plain": gather_half_maps, "numpy": gather_half_maps_numpy}[form]
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).reshape(256, 16, 16)
+    candidates = np.random.default_rng(0).permutation(256).reshape(2, 128)
+    out = np.full((16, 2, 128, 16), -1.0, dtype=np.float32)
+    gather(bits, candidates, out)
+    expected = bits.view(np.float16)[candidates].transpose(2, 0, 1, 3).astype(np.float32)
+    nan = np.isnan(expected)
+    assert np.count_nonzero(nan) == 2 * 1023 and np.isnan(out[nan]).all()
+    np.testing.assert_array_equal(out[~nan].view(np.uint32), expected[~nan].view(np.uint32))
 
 
 def test_without_numba_a_pruned_store_takes_the_numpy_step(monkeypatch):

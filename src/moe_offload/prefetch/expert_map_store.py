@@ -50,7 +50,9 @@ results exactly (tests/test_map_search.py):
   index keeps a second copy of the keys, grouped by list (padded to the longest list);
 * ``map_dtype="float16"`` (with ``candidates`` only): maps kept in half precision, half the memory. NumPy
   has no float16 matrix product (about 25 times slower than float32 here), so an exhaustive trajectory over
-  them would be slower, not faster; with pruning only the candidates' maps are converted. Embeddings stay
+  them would be slower, not faster; with pruning only the candidates' maps are converted (by a compiled
+  gather, map_ranking.gather_half_maps: NumPy converts float16 subnormals, most of a router's small
+  probabilities, one at a time). Embeddings stay
   float32 for the same reason: the semantic search reads all of them.
 """
 
@@ -60,7 +62,7 @@ import numpy as np
 
 from moe_offload.errors import ConfigError
 from moe_offload.prefetch.coarse_index import CoarseIndex
-from moe_offload.prefetch.map_ranking import TINY, best_entries, compiled_trajectory_step
+from moe_offload.prefetch.map_ranking import TINY, best_entries, compiled_half_gather, compiled_trajectory_step
 
 MAP_DTYPES = ("float32", "float16")
 DEFAULT_PROBES = 8
@@ -104,6 +106,7 @@ class ExpertMapStore:
         self._index = None if lists is None else CoarseIndex(lists, probes, seed)
         # the pruned trajectory step, compiled now (when Numba is installed) rather than in the first search
         self._trajectory_step = compiled_trajectory_step() if candidates is not None else None
+        self._gather_half_maps = compiled_half_gather() if map_dtype == "float16" else None
 
     def __len__(self) -> int:
         return self.size
@@ -314,7 +317,13 @@ class IterationSearch:
         self._query_sq = np.zeros(batch, dtype=np.float32)
         if self.candidates is not None:
             # [L, B, M, J] and [L, B, M], from the entry-major store
-            self._maps = store._maps[self.candidates].transpose(2, 0, 1, 3).astype(np.float32, order="C")
+            if store._gather_half_maps is not None:
+                self._maps = np.empty((store.num_layers,) + self.candidates.shape + (store.num_experts,),
+                                      dtype=np.float32)
+                store._gather_half_maps(store._maps.view(np.uint16), np.ascontiguousarray(self.candidates),
+                                        self._maps)
+            else:
+                self._maps = store._maps[self.candidates].transpose(2, 0, 1, 3).astype(np.float32, order="C")
             self._norms = store._prefix_norm[self.candidates].transpose(2, 0, 1).copy()
             # their inverses (a zero map has cosine 0 with any query: 0 x 1e30), for map_ranking.trajectory_step
             self._inverse_norms = 1.0 / np.maximum(self._norms, TINY)
