@@ -2,7 +2,7 @@
 
     python benchmarks/serve_load.py [--clients 1,4,16,64] [--budgets 30,100] [--requests 64]
         [--max-tokens 16] [--policy lru] [--prefetch none] [--max-batch 64] [--batch-math exact,fast]
-        [--repeat 1] [--json FILE]
+        [--repeat 1] [--threads N] [--json FILE]
 
 For each fast budget a fresh engine (cold fast tier) serves in this process on a free port
 (``ServerThread``); the same ``--requests`` ShareGPT first turns (chat, greedy) are sent by 1, 4, 16 and 64
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", default="64")
     parser.add_argument("--batch-math", default="exact,fast")
     parser.add_argument("--repeat", default="1", help="rounds of all levels per engine; each level keeps its best")
+    parser.add_argument("--threads", default=None, help="PyTorch's CPU threads (default: PyTorch's, one per core)")
     parser.add_argument("--json", default=None, metavar="FILE")
     args = parser.parse_args(argv)
 
@@ -134,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = values.integer(args.max_tokens, "--max-tokens", low=1)
     max_batch = values.integer(args.max_batch, "--max-batch", low=1)
     repeat = values.integer(args.repeat, "--repeat", low=1)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(values.integer(args.threads, "--threads", low=1, high=values.cores()))
     if args.json:
         check_output(args.json, suffixes=(".json",), what="benchmark result")
     if 1 not in clients:
@@ -141,9 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     questions = sharegpt_first_turns(requests)
     prefetch = None if args.prefetch == "none" else args.prefetch
     rows = []
+    import torch
+
     print(f"{len(questions)} ShareGPT first turns, {max_tokens} new tokens each, greedy, streaming; policy "
-          f"{args.policy}, prefetch {args.prefetch}, max batch {max_batch}, best of {repeat} round(s); shared 2-core "
-          "machine: read ratios")
+          f"{args.policy}, prefetch {args.prefetch}, max batch {max_batch}, {torch.get_num_threads()} PyTorch "
+          f"thread(s), best of {repeat} round(s); shared 2-core machine: read ratios")
     maths = args.batch_math.split(",")
     for math in maths:
         if math not in ("exact", "fast"):
@@ -173,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             for level in clients:
                 row = best[level]
                 row["budget_percent"], row["batch_math"], row["rounds"] = budget, math, repeat
+                row["threads"] = torch.get_num_threads()
                 row["speedup"] = row["tokens_per_second"] / best[1]["tokens_per_second"]
                 rows.append(row)
                 ms = lambda v: f"{v * 1000:7.0f}" if v is not None else "      -"  # noqa: E731

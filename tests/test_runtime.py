@@ -353,6 +353,23 @@ def test_prompts_and_generations_longer_than_the_context_are_refused(checkpoint,
     assert "--max-new-tokens 0: must be a whole number of at least 1" in one_line_error(capsys)
 
 
+def test_generate_threads_are_checked_first_and_set_for_the_process(checkpoint, capsys):
+    import torch
+
+    from moe_offload.values import cores
+
+    for bad in ("0", "x", str(cores() + 1)):
+        assert main(["generate", "--model", "/no/such/model", "--threads", bad, "hi"]) == 2
+        assert "--threads" in one_line_error(capsys)
+    before = torch.get_num_threads()
+    try:
+        assert main(["generate", "--model", str(checkpoint["packed"]), "--threads", "1", "--max-new-tokens", "2",
+                     "hi"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_an_interrupted_pack_leaves_nothing_behind(checkpoint, tmp_path):
     calls = []
 

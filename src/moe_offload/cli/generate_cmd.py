@@ -62,10 +62,25 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--bypass-page-cache", action="store_true",
                         help="drop expert files from the page cache before each read (honest SSD timings)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--threads", default=None, metavar="N",
+                        help="PyTorch's CPU threads in this process (default: PyTorch's, one per core); a model of "
+                             "small experts can run faster with fewer (README, 'CPU threads')")
     parser.add_argument("--matcher", default="async", choices=MATCHERS,
                         help="where fMoE's matcher searches: on a thread of its own, its proposals applied when they "
                              "arrive (async, the paper's; default), on the decode thread (inline), or on its thread "
                              "with the decode thread waiting for each result (lockstep)")
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """``--threads``: checked, then PyTorch's intra-op threads for this process (before the model loads)."""
+    if args.threads is None:
+        return
+    import torch
+
+    from moe_offload import values
+
+    torch.set_num_threads(values.integer(args.threads, "--threads", low=1, high=values.cores(),
+                                         why="the cores of this machine"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         check_output(args.json, suffixes=(".json",), what="result record")
     values.integer(args.max_new_tokens, "--max-new-tokens", low=1)
+    apply_threads(args)
     resolve_device(args.device)
     if args.split_config:  # a bad file is refused before the model is packed or loaded
         from moe_offload.simulator.split import read_split_config

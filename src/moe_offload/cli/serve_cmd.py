@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_offload.cli.generate_cmd import add_engine_arguments
+from moe_offload.cli.generate_cmd import add_engine_arguments, apply_threads
 from moe_offload.cli.simulate_cmd import runtime_options
 from moe_offload.errors import ConfigError
 
@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     max_batch = values.integer(args.max_batch, "--max-batch", low=1, high=4096)
     host = values.text(args.host, "--host")
     device = values.device(args.device) if args.device is not None else None
+    apply_threads(args)
     _check_listen(host, port)
     policy_options, prefetch_options = runtime_options(args)
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
