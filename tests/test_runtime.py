@@ -370,6 +370,33 @@ def test_generate_threads_are_checked_first_and_set_for_the_process(checkpoint, 
         torch.set_num_threads(before)
 
 
+def test_the_engine_loads_on_one_thread_and_leaves_the_thread_count_as_it_was(checkpoint, monkeypatch):
+    """runtime/cpu_threads.py: the model loads with one PyTorch thread (no OpenMP team for the loading thread)
+    and the count is as it was afterwards, also when construction fails; a copy in pieces equals one copy."""
+    import torch
+
+    import moe_offload.runtime.engine as engine_module
+    from moe_offload.runtime.cpu_threads import copy_serially
+
+    before, seen = torch.get_num_threads(), []
+    load_skeleton = engine_module.load_skeleton
+
+    def counting(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return load_skeleton(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load_skeleton", counting)
+    OffloadEngine(checkpoint["packed"], fast_budget="100%").close()
+    assert seen == [1] and torch.get_num_threads() == before
+    with pytest.raises(ConfigError):
+        OffloadEngine(checkpoint["packed"], fast_budget="100%", policy="belady")
+    assert torch.get_num_threads() == before
+    source = torch.arange(100_000, dtype=torch.float16) / 7
+    destination = torch.empty(100_000)
+    copy_serially(destination, source)
+    assert torch.equal(destination, source.float())
+
+
 def test_an_interrupted_pack_leaves_nothing_behind(checkpoint, tmp_path):
     calls = []
 

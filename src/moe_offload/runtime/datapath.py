@@ -27,6 +27,8 @@ slot, and moves the bytes outside the lock:
 
 All cache, queue and policy state is guarded by one condition variable (``DataPath.cond``); bytes move
 outside it.
+
+Copies on the CPU stay on the thread that makes them (runtime/cpu_threads.py says why).
 """
 
 from __future__ import annotations
@@ -38,13 +40,13 @@ import time
 from moe_offload.hardware.profile import Link
 from moe_offload.policies import AccessContext
 from moe_offload.runtime.counters import Counters
+from moe_offload.runtime.cpu_threads import copy_serially
 from moe_offload.runtime.storage import ExpertStore
 from moe_offload.runtime.tiers import Tier
 from moe_offload.simulator.cache import predicted_no_later_than
 from moe_offload.simulator.transfers import TransferQueue
 
 RING_BUFFERS = 3  # pinned buffers per GPU link: one being read, one being copied, one spare
-
 
 class DataPath:
     """The tiers (``tiers[0]`` is the fast tier), their link workers and every expert on its way."""
@@ -316,7 +318,7 @@ class ExpertMover:
                 source.pool.free_after[source_slot] = event  # the host slot is read until then
             return event
         if source is not None:
-            destination.copy_(source.region(source_slot))
+            copy_serially(destination, source.region(source_slot))
             return None
         wait = tier.pool.free_after[slot]
         if wait is not None:  # a pinned host slot that a GPU copy may still read
@@ -346,7 +348,7 @@ class ExpertMover:
 
         def convert(start: int, end: int, _view) -> None:
             chunk = local.scratch[:end - start].view(stored)
-            destination[start // itemsize:end // itemsize].copy_(chunk)
+            copy_serially(destination[start // itemsize:end // itemsize], chunk)
 
         store.read(layer, expert, into, convert)
 

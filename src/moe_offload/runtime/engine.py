@@ -49,6 +49,7 @@ from moe_offload.prefetch import make_prefetcher, prefetcher_info
 from moe_offload.reporting.results import RunResult
 from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.datapath import DataPath
+from moe_offload.runtime.cpu_threads import single_threaded
 from moe_offload.runtime.packing import Manifest, load_skeleton, read_manifest
 from moe_offload.runtime.runner import ModelRunner
 from moe_offload.runtime.storage import ExpertStore
@@ -114,84 +115,86 @@ class OffloadEngine:
                  readers: int | None = None, replay=None, replay_weights: str = "trace", max_batch: int = 16,
                  batch_math: str = "exact", matcher: str = "async", split_config=None, reconfiguration=None,
                  hardware=None):
-        import torch
+        with single_threaded():  # this thread loads the model without an OpenMP team (runtime/cpu_threads.py)
+            import torch
 
-        from moe_offload.models import quiet_transformers
+            from moe_offload.models import quiet_transformers
 
-        from moe_offload.runtime.matcher import MATCHERS
-        from moe_offload.runtime.packed import BATCH_MATH
-        from moe_offload.values import integer
+            from moe_offload.runtime.matcher import MATCHERS
+            from moe_offload.runtime.packed import BATCH_MATH
+            from moe_offload.values import integer
 
-        quiet_transformers()
-        if batch_math not in BATCH_MATH:
-            raise ConfigError(f"batch_math {batch_math!r}: choose from {', '.join(BATCH_MATH)}")
-        if matcher not in MATCHERS:
-            raise ConfigError(f"matcher {matcher!r}: choose from {', '.join(MATCHERS)}")
-        max_batch = integer(max_batch, "max_batch", low=1)
-        self.device = resolve_device(device)
-        self.manifest: Manifest = read_manifest(packed_dir)
-        m = self.manifest
-        self.spec = ModelSpec(m.num_layers, m.num_experts, m.top_k)
-        stored = getattr(torch, m.dtype)
-        self.compute_dtype = torch.float32 if self.device.type == "cpu" else stored
-        self.compute_expert_bytes = m.expert_bytes // stored.itemsize * self.compute_dtype.itemsize
-        self.total_expert_bytes = m.num_layers * m.num_experts * self.compute_expert_bytes
-        info = policy_info(policy)
-        if info.offline:
-            raise ConfigError(f"policy {policy!r} needs the future (next use of every expert), which a running "
-                              "engine does not know; use it in `moe-offload simulate`")
-        fast_budget_bytes = values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget")
-        fast_slots = self._slots(fast_budget_bytes, self.compute_expert_bytes)
-        split, online = self._read_split(split_config, preload, reconfiguration, hardware, fast_budget_bytes)
-        if fast_slots < m.top_k and split is None:
-            raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
-                              f"({format_bytes(m.top_k * self.compute_expert_bytes)}, "
-                              f"{format_bytes(self.compute_expert_bytes)} each)")
-        host_slots = 0
-        if host_budget is not None:
-            host_slots = self._slots(values.budget_bytes(host_budget, m.num_layers * m.num_experts * m.expert_bytes,
-                                                  "--host-budget"), m.expert_bytes)
-            if host_slots < 1:
-                raise ConfigError(f"host budget {host_budget} cannot hold one expert ({format_bytes(m.expert_bytes)})")
-        self.replay_trace = self._read_replay(replay)
-        self.prefetcher = self._make_prefetcher(prefetch, prefetch_options, prefetch_history)
-        self.policy_name, self.prefetch_name = policy, prefetch
+            quiet_transformers()
+            if batch_math not in BATCH_MATH:
+                raise ConfigError(f"batch_math {batch_math!r}: choose from {', '.join(BATCH_MATH)}")
+            if matcher not in MATCHERS:
+                raise ConfigError(f"matcher {matcher!r}: choose from {', '.join(MATCHERS)}")
+            max_batch = integer(max_batch, "max_batch", low=1)
+            self.device = resolve_device(device)
+            self.manifest: Manifest = read_manifest(packed_dir)
+            m = self.manifest
+            self.spec = ModelSpec(m.num_layers, m.num_experts, m.top_k)
+            stored = getattr(torch, m.dtype)
+            self.compute_dtype = torch.float32 if self.device.type == "cpu" else stored
+            self.compute_expert_bytes = m.expert_bytes // stored.itemsize * self.compute_dtype.itemsize
+            self.total_expert_bytes = m.num_layers * m.num_experts * self.compute_expert_bytes
+            info = policy_info(policy)
+            if info.offline:
+                raise ConfigError(f"policy {policy!r} needs the future (next use of every expert), which a running "
+                                  "engine does not know; use it in `moe-offload simulate`")
+            fast_budget_bytes = values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget")
+            fast_slots = self._slots(fast_budget_bytes, self.compute_expert_bytes)
+            split, online = self._read_split(split_config, preload, reconfiguration, hardware, fast_budget_bytes)
+            if fast_slots < m.top_k and split is None:
+                raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
+                                  f"({format_bytes(m.top_k * self.compute_expert_bytes)}, "
+                                  f"{format_bytes(self.compute_expert_bytes)} each)")
+            host_slots = 0
+            if host_budget is not None:
+                host_slots = self._slots(values.budget_bytes(host_budget, m.num_layers * m.num_experts * m.expert_bytes,
+                                                      "--host-budget"), m.expert_bytes)
+                if host_slots < 1:
+                    raise ConfigError(f"host budget {host_budget} cannot hold one expert "
+                                      f"({format_bytes(m.expert_bytes)})")
+            self.replay_trace = self._read_replay(replay)
+            self.prefetcher = self._make_prefetcher(prefetch, prefetch_options, prefetch_history)
+            self.policy_name, self.prefetch_name = policy, prefetch
 
-        self.model, self.adapter, self.startup_seconds = load_skeleton(m, self.device, self.compute_dtype,
-                                                                       verify=verify_checksums)
-        make = policy_factory(policy, self.spec, seed=seed, options=policy_options)  # every partition's policy
-        self.store = store or ExpertStore(m, verify=verify_checksums, bypass_page_cache=bypass_page_cache,
-                                          retries=retries, readers=readers)
-        self.counters = Counters.zero(m.num_layers)
-        self.split = None
-        if split is not None:  # MoEpic's tops and buffer (runtime/split.py)
-            from moe_offload.runtime.split_tier import SplitFastTier
+            self.model, self.adapter, self.startup_seconds = load_skeleton(m, self.device, self.compute_dtype,
+                                                                           verify=verify_checksums)
+            make = policy_factory(policy, self.spec, seed=seed, options=policy_options)  # every partition's policy
+            self.store = store or ExpertStore(m, verify=verify_checksums, bypass_page_cache=bypass_page_cache,
+                                              retries=retries, readers=readers)
+            self.counters = Counters.zero(m.num_layers)
+            self.split = None
+            if split is not None:  # MoEpic's tops and buffer (runtime/split.py)
+                from moe_offload.runtime.split_tier import SplitFastTier
 
-            self.split = self.path = SplitFastTier(*split, m, self.store, self.counters, self.spec, make, self.device,
-                                                   self.compute_dtype, fast_budget_bytes, host_slots)
-            self.tiers = []
-        else:
-            self.tiers = self._make_tiers(info.partitioned, make, fast_slots, host_slots)
-            self.path = DataPath(self.tiers, self.store, self.counters, self.spec)
-        self.replay = None
-        if self.replay_trace is not None:
-            from moe_offload.runtime.replay import RoutingReplay
+                self.split = self.path = SplitFastTier(*split, m, self.store, self.counters, self.spec, make,
+                                                       self.device, self.compute_dtype, fast_budget_bytes, host_slots)
+                self.tiers = []
+            else:
+                self.tiers = self._make_tiers(info.partitioned, make, fast_slots, host_slots)
+                self.path = DataPath(self.tiers, self.store, self.counters, self.spec)
+            self.replay = None
+            if self.replay_trace is not None:
+                from moe_offload.runtime.replay import RoutingReplay
 
-            self.replay = RoutingReplay(self.replay_trace, self.adapter, replay_weights)
-        runner = ModelRunner
-        if self.split is not None:
-            from moe_offload.runtime.split import SplitRunner
+                self.replay = RoutingReplay(self.replay_trace, self.adapter, replay_weights)
+            runner = ModelRunner
+            if self.split is not None:
+                from moe_offload.runtime.split import SplitRunner
 
-            runner = functools.partial(SplitRunner, online=online)
-        self.runner = runner(self.model, self.adapter, self.spec, self.path, self.counters,
-                                  prefetcher=self.prefetcher, policy_needs_probs=info.policy.needs_probs,
-                                  replay=self.replay, source=f"live generation with {m.directory}",
-                                  matcher=matcher)
-        self.runner.install()
-        self._generate_lock = threading.Lock()
-        self.max_batch, self.batch_math = max_batch, batch_math
-        self._scheduler = None
-        self.preload_seconds = self._preload() if preload else 0.0
+                runner = functools.partial(SplitRunner, online=online)
+            self.runner = runner(self.model, self.adapter, self.spec, self.path, self.counters,
+                                      prefetcher=self.prefetcher, policy_needs_probs=info.policy.needs_probs,
+                                      replay=self.replay, source=f"live generation with {m.directory}",
+                                      matcher=matcher)
+            self.runner.install()
+            self._generate_lock = threading.Lock()
+            self.max_batch, self.batch_math = max_batch, batch_math
+            self._scheduler = None
+            self.preload_seconds = self._preload() if preload else 0.0
 
     # ------------------------------------------------------------------------------------------ set-up
     def _make_tiers(self, partitioned: bool, make, fast_slots: int, host_slots: int) -> list[Tier]:

@@ -328,6 +328,7 @@ def packed_directory(name: str, on_expert=None) -> Path:
     import tempfile
 
     from moe_offload.models.tiny import model_directory
+    from moe_offload.runtime.cpu_threads import single_threaded
 
     directory = model_directory(name)
     if not directory.exists():
@@ -354,7 +355,8 @@ def packed_directory(name: str, on_expert=None) -> Path:
     except OSError as exc:
         raise ConfigError(f"{target.parent}: cannot create the pack cache: {exc.strerror or exc}") from None
     try:  # pack aside, then rename: an interrupted pack never looks finished
-        pack_model(directory, staging / "packed", on_expert=on_expert)
+        with single_threaded():  # no OpenMP team left behind in the caller's thread (runtime/cpu_threads.py)
+            pack_model(directory, staging / "packed", on_expert=on_expert)
         try:
             (staging / "packed").rename(target)
         except OSError:

@@ -48,6 +48,7 @@ import time
 from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import Link
 from moe_offload.policies import AccessContext
+from moe_offload.runtime.cpu_threads import copy_serially
 from moe_offload.runtime.split import bottom_ranges, split_rows
 from moe_offload.runtime.tiers import SlotPool
 from moe_offload.simulator.cache import ExpertCache, predicted_no_later_than
@@ -525,7 +526,7 @@ class SplitFastTier:
         """``destination.copy_(source)``; on CUDA on the copy stream once the slot's readers are done (and
         ``after``), returning the copy's event (the staging buffer is reused only after it)."""
         if self.device.type != "cuda":
-            destination.copy_(source)
+            copy_serially(destination, source)  # on the worker's thread alone (runtime/cpu_threads.py)
             return None
         import torch
 
