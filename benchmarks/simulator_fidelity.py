@@ -2,7 +2,7 @@
 once measured in the runtime and once simulated with the hardware profile measured on this machine.
 
     python benchmarks/simulator_fidelity.py [--quick] [--budgets 25,50,75] [--policies lru,lfu,lcp]
-        [--prefetchers none,topk,moepic] [--prompts 4] [--max-new-tokens 32] [--json FILE]
+        [--prefetchers none,topk,moepic] [--prompts 4] [--max-new-tokens 32] [--threads N] [--json FILE]
 
 1. ``moe-offload hardware measure`` (moe_offload.runtime.measure) times this machine on the packed bundled
    model: expert file reads, conversion, expert compute, attention, router and LM head.
@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5, help="repeats of each hardware measurement")
     parser.add_argument("--quick", action="store_true", help="lru, lcp; none, moepic; 25 and 75%%; 2 prompts")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: 1 without CUDA, leaving a core to the readers, as "
+                             "runtime_gpu.py does; as they are with CUDA)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -51,6 +54,14 @@ def main(argv=None) -> int:
     from moe_offload.trace.format import read_trace
 
     quiet_transformers()
+    import torch
+
+    from moe_offload import values
+
+    if args.threads is not None or not torch.cuda.is_available():
+        # Two threads on two cores: every parallel operation of the decode waits while a reader holds a core, a
+        # stall the profile's processor sharing does not model (README, "The simulator on this CPU").
+        torch.set_num_threads(values.integer(args.threads or 1, "--threads", low=1, high=values.cores()))
     budgets = [int(b) for b in args.budgets.split(",")]
     policies, prefetchers, count = args.policies.split(","), args.prefetchers.split(","), args.prompts
     if args.quick:
