@@ -26,10 +26,12 @@ SERIAL_ELEMENTS = 31 * 1024  # under PyTorch's grain of 32,768 elements: the cop
 
 
 def copy_serially(destination, source) -> None:
-    """``destination.copy_(source)`` for flat CPU tensors of one length, in pieces that PyTorch copies on the
-    calling thread alone."""
-    for start in range(0, source.numel(), SERIAL_ELEMENTS):
-        destination[start:start + SERIAL_ELEMENTS].copy_(source[start:start + SERIAL_ELEMENTS])
+    """``destination.copy_(source)`` for CPU tensors of one shape, in blocks along the first dimension that
+    PyTorch copies on the calling thread alone (a single row longer than the grain still starts a team)."""
+    row = source[0].numel() if source.dim() > 1 and source.shape[0] else 1
+    step = max(1, SERIAL_ELEMENTS // max(row, 1))
+    for start in range(0, source.shape[0], step):
+        destination[start:start + step].copy_(source[start:start + step])
 
 
 @contextmanager

@@ -460,9 +460,11 @@ class SplitFastTier:
                 self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
             views = expert_views(self.manifest, staging if host is None else host)
             gate_up, down = views["gate_up_proj"], views["down_proj"]
-            compact = torch.cat([gate_up[:r].reshape(-1), gate_up[I:I + r].reshape(-1),
-                                 down[:, :r].reshape(-1), gate_up[r:I].reshape(-1),
-                                 gate_up[I + r:].reshape(-1), down[:, r:].reshape(-1)])
+            # [top | bottom], each part's tensors flattened row-major, copied on this thread alone (cpu_threads)
+            compact, filled = torch.empty(gate_up.numel() + down.numel(), dtype=gate_up.dtype), 0
+            for part in (gate_up[:r], gate_up[I:I + r], down[:, :r], gate_up[r:I], gate_up[I + r:], down[:, r:]):
+                copy_serially(compact[filled:filled + part.numel()].view(part.shape), part)
+                filled += part.numel()
             if r < I:
                 bottom = compact[3 * r * H:].view(torch.uint8).numpy()
                 self.bottom_digest[key] = xxhash.xxh3_64_hexdigest(bottom)
