@@ -63,8 +63,8 @@ def add_engine_arguments(parser) -> None:
                         help="drop expert files from the page cache before each read (honest SSD timings)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--threads", default=None, metavar="N",
-                        help="PyTorch's CPU threads in this process (default: PyTorch's, one per core); a model of "
-                             "small experts can run faster with fewer (README, 'CPU threads')")
+                        help="PyTorch's CPU threads in this process (default: PyTorch's, one per core; the README's "
+                             "'CPU threads' says what the count changed on a 2-core machine)")
     parser.add_argument("--matcher", default="async", choices=MATCHERS,
                         help="where fMoE's matcher searches: on a thread of its own, its proposals applied when they "
                              "arrive (async, the paper's; default), on the decode thread (inline), or on its thread "
