@@ -128,6 +128,7 @@ def measure_raw_rates(manifest: Manifest, keys, repeats: int, bypass_page_cache:
     path: every expert is read, then converted."""
     import torch
 
+    from moe_offload.runtime.cpu_threads import copy_serially
     from moe_offload.runtime.storage import ExpertStore
 
     store = ExpertStore(manifest, verify=False, bypass_page_cache=bypass_page_cache, readers=readers)
@@ -153,7 +154,7 @@ def measure_raw_rates(manifest: Manifest, keys, repeats: int, bypass_page_cache:
     with ThreadPoolExecutor(workers) as pool:  # as many converting threads as the data path has readers
         for _ in range(repeats + 1):
             started = time.perf_counter()
-            list(pool.map(lambda pair: pair[0].copy_(pair[1]), parts))
+            list(pool.map(lambda pair: copy_serially(*pair), parts))  # as the readers convert (cpu_threads)
             converts.append(time.perf_counter() - started)
     total = len(keys) * size
     return total / _median(reads[1:]), total / _median(converts[1:])
