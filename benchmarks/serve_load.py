@@ -210,4 +210,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from moe_offload.errors import ConfigError
+
+    try:
+        sys.exit(main())
+    except ConfigError as problem:  # a bad option: one line, before any work
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)

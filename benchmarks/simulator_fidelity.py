@@ -61,7 +61,8 @@ def main(argv=None) -> int:
     if args.threads is not None or not torch.cuda.is_available():
         # Two threads on two cores: every parallel operation of the decode waits while a reader holds a core, a
         # stall the profile's processor sharing does not model (README, "The simulator on this CPU").
-        torch.set_num_threads(values.integer(args.threads or 1, "--threads", low=1, high=values.cores()))
+        threads = 1 if args.threads is None else args.threads
+        torch.set_num_threads(values.integer(threads, "--threads", low=1, high=values.cores()))
     budgets = [int(b) for b in args.budgets.split(",")]
     policies, prefetchers, count = args.policies.split(","), args.prefetchers.split(","), args.prompts
     if args.quick:
@@ -122,4 +123,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from moe_offload.errors import ConfigError
+
+    try:
+        sys.exit(main())
+    except ConfigError as problem:  # a bad option: one line, before any work
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
