@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 import torch.nn.functional as F  # noqa: E402
 
+from moe_offload.runtime.kv_pool import KVPool  # noqa: E402
 from moe_offload.runtime.packed import PackedPass, Segment, alone_rows, batches_alone  # noqa: E402
 
 
@@ -66,9 +67,9 @@ def test_not_used_where_it_would_not_keep_the_bits():
 def packed(lengths: list[int], exact: bool = True) -> PackedPass:
     segments, start = [], 0
     for request, length in enumerate(lengths):
-        segments.append(Segment(request, start, start + length, length > 1, None))
+        segments.append(Segment(request, start, start + length, length > 1, request, 0))
         start += length
-    return PackedPass(segments, exact)
+    return PackedPass(segments, KVPool(len(lengths)), exact)
 
 
 @pytest.mark.parametrize("lengths", [[1] * 16, [1, 7, 1, 1, 3, 1], [5, 1], [1, 1], [9], [4, 6]])

@@ -22,13 +22,13 @@ each, the greedy tokens equal generate's), but:
   this machine for three tiny prompts.
 
 So this loop keeps transformers' model code (embeddings, decoder layers, norms, the LM head) and replaces
-only the batching: the packing, the per-request KV caches (``DynamicCache``), the sampling and the stop
-rules. ``OffloadEngine.generate`` keeps transformers' ``generate`` for one request; this scheduler serves
+only the batching: the packing, the requests' keys and values (a KV pool, runtime/kv_pool.py), the sampling
+and the stop rules. ``OffloadEngine.generate`` keeps transformers' ``generate`` for one request; this scheduler serves
 ``submit``/``generate_batch`` and the server.
 
 A forward pass that fails inside the engine (an expert file vanished, a checksum failed) fails the
-requests that routed to the failing expert with the error; the other requests of the pass roll their KV
-caches back and run again at the next iteration.
+requests that routed to the failing expert with the error; the other requests of the pass keep their KV
+slots' lengths as they were (what the pass wrote there is overwritten) and run again at the next iteration.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload.reporting.results import RunResult
 from moe_offload.runtime.counters import Counters
-from moe_offload.runtime.packed import PackedPass, Segment, restore, snapshot
+from moe_offload.runtime.kv_pool import KVPool
+from moe_offload.runtime.packed import PackedPass, Segment
 from moe_offload.values import integer, number, text
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -144,7 +145,6 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     handle: RequestHandle
-    cache: object
     generator: object
     counters: Counters
     arrived: float
@@ -153,6 +153,7 @@ class _Request:
     logits: list = field(default_factory=list)
     sent: int = 0   # characters of text already emitted
     text: str = ""
+    slot: int | None = None  # its rows in the KV pool, while it runs
 
     @property
     def prefilled(self) -> bool:
@@ -173,6 +174,7 @@ class BatchScheduler:
         self.cond = threading.Condition()
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
+        self.kv = KVPool(max_batch)
         self.stopping = False
         self.iterations = 0
         self.forward_seconds = 0.0   # in forward passes (expert loads waited for included)
@@ -210,7 +212,6 @@ class BatchScheduler:
         """Queue a request (text or token ids); it joins the batch at the next iteration. Bad parameters and
         prompts longer than the context raise ConfigError here, before any work."""
         import torch
-        from transformers import DynamicCache
 
         params = params or SamplingParams()
         params.check()
@@ -229,9 +230,8 @@ class BatchScheduler:
                 raise MoeOffloadError("the engine is shutting down")
             request = self.runner.new_request()
             handle = RequestHandle(request, on_event)
-            self.waiting.append(_Request(request, ids, params, handle, DynamicCache(config=self.model.config),
-                                         generator, Counters.zero(self.engine.spec.num_layers),
-                                         time.perf_counter()))
+            self.waiting.append(_Request(request, ids, params, handle, generator,
+                                         Counters.zero(self.engine.spec.num_layers), time.perf_counter()))
             self._start()
             self.cond.notify_all()
         return handle
@@ -281,6 +281,7 @@ class BatchScheduler:
                         if request.handle.cancelled:
                             leaving.append(request)
                         else:
+                            request.slot = self.kv.acquire()
                             self.running.append(request)
                 batch = list(self.running)
             for request in leaving:
@@ -296,18 +297,15 @@ class BatchScheduler:
         engine, runner = self.engine, self.runner
         segments, tokens, positions, start = [], [], [], 0
         for request in batch:
-            if request.prefilled:
-                new = [request.tokens[-1]]
-                positions.append(len(request.prompt) + len(request.tokens) - 1)
-            else:
-                new = request.prompt
-                positions.extend(range(len(new)))
-            segments.append(Segment(request.id, start, start + len(new), not request.prefilled, request.cache))
+            new = [request.tokens[-1]] if request.prefilled else request.prompt
+            past = self.kv.lengths[request.slot]
+            positions.extend(range(past, past + len(new)))
+            segments.append(Segment(request.id, start, start + len(new), not request.prefilled, request.slot, past))
             tokens.extend(new)
             start += len(new)
-        packed = PackedPass(segments, exact=self.engine.batch_math == "exact")
-        saved = [snapshot(request.cache) for request in batch]
         device = engine.device
+        packed = PackedPass(segments, self.kv, exact=engine.batch_math == "exact", device=device)
+        self.kv.reserve(max(s.past + s.end - s.start for s in segments))
         # A 4-D mask is taken as built: the packed pass builds none (each segment attends causally over its
         # own cache, runtime/packed.py), and this placeholder is never read.
         no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
@@ -327,8 +325,10 @@ class BatchScheduler:
                 finally:
                     runner.packed = None
         except Exception as exc:  # noqa: BLE001 - reported to the requests it concerns, the server goes on
-            self._failed(batch, saved, exc)
+            self._failed(batch, exc)
             return
+        for segment in segments:
+            self.kv.commit(segment.slot, segment.end - segment.start)
         now = time.perf_counter()
         self.iterations += 1
         self.forward_seconds += now - started
@@ -340,19 +340,16 @@ class BatchScheduler:
             self._advance(request, row, now)
         self.advance_seconds += time.perf_counter() - now
 
-    def _failed(self, batch, saved, exc) -> None:
+    def _failed(self, batch, exc) -> None:
         path = self.engine.path
         with path.cond:
             key = path.failed_key if path.failure is exc else None
             path.clear_failure()
         concerned = [r for r in batch if key is None or key in self.runner.keys_of.get(r.id, ())]
-        for request, state in zip(batch, saved):
-            if request in concerned:
-                with self.cond:
-                    self.running.remove(request)
-                self._finish(request, "error", exc)
-            else:
-                restore(request.cache, state)
+        for request in concerned:
+            with self.cond:
+                self.running.remove(request)
+            self._finish(request, "error", exc)
 
     # ------------------------------------------------------------------------------------ per request
     def _advance(self, request: _Request, logits, now: float) -> None:
@@ -393,6 +390,9 @@ class BatchScheduler:
 
     def _finish(self, request: _Request, reason: str, error: BaseException | None = None) -> None:
         self.runner.end_request(request.id)
+        if request.slot is not None:
+            self.kv.release(request.slot)
+            request.slot = None
         times = request.token_times
         ttft = times[0] - request.arrived if times else None
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None

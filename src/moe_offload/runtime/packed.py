@@ -22,10 +22,11 @@ one *segment* of the sequence. Three things make a segment's result the bits its
   and reductions along the hidden dimension (norms, softmax, top-k, RoPE, residuals, the experts'
   activation) do not mix rows; they run once over the whole pass.
 - **attention per segment** (:func:`segmented_attention`, registered as the attention implementation
-  :data:`ATTENTION`): each segment attends over its own request's KV cache (a transformers ``DynamicCache``
-  per request, appended to as transformers' own update does) with the arguments transformers' ``sdpa``
-  path gives an unpadded single sequence: no mask, causal for a prompt. No padding, so no masked lanes
-  change a reduction.
+  :data:`ATTENTION`): each segment attends over its own request's keys and values (its slot of the
+  scheduler's KV pool, runtime/kv_pool.py, the pass's new keys written in first) with the arguments
+  transformers' ``sdpa`` path gives an unpadded single sequence: no mask, causal for a prompt. No padding,
+  so no masked lanes change a reduction. (With fast batch math the decoding requests attend in one masked
+  call instead.)
 - **the logits of each request's last token**, one row at a time as generate computes them.
 
 What this costs: each decoding request's products read the weights once for that request (a ``bmm`` of
@@ -46,18 +47,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache, cached_property
 
+from moe_offload.runtime.kv_pool import KVPool
+
 ATTENTION = "moe_offload_segments"
 
 
 @dataclass
 class Segment:
-    """One request's tokens in a packed pass: rows ``start:end`` of the sequence."""
+    """One request's tokens in a packed pass: rows ``start:end`` of the sequence, at positions ``past`` onward
+    of the request's ``slot`` in the pass's KVPool (``past``: the positions it already holds)."""
 
     request: int
     start: int
     end: int
     prefill: bool
-    cache: object  # the request's transformers DynamicCache
+    slot: int
+    past: int
 
 
 BATCH_MATH = ("exact", "fast")
@@ -68,10 +73,12 @@ class PackedPass:
     """``exact``: every product per segment, each request's bits are those it gets alone. Otherwise (the
     engine's ``batch_math="fast"``) products run over the whole pass: fewer, larger matrix products, and
     results that differ from a request's own pass in the last bits (its tokens may differ where two
-    logits nearly tie); attention stays per segment (each request has its own cache)."""
+    logits nearly tie), and the decoding requests' attention is one masked call over their KV slots."""
 
     segments: list[Segment]
+    kv: KVPool
     exact: bool = True
+    device: str = "cpu"
 
     @property
     def tokens(self) -> int:
@@ -91,6 +98,25 @@ class PackedPass:
         import torch
 
         return torch.tensor([s.start for s in self.segments if s.end - s.start == 1], dtype=torch.long)
+
+    @cached_property
+    def decoding(self):
+        """The one-row segments' (rows, slots, positions): index tensors on the pass's device."""
+        import torch
+
+        alone = [s for s in self.segments if s.end - s.start == 1]
+        return tuple(torch.tensor(values, dtype=torch.long, device=self.device)
+                     for values in ([s.start for s in alone], [s.slot for s in alone], [s.past for s in alone]))
+
+    @cached_property
+    def decoding_mask(self):
+        """The one-row segments' attention mask [n, 1, 1, held] over their slots' first ``held`` positions
+        (the longest one's, its new token included): True at each one's own positions."""
+        import torch
+
+        _, _, positions = self.decoding
+        held = max(s.past for s in self.segments if s.end - s.start == 1) + 1  # from the host: no device sync
+        return (torch.arange(held, device=self.device) <= positions[:, None])[:, None, None, :]
 
     @cached_property
     def longer(self) -> list[Segment]:
@@ -176,21 +202,38 @@ def alone_rows(rows, weight, bias=None):
 
 
 def segmented_attention(module, query, key, value, attention_mask, packed: PackedPass | None = None, **kwargs):
-    """transformers' attention interface. In a packed pass: each segment's queries attend over its request's
-    cache with the new keys appended; otherwise transformers' sdpa attention."""
-    import torch
+    """transformers' attention interface. In a packed pass: the pass's new keys and values are written into
+    each request's slot of the KV pool, then each segment's queries attend over its slot's positions (the
+    held ones and the new ones) with transformers' sdpa attention, as an unpadded single sequence: no mask,
+    causal for a prompt. With fast batch math the decoding requests' queries (one row each) attend in one
+    call over their slots, padded to the longest and masked. Otherwise transformers' sdpa attention."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if packed is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    outputs = []
-    for segment in packed.segments:
-        keys, values = segment.cache.update(key[:, :, segment.start:segment.end],
-                                            value[:, :, segment.start:segment.end], module.layer_idx)
-        output, _ = sdpa_attention_forward(module, query[:, :, segment.start:segment.end], keys, values, None,
-                                           **kwargs)
-        outputs.append(output)
-    return torch.cat(outputs, dim=1), None
+    keys, values = packed.kv.layer(module.layer_idx, key)
+    rows, slots, positions = packed.decoding
+    if len(rows):  # one indexed store for every decoding request's new key and value
+        keys[slots, :, positions] = key[0][:, rows].transpose(0, 1)
+        values[slots, :, positions] = value[0][:, rows].transpose(0, 1)
+    for segment in packed.longer:
+        end = segment.past + segment.end - segment.start
+        keys[segment.slot, :, segment.past:end] = key[0, :, segment.start:segment.end]
+        values[segment.slot, :, segment.past:end] = value[0, :, segment.start:segment.end]
+    output = query.new_empty(1, packed.tokens, query.shape[1], value.shape[3])
+    together = not packed.exact and len(rows) > 1
+    if together:  # [n, heads, 1, dim] queries over [n, kv_heads, held, dim] slots
+        mask = packed.decoding_mask
+        held = mask.shape[-1]
+        output[0, rows] = sdpa_attention_forward(module, query[0][:, rows].transpose(0, 1).unsqueeze(2),
+                                                 keys[slots, :, :held], values[slots, :, :held], mask,
+                                                 **kwargs)[0][:, 0]
+    for segment in packed.longer if together else packed.segments:
+        end = segment.past + segment.end - segment.start
+        output[:, segment.start:segment.end] = sdpa_attention_forward(
+            module, query[:, :, segment.start:segment.end], keys[segment.slot:segment.slot + 1, :, :end],
+            values[segment.slot:segment.slot + 1, :, :end], None, **kwargs)[0]
+    return output, None
 
 
 def segment_rows(model, adapter, current) -> list:
@@ -278,14 +321,3 @@ def register_attention(model) -> None:
         ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
     if model.config._attn_implementation != ATTENTION:
         model.set_attn_implementation(ATTENTION)
-
-
-def snapshot(cache) -> list[dict]:
-    """What a request's cache holds now, to roll back a pass that failed (updates replace tensors)."""
-    return [dict(layer.__dict__) for layer in cache.layers]
-
-
-def restore(cache, saved: list[dict]) -> None:
-    for layer, state in zip(cache.layers, saved):
-        layer.__dict__.clear()
-        layer.__dict__.update(state)

@@ -1,0 +1,105 @@
+"""The batching scheduler's KV pool (runtime/kv_pool.py) and the packed pass's attention over it
+(runtime/packed.py ``segmented_attention``), against transformers' sdpa attention over each request's keys and
+values alone, as contiguous tensors (what a request's own pass attends over): exact batch math bit for bit,
+fast batch math (the decoding requests in one masked call) to rounding, also where a slot still holds a
+longer, finished request's keys beyond its own length."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+
+from moe_offload.runtime.kv_pool import KVPool  # noqa: E402
+from moe_offload.runtime.packed import PackedPass, Segment, segmented_attention  # noqa: E402
+
+HEADS, KV_HEADS, DIM = 6, 2, 32
+MODULE = SimpleNamespace(layer_idx=3, num_key_value_groups=HEADS // KV_HEADS, is_causal=True)
+
+
+def test_slots_are_handed_out_and_back_and_the_capacity_doubles_keeping_what_is_held():
+    pool = KVPool(2)
+    first, second = pool.acquire(), pool.acquire()
+    assert (first, second) == (0, 1)
+    with pytest.raises(RuntimeError, match="max_batch"):
+        pool.acquire()
+    pool.reserve(10)
+    assert pool.capacity == 64
+    keys, values = pool.layer(0, torch.zeros(1, KV_HEADS, 1, DIM))
+    assert keys.shape == (2, KV_HEADS, 64, DIM) and not keys.any()  # zeros, never uninitialised memory
+    keys[1, :, :5] = 7.0
+    pool.commit(1, 5)
+    pool.reserve(130)
+    assert pool.capacity == 256
+    keys, _ = pool.layer(0, None)
+    assert keys.shape[2] == 256 and bool((keys[1, :, :5] == 7).all()) and not keys[:, :, 64:].any()
+    pool.release(1)
+    assert pool.lengths[1] == 0 and pool.acquire() == 1
+
+
+def run_pass(pool, requests, exact, generator):
+    """One packed pass over ``requests`` [(slot, new tokens)]: random queries, keys and values; returns the
+    pass's output and its inputs, and commits the new tokens."""
+    segments, start = [], 0
+    for request, (slot, new) in enumerate(requests):
+        segments.append(Segment(request, start, start + new, pool.lengths[slot] == 0 and new > 1, slot,
+                                pool.lengths[slot]))
+        start += new
+    packed = PackedPass(segments, pool, exact)
+    pool.reserve(max(s.past + s.end - s.start for s in segments))
+    query = torch.randn(1, HEADS, start, DIM, generator=generator)
+    key = torch.randn(1, KV_HEADS, start, DIM, generator=generator)
+    value = torch.randn(1, KV_HEADS, start, DIM, generator=generator)
+    output, _ = segmented_attention(MODULE, query, key, value, None, packed=packed, scaling=DIM ** -0.5)
+    for s in segments:
+        pool.commit(s.slot, s.end - s.start)
+    return output, segments, query, key, value
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_each_segment_attends_over_its_own_keys_as_if_alone(exact):
+    generator = torch.Generator().manual_seed(5)
+    pool = KVPool(4)
+    history = {}  # slot -> (keys, values) [1, kv_heads, n, dim] as its own pass would hold them
+    stale = pool.acquire()
+    run_pass(pool, [(stale, 40)], exact, generator)  # a long request that then leaves: its keys stay behind
+    pool.release(stale)
+    slots = [pool.acquire() for _ in range(3)]
+    assert stale in slots
+    for step, requests in enumerate([[(slots[0], 9), (slots[1], 3)],                  # two prompts
+                                     [(slots[0], 1), (slots[1], 1), (slots[2], 5)],  # two decode, a prompt
+                                     [(slots[0], 1), (slots[1], 1), (slots[2], 1)],  # all decode
+                                     [(slots[0], 1), (slots[1], 1), (slots[2], 1)]]):
+        output, segments, query, key, value = run_pass(pool, requests, exact, generator)
+        for s in segments:
+            new_keys, new_values = key[:, :, s.start:s.end], value[:, :, s.start:s.end]
+            held_keys, held_values = history.get(s.slot, (new_keys[:, :, :0], new_values[:, :, :0]))
+            history[s.slot] = (torch.cat([held_keys, new_keys], 2), torch.cat([held_values, new_values], 2))
+            alone, _ = sdpa_attention_forward(MODULE, query[:, :, s.start:s.end], *history[s.slot], None,
+                                              scaling=DIM ** -0.5)
+            got = output[:, s.start:s.end]
+            if exact or s.end - s.start > 1 or len([t for t in segments if t.end - t.start == 1]) < 2:
+                assert torch.equal(got, alone), (step, s)
+            else:
+                torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-6)
+    assert pool.lengths[slots[0]] == 12 and pool.lengths[slots[2]] == 7
+
+
+def test_a_pass_that_is_not_committed_leaves_the_requests_as_they_were():
+    """A failed pass rolls back by not committing: the next pass overwrites what it wrote."""
+    generator = torch.Generator().manual_seed(9)
+    pool = KVPool(1)
+    slot = pool.acquire()
+    run_pass(pool, [(slot, 4)], True, generator)
+    keys_before = pool.layer(MODULE.layer_idx, None)[0][slot, :, :4].clone()
+    segments = [Segment(0, 0, 1, False, slot, 4)]
+    key = torch.randn(1, KV_HEADS, 1, DIM, generator=generator)
+    segmented_attention(MODULE, torch.randn(1, HEADS, 1, DIM, generator=generator), key, key, None,
+                        packed=PackedPass(segments, pool), scaling=DIM ** -0.5)  # written, never committed
+    assert pool.lengths[slot] == 4
+    assert torch.equal(pool.layer(MODULE.layer_idx, None)[0][slot, :, :4], keys_before)
