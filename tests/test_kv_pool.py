@@ -62,15 +62,20 @@ def run_pass(pool, requests, exact, generator):
 
 
 @pytest.mark.parametrize("exact", [True, False])
-def test_each_segment_attends_over_its_own_keys_as_if_alone(exact):
+@pytest.mark.parametrize("layout", [(0, 1, 2), (0, 2, 3), (0, 5, 7)])  # packed; a hole; scattered (a copy)
+def test_each_segment_attends_over_its_own_keys_as_if_alone(exact, layout):
     generator = torch.Generator().manual_seed(5)
-    pool = KVPool(4)
+    pool = KVPool(8)
     history = {}  # slot -> (keys, values) [1, kv_heads, n, dim] as its own pass would hold them
-    stale = pool.acquire()
-    run_pass(pool, [(stale, 40)], exact, generator)  # a long request that then leaves: its keys stay behind
-    pool.release(stale)
-    slots = [pool.acquire() for _ in range(3)]
-    assert stale in slots
+    taken = [pool.acquire() for _ in range(8)]
+    run_pass(pool, [(slot, 40) for slot in taken], exact, generator)  # long requests that leave: their keys stay
+    for slot in layout:  # new requests in the slots of some that left (the lowest free slot first)
+        pool.release(slot)
+        assert pool.acquire() == slot
+    for slot in taken:
+        if slot not in layout:
+            pool.release(slot)
+    slots = list(layout)
     for step, requests in enumerate([[(slots[0], 9), (slots[1], 3)],                  # two prompts
                                      [(slots[0], 1), (slots[1], 1), (slots[2], 5)],  # two decode, a prompt
                                      [(slots[0], 1), (slots[1], 1), (slots[2], 1)],  # all decode
@@ -88,6 +93,22 @@ def test_each_segment_attends_over_its_own_keys_as_if_alone(exact):
             else:
                 torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-6)
     assert pool.lengths[slots[0]] == 12 and pool.lengths[slots[2]] == 7
+
+
+def test_fast_attention_runs_in_place_over_packed_slots_and_on_a_copy_of_scattered_ones():
+    pool = KVPool(8)
+    for slots, span in [((0, 1, 2), 3), ((0, 2, 3), 4), ((0, 5, 7), None)]:
+        segments = [Segment(i, i, i + 1, False, slot, 4 + i) for i, slot in enumerate(slots)]
+        got, mask = PackedPass(segments, pool, exact=False).decoding_mask
+        assert got == span
+        rows = [[int(i) for i in row[0, 0].nonzero()] for row in mask]
+        if span is None:
+            assert rows == [list(range(5 + i)) for i in range(3)]
+        else:
+            expected = [[0]] * span
+            for i, slot in enumerate(slots):
+                expected[slot] = list(range(5 + i))
+            assert rows == expected
 
 
 def test_a_pass_that_is_not_committed_leaves_the_requests_as_they_were():

@@ -24,13 +24,16 @@ largest length asked for.
 
 from __future__ import annotations
 
+import heapq
+
 
 class KVPool:
     """Keys and values of up to ``slots`` requests (see the module docstring)."""
 
     def __init__(self, slots: int):
         self.slots = slots
-        self.free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self.free = list(range(slots))  # a heap: the lowest free slot first, so the running requests' slots
+        # stay packed at the start of the pool (fast batch math attends over the first slots as they lie)
         self.lengths = [0] * slots
         self.capacity = 0
         self.keys: dict[int, object] = {}    # layer -> [slots, kv_heads, capacity, head_dim]
@@ -40,13 +43,13 @@ class KVPool:
         """A free slot for a request joining the batch, empty."""
         if not self.free:
             raise RuntimeError("every slot of the KV pool is taken: more running requests than max_batch")
-        slot = self.free.pop()
+        slot = heapq.heappop(self.free)
         self.lengths[slot] = 0
         return slot
 
     def release(self, slot: int) -> None:
         self.lengths[slot] = 0
-        self.free.append(slot)
+        heapq.heappush(self.free, slot)
 
     def reserve(self, positions: int) -> None:
         """Room for ``positions`` positions per slot (before a pass: its longest request's new length)."""

@@ -110,13 +110,24 @@ class PackedPass:
 
     @cached_property
     def decoding_mask(self):
-        """The one-row segments' attention mask [n, 1, 1, held] over their slots' first ``held`` positions
-        (the longest one's, its new token included): True at each one's own positions."""
+        """Fast batch math's one attention call for the one-row segments, over their slots' first ``held``
+        positions (the longest one's, its new token included): ``(span, mask)``. Where the decoding slots are
+        at least half of the pool's first ``span = max slot + 1`` (slots are handed out lowest first, so
+        usually), the call runs over those slots as they lie in the pool, no copy: ``mask`` [span, 1, 1, held]
+        is True at each decoding slot's positions and at position 0 of the other slots (rows computed and
+        dropped; one position, so that no row is all masked). Otherwise ``span`` is None and the call runs
+        over a gathered copy of the decoding slots: ``mask`` [n, 1, 1, held]."""
         import torch
 
-        _, _, positions = self.decoding
-        held = max(s.past for s in self.segments if s.end - s.start == 1) + 1  # from the host: no device sync
-        return (torch.arange(held, device=self.device) <= positions[:, None])[:, None, None, :]
+        _, slots, positions = self.decoding
+        alone = [s for s in self.segments if s.end - s.start == 1]
+        held = max(s.past for s in alone) + 1  # from the host: no device sync
+        span = max(s.slot for s in alone) + 1
+        if span > 2 * len(alone):
+            return None, (torch.arange(held, device=self.device) <= positions[:, None])[:, None, None, :]
+        last = torch.zeros(span, dtype=torch.long, device=self.device)
+        last[slots] = positions
+        return span, (torch.arange(held, device=self.device) <= last[:, None])[:, None, None, :]
 
     @cached_property
     def longer(self) -> list[Segment]:
@@ -222,12 +233,18 @@ def segmented_attention(module, query, key, value, attention_mask, packed: Packe
         values[segment.slot, :, segment.past:end] = value[0, :, segment.start:segment.end]
     output = query.new_empty(1, packed.tokens, query.shape[1], value.shape[3])
     together = not packed.exact and len(rows) > 1
-    if together:  # [n, heads, 1, dim] queries over [n, kv_heads, held, dim] slots
-        mask = packed.decoding_mask
+    if together:  # [n or span, heads, 1, dim] queries over [n or span, kv_heads, held, dim] slots
+        span, mask = packed.decoding_mask
         held = mask.shape[-1]
-        output[0, rows] = sdpa_attention_forward(module, query[0][:, rows].transpose(0, 1).unsqueeze(2),
-                                                 keys[slots, :, :held], values[slots, :, :held], mask,
-                                                 **kwargs)[0][:, 0]
+        queries = query[0][:, rows].transpose(0, 1).unsqueeze(2)
+        if span is None:
+            output[0, rows] = sdpa_attention_forward(module, queries, keys[slots, :, :held], values[slots, :, :held],
+                                                     mask, **kwargs)[0][:, 0]
+        else:
+            in_place = queries.new_zeros(span, *queries.shape[1:])
+            in_place[slots] = queries
+            output[0, rows] = sdpa_attention_forward(module, in_place, keys[:span, :, :held], values[:span, :, :held],
+                                                     mask, **kwargs)[0][slots, 0]
     for segment in packed.longer if together else packed.segments:
         end = segment.past + segment.end - segment.start
         output[:, segment.start:segment.end] = sdpa_attention_forward(
