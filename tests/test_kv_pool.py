@@ -22,24 +22,29 @@ HEADS, KV_HEADS, DIM = 6, 2, 32
 MODULE = SimpleNamespace(layer_idx=3, num_key_value_groups=HEADS // KV_HEADS, is_causal=True)
 
 
-def test_slots_are_handed_out_and_back_and_the_capacity_doubles_keeping_what_is_held():
-    pool = KVPool(2)
+def test_slots_are_handed_out_lowest_first_and_the_tensors_grow_keeping_what_is_held():
+    pool = KVPool(6)
     first, second = pool.acquire(), pool.acquire()
     assert (first, second) == (0, 1)
-    with pytest.raises(RuntimeError, match="max_batch"):
-        pool.acquire()
-    pool.reserve(10)
-    assert pool.capacity == 64
+    pool.reserve(2, 10)
+    assert (pool.rows, pool.capacity) == (4, 64)
     keys, values = pool.layer(0, torch.zeros(1, KV_HEADS, 1, DIM))
-    assert keys.shape == (2, KV_HEADS, 64, DIM) and not keys.any()  # zeros, never uninitialised memory
+    assert keys.shape == (4, KV_HEADS, 64, DIM) and not keys.any()  # zeros, never uninitialised memory
     keys[1, :, :5] = 7.0
     pool.commit(1, 5)
-    pool.reserve(130)
-    assert pool.capacity == 256
+    pool.release(0)
+    assert pool.acquire() == 0 and [pool.acquire() for _ in range(4)] == [2, 3, 4, 5]
+    with pytest.raises(RuntimeError, match="max_batch"):
+        pool.acquire()
+    pool.reserve(6, 130)
+    assert (pool.rows, pool.capacity) == (6, 256)  # doubled, at most the pool's slots
     keys, _ = pool.layer(0, None)
-    assert keys.shape[2] == 256 and bool((keys[1, :, :5] == 7).all()) and not keys[:, :, 64:].any()
+    assert keys.shape == (6, KV_HEADS, 256, DIM)
+    assert bool((keys[1, :, :5] == 7).all()) and int((keys != 0).sum()) == KV_HEADS * 5 * DIM
     pool.release(1)
     assert pool.lengths[1] == 0 and pool.acquire() == 1
+    pool.reserve(3, 100)  # fits already: nothing changes
+    assert (pool.rows, pool.capacity) == (6, 256) and pool.layer(0, None)[0] is keys
 
 
 def run_pass(pool, requests, exact, generator):
@@ -51,7 +56,7 @@ def run_pass(pool, requests, exact, generator):
                                 pool.lengths[slot]))
         start += new
     packed = PackedPass(segments, pool, exact)
-    pool.reserve(max(s.past + s.end - s.start for s in segments))
+    pool.reserve(max(s.slot for s in segments) + 1, max(s.past + s.end - s.start for s in segments))
     query = torch.randn(1, HEADS, start, DIM, generator=generator)
     key = torch.randn(1, KV_HEADS, start, DIM, generator=generator)
     value = torch.randn(1, KV_HEADS, start, DIM, generator=generator)

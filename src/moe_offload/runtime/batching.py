@@ -305,7 +305,7 @@ class BatchScheduler:
             start += len(new)
         device = engine.device
         packed = PackedPass(segments, self.kv, exact=engine.batch_math == "exact", device=device)
-        self.kv.reserve(max(s.past + s.end - s.start for s in segments))
+        self.kv.reserve(max(s.slot for s in segments) + 1, max(s.past + s.end - s.start for s in segments))
         # A 4-D mask is taken as built: the packed pass builds none (each segment attends causally over its
         # own cache, runtime/packed.py), and this placeholder is never read.
         no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
