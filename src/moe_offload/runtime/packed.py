@@ -31,11 +31,10 @@ one *segment* of the sequence. Three things make a segment's result the bits its
 
 What this costs: each decoding request's products read the weights once for that request (a ``bmm`` of
 one-row products is as many matrix-vector products), where ``batch_math="fast"`` runs each product once
-over the whole pass (one read of the weights, one matrix-matrix product) and gives up the bit equality;
-each prompt's products and each request's attention are calls of their own (benchmarks/serve_load.py
-measures both modes). What it keeps: the experts
-a batch needs are the union of its tokens' selections, fetched once; one pass of Python and hooks for the
-batch. Outside a packed pass the registered attention is transformers' ``sdpa``, unchanged.
+over the whole pass (one read of the weights, one matrix-matrix product) and one attention call for the
+decoding requests, and gives up the bit equality; each prompt's products and each request's attention are
+calls of their own (benchmarks/serve_load.py measures both modes). What it keeps: the experts a batch needs
+are the union of its tokens' selections, fetched once; one pass of Python and hooks for the batch. Outside a packed pass the registered attention is transformers' ``sdpa``, unchanged.
 
 On a GPU the same structure holds, but bit equality also needs kernels that do not change with the number
 of rows (cuBLAS picks algorithms by shape) or concurrency: the runtime does not promise it there
