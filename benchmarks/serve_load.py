@@ -10,12 +10,12 @@ concurrent clients through the official ``openai`` client, streaming, each clien
 when its last one ended. The clients run in a process of their own, as a server's clients do: as threads of
 the server's process they would take its interpreter lock between the scheduler's operations (measured
 at 16 clients and 100%, two runs each way: fast batch math 395-397 tok/s with the clients as threads here
-against 473-480 from their own process; exact 302-309 against 295-359). 1 client is the requests sent one at a time. Per level: output tokens/s (all
-output tokens / wall time), TTFT and TPOT p50 and p99 as the clients see them (first streamed text; the
-gaps after it per output token), the fast tier's hit rate over the level, errors (must be 0), and the
-ratio of tokens/s to one at a time. With ``batch_math`` exact (the default) every level checks that each
-request's text equals its text at one client (greedy outputs do not depend on the batch); with fast (every
-matrix product over the whole batch) the texts that differ are counted, not failed.
+against 473-480 from their own process; exact 302-309 against 295-359). 1 client is the requests sent one
+at a time. Per level: output tokens/s (all output tokens / wall time), TTFT and TPOT p50 and p99 as the
+clients see them (first streamed text; the gaps after it per output token), the fast tier's hit rate over the
+level, errors (must be 0), and the ratio of tokens/s to one at a time. With ``batch_math`` exact (the default)
+every level checks that each request's text equals its text at one client (greedy outputs do not depend on the
+batch); with fast (every matrix product over the whole batch) the texts that differ are counted, not failed.
 
 Where the time goes, per level: the scheduler thread's forward passes (``forward``; of it, the passes
 that carry at least one prompt: ``prompts``, and the time spent waiting for experts: ``stall``), its

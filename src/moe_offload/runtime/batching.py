@@ -22,9 +22,9 @@ each, the greedy tokens equal generate's), but:
   this machine for three tiny prompts.
 
 So this loop keeps transformers' model code (embeddings, decoder layers, norms, the LM head) and replaces
-only the batching: the packing, the requests' keys and values (a KV pool, runtime/kv_pool.py), the sampling
-and the stop rules. ``OffloadEngine.generate`` keeps transformers' ``generate`` for one request; this scheduler serves
-``submit``/``generate_batch`` and the server.
+only the batching: the packing, the requests' keys and values (a KV pool, runtime/kv_pool.py), the
+sampling and the stop rules. ``OffloadEngine.generate`` keeps transformers' ``generate`` for one request;
+this scheduler serves ``submit``/``generate_batch`` and the server.
 
 A forward pass that fails inside the engine (an expert file vanished, a checksum failed) fails the
 requests that routed to the failing expert with the error; the other requests of the pass keep their KV
@@ -306,8 +306,8 @@ class BatchScheduler:
         device = engine.device
         packed = PackedPass(segments, self.kv, exact=engine.batch_math == "exact", device=device)
         self.kv.reserve(max(s.slot for s in segments) + 1, max(s.past + s.end - s.start for s in segments))
-        # A 4-D mask is taken as built: the packed pass builds none (each segment attends causally over its
-        # own cache, runtime/packed.py), and this placeholder is never read.
+        # A 4-D mask is taken as built: the packed pass builds none (each segment attends over its own KV
+        # slot, runtime/packed.py), and this placeholder is never read.
         no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
         started = time.perf_counter()
         try:

@@ -34,7 +34,8 @@ one-row products is as many matrix-vector products), where ``batch_math="fast"``
 over the whole pass (one read of the weights, one matrix-matrix product) and one attention call for the
 decoding requests, and gives up the bit equality; each prompt's products and each request's attention are
 calls of their own (benchmarks/serve_load.py measures both modes). What it keeps: the experts a batch needs
-are the union of its tokens' selections, fetched once; one pass of Python and hooks for the batch. Outside a packed pass the registered attention is transformers' ``sdpa``, unchanged.
+are the union of its tokens' selections, fetched once; one pass of Python and hooks for the batch. Outside
+a packed pass the registered attention is transformers' ``sdpa``, unchanged.
 
 On a GPU the same structure holds, but bit equality also needs kernels that do not change with the number
 of rows (cuBLAS picks algorithms by shape) or concurrency: the runtime does not promise it there
@@ -92,20 +93,17 @@ class PackedPass:
         return [segment.request for segment in self.segments]
 
     @cached_property
-    def alone(self):
-        """The rows that are a segment by themselves (a decoding request's token), an index tensor."""
-        import torch
-
-        return torch.tensor([s.start for s in self.segments if s.end - s.start == 1], dtype=torch.long)
+    def one_row(self) -> list[Segment]:
+        """The segments of one row (a decoding request's token)."""
+        return [s for s in self.segments if s.end - s.start == 1]
 
     @cached_property
     def decoding(self):
         """The one-row segments' (rows, slots, positions): index tensors on the pass's device."""
         import torch
 
-        alone = [s for s in self.segments if s.end - s.start == 1]
-        return tuple(torch.tensor(values, dtype=torch.long, device=self.device)
-                     for values in ([s.start for s in alone], [s.slot for s in alone], [s.past for s in alone]))
+        return tuple(torch.tensor(values, dtype=torch.long, device=self.device) for values in
+                     ([s.start for s in self.one_row], [s.slot for s in self.one_row], [s.past for s in self.one_row]))
 
     @cached_property
     def decoding_mask(self):
@@ -119,10 +117,9 @@ class PackedPass:
         import torch
 
         _, slots, positions = self.decoding
-        alone = [s for s in self.segments if s.end - s.start == 1]
-        held = max(s.past for s in alone) + 1  # from the host: no device sync
-        span = max(s.slot for s in alone) + 1
-        if span > 2 * len(alone):
+        held = max(s.past for s in self.one_row) + 1  # from the host: no device sync
+        span = max(s.slot for s in self.one_row) + 1
+        if span > 2 * len(self.one_row):
             return None, (torch.arange(held, device=self.device) <= positions[:, None])[:, None, None, :]
         last = torch.zeros(span, dtype=torch.long, device=self.device)
         last[slots] = positions
@@ -142,13 +139,14 @@ class PackedPass:
 
         if not self.exact or len(self.segments) == 1:
             return F.linear(rows, weight, bias)
-        if len(self.alone) < 2 or not batches_alone(rows, weight, bias):
+        if len(self.one_row) < 2 or not batches_alone(rows, weight, bias):
             return torch.cat([F.linear(rows[..., s.start:s.end, :], weight, bias) for s in self.segments], dim=-2)
         flat = rows.reshape(-1, rows.shape[-1])
         if not self.longer:
             return alone_rows(flat, weight, bias).reshape(*rows.shape[:-1], weight.shape[0])
+        alone = self.decoding[0]  # on the CPU, as batches_alone requires
         out = flat.new_empty(self.tokens, weight.shape[0])
-        out[self.alone] = alone_rows(flat[self.alone], weight, bias)
+        out[alone] = alone_rows(flat[alone], weight, bias)
         for s in self.longer:
             out[s.start:s.end] = F.linear(rows[..., s.start:s.end, :], weight, bias).reshape(-1, weight.shape[0])
         return out.reshape(*rows.shape[:-1], weight.shape[0])
