@@ -50,23 +50,30 @@ def assert_same(completion, reference):
     assert completion.text == reference.text
 
 
+def staggered(engine) -> list:
+    """PROMPTS through ``engine`` (max_batch 3): two start, the others join while they decode, wait for a free
+    slot, take the slots of requests that left (the KV pool's reused slots and holes); their Completions."""
+    sizes = BatchSizes()
+    engine.scheduler.observers.append(sizes)
+    first = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True))
+             for p, n in zip(PROMPTS[:2], NEW_TOKENS[:2])]
+    stream = iter(first[0])
+    for _ in range(3):  # the others join while the first two are decoding
+        next(stream)
+    later = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True))
+             for p, n in zip(PROMPTS[2:], NEW_TOKENS[2:])]
+    completions = [handle.result(timeout=120) for handle in first + later]
+    assert max(sizes.sizes) == 3 and sizes.sizes[0] <= 2 and sizes.sizes[-1] == 1  # joined, waited, left
+    return completions
+
+
 @pytest.mark.parametrize("prefetch", [None, "moepic"])
 def test_greedy_outputs_under_concurrent_load_equal_each_request_alone_bit_for_bit(alone, prefetch):
-    sizes = BatchSizes()
     with load("tiny", fast_budget="30%", policy="lru", prefetch=prefetch, max_batch=3) as engine:
-        engine.scheduler.observers.append(sizes)
-        first = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True))
-                 for p, n in zip(PROMPTS[:2], NEW_TOKENS[:2])]
-        stream = iter(first[0])
-        for _ in range(3):  # the others join while the first two are decoding
-            next(stream)
-        later = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True))
-                 for p, n in zip(PROMPTS[2:], NEW_TOKENS[2:])]
-        completions = [handle.result(timeout=120) for handle in first + later]
+        completions = staggered(engine)
     for completion, reference in zip(completions, alone):
         assert completion.finish_reason == "length"
         assert_same(completion, reference)
-    assert max(sizes.sizes) == 3 and sizes.sizes[0] <= 2 and sizes.sizes[-1] == 1  # joined, waited, left
 
 
 def test_a_batch_fetches_the_union_of_its_experts_once():
@@ -207,9 +214,14 @@ def test_a_failing_expert_fails_only_the_requests_that_need_it(alone, tmp_path):
     assert after.finish_reason == "length"  # the engine serves on
 
 
-def test_fast_batch_math_agrees_up_to_rounding(alone):
-    with load("tiny", fast_budget="30%", policy="lru", max_batch=len(PROMPTS), batch_math="fast") as engine:
-        completions = engine.generate_batch(PROMPTS, max_new_tokens=max(NEW_TOKENS), return_logits=True)
+@pytest.mark.parametrize("joining", [False, True])
+def test_fast_batch_math_agrees_up_to_rounding(alone, joining):
+    with load("tiny", fast_budget="30%", policy="lru", max_batch=3 if joining else len(PROMPTS),
+              batch_math="fast") as engine:
+        if joining:  # slots reused and left with holes, passes mixing prompts and decoding requests
+            completions = staggered(engine)
+        else:
+            completions = engine.generate_batch(PROMPTS, max_new_tokens=max(NEW_TOKENS), return_logits=True)
     for completion, reference in zip(completions, alone):
         assert torch.allclose(completion.logits[0], reference.logits[0], rtol=1e-4, atol=1e-4)
         same = next((i for i, (a, b) in enumerate(zip(completion.token_ids, reference.token_ids)) if a != b),
