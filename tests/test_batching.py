@@ -214,6 +214,40 @@ def test_a_failing_expert_fails_only_the_requests_that_need_it(alone, tmp_path):
     assert after.finish_reason == "length"  # the engine serves on
 
 
+def test_a_fault_outside_the_experts_fails_its_batch_and_the_scheduler_serves_on(alone):
+    """Out of memory growing the KV pool (inside the pass), and a fault after it (sampling, detokenising):
+    the requests of that iteration end with the error, later requests are served as alone."""
+    with load("tiny", fast_budget="30%", policy="lru") as engine:
+        scheduler = engine.scheduler
+        reserve, advance = scheduler.kv.reserve, scheduler._advance
+        faults = iter([("reserve", MemoryError("no room for the KV pool")),
+                       ("advance", RuntimeError("the detokeniser broke"))])
+
+        def failing_reserve(*args):
+            scheduler.kv.reserve = reserve
+            raise fault
+
+        def failing_advance(*args):
+            scheduler._advance = advance
+            raise fault
+
+        for where, fault in faults:
+            if where == "reserve":
+                scheduler.kv.reserve = failing_reserve
+            else:
+                scheduler._advance = failing_advance
+            with scheduler.cond:  # both join the same iteration
+                handles = [engine.submit(p, SamplingParams(max_tokens=4)) for p in PROMPTS[:2]]
+            failed = [handle.result(timeout=60) for handle in handles]
+            assert [c.finish_reason for c in failed] == ["error", "error"]
+            assert all(c.error is fault for c in failed)
+            assert sorted(scheduler.kv.free) == list(range(scheduler.kv.slots))  # their slots are free again
+            served = engine.submit(PROMPTS[0], SamplingParams(max_tokens=NEW_TOKENS[0], return_logits=True)
+                                   ).result(timeout=60)
+            assert served.finish_reason == "length"
+            assert_same(served, alone[0])
+
+
 @pytest.mark.parametrize("joining", [False, True])
 def test_fast_batch_math_agrees_up_to_rounding(alone, joining):
     with load("tiny", fast_budget="30%", policy="lru", max_batch=3 if joining else len(PROMPTS),

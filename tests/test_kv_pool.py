@@ -47,6 +47,22 @@ def test_slots_are_handed_out_lowest_first_and_the_tensors_grow_keeping_what_is_
     assert (pool.rows, pool.capacity) == (6, 256) and pool.layer(0, None)[0] is keys
 
 
+def test_a_pool_that_cannot_grow_stays_as_it_was():
+    class OutOfMemory:  # a layer's tensor whose larger copy cannot be made
+        shape = (4, KV_HEADS, 64, DIM)
+
+        def new_zeros(self, *shape):
+            raise MemoryError("out of memory")
+
+    pool = KVPool(8)
+    pool.reserve(2, 10)
+    keys, values = pool.layer(0, torch.zeros(1, KV_HEADS, 1, DIM))
+    pool.keys[1], pool.values[1] = OutOfMemory(), OutOfMemory()
+    with pytest.raises(MemoryError):
+        pool.reserve(8, 500)
+    assert (pool.rows, pool.capacity) == (4, 64) and pool.keys[0] is keys and pool.values[0] is values
+
+
 def run_pass(pool, requests, exact, generator):
     """One packed pass over ``requests`` [(slot, new tokens)]: random queries, keys and values; returns the
     pass's output and its inputs, and commits the new tokens."""

@@ -289,7 +289,16 @@ class BatchScheduler:
             if self.stopping and not batch:
                 return
             if batch:
-                self._iteration(batch)
+                try:
+                    self._iteration(batch)
+                except Exception as exc:  # noqa: BLE001 - a fault outside the forward pass (sampling,
+                    # detokenising, a stop check): the batch's requests end with it, the scheduler serves on
+                    for request in batch:
+                        with self.cond:
+                            if request not in self.running:
+                                continue
+                            self.running.remove(request)
+                        self._finish(request, "error", exc)
 
     def _iteration(self, batch: list[_Request]) -> None:
         import torch
@@ -305,13 +314,13 @@ class BatchScheduler:
             start += len(new)
         device = engine.device
         packed = PackedPass(segments, self.kv, exact=engine.batch_math == "exact", device=device)
-        self.kv.reserve(max(s.slot for s in segments) + 1, max(s.past + s.end - s.start for s in segments))
         # A 4-D mask is taken as built: the packed pass builds none (each segment attends over its own KV
         # slot, runtime/packed.py), and this placeholder is never read.
         no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
         started = time.perf_counter()
         try:
             with engine._generate_lock:
+                self.kv.reserve(max(s.slot for s in segments) + 1, max(s.past + s.end - s.start for s in segments))
                 runner.packed = packed
                 for request in batch:
                     runner.request_counters[request.id] = request.counters

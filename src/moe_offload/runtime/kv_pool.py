@@ -63,12 +63,15 @@ class KVPool:
         rows, capacity = _grown(self.rows, slots, 4, self.slots), _grown(self.capacity, positions, 64)
         if (rows, capacity) == (self.rows, self.capacity):
             return
-        for store in (self.keys, self.values):
-            for layer, old in store.items():
-                grown = old.new_zeros(rows, old.shape[1], capacity, old.shape[3])
-                grown[:self.rows, :, :self.capacity] = old
-                store[layer] = grown
-        self.rows, self.capacity = rows, capacity
+
+        def grown(old):
+            new = old.new_zeros(rows, old.shape[1], capacity, old.shape[3])
+            new[:self.rows, :, :self.capacity] = old
+            return new
+
+        # every tensor made before any is replaced: out of memory midway leaves the pool as it was
+        keys, values = {layer: grown(t) for layer, t in self.keys.items()}, {layer: grown(t) for layer, t in self.values.items()}
+        self.keys, self.values, self.rows, self.capacity = keys, values, rows, capacity
 
     def layer(self, layer: int, like):
         """The (keys, values) tensors of ``layer``, made on first use with the shape of ``like`` [1, kv_heads,
