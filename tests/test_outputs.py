@@ -80,6 +80,12 @@ def test_a_read_only_folder_is_refused(tmp_path):
         folder.chmod(0o700)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_a_folder_where_no_file_can_be_made_is_refused_even_for_root():
+    with pytest.raises(ConfigError, match="/proc.*not writable"):
+        check_output("/proc/result.json")
+
+
 def test_a_write_through_a_symlink_replaces_the_file_it_points_to(tmp_path):
     real = tmp_path / "real.json"
     real.write_text("old")

@@ -58,6 +58,11 @@ def _check_output(path: Path, inputs: Iterable, suffixes: tuple[str, ...], what:
         raise ConfigError(f"{path}: the folder {path.parent} cannot be created (a file is in the way)")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{path}: the folder {parent} is not writable")
+    try:  # a file made and dropped there: what access() cannot tell root (a pseudo-filesystem such as /proc)
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{path}: the folder {parent} is not writable ({exc.strerror or exc})") from None
     for source in inputs:
         if source is not None and _same_file(path, Path(source)):
             raise ConfigError(f"{path}: is also an input of this command; write the {what} to another file")
