@@ -5,7 +5,9 @@ only the requests that need it."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import threading
 
 import pytest
@@ -74,6 +76,37 @@ def test_greedy_outputs_under_concurrent_load_equal_each_request_alone_bit_for_b
     for completion, reference in zip(completions, alone):
         assert completion.finish_reason == "length"
         assert_same(completion, reference)
+
+
+def test_generate_runs_on_the_engines_computing_thread_between_iterations(alone):
+    """One thread computes (the scheduler's, runtime/batching.py): generate runs there as a job between two
+    iterations of a running batch, and both give what each gives alone."""
+    threads = set()
+    with load("tiny", fast_budget="30%", policy="lru") as engine:
+        batched = engine.submit(PROMPTS[1], SamplingParams(max_tokens=NEW_TOKENS[1], return_logits=True))
+        next(iter(batched))  # the batch is running
+        single = engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS[0], return_logits=True,
+                                 on_text=lambda text: threads.add(threading.current_thread().name))
+        assert_same(single, alone[0])
+        assert_same(batched.result(timeout=60), alone[1])
+    assert threads == {"moe-offload compute"}
+
+
+def test_an_interrupted_generate_stops_at_the_next_token_and_the_engine_serves_on(alone):
+    """Ctrl-C while generate waits for the computing thread: the generation stops after the token being made,
+    the interruption reaches the caller, and the engine generates as before."""
+    tokens = []
+
+    def interrupt_after_two(text):
+        tokens.append(text)
+        if len(tokens) == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: to the process, handled by the main thread
+
+    with load("tiny", fast_budget="30%", policy="lru") as engine:
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(PROMPTS[2], max_new_tokens=40, on_text=interrupt_after_two)
+        assert 2 <= len(tokens) < 40
+        assert_same(engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS[0], return_logits=True), alone[0])
 
 
 def test_a_batch_fetches_the_union_of_its_experts_once():

@@ -1,12 +1,12 @@
 """Continuous batching: requests join and leave the running batch at iteration boundaries.
 
-One scheduler thread runs the iterations. Each iteration admits waiting requests (up to ``max_batch``
-running), drops cancelled ones, and runs **one forward pass** for the whole batch: each new request's
-prompt and every running request's last token, packed into one sequence (runtime/packed.py). The experts
-the pass needs are the union of its tokens' selections, fetched once (the runner's expert source, one
-access per expert with ``routed`` = each request's tokens). Then each request samples its next token from
-its own logits, with its own generator, and the finished ones leave: their per-sequence state ends
-(``on_request_end`` of the caches' policies and the prefetcher).
+One scheduler thread runs the iterations (and ``generate``'s jobs, below). Each iteration admits waiting
+requests (up to ``max_batch`` running), drops cancelled ones, and runs **one forward pass** for the whole
+batch: each new request's prompt and every running request's last token, packed into one sequence
+(runtime/packed.py). The experts the pass needs are the union of its tokens' selections, fetched once (the
+runner's expert source, one access per expert with ``routed`` = each request's tokens). Then each request
+samples its next token from its own logits, with its own generator, and the finished ones leave: their
+per-sequence state ends (``on_request_end`` of the caches' policies and the prefetcher).
 
 Why a loop of our own and not transformers' ``ContinuousBatchingManager`` (``generate_batch``). It does
 run the project's experts function and router hooks (its forward is the model's, over a packed
@@ -25,6 +25,13 @@ So this loop keeps transformers' model code (embeddings, decoder layers, norms, 
 only the batching: the packing, the requests' keys and values (a KV pool, runtime/kv_pool.py), the
 sampling and the stop rules. ``OffloadEngine.generate`` keeps transformers' ``generate`` for one request;
 this scheduler serves ``submit``/``generate_batch`` and the server.
+
+**The engine's one computing thread.** The scheduler's thread is the only thread that computes with the
+model: ``OffloadEngine.generate`` runs there too, as a job between two iterations (:meth:`BatchScheduler.run`).
+PyTorch gives every thread that runs a parallel operation an OpenMP team of its own, and with more OpenMP
+threads than cores libgomp puts idle workers to sleep at once, so every operation waits for its team to wake
+(runtime/cpu_threads.py): measured on this 2-core machine, 16 prompts batched after one ``generate`` on the
+caller's thread took 1.85-1.96 s against 0.36-0.49 s without it.
 
 A forward pass that fails inside the engine (an expert file vanished, a checksum failed) fails the
 requests that routed to the failing expert with the error; the other requests of the pass keep their KV
@@ -137,6 +144,26 @@ class RequestHandle:
         return self.completion
 
 
+class _Job:
+    """A function to run on the scheduler's thread (:meth:`BatchScheduler.run`), and its outcome."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+        self.done = threading.Event()
+        self.result = self.error = None
+
+    def execute(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, which raises it
+            self.error = exc
+        self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
+
+
 @dataclass
 class _Request:
     """A request's state inside the scheduler."""
@@ -174,6 +201,7 @@ class BatchScheduler:
         self.cond = threading.Condition()
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
+        self.jobs: deque[_Job] = deque()
         self.kv = KVPool(max_batch)
         self.stopping = False
         self.iterations = 0
@@ -238,8 +266,32 @@ class BatchScheduler:
 
     def _start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="moe-offload batching", daemon=True)
+            self._thread = threading.Thread(target=self._loop, name="moe-offload compute", daemon=True)
             self._thread.start()
+
+    def run(self, fn, *args, cancel: threading.Event | None = None):
+        """``fn(*args)`` on the scheduler's thread, between two iterations (the running requests wait for it);
+        its result, or its exception raised here. Interrupted (Ctrl-C) while it runs: ``cancel`` is set, for
+        ``fn`` to stop early, and the interruption is raised once ``fn`` has returned."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        job = _Job(fn, args)
+        with self.cond:
+            if self.stopping:
+                raise MoeOffloadError("the engine is shutting down")
+            self.jobs.append(job)
+            self._start()
+            self.cond.notify_all()
+        try:
+            job.done.wait()
+        except KeyboardInterrupt:
+            if cancel is not None:
+                cancel.set()
+            job.done.wait()
+            raise
+        if job.error is not None:
+            raise job.error
+        return job.result
 
     @property
     def queued(self) -> tuple[int, int]:
@@ -267,13 +319,16 @@ class BatchScheduler:
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not self.waiting and not self.running and not self.stopping:
+                while not self.waiting and not self.running and not self.jobs and not self.stopping:
                     self.cond.wait()
+                job = self.jobs.popleft() if self.jobs and not self.stopping else None
                 if self.stopping:
                     leaving = list(self.waiting) + self.running
                     self.waiting.clear()
                     self.running = []
+                    dropped, self.jobs = list(self.jobs), deque()
                 else:
+                    dropped = []
                     leaving = [r for r in self.running if r.handle.cancelled]
                     self.running = [r for r in self.running if not r.handle.cancelled]
                     while self.waiting and len(self.running) < self.max_batch:
@@ -286,6 +341,10 @@ class BatchScheduler:
                 batch = list(self.running)
             for request in leaving:
                 self._finish(request, "cancelled")
+            for waiting_job in dropped:
+                waiting_job.fail(MoeOffloadError("the engine is shutting down"))
+            if job is not None:
+                job.execute()
             if self.stopping and not batch:
                 return
             if batch:
@@ -318,21 +377,20 @@ class BatchScheduler:
         # slot, runtime/packed.py), and this placeholder is never read.
         no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
         started = time.perf_counter()
-        try:
-            with engine._generate_lock:
-                self.kv.reserve(max(s.slot for s in segments) + 1, max(s.past + s.end - s.start for s in segments))
-                runner.packed = packed
-                for request in batch:
-                    runner.request_counters[request.id] = request.counters
-                try:
-                    with torch.inference_mode():
-                        hidden = self.model.model(
-                            input_ids=torch.tensor([tokens], device=device),
-                            position_ids=torch.tensor([positions], device=device),
-                            attention_mask=no_mask, use_cache=False, packed=packed).last_hidden_state
-                        logits = list(packed.last_logits(hidden, self.model.lm_head).float())
-                finally:
-                    runner.packed = None
+        try:  # generate's jobs run on this thread too: nothing else uses the model meanwhile
+            self.kv.reserve(max(s.slot for s in segments) + 1, max(s.past + s.end - s.start for s in segments))
+            runner.packed = packed
+            for request in batch:
+                runner.request_counters[request.id] = request.counters
+            try:
+                with torch.inference_mode():
+                    hidden = self.model.model(
+                        input_ids=torch.tensor([tokens], device=device),
+                        position_ids=torch.tensor([positions], device=device),
+                        attention_mask=no_mask, use_cache=False, packed=packed).last_hidden_state
+                    logits = list(packed.last_logits(hidden, self.model.lm_head).float())
+            finally:
+                runner.packed = None
         except Exception as exc:  # noqa: BLE001 - reported to the requests it concerns, the server goes on
             self._failed(batch, exc)
             return

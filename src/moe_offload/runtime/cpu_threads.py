@@ -13,9 +13,10 @@ as soon as the engine had converted its first expert, and was as fast again once
 batching scheduler served 16 requests 3.8 times slower when the thread that had loaded the model held a
 team. So every copy outside the computing thread stays on its thread (``copy_serially``: the readers and
 workers already run concurrently, a team gains them nothing), and the engine loads with one thread
-(``single_threaded``), so that the first thread to compute, the caller's in ``generate`` or the scheduler's
-in ``submit`` and the server, has the only team. A program that computes on several threads of its own
-(``generate`` on one thread and the scheduler on another) still makes two teams.
+(``single_threaded``), and every forward pass of the engine, ``generate``'s included, runs on one thread,
+the batching scheduler's (runtime/batching.py), which so holds the only team. (An engine that replays a
+trace has no scheduler: it computes on the caller's thread.) Code of the caller's own that computes with
+PyTorch on another thread still makes a second team.
 """
 
 from __future__ import annotations

@@ -330,11 +330,17 @@ class OffloadEngine:
         return [handle.result() for handle in handles]
 
     def _locked(self, fn, *args):
+        """``fn(*args, cancel)``, one call at a time, on the engine's computing thread: the batching scheduler's
+        (runtime/batching.py, "The engine's one computing thread"); on the caller's thread for an engine that
+        replays a trace, which has no scheduler. ``cancel`` is set when the caller is interrupted."""
         if not self._generate_lock.acquire(blocking=False):
             raise EngineBusyError("this engine is already generating: one generate call at a time per engine "
                                   "(wait for it, or load a second engine)")
         try:
-            return fn(*args)
+            cancel = threading.Event()
+            if self.replay is not None:
+                return fn(*args, cancel)
+            return self.scheduler.run(fn, *args, cancel, cancel=cancel)
         finally:
             self._generate_lock.release()
 
@@ -364,8 +370,13 @@ class OffloadEngine:
             raise ConfigError(f"the prompt's {prompt_tokens} tokens + {max_new_tokens} new tokens exceed the model's "
                               f"context of {context}: ask for at most {context - prompt_tokens} new tokens")
 
-    def _generate(self, prompt, max_new_tokens, tokenizer, on_text, return_logits, replayed) -> Generation:
+    def _generate(self, prompt, max_new_tokens, tokenizer, on_text, return_logits, replayed, cancel) -> Generation:
         import torch
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        class Cancelled(StoppingCriteria):  # the caller was interrupted: stop after this token
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.full((input_ids.shape[0],), cancel.is_set(), dtype=torch.bool, device=input_ids.device)
 
         if tokenizer is None and not replayed and (isinstance(prompt, str) or on_text is not None):
             tokenizer = self.tokenizer  # token ids without streamed text need none
@@ -384,7 +395,8 @@ class OffloadEngine:
         with torch.inference_mode():
             out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                       do_sample=False, streamer=streamer, return_dict_in_generate=True,
-                                      output_logits=return_logits, pad_token_id=pad, **extra)
+                                      output_logits=return_logits, pad_token_id=pad,
+                                      stopping_criteria=StoppingCriteriaList([Cancelled()]), **extra)
         total = time.perf_counter() - started
         streamer.end()
         tokens = out.sequences[0, ids.shape[1]:].tolist()
