@@ -15,8 +15,10 @@ batch math, the best round's mean wall time of a forward pass in which all 16 re
 split into the model's linear layers and routers (``PackedPass.linear``), attention (per request), the
 experts function (of it, the experts' products: ``PackedPass.blocks`` in exact batch math), the LM head,
 and the rest (norms, RoPE, residuals, hooks, the runner); and a generated token's mean wall time when its
-request runs alone (its prompt's pass included), 16 of which the pass replaces. ``--threads N`` sets
-PyTorch's threads for the run (default: PyTorch's own choice).
+request runs alone (its prompt's pass included), 16 of which the pass replaces. And prefill: the best of
+three passes that carry 16 ShareGPT first turns (serve_load.py's first 16, chat format) at once, against
+the same prompts' passes one at a time (each prompt's first token). ``--threads N`` sets PyTorch's threads
+for the run (default: PyTorch's own choice).
 """
 
 from __future__ import annotations
@@ -121,7 +123,26 @@ def timing(engine, timer: PassTimer, max_tokens: int) -> dict:
     started = time.perf_counter()
     tokens = sum(len(engine.generate(prompt, max_new_tokens=max_tokens).token_ids) for prompt in PROMPTS[:4])
     alone = (time.perf_counter() - started) / tokens * 1000  # prompts' prefill included, as in a served request
-    return {**best, "alone_token_ms": alone, "decode_pass_over_16_alone_tokens": 16 * alone / best["decode_pass_ms"]}
+    return {**best, "alone_token_ms": alone, "decode_pass_over_16_alone_tokens": 16 * alone / best["decode_pass_ms"],
+            **prefill(engine)}
+
+
+def prefill(engine) -> dict:
+    """The best of three rounds: 16 ShareGPT first turns in one pass, and the same prompts one pass each."""
+    from serve_load import sharegpt_first_turns
+
+    prompts = [f"User: {question}\nAssistant:" for question in sharegpt_first_turns(16)]
+    together = alone = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        engine.generate_batch(prompts, max_new_tokens=1)
+        together = min(together, time.perf_counter() - started)
+        started = time.perf_counter()
+        for prompt in prompts:
+            engine.generate_batch([prompt], max_new_tokens=1)
+        alone = min(alone, time.perf_counter() - started)
+    return {"prefill_16_prompts_ms": together * 1000, "prefill_one_at_a_time_ms": alone * 1000,
+            "prompt_tokens_mean": sum(len(engine.scheduler.encode(p)) for p in prompts) / len(prompts)}
 
 
 def main(argv: list[str] | None = None) -> int:

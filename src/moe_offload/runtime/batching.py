@@ -30,8 +30,8 @@ this scheduler serves ``submit``/``generate_batch`` and the server.
 model: ``OffloadEngine.generate`` runs there too, as a job between two iterations (:meth:`BatchScheduler.run`).
 PyTorch gives every thread that runs a parallel operation an OpenMP team of its own, and with more OpenMP
 threads than cores libgomp puts idle workers to sleep at once, so every operation waits for its team to wake
-(runtime/cpu_threads.py): measured on this 2-core machine, 16 prompts batched after one ``generate`` on the
-caller's thread took 1.85-1.96 s against 0.36-0.49 s without it.
+(runtime/cpu_threads.py): on this 2-core machine, 16 prompts batched after one ``generate`` on the caller's
+thread took 3.5 times as long as without it (benchmarks/one_thread.py).
 
 A forward pass that fails inside the engine (an expert file vanished, a checksum failed) fails the
 requests that routed to the failing expert with the error; the other requests of the pass keep their KV
