@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -67,10 +66,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from moe_offload.errors import ConfigError
+    from script import run
 
-    try:
-        sys.exit(main())
-    except ConfigError as problem:  # a bad option: one line, before any work
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

@@ -211,4 +211,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from script import run
+
+    run(main)

@@ -123,10 +123,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from moe_offload.errors import ConfigError
+    from script import run
 
-    try:
-        sys.exit(main())
-    except ConfigError as problem:  # a bad option: one line, before any work
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
+    run(main)

@@ -37,7 +37,6 @@ import hashlib
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -403,8 +402,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as problem:
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
+    from script import run
+
+    run(main)
