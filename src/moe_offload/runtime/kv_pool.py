@@ -70,7 +70,8 @@ class KVPool:
             return new
 
         # every tensor made before any is replaced: out of memory midway leaves the pool as it was
-        keys, values = {layer: grown(t) for layer, t in self.keys.items()}, {layer: grown(t) for layer, t in self.values.items()}
+        keys = {layer: grown(t) for layer, t in self.keys.items()}
+        values = {layer: grown(t) for layer, t in self.values.items()}
         self.keys, self.values, self.rows, self.capacity = keys, values, rows, capacity
 
     def layer(self, layer: int, like):
