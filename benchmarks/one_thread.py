@@ -8,7 +8,7 @@ every forward pass on one thread, its batching scheduler's, ``generate`` include
 times 16 prompts x 24 tokens through ``generate_batch`` (fast batch math, 100% budget) on a fresh engine, and
 on a fresh engine after one ``generate``, each in a process of its own, ``--rounds`` times in turn, the best
 of each: with one computing thread the two match (365 and 381 ms, 493 and 400 ms in two runs on this 2-core
-machine); with ``generate`` on the caller's thread (the runtime before that change, commit 402b95e) the
+machine); with ``generate`` on the caller's thread (the runtime before that change, commit fd67ea1) the
 second took 1368 ms against 389 ms.
 """
 
