@@ -10,7 +10,7 @@ starts (paper 002 section 5.4 applies the replacement "before initiating the act
 ``complete`` makes it resident when it arrives; ``touch`` is a demand access that loads nothing. A
 reserved expert is not resident, so no policy can pick it as a victim while it is on the wire.
 
-A prefetched expert is *held* until it is used (DESIGN.md). An expert reserved for a prefetch
+A prefetched expert is *held* until it is used. An expert reserved for a prefetch
 (``ctx.prefetch``) is held from its reservation until a demand access uses it (``touch``/``request``) or
 the driver withdraws its prediction (``release``: its layer was routed without it). While held it is
 never offered to the policy as a victim, whatever the policy's ranking, and its bytes count in the

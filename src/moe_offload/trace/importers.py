@@ -1,4 +1,4 @@
-"""Importers of routing traces recorded by other projects (see /work/shared/traces/README.md for examples).
+"""Importers of routing traces recorded by other projects, one per public format below.
 
 ``topk-jsonl``
     One JSON object per line, ``{"tok": n, "layers": [[K expert ids] x L]}``: one decode token per line
