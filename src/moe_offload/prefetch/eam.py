@@ -1,7 +1,7 @@
 """MoE-Infinity's Expert Activation Matrices (paper 002, section 4.2): the EAM of a sequence, the distance
 of equation (1), the EAM collection (EAMC) built by K-means, and the nearest-EAM search of Algorithm 1.
 
-An EAM M of a sequence is an [L, J] matrix: M[l][j] counts the sequence's tokens routed to expert j of
+An EAM M of a sequence is an [L, J] matrix: ``M[l][j]`` counts the sequence's tokens routed to expert j of
 layer l. Equation (1):
 
     distance(M1, M2) = 1 - 1/L * sum_l CosineSimilarity(M1[l] / sum M1[l], M2[l] / sum M2[l])

@@ -12,7 +12,7 @@ layer l is routed (steps 5-8):
 * PREFETCH (steps 15-28): the EAM of the EAMC nearest to the current EAM (equation 1, first one met on
   ties) is the predicted EAM; every expert e of every later layer fl = l+1 .. L-1 is submitted with priority
 
-      (p_eam[fl][e] / sum(p_eam[fl]) + EPSILON) * (1 - fl / L)
+      ``(p_eam[fl][e] / sum(p_eam[fl]) + EPSILON) * (1 - fl / L)``
 
   (the experts of layers already passed are never resubmitted, and the queue replaces the priority of an
   expert already queued: the refinement at every layer).
