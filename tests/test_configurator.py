@@ -1,6 +1,7 @@
 """MoEpic's cache configurator (paper 004, section 3.4): the statistics, equations 5-11, Algorithm 1, the CLI.
 
-Line numbers in comments are those of the paper's text, ../shared/seeds/004_f24bbadb95ea7f91.txt."""
+Line numbers in comments are those of the plain text of paper 004 (Yan et al., "Accelerating Mixture-of-Expert
+Inference with Adaptive Expert Split Mechanism")."""
 
 from __future__ import annotations
 
