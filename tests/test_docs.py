@@ -6,6 +6,7 @@
   user would paste it, in an empty folder, with ``moe-offload`` being this checkout's command line. A block
   whose command needs an extra that is not installed is skipped with the command's own one-line reason.
 * The README stays a front door (at most 250 lines) and its links to files of the repository resolve.
+* The build's hooks (scripts/mkdocs_*.py, scripts/griffe_docstrings.py) do what they say on small pages.
 """
 
 from __future__ import annotations
@@ -90,3 +91,33 @@ def test_docs_build_strict(tmp_path):
     policy_page = (tmp_path / "site" / "policies" / "lcp.html").read_text(encoding="utf-8")
     assert "<math" in policy_page, "the policy page's formula was not rendered to MathML"
     assert "Least Cache Priority" in policy_page, "the policy's docstring is not on its page"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_math_hook_converts_outside_code_only():
+    pytest.importorskip("latex2mathml")
+    math = load_script("mkdocs_math")
+    page = "Inline \\(x^2\\) here.\n\n$$\nP = \\mu\n$$\n\n`\\(kept\\)` and\n```bash\necho $$\n```\n"
+    out = math.on_page_markdown(page)
+    assert out.count("<math") == 2 and 'display="block"' in out
+    assert "`\\(kept\\)`" in out and "echo $$" in out
+
+
+def test_roles_hook_keeps_the_code():
+    roles = load_script("mkdocs_roles")
+    html = "An :class:<code>~a.b.Engine</code> and :meth:<code>generate</code>."
+    assert roles.on_page_content(html) == "An <code>Engine</code> and <code>generate</code>."
+
+
+def test_indented_formula_becomes_its_own_block():
+    pytest.importorskip("griffe")
+    docstrings = load_script("griffe_docstrings")
+    text = "Its order is that of\n    log mu - t,\nwhich changes.\n* item\n  continued"
+    assert docstrings.separate_indented_blocks(text) == (
+        "Its order is that of\n\n    log mu - t,\nwhich changes.\n* item\n  continued")
