@@ -91,6 +91,9 @@ def test_docs_build_strict(tmp_path):
     policy_page = (tmp_path / "site" / "policies" / "lcp.html").read_text(encoding="utf-8")
     assert "<math" in policy_page, "the policy page's formula was not rendered to MathML"
     assert "Least Cache Priority" in policy_page, "the policy's docstring is not on its page"
+    remote = [f"{page.relative_to(tmp_path)}: {url}" for page in (tmp_path / "site").rglob("*.html")
+              for url in re.findall(r'<(?:script|link|img)[^>]*(?:src|href)="(https?://[^"]+)"', page.read_text())]
+    assert not remote, f"the site loads files from the network: {remote[:5]}"
 
 
 def load_script(name: str):
