@@ -23,16 +23,21 @@ def print_replay_tables(results: list[RunResult], console: Console, skipped: lis
     for trace, rows in by_trace.items():
         sizes = sorted({r.cache_size for r in rows})
         for size in sizes:
-            at_size = sorted((r for r in rows if r.cache_size == size), key=lambda r: (r.misses, r.policy))
+            at_size = sorted((r for r in rows if r.cache_size == size), key=lambda r: (r.fast_misses, r.policy))
+            # a placement's misses are served where the experts live: a column of their own, when there are any
+            bypassing = any(r.bypassed is not None for r in at_size)
             table = Table(title=f"{trace}  -  cache of {size} experts", title_justify="left")
-            for column in ("policy", "accesses", "hits", "misses", "hit rate", "misses / OPT"):
+            columns = ("policy", "accesses", "hits", "misses") + ("bypassed",) * bypassing + ("hit rate",
+                                                                                          "misses / OPT")
+            for column in columns:
                 table.add_column(column, justify="left" if column == "policy" else "right")
             online = [r for r in at_size if r.policy not in ("belady", "belady-dist")]
             best = online[0].policy if online else None
             for r in at_size:
                 name = f"[bold green]{r.policy}[/]" if r.policy == best else r.policy
-                table.add_row(name, f"{r.accesses:,}", f"{r.hits:,}", f"{r.misses:,}", f"{r.hit_rate:.2%}",
-                              _ratio(r.misses_vs_opt))
+                bypassed = (f"{r.bypassed:,}" if r.bypassed is not None else "-",) * bypassing
+                table.add_row(name, f"{r.accesses:,}", f"{r.hits:,}", f"{r.misses:,}", *bypassed,
+                              f"{r.hit_rate:.2%}", _ratio(r.misses_vs_opt))
             console.print(table)
         if len(sizes) > 1:
             summary = Table(title=f"{trace}  -  misses relative to Belady OPT (lower is better; best online in bold)",
@@ -44,14 +49,14 @@ def print_replay_tables(results: list[RunResult], console: Console, skipped: lis
             for size in sizes:
                 online = [r for r in rows if r.cache_size == size and r.policy not in ("belady", "belady-dist")]
                 if online:
-                    best_at[size] = min(r.misses for r in online)
+                    best_at[size] = min(r.fast_misses for r in online)
             cell = {(r.policy, r.cache_size): r for r in rows}
             for policy in dict.fromkeys(r.policy for r in rows):
                 values = []
                 for size in sizes:
                     r = cell.get((policy, size))
                     text = "n/a" if r is None else _ratio(r.misses_vs_opt)
-                    if r is not None and r.policy not in ("belady", "belady-dist") and r.misses == best_at.get(size):
+                    if r is not None and r.policy not in ("belady", "belady-dist") and r.fast_misses == best_at.get(size):
                         text = f"[bold green]{text}[/]"
                     values.append(text)
                 summary.add_row(policy, *values)
@@ -60,7 +65,7 @@ def print_replay_tables(results: list[RunResult], console: Console, skipped: lis
         for size in sizes:
             online = [r for r in rows if r.cache_size == size and r.policy not in ("belady", "belady-dist")]
             if online:
-                best_result = min(online, key=lambda r: (r.misses, r.policy))
+                best_result = min(online, key=lambda r: (r.fast_misses, r.policy))
                 winners.append(f"k={size}: {best_result.policy} ({_ratio(best_result.misses_vs_opt)} OPT)")
         if winners:
             console.print("best online policy  " + ", ".join(winners))
