@@ -181,7 +181,8 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
     gaps = [b - a for t in token_times.values() for a, b in zip(t, t[1:])]
     misses = sim.accesses - sim.hits - sim.bypassed
-    if fetch_or_compute and not all_resident:
+    fetch_or_compute = fetch_or_compute and not all_resident and not policy_info(policy).policy.static  # else moot
+    if fetch_or_compute:
         notes.append("fetch-or-compute: a miss is computed on the host when that is predicted faster than "
                      "fetching it (Fiddler's rule)")
     bypassing = (fetch_or_compute or policy_info(policy).policy.places_or_bypasses) and not all_resident
@@ -195,6 +196,7 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         bypassed=sim.bypassed if bypassing else None,
         per_layer_bypassed=sim.per_layer_bypassed if bypassing else None,
         host_compute_seconds=sim.host_seconds if bypassing else None,
+        admission="fetch-or-compute" if fetch_or_compute else None,
         bytes_loaded=sim.net.queues[1].bytes_moved if sim.net.queues else 0,
         prefetches_issued=sim.net.issued if instance is not None else None,
         prefetches_used=sim.used if instance is not None else None,
