@@ -11,14 +11,17 @@ from moe_offload.values import text
 
 
 def load_profile_trace(path, spec: ModelSpec, what: str):
-    """The trace at ``path`` (``what`` names the option in errors), refused unless its model has ``spec``'s
-    layers and experts."""
-    from moe_offload.trace.format import read_trace
+    """The trace at ``path``, or ``path`` itself when it is a Trace already (from Python), refused unless its
+    model has ``spec``'s layers and experts; ``what`` names the option in errors."""
+    from moe_offload.trace.format import Trace, read_trace
 
-    try:
-        trace = read_trace(text(path, what))
-    except TraceError as exc:
-        raise ConfigError(f"{what}: {exc}") from None
+    if isinstance(path, Trace):
+        trace = path
+    else:
+        try:
+            trace = read_trace(text(path, what))
+        except TraceError as exc:
+            raise ConfigError(f"{what}: {exc}") from None
     meta = trace.meta
     if (meta.num_layers, meta.num_experts) != (spec.num_layers, spec.num_experts):
         raise ConfigError(f"{what} {path}: a trace of {meta.num_layers} layers x {meta.num_experts} experts cannot "

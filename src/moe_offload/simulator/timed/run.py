@@ -49,8 +49,8 @@ the replay's (trace/flatten.py: token, rank, layer) and every policy makes exact
 Host compute. A miss the GPU's cache does not admit (simulator/cache.py: Admission; a static placement, or
 ``fetch_or_compute``: Fiddler's rule, policies/fetch_or_compute.py) is bypassed: nothing is loaded, and the
 host CPU computes the expert from its copy in host memory (read there first from a slower home, an SSD, at
-that link's speed), ``hardware.host.expert_seconds(tokens routed to it)``, as ktransformers and HybriMoE
-schedule it. When the layer is routed the host starts: the hidden states of the iteration's tokens cross
+that link's speed, and kept in the host tier when that is a cache: tiers.py ``keep_in_host``),
+``hardware.host.expert_seconds(tokens routed to it)``, as ktransformers and HybriMoE schedule it. When the layer is routed the host starts: the hidden states of the iteration's tokens cross
 the host link, the layer's bypassed experts run one after another, the results cross back. Meanwhile the
 GPU computes the resident and loaded experts; the layer is done when both are (the GPU's wait for the host
 counts as stall). A prefill routes many tokens to an expert, so its host compute is many tokens of the
@@ -138,7 +138,9 @@ class TimedRun:
         self.offline = info.offline and not all_resident
         make = policy_factory(policy, spec, seed=seed, options=policy_options)  # every tier's policy
 
-        def cache(capacity, admission=None):
+        def cache(capacity, admission=None, middle=False):
+            if middle and info.policy.static:  # a static placement is the GPU's; a middle tier keeps a cache (LRU)
+                return ExpertCache(capacity, policy_factory("lru", spec)())
             if info.partitioned:
                 return PartitionedCache(capacity, self.L, make, self.J, slot_size=expert_bytes, admission=admission)
             return ExpertCache(capacity, make(), admission)
@@ -163,7 +165,7 @@ class TimedRun:
         # every expert in the GPU (all-resident, no home found): no other tier and no link is used
         home = home_tier(hardware, total) or 0
         self.events: list = []         # (lane, kind, start, end, layer, key)
-        self.net = TierNetwork(hardware, [self.fast] + [cache(tier.capacity_bytes) for tier in hardware.tiers[1:home]],
+        self.net = TierNetwork(hardware, [self.fast] + [cache(tier.capacity_bytes, middle=True) for tier in hardware.tiers[1:home]],
                                home, expert_bytes, self.L, self.J, ctx, self.pinned, self.events, self.split,
                                self._next_use_after if self.offline else None)
         self.reconfiguration = reconfiguration
@@ -383,6 +385,7 @@ class TimedRun:
         t = start + self._activation_seconds(tokens)
         for key, routed in self.bypassed_now.items():
             seconds = self._host_expert_seconds(key, routed)
+            self.net.keep_in_host(key)
             self.events.append(("host", "expert", t, t + seconds, layer, key))
             self.host_seconds += seconds
             t += seconds
