@@ -1,10 +1,10 @@
 """Dynamic caching against static placement plus host compute: TPOT of the best of each family on the hardware
 presets, for an OLMoE-sized and a Mixtral-sized trace, at 12.5%, 25% and 50% of the experts in the GPU.
 
-    python benchmarks/placement_presets.py                 # small default: 48 decode steps, < 1 minute
+    python benchmarks/placement_presets.py                 # small default: 32 decode steps, < 1 minute
     python benchmarks/placement_presets.py --tokens 0      # every step of both traces (a few minutes)
         [--presets desktop-rtx4090,server-a100-pcie4,server-h100-pcie5,edge-flashmoe] [--budgets 0.125,0.25,0.5]
-        [--jobs 2] [--json FILE]
+        [--json FILE]
 
 Families (every run in the timed simulator, batch 1, the trace's own iterations):
 
@@ -46,7 +46,7 @@ from moe_offload.outputs import write_atomically
 from moe_offload.simulator.timed import Arrivals, simulate_timed
 from moe_offload.trace import read_trace
 from moe_offload.trace.synthetic import zipf_trace
-from moe_offload.values import integer, jobs, number
+from moe_offload.values import integer, number
 
 PRESETS = ("desktop-rtx4090", "server-a100-pcie4", "server-h100-pcie5", "edge-flashmoe")
 BUDGETS = (0.125, 0.25, 0.5)
@@ -100,15 +100,13 @@ def best_of(trace, history, hardware, cache_bytes):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", default="48", help="decode steps of each run trace (0: all; default 48)")
+    parser.add_argument("--tokens", default="32", help="decode steps of each run trace (0: all; default 32)")
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--budgets", default=",".join(str(b) for b in BUDGETS),
                         help="shares of all experts' bytes in the GPU")
-    parser.add_argument("--jobs", default="1", help="kept for symmetry with the other benchmarks: runs are serial")
     parser.add_argument("--json", metavar="FILE", help="also write the table's rows as JSON")
     args = parser.parse_args()
     tokens = integer(args.tokens, "--tokens", low=0)
-    jobs(args.jobs)
     budgets = [number(b, "--budgets", low=0, high=1, low_open=True) for b in args.budgets.split(",")]
     presets = [resolve_profile(name) for name in args.presets.split(",")]
     for hardware in presets:

@@ -92,3 +92,20 @@ def test_every_preset_has_the_hosts_compute():
         # one OLMoE expert (12.6 MB of bf16) on one token is bound by the host's memory bandwidth
         assert host.expert_seconds(1, 12_582_912) == pytest.approx(
             host.roofline.expert_overhead_s + 12_582_912 / host.roofline.memory_bandwidth_bytes_per_s)
+
+
+def test_an_expert_read_from_the_ssd_for_the_host_stays_in_host_memory():
+    # experts live on an SSD (the host tier is a cache of it): the first pass reads expert 2 from the SSD
+    # (latency 0.5 + 1000 B / 1000 B/s = 1.5) before the host computes it, the second finds it in host memory
+    hardware = HardwareProfile.from_dict({
+        "name": "hand-ssd",
+        "tiers": [{"name": "gpu", "capacity_bytes": 10**9}, {"name": "host", "capacity_bytes": 2 * E},
+                  {"name": "ssd", "capacity_bytes": 10**12}],
+        "links": [{"from": "host", "to": "gpu", "bandwidth_bytes_per_s": 100.0, "latency_s": 0.5},
+                  {"from": "ssd", "to": "host", "bandwidth_bytes_per_s": 1000.0, "latency_s": 0.5}],
+        "compute": {"attention": {"fixed_s": 1.0}, "router": {"fixed_s": 0.25}, "lm_head": {"fixed_s": 0.5},
+                    "expert": {"fixed_s": 2.0}},
+        "host": {"expert": {"fixed_s": 5.0}}})
+    result = simulate_timed(trace(ROWS[:2]), hardware, "static-freq", 2 * E)
+    assert result.ttft_seconds == pytest.approx(1.0 + 0.25 + 0.5 + 1.5 + 5.0 + 0.5 + 0.5)
+    assert result.tpot_seconds == pytest.approx(1.0 + 0.25 + 0.5 + 5.0 + 0.5 + 0.5)
