@@ -139,6 +139,11 @@ class EvictionPolicy:
         served from the tier that holds it without being inserted."""
         return True
 
+    @property
+    def in_hindsight(self) -> bool:
+        """Whether ``placement`` chooses from the run's own trace (it knows the future: not an online policy)."""
+        return False
+
     def placement(self, slots: int, trace) -> list:
         """The keys resident before the first access, at most ``slots`` of them (a static placement), chosen
         from ``trace`` (the run's trace, for a placement made in hindsight) or the policy's own profile; none

@@ -30,6 +30,10 @@ class PinnedLRU(LRU):
         self.pinned_share = number(pinned_share, "pinned-lru.pinned_share", low=0.0, high=1.0, high_open=True)
         self.profile = None if profile is None else load_profile_trace(profile, spec, "pinned-lru.profile")
 
+    @property
+    def in_hindsight(self):
+        return self.profile is None
+
     def placement(self, slots, trace):
         pinned = int(self.pinned_share * slots)
         if pinned >= slots:

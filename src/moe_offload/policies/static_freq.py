@@ -32,6 +32,10 @@ class StaticFrequency(EvictionPolicy):
         self.per_layer = per_layer
         self.profile = None if profile is None else load_profile_trace(profile, spec, "static-freq.profile")
 
+    @property
+    def in_hindsight(self):
+        return self.profile is None
+
     def placement(self, slots, trace):
         source = self.profile if self.profile is not None else trace
         return most_frequent(expert_counts(source, self.spec), slots, self.spec, self.per_layer)

@@ -30,6 +30,7 @@ class RunResult:
     per_layer_bypassed: list[int] | None = None
     host_compute_seconds: float | None = None  # timed: the host's compute of the bypassed experts
     admission: str | None = None               # the driver's admission rule, if any ("fetch-or-compute")
+    in_hindsight: bool = False                 # a placement chosen from the run's own trace: not online
     opt_misses: int | None = None   # Belady OPT on the same sequence and cache size
     bytes_loaded: int | None = None  # misses x expert size, when the trace gives the size
     prefetches_issued: int | None = None

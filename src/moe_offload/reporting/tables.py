@@ -16,6 +16,11 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}x"
 
 
+def _online(result: RunResult) -> bool:
+    """Whether a replay result is an online policy's: not Belady's, nor a placement made in hindsight."""
+    return result.policy not in ("belady", "belady-dist") and not result.in_hindsight
+
+
 def print_replay_tables(results: list[RunResult], console: Console, skipped: list[str] = ()) -> None:
     by_trace: dict[str, list[RunResult]] = defaultdict(list)
     for result in results:
@@ -31,7 +36,7 @@ def print_replay_tables(results: list[RunResult], console: Console, skipped: lis
                                                                                           "misses / OPT")
             for column in columns:
                 table.add_column(column, justify="left" if column == "policy" else "right")
-            online = [r for r in at_size if r.policy not in ("belady", "belady-dist")]
+            online = [r for r in at_size if _online(r)]
             best = online[0].policy if online else None
             for r in at_size:
                 name = f"[bold green]{r.policy}[/]" if r.policy == best else r.policy
@@ -47,7 +52,7 @@ def print_replay_tables(results: list[RunResult], console: Console, skipped: lis
                 summary.add_column(f"k={size}", justify="right")
             best_at = {}
             for size in sizes:
-                online = [r for r in rows if r.cache_size == size and r.policy not in ("belady", "belady-dist")]
+                online = [r for r in rows if r.cache_size == size and _online(r)]
                 if online:
                     best_at[size] = min(r.fast_misses for r in online)
             cell = {(r.policy, r.cache_size): r for r in rows}
@@ -56,14 +61,14 @@ def print_replay_tables(results: list[RunResult], console: Console, skipped: lis
                 for size in sizes:
                     r = cell.get((policy, size))
                     text = "n/a" if r is None else _ratio(r.misses_vs_opt)
-                    if r is not None and r.policy not in ("belady", "belady-dist") and r.fast_misses == best_at.get(size):
+                    if r is not None and _online(r) and r.fast_misses == best_at.get(size):
                         text = f"[bold green]{text}[/]"
                     values.append(text)
                 summary.add_row(policy, *values)
             console.print(summary)
         winners = []
         for size in sizes:
-            online = [r for r in rows if r.cache_size == size and r.policy not in ("belady", "belady-dist")]
+            online = [r for r in rows if r.cache_size == size and _online(r)]
             if online:
                 best_result = min(online, key=lambda r: (r.fast_misses, r.policy))
                 winners.append(f"k={size}: {best_result.policy} ({_ratio(best_result.misses_vs_opt)} OPT)")

@@ -75,6 +75,7 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
     check_cache_size(policy, cache_size, spec)
     info = policy_info(policy)
     make = policy_factory(policy, spec, seed=seed, options=options)
+    in_hindsight = info.policy.places_or_bypasses and make().in_hindsight  # built only for placements
     kernel = replay_kernel(policy, engine)
     if kernel is not None:
         layer_hits = _replay_compiled(data, info, make(), cache_size, kernel)
@@ -92,7 +93,11 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
     if info.policy.needs_probs and data.trace.probs is None:
         notes.append(f"{policy}: the trace has no router probabilities, so p is uniform "
                      "(fmoe then ranks like LFU)")
+    if in_hindsight:
+        notes.append(f"{policy}: placed in hindsight, from the trace it runs on (give it a profile trace to make "
+                     "it an online placement); not ranked among the online policies")
     return RunResult(trace=data.name, policy=policy, cache_size=cache_size, accesses=n, hits=hits, misses=misses,
+                     in_hindsight=in_hindsight,
                      per_layer_accesses=per_layer_accesses.tolist(), per_layer_hits=layer_hits.tolist(),
                      bypassed=bypassed if info.policy.places_or_bypasses else None,
                      per_layer_bypassed=layer_bypassed.tolist() if info.policy.places_or_bypasses else None,
