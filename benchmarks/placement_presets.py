@@ -8,9 +8,10 @@ presets, for an OLMoE-sized and a Mixtral-sized trace, at 12.5%, 25% and 50% of 
 
 Families (every run in the timed simulator, batch 1, the trace's own iterations):
 
-* dynamic: the GPU is a cache; lru, lfu-decay and pinned-lru, each without a prefetcher and with
-  traced-topk (BrainStorm's popularity prefetcher), each with and without Fiddler's fetch-or-compute rule
-  (a miss computed on the host when that is predicted faster than loading it);
+* dynamic: the GPU is a cache; lru, lfu-decay and pinned-lru (its pinned half profiled on the history
+  rows), each without a prefetcher and with traced-topk (BrainStorm's popularity prefetcher), each with and
+  without Fiddler's fetch-or-compute rule (a miss computed on the host when that is predicted faster than
+  loading it: a dynamic cache that also uses the host);
 * static + host: a fixed set in the GPU, every other expert computed by the host CPU from host memory:
   static-freq (most frequent experts overall, profiled on the history rows), static-freq per layer, and
   static-layers (llama.cpp's --n-cpu-moe: the last whole layers).
@@ -73,10 +74,12 @@ def runs(history):
     """(family, label, simulate_timed keywords) of every setup compared."""
     setups = []
     for policy in DYNAMIC_POLICIES:
+        # pinned-lru pins the history's hottest experts, as static-freq places them: neither sees the run
+        options = {"profile": history} if policy == "pinned-lru" else None
         for prefetcher in PREFETCHERS:
             for fetch_or_compute in (False, True):
                 label = policy + (f" + {prefetcher}" if prefetcher else "") + (" + f-or-c" if fetch_or_compute else "")
-                setups.append(("dynamic", label, dict(policy=policy, prefetcher=prefetcher,
+                setups.append(("dynamic", label, dict(policy=policy, prefetcher=prefetcher, policy_options=options,
                                                       fetch_or_compute=fetch_or_compute)))
     setups.append(("static", "static-freq", dict(policy="static-freq", policy_options={"profile": history})))
     setups.append(("static", "static-freq per layer", dict(policy="static-freq",

@@ -109,3 +109,16 @@ def test_an_expert_read_from_the_ssd_for_the_host_stays_in_host_memory():
     result = simulate_timed(trace(ROWS[:2]), hardware, "static-freq", 2 * E)
     assert result.ttft_seconds == pytest.approx(1.0 + 0.25 + 0.5 + 1.5 + 5.0 + 0.5 + 0.5)
     assert result.tpot_seconds == pytest.approx(1.0 + 0.25 + 0.5 + 5.0 + 0.5 + 0.5)
+
+
+@pytest.mark.parametrize("host, problem", [
+    ({}, r"key 'host.expert': missing"),
+    ({"expert": {"fixed_s": 1.0}, "threads": 4}, r"key 'host.threads': unknown key"),
+    ({"flops_per_s": 1e12, "memory_bandwidth_bytes_per_s": -1}, r"host.memory_bandwidth_bytes_per_s"),
+])
+def test_a_bad_host_table_is_a_one_line_error_naming_the_key(host, problem):
+    data = {"name": "bad", "tiers": [{"name": "gpu", "capacity_bytes": 10**9}],
+            "compute": {"attention": {"fixed_s": 1.0}, "router": {"fixed_s": 0.25}, "lm_head": {"fixed_s": 0.5},
+                        "expert": {"fixed_s": 2.0}}, "host": host}
+    with pytest.raises(ConfigError, match=problem):
+        HardwareProfile.from_dict(data, "bad.toml")

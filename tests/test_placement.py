@@ -116,3 +116,22 @@ def test_every_placement_is_listed_and_replays_next_to_belady(tiny_trace, policy
     result = replay(data, policy, 24)
     assert result.hits + result.misses + (result.bypassed or 0) == result.accesses
     assert result.fast_misses >= replay(data, "belady", 24).misses
+
+
+def test_a_sweep_file_written_before_the_placement_columns_still_reads(tmp_path):
+    # results files written before RunResult counted bypassed requests lack those columns: their defaults hold
+    import pyarrow.parquet as pq
+
+    from moe_offload.reporting.results import RunResult
+    from moe_offload.sweep.spec import Cell
+    from moe_offload.sweep.store import Row, read_results, to_table
+
+    result = RunResult(trace="t", policy="static-freq", cache_size=4, accesses=10, hits=6, misses=0, bypassed=4,
+                       in_hindsight=True)
+    table = to_table([Row(Cell("replay", "t", "static-freq", 4, None, None, 0, "{}"), result)])
+    path = tmp_path / "results.parquet"
+    pq.write_table(table, path)
+    assert read_results(path)[0].result == result
+    old = table.drop_columns(["bypassed", "per_layer_bypassed", "host_compute_seconds", "admission", "in_hindsight"])
+    pq.write_table(old, path)
+    assert read_results(path)[0].result.bypassed is None

@@ -87,7 +87,7 @@ class ExpertCache:
 
     def request(self, key, ctx: AccessContext, size: int = 1) -> bool:
         """A demand request: True on a hit; on a miss, load ``key`` (or bypass it) and return False."""
-        return self.serve(key, ctx, size) is HIT
+        return self.serve(key, ctx, size) == HIT
 
     def serve(self, key, ctx: AccessContext, size: int = 1) -> str:
         """A demand request: HIT; or a miss, LOADED after making room and loading ``key``, or BYPASSED when
