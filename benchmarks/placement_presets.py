@@ -134,8 +134,8 @@ def main() -> int:
                     continue
                 (dyn, dyn_label, dyn_hits), (stat, stat_label, stat_hits) = best["dynamic"], best["static"]
                 winner = "static + host" if stat < dyn else "dynamic"
-                table.add_row(name, hardware.name, f"{budget:.1%}", f"{ratio:.1f}", f"{dyn_label} ({dyn_hits:.0%} hits)",
-                              f"{dyn * 1e3:.2f}", f"{stat_label} ({stat_hits:.0%} hits)", f"{stat * 1e3:.2f}",
+                table.add_row(name, hardware.name, f"{budget:.1%}", f"{ratio:.1f}",
+                              f"{dyn_label} ({dyn_hits:.0%} hits)", f"{dyn * 1e3:.2f}", f"{stat_label} ({stat_hits:.0%} hits)", f"{stat * 1e3:.2f}",
                               f"{winner} ({max(dyn, stat) / min(dyn, stat):.2f}x)")
                 rows.append({"trace": name, "hardware": hardware.name, "budget": budget, "host_over_link": ratio,
                              "dynamic": dyn_label, "dynamic_tpot_s": dyn, "dynamic_hit_rate": dyn_hits,

@@ -135,3 +135,8 @@ def test_a_sweep_file_written_before_the_placement_columns_still_reads(tmp_path)
     old = table.drop_columns(["bypassed", "per_layer_bypassed", "host_compute_seconds", "admission", "in_hindsight"])
     pq.write_table(old, path)
     assert read_results(path)[0].result.bypassed is None
+
+
+def test_the_compiled_replay_refuses_a_placement_with_the_reason(tiny_trace):
+    with pytest.raises(ConfigError, match="places experts before the first access or bypasses misses"):
+        replay(ReplayInput.of(tiny_trace), "static-freq", 8, engine="compiled")

@@ -11,11 +11,12 @@ class RunResult:
 
     Counts are of expert requests: hits + misses + bypassed = accesses. A miss is loaded into the fast tier; a
     bypassed request is served (computed) in the tier that holds the expert, without loading it
-    (simulator/cache.py: Admission); ``bypassed`` is None for a driver without admission. Fields a driver cannot measure stay None (the replay simulator has no
-    clock, so no stall time or latency). The timed simulator (moe_offload.simulator.timed) fills the rest:
-    its hits are experts resident in the fast tier when the router asks for them, its misses the others,
-    of which ``on_demand_loads`` needed a demand transfer (the rest were already on the wire as a prefetch);
-    prefetches issued are prefetch transfers into the GPU, used when requested before being evicted.
+    (simulator/cache.py: Admission); ``bypassed`` is None for a driver without admission. Fields a driver
+    cannot measure stay None (the replay simulator has no clock, so no stall time or latency). The timed
+    simulator (moe_offload.simulator.timed) fills the rest: its hits are experts resident in the fast tier
+    when the router asks for them, its misses the others, of which ``on_demand_loads`` needed a demand
+    transfer (the rest were already on the wire as a prefetch); prefetches issued are prefetch transfers into
+    the GPU, used when requested before being evicted.
     Latencies are in seconds; percentiles are over requests."""
 
     trace: str

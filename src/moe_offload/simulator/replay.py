@@ -1,11 +1,11 @@
 """Access-level replay: demand paging of the layered-paging model (paper 001).
 
-The trace is flattened into expert requests (moe_offload.trace.flatten documents the order); each request
-is a hit if the expert is resident, otherwise a miss that loads it, evicting the policy's victim when the
-cache is full, or that the policy bypasses (served where the expert lives, not loaded: a static placement,
-loaded before the first request, never admits); after the last token of a request the cache hears that the request has ended (a policy's
-per-sequence state ends with it). No clock, no prefetch: this is the model in which Belady's OPT is
-optimal, so every policy's misses are reported against OPT on the same sequence.
+The trace is flattened into expert requests (moe_offload.trace.flatten documents the order); each request is a
+hit if the expert is resident, otherwise a miss that loads it, evicting the policy's victim when the cache is
+full, or that the policy bypasses (served where the expert lives, not loaded: a static placement, loaded
+before the first request, never admits); after the last token of a request the cache hears that the request
+has ended (a policy's per-sequence state ends with it). No clock, no prefetch: this is the model in which
+Belady's OPT is optimal, so every policy's misses are reported against OPT on the same sequence.
 
 Two engines make the same decisions: the policy objects driven through ExpertCache (the reference, any
 policy), and the policies' compiled kernels (simulator/kernels.py), which the replay uses by default where

@@ -50,11 +50,12 @@ Host compute. A miss the GPU's cache does not admit (simulator/cache.py: Admissi
 ``fetch_or_compute``: Fiddler's rule, policies/fetch_or_compute.py) is bypassed: nothing is loaded, and the
 host CPU computes the expert from its copy in host memory (read there first from a slower home, an SSD, at
 that link's speed, and kept in the host tier when that is a cache: tiers.py ``keep_in_host``),
-``hardware.host.expert_seconds(tokens routed to it)``, as ktransformers and HybriMoE schedule it. When the layer is routed the host starts: the hidden states of the iteration's tokens cross
-the host link, the layer's bypassed experts run one after another, the results cross back. Meanwhile the
-GPU computes the resident and loaded experts; the layer is done when both are (the GPU's wait for the host
-counts as stall). A prefill routes many tokens to an expert, so its host compute is many tokens of the
-CPU's FLOPs: TTFT grows with the prompt.
+``hardware.host.expert_seconds(tokens routed to it)``, as ktransformers and HybriMoE schedule it. When the
+layer is routed the host starts: the hidden states of the iteration's tokens cross the host link, the layer's
+bypassed experts run one after another, the results cross back. Meanwhile the GPU computes the resident and
+loaded experts; the layer is done when both are (the GPU's wait for the host counts as stall). A prefill
+routes many tokens to an expert, so its host compute is many tokens of the CPU's FLOPs: TTFT grows with the
+prompt.
 
 Split experts (``split``, MoEpic, paper 004). The GPU is then not one cache of whole experts but, per layer,
 a cache of top segments and a buffer for the missing segments (simulator/split.py): a transfer into the
@@ -165,7 +166,8 @@ class TimedRun:
         # every expert in the GPU (all-resident, no home found): no other tier and no link is used
         home = home_tier(hardware, total) or 0
         self.events: list = []         # (lane, kind, start, end, layer, key)
-        self.net = TierNetwork(hardware, [self.fast] + [cache(tier.capacity_bytes, middle=True) for tier in hardware.tiers[1:home]],
+        middle = [cache(tier.capacity_bytes, middle=True) for tier in hardware.tiers[1:home]]
+        self.net = TierNetwork(hardware, [self.fast] + middle,
                                home, expert_bytes, self.L, self.J, ctx, self.pinned, self.events, self.split,
                                self._next_use_after if self.offline else None)
         self.reconfiguration = reconfiguration
@@ -320,7 +322,8 @@ class TimedRun:
             for tier in middle:
                 tier.touch(key, ctx)
             load = net.loads.get(key)
-            if load is None and self.split is None and not fast.admits(key, ctx):  # computed on the host (module doc: Host compute)
+            # not admitted: computed on the host (module doc: Host compute)
+            if load is None and self.split is None and not fast.admits(key, ctx):
                 self.bypassed += 1
                 self.per_layer_bypassed[layer] += 1
                 self.bypassed_now[key] = sum(ctx.routed.values())
