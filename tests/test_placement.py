@@ -140,3 +140,36 @@ def test_a_sweep_file_written_before_the_placement_columns_still_reads(tmp_path)
 def test_the_compiled_replay_refuses_a_placement_with_the_reason(tiny_trace):
     with pytest.raises(ConfigError, match="places experts before the first access or bypasses misses"):
         replay(ReplayInput.of(tiny_trace), "static-freq", 8, engine="compiled")
+
+
+def test_the_simulate_table_shows_placements_next_to_belady(capsys):
+    from moe_offload.cli.main import main
+
+    assert main(["simulate", "--policy", "belady,lru,static-freq,static-layers", "--cache-size", "256",
+                 "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "bypassed" in out and "static-layers" in out and "belady" in out
+    assert "static-freq: placed in hindsight" in " ".join(out.split())
+    assert "best online policy  k=256: lru" in out  # the hindsight placement is not ranked online
+
+
+def test_timed_cli_runs_fetch_or_compute_and_refuses_a_profile_without_a_host(capsys, tmp_path):
+    from moe_offload.cli.main import main
+
+    assert main(["simulate", "--timed", "--policy", "lru,static-freq", "--prefetch", "none", "--cache-size", "25%",
+                 "--fetch-or-compute", "--jobs", "1", "--timed-json", str(tmp_path / "out.json")]) == 0
+    import json
+
+    rows = {(row["policy"], row["prefetcher"]): row for row in json.loads((tmp_path / "out.json").read_text())}
+    assert rows[("lru", None)]["admission"] == "fetch-or-compute"
+    assert rows[("static-freq", None)]["bypassed"] > 0 and ("static-freq", "oracle") not in rows
+    profile = tmp_path / "no-host.toml"
+    profile.write_text('name = "no-host"\n[[tiers]]\nname = "gpu"\ncapacity_bytes = "24 GiB"\n[[tiers]]\n'
+                       'name = "host"\ncapacity_bytes = "48 GiB"\n[[links]]\nfrom = "host"\nto = "gpu"\n'
+                       'bandwidth_bytes_per_s = 25e9\n[compute]\nflops_per_s = 1e14\n'
+                       'memory_bandwidth_bytes_per_s = 1e12\nattention = { fixed_s = 1e-5 }\n'
+                       'router = { fixed_s = 1e-5 }\nlm_head = { fixed_s = 1e-4 }\n')
+    capsys.readouterr()
+    assert main(["simulate", "--timed", "--hardware", str(profile), "--policy", "static-freq", "--prefetch", "none",
+                 "--cache-size", "25%"]) == 2
+    assert "has no [host] compute" in capsys.readouterr().err
