@@ -14,6 +14,10 @@ link's. A long prefill fetches: T_host grows with n at the CPU's FLOP rate while
 (Kamahori et al., "Fiddler: CPU-GPU orchestration for fast inference of MoE models") makes this choice per
 expert and batch from latencies it measures beforehand, ignoring what else is on the link; so does this
 rule, with the costs the driver gives (the timed simulator's hardware profile).
+
+Where the host's memory outruns the link, decoding bypasses every miss, so a dynamic cache that starts empty
+fills only through what this rule does not decide: prefetches, and the fetches of a long prefill. Fiddler
+itself starts from a static placement of the most popular experts (static-freq here, which never admits).
 """
 
 from __future__ import annotations
