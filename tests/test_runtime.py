@@ -132,6 +132,8 @@ def test_refusals(checkpoint):
         OffloadEngine(packed, fast_budget="5%")
     with pytest.raises(ConfigError, match="needs the future"):
         OffloadEngine(packed, policy="belady")
+    with pytest.raises(ConfigError, match="computes its misses on the host"):
+        OffloadEngine(packed, policy="static-freq")
     with pytest.raises(ConfigError, match="reads the future"):
         OffloadEngine(packed, prefetch="oracle")
     with pytest.raises(ConfigError, match="give it a history"):
