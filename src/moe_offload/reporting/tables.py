@@ -16,6 +16,11 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}x"
 
 
+def _online(result: RunResult) -> bool:
+    """Whether a replay result is an online policy's: not Belady's, nor a placement made in hindsight."""
+    return result.policy not in ("belady", "belady-dist") and not result.in_hindsight
+
+
 def print_replay_tables(results: list[RunResult], console: Console, skipped: list[str] = ()) -> None:
     by_trace: dict[str, list[RunResult]] = defaultdict(list)
     for result in results:
@@ -23,16 +28,21 @@ def print_replay_tables(results: list[RunResult], console: Console, skipped: lis
     for trace, rows in by_trace.items():
         sizes = sorted({r.cache_size for r in rows})
         for size in sizes:
-            at_size = sorted((r for r in rows if r.cache_size == size), key=lambda r: (r.misses, r.policy))
+            at_size = sorted((r for r in rows if r.cache_size == size), key=lambda r: (r.fast_misses, r.policy))
+            # a placement's misses are served where the experts live: a column of their own, when there are any
+            bypassing = any(r.bypassed is not None for r in at_size)
             table = Table(title=f"{trace}  -  cache of {size} experts", title_justify="left")
-            for column in ("policy", "accesses", "hits", "misses", "hit rate", "misses / OPT"):
+            columns = ("policy", "accesses", "hits", "misses") + ("bypassed",) * bypassing + ("hit rate",
+                                                                                          "misses / OPT")
+            for column in columns:
                 table.add_column(column, justify="left" if column == "policy" else "right")
-            online = [r for r in at_size if r.policy not in ("belady", "belady-dist")]
+            online = [r for r in at_size if _online(r)]
             best = online[0].policy if online else None
             for r in at_size:
                 name = f"[bold green]{r.policy}[/]" if r.policy == best else r.policy
-                table.add_row(name, f"{r.accesses:,}", f"{r.hits:,}", f"{r.misses:,}", f"{r.hit_rate:.2%}",
-                              _ratio(r.misses_vs_opt))
+                bypassed = (f"{r.bypassed:,}" if r.bypassed is not None else "-",) * bypassing
+                table.add_row(name, f"{r.accesses:,}", f"{r.hits:,}", f"{r.misses:,}", *bypassed,
+                              f"{r.hit_rate:.2%}", _ratio(r.misses_vs_opt))
             console.print(table)
         if len(sizes) > 1:
             summary = Table(title=f"{trace}  -  misses relative to Belady OPT (lower is better; best online in bold)",
@@ -42,25 +52,25 @@ def print_replay_tables(results: list[RunResult], console: Console, skipped: lis
                 summary.add_column(f"k={size}", justify="right")
             best_at = {}
             for size in sizes:
-                online = [r for r in rows if r.cache_size == size and r.policy not in ("belady", "belady-dist")]
+                online = [r for r in rows if r.cache_size == size and _online(r)]
                 if online:
-                    best_at[size] = min(r.misses for r in online)
+                    best_at[size] = min(r.fast_misses for r in online)
             cell = {(r.policy, r.cache_size): r for r in rows}
             for policy in dict.fromkeys(r.policy for r in rows):
                 values = []
                 for size in sizes:
                     r = cell.get((policy, size))
                     text = "n/a" if r is None else _ratio(r.misses_vs_opt)
-                    if r is not None and r.policy not in ("belady", "belady-dist") and r.misses == best_at.get(size):
+                    if r is not None and _online(r) and r.fast_misses == best_at.get(size):
                         text = f"[bold green]{text}[/]"
                     values.append(text)
                 summary.add_row(policy, *values)
             console.print(summary)
         winners = []
         for size in sizes:
-            online = [r for r in rows if r.cache_size == size and r.policy not in ("belady", "belady-dist")]
+            online = [r for r in rows if r.cache_size == size and _online(r)]
             if online:
-                best_result = min(online, key=lambda r: (r.misses, r.policy))
+                best_result = min(online, key=lambda r: (r.fast_misses, r.policy))
                 winners.append(f"k={size}: {best_result.policy} ({_ratio(best_result.misses_vs_opt)} OPT)")
         if winners:
             console.print("best online policy  " + ", ".join(winners))
@@ -80,10 +90,12 @@ def _share(value: float | None) -> str:
 
 
 def run_label(result: RunResult) -> str:
-    """How a timed run is named in tables and plots: the policy and the prefetcher, or the bound."""
+    """How a timed run is named in tables and plots: the policy and the prefetcher (and the admission rule),
+    or the bound."""
+    rule = f", {result.admission}" if result.admission else ""
     if result.prefetcher is None:
-        return result.policy if result.policy == "all-resident" else f"{result.policy}, no prefetch"
-    return f"{result.policy} + {result.prefetcher}"
+        return result.policy if result.policy == "all-resident" else f"{result.policy}, no prefetch{rule}"
+    return f"{result.policy} + {result.prefetcher}{rule}"
 
 
 def print_timed_tables(results: list[RunResult], console: Console, hardware=None, arrivals: str | None = None) -> None:
@@ -107,8 +119,9 @@ def print_timed_tables(results: list[RunResult], console: Console, hardware=None
             latency.add_column(column, justify="left" if column in ("run", "cache") else "right")
         traffic = Table(title=f"{trace}{where}  -  expert traffic", title_justify="left")
         links = list(dict.fromkeys(link for r in rows for link in (r.bytes_per_link or {})))
+        hosting = any(r.bypassed is not None for r in rows)  # experts computed on the host: their columns
         for column in ("run", "cache", "hit rate", "on-demand", "prefetched", "used", "wasted", "precision",
-                       "recall", *(f"{link} moved" for link in links)):
+                       "recall", *(("bypassed", "host s") if hosting else ()), *(f"{link} moved" for link in links)):
             traffic.add_column(column, justify="left" if column in ("run", "cache") else "right")
         ordered = sorted(rows, key=lambda r: (r.policy != "all-resident", r.cache_bytes or 0, r.policy,
                                               r.prefetcher != "oracle", r.prefetcher or ""))
@@ -131,6 +144,9 @@ def print_timed_tables(results: list[RunResult], console: Console, hardware=None
                             f"{r.prefetches_used:,}" if prefetching else "-",
                             f"{r.prefetches_wasted:,}" if prefetching else "-",
                             _share(r.prefetch_precision), _share(r.prefetch_recall) if prefetching else "-",
+                            *((f"{r.bypassed:,}" if r.bypassed is not None else "-",
+                               f"{r.host_compute_seconds:.3f}" if r.host_compute_seconds is not None else "-")
+                              if hosting else ()),
                             *(format_bytes(r.bytes_per_link.get(link, 0)) if r.bytes_per_link.get(link) else "0"
                               for link in links))
         console.print(latency)

@@ -142,6 +142,9 @@ class OffloadEngine:
             if info.offline:
                 raise ConfigError(f"policy {policy!r} needs the future (next use of every expert), which a running "
                                   "engine does not know; use it in `moe-offload simulate`")
+            if info.policy.static:  # the runtime loads every miss; computing one on the host is not wired in yet
+                raise ConfigError(f"policy {policy!r} computes its misses on the host, which the runtime does not do "
+                                  "yet; use it in `moe-offload simulate`")
             fast_budget_bytes = values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget")
             fast_slots = self._slots(fast_budget_bytes, self.compute_expert_bytes)
             split, online = self._read_split(split_config, preload, reconfiguration, hardware, fast_budget_bytes)

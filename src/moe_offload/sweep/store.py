@@ -22,7 +22,7 @@ import json
 import time
 import types
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +52,8 @@ def _arrow_type(hint):
     args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return _arrow_type(args[0])
+    if hint is bool:
+        return pa.bool_()
     if hint is int:
         return pa.int64()
     if hint is float:
@@ -111,9 +113,9 @@ def from_table(table) -> list[Row]:
     names = [item.name for item in fields(RunResult)]
     rows = []
     for record in table.to_pylist():
-        values = {name: record[name] for name in names}
+        values = {name: record[name] for name in names if name in record}
         for name in as_json:
-            if values[name] is not None:
+            if values.get(name) is not None:
                 values[name] = json.loads(values[name])
         rows.append(Row(Cell.from_key(record["cell"]), RunResult(**values)))
     return rows
@@ -136,11 +138,14 @@ def read_results(path) -> list[Row]:
         table = parquet.read()
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise ConfigError(f"{path}: not a readable sweep results file, corrupt or truncated ({exc})") from None
-    missing = [name for name in schema().names if name not in table.column_names]
+    # a file written before a RunResult field with a default was added lacks its column: the default holds
+    defaulted = {item.name for item in fields(RunResult)
+                 if item.default is not MISSING or item.default_factory is not MISSING}
+    missing = [name for name in schema().names if name not in table.column_names and name not in defaulted]
     if missing:
         raise ConfigError(f"{path}: sweep results file without column(s) {', '.join(missing)}")
     try:
-        return from_table(table.select(schema().names))
+        return from_table(table.select([name for name in schema().names if name in table.column_names]))
     except (TypeError, ValueError, KeyError) as exc:
         raise ConfigError(f"{path}: a row of the sweep results file is not a cell and its result ({exc})") from None
 
