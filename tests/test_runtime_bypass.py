@@ -1,0 +1,71 @@
+"""The runtime computes bypassed experts on the host (models/host_experts.py): a miss the fast tier does not
+admit is computed from the host tier's copy, and generation stays lossless against the all-resident model,
+for one request and for a batch, whatever the budgets; the counters say what was bypassed."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from test_runtime import NEW_TOKENS, PROMPTS, assert_lossless, checkpoint  # noqa: E402,F401
+
+from moe_offload.api import load  # noqa: E402
+from moe_offload.policies import POLICIES, PolicyInfo  # noqa: E402
+from moe_offload.policies.lru import LRU  # noqa: E402
+from moe_offload.runtime.batching import SamplingParams  # noqa: E402
+from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
+
+
+class OddLayersOnHost(LRU):
+    """LRU that never admits an expert of an odd layer (the host computes those) and places expert 0 of every
+    layer before the first token: every path of a bypass, with independently known counts."""
+
+    name = "odd-layers-on-host"
+    places_or_bypasses = True
+
+    def admit(self, key, ctx):
+        return (key // self.spec.num_experts) % 2 == 0
+
+    def placement(self, slots, trace):
+        return [layer * self.spec.num_experts for layer in range(self.spec.num_layers)][:slots]
+
+
+@pytest.fixture
+def on_host(monkeypatch):
+    monkeypatch.setitem(POLICIES, OddLayersOnHost.name, PolicyInfo(OddLayersOnHost.name, OddLayersOnHost))
+    return OddLayersOnHost.name
+
+
+@pytest.mark.parametrize("budget, host", [(3, None), (6, None), (4, "40%"), (18, "100%")])
+def test_bypassed_experts_computed_on_the_host_are_lossless(checkpoint, on_host, budget, host):  # noqa: F811
+    fast = str(budget * (2 * 48 * 32 + 32 * 48) * 4)  # experts of the test model in float32
+    with OffloadEngine(checkpoint["packed"], fast_budget=fast, policy=on_host, host_budget=host) as engine:
+        placed = {key for key in (0, 6, 12)[:budget] if key in engine.tiers[0].cache}
+        assert len(placed) == min(budget, 3)  # the placement is resident before the first token
+        assert_lossless(engine, checkpoint)
+        stats = engine.stats
+    # layer 1 (the only odd layer of three) is never admitted: each of its accesses is a hit of expert 6
+    # (placed) or bypassed; the even layers' accesses are hits or misses
+    layer_1 = stats.per_layer_accesses[1]
+    assert stats.per_layer_bypassed == [0, layer_1 - stats.per_layer_hits[1], 0]
+    assert stats.bypassed == sum(stats.per_layer_bypassed) > 0
+    assert stats.hits + stats.misses + stats.bypassed == stats.accesses
+    assert stats.host_compute_seconds > 0
+    assert stats.tier_requests["host"] == stats.on_demand_loads + stats.bypassed
+
+
+def test_a_batch_with_bypassed_experts_equals_each_request_alone(on_host):
+    prompts = ["User: what is a cache?\nAssistant:", "User: hi\nAssistant:", "def add(a, b):"]
+    tokens = [9, 5, 7]
+    with load("tiny", fast_budget="30%", policy="lru") as engine:
+        alone = [engine.generate(p, max_new_tokens=n, return_logits=True) for p, n in zip(prompts, tokens)]
+    with load("tiny", fast_budget="30%", policy=on_host, max_batch=3) as engine:
+        handles = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True)) for p, n in zip(prompts, tokens)]
+        completions = [handle.result(timeout=120) for handle in handles]
+        assert engine.stats.bypassed > 0
+    for completion, reference in zip(completions, alone):
+        assert completion.token_ids == reference.token_ids
+        assert all(torch.equal(a, b) for a, b in zip(completion.logits, reference.logits))
+        assert completion.stats.bypassed > 0 and completion.stats.host_compute_seconds > 0
