@@ -13,6 +13,7 @@ from moe_offload.errors import ConfigError
 from moe_offload.policies.arc import ARC
 from moe_offload.policies.base import AccessContext, EvictionPolicy, ModelSpec, NoEvictableExpert
 from moe_offload.policies.belady import Belady
+from moe_offload.policies.decayed_lfu import DecayedLFU
 from moe_offload.policies.fifo import FIFO
 from moe_offload.policies.fmoe import FMoE
 from moe_offload.policies.lcp import LCP
@@ -23,7 +24,10 @@ from moe_offload.policies.llru import LLRU
 from moe_offload.policies.lru import LRU
 from moe_offload.policies.marking import Marking
 from moe_offload.policies.moe_infinity import MoEInfinity
+from moe_offload.policies.pinned_lru import PinnedLRU
 from moe_offload.policies.random import RandomEviction
+from moe_offload.policies.static_freq import StaticFrequency
+from moe_offload.policies.static_layers import StaticLayers
 from moe_offload.values import check_option_names, integer
 
 
@@ -67,6 +71,10 @@ POLICIES: dict[str, PolicyInfo] = {
         PolicyInfo("fmoe", FMoE),
         PolicyInfo("lcp", LCP),
         PolicyInfo("learned", LearnedEviction),
+        PolicyInfo("lfu-decay", DecayedLFU),
+        PolicyInfo("pinned-lru", PinnedLRU),
+        PolicyInfo("static-freq", StaticFrequency),
+        PolicyInfo("static-layers", StaticLayers),
     )
 }
 

@@ -103,6 +103,8 @@ class EvictionPolicy:
     # Whether ``admit`` may refuse a miss or ``placement`` place experts: the compiled kernels load every miss
     # into an empty cache, so such a policy has no kernel and the replay runs its Python form.
     places_or_bypasses: ClassVar[bool] = False
+    # A static placement: ``admit`` refuses every miss, so nothing is loaded (nor prefetched) after the start.
+    static: ClassVar[bool] = False
 
     def __init__(self, spec: ModelSpec, seed: int = 0):
         self.spec = spec
