@@ -69,3 +69,61 @@ def test_a_batch_with_bypassed_experts_equals_each_request_alone(on_host):
         assert completion.token_ids == reference.token_ids
         assert all(torch.equal(a, b) for a, b in zip(completion.logits, reference.logits))
         assert completion.stats.bypassed > 0 and completion.stats.host_compute_seconds > 0
+
+
+PROMPT, TOKENS = "User: what is a cache?\nAssistant:", 8
+
+
+@pytest.fixture(scope="module")
+def tiny_alone():
+    with load("tiny", fast_budget="30%", policy="lru") as engine:
+        return engine.generate(PROMPT, max_new_tokens=TOKENS, return_logits=True)
+
+
+def assert_same(result, reference):
+    assert result.token_ids == reference.token_ids
+    assert all(torch.equal(a, b) for a, b in zip(result.logits, reference.logits))
+
+
+def test_static_layers_keeps_the_last_layers_and_computes_the_first_on_the_host(tiny_alone):
+    # the tiny model: 8 layers x 8 experts; 25% holds 16 experts, two whole layers: 6 and 7 (llama.cpp's
+    # --n-cpu-moe 6 keeps the first six layers' experts in system memory)
+    with load("tiny", fast_budget="25%", policy="static-layers", policy_options={"fast_layers": 2}) as engine:
+        assert set(engine.tiers[0].cache.resident) == set(range(48, 64))
+        result = engine.generate(PROMPT, max_new_tokens=TOKENS, return_logits=True)
+    assert_same(result, tiny_alone)
+    stats = result.stats
+    assert stats.misses == 0 and stats.on_demand_loads == 0 and not stats.bytes_per_link  # nothing moves
+    assert stats.per_layer_bypassed == stats.per_layer_accesses[:6] + [0, 0]
+    assert stats.per_layer_hits == [0] * 6 + stats.per_layer_accesses[6:]
+
+
+def test_static_freq_keeps_the_profiles_most_frequent_experts(tiny_alone):
+    import numpy as np
+
+    from moe_offload.bundled import TINY_HISTORY_TRACE
+    from moe_offload.trace import read_trace
+
+    profile = read_trace(TINY_HISTORY_TRACE)
+    counts = np.zeros(64, np.int64)  # how often the profile routes each expert, counted here row by row
+    for row in profile.experts:
+        for layer, chosen in enumerate(row):
+            for expert in chosen:
+                counts[layer * 8 + int(expert)] += 1
+    top = sorted(range(64), key=lambda key: (-counts[key], key))[:16]
+    with load("tiny", fast_budget="25%", policy="static-freq",
+              policy_options={"profile": str(TINY_HISTORY_TRACE)}) as engine:
+        assert set(engine.tiers[0].cache.resident) == set(top)
+        result = engine.generate(PROMPT, max_new_tokens=TOKENS, return_logits=True)
+    assert_same(result, tiny_alone)
+    stats = result.stats
+    assert stats.misses == 0 and stats.bypassed == stats.accesses - stats.hits > 0
+
+
+def test_a_placement_from_a_profile_needs_one(on_host):
+    from moe_offload.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="chooses its experts from a profile"):
+        load("tiny", fast_budget="25%", policy="static-freq")
+    with pytest.raises(ConfigError, match="cannot hold a layer's top-2 experts"):
+        load("tiny", fast_budget="25%", policy=on_host, host_budget="2%")  # one expert

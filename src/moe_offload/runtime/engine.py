@@ -51,6 +51,7 @@ from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.cpu_threads import single_threaded
 from moe_offload.runtime.packing import Manifest, load_skeleton, read_manifest
+from moe_offload.runtime.placement import host_keys, placement_keys, placing_host_budget
 from moe_offload.runtime.runner import ModelRunner
 from moe_offload.runtime.storage import ExpertStore
 from moe_offload.runtime.streaming import TimingStreamer
@@ -148,11 +149,8 @@ class OffloadEngine:
             split, online = self._read_split(split_config, preload, reconfiguration, hardware, fast_budget_bytes)
             self.places = info.policy.places_or_bypasses  # computes bypassed experts on the host
             if self.places:
-                if split is not None:
-                    raise ConfigError(f"policy {policy!r} places experts itself: it does not run with a split "
-                                      "configuration")
-                if host_budget is None:  # where the experts the fast tier does not admit are computed
-                    host_budget = "100%"
+                host_budget = placing_host_budget(info, policy_options, host_budget, replay is not None,
+                                                  split is not None)
             if fast_slots < m.top_k and split is None:
                 raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
                                   f"({format_bytes(m.top_k * self.compute_expert_bytes)}, "
@@ -280,24 +278,28 @@ class OffloadEngine:
 
     def _preload(self) -> float:
         """Fill the fast tier before the first token: a placing policy's placement (policies/base.py, chosen
-        from its profile or, in hindsight, the replayed trace), otherwise experts in key order while they fit
-        (the all-resident baseline)."""
+        from its profile or, in hindsight, the replayed trace) and the host tier with the other experts while
+        they fit (runtime/placement.py), otherwise experts in key order while they fit (the all-resident
+        baseline)."""
         started = time.perf_counter()
         path = self.path
-        fast = self.tiers[0].cache
+        host_only = []
         if self.places:
-            caches = fast.parts if isinstance(fast, PartitionedCache) else [fast]
-            keys = [int(key) for cache in caches
-                    for key in cache.policy.placement(cache.capacity // self.compute_expert_bytes, self.replay_trace)]
+            keys = placement_keys(self.tiers[0].cache, self.compute_expert_bytes, self.replay_trace)
+            host_only = host_keys(keys, self.spec, self.tiers[-1].pool.slots)
         else:
             keys = range(self.tiers[0].pool.slots)
         with path.cond:
+            for key in host_only:  # into the host tier and no further, as a bypassed expert is loaded
+                path.compute_on_host(key)
             for key in keys:
                 path.route(key, demand=True, priority=float("inf"))
             path.cond.notify_all()
             while path.busy() and path.failure is None:
                 path.cond.wait()
             path.raise_failure()
+            for key in host_only:
+                path.computed_on_host(key)
         self.counters.reset()
         path.prefetched_unused.clear()
         return time.perf_counter() - started
