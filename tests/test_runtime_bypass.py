@@ -4,6 +4,8 @@ for one request and for a batch, whatever the budgets; the counters say what was
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -127,3 +129,44 @@ def test_a_placement_from_a_profile_needs_one(on_host):
         load("tiny", fast_budget="25%", policy="static-freq")
     with pytest.raises(ConfigError, match="cannot hold a layer's top-2 experts"):
         load("tiny", fast_budget="25%", policy=on_host, host_budget="2%")  # one expert
+
+
+def test_generate_runs_a_placement_and_refuses_bad_placement_options_in_one_line(tmp_path, capsys):
+    from test_runtime import one_line_error
+
+    from moe_offload.cli.main import main
+
+    record = tmp_path / "run.json"
+    assert main(["generate", "--policy", "static-layers", "--fast-layers", "2", "--fast-budget", "25%",
+                 "--max-new-tokens", "3", "--json", str(record), "hi"]) == 0
+    assert "computed on the host" in capsys.readouterr().out
+    stats = json.loads(record.read_text())
+    assert stats["bypassed"] > 0 and stats["misses"] == 0 and stats["host_compute_seconds"] > 0
+    bad_trace = tmp_path / "profile.parquet"
+    bad_trace.write_text("not a trace")
+    for options, problem in ((["--policy", "lru", "--profile", str(bad_trace)], "policy 'lru' takes no profile"),
+                             (["--policy", "static-layers", "--fast-layers", "two"], "--fast-layers 'two'"),
+                             (["--policy", "static-freq", "--profile", str(tmp_path / "none.parquet")], "no such file"),
+                             (["--policy", "static-freq", "--profile", str(bad_trace)], "not a Parquet file"),
+                             (["--policy", "static-freq"], "chooses its experts from a profile"),
+                             (["--policy", "static-layers", "--fast-layers", "1",
+                               "--policy-option", "static-layers.fast_layers=1"], "say the same thing")):
+        assert main(["generate", *options, "hi"]) == 2
+        assert problem in one_line_error(capsys)
+
+
+def test_metrics_count_bypassed_requests_and_host_compute_seconds():
+    pytest.importorskip("fastapi")
+    from test_server import metrics, raw
+
+    from moe_offload.server import ServerThread
+
+    with load("tiny", fast_budget="25%", policy="static-layers", max_batch=2) as engine:
+        with ServerThread(engine, "tiny") as server:
+            body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 4}).encode()
+            assert raw(server, "/v1/completions", body)[0] == 200
+            scraped = metrics(server)
+            stats = engine.stats
+    assert scraped[("moe_offload_expert_bypassed_total", ())] == stats.bypassed > 0
+    assert scraped[("moe_offload_host_compute_seconds_total", ())] == pytest.approx(stats.host_compute_seconds)
+    assert stats.host_compute_seconds > 0
