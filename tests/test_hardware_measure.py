@@ -71,6 +71,9 @@ def test_the_measured_dict_is_a_profile_of_this_runtime(measured):
     # decoding with experts streaming in the background: both slowdowns measured, neither below 1
     assert "sharing: while a thread streamed experts" in text
     assert 1 <= profile.compute.slowdown_while_loading <= 100 and 1 <= profile.links[0].slowdown_while_computing <= 100
+    # on a CPU the fast tier is the host: the host's expert is the same measurement, the same roofline
+    assert profile.host is not None and profile.host.roofline == profile.compute.roofline
+    assert "host: the same expert on the host CPU" in text
 
 
 def test_a_cuda_measurement_has_the_runtimes_tiers(packed):
@@ -95,6 +98,10 @@ def test_a_cuda_measurement_has_the_runtimes_tiers(packed):
     assert profile.tiers[0].capacity_bytes == 24 * 2**30
     # computing in the stored dtype: the roofline's memory rate is the measured one, not halved
     assert profile.compute.roofline.memory_bandwidth_bytes_per_s == pytest.approx(cpu.memory_bandwidth, rel=1e-3)
+    # the host computes from float32 copies: reading one takes twice the bytes of the stored float16 expert,
+    # so its rate in stored bytes (the simulator's unit) is half the measured read
+    assert profile.host.roofline.memory_bandwidth_bytes_per_s == pytest.approx(cpu.host_memory_bandwidth / 2,
+                                                                               rel=1e-3)
     hosted = dataclasses.replace(cuda, host_link_seconds=9216 / 4e9, host_budget_bytes=2**30,
                                  capacities={"gpu": 24 * 2**30, "host": 2**30, "ssd": 2 * 10**12},
                                  capacity_notes={"gpu": "free", "host": "budget", "ssd": "disk"})

@@ -83,6 +83,21 @@ def run_list(args) -> int:
     return 0
 
 
+def _print_expert(out, label: str, cost, example: str, expert_bytes: int) -> None:
+    """One expert's cost (the GPU's compute or the host's): its form, and its time for 1 and 64 tokens."""
+    if cost.expert is not None:
+        out.print(f"  {label:<18} {cost.expert.fixed_s * 1e6:.1f} us + {cost.expert.per_token_s * 1e6:.3f} us x n")
+    else:
+        roof = cost.roofline
+        rate = (f"{roof.flops_per_s / 1e12:.1f} TFLOP/s" if roof.flops_per_s >= 1e12  # a measured CPU: GFLOP/s
+                else f"{roof.flops_per_s / 1e9:.3g} GFLOP/s")
+        out.print(f"  {label:<18} roofline: {rate}, "
+                  f"{format_bytes(roof.memory_bandwidth_bytes_per_s)}/s, {roof.bytes_per_param:g} bytes/parameter, "
+                  f"+{roof.expert_overhead_s * 1e6:.1f} us")
+    out.print(f"  {example}: {cost.expert_seconds(1, expert_bytes) * 1e6:.1f} us for 1 token, "
+              f"{cost.expert_seconds(64, expert_bytes) * 1e6:.1f} us for 64")
+
+
 def run_show(args) -> int:
     from moe_offload.trace.format import read_trace
 
@@ -112,18 +127,11 @@ def run_show(args) -> int:
     for label, cost in (("attention / layer", compute.attention), ("router / layer", compute.router),
                         ("LM head", compute.lm_head)):
         out.print(f"  {label:<18} {cost.fixed_s * 1e6:.1f} us + {cost.per_token_s * 1e6:.3f} us x n")
-    if compute.expert is not None:
-        out.print(f"  {'expert':<18} {compute.expert.fixed_s * 1e6:.1f} us + "
-                  f"{compute.expert.per_token_s * 1e6:.3f} us x n")
+    _print_expert(out, "expert", compute, example, expert_bytes)
+    if profile.host is not None:
+        _print_expert(out, "host expert", profile.host, example, expert_bytes)
     else:
-        roof = compute.roofline
-        rate = (f"{roof.flops_per_s / 1e12:.1f} TFLOP/s" if roof.flops_per_s >= 1e12  # a measured CPU: GFLOP/s
-                else f"{roof.flops_per_s / 1e9:.3g} GFLOP/s")
-        out.print(f"  {'expert':<18} roofline: {rate}, "
-                  f"{format_bytes(roof.memory_bandwidth_bytes_per_s)}/s, {roof.bytes_per_param:g} bytes/parameter, "
-                  f"+{roof.expert_overhead_s * 1e6:.1f} us")
-    out.print(f"  {example}: {compute.expert_seconds(1, expert_bytes) * 1e6:.1f} us for 1 token, "
-              f"{compute.expert_seconds(64, expert_bytes) * 1e6:.1f} us for 64")
+        out.print("  no [host] compute: no expert can be computed on the host (static placements, fetch-or-compute)")
     if compute.slowdown_while_loading != 1:
         out.print(f"  compute runs {compute.slowdown_while_loading:.3g}x slower while a transfer runs")
     if profile.sources:

@@ -91,6 +91,9 @@ def register(subparsers) -> None:
                        help="run MoEpic's split experts as `moe-offload configure --json` chose them: per layer, "
                             "the top segments of cache_size experts cached, split_ratio of an expert each, and a "
                             "buffer of top-k experts for the missing segments (replaces --cache-size)")
+    timed.add_argument("--fetch-or-compute", action="store_true",
+                       help="compute a missed expert on the host CPU (the profile's [host]) instead of loading it "
+                            "when that is predicted faster, per expert and batch (Fiddler's rule)")
     timed.add_argument("--reconfigure-every", type=int, metavar="TAU",
                        help="MoEpic's online configurator (paper 004, Algorithm 1): rerun the split configuration "
                             "every TAU tokens from the statistics gathered so far and resize the running caches "
@@ -270,6 +273,7 @@ def run_timed(args) -> int:
     from moe_offload.reporting.tables import print_timed_tables
     from moe_offload.simulator.split import read_split_config
     from moe_offload.simulator.timed import ORACLE, Arrivals, Reconfiguration, check_timed_run, timed_grid
+    from moe_offload.simulator.timed.simulate import timed_runs
 
     if args.plot:
         raise ConfigError("--plot draws the replay's misses; with --timed use --plot-cdf and --plot-timeline")
@@ -319,13 +323,12 @@ def run_timed(args) -> int:
         for policy in policies:
             for size in sizes:
                 check_timed_run(trace, hardware, policy, size, expert_bytes, arrivals, split, args.split_config,
-                                reconfiguration)
+                                reconfiguration, fetch_or_compute=args.fetch_or_compute)
         plans.append((path if args.traces else Path(path).name, trace, expert_bytes, sizes))
 
     stderr = Console(stderr=True)
     results = []
-    runs = sum(1 + len(sizes) * len(policies) * (len(prefetchers) + (ORACLE not in prefetchers))
-               for *_, sizes in plans)
+    runs = sum(len(timed_runs(policies, prefetchers, sizes)) for *_, sizes in plans)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeRemainingColumn(), console=stderr, transient=True, disable=not stderr.is_terminal) as bar:
         task = bar.add_task("timed runs", total=runs)
@@ -334,7 +337,8 @@ def run_timed(args) -> int:
                                   arrivals=arrivals, seed=args.seed, policy_options=options,
                                   prefetcher_options=prefetch_options, history=history,
                                   timeline_iteration=args.timeline_iteration, name=name, jobs=args.jobs,
-                                  progress=lambda: bar.advance(task), split=split, reconfiguration=reconfiguration)
+                                  progress=lambda: bar.advance(task), split=split, reconfiguration=reconfiguration,
+                                  fetch_or_compute=args.fetch_or_compute)
     if "learned" in policies:
         for name, trace, *_ in plans:
             note = learned_training_note(trace.path, options.get("learned", {}))

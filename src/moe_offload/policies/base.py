@@ -109,6 +109,9 @@ class EvictionPolicy:
     def __init__(self, spec: ModelSpec, seed: int = 0):
         self.spec = spec
         self.cache_slots: int | None = None  # experts the cache holds when full; set by the cache (module doc)
+        # Residents this policy never offers as victims (pinned-lru's hot set): the cache counts them as
+        # pinned when it decides whether room can be made, so it waits rather than ask for a victim in vain.
+        self.fixed: frozenset = frozenset()
 
     def kernel_arguments(self) -> tuple[np.ndarray, np.ndarray]:
         """(floats, ints) that ``replay_kernel`` starts from, taken from this instance as constructed (its

@@ -29,7 +29,6 @@ class PinnedLRU(LRU):
         super().__init__(spec, seed)
         self.pinned_share = number(pinned_share, "pinned-lru.pinned_share", low=0.0, high=1.0, high_open=True)
         self.profile = None if profile is None else load_profile_trace(profile, spec, "pinned-lru.profile")
-        self.hot: frozenset = frozenset()
 
     def placement(self, slots, trace):
         pinned = int(self.pinned_share * slots)
@@ -37,11 +36,11 @@ class PinnedLRU(LRU):
             raise ConfigError(f"pinned-lru.pinned_share {self.pinned_share}: pinning {pinned} of {slots} experts "
                               "leaves no slot for the LRU part")
         source = self.profile if self.profile is not None else trace
-        self.hot = frozenset(most_frequent(expert_counts(source, self.spec), pinned, self.spec))
-        return sorted(self.hot)
+        self.fixed = frozenset(most_frequent(expert_counts(source, self.spec), pinned, self.spec))
+        return sorted(self.fixed)
 
     def on_insert(self, key, ctx):
-        if key not in self.hot:  # the pinned set is outside the LRU order: never a victim
+        if key not in self.fixed:  # the pinned set is outside the LRU order: never a victim
             super().on_insert(key, ctx)
 
     def on_evict(self, key):

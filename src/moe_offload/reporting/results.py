@@ -29,6 +29,7 @@ class RunResult:
     bypassed: int | None = None                # misses served where the expert lives, not loaded
     per_layer_bypassed: list[int] | None = None
     host_compute_seconds: float | None = None  # timed: the host's compute of the bypassed experts
+    admission: str | None = None               # the driver's admission rule, if any ("fetch-or-compute")
     opt_misses: int | None = None   # Belady OPT on the same sequence and cache size
     bytes_loaded: int | None = None  # misses x expert size, when the trace gives the size
     prefetches_issued: int | None = None

@@ -85,10 +85,12 @@ def _share(value: float | None) -> str:
 
 
 def run_label(result: RunResult) -> str:
-    """How a timed run is named in tables and plots: the policy and the prefetcher, or the bound."""
+    """How a timed run is named in tables and plots: the policy and the prefetcher (and the admission rule),
+    or the bound."""
+    rule = f", {result.admission}" if result.admission else ""
     if result.prefetcher is None:
-        return result.policy if result.policy == "all-resident" else f"{result.policy}, no prefetch"
-    return f"{result.policy} + {result.prefetcher}"
+        return result.policy if result.policy == "all-resident" else f"{result.policy}, no prefetch{rule}"
+    return f"{result.policy} + {result.prefetcher}{rule}"
 
 
 def print_timed_tables(results: list[RunResult], console: Console, hardware=None, arrivals: str | None = None) -> None:
@@ -112,8 +114,9 @@ def print_timed_tables(results: list[RunResult], console: Console, hardware=None
             latency.add_column(column, justify="left" if column in ("run", "cache") else "right")
         traffic = Table(title=f"{trace}{where}  -  expert traffic", title_justify="left")
         links = list(dict.fromkeys(link for r in rows for link in (r.bytes_per_link or {})))
+        hosting = any(r.bypassed is not None for r in rows)  # experts computed on the host: their columns
         for column in ("run", "cache", "hit rate", "on-demand", "prefetched", "used", "wasted", "precision",
-                       "recall", *(f"{link} moved" for link in links)):
+                       "recall", *(("bypassed", "host s") if hosting else ()), *(f"{link} moved" for link in links)):
             traffic.add_column(column, justify="left" if column in ("run", "cache") else "right")
         ordered = sorted(rows, key=lambda r: (r.policy != "all-resident", r.cache_bytes or 0, r.policy,
                                               r.prefetcher != "oracle", r.prefetcher or ""))
@@ -136,6 +139,9 @@ def print_timed_tables(results: list[RunResult], console: Console, hardware=None
                             f"{r.prefetches_used:,}" if prefetching else "-",
                             f"{r.prefetches_wasted:,}" if prefetching else "-",
                             _share(r.prefetch_precision), _share(r.prefetch_recall) if prefetching else "-",
+                            *((f"{r.bypassed:,}" if r.bypassed is not None else "-",
+                               f"{r.host_compute_seconds:.3f}" if r.host_compute_seconds is not None else "-")
+                              if hosting else ()),
                             *(format_bytes(r.bytes_per_link.get(link, 0)) if r.bytes_per_link.get(link) else "0"
                               for link in links))
         console.print(latency)

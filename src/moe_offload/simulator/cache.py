@@ -192,10 +192,12 @@ class ExpertCache:
         if self.policy.cache_slots is None:  # full for the first time: what it holds is its size in experts
             self.policy.cache_slots = len(self.resident) + len(self.reserved)
         pinned = ctx.pinned
-        if self.reserved or pinned or self.held or protect:  # the hot paths (the replay) have none of these
+        fixed = self.policy.fixed
+        blocked = pinned | fixed if fixed else pinned  # what no victim can come from
+        if self.reserved or blocked or self.held or protect:  # the hot paths (the replay) have none of these
             spared = self.held.keys() | protect if ctx.prefetch and protect else self.held.keys()
-            if not self._room_can_be_made(pinned, size, spared):
-                if ctx.prefetch or not self._release_holds_for(pinned, size):
+            if not self._room_can_be_made(blocked, size, spared):
+                if ctx.prefetch or not self._release_holds_for(blocked, size):
                     return False
                 spared = self.held.keys()
             if spared:  # the policy must not see a held or protected expert as a candidate

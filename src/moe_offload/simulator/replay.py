@@ -49,8 +49,9 @@ class ReplayInput:
 
 
 def check_cache_size(policy: str, cache_size: int, spec: ModelSpec) -> None:
-    """Raise ConfigError when ``policy`` cannot run with ``cache_size`` experts."""
-    if cache_size < spec.top_k:
+    """Raise ConfigError when ``policy`` cannot run with ``cache_size`` experts. A static placement computes
+    what it does not hold where it lives, so any size will do."""
+    if cache_size < spec.top_k and not policy_info(policy).policy.static:
         raise ConfigError(f"a cache of {cache_size} experts is smaller than top-k = {spec.top_k}: one layer's "
                           f"selected experts could not be resident together")
     if policy_info(policy).partitioned and cache_size < spec.num_layers:

@@ -11,6 +11,9 @@ What the runtime (runtime/engine.py) does with an expert, timed piece by piece o
   memory (parallel read), the conversion (CPU) or the pinned host -> GPU copy (CUDA);
 - one expert's computation (the per-expert work of models/experts.py: select tokens, gate_up, activation,
   down, routing weight, index_add) at 1, 2, 4, ..., 64 tokens, fitted to the profile's roofline;
+- the same expert on the host CPU in float32 (as the runtime computes on a CPU), with the host memory's
+  streaming read beside it: the profile's ``[host]`` roofline, what a bypassed expert costs (a static
+  placement's, or Fiddler's fetch-or-compute rule's). On a CPU machine that is the expert measured above;
 - the rest of an iteration (attention, routers, LM head) by running the packed model's skeleton with the
   experts stubbed out and timing its modules with hooks;
 - one whole decode step of the runtime with every expert resident (OffloadEngine, preloaded, greedy
@@ -105,6 +108,8 @@ class Measurements:
     decode_step_s: float | None = None          # one all-resident decode step of the runtime, end to end
     decode_step_streaming_s: float | None = None  # the same while experts stream through the data path
     link_seconds_decoding: float | None = None  # one expert of that stream, while the decode runs
+    host_expert_seconds: dict[int, float] | None = None  # tokens -> the expert on the host CPU (float32)
+    host_memory_bandwidth: float | None = None  # streaming read of the host's memory (float32)
     elapsed_s: float = 0.0
     date: str = field(default_factory=lambda: datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
 
@@ -224,6 +229,12 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
     model, adapter, _ = load_skeleton(manifest, device, compute_dtype, verify=False)
     tensors = ExpertStore(manifest).read_tensors(*keys[0])
     expert_seconds = measure_expert_compute(adapter.experts(0), tensors, device, compute_dtype, repeats)
+    if device.type == "cpu":  # the fast tier is the host: its expert is the host's
+        host_expert_seconds, host_memory_bandwidth = expert_seconds, memory_bandwidth
+    else:
+        cpu = torch.device("cpu")
+        host_expert_seconds = measure_expert_compute(adapter.experts(0), tensors, cpu, torch.float32, repeats)
+        host_memory_bandwidth = measure_memory_bandwidth(cpu, repeats)
     non_expert = measure_non_expert(model, adapter, device, repeats)
     del model
     decode_step, decode_step_streaming, link_decoding = measure_decode_step(
@@ -245,6 +256,7 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
         expert_seconds=expert_seconds, non_expert_seconds=non_expert, num_layers=manifest.num_layers,
         capacities=sizes, capacity_notes=notes, threads=torch.get_num_threads(), decode_step_s=decode_step,
         decode_step_streaming_s=decode_step_streaming, link_seconds_decoding=link_decoding,
+        host_expert_seconds=host_expert_seconds, host_memory_bandwidth=host_memory_bandwidth,
         elapsed_s=time.perf_counter() - started)
 
 
@@ -278,7 +290,7 @@ def slow_link(m: Measurements) -> tuple[float, float]:
     return fit_latency_bandwidth(m.expert_bytes, stream, max(m.link_alone_s, stream))[0], m.expert_bytes / stream
 
 
-def expert_roofline(m: Measurements) -> dict:
+def expert_roofline(m: Measurements, host: bool = False) -> dict:
     """The roofline ``overhead + max(bytes / memory bandwidth, 2 P n / flops)`` fitted to the measured expert:
     the memory term from the streaming read (converted to stored bytes, the simulator's unit), the slope of
     time over tokens as the FLOP rate, and the overhead that makes the roofline pass through the one-token
@@ -286,19 +298,24 @@ def expert_roofline(m: Measurements) -> dict:
     than the streaming read predicts (a weight that stays in a CPU's last-level cache between tokens), the
     memory bandwidth is the one-token rate instead. A roofline rather than a linear cost so that the profile
     scales with the expert size of whatever trace it simulates; between one token and the compute-bound
-    sizes it is a bound, not a fit (MKL's products of 4 to 16 rows on CPU take up to twice what it says)."""
+    sizes it is a bound, not a fit (MKL's products of 4 to 16 rows on CPU take up to twice what it says).
+    ``host``: the same fit to the expert measured on the host CPU in float32 (the profile's ``[host]``)."""
     stored_itemsize = m.expert_bytes / m.expert_params
-    compute_itemsize = 4 if m.compute_dtype == "float32" else stored_itemsize
-    memory_bandwidth = m.memory_bandwidth * stored_itemsize / compute_itemsize
+    if host:
+        expert_seconds, compute_itemsize, read = m.host_expert_seconds, 4, m.host_memory_bandwidth
+    else:
+        expert_seconds, read = m.expert_seconds, m.memory_bandwidth
+        compute_itemsize = 4 if m.compute_dtype == "float32" else stored_itemsize
+    memory_bandwidth = read * stored_itemsize / compute_itemsize
     memory_s = m.expert_bytes / memory_bandwidth
-    tokens = sorted(m.expert_seconds)
-    seconds = [m.expert_seconds[n] for n in tokens]
+    tokens = sorted(expert_seconds)
+    seconds = [expert_seconds[n] for n in tokens]
     _, per_token = fit_linear_cost(tokens, seconds)
     compute_bound = [n for n in tokens if per_token * n >= memory_s]
     if len(compute_bound) >= 2:  # the slope where the FLOPs, not the weights' bytes, set the time
-        _, per_token = fit_linear_cost(compute_bound, [m.expert_seconds[n] for n in compute_bound])
+        _, per_token = fit_linear_cost(compute_bound, [expert_seconds[n] for n in compute_bound])
     per_token = max(per_token, 1e-12)  # flat within noise: a rate too high to matter, still finite
-    one = m.expert_seconds[tokens[0]]
+    one = expert_seconds[tokens[0]]
     if one < max(memory_s, per_token * tokens[0]) and per_token * tokens[0] < one:
         memory_bandwidth, memory_s = m.expert_bytes / one, one
     overhead = max(0.0, one - max(memory_s, per_token * tokens[0]))
@@ -373,6 +390,8 @@ def profile_dict(m: Measurements, name: str = "measured") -> dict:
     if link_slowdown is not None:
         links[-1]["slowdown_while_computing"] = _round(link_slowdown)
     compute = {key: _round(value) for key, value in expert_roofline(m).items()}
+    host = ({key: _round(value) for key, value in expert_roofline(m, host=True).items()}
+            if m.host_expert_seconds else None)
     for part in ("attention", "router", "lm_head"):
         tokens = sorted(m.non_expert_seconds[part])
         fixed, per_token = fit_linear_cost(tokens, [m.non_expert_seconds[part][n] for n in tokens])
@@ -395,11 +414,18 @@ def profile_dict(m: Measurements, name: str = "measured") -> dict:
                        f"slowdown_while_loading {compute_slowdown:.3g}; while the decode ran, the stream took "
                        f"{m.link_seconds_decoding * 1e6:.1f} us an expert: the ssd link's slowdown_while_computing "
                        f"{link_slowdown:.3g} (ratios below 1 are noise, read as 1)")
-    return {"name": name,
-            "description": f"measured on {m.date[:10]}: {m.device_name}, experts computed in {fast}, read from "
-                           f"the expert files of a packed {m.model_type} model",
-            "sources": sources,
-            "tiers": tiers, "links": links, "compute": compute}
+    if host is not None:
+        sources.append("host: the same expert on the host CPU in float32 at "
+                       + ", ".join(f"{n}: {s * 1e6:.1f} us" for n, s in sorted(m.host_expert_seconds.items()))
+                       + f" tokens, host memory read {m.host_memory_bandwidth / 1e9:.3g} GB/s; the same roofline fit")
+    profile = {"name": name,
+               "description": f"measured on {m.date[:10]}: {m.device_name}, experts computed in {fast}, read from "
+                              f"the expert files of a packed {m.model_type} model",
+               "sources": sources,
+               "tiers": tiers, "links": links, "compute": compute}
+    if host is not None:
+        profile["host"] = host
+    return profile
 
 
 def measure_hardware(packed_dir, *, repeats: int = 5, bypass_page_cache: bool = True, device=None,

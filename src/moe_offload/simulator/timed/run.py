@@ -46,6 +46,16 @@ the replay's (trace/flatten.py: token, rank, layer) and every policy makes exact
 (tests/test_timed.py checks it). With top-k > 1 the orders differ by design: the replay serves paper
 001's rounds (rank-major), the timed simulator the physical order (layer-major).
 
+Host compute. A miss the GPU's cache does not admit (simulator/cache.py: Admission; a static placement, or
+``fetch_or_compute``: Fiddler's rule, policies/fetch_or_compute.py) is bypassed: nothing is loaded, and the
+host CPU computes the expert from its copy in host memory (read there first from a slower home, an SSD, at
+that link's speed), ``hardware.host.expert_seconds(tokens routed to it)``, as ktransformers and HybriMoE
+schedule it. When the layer is routed the host starts: the hidden states of the iteration's tokens cross
+the host link, the layer's bypassed experts run one after another, the results cross back. Meanwhile the
+GPU computes the resident and loaded experts; the layer is done when both are (the GPU's wait for the host
+counts as stall). A prefill routes many tokens to an expert, so its host compute is many tokens of the
+CPU's FLOPs: TTFT grows with the prompt.
+
 Split experts (``split``, MoEpic, paper 004). The GPU is then not one cache of whole experts but, per layer,
 a cache of top segments and a buffer for the missing segments (simulator/split.py): a transfer into the
 GPU carries what the expert lacks there (its bottom segment when its top is cached, else all of it),
@@ -67,6 +77,7 @@ import numpy as np
 from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies import AccessContext, ModelSpec, policy_factory, policy_info
+from moe_offload.policies.fetch_or_compute import FetchOrCompute
 from moe_offload.prefetch import Prefetcher, RoutingView, search_latency
 from moe_offload.prefetch.budget import budget_from_hardware
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
@@ -116,7 +127,7 @@ class TimedRun:
     def __init__(self, trace: Trace, hardware: HardwareProfile, policy: str, cache_bytes: int, expert_bytes: int,
                  prefetcher: Prefetcher | None, arrivals: Arrivals, seed: int, policy_options: dict | None,
                  all_resident: bool, split: SplitConfig | None = None,
-                 reconfiguration: OnlineConfigurator | None = None):
+                 reconfiguration: OnlineConfigurator | None = None, fetch_or_compute: bool = False):
         meta = trace.meta
         self.trace, self.hardware, self.arrivals = trace, hardware, arrivals
         self.spec = spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
@@ -127,10 +138,10 @@ class TimedRun:
         self.offline = info.offline and not all_resident
         make = policy_factory(policy, spec, seed=seed, options=policy_options)  # every tier's policy
 
-        def cache(capacity):
+        def cache(capacity, admission=None):
             if info.partitioned:
-                return PartitionedCache(capacity, self.L, make, self.J, slot_size=expert_bytes)
-            return ExpertCache(capacity, make())
+                return PartitionedCache(capacity, self.L, make, self.J, slot_size=expert_bytes, admission=admission)
+            return ExpertCache(capacity, make(), admission)
 
         total = self.L * self.J * expert_bytes
         self.ctx = ctx = AccessContext()
@@ -145,7 +156,9 @@ class TimedRun:
         elif split is not None:
             self.fast = self.split = SplitExperts(split, self.J, spec.top_k, expert_bytes, make)
         else:
-            self.fast = cache(cache_bytes)
+            rule = FetchOrCompute(self._fetch_seconds, self._compute_seconds) if fetch_or_compute else None
+            self.fast = cache(cache_bytes, rule)
+            self.fast.preload(trace, ctx, expert_bytes)  # a static placement's experts, before the first pass
         # The home tier holds every expert from the start; the tiers between it and the GPU are caches.
         # every expert in the GPU (all-resident, no home found): no other tier and no link is used
         home = home_tier(hardware, total) or 0
@@ -162,7 +175,10 @@ class TimedRun:
         self.iteration = 0
         self.passed_last_router = False  # the current pass has routed its last layer
         # counters
-        self.accesses = self.hits = self.on_demand = self.used = 0
+        self.accesses = self.hits = self.on_demand = self.used = self.bypassed = 0
+        self.host_seconds = 0.0
+        self.bypassed_now: dict[int, int] = {}  # the current layer's bypassed experts -> tokens routed to each
+        self.per_layer_bypassed = [0] * self.L
         self.per_layer_accesses = [0] * self.L
         self.per_layer_hits = [0] * self.L
         self.per_layer_stall = [0.0] * self.L
@@ -302,6 +318,12 @@ class TimedRun:
             for tier in middle:
                 tier.touch(key, ctx)
             load = net.loads.get(key)
+            if load is None and self.split is None and not fast.admits(key, ctx):  # computed on the host (module doc: Host compute)
+                self.bypassed += 1
+                self.per_layer_bypassed[layer] += 1
+                self.bypassed_now[key] = sum(ctx.routed.values())
+                self.pinned.discard(key)
+                continue
             if load is not None and not load.demand and net.on_last_wire(key):
                 self.used += prefetched  # a late prefetch, already on its last wire
                 continue
@@ -320,8 +342,58 @@ class TimedRun:
             return key in self.fast
         return self.split.has_top(key)
 
-    def _run_experts(self, layer: int, keys: list[int], counts: list[int]) -> None:
-        remaining = [[key, tokens, False] for key, tokens in zip(keys, counts)]  # [key, tokens, top share run]
+    # ------------------------------------------------------------------------------------------ the host
+
+    def _where(self, key: int) -> int:
+        """The fastest tier after the GPU that holds ``key``: a middle cache's copy, else the home."""
+        return next((i for i in range(1, self.net.home) if key in self.net.caches[i]), self.net.home)
+
+    def _read_seconds(self, key: int, down_to: int) -> float:
+        """One expert's bytes over the links from where it is to tier ``down_to``, hop after hop, alone."""
+        return sum(self.hardware.link_from(i).transfer_seconds(self.E) for i in range(down_to + 1,
+                                                                                       self._where(key) + 1))
+
+    def _activation_seconds(self, tokens: int) -> float:
+        """The hidden states of ``tokens`` over the host link, one way: its latency, plus their bytes when the
+        trace gives the hidden size (in the profile's bytes per parameter)."""
+        link = self.hardware.link_from(1)
+        hidden = self.trace.meta.hidden_size
+        roofline = self.compute.roofline
+        nbytes = tokens * hidden * (roofline.bytes_per_param if roofline is not None else 2.0) if hidden else 0
+        return link.transfer_seconds(nbytes)
+
+    def _host_expert_seconds(self, key: int, tokens: int) -> float:
+        """The host's time for expert ``key`` on ``tokens`` tokens: its weights read into host memory when
+        they are further away (an SSD home), then its compute there."""
+        return self._read_seconds(key, 1) + self.hardware.host.expert_seconds(tokens, self.E)
+
+    def _fetch_seconds(self, key: int, tokens: int) -> float:
+        """Fiddler's fetch(k, n): the expert's bytes to the GPU, then its compute there."""
+        return self._read_seconds(key, 0) + self.compute.expert_seconds(tokens, self.E)
+
+    def _compute_seconds(self, key: int, tokens: int) -> float:
+        """Fiddler's compute(k, n): the hidden states to the host and back, and the host's compute."""
+        return 2 * self._activation_seconds(tokens) + self._host_expert_seconds(key, tokens)
+
+    def _start_host(self, layer: int, tokens: int) -> float:
+        """Start the host's work on the layer's bypassed experts now: the hidden states of the iteration's
+        ``tokens`` go over once, the experts run one after another on the CPU, the results come back once.
+        Returns when it is done."""
+        start = self.now
+        t = start + self._activation_seconds(tokens)
+        for key, routed in self.bypassed_now.items():
+            seconds = self._host_expert_seconds(key, routed)
+            self.events.append(("host", "expert", t, t + seconds, layer, key))
+            self.host_seconds += seconds
+            t += seconds
+        self.bypassed_now = {}
+        return t + self._activation_seconds(tokens)
+
+    def _run_experts(self, layer: int, keys: list[int], counts: list[int], tokens: int) -> None:
+        bypassed = self.bypassed_now  # they run on the host
+        host_done = self._start_host(layer, tokens) if bypassed else self.now
+        remaining = [[key, count, False] for key, count in zip(keys, counts)  # [key, tokens, top share run]
+                     if key not in bypassed]
         expert_seconds, E, split = self.compute.expert_seconds, self.E, self.split
         theta = split.ratio[layer] if split is not None else 1.0
         while remaining:
@@ -349,6 +421,11 @@ class TimedRun:
             if split is not None:
                 split.consume(key)
             self.net.kick()
+        if host_done > self.now:  # the layer is done when the host's share is
+            start = self.now
+            self._advance_to(host_done)
+            self.per_layer_stall[layer] += self.now - start
+            self.events.append(("stall", "host", start, self.now, layer, -1))
 
     def run(self) -> dict:
         trace, ctx, compute, L, J = self.trace, self.ctx, self.compute, self.L, self.J
@@ -387,7 +464,7 @@ class TimedRun:
                     self.layer_now, self.passed_last_router = -1, True
                 if self.prefetcher is not None:
                     self._consult(self.prefetcher.on_layer_routed, view)
-                self._run_experts(layer, keys, counts)
+                self._run_experts(layer, keys, counts, n)
             self._compute(compute.lm_head(n), "lm_head", -1)
             for request in requests:
                 token_times[request].append(self.now)
@@ -449,6 +526,8 @@ class TimedRun:
                    "expert": key}
                   for lane, kind, s, e, layer, key in self.events if (e > start and s < end) or s == e == start]
         lanes = ["compute", "stall"] + [q.link.name for q in self.net.queues.values()]
+        if any(event[0] == "host" for event in self.events):
+            lanes.append("host")
         if any(event[0] == "matcher" for event in self.events):
             lanes.append("matcher")
         return {"iteration": iteration, "duration_s": end - start, "lanes": lanes, "events": events}
