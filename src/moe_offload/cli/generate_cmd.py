@@ -58,6 +58,12 @@ def add_engine_arguments(parser) -> None:
                         help="trace the prefetcher learns from first (default for --model tiny: the bundled "
                              "recorded trace, for the prefetchers that need a history)")
     parser.add_argument("--policy-option", action="append", default=[], metavar=POLICY_OPTION)
+    parser.add_argument("--profile", default=None, metavar="TRACE",
+                        help="the trace a placing policy chooses its resident experts from (static-freq, pinned-lru: "
+                             "the most frequent); the experts it leaves out are computed on the host")
+    parser.add_argument("--fast-layers", default=None, metavar="N",
+                        help="static-layers: the last N layers' experts in the fast tier, the others computed on "
+                             "the host (llama.cpp's --n-cpu-moe L-N; default: as many whole layers as fit)")
     parser.add_argument("--prefetch-option", action="append", default=[], metavar=PREFETCH_OPTION)
     parser.add_argument("--bypass-page-cache", action="store_true",
                         help="drop expert files from the page cache before each read (honest SSD timings)")
@@ -69,6 +75,42 @@ def add_engine_arguments(parser) -> None:
                         help="where fMoE's matcher searches: on a thread of its own, its proposals applied when they "
                              "arrive (async, the paper's; default), on the decode thread (inline), or on its thread "
                              "with the decode thread waiting for each result (lockstep)")
+
+
+def engine_policy_options(args: argparse.Namespace) -> tuple[dict | None, dict | None]:
+    """The policy's and the prefetcher's options (``runtime_options``) with ``--profile`` and
+    ``--fast-layers`` among the policy's, checked before any work."""
+    from moe_offload.errors import ConfigError
+    from moe_offload.policies import policy_info
+    from moe_offload.values import integer, option_defaults
+
+    policy_options, prefetch_options = runtime_options(args)
+    takes = option_defaults(policy_info(args.policy).policy)
+    for flag, option, value in (("--profile", "profile", args.profile), ("--fast-layers", "fast_layers",
+                                                                       args.fast_layers)):
+        if value is None:
+            continue
+        if option not in takes:
+            raise ConfigError(f"{flag}: policy {args.policy!r} takes no {option} (static-freq and pinned-lru take "
+                              "--profile, static-layers --fast-layers)")
+        if option in (policy_options or {}):
+            raise ConfigError(f"{flag} and --policy-option {args.policy}.{option}=... say the same thing: give one")
+        value = _profile(value) if option == "profile" else integer(value, flag, low=0)
+        policy_options = {**(policy_options or {}), option: value}
+    return policy_options, prefetch_options
+
+
+def _profile(path) -> str:
+    """``--profile``'s trace, read once here so that a bad one is refused before the model loads."""
+    from moe_offload.errors import ConfigError, TraceError
+    from moe_offload.inputs import check_input
+    from moe_offload.trace.format import read_trace
+
+    try:
+        read_trace(check_input(path, "profile trace"))
+    except TraceError as exc:
+        raise ConfigError(f"--profile: {exc}") from None
+    return str(path)
 
 
 def apply_threads(args: argparse.Namespace) -> None:
@@ -108,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
 
         read_split_config(args.split_config)
     reconfiguration = online_reconfiguration(args)
-    policy_options, prefetch_options = runtime_options(args)
+    policy_options, prefetch_options = engine_policy_options(args)
     prompt = chat_prompt(args.prompt) if args.chat else args.prompt
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
                   policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,

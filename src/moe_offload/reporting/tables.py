@@ -175,6 +175,10 @@ def print_runtime_summary(generation, engine, console: Console | None = None) ->
         ("TPOT", f"{_ms(stats.tpot_seconds)} ms"),
         ("hit rate", f"{_share(stats.hit_rate)} of {stats.accesses} expert requests"),
         ("on-demand loads", str(stats.on_demand_loads)),
+    ]
+    if stats.bypassed is not None:  # a placing policy (runtime/placement.py)
+        rows += [("computed on the host", f"{stats.bypassed} expert requests in {_ms(stats.host_compute_seconds)} ms")]
+    rows += [
         ("prefetch precision", _share(stats.prefetch_precision)),
         ("prefetch recall", _share(stats.prefetch_recall)),
         ("stall", f"{_ms(stats.stall_seconds)} ms"),
