@@ -1,0 +1,61 @@
+"""Issue 23, outside the server: inputs that commands misread, ate or crashed on. Every bad input ends in
+one line naming the file or field and the problem, exit status 2, before any work and with nothing written."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moe_offload.cli.main import main
+from moe_offload.errors import TraceError
+from moe_offload.trace.format import DECODE, PREFILL, Trace, TraceMeta
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exit_:  # argparse's errors
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_refused(code: int, err: str, *fragments) -> None:
+    assert code == 2, err
+    assert err.startswith("moe-offload") and err.count("\n") == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert str(fragment) in err, err
+
+
+# ------------------------------------------------------------------ traces with impossible content
+
+META = TraceMeta(model="m", num_layers=1, num_experts=4, top_k=1, expert_bytes=64)
+
+
+def build(request, position, phase, iteration) -> Trace:
+    return Trace.build(META, np.zeros((len(request), 1, 1), np.int64), request=request, position=position,
+                       phase=phase, iteration=iteration)
+
+
+def test_a_request_decoding_before_its_prompt_with_falling_positions_is_refused():
+    # request 0: decode at position 5, then its prompt at positions 1 and 0
+    with pytest.raises(TraceError, match="row 1: request 0 has position 1 after position 5"):
+        build([0, 0, 0], [5, 1, 0], [DECODE, PREFILL, PREFILL], [0, 1, 1])
+
+
+def test_a_prefill_after_a_decode_of_the_same_request_is_refused():
+    with pytest.raises(TraceError, match="row 2: request 0 has a prefill row after its decode row 1"):
+        build([0, 0, 0], [0, 1, 2], [PREFILL, DECODE, PREFILL], [0, 1, 2])
+
+
+def test_twenty_decode_tokens_of_one_request_in_one_iteration_are_refused():
+    with pytest.raises(TraceError, match="row 1: request 0 decodes more than one token in iteration 0"):
+        build([0] * 20, list(range(20)), [DECODE] * 20, [0] * 20)
+
+
+def test_possible_traces_still_pass():
+    """A chunked prompt (many prefill rows in one iteration), interleaved requests, one decode per request
+    per iteration: all a real scheduler does."""
+    trace = build([0, 0, 1, 0, 1, 0, 1], [0, 1, 0, 2, 1, 3, 2],
+                  [PREFILL, PREFILL, PREFILL, DECODE, DECODE, DECODE, DECODE], [0, 0, 0, 1, 1, 2, 2])
+    assert trace.num_tokens == 7
