@@ -59,3 +59,33 @@ def test_possible_traces_still_pass():
     trace = build([0, 0, 1, 0, 1, 0, 1], [0, 1, 0, 2, 1, 3, 2],
                   [PREFILL, PREFILL, PREFILL, DECODE, DECODE, DECODE, DECODE], [0, 0, 0, 1, 1, 2, 2])
     assert trace.num_tokens == 7
+
+
+def test_a_sealed_trace_of_zero_rows_is_refused_in_one_line(tmp_path, capsys):
+    import json
+
+    import pyarrow.parquet as pq
+
+    from moe_offload.trace import integrity
+    from moe_offload.trace.format import METADATA_KEY, _stored_columns, write_trace
+
+    path = write_trace(build([0, 0], [0, 1], [DECODE, DECODE], [0, 1]), tmp_path / "t.parquet")
+    table = pq.read_table(path).slice(0, 0)
+    stored = dict(table.schema.metadata)
+    empty = {name: values[:0] for name, values in _stored_columns(build([0], [0], [DECODE], [0])).items()}
+    stored[integrity.CHECKSUM_KEY] = integrity.seal(json.loads(stored[METADATA_KEY]), empty)
+    pq.write_table(table.replace_schema_metadata(stored), path)
+    code, _, err = run(capsys, "trace", "info", path)
+    assert_refused(code, err, path, "no tokens")
+
+
+def test_a_layer_key_that_is_a_digit_but_not_a_number_is_refused(tmp_path, capsys):
+    import json
+
+    document = {"meta": {"model": "m", "num_experts": 4, "top_k": 1},
+                "routes": [{"token_pos": 0, "phase": "decode", "layers": {"²": {"experts": [1], "weights": [1.0]}}}]}
+    source = tmp_path / "routes.json"
+    source.write_text(json.dumps(document))
+    code, _, err = run(capsys, "trace", "import", "routes-json", source, "-o", tmp_path / "out.parquet")
+    assert_refused(code, err, source, "layer keys must be layer numbers")
+    assert not (tmp_path / "out.parquet").exists()
