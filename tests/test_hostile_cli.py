@@ -89,3 +89,28 @@ def test_a_layer_key_that_is_a_digit_but_not_a_number_is_refused(tmp_path, capsy
     code, _, err = run(capsys, "trace", "import", "routes-json", source, "-o", tmp_path / "out.parquet")
     assert_refused(code, err, source, "layer keys must be layer numbers")
     assert not (tmp_path / "out.parquet").exists()
+
+
+# ------------------------------------------------------------------ standard output that cannot be written
+
+@pytest.mark.parametrize("argv", [("trace", "info", "olmoe"), ("policies",),
+                                  ("simulate", "olmoe", "--policy", "lru", "--cache-size", "64")])
+def test_stdout_on_a_full_disk_is_one_line(argv):
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "moe_offload.cli.main", *argv], stdout=full,
+                                stderr=subprocess.PIPE, text=True)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == "moe-offload: error: standard output: cannot write: No space left on device\n"
+
+
+def test_an_output_name_that_is_not_utf8_is_written(tmp_path, capsys):
+    import os
+
+    name = os.fsdecode(b"trace-\xff.parquet")  # what Python makes of such a name on the command line
+    code, out, err = run(capsys, "trace", "synth", "zipf", "--length", "50", "-o", tmp_path / name)
+    assert code == 0, err
+    assert os.listdir(tmp_path) == [name]
+    assert "trace-\\udcff.parquet" in out
