@@ -114,3 +114,104 @@ def test_an_output_name_that_is_not_utf8_is_written(tmp_path, capsys):
     assert code == 0, err
     assert os.listdir(tmp_path) == [name]
     assert "trace-\\udcff.parquet" in out
+
+
+# ------------------------------------------------------------------ sweep results: locked, sealed, checked
+
+SMALL_SWEEP = """
+traces = ["zipf.parquet"]
+policies = ["lru", "lfu"]
+cache_sizes = [3]
+output = "results.parquet"
+"""
+
+
+@pytest.fixture
+def small_sweep(tmp_path):
+    from moe_offload.trace.format import write_trace
+    from moe_offload.trace.synthetic import zipf_trace
+
+    write_trace(zipf_trace(num_layers=2, num_experts=6, top_k=2, length=30, a=1.0, b=1.0, seed=1),
+                tmp_path / "zipf.parquet")
+    (tmp_path / "sweep.toml").write_text(SMALL_SWEEP)
+    return tmp_path / "sweep.toml"
+
+
+def test_a_second_sweep_into_the_same_results_is_refused_while_the_first_runs(small_sweep, capsys):
+    from moe_offload.sweep.store import ResultStore
+
+    results = small_sweep.parent / "results.parquet"
+    with ResultStore(results, []):  # the first sweep, running
+        code, _, err = run(capsys, "sweep", small_sweep)
+        assert_refused(code, err, results, "another sweep is writing these results now")
+        assert not results.exists()
+    code, _, err = run(capsys, "sweep", small_sweep)  # once it is done
+    assert code == 0, err
+
+
+def rewrite_metadata(path, change) -> None:
+    import pyarrow.parquet as pq
+
+    from moe_offload.sweep.store import METADATA_KEY
+
+    table = pq.read_table(path)
+    stored = dict(table.schema.metadata)
+    stored[METADATA_KEY] = change(stored[METADATA_KEY])
+    pq.write_table(table.replace_schema_metadata(stored), path)
+
+
+@pytest.mark.parametrize("metadata, problem", [
+    (b"[1, 2]", "metadata must be a JSON object, not list"),
+    (b'"a string"', "metadata must be a JSON object, not str"),
+    (b"[" * 100_000 + b"]" * 100_000, "JSON nested too deeply"),
+])
+def test_sweep_results_whose_metadata_is_not_an_object_are_refused(small_sweep, capsys, metadata, problem):
+    assert run(capsys, "sweep", small_sweep)[0] == 0
+    results = small_sweep.parent / "results.parquet"
+    rewrite_metadata(results, lambda _: metadata)
+    before = results.read_bytes()
+    code, _, err = run(capsys, "sweep", small_sweep)
+    assert_refused(code, err, results, problem)
+    assert results.read_bytes() == before
+
+
+def test_a_changed_value_in_the_sweep_results_is_refused_on_resume(small_sweep, capsys):
+    """The issue's case: an access count read back as another number. Here a whole value, rewritten with a
+    valid Parquet file around it (what a flipped bit in a page does, without the luck of the page checksum)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    assert run(capsys, "sweep", small_sweep)[0] == 0
+    results = small_sweep.parent / "results.parquet"
+    table = pq.read_table(results)
+    index = table.column_names.index("accesses")
+    changed = pa.array([value * 439 for value in table.column("accesses").to_pylist()], table.schema.field(index).type)
+    pq.write_table(table.set_column(index, table.schema.field(index), changed), results)
+    code, _, err = run(capsys, "sweep", small_sweep)
+    assert_refused(code, err, results, "do not match their checksum")
+
+
+def test_bit_flips_in_sweep_results_read_back_identical_or_are_refused(small_sweep, capsys, tmp_path):
+    """One bit of every 53rd byte of a small results file (bit 0 of byte 0, bit 1 of byte 53, ...): read back
+    as the rows written, or refused."""
+    from moe_offload.errors import ConfigError
+    from moe_offload.sweep.store import read_results
+
+    assert run(capsys, "sweep", small_sweep)[0] == 0
+    clean_bytes = (small_sweep.parent / "results.parquet").read_bytes()
+    clean = read_results(small_sweep.parent / "results.parquet")
+    damaged = tmp_path / "damaged.parquet"
+    accepted = refused = 0
+    offsets = range(0, len(clean_bytes), 53)
+    for offset in offsets:
+        data = bytearray(clean_bytes)
+        data[offset] ^= 1 << (offset // 53 % 8)
+        damaged.write_bytes(bytes(data))
+        try:
+            rows = read_results(damaged)
+        except ConfigError:
+            refused += 1
+            continue
+        assert rows == clean, offset
+        accepted += 1
+    assert refused > 0 and accepted + refused == len(offsets)
