@@ -135,16 +135,18 @@ def pack_model(model_dir, out_dir, on_expert=None) -> Manifest:
 
     from moe_offload.models.adapters import load_model, read_config
     from moe_offload.outputs import atomic_directory, check_output
+    from moe_offload.runtime.checkpoint_checks import check_checkpoint_files, check_loaded_weights
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_output(out_dir, inputs=[model_dir], directory=True, what="packed model")
+    raw = check_checkpoint_files(model_dir)  # before transformers reads a file (runtime/checkpoint_checks.py)
     config = read_config(model_dir)
-    raw = json.loads((model_dir / "config.json").read_text())
     stored = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    dtype = getattr(torch, stored, None)
+    dtype = getattr(torch, stored, None) if isinstance(stored, str) else None
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"{model_dir / 'config.json'}: unknown dtype {stored!r}")
     model, adapter = load_model(model_dir, dtype=dtype)
+    check_loaded_weights(model)
     with atomic_directory(out_dir) as staging:
         _write_pack(model, adapter, config, stored, model_dir, staging, on_expert)
     return read_manifest(out_dir)
@@ -152,6 +154,7 @@ def pack_model(model_dir, out_dir, on_expert=None) -> Manifest:
 
 def _write_pack(model, adapter, config, stored: str, model_dir: Path, out_dir: Path, on_expert) -> None:
     import torch
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     (out_dir / "experts").mkdir()
@@ -166,7 +169,10 @@ def _write_pack(model, adapter, config, stored: str, model_dir: Path, out_dir: P
             continue
         seen[key] = name
         non_experts[name] = tensor.contiguous()
-    save_file(non_experts, out_dir / NON_EXPERTS, metadata={"format": "pt"})
+    try:
+        save_file(non_experts, out_dir / NON_EXPERTS, metadata={"format": "pt"})
+    except SafetensorError as exc:  # its error for a failed write (a full disk): an OSError for atomic_directory
+        raise OSError(str(exc)) from None
 
     first = adapter.expert_tensors(0, 0)
     tensors, offset = [], 0
