@@ -141,7 +141,10 @@ def run(args: argparse.Namespace) -> int:
     from moe_offload import values
 
     if args.json:
-        check_output(args.json, suffixes=(".json",), what="result record")
+        from moe_offload.runtime.packing import model_files
+
+        check_output(args.json, suffixes=(".json",), what="result record",
+                     inputs=[*model_files(args.model), args.split_config, args.prefetch_history])
     values.integer(args.max_new_tokens, "--max-new-tokens", low=1)
     apply_threads(args)
     resolve_device(args.device)

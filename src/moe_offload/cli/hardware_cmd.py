@@ -198,7 +198,7 @@ def _warn_if_busy(threads: int | None) -> None:
 
 def run_measure(args) -> int:
     from moe_offload.runtime import measure
-    from moe_offload.runtime.packing import packed_directory
+    from moe_offload.runtime.packing import model_files, packed_directory
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, not {args.repeats}")
@@ -208,9 +208,10 @@ def run_measure(args) -> int:
     from moe_offload.outputs import check_output
     from moe_offload.runtime.engine import resolve_device
 
-    output = check_output(args.output, what="profile")
+    output = check_output(args.output, what="profile", inputs=model_files(args.model))
     resolve_device(args.device)
     packed = packed_directory(args.model)
+    check_output(output, what="profile", inputs=model_files(str(packed)))  # the pack made from a checkpoint
     _warn_if_busy(args.threads)
     measurements = measure.measure(packed, repeats=args.repeats, bypass_page_cache=not args.keep_page_cache,
                                    threads=args.threads, model_name=args.model, device=args.device,

@@ -58,16 +58,15 @@ def run(args) -> int:
         raise ConfigError("--plot draws the replay's misses; this sweep replays nothing")
     if (args.plot_cdf or args.plot_timeline) and "timed" not in modes:
         raise ConfigError("--plot-cdf and --plot-timeline draw timed runs; this sweep has none")
-    store = ResultStore(sweep.output, sweep.cells)
-    todo = [cell for cell in sweep.cells if not store.done(cell)]
-
     stderr = Console(stderr=True, soft_wrap=True)
-    stderr.print(f"{args.sweep}: {len(sweep.cells)} cells, {len(sweep.cells) - len(todo)} already in "
-                 f"{sweep.output}, {len(todo)} to run" + (f" on Ray ({args.ray})" if args.ray and todo else ""),
-                 markup=False, highlight=False)
-    with progress_bar() as bar:
-        task = bar.add_task("sweep cells", total=len(todo))
-        run_cells(sweep, todo, store, jobs=args.jobs, ray_address=args.ray, progress=lambda: bar.advance(task))
+    with ResultStore(sweep.output, sweep.cells) as store:  # locked: one sweep at a time writes the file
+        todo = [cell for cell in sweep.cells if not store.done(cell)]
+        stderr.print(f"{args.sweep}: {len(sweep.cells)} cells, {len(sweep.cells) - len(todo)} already in "
+                     f"{sweep.output}, {len(todo)} to run" + (f" on Ray ({args.ray})" if args.ray and todo else ""),
+                     markup=False, highlight=False)
+        with progress_bar() as bar:
+            task = bar.add_task("sweep cells", total=len(todo))
+            run_cells(sweep, todo, store, jobs=args.jobs, ray_address=args.ray, progress=lambda: bar.advance(task))
     stderr.print(f"results written to {sweep.output}", markup=False, highlight=False)
 
     rows = [store.rows[cell.key] for cell in sweep.cells]

@@ -215,7 +215,7 @@ def _read_routes(path: Path, document: dict, layer_keys: list[str] | None,
         if not isinstance(layers, dict) or not layers:
             fail("'layers' must be a non-empty object {layer: {experts, weights}}")
         if layer_keys is None:
-            if not all(key.isdigit() for key in layers):
+            if not all(key.isascii() and key.isdigit() for key in layers):
                 fail(f"layer keys must be layer numbers, found {sorted(layers)!r}")
             layer_keys = sorted(layers, key=int)
         if set(layers) != set(layer_keys):
