@@ -1,0 +1,59 @@
+"""Commands answer every request: a run that cannot be made is an error or a note in every output mode,
+never silence; everything checkable is checked before anything is loaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_offload.cli.main import main
+from moe_offload.trace.format import TraceMeta, write_trace
+from moe_offload.trace.synthetic import zipf_trace
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exit_:  # argparse's errors
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_refused(code: int, err: str, *fragments) -> None:
+    assert code == 2, err
+    assert err.startswith("moe-offload") and err.count("\n") == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert str(fragment) in err, err
+
+
+@pytest.fixture
+def layers32(tmp_path) -> Path:
+    """32 layers x 8 experts, top-2: a cache of 16 experts is below one per layer for the -dist policies."""
+    trace = zipf_trace(num_layers=32, num_experts=8, top_k=2, length=20, a=1.0, b=1.0, seed=1)
+    trace.meta = TraceMeta(model="z", num_layers=32, num_experts=8, top_k=2, expert_bytes=4096)
+    return write_trace(trace, tmp_path / "layers32.parquet")
+
+
+@pytest.mark.parametrize("mode", [[], ["--json"]])
+def test_a_size_no_policy_can_run_at_is_an_error(capsys, layers32, mode):
+    code, out, err = run(capsys, "simulate", layers32, "--policy", "lru-dist", "--cache-size", "16", *mode)
+    assert_refused(code, err, "--cache-size 16", "nothing can run", "32 layers", "holds 16")
+    assert out == ""
+
+
+def test_a_skipped_size_is_noted_in_the_table(capsys, layers32):
+    code, out, err = run(capsys, "simulate", layers32, "--policy", "lru-dist", "--cache-size", "16,64")
+    assert code == 0
+    assert "cache of 64 experts" in out and "cache of 16 experts" not in out
+    assert "skipped: lru-dist at 16" in " ".join(out.split())
+
+
+def test_a_skipped_size_is_noted_beside_the_json(capsys, layers32):
+    code, out, err = run(capsys, "simulate", layers32, "--policy", "lru-dist", "--cache-size", "16,64", "--json")
+    assert code == 0
+    rows = json.loads(out)  # stdout stays one JSON document
+    assert [(r["policy"], r["cache_size"]) for r in rows] == [("lru-dist", 64)]
+    assert err.startswith("skipped: lru-dist at 16: lru-dist splits the cache among 32 layers")
