@@ -57,3 +57,73 @@ def test_a_skipped_size_is_noted_beside_the_json(capsys, layers32):
     rows = json.loads(out)  # stdout stays one JSON document
     assert [(r["policy"], r["cache_size"]) for r in rows] == [("lru-dist", 64)]
     assert err.startswith("skipped: lru-dist at 16: lru-dist splits the cache among 32 layers")
+
+
+# ------------------------------------------------------------------------------ one prefetcher vocabulary
+
+def test_generate_accepts_none_as_simulate_does(capsys, monkeypatch):
+    """'none' is the documented default of simulate --timed; generate takes the same word (no prefetcher)."""
+    import moe_offload.api
+
+    seen = {}
+
+    def fake_load(model, **options):  # the word reaches the engine as "no prefetcher", nothing else changes
+        seen.update(options)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(moe_offload.api, "load", fake_load)
+    pytest.importorskip("torch")
+    code, _, err = run(capsys, "generate", "hi", "--prefetch", "none", "--device", "cpu")
+    assert code == 0, err
+    assert seen["prefetch"] is None
+
+
+# ------------------------------------------------------------------- checked before anything is loaded
+
+def model_loads_forbidden(monkeypatch):
+    import moe_offload.api
+
+    def fail(*_, **__):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(moe_offload.api, "load", fail)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_learning_prefetcher_without_history_is_refused_first(capsys, monkeypatch, tmp_path, command):
+    model_loads_forbidden(monkeypatch)
+    argv = [command, *(["hi"] if command == "generate" else []), "--model", tmp_path, "--prefetch", "moe-infinity"]
+    code, _, err = run(capsys, *argv)
+    assert_refused(code, err, "--prefetch moe-infinity predicts from past sequences", "--prefetch-history TRACE")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_prefetcher_reading_the_future_is_refused_first(capsys, monkeypatch, command):
+    model_loads_forbidden(monkeypatch)
+    code, _, err = run(capsys, command, *(["hi"] if command == "generate" else []), "--prefetch", "oracle")
+    assert_refused(code, err, "--prefetch oracle reads the future routing")
+
+
+def test_a_missing_history_file_is_refused_first(capsys, monkeypatch, tmp_path):
+    model_loads_forbidden(monkeypatch)
+    code, _, err = run(capsys, "generate", "hi", "--prefetch", "moe-infinity",
+                       "--prefetch-history", tmp_path / "absent.parquet")
+    assert_refused(code, err, "absent.parquet")
+
+
+def test_simulate_timed_refuses_a_learning_prefetcher_without_history(capsys, layers32):
+    code, _, err = run(capsys, "simulate", layers32, "--timed", "--prefetch", "moe-infinity")
+    assert_refused(code, err, "--prefetch moe-infinity predicts from past sequences", "--history TRACE")
+
+
+def test_serve_refuses_a_busy_port_before_loading(capsys, monkeypatch):
+    import socket
+
+    pytest.importorskip("fastapi")
+    model_loads_forbidden(monkeypatch)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, _, err = run(capsys, "serve", "--port", port)
+    assert_refused(code, err, f"cannot listen on 127.0.0.1:{port}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_offload.cli.generate_cmd import add_engine_arguments, apply_threads
+from moe_offload.cli.generate_cmd import add_engine_arguments, apply_threads, check_prefetch
 from moe_offload.cli.simulate_cmd import runtime_options
 from moe_offload.errors import ConfigError
 
@@ -34,6 +34,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from moe_offload.models import require_model_stack
 
+    check_prefetch(args)
     require_model_stack("serve")
     for module in ("fastapi", "uvicorn", "prometheus_client"):
         try:

@@ -304,6 +304,10 @@ def run_timed(args) -> int:
     integer(args.max_batch, "--max-batch", low=1)
     hardware = resolve_profile(args.hardware)
     arrivals = Arrivals.parse(args.arrivals, args.max_batch, args.seed)
+    learners = [name for name in running if prefetcher_info(name).needs_history]
+    if learners and not args.history:
+        raise ConfigError(f"--prefetch {learners[0]} predicts from past sequences: give it a training split "
+                          "with --history TRACE")
     history = read_trace(args.history) if args.history else None
     if args.split_config and args.cache_size:
         raise ConfigError("--split-config sets the GPU's expert memory layer by layer: leave out --cache-size")
