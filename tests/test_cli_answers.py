@@ -127,3 +127,29 @@ def test_serve_refuses_a_busy_port_before_loading(capsys, monkeypatch):
         port = busy.getsockname()[1]
         code, _, err = run(capsys, "serve", "--port", port)
     assert_refused(code, err, f"cannot listen on 127.0.0.1:{port}")
+
+
+# ----------------------------------------------------------- configure's budget is the budget generate runs
+
+@pytest.mark.parametrize("budget", ["50%", "10%"])  # 10%: the ratios' rounding to whole rows would go over
+def test_what_configure_writes_for_a_budget_runs_at_that_budget(capsys, tmp_path, budget):
+    pytest.importorskip("torch")
+    timings = ["--expert-load-ms", "0.6", "--expert-compute-ms", "0.1", "--attention-ms", "0.3"]
+    code, out, err = run(capsys, "configure", "tiny", "--vram-budget", budget, *timings, "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    # 64 experts of the tiny model; the buffer of top-k = 2 experts comes out of the budget
+    total = 64 * float(budget.rstrip("%")) / 100
+    assert document["vram_budget_experts"] == pytest.approx(total)
+    assert document["budget_experts"] == pytest.approx(total - 2) and document["buffer_experts"] == 2
+    config = tmp_path / "split.json"
+    config.write_text(out)
+    code, out, err = run(capsys, "generate", "def", "--fast-budget", budget, "--split-config", config,
+                         "--max-new-tokens", "2", "--device", "cpu")
+    assert code == 0, err
+
+
+def test_configure_refuses_a_budget_that_is_all_buffer(capsys):
+    code, _, err = run(capsys, "configure", "tiny", "--vram-budget", "2", "--expert-load-ms", "0.6",
+                       "--expert-compute-ms", "0.1", "--attention-ms", "0.3")
+    assert_refused(code, err, "--vram-budget '2'", "prefetch buffer of top-k = 2 experts")
