@@ -153,3 +153,33 @@ def test_configure_refuses_a_budget_that_is_all_buffer(capsys):
     code, _, err = run(capsys, "configure", "tiny", "--vram-budget", "2", "--expert-load-ms", "0.6",
                        "--expert-compute-ms", "0.1", "--attention-ms", "0.3")
     assert_refused(code, err, "--vram-budget '2'", "prefetch buffer of top-k = 2 experts")
+
+
+# ------------------------------------------------------------- a base install names every extra to install
+
+def without_modules(monkeypatch, *modules):
+    """As in an install without them: importing any of ``modules`` raises ImportError."""
+    import sys
+
+    for module in modules:
+        monkeypatch.setitem(sys.modules, module, None)
+
+
+def test_hardware_measure_without_the_models_extra(capsys, monkeypatch, tmp_path):
+    without_modules(monkeypatch, "torch", "transformers")
+    code, _, err = run(capsys, "hardware", "measure", "-o", tmp_path / "m.toml")
+    assert_refused(code, err, "hardware measure needs torch, transformers, which are not installed",
+                   "pip install 'moe-offload[models]'")
+
+
+def test_serve_names_both_extras_at_once(capsys, monkeypatch):
+    without_modules(monkeypatch, "torch", "fastapi")
+    code, _, err = run(capsys, "serve")
+    assert_refused(code, err, "serve needs torch, fastapi", "pip install 'moe-offload[models,serve]'")
+
+
+def test_serve_names_only_what_is_missing(capsys, monkeypatch):
+    pytest.importorskip("torch")
+    without_modules(monkeypatch, "uvicorn")
+    code, _, err = run(capsys, "serve")
+    assert_refused(code, err, "serve needs uvicorn, which is not installed: pip install 'moe-offload[serve]'")

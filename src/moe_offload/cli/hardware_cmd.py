@@ -189,6 +189,9 @@ def _warn_if_busy(threads: int | None) -> None:
 
 
 def run_measure(args) -> int:
+    from moe_offload.models import require_model_stack
+
+    require_model_stack("hardware measure")  # it runs the packed model: before anything imports PyTorch
     from moe_offload.runtime import measure
     from moe_offload.runtime.packing import packed_directory
 

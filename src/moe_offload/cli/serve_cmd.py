@@ -35,13 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_offload.models import require_model_stack
 
     check_prefetch(args)
-    require_model_stack("serve")
-    for module in ("fastapi", "uvicorn", "prometheus_client"):
-        try:
-            __import__(module)
-        except ImportError:
-            raise ConfigError(f"serve needs {module}, which is not installed: pip install 'moe-offload[serve]'") \
-                from None
+    require_model_stack("serve", serving=True)
     from moe_offload import values
     from moe_offload.api import load
     from moe_offload.server import model_name, serve
