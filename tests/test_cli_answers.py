@@ -183,3 +183,12 @@ def test_serve_names_only_what_is_missing(capsys, monkeypatch):
     without_modules(monkeypatch, "uvicorn")
     code, _, err = run(capsys, "serve")
     assert_refused(code, err, "serve needs uvicorn, which is not installed: pip install 'moe-offload[serve]'")
+
+
+def test_generate_with_the_tiny_model_says_what_it_is_for(capsys):
+    pytest.importorskip("torch")
+    code, out, err = run(capsys, "generate", "hi", "--max-new-tokens", "2", "--device", "cpu")
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "note: the bundled tiny model (8 layers x 8 experts, top-2, trained for minutes on a CPU)" in text
+    assert "its text is not meant to make sense" in text

@@ -152,6 +152,11 @@ def run(args: argparse.Namespace) -> int:
         result = engine.generate(prompt, max_new_tokens=args.max_new_tokens,
                                  on_text=lambda text: (sys.stdout.write(text), sys.stdout.flush()))
         sys.stdout.write("\n\n")
+        if args.model == "tiny":  # a first run shows this model's text: say what it is for
+            spec = engine.spec
+            print(f"note: the bundled tiny model ({spec.num_layers} layers x {spec.num_experts} experts, top-"
+                  f"{spec.top_k}, trained for minutes on a CPU) is there to run the offloading end to end on any "
+                  "machine; its text is not meant to make sense. The numbers below are what the run shows.")
         print_runtime_summary(result, engine)
         if engine.split is not None and engine.split.reconfigurations:
             records = engine.split.reconfigurations
