@@ -73,7 +73,8 @@ def test_a_stable_measurement_on_an_idle_machine_has_no_note():
     (dict(link_deviation=0.6), "expert through the data path: the repeats lie up to 60%"),
     (dict(load=1.0), "the machine was busy (load average 1.0 on 2 cores)"),
     (dict(repeats=1), "1 repeat(s): too few"),
-    (dict(fitted_flops=442e15), "above this machine's peak of 100 GFLOP/s (test)"),
+    (dict(fitted_flops=442e15), "fit 4.42e+08 GFLOP/s, above this machine's peak of 100 GFLOP/s (test)"),
+    (dict(fitted_flops=float("inf")), "do not grow with the tokens, above this machine's peak"),
 ])
 def test_each_doubt_is_one_note(overrides, fragment):
     found = notes(**overrides)

@@ -109,7 +109,8 @@ def stability_notes(*, repeats: int, expert_deviation: float, link_deviation: fl
         notes.append(f"the machine was busy (load average {load:.1f} on {cores} cores): every timing includes "
                      "waiting for other work")
     if fitted_flops > peak:
-        notes.append(f"the expert's times over 1..64 tokens fit {fitted_flops / 1e9:,.3g} GFLOP/s, above this "
-                     f"machine's peak of {peak / 1e9:,.3g} GFLOP/s ({peak_how}): flat within noise, so the "
-                     "profile holds the peak")
+        fitted = ("do not grow with the tokens" if fitted_flops == float("inf")
+                  else f"fit {fitted_flops / 1e9:,.3g} GFLOP/s")
+        notes.append(f"the expert's times over 1..64 tokens {fitted}, above this machine's peak of "
+                     f"{peak / 1e9:,.3g} GFLOP/s ({peak_how}): flat within noise, so the profile holds the peak")
     return notes
