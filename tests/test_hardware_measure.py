@@ -191,6 +191,9 @@ def test_the_command_writes_a_profile_that_simulate_runs(packed, tmp_path, capsy
                  "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "link ssd->host" in out and str(output) in out
+    import re
+    assert re.search(r"\d (KiB|MiB|GiB)/s", out) and not re.search(r"\d (kB|MB|GB)\b", out)  # one unit family
+    assert "+-" in out and "load average up to" in out  # each timing's spread, how busy the machine was
     profile = load_profile(output)
     assert profile.name == "here"
     assert dataclasses.replace(profile, path="<memory>") == HardwareProfile.from_dict(made[0])

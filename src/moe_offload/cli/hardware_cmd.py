@@ -137,6 +137,7 @@ def run_show(args) -> int:
 def _measured_table(m, profile: dict):
     from rich.table import Table
 
+    from moe_offload.reporting.tables import binary_bytes
     from moe_offload.runtime.measure import expert_roofline, sharing
 
     table = Table(title=f"measured on {m.device_name} ({m.device}, {m.threads} threads, {m.repeats} repeats, "
@@ -147,17 +148,17 @@ def _measured_table(m, profile: dict):
     cache = "page cache bypassed" if m.bypass_page_cache else "page cache kept"
     table.add_row("expert through the data path",
                   f"{m.link_seconds * 1e6:.1f} us +-{m.link_deviation:.0%}, alone {m.link_alone_s * 1e6:.1f} us",
-                  f"{m.files_sampled} of {m.files_total} experts ({format_bytes(m.expert_bytes)}) back to back x "
+                  f"{m.files_sampled} of {m.files_total} experts ({binary_bytes(m.expert_bytes)}) back to back x "
                   f"{m.repeats}, {m.readers} readers, {cache}")
-    table.add_row("  raw: parallel read", f"{format_bytes(m.parallel_read_bandwidth)}/s",
+    table.add_row("  raw: parallel read", f"{binary_bytes(m.parallel_read_bandwidth)}/s",
                   "the reader pool reading experts into mapped memory")
     if m.convert_bandwidth:
-        table.add_row("  raw: conversion", f"{format_bytes(m.convert_bandwidth)}/s", f"stored -> {m.compute_dtype}")
+        table.add_row("  raw: conversion", f"{binary_bytes(m.convert_bandwidth)}/s", f"stored -> {m.compute_dtype}")
     for link in profile["links"]:
         table.add_row(f"link {link['from']}->{link['to']}",
-                      f"{format_bytes(link['bandwidth_bytes_per_s'])}/s + {link['latency_s'] * 1e6:.1f} us",
+                      f"{binary_bytes(link['bandwidth_bytes_per_s'])}/s + {link['latency_s'] * 1e6:.1f} us",
                       "in the profile" + (" (the data path)" if link["from"] == "ssd" else ""))
-    table.add_row("memory read", f"{format_bytes(m.memory_bandwidth)}/s", f"streaming sum on {m.device}")
+    table.add_row("memory read", f"{binary_bytes(m.memory_bandwidth)}/s", f"streaming sum on {m.device}")
     roof = expert_roofline(m)
     table.add_row("expert, 1 / 64 tokens",
                   f"{m.expert_seconds[1] * 1e6:.1f} us +-{m.expert_deviation.get(1, 0.0):.0%} / "
