@@ -53,7 +53,8 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--host-budget", default=None, metavar="SIZE|P%",
                         help="add a host-memory tier of this budget between the files and the fast tier")
     parser.add_argument("--policy", default="lru", help="eviction policy (default lru; see `moe-offload policies`)")
-    parser.add_argument("--prefetch", default=None, metavar="NAME", help="prefetcher (default: none)")
+    parser.add_argument("--prefetch", default="none", metavar="NAME",
+                        help="prefetcher, or 'none' for demand loading only (default none)")
     parser.add_argument("--prefetch-history", default=None, metavar="TRACE",
                         help="trace the prefetcher learns from first (default for --model tiny: the bundled "
                              "recorded trace, for the prefetchers that need a history)")
@@ -113,6 +114,33 @@ def _profile(path) -> str:
     return str(path)
 
 
+def check_prefetch(args: argparse.Namespace) -> None:
+    """--prefetch and --prefetch-history of generate and serve, checked before anything loads. 'none' (the
+    default, simulate --timed's word too) is no prefetcher: ``args.prefetch`` becomes None. Refused now, not after
+    the model has loaded: a prefetcher that reads the future routing (the engine runs live prompts), and one that
+    learns from past sequences without a history (the tiny model brings its own)."""
+    from moe_offload.errors import ConfigError
+    from moe_offload.inputs import check_input
+    from moe_offload.prefetch import prefetcher_info
+
+    if args.prefetch.strip() == "none":
+        if args.prefetch_history is not None:
+            raise ConfigError("--prefetch-history teaches a prefetcher: add --prefetch NAME")
+        args.prefetch = None
+        return
+    prefetcher = prefetcher_info(args.prefetch)
+    if prefetcher.reads_future:
+        raise ConfigError(f"--prefetch {args.prefetch} reads the future routing, which a running engine does not "
+                          "know; it is a bound of `moe-offload simulate --timed`")
+    if args.prefetch_history is not None:
+        from moe_offload.bundled import trace_path
+
+        check_input(trace_path(args.prefetch_history), "--prefetch-history trace")
+    elif prefetcher.needs_history and args.model != "tiny":
+        raise ConfigError(f"--prefetch {args.prefetch} predicts from past sequences: give it a trace of this model "
+                          "with --prefetch-history TRACE (`moe-offload record` writes one)")
+
+
 def apply_threads(args: argparse.Namespace) -> None:
     """``--threads``: checked, then PyTorch's intra-op threads for this process (before the model loads)."""
     if args.threads is None:
@@ -130,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
     from moe_offload.models import require_model_stack
 
+    check_prefetch(args)
     require_model_stack("generate")
     from moe_offload.api import load
     from moe_offload.reporting.tables import print_runtime_summary
@@ -168,6 +197,11 @@ def run(args: argparse.Namespace) -> int:
         result = engine.generate(prompt, max_new_tokens=args.max_new_tokens,
                                  on_text=lambda text: (sys.stdout.write(text), sys.stdout.flush()))
         sys.stdout.write("\n\n")
+        if args.model == "tiny":  # a first run shows this model's text: say what it is for
+            spec = engine.spec
+            print(f"note: the bundled tiny model ({spec.num_layers} layers x {spec.num_experts} experts, top-"
+                  f"{spec.top_k}, trained for minutes on a CPU) is there to run the offloading end to end on any "
+                  "machine; its text is not meant to make sense. The numbers below are what the run shows.")
         print_runtime_summary(result, engine)
         if engine.split is not None and engine.split.reconfigurations:
             records = engine.split.reconfigurations

@@ -145,29 +145,34 @@ def run_show(args) -> int:
 def _measured_table(m, profile: dict):
     from rich.table import Table
 
+    from moe_offload.reporting.tables import binary_bytes
     from moe_offload.runtime.measure import expert_roofline, sharing
 
     table = Table(title=f"measured on {m.device_name} ({m.device}, {m.threads} threads, {m.repeats} repeats, "
-                        f"{m.elapsed_s:.1f} s)", title_justify="left")
+                        f"{m.elapsed_s:.1f} s, load average up to {m.load_average:.1f} on {m.cores} cores); "
+                        "medians, +-: the repeats' largest distance from them", title_justify="left")
     for column in ("what", "measured", "how"):
         table.add_column(column)
     cache = "page cache bypassed" if m.bypass_page_cache else "page cache kept"
-    table.add_row("expert through the data path", f"{m.link_seconds * 1e6:.1f} us, alone {m.link_alone_s * 1e6:.1f} us",
-                  f"{m.files_sampled} of {m.files_total} experts ({format_bytes(m.expert_bytes)}) back to back x "
+    table.add_row("expert through the data path",
+                  f"{m.link_seconds * 1e6:.1f} us +-{m.link_deviation:.0%}, alone {m.link_alone_s * 1e6:.1f} us",
+                  f"{m.files_sampled} of {m.files_total} experts ({binary_bytes(m.expert_bytes)}) back to back x "
                   f"{m.repeats}, {m.readers} readers, {cache}")
-    table.add_row("  raw: parallel read", f"{format_bytes(m.parallel_read_bandwidth)}/s",
+    table.add_row("  raw: parallel read", f"{binary_bytes(m.parallel_read_bandwidth)}/s",
                   "the reader pool reading experts into mapped memory")
     if m.convert_bandwidth:
-        table.add_row("  raw: conversion", f"{format_bytes(m.convert_bandwidth)}/s", f"stored -> {m.compute_dtype}")
+        table.add_row("  raw: conversion", f"{binary_bytes(m.convert_bandwidth)}/s", f"stored -> {m.compute_dtype}")
     for link in profile["links"]:
         table.add_row(f"link {link['from']}->{link['to']}",
-                      f"{format_bytes(link['bandwidth_bytes_per_s'])}/s + {link['latency_s'] * 1e6:.1f} us",
+                      f"{binary_bytes(link['bandwidth_bytes_per_s'])}/s + {link['latency_s'] * 1e6:.1f} us",
                       "in the profile" + (" (the data path)" if link["from"] == "ssd" else ""))
-    table.add_row("memory read", f"{format_bytes(m.memory_bandwidth)}/s", f"streaming sum on {m.device}")
+    table.add_row("memory read", f"{binary_bytes(m.memory_bandwidth)}/s", f"streaming sum on {m.device}")
     roof = expert_roofline(m)
     table.add_row("expert, 1 / 64 tokens",
-                  f"{m.expert_seconds[1] * 1e6:.1f} / {m.expert_seconds[64] * 1e6:.1f} us",
-                  f"roofline: +{roof['expert_overhead_s'] * 1e6:.1f} us, {roof['flops_per_s'] / 1e9:.3g} GFLOP/s")
+                  f"{m.expert_seconds[1] * 1e6:.1f} us +-{m.expert_deviation.get(1, 0.0):.0%} / "
+                  f"{m.expert_seconds[64] * 1e6:.1f} us +-{m.expert_deviation.get(64, 0.0):.0%}",
+                  f"roofline: +{roof['expert_overhead_s'] * 1e6:.1f} us, {roof['flops_per_s'] / 1e9:.3g} GFLOP/s "
+                  f"(peak {m.peak_flops / 1e9:,.4g})")
     for part, label in (("attention", "attention / layer"), ("router", "router / layer"), ("lm_head", "LM head")):
         cost = profile["compute"][part]
         table.add_row(label, f"{cost['fixed_s'] * 1e6:.1f} us + {cost['per_token_s'] * 1e6:.3f} us x n",
@@ -197,6 +202,9 @@ def _warn_if_busy(threads: int | None) -> None:
 
 
 def run_measure(args) -> int:
+    from moe_offload.models import require_model_stack
+
+    require_model_stack("hardware measure")  # it runs the packed model: before anything imports PyTorch
     from moe_offload.runtime import measure
     from moe_offload.runtime.packing import model_files, packed_directory
 
@@ -227,5 +235,7 @@ def run_measure(args) -> int:
     write_profile(profile, output, header)
     out = _console()
     out.print(_measured_table(measurements, profile))
+    for note in measure.measurement_notes(measurements):
+        out.print(f"note: {note}", highlight=False)
     out.print(f"profile written to {output} (use it with `moe-offload simulate --timed --hardware {output}`)")
     return 0

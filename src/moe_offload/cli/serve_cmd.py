@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_offload.cli.generate_cmd import add_engine_arguments, apply_threads, engine_policy_options
+from moe_offload.cli.generate_cmd import add_engine_arguments, apply_threads, check_prefetch, engine_policy_options
 from moe_offload.errors import ConfigError
 
 
@@ -33,13 +33,8 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from moe_offload.models import require_model_stack
 
-    require_model_stack("serve")
-    for module in ("fastapi", "uvicorn", "prometheus_client"):
-        try:
-            __import__(module)
-        except ImportError:
-            raise ConfigError(f"serve needs {module}, which is not installed: pip install 'moe-offload[serve]'") \
-                from None
+    check_prefetch(args)
+    require_model_stack("serve", serving=True)
     from moe_offload import values
     from moe_offload.api import load
     from moe_offload.server import model_name, serve

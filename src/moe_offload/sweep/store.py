@@ -195,13 +195,14 @@ def read_results(path) -> list[Row]:
 
 
 def fill_opt_misses(rows: list[Row]) -> None:
-    """Report every replay row against Belady's on the same trace, cache size and seed (simulate's rule)."""
-    by_seed: dict[int, list[RunResult]] = {}
+    """Report every replay row against Belady's on the same trace, cache size and seed (simulate's rule); the
+    rows without a seed (deterministic runs, Belady's among them: spec.py) belong to every seed."""
+    by_seed: dict[int | None, list[RunResult]] = {None: []}
     for row in rows:
         if row.cell.mode == "replay":
             by_seed.setdefault(row.cell.seed, []).append(row.result)
-    for results in by_seed.values():
-        set_opt_misses(results)
+    for seed, results in by_seed.items():
+        set_opt_misses(results if seed is None else results + by_seed[None])
 
 
 class ResultStore:
