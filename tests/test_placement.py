@@ -118,8 +118,9 @@ def test_every_placement_is_listed_and_replays_next_to_belady(tiny_trace, policy
     assert result.fast_misses >= replay(data, "belady", 24).misses
 
 
-def test_a_sweep_file_written_before_the_placement_columns_still_reads(tmp_path):
-    # results files written before RunResult counted bypassed requests lack those columns: their defaults hold
+def test_a_sweep_file_keeps_the_placement_columns_under_its_seal(tmp_path):
+    # bypassed requests and the hindsight flag round-trip; a file whose placement columns were cut after it was
+    # sealed is refused, not read with defaults
     import pyarrow.parquet as pq
 
     from moe_offload.reporting.results import RunResult
@@ -132,9 +133,9 @@ def test_a_sweep_file_written_before_the_placement_columns_still_reads(tmp_path)
     path = tmp_path / "results.parquet"
     pq.write_table(table, path)
     assert read_results(path)[0].result == result
-    old = table.drop_columns(["bypassed", "per_layer_bypassed", "host_compute_seconds", "admission", "in_hindsight"])
-    pq.write_table(old, path)
-    assert read_results(path)[0].result.bypassed is None
+    pq.write_table(table.drop_columns(["bypassed", "in_hindsight"]), path)
+    with pytest.raises(ConfigError, match="do not match their checksum"):
+        read_results(path)
 
 
 def test_the_compiled_replay_refuses_a_placement_with_the_reason(tiny_trace):
