@@ -122,3 +122,12 @@ def test_a_bad_host_table_is_a_one_line_error_naming_the_key(host, problem):
                         "expert": {"fixed_s": 2.0}}, "host": host}
     with pytest.raises(ConfigError, match=problem):
         HardwareProfile.from_dict(data, "bad.toml")
+
+
+def test_the_timeline_plot_draws_the_hosts_lane(tmp_path):
+    pytest.importorskip("matplotlib")
+    from moe_offload.reporting.plots import plot_timeline
+
+    result = simulate_timed(trace(ROWS), profile(), "static-freq", 2 * E)
+    assert "host" in result.timeline["lanes"]
+    assert plot_timeline([result], tmp_path / "timeline.png").stat().st_size > 0

@@ -157,7 +157,8 @@ def cdf_label(result: RunResult) -> str:
 
 def plot_timeline(results: list[RunResult], path) -> Path:
     """One panel per timed run: the iteration its ``timeline`` holds, lane by lane (compute by kind, stalls,
-    each link's demand loads and prefetches, the prefetcher's matcher), with the start of every layer."""
+    each link's demand loads and prefetches, the host's experts, the prefetcher's matcher), with the start of
+    every layer."""
     from matplotlib.patches import Patch
 
     from moe_offload.reporting.tables import run_label
@@ -175,6 +176,8 @@ def plot_timeline(results: list[RunResult], path) -> Path:
                 colour = _COMPUTE_COLOURS[event["kind"]]
             elif event["lane"] == "stall":
                 colour = "tab:orange"
+            elif event["lane"] == "host":  # an expert the host computes (a bypassed miss)
+                colour = "tab:purple"
             else:
                 colour = _TRANSFER_COLOURS[event["kind"]]
             # transfers and stalls come in runs of equal bars: a thin white edge tells them apart
@@ -195,6 +198,8 @@ def plot_timeline(results: list[RunResult], path) -> Path:
     legend = [Patch(color=c, label=k) for k, c in _COMPUTE_COLOURS.items()]
     legend += [Patch(color="tab:orange", label="stall"), Patch(color="tab:red", label="demand load"),
                Patch(color="tab:cyan", label="prefetch")]
+    if any("host" in r.timeline["lanes"] for r in shown):
+        legend.append(Patch(color="tab:purple", label="host expert"))
     fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     return _save(fig, path)
