@@ -192,3 +192,19 @@ def test_generate_with_the_tiny_model_says_what_it_is_for(capsys):
     text = " ".join(out.split())
     assert "note: the bundled tiny model (8 layers x 8 experts, top-2, trained for minutes on a CPU)" in text
     assert "its text is not meant to make sense" in text
+
+
+# ------------------------------------------------------------------------------ one unit family per table
+
+def test_binary_units():
+    from moe_offload.reporting.tables import binary_bytes
+
+    assert [binary_bytes(n) for n in (512, 98_304, 1.5 * 2**30, 2e12)] == ["512 B", "96 KiB", "1.5 GiB", "1.82 TiB"]
+
+
+def test_the_preset_table_has_rates_and_sizes_in_binary_units():
+    from moe_offload.cli.hardware_cmd import _link_summary
+    from moe_offload.hardware import resolve_profile
+
+    # the desktop preset's links: 25 GB/s = 23.3 GiB/s and 7 GB/s = 6.52 GiB/s
+    assert _link_summary(resolve_profile("desktop-rtx4090")) == "host->gpu 23.3 GiB/s, ssd->host 6.52 GiB/s"

@@ -64,11 +64,15 @@ def _console():
 
 
 def _link_summary(profile) -> str:
-    return ", ".join(f"{link.name} {format_bytes(link.bandwidth_bytes_per_s)}/s" for link in profile.links)
+    from moe_offload.reporting.tables import binary_bytes
+
+    return ", ".join(f"{link.name} {binary_bytes(link.bandwidth_bytes_per_s)}/s" for link in profile.links)
 
 
 def run_list(args) -> int:
     from rich.table import Table
+
+    from moe_offload.reporting.tables import binary_bytes
 
     table = Table(title=f"hardware presets (use the name with --hardware; default {DEFAULT_PRESET})",
                   title_justify="left")
@@ -76,7 +80,7 @@ def run_list(args) -> int:
         table.add_column(column, style="bold" if column == "name" else None)
     for name in preset_names():
         profile = resolve_profile(name)
-        tiers = ", ".join(f"{t.name} {format_bytes(t.capacity_bytes)}" for t in profile.tiers)
+        tiers = ", ".join(f"{t.name} {binary_bytes(t.capacity_bytes)}" for t in profile.tiers)
         table.add_row(name + (" (default)" if name == DEFAULT_PRESET else ""), tiers, _link_summary(profile),
                       profile.description)
     _console().print(table)
