@@ -26,8 +26,10 @@ from moe_offload.text.prompts import Prompt  # noqa: E402
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog."]
 NEW_TOKENS = 6
 COMPUTE_EXPERT_BYTES = (2 * 48 * 32 + 32 * 48) * 4  # one expert of the test model in float32
-# a static placement computes its misses on the host: the runtime's hybrid path has its own tests
-ONLINE_POLICIES = sorted(name for name, info in POLICIES.items() if not info.offline and not info.policy.static)
+# the placing policies (static placements computing misses on the host, pinned sets) have their own tests:
+# tests/test_runtime_bypass.py
+ONLINE_POLICIES = sorted(name for name, info in POLICIES.items()
+                         if not info.offline and not info.policy.places_or_bypasses)
 PREFETCHERS = [None, "topk", "traced-topk", "moe-infinity", "fmoe", "moepic"]
 
 
@@ -132,8 +134,10 @@ def test_refusals(checkpoint):
         OffloadEngine(packed, fast_budget="5%")
     with pytest.raises(ConfigError, match="needs the future"):
         OffloadEngine(packed, policy="belady")
-    with pytest.raises(ConfigError, match="computes its misses on the host"):
+    with pytest.raises(ConfigError, match="chooses its experts from a profile"):
         OffloadEngine(packed, policy="static-freq")
+    with pytest.raises(ConfigError, match="nothing for the prefetcher 'topk' to prefetch"):
+        OffloadEngine(packed, policy="static-layers", prefetch="topk")
     with pytest.raises(ConfigError, match="reads the future"):
         OffloadEngine(packed, prefetch="oracle")
     with pytest.raises(ConfigError, match="give it a history"):

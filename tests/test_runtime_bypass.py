@@ -170,3 +170,26 @@ def test_metrics_count_bypassed_requests_and_host_compute_seconds():
     assert scraped[("moe_offload_expert_bypassed_total", ())] == stats.bypassed > 0
     assert scraped[("moe_offload_host_compute_seconds_total", ())] == pytest.approx(stats.host_compute_seconds)
     assert stats.host_compute_seconds > 0
+
+
+@pytest.mark.parametrize("prefetch, host", [(None, None), ("topk", "40%"), ("moepic", None)])
+def test_pinned_lru_with_a_prefetcher_is_lossless(checkpoint, tmp_path, prefetch, host):  # noqa: F811
+    from moe_offload.trace.format import write_trace
+
+    profile = str(write_trace(checkpoint["history"], tmp_path / "profile.parquet"))
+    fast = str(6 * (2 * 48 * 32 + 32 * 48) * 4)  # 6 of 18 experts: 3 pinned, 3 LRU
+    with OffloadEngine(checkpoint["packed"], fast_budget=fast, policy="pinned-lru", host_budget=host,
+                       policy_options={"profile": profile}, prefetch=prefetch) as engine:
+        assert len(engine.tiers[0].cache.resident) == 3  # the pinned half, before the first token
+        assert_lossless(engine, checkpoint)
+        assert engine.stats.bypassed == 0  # it admits every miss
+
+
+def test_static_layers_below_top_k_computes_every_expert_on_the_host(checkpoint):  # noqa: F811
+    # llama.cpp's --cpu-moe: a fast tier of one expert holds no whole layer, so the host computes them all
+    with OffloadEngine(checkpoint["packed"], fast_budget=str((2 * 48 * 32 + 32 * 48) * 4),
+                       policy="static-layers") as engine:
+        assert len(engine.tiers[0].cache) == 0
+        assert_lossless(engine, checkpoint)
+        stats = engine.stats
+    assert stats.hits == stats.misses == 0 and stats.bypassed == stats.accesses

@@ -144,17 +144,14 @@ class OffloadEngine:
             if info.offline:
                 raise ConfigError(f"policy {policy!r} needs the future (next use of every expert), which a running "
                                   "engine does not know; use it in `moe-offload simulate`")
-            if info.policy.static:  # the runtime loads every miss; computing one on the host is not wired in yet
-                raise ConfigError(f"policy {policy!r} computes its misses on the host, which the runtime does not do "
-                                  "yet; use it in `moe-offload simulate`")
             fast_budget_bytes = values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget")
             fast_slots = self._slots(fast_budget_bytes, self.compute_expert_bytes)
             split, online = self._read_split(split_config, preload, reconfiguration, hardware, fast_budget_bytes)
             self.places = info.policy.places_or_bypasses  # computes bypassed experts on the host
             if self.places:
                 host_budget = placing_host_budget(info, policy_options, host_budget, replay is not None,
-                                                  split is not None)
-            if fast_slots < m.top_k and split is None:
+                                                  split is not None, prefetch)
+            if fast_slots < m.top_k and split is None and not info.policy.static:  # static: the rest on the host
                 raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
                                   f"({format_bytes(m.top_k * self.compute_expert_bytes)}, "
                                   f"{format_bytes(self.compute_expert_bytes)} each)")

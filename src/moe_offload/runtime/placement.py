@@ -18,12 +18,16 @@ from moe_offload.simulator.cache import PartitionedCache
 from moe_offload.values import option_defaults
 
 
-def placing_host_budget(info, policy_options: dict | None, host_budget, replaying: bool, split: bool):
-    """The host budget of a run of the placing policy ``info`` (a PolicyInfo), its options checked for what
-    the runtime needs."""
+def placing_host_budget(info, policy_options: dict | None, host_budget, replaying: bool, split: bool,
+                        prefetch: str | None):
+    """The host budget of a run of the placing policy ``info`` (a PolicyInfo), its options and the rest of the
+    run checked for what the runtime needs."""
     name = info.name
     if split:
         raise ConfigError(f"policy {name!r} places experts itself: it does not run with a split configuration")
+    if info.policy.static and prefetch is not None:
+        raise ConfigError(f"policy {name!r} is a static placement: it loads nothing after the start, so there is "
+                          f"nothing for the prefetcher {prefetch!r} to prefetch")
     if "profile" in option_defaults(info.policy) and not (policy_options or {}).get("profile") and not replaying:
         raise ConfigError(f"policy {name!r} chooses its experts from a profile: give one (--profile TRACE, "
                           "profile=TRACE in Python), or replay a trace to choose from it in hindsight")
