@@ -443,9 +443,11 @@ def test_fmoe_fit_in_chunks_and_batches_equals_one_entry_per_iteration_and_reque
     # prefill iterations of several tokens next to decode iterations of a batch of two requests
     request = [0, 0, 0, 1, 1, 0, 1, 0, 1, 2, 2, 2, 2, 2]
     iteration = [0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 4, 4, 4]
+    phase = [0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0]  # prefill, decode
     probs = rng.dirichlet(np.ones(J), size=(len(request), L))
     history = make_trace(np.argsort(-probs, axis=2)[:, :, :K], num_experts=J, request=request, iteration=iteration,
-                         position=np.arange(len(request)), probs=probs, embedding=rng.normal(size=(len(request), D)))
+                         phase=phase, position=np.arange(len(request)), probs=probs,
+                         embedding=rng.normal(size=(len(request), D)))
     groups = {}
     for row, key in enumerate(zip(iteration, request)):
         groups.setdefault(key, []).append(row)
