@@ -25,7 +25,8 @@ import numpy as np
 
 from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import HardwareProfile
-from moe_offload.prefetch import PREFETCHERS, check_trace_columns
+from moe_offload.prefetch import PREFETCHERS
+from moe_offload.prefetch.requirements import has_column
 from moe_offload.reporting.results import RunResult
 from moe_offload.simulator.timed import ALL_RESIDENT, ORACLE, Arrivals, check_timed_run, simulate_timed, timed_grid
 from moe_offload.trace.format import Trace
@@ -84,10 +85,9 @@ def usable_prefetchers(trace: Trace) -> tuple[list[str], list[str]]:
         if cls.needs_history:
             why.append(f"{name} learns from past traffic (a history trace), which the report does not take")
             continue
-        try:
-            check_trace_columns(cls, trace)
-        except ConfigError as exc:
-            why.append(str(exc))
+        missing = [column for column in cls.requires if not has_column(trace, column)]
+        if missing:
+            why.append(f"{name} needs the trace column(s) {', '.join(missing)}, which this trace lacks")
             continue
         usable.append(name)
     return usable, why
