@@ -6,11 +6,13 @@ and the best online policy is what a better policy could win, and OPT's own hit 
 cannot exceed. Every run is the replay `moe-offload simulate` makes (simulator/replay.py, the compiled kernels
 where a policy has one), so the numbers are simulate's.
 
-The budget OPT needs for a hit rate h is found by bisection on the cache size: OPT is a stack algorithm
+The budget OPT needs for a hit rate h is found by searching the cache size: OPT is a stack algorithm
 (the contents of a cache of C experts are always among those of a cache of C + 1, Mattson et al. 1970), so
 its hits do not decrease with the size. The search runs between top-k and the smallest size at which LRU
 already reaches h (LRU's hits never exceed OPT's at the same size, and LRU's curve is known from the reuse
-distances for free: reporting/working_set.py). A hit rate above every cache's (all requests but the first
+distances for free: reporting/working_set.py), its steps alternately the point where the line between the
+bracket's ends reaches h (the curve is smooth, so this is usually close) and the bracket's middle (so it is
+never slower than twice a bisection). A hit rate above every cache's (all requests but the first
 of each expert) is unreachable and said so.
 
 Policies without a compiled kernel run their Python objects, about a hundred times slower: on a trace of more
@@ -29,7 +31,7 @@ from moe_offload.reporting.working_set import WorkingSet
 from moe_offload.simulator.replay import ReplayInput, replay, replay_grid, replay_kernel
 
 TARGET_HIT_RATES = (0.5, 0.8, 0.9)
-PYTHON_REPLAY_REQUESTS = 2_000_000
+PYTHON_REPLAY_REQUESTS = 250_000
 # Verdict thresholds: below NO_POLICY_HELPS even OPT misses most requests; at or above POLICY_CLOSE of OPT's
 # hits the online policy is near the bound, so memory, not the policy, is the lever.
 NO_POLICY_HELPS = 0.30
@@ -124,13 +126,23 @@ def belady_size_for(data: ReplayInput, target: float, working_set: WorkingSet, k
             known[size] = replay(data, "belady", size, engine=engine).hits
         return known[size] >= target * requests
 
-    low = meta.top_k  # the smallest cache the replay runs
-    high = next((size for size in range(low, meta.num_expert_slots + 1) if working_set.lru_hit_rate(size) >= target),
-                meta.num_expert_slots)
-    if reaches(low):
+    # the bracket: above the largest size known to fall short (or top-k), at most the smallest known to reach
+    # it (or where LRU reaches it)
+    goal = target * requests
+    low = max([size for size, hits in known.items() if hits < goal], default=meta.top_k)
+    high = min([size for size, hits in known.items() if hits >= goal]
+               + [next((size for size in range(low, meta.num_expert_slots + 1)
+                        if working_set.lru_hit_rate(size) >= target), meta.num_expert_slots)])
+    if low == meta.top_k and reaches(low):
         return low
+    known.setdefault(meta.top_k - 1, 0)  # a cache smaller than top-k hits nothing: an end for interpolating
+    interpolate = True
     while high - low > 1:  # reaches(high), not reaches(low)
         middle = (low + high) // 2
+        if interpolate and high in known:  # the size where the line between the ends reaches the goal
+            share = (goal - known[low]) / max(1, known[high] - known[low])
+            middle = min(high - 1, max(low + 1, round(low + share * (high - low))))
+        interpolate = not interpolate  # every other step halves the bracket: never slower than bisection x 2
         if reaches(middle):
             high = middle
         else:

@@ -31,7 +31,7 @@ from moe_offload.reporting.results import RunResult
 from moe_offload.simulator.timed import ALL_RESIDENT, ORACLE, Arrivals, check_timed_run, simulate_timed, timed_grid
 from moe_offload.trace.format import Trace
 
-TIMED_TOKENS = 4096
+TIMED_TOKENS = 1024
 CANDIDATE_POLICIES = 1  # the best online policies by replay hits, besides LRU
 BASELINE_POLICY = "lru"
 MOEPIC_POLICY = "lcp"  # the cache policy of MoEpic's split experts (paper 004, section 3.2)
