@@ -13,6 +13,7 @@ HTML_SUFFIXES = (".html", ".htm")
 
 def register(subparsers) -> None:
     from moe_offload.hardware import DEFAULT_PRESET
+    from moe_offload.reporting.bound import PYTHON_REPLAY_REQUESTS
     from moe_offload.reporting.latency import TIMED_TOKENS
     from moe_offload.simulator.replay import ENGINES
 
@@ -21,7 +22,7 @@ def register(subparsers) -> None:
         description="Answer, for a routing trace and a budget of fast memory, whether the expert cache's misses are "
                     "the policy's or the working set's: distinct experts per layer over sliding windows, reuse "
                     "distances and skew against the budget; Belady's hit rate at the budget, the budget it needs "
-                    "for 50/80/90%% hits, every online policy beside it, and a one-sentence verdict; the timed "
+                    "for 50/80/90% hits, every online policy beside it, and a one-sentence verdict; the timed "
                     "simulator's TTFT and TPOT on a hardware profile for the best policies with the prefetchers "
                     "the trace's columns allow, and MoEpic's split; and the `generate`/`serve` options to run. "
                     "Printed, and with -o written as a self-contained HTML page.")
@@ -38,7 +39,8 @@ def register(subparsers) -> None:
                         help="bytes of one expert (default: the trace's metadata; without either, no latency)")
     parser.add_argument("--timed-tokens", default=str(TIMED_TOKENS), metavar="N",
                         help=f"the timed simulator runs the trace's first whole iterations up to N rows (default "
-                             f"{TIMED_TOKENS}); the replay always runs the whole trace")
+                             f"{TIMED_TOKENS}); the replay runs the whole trace, or, for the policies without a "
+                             f"compiled kernel, its first {PYTHON_REPLAY_REQUESTS:,} expert requests")
     parser.add_argument("--seed", default="0", help="seed of the randomized policies (default 0)")
     parser.add_argument("--jobs", default=str(min(2, os.cpu_count() or 1)),
                         help="worker processes (default: up to 2)")

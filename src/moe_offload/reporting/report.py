@@ -84,6 +84,10 @@ def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: 
                   latency=latency, commands=lines, notes=notes)
 
 
+def plural(count: int, noun: str) -> str:
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
 def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.3f}"
 
@@ -129,7 +133,7 @@ def latency_rows(latency: Latency) -> list[tuple[str, ...]]:
 def print_report(report: Report, console: Console) -> None:
     meta = report.meta
     console.print(f"[bold]{report.trace}[/]: {meta.model}, {meta.num_layers} layers x {meta.num_experts} experts, "
-                  f"top-{meta.top_k}; {report.tokens:,} tokens in {report.requests:,} requests; "
+                  f"top-{meta.top_k}; {report.tokens:,} tokens in {plural(report.requests, 'request')}; "
                   f"{report.bound.belady.accesses:,} expert requests")
     console.print(f"fast memory: {report.budget_text()}")
     console.print(f"\n[bold]verdict[/]: {report.verdict}\n")
