@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_offload.errors import ConfigError
-from moe_offload.policies import POLICIES, make_policy, policy_info
+from moe_offload.policies import POLICIES, make_policy
 from moe_offload.reporting.results import RunResult
 from moe_offload.reporting.working_set import WorkingSet
 from moe_offload.simulator.replay import ReplayInput, replay, replay_grid, replay_kernel
@@ -171,7 +171,3 @@ def verdict(bound: Bound, total_experts: int) -> str:
     return (f"{head}: the policy leaves {gap:.1%} of the requests ({belady.hits - best.hits:,} hits of "
             f"{belady.accesses:,}) on the table; a better policy, or a prefetcher, can win them")
 
-
-def policy_label(result: RunResult) -> str:
-    """A policy's name as the report shows it: the -dist variants say how their cache is split."""
-    return result.policy + (" (cache split per layer)" if policy_info(result.policy).partitioned else "")

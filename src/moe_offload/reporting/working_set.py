@@ -181,9 +181,8 @@ class WorkingSet:
         return float(counts[:cache_size].sum()) / max(1, int(counts.sum()))
 
 
-def measure_working_set(trace: Trace, sequence: AccessSequence, progress=None) -> WorkingSet:
-    """The working set of ``trace``; ``sequence`` is its flattened request sequence (ReplayInput's).
-    ``progress(fraction)`` is called as the passes end."""
+def measure_working_set(trace: Trace, sequence: AccessSequence) -> WorkingSet:
+    """The working set of ``trace``; ``sequence`` is its flattened request sequence (ReplayInput's)."""
     meta = trace.meta
     sliding, reuse = _kernels()
     experts = np.ascontiguousarray(trace.experts, dtype=np.int64)
@@ -196,13 +195,9 @@ def measure_working_set(trace: Trace, sequence: AccessSequence, progress=None) -
         sliding(experts, meta.num_experts, window, total, largest)
         distinct_mean[index] = total / (trace.num_tokens - window + 1)
         distinct_max[index] = largest
-        if progress is not None:
-            progress((index + 1) / (len(windows) + 1))
     histogram = np.zeros(meta.num_expert_slots + 1, np.int64)
     reuse(np.ascontiguousarray(sequence.expert_id, dtype=np.int64), meta.num_expert_slots, histogram)
     layer_counts = np.bincount(sequence.expert_id, minlength=meta.num_expert_slots).reshape(meta.num_layers,
                                                                                           meta.num_experts)
-    if progress is not None:
-        progress(1.0)
     return WorkingSet(windows=windows, distinct_mean=distinct_mean, distinct_max=distinct_max,
                       reuse_histogram=histogram, layer_counts=layer_counts, top_k=meta.top_k)
