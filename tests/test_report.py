@@ -111,3 +111,25 @@ def test_verdict_sentences(olmoe):
     assert "no policy helps; buy memory or cut traffic" in verdict(small, 1024)
     large = measure_bound(olmoe, 900, working_set, policies=["lru"])
     assert "the working set, not the policy, limits the hits" in verdict(large, 1024)
+
+
+def test_policies_without_a_kernel_replay_a_prefix_of_a_large_trace(olmoe, monkeypatch):
+    from moe_offload.reporting import bound as bound_module
+
+    monkeypatch.setattr(bound_module, "PYTHON_REPLAY_REQUESTS", 5000)  # olmoe has 38,272 requests
+    working_set = measure_working_set(olmoe.trace, olmoe.sequence)
+    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "arc"])
+    assert [r.policy for r in bound.online] == ["lru"] and [r.policy for r in bound.sampled] == ["arc"]
+    rows = 5000 // (16 * 8)  # whole rows of L * K requests each
+    assert bound.sampled_tokens == rows
+    prefix = ReplayInput.of(olmoe.trace.select(slice(0, rows)))
+    assert bound.sampled[0].hits == replay(prefix, "arc", 256).hits
+    assert bound.sampled_belady.hits == replay(prefix, "belady", 256).hits
+
+
+def test_a_hit_rate_no_cache_reaches_is_unreachable():
+    trace = one_layer_trace([0, 1, 2, 3, 0], 4)  # four first requests of five: at most 20% hits
+    data = ReplayInput.of(trace)
+    bound = measure_bound(data, 2, measure_working_set(trace, data.sequence), policies=["lru"])
+    assert bound.needed == {0.5: None, 0.8: None, 0.9: None}
+    assert bound.max_hit_rate == 0.2

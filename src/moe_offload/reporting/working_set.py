@@ -166,7 +166,7 @@ class WorkingSet:
 
     def max_hit_rate(self) -> float:
         """Any cache's hit rate when it holds every expert: all but the first requests hit."""
-        return 1.0 - self.cold_requests / self.requests
+        return (self.requests - self.cold_requests) / self.requests
 
     def hottest_share(self, experts_per_layer: int) -> np.ndarray:
         """[L]: the share of each layer's requests that its ``experts_per_layer`` hottest experts take."""
