@@ -184,3 +184,10 @@ def test_fast_memory_in_bytes_is_whole_experts():
     assert fast_memory_experts(f"{256 * expert + expert - 1}B", 1024, 8, expert) == 256
     assert fast_memory_experts("25%", 1024, 8, expert) == fast_memory_experts("256", 1024, 8, None) == 256
     assert np.isclose(fast_memory_experts("0.125", 1024, 8, None), 128)
+
+
+def test_without_an_expert_size_the_budget_is_a_share(tiny_trace):
+    meta = replace(tiny_trace.meta, expert_bytes=None)
+    lines = command_lines(commands(meta, "tiny", "desktop-rtx4090", 16, None, None, "lcp"))
+    assert lines[0] == "moe-offload generate 'Why is the sky blue?' --model tiny --fast-budget 25% --policy lcp"
+    assert lines[1] == "moe-offload serve --model tiny --fast-budget 25% --policy lcp"

@@ -3,7 +3,8 @@
 The configuration is the timed run of least TPOT that a user can make (no oracle, not all resident:
 reporting/latency.py), or without timed runs (no expert size) the online policy with the most replay hits.
 The options are those of cli/generate_cmd.py's engine arguments, which `serve` shares: ``--fast-budget`` in
-exact bytes (the budget the report measured), ``--policy``, ``--prefetch``; MoEpic's split experts run from
+exact bytes (the budget the report measured; a share of all experts when the trace does not give an
+expert's size), ``--policy``, ``--prefetch``; MoEpic's split experts run from
 the configuration `moe-offload configure --json` writes (``--split-config``), which `serve` does not take.
 """
 
@@ -34,7 +35,10 @@ def commands(meta: TraceMeta, trace_name: str, hardware: str, cache_size: int, e
     of the trace's model unless it is the bundled one."""
     model = model_argument(meta)
     best = latency.best() if latency is not None else None
-    budget = exact_size(latency.cache_bytes if latency is not None else cache_size * (expert_bytes or 0))
+    if expert_bytes:
+        budget = exact_size(cache_size * expert_bytes)
+    else:  # a share of all experts' bytes, which the runtime knows from the model
+        budget = f"{100 * cache_size / meta.num_expert_slots:.6g}%"
     prompt = "Why is the sky blue?"
     if best is not None and latency.moepic is best:
         config = "split.json"
