@@ -97,7 +97,7 @@ def test_the_page_is_well_formed_and_self_contained(olmoe_report):
     assert parser.errors == [] and parser.open == []
     assert parser.fetches == []
     assert page.count("<svg") == 5  # working set, reuse, skew, policies, latency
-    assert "<h2>What to run</h2>" in page and "--fast-budget 3GiB" in page
+    assert "<h2>What to run</h2>" in page and "--fast-budget 25%" in page
 
 
 def test_the_page_opens_in_a_headless_browser(olmoe_report, tmp_path):
@@ -186,7 +186,15 @@ def test_fast_memory_in_bytes_is_whole_experts():
     assert np.isclose(fast_memory_experts("0.125", 1024, 8, None), 128)
 
 
-def test_without_an_expert_size_the_budget_is_a_share(tiny_trace):
+def test_the_budget_is_a_share_that_holds_the_experts(tiny_trace):
+    from moe_offload.reporting.recommend import budget_share
+    from moe_offload.values import budget_bytes
+
+    for experts, total in ((288, 1440), (256, 1024), (7, 61 * 256), (1, 3), (2, 3)):
+        share = budget_share(experts, total)
+        held = budget_bytes(share, total * 442368, "--fast-budget") // 442368  # as the runtime reads it
+        assert held == experts, share
+
     meta = replace(tiny_trace.meta, expert_bytes=None)
     lines = command_lines(commands(meta, "tiny", "desktop-rtx4090", 16, None, None, "lcp"))
     assert lines[0] == "moe-offload generate 'Why is the sky blue?' --model tiny --fast-budget 25% --policy lcp"

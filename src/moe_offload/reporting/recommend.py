@@ -2,27 +2,27 @@
 
 The configuration is the timed run of least TPOT that a user can make (no oracle, not all resident:
 reporting/latency.py), or without timed runs (no expert size) the online policy with the most replay hits.
-The options are those of cli/generate_cmd.py's engine arguments, which `serve` shares: ``--fast-budget`` in
-exact bytes (the budget the report measured; a share of all experts when the trace does not give an
-expert's size), ``--policy``, ``--prefetch``; MoEpic's split experts run from
+The options are those of cli/generate_cmd.py's engine arguments, which `serve` shares: ``--fast-budget`` as
+the budget's share of all experts' bytes (the runtime sizes experts in the dtype it computes in, which may
+differ from the trace's expert size: a share means the same number of experts on every device), ``--policy``, ``--prefetch``; MoEpic's split experts run from
 the configuration `moe-offload configure --json` writes (``--split-config``), which `serve` does not take.
 """
 
 from __future__ import annotations
 
+import math
 import shlex
 
-from moe_offload.hardware.profile import format_bytes
 from moe_offload.reporting.latency import MOEPIC_POLICY, Latency
 from moe_offload.trace.format import TraceMeta
 
 BUNDLED_MODEL = "moe-offload/tiny-mixtral"  # the recording of `--model tiny` names its model so
 
 
-def exact_size(count: int) -> str:
-    """``count`` bytes as `--fast-budget` reads them back exactly: a binary unit when one divides it."""
-    text = format_bytes(count)
-    return text.replace(" ", "") if "." not in text and not text.endswith(" B") and "i" in text else str(count)
+def budget_share(experts: float, total: int) -> str:
+    """``experts`` of ``total`` as the percentage `--fast-budget` reads (runtime: floor(share x all bytes / one
+    expert's bytes)), rounded up in its fourth decimal so that the floor is not one expert short."""
+    return f"{math.ceil(100 * experts / total * 1e4) / 1e4:g}%"
 
 
 def model_argument(meta: TraceMeta) -> str:
@@ -35,17 +35,13 @@ def commands(meta: TraceMeta, trace_name: str, hardware: str, cache_size: int, e
     of the trace's model unless it is the bundled one."""
     model = model_argument(meta)
     best = latency.best() if latency is not None else None
-    if expert_bytes:
-        budget = exact_size(cache_size * expert_bytes)
-    else:  # a share of all experts' bytes, which the runtime knows from the model
-        budget = f"{100 * cache_size / meta.num_expert_slots:.6g}%"
+    budget = budget_share(cache_size, meta.num_expert_slots)
     prompt = "Why is the sky blue?"
     if best is not None and latency.moepic is best:
         config = "split.json"
         split_budget = latency.moepic_config["budget_experts"]
         return [["configure", trace_name, "--vram-budget", str(split_budget), "--hardware", hardware, "--json"],
-                ["generate", prompt, "--model", model, "--fast-budget", exact_size(best.cache_bytes),
-                 "--split-config", config, "--policy", MOEPIC_POLICY, "--prefetch", "moepic", "--hardware", hardware]]
+                ["generate", prompt, "--model", model, "--fast-budget", budget, "--split-config", config, "--policy", MOEPIC_POLICY, "--prefetch", "moepic"]]
     policy = best.policy if best is not None else best_policy
     options = ["--model", model, "--fast-budget", budget, "--policy", policy]
     if best is not None and best.prefetcher is not None:
