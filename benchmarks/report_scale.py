@@ -49,7 +49,7 @@ def main() -> int:
 
     from rich.console import Console
 
-    from moe_offload.cli.report_cmd import fast_memory_experts
+    from moe_offload.cli.report_cmd import DEFAULT_TIMED_TOKENS, fast_memory_experts
     from moe_offload.hardware import resolve_profile
     from moe_offload.outputs import check_output, write_atomically
     from moe_offload.reporting.html import render_html
@@ -69,7 +69,7 @@ def main() -> int:
     cache_size = fast_memory_experts(args.fast_memory, meta.num_expert_slots, meta.top_k, meta.expert_bytes)
     data = ReplayInput.of(trace, name="synthetic-zipf")
     report = build_report(data, "synthetic-zipf", cache_size, resolve_profile(None), meta.expert_bytes,
-                          jobs=args.jobs, step=step)
+                          timed_tokens=DEFAULT_TIMED_TOKENS, jobs=args.jobs, step=step)
     step("HTML page")
     page = render_html(report)
     step("end")

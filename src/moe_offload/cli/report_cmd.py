@@ -9,12 +9,13 @@ from pathlib import Path
 from moe_offload.errors import ConfigError
 
 HTML_SUFFIXES = (".html", ".htm")
+# rows of the trace the timed simulator runs (reporting/latency.py): about 20 s of its runs for 32 layers
+DEFAULT_TIMED_TOKENS = 1024
 
 
 def register(subparsers) -> None:
     from moe_offload.hardware import DEFAULT_PRESET
     from moe_offload.reporting.bound import PYTHON_REPLAY_REQUESTS
-    from moe_offload.reporting.latency import TIMED_TOKENS
     from moe_offload.simulator.replay import ENGINES
 
     parser = subparsers.add_parser(
@@ -37,10 +38,10 @@ def register(subparsers) -> None:
     parser.add_argument("-o", "--output", metavar="FILE.html", help="also write the report as an HTML page")
     parser.add_argument("--expert-bytes", metavar="BYTES",
                         help="bytes of one expert (default: the trace's metadata; without either, no latency)")
-    parser.add_argument("--timed-tokens", default=str(TIMED_TOKENS), metavar="N",
+    parser.add_argument("--timed-tokens", default=str(DEFAULT_TIMED_TOKENS), metavar="N",
                         help=f"the timed simulator runs the trace's first whole iterations up to N rows (default "
-                             f"{TIMED_TOKENS}); the replay runs the whole trace, or, for the policies without a "
-                             f"compiled kernel, its first {PYTHON_REPLAY_REQUESTS:,} expert requests")
+                             f"{DEFAULT_TIMED_TOKENS}); the replay runs the whole trace, or, for the policies "
+                             f"without a compiled kernel, its first {PYTHON_REPLAY_REQUESTS:,} expert requests")
     parser.add_argument("--seed", default="0", help="seed of the randomized policies (default 0)")
     parser.add_argument("--jobs", default=str(min(2, os.cpu_count() or 1)),
                         help="worker processes (default: up to 2)")

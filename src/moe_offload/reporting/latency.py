@@ -13,8 +13,8 @@ segments from the trace's LCP statistics and the hardware's timings, and the tim
 with LCP and MoEpic's prefetcher.
 
 The timed simulator runs every layer of every iteration in Python (about 50,000 token-layers a second), so
-a trace of more than ``tokens`` rows (TIMED_TOKENS unless given: `report --timed-tokens`) runs its first whole
-iterations up to that many rows, and the report says so.
+a trace of more than ``tokens`` rows (`report --timed-tokens`) runs its first whole iterations up to that many
+rows, and the report says so.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from moe_offload.reporting.results import RunResult
 from moe_offload.simulator.timed import ALL_RESIDENT, ORACLE, Arrivals, check_timed_run, simulate_timed, timed_grid
 from moe_offload.trace.format import Trace
 
-TIMED_TOKENS = 1024
 CANDIDATE_POLICIES = 1  # the best online policies by replay hits, besides LRU
 BASELINE_POLICY = "lru"
 MOEPIC_POLICY = "lcp"  # the cache policy of MoEpic's split experts (paper 004, section 3.2)
@@ -66,7 +65,7 @@ class Latency:
         return candidates[0] if candidates else None
 
 
-def timed_sample(trace: Trace, tokens: int = TIMED_TOKENS) -> Trace:
+def timed_sample(trace: Trace, tokens: int) -> Trace:
     """The trace, or its first whole iterations up to ``tokens`` rows (rows are sorted by iteration)."""
     if trace.num_tokens <= tokens:
         return trace
@@ -112,7 +111,7 @@ def candidate_policies(ranked: list[str], trace: Trace, hardware: HardwareProfil
 
 
 def measure_latency(trace: Trace, hardware: HardwareProfile, cache_size: int, expert_bytes: int,
-                    ranked_policies: list[str], *, tokens: int = TIMED_TOKENS, seed: int = 0, jobs: int = 1,
+                    ranked_policies: list[str], *, tokens: int, seed: int = 0, jobs: int = 1,
                     progress=None) -> Latency:
     """The timed runs of the module docstring on ``cache_size`` experts of ``expert_bytes`` each."""
     cache_bytes = cache_size * expert_bytes

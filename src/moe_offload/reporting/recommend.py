@@ -4,8 +4,9 @@ The configuration is the timed run of least TPOT that a user can make (no oracle
 reporting/latency.py), or without timed runs (no expert size) the online policy with the most replay hits.
 The options are those of cli/generate_cmd.py's engine arguments, which `serve` shares: ``--fast-budget`` as
 the budget's share of all experts' bytes (the runtime sizes experts in the dtype it computes in, which may
-differ from the trace's expert size: a share means the same number of experts on every device), ``--policy``, ``--prefetch``; MoEpic's split experts run from
-the configuration `moe-offload configure --json` writes (``--split-config``), which `serve` does not take.
+differ from the trace's expert size: a share means the same number of experts on every device), ``--policy``,
+``--prefetch``; MoEpic's split experts run from the configuration `moe-offload configure --json` writes
+(``--split-config``), which `serve` does not take.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def commands(meta: TraceMeta, trace_name: str, hardware: str, cache_size: int, e
         config = "split.json"
         split_budget = latency.moepic_config["budget_experts"]
         return [["configure", trace_name, "--vram-budget", str(split_budget), "--hardware", hardware, "--json"],
-                ["generate", prompt, "--model", model, "--fast-budget", budget, "--split-config", config, "--policy", MOEPIC_POLICY, "--prefetch", "moepic"]]
+                ["generate", prompt, "--model", model, "--fast-budget", budget, "--split-config", config,
+                 "--policy", MOEPIC_POLICY, "--prefetch", "moepic"]]
     policy = best.policy if best is not None else best_policy
     options = ["--model", model, "--fast-budget", budget, "--policy", policy]
     if best is not None and best.prefetcher is not None:

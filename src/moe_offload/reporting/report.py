@@ -11,7 +11,7 @@ from rich.table import Table
 
 from moe_offload.hardware.profile import HardwareProfile, format_bytes
 from moe_offload.reporting.bound import TARGET_HIT_RATES, Bound, measure_bound, verdict
-from moe_offload.reporting.latency import TIMED_TOKENS, Latency, measure_latency
+from moe_offload.reporting.latency import Latency, measure_latency
 from moe_offload.reporting.recommend import command_lines, commands
 from moe_offload.reporting.tables import run_label
 from moe_offload.reporting.working_set import WorkingSet, measure_working_set
@@ -56,9 +56,10 @@ class Report:
 
 
 def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: HardwareProfile,
-                 expert_bytes: int | None, *, seed: int = 0, jobs: int = 1, engine: str = "auto",
-                 timed_tokens: int = TIMED_TOKENS, step=None) -> Report:
-    """Measure everything; ``step(text)`` is told what runs next (a progress line)."""
+                 expert_bytes: int | None, *, timed_tokens: int, seed: int = 0, jobs: int = 1, engine: str = "auto",
+                 step=None) -> Report:
+    """Measure everything, the timed runs on the first ``timed_tokens`` rows (latency.py); ``step(text)`` is
+    told what runs next (a progress line)."""
     step = step or (lambda text: None)
     trace = data.trace
     step("working set: sliding windows and reuse distances")
