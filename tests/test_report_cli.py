@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from moe_offload.cli.main import build_parser, main
+from moe_offload.errors import ConfigError
 from moe_offload.hardware import resolve_profile
 from moe_offload.reporting.latency import measure_latency, timed_sample
 from moe_offload.reporting.recommend import command_lines, commands
@@ -184,6 +185,8 @@ def test_fast_memory_in_bytes_is_whole_experts():
     assert fast_memory_experts(f"{256 * expert + expert - 1}B", 1024, 8, expert) == 256
     assert fast_memory_experts("25%", 1024, 8, expert) == fast_memory_experts("256", 1024, 8, None) == 256
     assert np.isclose(fast_memory_experts("0.125", 1024, 8, None), 128)
+    with pytest.raises(ConfigError, match="--expert-bytes"):  # bytes, but the trace does not give an expert's size
+        fast_memory_experts("3GiB", 1024, 8, None)
 
 
 def test_the_budget_is_a_share_that_holds_the_experts(tiny_trace):
