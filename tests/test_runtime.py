@@ -299,6 +299,43 @@ def test_moepic_prefetches_layer_0_of_the_next_token_after_the_last_layer(checkp
     assert next_token and all(key // experts == 0 for key in next_token)
 
 
+def test_the_unsplit_runtime_gives_moepic_the_timed_simulators_y(checkpoint):
+    """Issue 25: without a split, the runtime's MoEpic prefetcher gets the link budget of the hardware profile, as
+    ``simulate --timed`` gives it, so both propose the same experts for the same routing."""
+    from moe_offload.hardware import resolve_profile
+    from moe_offload.policies import ModelSpec
+    from moe_offload.prefetch import RoutingView, make_prefetcher
+    from moe_offload.prefetch.budget import budget_from_hardware
+    from moe_offload.simulator.timed import simulate_timed
+
+    hardware = resolve_profile("server-h100-pcie5")
+    trace = checkpoint["history"]
+    manifest = read_manifest(checkpoint["packed"])
+    expert_bytes = manifest.expert_bytes
+    simulated = make_prefetcher("moepic", ModelSpec(manifest.num_layers, manifest.num_experts, manifest.top_k))
+    simulate_timed(trace, hardware, "lru", 6 * expert_bytes, expert_bytes=expert_bytes, prefetcher=simulated)
+    with OffloadEngine(checkpoint["packed"], fast_budget="50%", prefetch="moepic", hardware=hardware) as engine:
+        running = engine.prefetcher
+        L = engine.spec.num_layers
+        # by hand: window / load on this profile, at most J = 6; layer 0's window has the LM head in it
+        budget = running.budget
+        assert budget.window_seconds == simulated.budget.window_seconds
+        assert budget.expert_load_seconds == simulated.budget.expert_load_seconds
+        assert [running.prefetches_for(layer) for layer in range(L)] == [
+            min(6, int(window // budget.expert_load_seconds)) for window in budget.window_seconds] == [6, 5, 5]
+        most = 0
+        for iteration in np.unique(trace.iteration):
+            view = RoutingView(trace, int(iteration), np.flatnonzero(trace.iteration == iteration))
+            for layer in range(L):
+                view.layer_now = layer
+                proposed = running.on_layer_routed(view)
+                assert proposed == simulated.on_layer_routed(view)
+                most = max(most, len(proposed))
+        assert most > manifest.top_k  # Y, not top-k, reached the proposals
+    with OffloadEngine(checkpoint["packed"], fast_budget="50%", prefetch="moepic") as engine:  # the default profile
+        assert engine.prefetcher.budget == budget_from_hardware(resolve_profile(None), expert_bytes, L, manifest.top_k)
+
+
 # ------------------------------------------------------------------------------------ hostile input (issue 11)
 def one_line_error(capsys) -> str:
     """The one error line of a failed command (a progress note such as "packing ... (once)" may precede it)."""
