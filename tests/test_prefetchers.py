@@ -63,7 +63,8 @@ def random_full_trace(seed=0, L=4, J=6, K=2, tokens=24, requests=4, D=5) -> Trac
 
 
 def test_registry_names_and_descriptions():
-    assert list(PREFETCHERS) == ["topk", "traced-topk", "moe-infinity", "fmoe", "moepic", "oracle"]
+    assert list(PREFETCHERS) == ["topk", "traced-topk", "moe-infinity", "fmoe", "moepic", "mixtral-offloading",
+                                 "pre-gated", "oracle"]
     for name, cls in PREFETCHERS.items():
         assert cls.name == name and cls.summary and cls.source
         assert set(cls.requires) <= {"probs", "embedding", "gate_prediction", "weights"}
@@ -123,7 +124,11 @@ class NoOracleView(RoutingView):
         raise AssertionError("a real prefetcher looked at the future")
 
 
-@pytest.mark.parametrize("name", [n for n in PREFETCHERS if n != "oracle"])
+def test_only_the_bounds_read_the_future():
+    assert [n for n, cls in PREFETCHERS.items() if cls.reads_future] == ["pre-gated", "oracle"]
+
+
+@pytest.mark.parametrize("name", [n for n in PREFETCHERS if not PREFETCHERS[n].reads_future])
 def test_real_prefetchers_never_see_the_future(name):
     trace = random_full_trace(seed=1)
     prefetcher = make_prefetcher(name, ModelSpec(4, 6, 2), {"capacity": 4} if "capacity" in
@@ -541,6 +546,45 @@ def test_moepic_prefetches_the_top_predicted_experts_of_the_next_layer():
     assert as_dict(l1) == pytest.approx({2 * J + 0: 0.2, 2 * J + 1: 0.2}, rel=1e-3)
     assert [p.key for p in drive(make_prefetcher("moepic", ModelSpec(L, J, 2), {"prefetches": 1}),
                                  trace)[0][1]] == [J + 1]
+
+
+def test_mixtral_offloading_prefetches_the_guessed_top_k_of_the_next_layer_only():
+    # Paper 004's Mixtral-offloading baseline: layer l+1's router on layer l's hidden state, its top-k per token;
+    # no guess of the next token's layer 0 and no window budget (unlike MoEpic).
+    from moe_offload.prefetch.budget import PrefetchBudget
+
+    L, J = 3, 5
+    gate = np.zeros((2, L - 1, J))
+    gate[0, 0] = [0.1, 0.5, 0.05, 0.3, 0.05]   # token 0 guesses layer 1: 1, 3
+    gate[1, 0] = [0.4, 0.45, 0.05, 0.05, 0.05]  # token 1 guesses layer 1: 1, 0
+    gate[:, 1] = [0.1, 0.2, 0.3, 0.2, 0.2]     # layer 2: 2, then a tie of 1, 3, 4 to the lower id
+    trace = make_trace(np.zeros((2, L, 2), int) + [0, 1], num_experts=J, iteration=[0, 0], request=[0, 1],
+                       position=[0, 0], gate_prediction=gate, next_token_gate_prediction=np.full((2, J), 0.2))
+    prefetcher = make_prefetcher("mixtral-offloading", ModelSpec(L, J, 2))
+    prefetcher.set_budget(PrefetchBudget(expert_load_seconds=1.0, window_seconds=(9.0,) * L, prefetches=(5, 5, 5)))
+    start, l0, l1, l2 = drive(prefetcher, trace)[0]
+    assert start == [] and l2 == []  # layer 0 of the next token is not guessed
+    assert as_dict(l0) == pytest.approx({J + 1: 0.5, J + 0: 0.4, J + 3: 0.3}, rel=1e-3)  # the highest a token gives
+    assert [p.key for p in l0] == [J + 1, J + 0, J + 3]
+    assert [p.key for p in l1] == [2 * J + 2, 2 * J + 1]
+    one = drive(make_prefetcher("mixtral-offloading", ModelSpec(L, J, 2), {"k": 1}), trace)[0]
+    assert [p.key for p in one[1]] == [J + 1] and [p.key for p in one[2]] == [2 * J + 2]
+    with pytest.raises(ConfigError, match="gate_prediction"):
+        check_trace_columns(PREFETCHERS["mixtral-offloading"],
+                            make_trace(np.zeros((1, L, 2), int) + [0, 1], num_experts=J))
+
+
+def test_pre_gated_prefetches_exactly_the_next_layers_selection():
+    # Pre-gated MoE: layer l's pre-gate selects layer l+1's experts, so after layer l every expert layer l+1
+    # selects (over the pass's tokens) is proposed, nothing further ahead, nothing for layer 0.
+    L, J = 3, 6
+    experts = np.array([[[0, 1], [2, 3], [4, 5]],
+                        [[0, 2], [3, 5], [4, 1]]])
+    trace = make_trace(experts, num_experts=J, iteration=[0, 0], request=[0, 1], position=[0, 0])
+    start, l0, l1, l2 = drive(make_prefetcher("pre-gated", ModelSpec(L, J, 2)), trace)[0]
+    assert start == [] and l2 == []
+    assert as_dict(l0) == {J + 2: 1.0, J + 3: 1.0, J + 5: 1.0}
+    assert as_dict(l1) == {2 * J + 1: 1.0, 2 * J + 4: 1.0, 2 * J + 5: 1.0}
 
 
 def one_token_gate_trace(L=3, J=6):

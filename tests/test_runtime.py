@@ -27,7 +27,7 @@ PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog."]
 NEW_TOKENS = 6
 COMPUTE_EXPERT_BYTES = (2 * 48 * 32 + 32 * 48) * 4  # one expert of the test model in float32
 ONLINE_POLICIES = sorted(name for name, info in POLICIES.items() if not info.offline)
-PREFETCHERS = [None, "topk", "traced-topk", "moe-infinity", "fmoe", "moepic"]
+PREFETCHERS = [None, "topk", "traced-topk", "moe-infinity", "fmoe", "moepic", "mixtral-offloading"]
 
 
 @pytest.fixture(scope="module")
