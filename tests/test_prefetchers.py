@@ -79,10 +79,18 @@ def test_unknown_prefetcher_and_option_are_config_errors():
         make_prefetcher("oracle", ModelSpec(2, 4, 1), {"depth": 2})
     with pytest.raises(ConfigError, match="topk.k 0: must be a whole number from 1 to 4"):
         make_prefetcher("topk", ModelSpec(2, 4, 1), {"k": 0})
-    assert prefetcher_options("fmoe") == {"capacity": 1000, "distance": 3, "search_seconds": None,
+    assert prefetcher_options("fmoe") == {"capacity": None, "distance": 3, "search_seconds": None,
                                          "semantic": "iteration",
                                           "embedding_dims": None, "candidates": None, "map_dtype": "float32",
                                           "lists": None, "probes": 8, "seed": 0}
+
+
+def test_fmoe_store_capacity_follows_the_papers_sizing_guidance():
+    # Paper 000: 2LJ maps bound the similarity at 75%, 1/2 LJ ln(LJ) at 98%; the default is the larger.
+    assert make_prefetcher("fmoe", ModelSpec(16, 64, 8)).capacity == 3549  # OLMoE: 512 * ln(1024) = 3549.1
+    assert make_prefetcher("fmoe", ModelSpec(32, 8, 2)).capacity == 710    # Mixtral: 128 * ln(256) = 709.8 > 512
+    assert make_prefetcher("fmoe", ModelSpec(4, 6, 2)).capacity == 48      # 12 * ln(24) = 38.1 < 2LJ = 48
+    assert make_prefetcher("fmoe", ModelSpec(4, 6, 2), {"capacity": 5}).capacity == 5
 
 
 @pytest.mark.parametrize("name, column, hint", [
