@@ -41,6 +41,18 @@ def test_lifo_evicts_the_newest_resident():
     assert evicted[5] == [3]  # 3 came in last: 0 and 1 stay for good
 
 
+def test_neighbor_aware_ages_and_evicts_neighbors_together():
+    # groups of 2: {0, 1}, {2, 3}, {4, 5}. At the request of 4 the cache holds 0, 2, 1: group {0, 1} was last
+    # requested at t=2 (expert 1), group {2, 3} at t=1, so 2 goes where LRU evicts 0.
+    _, evicted = drive("neighbor-aware", single_layer(0, 2, 1, 4, 3, 5), 3, ONE_LAYER)
+    assert evicted[3] == [2]
+    assert drive("lru", single_layer(0, 2, 1, 4, 3, 5), 3, ONE_LAYER)[1][3] == [0]
+    assert evicted[4] == [0]  # {0, 1} (t=2) is now older than {4} (t=3): its lower member first
+    assert evicted[5] == [1]  # ... then the rest of the group, although {2, 3} was requested later
+    _, one = drive("neighbor-aware", single_layer(0, 2, 1, 4, 3, 5), 3, ONE_LAYER, options={"group": 1})
+    assert one == drive("lru", single_layer(0, 2, 1, 4, 3, 5), 3, ONE_LAYER)[1]
+
+
 def test_lfu_evicts_fewest_requests_ties_to_least_recent():
     hits, evicted = drive("lfu", single_layer(0, 0, 1, 1, 1, 2, 3, 2), 3, ONE_LAYER)
     assert evicted[6] == [2]  # frequencies 0:2, 1:3, 2:1
@@ -501,9 +513,10 @@ def test_belady_dist_is_optimal_per_layer():
 
 
 def test_every_policy_is_listed_with_its_source():
+    baselines = {"lifo", "lcp-dist", "neighbor-aware"}  # issue 25
     expected = {"lru", "lfu", "fifo", "random", "marking", "lru-dist", "marking-dist", "belady", "belady-dist",
                 "llru", "arc", "lecar", "moe-infinity", "fmoe", "lcp", "learned"}
-    assert set(POLICIES) == expected
+    assert set(POLICIES) == expected | baselines
     for info in POLICIES.values():
         assert info.summary and info.source
 

@@ -24,6 +24,7 @@ from moe_offload.policies.llru import LLRU
 from moe_offload.policies.lru import LRU
 from moe_offload.policies.marking import Marking
 from moe_offload.policies.moe_infinity import MoEInfinity
+from moe_offload.policies.neighbor_aware import NeighborAware
 from moe_offload.policies.random import RandomEviction
 from moe_offload.values import check_option_names, integer
 
@@ -63,6 +64,7 @@ POLICIES: dict[str, PolicyInfo] = {
         PolicyInfo("belady", Belady),
         PolicyInfo("belady-dist", Belady, partitioned=True),
         PolicyInfo("lifo", LIFO),
+        PolicyInfo("neighbor-aware", NeighborAware),
         PolicyInfo("lcp-dist", LCP, partitioned=True,
                    partitioned_source="paper 004: LCP ranks the experts of each layer's own cache"),
         PolicyInfo("llru", LLRU),
