@@ -318,6 +318,63 @@ def test_moe_infinity_keeps_one_eam_per_sequence_and_refines_every_layer():
     assert prefetcher.current_eam(9).tolist() == [[0, 0, 1], [0, 1, 0]]
 
 
+def dataset_switch_trace(L=3, sequences=6):
+    """Sequences of two decode iterations each, one at a time: the first half routes every layer to experts 0
+    and 1 (dataset A), the second half to 4 and 5 (dataset B)."""
+    experts, request, iteration = [], [], []
+    for sequence in range(2 * sequences):
+        pair = [0, 1] if sequence < sequences else [4, 5]
+        for step in range(2):
+            experts.append([pair] * L)
+            request.append(sequence)
+            iteration.append(2 * sequence + step)
+    return make_trace(experts, num_experts=6, request=request, iteration=iteration,
+                      position=[i % 2 for i in range(len(request))])
+
+
+def first_choices_per_sequence(prefetcher, trace) -> list[set[int]]:
+    """Per sequence, the two highest-priority proposals after layer 0 of its first iteration; the driver ends
+    each sequence after its last iteration."""
+    choices = []
+    for iteration in np.unique(trace.iteration):
+        rows = np.flatnonzero(trace.iteration == iteration)
+        view = RoutingView(trace, int(iteration), rows)
+        prefetcher.on_iteration_start(view)
+        for layer in range(trace.meta.num_layers):
+            view.layer_now = layer
+            proposed = prefetcher.on_layer_routed(view)
+            if layer == 0 and iteration % 2 == 0:
+                choices.append({p.key for p in proposed[:2]})
+        prefetcher.on_iteration_end(view)
+        if iteration % 2 == 1:
+            prefetcher.on_request_end(int(trace.request[rows[0]]))
+    return choices
+
+
+@pytest.mark.parametrize("search", ["exhaustive", "incremental"])
+def test_moe_infinity_rebuilds_the_eamc_when_the_dataset_switches(search):
+    # Paper 002, sections 4.3 and 8.5: sequences the EAMC covers badly are recorded and the EAMC is rebuilt
+    # from the history and them. The history is dataset A only; the run switches to B halfway.
+    J, spec = 6, ModelSpec(3, 6, 2)
+    history = make_trace([[[0, 1]] * 3, [[0, 1]] * 3], num_experts=J, request=[0, 1], iteration=[0, 1])
+    trace = dataset_switch_trace()
+    a, b = {J + 0, J + 1}, {J + 4, J + 5}  # layer 1's experts of A and of B
+
+    fixed = make_prefetcher("moe-infinity", spec, {"capacity": 2, "search": search})
+    fixed.fit(history)
+    assert first_choices_per_sequence(fixed, trace) == [a] * 12  # B is never predicted
+
+    shifting = make_prefetcher("moe-infinity", spec, {"capacity": 2, "search": search, "rebuild_after": 2})
+    shifting.fit(history)
+    # A sequences are at distance 0 from the EAMC: not recorded. The first two B sequences are at distance 1
+    # (no common expert: every cosine 0) > 0.5: recorded; the second triggers the rebuild, K-means of 2 A and
+    # 2 B EAMs into 2 clusters, and from the third B sequence on B is predicted.
+    assert first_choices_per_sequence(shifting, trace) == [a] * 6 + [a, a] + [b] * 4
+    assert shifting.rebuilds == 1 and shifting.recorded == 0
+    # one EAM of each dataset: a recorded B sequence (2 tokens) and a history A sequence (1 token)
+    assert sorted(map(tuple, shifting.eamc.eams[:, 1].tolist())) == [(0, 0, 0, 0, 2, 2), (1, 1, 0, 0, 0, 0)]
+
+
 # ---------------------------------------------------------------------------------------------- fMoE
 
 
