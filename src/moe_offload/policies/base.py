@@ -97,6 +97,7 @@ class EvictionPolicy:
     source: ClassVar[str]    # the paper (seed file) or reference the formula comes from
     offline: ClassVar[bool] = False       # reads ctx.next_use (knows the future)
     needs_probs: ClassVar[bool] = False   # reads ctx.probs or ctx.predicted
+    needs_rounds: ClassVar[bool] = False  # reads ctx.round: a runtime taps the routing to count rounds
     # The replay's compiled twin of the hooks below, in the subset of Python that Numba compiles, or None
     # (simulator/kernels.py: its arguments and how it is compiled).
     replay_kernel: ClassVar[Callable | None] = None

@@ -192,6 +192,7 @@ class OffloadEngine:
                 runner = functools.partial(SplitRunner, online=online)
             self.runner = runner(self.model, self.adapter, self.spec, self.path, self.counters,
                                       prefetcher=self.prefetcher, policy_needs_probs=info.policy.needs_probs,
+                                      policy_needs_rounds=info.policy.needs_rounds,
                                       replay=self.replay, source=f"live generation with {m.directory}",
                                       matcher=matcher)
             self.runner.install()
