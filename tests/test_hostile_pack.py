@@ -267,3 +267,16 @@ def test_hardware_measure_never_writes_over_the_model(pack_copy, tmp_path, capsy
     code, _, err = run(capsys, "hardware", "measure", "--model", pack_copy, "-o", link)
     assert_refused(code, err, link, "is also an input of this command")
     assert (pack_copy / "config.json").read_bytes() == before
+
+
+def test_generate_json_never_writes_over_the_cached_pack_of_a_checkpoint(checkpoint, tmp_path, capsys, monkeypatch):
+    from moe_offload.runtime.packing import MANIFEST, packed_directory
+
+    monkeypatch.setenv("MOE_OFFLOAD_CACHE", str(tmp_path / "cache"))
+    cached = packed_directory(str(checkpoint))
+    capsys.readouterr()  # its note that it packed
+    before = (cached / MANIFEST).read_bytes()
+    code, _, err = run(capsys, "generate", "--model", checkpoint, "--max-new-tokens", 1, "--json",
+                       cached / MANIFEST, "x")
+    assert_refused(code, err, MANIFEST, "is also an input of this command")
+    assert (cached / MANIFEST).read_bytes() == before

@@ -24,6 +24,7 @@ format version, so a stale pack is never served (``packed_directory``).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import shutil
@@ -355,12 +356,18 @@ def _check_shapes(model, adapter, manifest: Manifest, file: Path) -> None:
 
 
 def model_files(name: str) -> list[Path]:
-    """Every file of the model ``--model NAME`` names (a packed directory or a checkpoint): inputs of the
-    command that runs it, which none of its outputs may overwrite (outputs.check_output)."""
+    """Every file of the model ``--model NAME`` names (a packed directory, or a checkpoint and its packed
+    copies in the cache): inputs of the command that runs it, which none of its outputs may overwrite
+    (outputs.check_output)."""
     from moe_offload.models.tiny import model_directory
 
     directory = model_directory(name)
-    return [path for path in directory.rglob("*") if path.is_file()] if directory.is_dir() else []
+    if not directory.is_dir():
+        return []
+    folders = [directory]
+    if missing(directory / MANIFEST):  # a checkpoint: its packs in the cache too (packed_directory's names)
+        folders += sorted((cache_root() / "packed").glob(f"{glob.escape(directory.resolve().name)}-*"))
+    return [path for folder in folders for path in folder.rglob("*") if path.is_file()]
 
 
 def cache_root() -> Path:
