@@ -241,6 +241,10 @@ def read_manifest(directory, check_files: bool = True) -> Manifest:
                                 "(truncated or replaced)")
         check_input(check_inside(directory, NON_EXPERTS, path, PackError), "non-expert weight file", PackError)
         check_copied_files(data, directory, path, PackError)
+        config = directory / "config.json"  # read by transformers next: standard JSON, an object
+        if not isinstance(parse_json(read_text(config, "model config", PackError), config, "model config",
+                                     PackError), dict):
+            raise PackError(f"{config}: a model config must be a JSON object")
     return manifest
 
 
