@@ -97,7 +97,7 @@ def test_nan_weights_are_refused_naming_the_tensor(copy, capsys):
     refused_pack(capsys, copy, "weight model.layers.1.self_attn.q_proj.weight holds NaN or infinity")
 
 
-@pytest.mark.parametrize("value, problem", [("NaN", "NaN is not a JSON number"),
+@pytest.mark.parametrize("value, problem", [("NaN", "rms_norm_eps is NaN, not a number"),
                                             ("0", "rms_norm_eps must be a positive"),
                                             ("-1e-6", "rms_norm_eps must be a positive")])
 def test_a_nan_or_non_positive_rms_norm_eps_is_refused(copy, capsys, value, problem):
