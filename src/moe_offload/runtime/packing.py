@@ -1,7 +1,7 @@
 """Packed checkpoints: the non-expert weights in one file, the routed experts of each layer in one file of
 raw tensor bytes at offsets the manifest gives (FlashMoE's separation, paper 003).
 
-``moe-offload pack MODEL -o DIR`` writes (format version 2)::
+``moe-offload pack MODEL -o DIR`` writes (format version 3)::
 
     DIR/moe-offload-pack.json        the manifest (below)
     DIR/config.json, tokenizer files  copied from MODEL
@@ -16,10 +16,13 @@ part of an expert can be read on its own: MoEpic's split along the intermediate 
 intermediate rows [a, b) of gate_up_proj as the two ranges of its gate and up halves, and down_proj's
 columns as H runs), and per expert its file offset and one SHA-256 and one xxHash3-64 digest per chunk of
 ``chunk_bytes``. The runtime checks a chunk's SHA-256 the first time it reads it in a process, and its
-xxHash3 (an order of magnitude faster) on every later read (runtime/storage.py).
+xxHash3 (an order of magnitude faster) on every later read (runtime/storage.py). The manifest also holds the
+SHA-256 of the non-expert file and of every copied file, and is sealed with a SHA-256 of itself; a manifest
+that does not match its seal, or describes another layout than this one, is refused (runtime/pack_seal.py).
+Before packing, the checkpoint itself is checked (runtime/checkpoint_checks.py).
 
-Version 1 (one safetensors file per expert) is not read any more; the pack cache's directory names carry the
-format version, so a stale pack is never served (``packed_directory``).
+Versions 1 (one safetensors file per expert) and 2 (no seal) are not read any more; the pack cache's directory
+names carry the format version, so a stale pack is never served (``packed_directory``).
 """
 
 from __future__ import annotations
