@@ -278,3 +278,20 @@ def test_simulate_never_writes_over_its_hardware_profile_or_another_output(tmp_p
     code, _, err = run(capsys, "simulate", "--timed", "olmoe", "--plot-cdf", plot, "--plot-timeline", plot)
     assert_refused(code, err, plot, "is also an input of this command")
     assert not plot.exists()
+
+
+def test_a_sweep_running_in_another_process_keeps_the_second_one_out(small_sweep, capsys):
+    import subprocess
+    import sys
+
+    results = small_sweep.parent / "results.parquet"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from moe_offload.sweep.store import ResultStore; "
+                               f"store = ResultStore({str(results)!r}, []); print('locked', flush=True); "
+                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        code, _, err = run(capsys, "sweep", small_sweep)
+        assert_refused(code, err, results, "another sweep is writing these results now")
+    finally:
+        holder.communicate("")  # its end releases the lock
+    assert run(capsys, "sweep", small_sweep)[0] == 0
