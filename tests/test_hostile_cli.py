@@ -260,3 +260,38 @@ def test_a_history_whose_eams_exceed_memory_is_refused_before_allocating(tmp_pat
     with pytest.raises(ConfigError, match=r"h.parquet: the EAMs of its 1,000 requests \(256 layers x 4096 experts "
                                           r"each\) would need 23.4 GiB of memory, and 1.0 GiB is available"):
         sequence_eams(history)
+
+
+# ------------------------------------------------------------------ no output over an input or another output
+
+def test_simulate_never_writes_over_its_hardware_profile_or_another_output(tmp_path, capsys):
+    from pathlib import Path
+
+    profile = tmp_path / "mine.toml"
+    profile.write_text((Path(__file__).parents[1] / "src/moe_offload/hardware/presets/desktop-rtx4090.toml")
+                       .read_text())
+    before = profile.read_bytes()
+    code, _, err = run(capsys, "simulate", "--timed", "olmoe", "--hardware", profile, "--timed-json", profile)
+    assert_refused(code, err, profile, "is also an input of this command")
+    assert profile.read_bytes() == before
+    plot = tmp_path / "both.png"
+    code, _, err = run(capsys, "simulate", "--timed", "olmoe", "--plot-cdf", plot, "--plot-timeline", plot)
+    assert_refused(code, err, plot, "is also an input of this command")
+    assert not plot.exists()
+
+
+def test_a_sweep_running_in_another_process_keeps_the_second_one_out(small_sweep, capsys):
+    import subprocess
+    import sys
+
+    results = small_sweep.parent / "results.parquet"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from moe_offload.sweep.store import ResultStore; "
+                               f"store = ResultStore({str(results)!r}, []); print('locked', flush=True); "
+                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        code, _, err = run(capsys, "sweep", small_sweep)
+        assert_refused(code, err, results, "another sweep is writing these results now")
+    finally:
+        holder.communicate("")  # its end releases the lock
+    assert run(capsys, "sweep", small_sweep)[0] == 0

@@ -69,7 +69,8 @@ def refused_pack(capsys, model_dir, *fragments) -> None:
 
 
 def test_a_checkpoint_missing_one_layers_experts_is_refused_naming_the_tensor(copy, capsys):
-    edit_weights(copy, lambda w: [w.pop(name) for name in list(w) if name.startswith("model.layers.1.block_sparse_moe.experts.")])
+    layer_1_experts = "model.layers.1.block_sparse_moe.experts."
+    edit_weights(copy, lambda w: [w.pop(name) for name in list(w) if name.startswith(layer_1_experts)])
     refused_pack(capsys, copy, "the weight files lack model.layers.1.mlp.experts.down_proj")
 
 
@@ -96,7 +97,8 @@ def test_nan_weights_are_refused_naming_the_tensor(copy, capsys):
     refused_pack(capsys, copy, "weight model.layers.1.self_attn.q_proj.weight holds NaN or infinity")
 
 
-@pytest.mark.parametrize("value, problem", [("NaN", "NaN is not a JSON number"), ("0", "rms_norm_eps must be a positive"),
+@pytest.mark.parametrize("value, problem", [("NaN", "rms_norm_eps is NaN, not a number"),
+                                            ("0", "rms_norm_eps must be a positive"),
                                             ("-1e-6", "rms_norm_eps must be a positive")])
 def test_a_nan_or_non_positive_rms_norm_eps_is_refused(copy, capsys, value, problem):
     edit_config(copy, lambda text: re.sub(r'"rms_norm_eps": [^,\n]+', f'"rms_norm_eps": {value}', text))
@@ -218,6 +220,13 @@ def test_a_resealed_manifest_with_impossible_sizes_is_refused(pack_copy, capsys,
     refused_start(capsys, pack_copy, problem)
 
 
+def test_a_resealed_config_nested_100k_deep_is_refused(pack_copy, capsys):
+    config = pack_copy / "config.json"
+    config.write_text('{"a":' * 100_000 + "1" + "}" * 100_000)
+    reseal(pack_copy, lambda document: None)
+    refused_start(capsys, pack_copy, config, "nested too deeply")
+
+
 def test_a_resealed_vocab_size_is_refused_naming_the_tensor(pack_copy, capsys):
     config = pack_copy / "config.json"
     config.write_text(config.read_text().replace('"vocab_size": 300', '"vocab_size": 1000000000000'))
@@ -250,7 +259,7 @@ def test_an_unreadable_part_of_a_pack_is_one_line(pack_copy, capsys, monkeypatch
 
 # ------------------------------------------------------------------ no output over the model a command runs
 
-@pytest.mark.parametrize("target", ["moe-offload-pack.json", "config.json", "link-to-config.json"])
+@pytest.mark.parametrize("target", ["moe-offload-pack.json", "config.json", "tokenizer.json", "link-to-config.json"])
 def test_generate_json_never_writes_over_the_model(pack_copy, capsys, target):
     (pack_copy / "link-to-config.json").symlink_to(pack_copy / "config.json")
     before = {path: path.read_bytes() for path in pack_copy.rglob("*") if path.is_file()}
@@ -267,3 +276,16 @@ def test_hardware_measure_never_writes_over_the_model(pack_copy, tmp_path, capsy
     code, _, err = run(capsys, "hardware", "measure", "--model", pack_copy, "-o", link)
     assert_refused(code, err, link, "is also an input of this command")
     assert (pack_copy / "config.json").read_bytes() == before
+
+
+def test_generate_json_never_writes_over_the_cached_pack_of_a_checkpoint(checkpoint, tmp_path, capsys, monkeypatch):
+    from moe_offload.runtime.packing import MANIFEST, packed_directory
+
+    monkeypatch.setenv("MOE_OFFLOAD_CACHE", str(tmp_path / "cache"))
+    cached = packed_directory(str(checkpoint))
+    capsys.readouterr()  # its note that it packed
+    before = (cached / MANIFEST).read_bytes()
+    code, _, err = run(capsys, "generate", "--model", checkpoint, "--max-new-tokens", 1, "--json",
+                       cached / MANIFEST, "x")
+    assert_refused(code, err, MANIFEST, "is also an input of this command")
+    assert (cached / MANIFEST).read_bytes() == before

@@ -173,11 +173,14 @@ def check_outputs(args, inputs: list[str]) -> None:
     """Every file the command will write, checked before it reads or runs anything."""
     from moe_offload.reporting.plots import PLOT_SUFFIXES
 
+    written = []  # no output over another one either
     for flag, suffixes in (("plot", PLOT_SUFFIXES), ("plot_cdf", PLOT_SUFFIXES), ("plot_timeline", PLOT_SUFFIXES),
                            ("timed_json", ())):
         target = getattr(args, flag, None)
         if target:
-            check_output(target, inputs=inputs, suffixes=suffixes, what=f"--{flag.replace('_', '-')} file")
+            check_output(target, inputs=[*inputs, *written], suffixes=suffixes,
+                         what=f"--{flag.replace('_', '-')} file")
+            written.append(target)
 
 
 def learned_training_note(trace_path: str, learned_options: dict) -> str | None:
@@ -302,7 +305,8 @@ def run_timed(args) -> int:
                                          prefetcher_info)
     check_options_used(prefetch_options, running, "--prefetch-option", "--prefetch")
     paths = [str(trace_path(name)) for name in args.traces] or [str(DEFAULT_TRACE)]
-    check_outputs(args, paths + [trace_path(args.history) if args.history else None, args.split_config])
+    profile = args.hardware if args.hardware and Path(args.hardware).is_file() else None  # not a preset's name
+    check_outputs(args, paths + [trace_path(args.history) if args.history else None, args.split_config, profile])
     jobs(args.jobs)
     integer(args.seed, "--seed", low=0)
     integer(args.max_batch, "--max-batch", low=1)

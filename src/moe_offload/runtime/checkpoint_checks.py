@@ -30,6 +30,7 @@ from moe_offload.inputs import check_input, parse_json, read_text
 
 INDEX = "model.safetensors.index.json"
 LAYER_IN_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+NON_NUMBER_FIELD = re.compile(r'"([^"\\]{1,100})"\s*:\s*(NaN|-?Infinity)\b')
 # 16x DeepSeek-V3's 61 layers: a bound that reads no config as a request to build a billion layers
 MAX_LAYERS = 1024
 
@@ -37,7 +38,12 @@ MAX_LAYERS = 1024
 def check_checkpoint_files(model_dir: Path) -> dict:
     """The checkpoint's config.json as a dict, once the checks of the module doc hold; else ConfigError."""
     config_file = model_dir / "config.json"
-    config = parse_json(read_text(config_file, "model config"), config_file, "model config")
+    text = read_text(config_file, "model config")
+    constant = NON_NUMBER_FIELD.search(text)
+    if constant:  # parse_json refuses it too, but cannot say which field holds it
+        raise ConfigError(f"{config_file}: {constant.group(1)} is {constant.group(2)}, not a number (JSON has no NaN "
+                          "or infinity)")
+    config = parse_json(text, config_file, "model config")
     if not isinstance(config, dict):
         raise ConfigError(f"{config_file}: a model config must be a JSON object, not {type(config).__name__}")
     _check_epsilons(config, config_file)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 SEAL_KEY = "seal"
 FILES_KEY = "files"
-ALIGNMENT = 4096
+ALIGNMENT = 4096  # expert regions start on page boundaries (O_DIRECT-ready, whole pages per read)
 # Bounds of what a manifest may describe, checked before anything is built from it (trace/format.py's bounds:
 # 16.7M experts is 250 times DeepSeek-V3's 61 x 256; 64 GiB an expert is 50 times Mixtral-8x22B's).
 MAX_EXPERT_SLOTS = 2**24

@@ -1,7 +1,7 @@
 """Packed checkpoints: the non-expert weights in one file, the routed experts of each layer in one file of
 raw tensor bytes at offsets the manifest gives (FlashMoE's separation, paper 003).
 
-``moe-offload pack MODEL -o DIR`` writes (format version 2)::
+``moe-offload pack MODEL -o DIR`` writes (format version 3)::
 
     DIR/moe-offload-pack.json        the manifest (below)
     DIR/config.json, tokenizer files  copied from MODEL
@@ -16,14 +16,18 @@ part of an expert can be read on its own: MoEpic's split along the intermediate 
 intermediate rows [a, b) of gate_up_proj as the two ranges of its gate and up halves, and down_proj's
 columns as H runs), and per expert its file offset and one SHA-256 and one xxHash3-64 digest per chunk of
 ``chunk_bytes``. The runtime checks a chunk's SHA-256 the first time it reads it in a process, and its
-xxHash3 (an order of magnitude faster) on every later read (runtime/storage.py).
+xxHash3 (an order of magnitude faster) on every later read (runtime/storage.py). The manifest also holds the
+SHA-256 of the non-expert file and of every copied file, and is sealed with a SHA-256 of itself; a manifest
+that does not match its seal, or describes another layout than this one, is refused (runtime/pack_seal.py).
+Before packing, the checkpoint itself is checked (runtime/checkpoint_checks.py).
 
-Version 1 (one safetensors file per expert) is not read any more; the pack cache's directory names carry the
-format version, so a stale pack is never served (``packed_directory``).
+Versions 1 (one safetensors file per expert) and 2 (no seal) are not read any more; the pack cache's directory
+names carry the format version, so a stale pack is never served (``packed_directory``).
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import shutil
@@ -240,6 +244,10 @@ def read_manifest(directory, check_files: bool = True) -> Manifest:
                                 "(truncated or replaced)")
         check_input(check_inside(directory, NON_EXPERTS, path, PackError), "non-expert weight file", PackError)
         check_copied_files(data, directory, path, PackError)
+        config = directory / "config.json"  # read by transformers next: standard JSON, an object
+        if not isinstance(parse_json(read_text(config, "model config", PackError), config, "model config",
+                                     PackError), dict):
+            raise PackError(f"{config}: a model config must be a JSON object")
     return manifest
 
 
@@ -355,12 +363,18 @@ def _check_shapes(model, adapter, manifest: Manifest, file: Path) -> None:
 
 
 def model_files(name: str) -> list[Path]:
-    """Every file of the model ``--model NAME`` names (a packed directory or a checkpoint): inputs of the
-    command that runs it, which none of its outputs may overwrite (outputs.check_output)."""
+    """Every file of the model ``--model NAME`` names (a packed directory, or a checkpoint and its packed
+    copies in the cache): inputs of the command that runs it, which none of its outputs may overwrite
+    (outputs.check_output)."""
     from moe_offload.models.tiny import model_directory
 
     directory = model_directory(name)
-    return [path for path in directory.rglob("*") if path.is_file()] if directory.is_dir() else []
+    if not directory.is_dir():
+        return []
+    folders = [directory]
+    if missing(directory / MANIFEST):  # a checkpoint: its packs in the cache too (packed_directory's names)
+        folders += sorted((cache_root() / "packed").glob(f"{glob.escape(directory.resolve().name)}-*"))
+    return [path for folder in folders for path in folder.rglob("*") if path.is_file()]
 
 
 def cache_root() -> Path:

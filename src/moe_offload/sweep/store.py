@@ -190,8 +190,9 @@ def read_results(path) -> list[Row]:
         raise ConfigError(f"{path}: sweep results file without column(s) {', '.join(missing)}")
     try:
         return from_table(table.select([name for name in schema().names if name in table.column_names]))
-    except (TypeError, ValueError, KeyError) as exc:
-        raise ConfigError(f"{path}: a row of the sweep results file is not a cell and its result ({exc})") from None
+    except (TypeError, ValueError, KeyError, RecursionError) as exc:
+        raise ConfigError(f"{path}: a row of the sweep results file is not a cell and its result "
+                          f"({type(exc).__name__}: {exc})") from None
 
 
 def fill_opt_misses(rows: list[Row]) -> None:
