@@ -202,3 +202,14 @@ def test_the_budget_is_a_share_that_holds_the_experts(tiny_trace):
     lines = command_lines(commands(meta, "tiny", "desktop-rtx4090", 16, None, None, "lcp"))
     assert lines[0] == "moe-offload generate 'Why is the sky blue?' --model tiny --fast-budget 25% --policy lcp"
     assert lines[1] == "moe-offload serve --model tiny --fast-budget 25% --policy lcp"
+
+
+def test_only_prefetchers_a_runtime_can_run_are_candidates(tiny_trace):
+    from moe_offload.prefetch import PREFETCHERS
+    from moe_offload.reporting.latency import usable_prefetchers
+
+    usable, why = usable_prefetchers(tiny_trace)
+    assert usable and all(not PREFETCHERS[name].reads_future and not PREFETCHERS[name].needs_history
+                          for name in usable)
+    assert "oracle" not in usable and "moepic" not in usable  # a bound; MoEpic runs with its split
+    assert len(usable) + len(why) == len(PREFETCHERS) - 2

@@ -3,8 +3,9 @@ policy and prefetcher pairs, and MoEpic's split configuration at the same budget
 
 The candidates: the online policies with the most replay hits at the budget (reporting/bound.py), LRU among
 them (every engine's default, the baseline), each without a prefetcher and with every prefetcher the
-trace's columns allow (prefetch/requirements.py) that needs no history of past traffic (the report has one
-trace; a prefetcher fit on the trace it runs on would see its own future). The timed grid adds its bounds:
+trace's columns allow (prefetch/requirements.py) that a runtime can run (it reads no future) and that needs
+no history of past traffic (the report has one trace; a prefetcher fit on the trace it runs on would see its
+own future). The timed grid adds its bounds:
 all experts resident, and the oracle prefetcher with each policy (simulator/timed/simulate.py).
 
 When the trace has next-layer gate predictions, MoEpic's configurator (paper 004, Algorithm 1:
@@ -80,6 +81,9 @@ def usable_prefetchers(trace: Trace) -> tuple[list[str], list[str]]:
     usable, why = [], []
     for name, cls in PREFETCHERS.items():
         if name in (ORACLE, "moepic"):  # the oracle is a bound; moepic runs with its split configuration
+            continue
+        if cls.reads_future:
+            why.append(f"{name} reads the experts a layer will select before it is routed: a bound, not a runtime")
             continue
         if cls.needs_history:
             why.append(f"{name} learns from past traffic (a history trace), which the report does not take")
