@@ -6,11 +6,12 @@ import json
 
 import numpy as np
 
+from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import format_bytes
 from moe_offload.outputs import check_output
 from moe_offload.trace.flatten import flatten, write_csv, write_oracle_general
 from moe_offload.trace.format import DECODE, EMBEDDING_KINDS, PREFILL, Trace, read_trace, seal_trace, write_trace
-from moe_offload.trace.importers import IMPORTERS
+from moe_offload.trace.importers import IMPORTERS, TAKES_MODEL_CONFIG
 from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
 
 OPTIONAL_COLUMNS = ("weights", "probs", "embedding", "gate_prediction", "next_token_gate_prediction")
@@ -35,14 +36,19 @@ def register(subparsers) -> None:
 
     importer = actions.add_parser(
         "import", help="convert a public trace format into a trace file",
-        description="Convert traces recorded by other projects. Several SRC files become several requests "
+        description="Convert traces recorded by other projects, or the routing vLLM and SGLang return with their "
+                    "responses (see docs/guides/your-traffic.md). Several SRC files become several requests "
                     "(request id = order on the command line).")
     importer.add_argument("format", choices=sorted(IMPORTERS), metavar="FORMAT",
                           help=f"source format: {', '.join(sorted(IMPORTERS))}")
     importer.add_argument("sources", nargs="+", metavar="SRC", help="source file(s)")
     importer.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write")
     importer.add_argument("--experts", type=int, metavar="J",
-                          help="experts per layer (required for topk-jsonl, whose files do not say it)")
+                          help="experts per layer (required for topk-jsonl, vllm and npy unless --model-config "
+                               "gives it: their files do not say it)")
+    importer.add_argument("--model-config", metavar="CONFIG",
+                          help="the model's Hugging Face config.json, for L, J, K and the expert size (vllm, sglang "
+                               "and npy; required for sglang)")
     importer.add_argument("--model", metavar="NAME", help="model name to record")
     importer.add_argument("--expert-bytes", type=int, metavar="N", help="bytes of one expert's weights")
     importer.add_argument("--hidden-size", type=int, metavar="D", help="the model's hidden size")
@@ -224,10 +230,17 @@ def _rounded(value: float | None) -> float | None:
 # ------------------------------------------------------------------------------------------ import, synth
 
 def run_import(args) -> int:
-    check_output(args.output, inputs=args.sources, what="trace")
+    from moe_offload.trace.importers.model_config import read_model_config
+
+    check_output(args.output, inputs=[*args.sources, args.model_config], what="trace")
+    options = {}
+    if args.model_config is not None:
+        if args.format not in TAKES_MODEL_CONFIG:
+            raise ConfigError(f"--model-config is for the formats {', '.join(TAKES_MODEL_CONFIG)}, not {args.format}")
+        options["model_config"] = read_model_config(args.model_config)
     trace = IMPORTERS[args.format](args.sources, num_experts=args.experts, model=args.model,
                                    expert_bytes=args.expert_bytes, hidden_size=args.hidden_size,
-                                   source=args.source, license=args.license)
+                                   source=args.source, license=args.license, **options)
     return _write(trace, args.output)
 
 
