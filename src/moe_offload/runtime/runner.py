@@ -42,6 +42,7 @@ from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.live_view import LiveRoutingView
 from moe_offload.runtime.matcher import AsyncMatcher, runs_off_the_decode_thread
+from moe_offload.runtime.routing_log import RoutingLog
 
 
 class ModelRunner:
@@ -74,6 +75,7 @@ class ModelRunner:
         self._hooks = []
         self._segmented = []
         self._tap = None
+        self.routing_log = RoutingLog(adapter)  # the routing of the requests that ask for it (a server's)
 
     # ------------------------------------------------------------------------------------------ set-up
     def install(self) -> None:
@@ -89,6 +91,7 @@ class ModelRunner:
         base = self.model.model
         self._hooks = [base.register_forward_pre_hook(self._pass_start, with_kwargs=True),
                        base.register_forward_hook(self._pass_end)]
+        self.routing_log.install()
         if self.needs_routing:
             self._tap = RoutingTap(self.adapter, self._layer_routed, capture_hidden=self.needs_gate_prediction)
             self._tap.__enter__()
@@ -97,6 +100,7 @@ class ModelRunner:
         from moe_offload.runtime.packed import unsegment_rows
 
         unsegment_rows(self._segmented)
+        self.routing_log.remove()
         for handle in self._hooks:
             handle.remove()
         if self._tap is not None:
@@ -242,6 +246,7 @@ class ModelRunner:
             segments = [(self.request, 0, self.tokens_in_pass, self.view is None)]
         self.segment_requests = [request for request, *_ in segments]
         self.keys_of = {}
+        self.routing_log.pass_start(segments)
         if not self.needs_routing:
             return
         requests = np.empty(self.tokens_in_pass, np.int64)
@@ -280,6 +285,7 @@ class ModelRunner:
             self._consult("on_layer_routed", layer)
 
     def _pass_end(self, module, args, output):
+        self.routing_log.pass_end()
         if self.prefetcher is not None and self.view is not None:
             if self.matcher is not None:
                 self.matcher.submit("on_iteration_end", self.view, self.view.iteration)
