@@ -11,6 +11,7 @@ from moe_offload.hardware.profile import format_bytes
 from moe_offload.outputs import check_output
 from moe_offload.trace.flatten import flatten, write_csv, write_oracle_general
 from moe_offload.trace.format import DECODE, EMBEDDING_KINDS, PREFILL, Trace, read_trace, seal_trace, write_trace
+from moe_offload.trace.capture import ENGINES
 from moe_offload.trace.importers import IMPORTERS, TAKES_MODEL_CONFIG
 from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
 
@@ -55,6 +56,33 @@ def register(subparsers) -> None:
     importer.add_argument("--source", metavar="TEXT", help="provenance to record (default: the file names)")
     importer.add_argument("--license", metavar="TEXT", help="license of the source data")
     importer.set_defaults(run=run_import)
+
+    capture = actions.add_parser(
+        "capture", help="send prompts to a server that returns routed experts and write their trace",
+        description="Send each prompt as a /v1/completions request (at most --concurrency at once) to an "
+                    "OpenAI-compatible server that returns the routing with its answers: moe-offload serve, "
+                    "SGLang or vLLM started with --enable-return-routed-experts. Arrival times are recorded; "
+                    "the trace is written when every answer is in (see docs/guides/your-traffic.md).")
+    capture.add_argument("--url", required=True, metavar="URL", help="the server, e.g. http://127.0.0.1:8000")
+    capture.add_argument("--prompts", required=True, metavar="SOURCES",
+                         help="comma-separated prompt sources: sharegpt, humaneval, or files with one prompt per "
+                              "line (or .jsonl with 'prompt')")
+    capture.add_argument("--limit", type=int, metavar="N", help="at most N prompts from each source")
+    capture.add_argument("--engine", choices=ENGINES, default="moe-offload",
+                         help="how the server returns routing: moe-offload and sglang (sgl_ext.routed_experts, "
+                              "asked per request), vllm (prompt_routed_experts and routed_experts); default "
+                              "moe-offload")
+    capture.add_argument("--concurrency", type=int, default=8, metavar="N", help="requests in flight (default 8)")
+    capture.add_argument("--max-tokens", type=int, default=32, metavar="N", help="tokens per answer (default 32)")
+    capture.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0, greedy)")
+    capture.add_argument("--model", metavar="NAME", help="the model to ask for (default: the first the server lists)")
+    capture.add_argument("--model-config", metavar="CONFIG",
+                         help="the model's config.json for L, J, K and the expert size ('tiny': the bundled "
+                              "model's); required for moe-offload and sglang")
+    capture.add_argument("--experts", type=int, metavar="J", help="experts per layer, when no --model-config")
+    capture.add_argument("--expert-bytes", type=int, metavar="N", help="bytes of one expert's weights")
+    capture.add_argument("-o", "--output", required=True, metavar="TRACE", help="trace file to write (.parquet)")
+    capture.set_defaults(run=run_capture)
 
     synth = actions.add_parser("synth", help="generate a synthetic trace",
                                description="Generate the synthetic traces of the layered-paging paper (001).")
@@ -230,18 +258,48 @@ def _rounded(value: float | None) -> float | None:
 # ------------------------------------------------------------------------------------------ import, synth
 
 def run_import(args) -> int:
-    from moe_offload.trace.importers.model_config import read_model_config
-
     check_output(args.output, inputs=[*args.sources, args.model_config], what="trace")
     options = {}
     if args.model_config is not None:
         if args.format not in TAKES_MODEL_CONFIG:
             raise ConfigError(f"--model-config is for the formats {', '.join(TAKES_MODEL_CONFIG)}, not {args.format}")
-        options["model_config"] = read_model_config(args.model_config)
+        options["model_config"] = _model_config(args.model_config)
     trace = IMPORTERS[args.format](args.sources, num_experts=args.experts, model=args.model,
                                    expert_bytes=args.expert_bytes, hidden_size=args.hidden_size,
                                    source=args.source, license=args.license, **options)
     return _write(trace, args.output)
+
+
+def run_capture(args) -> int:
+    from moe_offload.reporting.progress import progress_bar
+    from moe_offload.text.prompts import BUILTIN_SOURCES, load_prompts
+    from moe_offload.trace.capture import capture, served_model
+
+    prompt_files = [name.strip() for name in args.prompts.split(",") if name.strip() not in BUILTIN_SOURCES]
+    check_output(args.output, inputs=[*prompt_files, args.model_config], what="trace")
+    shape = _model_config(args.model_config)
+    prompts = load_prompts(args.prompts, args.limit)
+    model = args.model or served_model(args.url.rstrip("/"))  # an unreachable server fails before any work
+    with progress_bar() as bar:
+        task = bar.add_task(f"capturing {len(prompts)} prompts", total=len(prompts))
+        trace = capture(args.url, prompts, engine=args.engine, model=model, max_tokens=args.max_tokens,
+                        temperature=args.temperature, concurrency=args.concurrency, model_config=shape,
+                        num_experts=args.experts, expert_bytes=args.expert_bytes,
+                        on_answer=lambda: bar.advance(task))
+    return _write(trace, args.output)
+
+
+def _model_config(name: str | None):
+    """--model-config: a config.json, or 'tiny' for the bundled model's."""
+    from moe_offload.bundled import TINY_MODEL_DIR
+    from moe_offload.inputs import missing
+    from moe_offload.trace.importers.model_config import read_model_config
+
+    if name is None:
+        return None
+    if name == "tiny" and missing(name):
+        return read_model_config(TINY_MODEL_DIR / "config.json")
+    return read_model_config(name)
 
 
 def run_synth_zipf(args) -> int:

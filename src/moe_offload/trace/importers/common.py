@@ -28,21 +28,20 @@ class _Request:
 
 
 def _assemble(requests: list[_Request], paths: list[Path], format_name: str, *, num_experts: int, model: str,
-              expert_bytes, hidden_size, source, license, extra: dict, interleave: bool = False) -> Trace:
+              expert_bytes, hidden_size, source, license, extra: dict, starts: list[int] | None = None) -> Trace:
     """One trace from per-request rows, request id = list order.
 
-    Without ``interleave`` each request runs alone, after the one before it (iterations continued across
-    requests). With it, the requests share the engine as a continuous-batching server runs them: request r
-    joins at iteration r (one new request per forward pass, in list order) and every later row of it is one
-    iteration further, so that a forward pass holds the prefill of the newest request beside the decode
-    tokens of the running ones."""
+    Without ``starts`` each request runs alone, after the one before it (iterations continued across
+    requests). With them, request r's local iteration i is iteration ``starts[r] + i``: requests that share
+    the engine, as a continuous-batching server runs them (engines.py says how it places them); rows of one
+    iteration are in request order."""
     _, num_layers, top_k = requests[0].experts.shape
     request_ids, iterations = [], []
     next_iteration = 0
     for request_id, request in enumerate(requests):
         request_ids.append(np.full(len(request.position), request_id, dtype=np.int32))
         local = np.asarray(request.iteration, dtype=np.int64)
-        iterations.append(local + (request_id if interleave else next_iteration))
+        iterations.append(local + (next_iteration if starts is None else starts[request_id]))
         next_iteration += int(local.max()) + 1
     iteration = np.concatenate(iterations)
     order = np.argsort(iteration, kind="stable")  # rows sorted by iteration, requests in list order within one

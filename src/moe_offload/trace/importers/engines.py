@@ -24,12 +24,12 @@
 Tokens become iterations as an engine runs them: a request's prompt rows form one prefill iteration and
 each generated row one decode iteration. Several responses are several requests (one per choice), in the
 order of their ``created`` times where every response has one, else in file order, interleaved as a
-continuous-batching server runs them (request r joins at iteration r: common._assemble). One file may hold
-one model's responses only.
+continuous-batching server runs them (:func:`schedule`). One file may hold one model's responses only.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,11 +47,10 @@ def import_vllm(paths, *, num_experts: int | None = None, model: str | None = No
                 hidden_size: int | None = None, source: str | None = None, license: str | None = None,
                 extra: dict | None = None, model_config: ModelShape | None = None) -> Trace:
     """Import vLLM responses (``.json``/``.jsonl``) and offline outputs (``.npz``)."""
-    def read(path: Path):
+    def read(path: Path) -> list[Routed]:
         if path.suffix.lower() == ".npz":
-            return [(None, "offline", (*_vllm_offline(path), 0))]
-        return [(response.get("model"), response.get("created"), rows)
-                for response, rows in _each_response(path, _vllm_rows)]
+            return [Routed(None, path, 0, *_vllm_offline(path))]
+        return _each_response(path, vllm_rows)
     return _import("vllm", paths, read, num_experts, model, expert_bytes, hidden_size, source, license, extra,
                    model_config)
 
@@ -65,17 +64,15 @@ def import_sglang(paths, *, num_experts: int | None = None, model: str | None = 
         raise ConfigError("sglang routing is a flat list of ids without its shape: give the model's config "
                           "(--model-config config.json) for its layers and top-k")
     return _import("sglang", paths,
-                   lambda path: [(response.get("model"), response.get("created"), rows) for response, rows
-                                 in _each_response(path, lambda *a: _sglang_rows(*a, shape=model_config))],
-                   num_experts, model, expert_bytes, hidden_size, source, license, extra, model_config)
+                   lambda path: _each_response(path, lambda *a: sglang_rows(*a, shape=model_config)), num_experts, model, expert_bytes, hidden_size, source, license, extra, model_config)
 
 
 def import_npy(paths, *, num_experts: int | None = None, model: str | None = None, expert_bytes: int | None = None,
                hidden_size: int | None = None, source: str | None = None, license: str | None = None,
                extra: dict | None = None, model_config: ModelShape | None = None) -> Trace:
     """Import plain ``[tokens, layers, top_k]`` arrays, every row a decode token."""
-    def read(path: Path):
-        return [(None, "array", (np.zeros((0,) + a.shape[1:], np.int64), a, number))
+    def read(path: Path) -> list[Routed]:
+        return [Routed(None, path, number, np.zeros((0,) + a.shape[1:], np.int64), a)
                 for number, a in enumerate(_arrays(path))]
     return _import("npy", paths, read, num_experts, model, expert_bytes, hidden_size, source, license, extra,
                    model_config)
@@ -83,7 +80,7 @@ def import_npy(paths, *, num_experts: int | None = None, model: str | None = Non
 
 # ------------------------------------------------------------------------------------------------------ vLLM
 
-def _vllm_rows(response: dict, path: Path, index: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def vllm_rows(response: dict, path: Path, index: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """(prompt rows, generated rows) of each choice of one vLLM response."""
     choices = response.get("choices")
     if not isinstance(choices, list) or not choices:
@@ -144,7 +141,7 @@ def _vllm_offline(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 # ---------------------------------------------------------------------------------------------------- SGLang
 
-def _sglang_rows(response: dict, path: Path, index: int, shape: ModelShape) -> list[tuple[np.ndarray, np.ndarray]]:
+def sglang_rows(response: dict, path: Path, index: int, shape: ModelShape) -> list[tuple[np.ndarray, np.ndarray]]:
     """(prompt rows, generated rows) of each choice of one SGLang response (or /generate answer)."""
     prompt_tokens, completion_tokens = usage_counts(response, path, index)
     choices = response.get("choices")
@@ -220,40 +217,64 @@ def _load_npz(path: Path) -> dict[str, np.ndarray]:
 
 # ---------------------------------------------------------------------------------------------------- shared
 
-def _each_response(path: Path, rows_of):
-    """(response, (prompt rows, generated rows)) for every choice of every response of a file."""
+@dataclass
+class Routed:
+    """One request's routing as an engine returned it, with where it came from (for messages) and, when
+    known, when it was sent and answered (seconds on one clock)."""
+
+    model: str | None
+    path: Path | str     # the file (or the server) it came from
+    index: int           # the response (or array) number there
+    prompt: np.ndarray   # [prompt rows, L, K]
+    generated: np.ndarray  # [generated rows, L, K]
+    arrival: float | None = None
+    done: float | None = None
+
+
+def _each_response(path: Path, rows_of) -> list[Routed]:
+    """A Routed for every choice of every response of a file; arrival = the response's ``created``."""
+    result = []
     for index, response in enumerate(read_responses(path)):
-        for rows in rows_of(response, path, index):
-            yield response, rows + (index,)
+        created = response.get("created")
+        created = created if isinstance(created, (int, float)) and not isinstance(created, bool) else None
+        for prompt, generated in rows_of(response, path, index):
+            result.append(Routed(response.get("model"), path, index, prompt, generated, created))
+    return result
 
 
 def _import(format_name: str, paths, read, num_experts, model, expert_bytes, hidden_size, source, license, extra,
             model_config: ModelShape | None) -> Trace:
     paths = _as_paths(paths)
+    routed = [entry for path in paths for entry in read(path)]
+    return build_trace(format_name, routed, paths, num_experts=num_experts, model=model, expert_bytes=expert_bytes,
+                       hidden_size=hidden_size, source=source, license=license, extra=extra,
+                       model_config=model_config)
+
+
+def build_trace(format_name: str, routed: list[Routed], paths: list[Path], *, num_experts=None, model=None,
+                expert_bytes=None, hidden_size=None, source=None, license=None, extra=None,
+                model_config: ModelShape | None = None) -> Trace:
+    """The trace of the requests ``routed``, checked, in arrival order where every one has an arrival time
+    (else in list order), placed as :func:`schedule` says."""
     _check_num_experts(num_experts)
     if model_config is not None:
         num_experts = num_experts or model_config.num_experts
         expert_bytes = expert_bytes or model_config.expert_bytes
         hidden_size = hidden_size or model_config.hidden_size
-    entries = []  # (model, created, path, response index, prompt rows, generated rows)
-    for path in paths:
-        for model_name, created, rows in read(path):
-            prompt, generated, index = rows
-            entries.append((model_name, created, path, index, prompt, generated))
-    _check_one_model(entries)
-    if all(isinstance(entry[1], (int, float)) and not isinstance(entry[1], bool) for entry in entries):
-        entries.sort(key=lambda entry: entry[1])  # stable: file order among equal times
+    _check_one_model(routed)
+    if all(entry.arrival is not None for entry in routed):
+        routed = sorted(routed, key=lambda entry: entry.arrival)  # stable: list order among equal times
     unit = "array" if format_name == "npy" else "response"
-    requests = [_request(path, index, prompt, generated, unit) for _, _, path, index, prompt, generated in entries]
+    requests = [_request(entry, unit) for entry in routed]
     shape = requests[0].experts.shape[1:]
     for request in requests:
         if request.experts.shape[1:] != shape:
-            raise ResponseError(request.path, request.locator[0], f"routing of {list(request.experts.shape[1:])} "
-                                f"layers x top-k, but the first request's is {list(shape)}")
+            raise TraceError(request.path, f"routing of {list(request.experts.shape[1:])} layers x top-k, but the "
+                                           f"first request's is {list(shape)}", row=request.locator[0], unit=unit)
         if model_config is not None and shape != (model_config.num_layers, model_config.top_k):
-            raise ResponseError(request.path, request.locator[0], f"routing of {shape[0]} layers x top-{shape[1]}, "
-                                f"but the model config has {model_config.num_layers} MoE layers x top-"
-                                f"{model_config.top_k}")
+            raise TraceError(request.path, f"routing of {shape[0]} layers x top-{shape[1]}, but the model config "
+                                           f"has {model_config.num_layers} MoE layers x top-{model_config.top_k}",
+                             row=request.locator[0], unit=unit)
     if num_experts is None:
         largest = max(int(r.experts.max()) for r in requests)
         raise ConfigError(f"{', '.join(map(str, paths))}: {format_name} routing does not say how many experts each "
@@ -261,29 +282,49 @@ def _import(format_name: str, paths, read, num_experts, model, expert_bytes, hid
                           f"is {largest}, so J is at least {largest + 1}")
     for request in requests:
         _check_expert_ids(request, num_experts)
-    models = {entry[0] for entry in entries if entry[0] is not None}
+    models = {entry.model for entry in routed if entry.model is not None}
     model = model or (models.pop() if models else None) or (model_config.name if model_config else "unknown")
-    details = {"importer": format_name, "files": [p.name for p in paths], "experts_sorted": False}
+    details = {"importer": format_name, "files": [Path(p).name for p in paths], "experts_sorted": False}
+    if all(entry.arrival is not None for entry in routed):
+        first = routed[0].arrival
+        details["arrival_seconds"] = [round(entry.arrival - first, 6) for entry in routed]
     return _assemble(requests, paths, format_name, num_experts=num_experts, model=model, expert_bytes=expert_bytes,
                      hidden_size=hidden_size, source=source, license=license, extra={**details, **(extra or {})},
-                     interleave=True)
+                     starts=schedule(routed, requests))
 
 
-def _check_one_model(entries) -> None:
-    first = next((entry for entry in entries if entry[0] is not None), None)
-    for model_name, _, path, index, _, _ in entries:
-        if model_name is not None and model_name != first[0]:
-            raise ResponseError(path, index, f"model {model_name!r}, but {first[2].name} response {first[3]} is "
-                                             f"{first[0]!r}: one trace holds one model's traffic")
+def schedule(routed: list[Routed], requests: list[_Request]) -> list[int]:
+    """The iteration each request (in order) starts at, as a continuous-batching server admits them: one new
+    request per forward pass, and after every request that was answered before it was sent (those did not
+    share a pass with it). Without answer times, request r starts at iteration r."""
+    starts, ends = [], []  # ends[q]: the last iteration of request q
+    for number, (entry, request) in enumerate(zip(routed, requests)):
+        start = starts[-1] + 1 if starts else 0
+        if entry.arrival is not None:
+            finished = [ends[q] for q in range(number) if routed[q].done is not None and routed[q].done <= entry.arrival]
+            start = max([start, *(end + 1 for end in finished)])
+        starts.append(start)
+        ends.append(start + max(request.iteration))
+    return starts
 
 
-def _request(path: Path, index: int, prompt: np.ndarray, generated: np.ndarray, unit: str) -> _Request:
+def _check_one_model(routed: list[Routed]) -> None:
+    first = next((entry for entry in routed if entry.model is not None), None)
+    for entry in routed:
+        if entry.model is not None and entry.model != first.model:
+            raise ResponseError(entry.path, entry.index, f"model {entry.model!r}, but {Path(first.path).name} "
+                                                         f"response {first.index} is {first.model!r}: one trace "
+                                                         "holds one model's traffic")
+
+
+def _request(entry: Routed, unit: str) -> _Request:
     """A request's rows: the prompt's as one prefill iteration, then one iteration per generated row."""
+    prompt, generated, path, index = entry.prompt, entry.generated, entry.path, entry.index
     if len(prompt) + len(generated) == 0:
-        raise ResponseError(path, index, "no routed tokens")
+        raise TraceError(path, "no routed tokens", row=index, unit=unit)
     if len(prompt) and len(generated) and prompt.shape[1:] != generated.shape[1:]:
-        raise ResponseError(path, index, f"prompt rows of shape {list(prompt.shape[1:])}, generated rows of "
-                                         f"{list(generated.shape[1:])}")
+        raise TraceError(path, f"prompt rows of shape {list(prompt.shape[1:])}, generated rows of "
+                               f"{list(generated.shape[1:])}", row=index, unit=unit)
     experts = np.concatenate([r for r in (prompt, generated) if len(r)]).astype(np.int64)
     n_prompt, n_generated = len(prompt), len(generated)
     first_decode = 1 if n_prompt else 0
