@@ -71,6 +71,8 @@ def test_routed_experts_equal_record(server, recorded):
     rows = routed(body["choices"][0])
     assert len(rows) == usage["prompt_tokens"] + usage["completion_tokens"] - 1
     np.testing.assert_array_equal(rows, recorded[0])
+    passes = body["moe_offload"]["passes"]  # alone: one pass for the prompt, one per fed generated token
+    assert passes == list(range(passes[0], passes[0] + usage["completion_tokens"]))
 
 
 def test_sixteen_concurrent_requests_each_get_their_own_routing(server, recorded):

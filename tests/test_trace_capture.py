@@ -1,8 +1,9 @@
 """`moe-offload trace capture` end to end against `moe-offload serve` (in-process, on loopback, the bundled
 tiny model): 16 prompts sent 16 at a time give back each prompt's own routing (what `record` sees, greedy,
-alone) and the tokens /metrics counted; sent one at a time, the trace's forward passes are the server's, so
-its expert requests (one per expert a pass's tokens select, per layer) equal /metrics' count. Bad servers
-and options are one-line errors with nothing written."""
+alone), the tokens /metrics counted, and the server's batches, so that the trace's expert requests (one per
+expert a pass's tokens select, per layer, as the runtime counts them) equal /metrics' count; sent one at a
+time without the server's pass numbers (as from SGLang), the arrival times alone rebuild the passes. Bad
+servers and options are one-line errors with nothing written."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ pytest.importorskip("fastapi")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from moe_offload.api import load  # noqa: E402
+from moe_offload.bundled import TINY_MODEL_DIR  # noqa: E402
 from moe_offload.cli.main import main  # noqa: E402
 from moe_offload.server import ServerThread  # noqa: E402
 from moe_offload.text.prompts import Prompt  # noqa: E402
+from moe_offload.trace.capture import capture  # noqa: E402
 from moe_offload.trace.format import PREFILL, read_trace  # noqa: E402
 
 PROMPTS = [f"question {i}: tell me about {word}." for i, word in enumerate(
@@ -96,11 +99,19 @@ def test_sixteen_concurrent_prompts(capsys, server, prompt_file, recorded, tmp_p
     # the trace's requests are in sending order: each is one prompt's routing, and every prompt's is there
     captured = sorted(trace.experts[trace.request == r].astype(np.int64).tobytes() for r in range(16))
     assert captured == sorted(expected.astype(np.int64).tobytes() for expected in recorded)
+    assert pass_requests(trace) == expert_requests(after) - expert_requests(before)
+    batch_sizes = [np.unique(trace.request[trace.iteration == i]).size for i in np.unique(trace.iteration)]
+    assert max(batch_sizes) > 1  # the server did batch them
 
 
-def test_one_at_a_time_the_trace_passes_are_the_servers(capsys, server, prompt_file, tmp_path):
+def test_one_at_a_time_arrival_times_give_the_servers_passes(capsys, server, prompt_file, tmp_path):
+    from moe_offload.trace.importers.model_config import read_model_config
+
+    shape = read_model_config(TINY_MODEL_DIR / "config.json")
     before = scrape(server)
-    trace = run_capture(capsys, server, prompt_file, tmp_path / "t.parquet", concurrency=1)
+    # as SGLang answers: routing without the pass numbers, so the schedule comes from the times alone
+    trace = capture(server.url, [Prompt(p, f"t:{i}") for i, p in enumerate(PROMPTS)], engine="sglang",
+                    max_tokens=NEW_TOKENS, concurrency=1, model_config=shape)
     after = scrape(server)
     assert pass_requests(trace) == expert_requests(after) - expert_requests(before)
     # one request after the other: each prompt one prefill pass, then one pass per generated token

@@ -106,6 +106,7 @@ class Completion:
     error: BaseException | None = None
     logits: list | None = None  # per generated token, [vocab] (SamplingParams.return_logits)
     routed_experts: object = None  # [prompt + generated - 1, L, K] int32 (SamplingParams.return_routed_experts)
+    passes: list[int] | None = None  # the scheduler's forward passes it ran in (first: its prompt), with routed_experts
 
 
 class RequestHandle:
@@ -183,6 +184,7 @@ class _Request:
     sent: int = 0   # characters of text already emitted
     text: str = ""
     slot: int | None = None  # its rows in the KV pool, while it runs
+    passes: list[int] = field(default_factory=list)  # numbers of the scheduler's passes it ran in
 
     @property
     def prefilled(self) -> bool:
@@ -401,6 +403,8 @@ class BatchScheduler:
         for segment in segments:
             self.kv.commit(segment.slot, segment.end - segment.start)
         now = time.perf_counter()
+        for request in batch:
+            request.passes.append(self.iterations)
         self.iterations += 1
         self.forward_seconds += now - started
         if any(s.prefill for s in segments):
@@ -473,7 +477,8 @@ class BatchScheduler:
         stats.bytes_per_link = stats.bytes_loaded = None  # the links are shared: see the engine's stats
         stats.token_latency_seconds = [b - a for a, b in zip(times, times[1:])]
         completion = Completion(request.id, request.text, list(request.tokens), len(request.prompt), reason, stats,
-                                error, request.logits if request.params.return_logits else None, routed_experts)
+                                error, request.logits if request.params.return_logits else None, routed_experts,
+                                request.passes if routed_experts is not None else None)
         for observer in self.observers:
             observer.on_finish(completion)
         request.handle._emit(completion)

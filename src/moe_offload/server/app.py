@@ -34,7 +34,7 @@ from moe_offload.server.metrics import ServerMetrics
 from moe_offload.server.protocol import (CHAT_MAX_TOKENS, COMPLETION_MAX_TOKENS, APIError, ChatRequest,
                                          CompletionRequest, chat_text, chunk_body, completion_body, new_id, parse,
                                          request_counters, usage)
-from moe_offload.server.routed_experts import sgl_ext
+from moe_offload.server.routed_experts import attach as attach_routing
 
 GRACE_SECONDS = 10  # on SIGINT/SIGTERM, running requests may finish for this long before they are cancelled
 DISCONNECT_POLL_SECONDS = 0.25
@@ -131,8 +131,7 @@ def create_app(engine, name: str) -> FastAPI:
             return Response(status_code=499)
         _raise_failure(completion)
         body = completion_body(kind, rid, name, completion)
-        if completion.routed_experts is not None:
-            body["choices"][0]["sgl_ext"] = sgl_ext(completion.routed_experts, req.routed_experts_start_len)
+        attach_routing(body, completion, req.routed_experts_start_len)
         return body
 
     async def _completion(handle, events, request) -> Completion | None:
@@ -168,8 +167,7 @@ def create_app(engine, name: str) -> FastAPI:
                     return
                 last = chunk_body(kind, rid, name, "", event.finish_reason, first=first)
                 last["moe_offload"] = request_counters(event.stats)
-                if event.routed_experts is not None:
-                    last["choices"][0]["sgl_ext"] = sgl_ext(event.routed_experts, routed_experts_start_len)
+                attach_routing(last, event, routed_experts_start_len)
                 yield _sse(last)
                 if include_usage:
                     yield _sse({"id": rid, "object": last["object"], "created": last["created"], "model": name,

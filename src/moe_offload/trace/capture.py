@@ -6,7 +6,9 @@ with ``"return_routed_experts": true``), or ``moe-offload serve``, which speaks 
 (server/routed_experts.py). Each prompt is one ``/v1/completions`` request; at most ``concurrency`` are in
 flight at once, so the server batches them as it would its users' traffic. The time each request was sent
 and answered is recorded (one clock): requests enter the trace in the order they were sent, and one that
-was sent after another was answered starts after it (importers/engines.py, ``schedule``).
+was sent after another was answered starts after it (importers/engines.py, ``schedule``). ``moe-offload
+serve`` also says which forward passes each request ran in (``moe_offload.passes``): the trace's iterations
+are then the server's batches exactly.
 
 The responses are read by the importers' own code (``vllm_rows``, ``sglang_rows``), so a capture and an
 import of the same responses give the same trace.
@@ -26,6 +28,7 @@ from moe_offload.text.prompts import Prompt
 from moe_offload.trace.format import Trace
 from moe_offload.trace.importers.engines import Routed, build_trace, sglang_rows, vllm_rows
 from moe_offload.trace.importers.model_config import ModelShape
+from moe_offload.trace.importers.responses import ResponseError
 from moe_offload.values import integer, number
 
 ENGINES = ("moe-offload", "sglang", "vllm")
@@ -62,7 +65,11 @@ def capture(url: str, prompts: list[Prompt], *, engine: str = "moe-offload", mod
             rows = sglang_rows(response, base, index, shape=model_config)
         if on_answer is not None:
             on_answer()
-        return [Routed(response.get("model"), base, index, prompt_rows, generated, sent, answered)
+        passes = (response.get("moe_offload") or {}).get("passes") if engine == "moe-offload" else None
+        if passes is not None and not (isinstance(passes, list)
+                                       and all(isinstance(p, int) and not isinstance(p, bool) for p in passes)):
+            raise ResponseError(base, index, f"moe_offload.passes must be a list of pass numbers, not {passes!r}")
+        return [Routed(response.get("model"), base, index, prompt_rows, generated, sent, answered, passes)
                 for prompt_rows, generated in rows]
 
     with ThreadPoolExecutor(concurrency, thread_name_prefix="capture") as pool:

@@ -229,6 +229,7 @@ class Routed:
     generated: np.ndarray  # [generated rows, L, K]
     arrival: float | None = None
     done: float | None = None
+    passes: list[int] | None = None  # the server's forward passes it ran in (moe-offload serve tells them)
 
 
 def _each_response(path: Path, rows_of) -> list[Routed]:
@@ -294,9 +295,13 @@ def build_trace(format_name: str, routed: list[Routed], paths: list[Path], *, nu
 
 
 def schedule(routed: list[Routed], requests: list[_Request]) -> list[int]:
-    """The iteration each request (in order) starts at, as a continuous-batching server admits them: one new
-    request per forward pass, and after every request that was answered before it was sent (those did not
-    share a pass with it). Without answer times, request r starts at iteration r."""
+    """The iteration each request (in order) starts at. When the server said which forward passes every
+    request ran in, the passes it ran (their numbers from the first); otherwise as a continuous-batching
+    server admits them: one new request per forward pass, and after every request that was answered before
+    it was sent (those did not share a pass with it). Without answer times, request r starts at iteration r."""
+    if all(entry.passes for entry in routed):
+        first = min(entry.passes[0] for entry in routed)
+        return [entry.passes[0] - first for entry in routed]
     starts, ends = [], []  # ends[q]: the last iteration of request q
     for number, (entry, request) in enumerate(zip(routed, requests)):
         start = starts[-1] + 1 if starts else 0
@@ -328,7 +333,13 @@ def _request(entry: Routed, unit: str) -> _Request:
     experts = np.concatenate([r for r in (prompt, generated) if len(r)]).astype(np.int64)
     n_prompt, n_generated = len(prompt), len(generated)
     first_decode = 1 if n_prompt else 0
+    local = list(range(first_decode + n_generated))  # the prompt's pass, then one per generated row
+    if entry.passes:
+        if len(entry.passes) < len(local):
+            raise TraceError(path, f"{len(entry.passes)} forward passes for {len(local)} iterations of routing",
+                             row=index, unit=unit)
+        local = [p - entry.passes[0] for p in entry.passes[:len(local)]]
     return _Request(path=path, experts=experts, position=list(range(n_prompt + n_generated)),
                     phase=[PREFILL] * n_prompt + [DECODE] * n_generated,
-                    iteration=[0] * n_prompt + list(range(first_decode, first_decode + n_generated)),
+                    iteration=[local[0]] * n_prompt + local[first_decode:],
                     locator=[index] * (n_prompt + n_generated), unit=unit)
