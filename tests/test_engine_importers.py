@@ -214,3 +214,17 @@ def test_sglang_needs_a_model_config(tmp_path, tiny_trace):
     write_jsonl(tmp_path / "s.jsonl", sglang_responses(tiny_trace))
     with pytest.raises(ConfigError, match="--model-config"):
         import_sglang(tmp_path / "s.jsonl")
+
+
+def test_hostile_array_files(tmp_path):
+    (tmp_path / "text.npz").write_text("not a zip")
+    np.save(tmp_path / "floats.npy", np.zeros((2, 3, 2)))
+    np.savez(tmp_path / "split.npz", routed_experts=np.zeros((4, 3, 2), np.int32))
+    with pytest.raises(TraceError, match="not an .npz archive"):
+        import_npy(tmp_path / "text.npz", num_experts=4)
+    with pytest.raises(TraceError, match="array 0: .*must be integers, not float64"):
+        import_npy(tmp_path / "floats.npy", num_experts=4)
+    with pytest.raises(TraceError, match="prompt/generation split is missing"):
+        import_vllm(tmp_path / "split.npz", num_experts=4)
+    with pytest.raises(ConfigError, match="--experts"):  # refused before the file is read
+        import_vllm(tmp_path / "missing.jsonl", num_experts=0)

@@ -29,6 +29,7 @@ continuous-batching server runs them (:func:`schedule`). One file may hold one m
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,11 +204,14 @@ def _arrays(path: Path) -> list[np.ndarray]:
             raise TraceError(path, f"not a readable .npy array ({exc})") from None
     if not arrays:
         raise TraceError(path, "no arrays in the file")
-    return [check_id_array(array, path, number, f"array {name!r}") for number, (name, array) in enumerate(arrays)]
+    return [check_id_array(array, path, number, f"array {name!r}", unit="array")
+            for number, (name, array) in enumerate(arrays)]
 
 
 def _load_npz(path: Path) -> dict[str, np.ndarray]:
     check_input(path, "NumPy archive", TraceError)
+    if not zipfile.is_zipfile(path):
+        raise TraceError(path, "not an .npz archive (a zip file of .npy arrays, as numpy.savez writes)")
     try:
         with np.load(path, allow_pickle=False) as archive:
             return {name: archive[name] for name in archive.files}
@@ -246,6 +250,7 @@ def _each_response(path: Path, rows_of) -> list[Routed]:
 def _import(format_name: str, paths, read, num_experts, model, expert_bytes, hidden_size, source, license, extra,
             model_config: ModelShape | None) -> Trace:
     paths = _as_paths(paths)
+    _check_num_experts(num_experts)  # a bad option is refused before any file is read
     routed = [entry for path in paths for entry in read(path)]
     return build_trace(format_name, routed, paths, num_experts=num_experts, model=model, expert_bytes=expert_bytes,
                        hidden_size=hidden_size, source=source, license=license, extra=extra,

@@ -94,11 +94,13 @@ def decode_nested_or_encoded(value, path: Path, index: int, field: str) -> np.nd
                                      f"not {type(value).__name__}")
 
 
-def check_id_array(array: np.ndarray, path, index: int, field: str) -> np.ndarray:
+def check_id_array(array: np.ndarray, path, index: int, field: str, unit: str = "response") -> np.ndarray:
+    """``array`` as int64 ids [tokens, layers, top_k]; TraceError naming the response (or ``unit``) else."""
     if array.ndim != 3:
-        raise ResponseError(path, index, f"{field}: shape {list(array.shape)} is not [tokens, layers, top_k]")
+        raise TraceError(path, f"{field}: shape {list(array.shape)} is not [tokens, layers, top_k]", row=index,
+                         unit=unit)
     if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
-        raise ResponseError(path, index, f"{field}: expert ids must be integers, not {array.dtype}")
+        raise TraceError(path, f"{field}: expert ids must be integers, not {array.dtype}", row=index, unit=unit)
     return array.astype(np.int64)
 
 
