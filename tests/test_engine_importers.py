@@ -228,3 +228,16 @@ def test_hostile_array_files(tmp_path):
         import_vllm(tmp_path / "split.npz", num_experts=4)
     with pytest.raises(ConfigError, match="--experts"):  # refused before the file is read
         import_vllm(tmp_path / "missing.jsonl", num_experts=0)
+
+
+def test_sglang_top_level_sglext_and_generate_answers(tmp_path, tiny_trace):
+    """Later SGLang releases put the extension on the response (``sglext``); /generate answers carry it in
+    ``meta_info``: both read as the choice's ``sgl_ext``."""
+    two = tiny_trace.select(tiny_trace.request < 2)
+    first, second = sglang_responses(two)
+    first["sglext"] = first["choices"][0].pop("sgl_ext")
+    native = {"text": "x", "meta_info": {"routed_experts": second["choices"][0]["sgl_ext"]["routed_experts"],
+                                         **second["usage"]}}
+    write_jsonl(tmp_path / "s.jsonl", [first, native])
+    trace = import_sglang(tmp_path / "s.jsonl", model_config=read_model_config(config_file(tmp_path, tiny_trace)))
+    assert_same_sequence(trace, two)
