@@ -64,8 +64,11 @@ def import_sglang(paths, *, num_experts: int | None = None, model: str | None = 
     if model_config is None:
         raise ConfigError("sglang routing is a flat list of ids without its shape: give the model's config "
                           "(--model-config config.json) for its layers and top-k")
-    return _import("sglang", paths,
-                   lambda path: _each_response(path, lambda *a: sglang_rows(*a, shape=model_config)), num_experts, model, expert_bytes, hidden_size, source, license, extra, model_config)
+    def read(path: Path) -> list[Routed]:
+        return _each_response(path, lambda response, where, index: sglang_rows(response, where, index,
+                                                                              shape=model_config))
+    return _import("sglang", paths, read, num_experts, model, expert_bytes, hidden_size, source, license, extra,
+                   model_config)
 
 
 def import_npy(paths, *, num_experts: int | None = None, model: str | None = None, expert_bytes: int | None = None,
@@ -311,8 +314,9 @@ def schedule(routed: list[Routed], requests: list[_Request]) -> list[int]:
     for number, (entry, request) in enumerate(zip(routed, requests)):
         start = starts[-1] + 1 if starts else 0
         if entry.arrival is not None:
-            finished = [ends[q] for q in range(number) if routed[q].done is not None and routed[q].done <= entry.arrival]
-            start = max([start, *(end + 1 for end in finished)])
+            answered = [ends[q] for q in range(number)
+                        if routed[q].done is not None and routed[q].done <= entry.arrival]
+            start = max([start, *(end + 1 for end in answered)])
         starts.append(start)
         ends.append(start + max(request.iteration))
     return starts
