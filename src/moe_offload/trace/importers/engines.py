@@ -29,6 +29,7 @@ continuous-batching server runs them (:func:`schedule`). One file may hold one m
 
 from __future__ import annotations
 
+import heapq
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,15 +311,17 @@ def schedule(routed: list[Routed], requests: list[_Request]) -> list[int]:
     if all(entry.passes for entry in routed):
         first = min(entry.passes[0] for entry in routed)
         return [entry.passes[0] - first for entry in routed]
-    starts, ends = [], []  # ends[q]: the last iteration of request q
-    for number, (entry, request) in enumerate(zip(routed, requests)):
-        start = starts[-1] + 1 if starts else 0
-        if entry.arrival is not None:
-            answered = [ends[q] for q in range(number)
-                        if routed[q].done is not None and routed[q].done <= entry.arrival]
-            start = max([start, *(end + 1 for end in answered)])
+    starts: list[int] = []
+    answered: list[tuple[float, int]] = []  # heap of (answer time, last iteration) of the requests placed
+    after = 0  # the first iteration after every request answered before the current one was sent
+    for entry, request in zip(routed, requests):
+        if entry.arrival is not None:  # arrivals ascend here (build_trace sorted them)
+            while answered and answered[0][0] <= entry.arrival:
+                after = max(after, heapq.heappop(answered)[1] + 1)
+        start = max(starts[-1] + 1 if starts else 0, after)
         starts.append(start)
-        ends.append(start + max(request.iteration))
+        if entry.done is not None:
+            heapq.heappush(answered, (entry.done, start + max(request.iteration)))
     return starts
 
 
