@@ -134,3 +134,10 @@ def test_sglang_engine_needs_a_model_config(capsys, server, prompt_file, tmp_pat
     err = capsys.readouterr().err
     assert code == 2 and "--model-config" in err and err.count("\n") == 1, err
     assert not (tmp_path / "t.parquet").exists()
+
+
+def test_bad_concurrency_is_refused_before_contacting_the_server(capsys, prompt_file, tmp_path):
+    code = main(["trace", "capture", "--url", "http://127.0.0.1:9", "--prompts", str(prompt_file),
+                 "--model-config", "tiny", "--concurrency", "0", "-o", str(tmp_path / "t.parquet")])
+    err = capsys.readouterr().err
+    assert code == 2 and "--concurrency" in err and "reach" not in err, err

@@ -273,16 +273,15 @@ def run_import(args) -> int:
 def run_capture(args) -> int:
     from moe_offload.reporting.progress import progress_bar
     from moe_offload.text.prompts import BUILTIN_SOURCES, load_prompts
-    from moe_offload.trace.capture import capture, served_model
+    from moe_offload.trace.capture import capture
 
     prompt_files = [name.strip() for name in args.prompts.split(",") if name.strip() not in BUILTIN_SOURCES]
     check_output(args.output, inputs=[*prompt_files, args.model_config], what="trace")
     shape = _model_config(args.model_config)
     prompts = load_prompts(args.prompts, args.limit)
-    model = args.model or served_model(args.url.rstrip("/"))  # an unreachable server fails before any work
-    with progress_bar() as bar:
+    with progress_bar() as bar:  # capture checks the options, then asks the server for its model, then sends
         task = bar.add_task(f"capturing {len(prompts)} prompts", total=len(prompts))
-        trace = capture(args.url, prompts, engine=args.engine, model=model, max_tokens=args.max_tokens,
+        trace = capture(args.url, prompts, engine=args.engine, model=args.model, max_tokens=args.max_tokens,
                         temperature=args.temperature, concurrency=args.concurrency, model_config=shape,
                         num_experts=args.experts, expert_bytes=args.expert_bytes,
                         on_answer=lambda: bar.advance(task))
