@@ -3,7 +3,8 @@
 #  1. every eviction policy on the bundled OLMoE trace: a table at a few cache sizes and a plot of misses
 #     against cache size (out/misses.png);
 #  2. the runtime: the bundled tiny Mixtral answers a prompt with a quarter of its experts in the fast tier,
-#     streaming the text, then its speed, hit rate and traffic.
+#     streaming the text, then its speed, hit rate and traffic. The tiny model is a toy trained in minutes on a
+#     CPU so that the runtime runs anywhere: its text is not meant to make sense (generate says so too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh models

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up the test environment (pytest, libcachesim, hypothesis, the openai client, CPU PyTorch, Numba, Ray, the
-# server's FastAPI, uvicorn and prometheus-client) and run the test suite.
+# server's FastAPI, uvicorn and prometheus-client, MkDocs for the documentation build) and run the test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup-env.sh test,models,fast,ray,serve
+bash scripts/setup-env.sh test,models,fast,ray,serve,docs
 exec .venv/bin/python -m pytest "$@"

@@ -1,13 +1,21 @@
 """Fixtures shared by the test files: the real traces recorded by others, in ../shared/traces, and a private
-pack cache so that no test writes into the user's ~/.cache."""
+pack cache so that no test writes into the user's ~/.cache.
+
+Where ../shared/traces is absent (a fresh clone), the OLMoE file is rebuilt from the trace the package ships
+(``olmoe-1b-7b-decode299.parquet`` is the lossless import of it: same ids in the same order, same positions),
+so the tests of the ``topk-jsonl`` importer still run. The Qwen routes files have no shipped counterpart;
+their tests skip and say so (``pytest -rs`` lists the reasons)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 QWEN_FILES = ("cooking_1", "history_1", "history_2", "ml_moe_1", "ml_moe_2", "ml_moe_3")
+
+SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -20,20 +28,39 @@ def private_pack_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shared_traces() -> Path:
-    folder = Path(__file__).resolve().parents[2] / "shared" / "traces"
+    if not SHARED_TRACES.is_dir():
+        pytest.skip(f"the shared real traces are not available at {SHARED_TRACES}")
+    return SHARED_TRACES
+
+
+def write_olmoe_jsonl(path: Path) -> Path:
+    """Write the bundled OLMoE trace back in its source format: one ``{"tok": n, "layers": [[8 ids] x 16]}``
+    line per decode step, in step order."""
+    from moe_offload.bundled import DEFAULT_TRACE
+    from moe_offload.trace import read_trace
+
+    trace = read_trace(DEFAULT_TRACE)
+    lines = (json.dumps({"tok": int(position), "layers": experts.tolist()})
+             for position, experts in zip(trace.position, trace.experts))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def olmoe_file(tmp_path_factory) -> Path:
+    """``decode_299.jsonl`` from ../shared/traces, or rebuilt from the shipped trace where that is absent."""
+    shared = SHARED_TRACES / "olmoe-1b-7b" / "decode_299.jsonl"
+    if shared.is_file():
+        return shared
+    return write_olmoe_jsonl(tmp_path_factory.mktemp("olmoe") / "decode_299.jsonl")
+
+
+@pytest.fixture(scope="session")
+def qwen_folder() -> Path:
+    folder = SHARED_TRACES / "qwen1.5-moe-a2.7b"
     if not folder.is_dir():
-        pytest.skip(f"the shared real traces are not available at {folder}")
+        pytest.skip(f"the Qwen routes files are not shipped with the package and not available at {folder}")
     return folder
-
-
-@pytest.fixture(scope="session")
-def olmoe_file(shared_traces) -> Path:
-    return shared_traces / "olmoe-1b-7b" / "decode_299.jsonl"
-
-
-@pytest.fixture(scope="session")
-def qwen_folder(shared_traces) -> Path:
-    return shared_traces / "qwen1.5-moe-a2.7b"
 
 
 @pytest.fixture(scope="session")

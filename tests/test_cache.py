@@ -1,4 +1,4 @@
-"""The shared cache's rules, by hand: a prefetched expert is held until it is used (DESIGN.md), prefetches
+"""The shared cache's rules, by hand: a prefetched expert is held until it is used, prefetches
 never evict held experts, demand loads always make progress, and no policy's ranking changes any of it."""
 
 from __future__ import annotations

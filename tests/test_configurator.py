@@ -1,6 +1,7 @@
 """MoEpic's cache configurator (paper 004, section 3.4): the statistics, equations 5-11, Algorithm 1, the CLI.
 
-Line numbers in comments are those of the paper's text, ../shared/seeds/004_f24bbadb95ea7f91.txt."""
+Line numbers in comments are those of the plain text of paper 004 (Yan et al., "Accelerating Mixture-of-Expert
+Inference with Adaptive Expert Split Mechanism")."""
 
 from __future__ import annotations
 
@@ -373,7 +374,8 @@ def test_configure_prints_a_table(trace_file, capsys):
     assert main(["configure", trace_file, "--vram-budget", "25%", *TIMING_ARGS]) == 0
     out = capsys.readouterr().out
     text = " ".join(out.split())  # the title wraps at the temporary path's length
-    for fragment in ("MoEpic configuration for 24.00 experts of VRAM (96 KiB), zeta = 0.01", "theta", "cached C",
+    for fragment in ("MoEpic configuration for 24.00 experts of VRAM (96 KiB): 22.00 cache segments, 2 are the "
+                     "prefetch buffer, zeta = 0.01", "theta", "cached C",
                      "exposed ms", "budget moves", "uniform allocation", "layer 0 is configured without prefetching"):
         assert fragment in text, out
     assert len([line for line in out.splitlines() if line.startswith("│")]) == 6
@@ -383,17 +385,18 @@ def test_configure_json_matches_the_library(trace_file, capsys):
     assert main(["configure", trace_file, "--vram-budget", "96KiB", "--granularity", "0.02", "--json",
                  *TIMING_ARGS, "--moe-ms", "0.25", "--head-ms", "0.1"]) == 0
     document = json.loads(capsys.readouterr().out)
-    assert document["budget_experts"] == 24.0  # 96 KiB of 4096-byte experts
+    assert document["vram_budget_experts"] == 24.0  # 96 KiB of 4096-byte experts
+    assert document["budget_experts"] == 22.0  # less the prefetch buffer of top-k = 2 experts
     assert document["timings_seconds"] == pytest.approx({"expert_load": 6e-4, "expert_compute": 1e-4,
                                                          "attention": 3e-4, "moe": 2.5e-4, "head": 1e-4})
     layers = document["layers"]
-    assert len(layers) == 6 and sum(layer["budget"] for layer in layers) == pytest.approx(24.0)
+    assert len(layers) == 6 and sum(layer["budget"] for layer in layers) == pytest.approx(22.0)
     assert sum(layer["exposed"] for layer in layers) == pytest.approx(document["total_exposed_seconds"])
     assert all(layer["budget_bytes"] == round(layer["budget"] * 4096) for layer in layers)
     from moe_offload.trace.format import read_trace
     config = configure(measure_statistics(read_trace(trace_file)),
                        Timings(expert_load=6e-4, expert_compute=1e-4, attention=3e-4, moe=2.5e-4, head=1e-4),
-                       24.0, 0.02)
+                       22.0, 0.02)
     assert [layer["cache_size"] for layer in layers] == [split.cache_size for split in config.layers]
     assert document["total_exposed_seconds"] == pytest.approx(config.total_exposed)
 
@@ -420,7 +423,7 @@ def test_configure_needs_the_expert_size_for_bytes(tmp_path, capsys):
     assert_one_line_error(code, capsys.readouterr().err, "give --expert-bytes")
     assert main(["configure", path, "--vram-budget", "64KiB", "--expert-bytes", "8192", "--json",
                  *TIMING_ARGS]) == 0
-    assert json.loads(capsys.readouterr().out)["budget_experts"] == 8.0
+    assert json.loads(capsys.readouterr().out)["vram_budget_experts"] == 8.0
 
 
 @pytest.mark.parametrize("args, message", [

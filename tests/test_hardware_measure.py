@@ -42,6 +42,11 @@ def measured(packed) -> dict:
     return measure.measure_hardware(packed / "packed", device="cpu", **FAST)
 
 
+@pytest.fixture(scope="module")
+def raw_measurements(packed):
+    return measure.measure(packed / "packed", device="cpu", **FAST)
+
+
 def rates(profile: HardwareProfile) -> list[float]:
     roof = profile.compute.roofline
     return ([link.bandwidth_bytes_per_s for link in profile.links]
@@ -71,6 +76,9 @@ def test_the_measured_dict_is_a_profile_of_this_runtime(measured):
     # decoding with experts streaming in the background: both slowdowns measured, neither below 1
     assert "sharing: while a thread streamed experts" in text
     assert 1 <= profile.compute.slowdown_while_loading <= 100 and 1 <= profile.links[0].slowdown_while_computing <= 100
+    # on a CPU the fast tier is the host: the host's expert is the same measurement, the same roofline
+    assert profile.host is not None and profile.host.roofline == profile.compute.roofline
+    assert "host: the same expert on the host CPU" in text
 
 
 def test_a_cuda_measurement_has_the_runtimes_tiers(packed):
@@ -95,6 +103,10 @@ def test_a_cuda_measurement_has_the_runtimes_tiers(packed):
     assert profile.tiers[0].capacity_bytes == 24 * 2**30
     # computing in the stored dtype: the roofline's memory rate is the measured one, not halved
     assert profile.compute.roofline.memory_bandwidth_bytes_per_s == pytest.approx(cpu.memory_bandwidth, rel=1e-3)
+    # the host computes from float32 copies: reading one takes twice the bytes of the stored float16 expert,
+    # so its rate in stored bytes (the simulator's unit) is half the measured read
+    assert profile.host.roofline.memory_bandwidth_bytes_per_s == pytest.approx(cpu.host_memory_bandwidth / 2,
+                                                                               rel=1e-3)
     hosted = dataclasses.replace(cuda, host_link_seconds=9216 / 4e9, host_budget_bytes=2**30,
                                  capacities={"gpu": 24 * 2**30, "host": 2**30, "ssd": 2 * 10**12},
                                  capacity_notes={"gpu": "free", "host": "budget", "ssd": "disk"})
@@ -131,13 +143,13 @@ def roofline_of(measurements, expert_seconds: dict, memory_bandwidth: float):
     return HardwareProfile.from_dict(measure.profile_dict(m)).compute.roofline
 
 
-def test_the_expert_roofline_passes_through_the_one_token_time(packed):
+def test_the_expert_roofline_passes_through_the_one_token_time(raw_measurements):
     """Hand-computed: the streaming read gives 2e6 float32 bytes/s = 1e6 stored bytes/s, so the memory term
     is 1 ms. A GPU-like expert, flat at 1.2 ms: all memory-bound, the overhead is 0.2 ms. A CPU-like one
     whose weights stay in the cache (0.5 ms at one token, below the 1 ms the streaming read predicts) and
     compute-bound from 4 tokens at 0.25 ms a token: the memory rate becomes the one-token rate (2e6 stored
     bytes/s), no overhead, 2 * 500 / 0.25 ms = 4e6 FLOP/s; it is exact at one token and at 64."""
-    measurements = measure.measure(packed / "packed", device="cpu", **FAST)
+    measurements = raw_measurements
     flat = roofline_of(measurements, {n: 1.2e-3 for n in measure.TOKEN_COUNTS}, 2e6)
     assert flat.memory_bandwidth_bytes_per_s == pytest.approx(1e6, rel=1e-3)
     assert flat.expert_overhead_s == pytest.approx(0.2e-3, rel=1e-3)
@@ -148,6 +160,23 @@ def test_the_expert_roofline_passes_through_the_one_token_time(packed):
     assert cached.flops_per_s == pytest.approx(4e6, rel=1e-3)
     assert cached.expert_seconds(1, 1000) == pytest.approx(0.5e-3, rel=1e-3)
     assert cached.expert_seconds(64, 1000) == pytest.approx(16e-3, rel=1e-3)
+
+
+def test_a_flat_expert_is_held_to_the_machines_peak(raw_measurements):
+    """Times flat within noise: the slope over tokens is ~0 and the fitted rate absurd (2 * 500 FLOP / 1e-12 s
+    = 1e15 FLOP/s); on a machine whose peak is 8e9 FLOP/s the roofline holds 8e9 and a note says why."""
+    m = dataclasses.replace(raw_measurements, expert_bytes=1000, expert_params=500, compute_dtype="float32",
+                            memory_bandwidth=2e6, expert_seconds={n: 1.2e-3 for n in measure.TOKEN_COUNTS},
+                            peak_flops=8e9, peak_flops_how="a test machine", repeats=5, load_average=0.0, cores=2,
+                            expert_deviation={1: 0.02}, link_deviation=0.01)
+    roof = HardwareProfile.from_dict(measure.profile_dict(m)).compute.roofline
+    assert roof.flops_per_s == pytest.approx(8e9)
+    assert roof.expert_seconds(1, 1000) == pytest.approx(1.2e-3, rel=1e-3)  # still through the one-token time
+    notes = measure.measurement_notes(m)
+    assert len(notes) == 1 and "above this machine's peak of 8 GFLOP/s (a test machine)" in notes[0]
+    assert any("holds the peak" in source for source in measure.profile_dict(m)["sources"])
+    steady = dataclasses.replace(m, expert_seconds={n: 1e-3 + n * 1e-4 for n in measure.TOKEN_COUNTS})
+    assert measure.measurement_notes(steady) == []  # 2 * 500 / 1e-4 = 1e7 FLOP/s: possible, stable, idle
 
 
 def test_linear_fits_never_go_negative():
@@ -169,6 +198,9 @@ def test_the_command_writes_a_profile_that_simulate_runs(packed, tmp_path, capsy
                  "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "link ssd->host" in out and str(output) in out
+    import re
+    assert re.search(r"\d (KiB|MiB|GiB)/s", out) and not re.search(r"\d (kB|MB|GB)\b", out)  # one unit family
+    assert "+-" in out and "load average up to" in out  # each timing's spread, how busy the machine was
     profile = load_profile(output)
     assert profile.name == "here"
     assert dataclasses.replace(profile, path="<memory>") == HardwareProfile.from_dict(made[0])

@@ -376,3 +376,15 @@ def test_routes_without_num_experts_anywhere(tmp_path):
     with pytest.raises(ConfigError, match="--experts"):
         import_routes_json(path)
     assert import_routes_json(path, num_experts=6).meta.num_experts == 6
+
+
+def test_the_fallback_olmoe_file_equals_the_shared_one(shared_traces, tmp_path):
+    """Without ../shared the tests read decode_299.jsonl rebuilt from the shipped trace: line for line the
+    same records as the original."""
+    from conftest import write_olmoe_jsonl
+
+    original = shared_traces / "olmoe-1b-7b" / "decode_299.jsonl"
+    rebuilt = write_olmoe_jsonl(tmp_path / "decode_299.jsonl")
+    def parse(path):
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    assert parse(rebuilt) == parse(original)

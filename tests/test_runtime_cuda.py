@@ -76,3 +76,23 @@ def test_transfers_overlap_compute(packed):
     assert result.stats.prefetches_used > 0
     assert result.stats.stall_seconds < busy
     assert np.isfinite(result.stats.tpot_seconds)
+
+
+@pytest.mark.parametrize("policy, budget", [("static-layers", "34%"), ("static-freq", "25%")])
+def test_bypassed_experts_computed_on_the_host_agree_with_the_gpu(packed, tmp_path, policy, budget):
+    """A placement's other experts computed on the CPU from pinned host copies (models/host_experts.py): CPU
+    kernels do not give the GPU's bits, so the logits agree within float16 rounding and the tokens are equal."""
+    from moe_offload.trace.format import write_trace
+
+    directory, expected, trace = packed
+    options = {}
+    if policy == "static-freq":
+        options = {"profile": str(write_trace(trace, tmp_path / "profile.parquet"))}
+    with OffloadEngine(directory, fast_budget=budget, policy=policy, policy_options=options, device="cuda") as engine:
+        assert engine.tiers[-1].pool.memory.is_pinned()
+        for prompt, reference in expected.items():
+            result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
+            assert result.token_ids == reference.token_ids
+            for ours, theirs in zip(result.logits, reference.logits):
+                torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
+            assert result.stats.bypassed > 0 and result.stats.host_compute_seconds > 0

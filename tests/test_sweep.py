@@ -82,7 +82,7 @@ def test_rows_are_what_simulate_computes(full_run):
         expected = {(r.policy, r.cache_size): r.to_dict()
                     for r in replay_grid(data, policies + ["belady"], sizes, seed=seed, options=options).results}
         got = {(row.result.policy, row.result.cache_size): row.result.to_dict() for row in rows
-               if row.cell.mode == "replay" and row.cell.seed == seed}
+               if row.cell.mode == "replay" and row.cell.seed in (seed, None)}  # None: the same at every seed
         assert got == expected  # lru-dist at 3 experts for 4 layers is skipped by both
         arrivals = Arrivals.parse("poisson:200", 2, seed)
         expected = {}
@@ -104,6 +104,27 @@ def test_rows_are_what_simulate_computes(full_run):
     random = [row.result.tpot_seconds for row in rows if row.cell.policy == "random" and row.cell.mode == "timed"
               and row.cell.prefetcher is None and row.cell.cache_size == 18 * EXPERT_BYTES]
     assert len(random) == 2 and random[0] != random[1]  # the seed is a dimension of the sweep
+
+
+def test_deterministic_policies_are_replayed_once_not_per_seed(full_run):
+    replayed = [row.cell for row in read_results(full_run) if row.cell.mode == "replay"]
+    # belady, lcp at 3 and 18 experts and lru-dist at 18 once; random at both sizes for seeds 0 and 1
+    assert sorted((c.policy, c.cache_size, c.seed) for c in replayed if c.seed is None) == [
+        ("belady", 3, None), ("belady", 18, None), ("lcp", 3, None), ("lcp", 18, None), ("lru-dist", 18, None)]
+    assert sorted((c.policy, c.cache_size, c.seed) for c in replayed if c.seed is not None) == [
+        ("random", 3, 0), ("random", 3, 1), ("random", 18, 0), ("random", 18, 1)]
+
+
+def test_only_the_seeded_policies_depend_on_the_seed():
+    """The flag that lets a sweep run a policy once is what the policies do: two seeds, the same misses, for
+    every policy but those marked seeded (a second reading: the replays themselves)."""
+    from moe_offload.policies import POLICIES
+
+    data = ReplayInput.of(zipf(), name="zipf")
+    for name, info in POLICIES.items():
+        runs = [replay_grid(data, [name], [12], seed=seed).results for seed in (0, 1, 2)]
+        misses = {tuple(r.misses for r in results if r.policy == name) for results in runs}
+        assert (len(misses) > 1) == info.policy.seeded, name
 
 
 def test_processes_give_the_rows_of_one_job(full_run, sweep_file):
@@ -153,7 +174,8 @@ def test_an_interrupted_sweep_keeps_its_finished_cells_and_resumes(full_run, swe
     ran = counting_cells(monkeypatch, stop_after=6)
     assert main(["sweep", str(sweep_file), "--jobs", "1"]) == 130
     assert [row.cell.key for row in read_results(output)] == [cell.key for cell in ran]
-    capsys.readouterr()
+    assert (f"interrupted: 6 of {cells} cells saved in {output}; the same command runs the other {cells - 6}"
+            in capsys.readouterr().err)
     ran = counting_cells(monkeypatch)
     assert main(["sweep", str(sweep_file), "--jobs", "1"]) == 0
     assert f"{cells} cells, 6 already in {output}, {cells - 6} to run" in capsys.readouterr().err
@@ -170,6 +192,36 @@ def test_the_sweep_prints_simulates_tables_and_plots(sweep_file, capsys):
     assert "TPOT / all-resident" in out and "expert traffic" in out              # the timed tables
     assert "seed 1" in out and "skipped: replay zipf.parquet, lru-dist at 3 experts" in out
     assert figure.read_bytes()[:4] == b"\x89PNG"
+
+
+BIG_SWEEP = """
+traces = ["zipf.parquet"]
+policies = "all"
+cache_sizes = [4, 8, 12, 16, 20]
+seeds = [0, 1]
+output = "big.parquet"
+"""
+
+
+def test_a_large_sweep_prints_a_summary_and_the_tables_on_request(sweep_file, capsys):
+    from moe_offload.cli.sweep_cmd import FULL_TABLES_UP_TO
+    from moe_offload.policies import POLICIES
+
+    big = sweep_file.parent / "big.toml"
+    big.write_text(BIG_SWEEP)
+    assert main(["sweep", str(big), "--jobs", "1"]) == 0
+    cells = read_results(sweep_file.parent / "big.parquet")
+    assert len(cells) > FULL_TABLES_UP_TO
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0] == "seed 0" and lines[2] == "seed 1" and len(lines) == 4  # one line per trace and seed
+    lines = lines[1::2]
+    assert all(line.startswith("zipf.parquet: ") for line in lines)
+    assert f"{len(POLICIES)} policies at 5 cache sizes; best online policy  k=4: " in lines[0]
+    assert f"a summary of {len(cells)} cells: --tables prints every table" in captured.err
+    assert main(["sweep", str(big), "--jobs", "1", "--tables"]) == 0  # nothing left to run: the tables only
+    out = capsys.readouterr().out
+    assert out.count("misses / OPT") == 2 * 5 and "seed 1" in out
 
 
 BAD = [
@@ -241,3 +293,23 @@ def test_without_ray_the_command_says_how_to_get_it(sweep_file, capsys, monkeypa
     monkeypatch.setattr(sweep_run, "ray_available", lambda: False)
     assert main(["sweep", str(sweep_file), "--ray"]) == 2
     assert "--ray needs Ray: pip install 'moe-offload[ray]'" in capsys.readouterr().err
+
+
+def test_the_timed_summary_names_the_lowest_tpot_at_each_cache_size(full_run):
+    import io
+
+    from rich.console import Console
+
+    from moe_offload.reporting.tables import print_timed_summary, run_label
+
+    results = [row.result for row in read_results(full_run) if row.cell.mode == "timed" and row.cell.seed == 0]
+    out = io.StringIO()
+    print_timed_summary(results, Console(file=out, width=1000), hardware=resolve_profile("desktop-rtx4090"))
+    line = out.getvalue().strip()
+    assert line.startswith(f"zipf.parquet on desktop-rtx4090: {len(results)} runs; lowest TPOT  3 MiB: ")
+    bound = next(r for r in results if r.policy == "all-resident").tpot_seconds
+    for size in (3, 18):  # 3 and 18 experts of 1 MiB; the oracle is a bound, not a run to choose
+        candidates = [r for r in results if r.cache_size == size and r.prefetcher != "oracle"]
+        best = min(candidates, key=lambda r: r.tpot_seconds)
+        assert (f"{size} MiB: {run_label(best)} {best.tpot_seconds * 1e3:.2f} ms, "
+                f"{best.tpot_seconds / bound:.2f}x all-resident") in line

@@ -79,8 +79,8 @@ def test_info_reports_weights_of_an_imported_trace(capsys, tmp_path, shared_trac
 
 # ------------------------------------------------------------------------------------------------- import
 
-def test_import_topk_jsonl(capsys, tmp_path, shared_traces):
-    source = shared_traces / "olmoe-1b-7b" / "decode_299.jsonl"
+def test_import_topk_jsonl(capsys, tmp_path, olmoe_file):
+    source = olmoe_file
     output = tmp_path / "olmoe.parquet"
     code, out, _ = run(capsys, "import", "topk-jsonl", source, "-o", output, "--experts", 64,
                        "--model", "allenai/OLMoE-1B-7B-0924", "--expert-bytes", 12582912)
@@ -90,8 +90,8 @@ def test_import_topk_jsonl(capsys, tmp_path, shared_traces):
     np.testing.assert_array_equal(trace.experts, read_trace(DEFAULT_TRACE).experts)
 
 
-def test_import_topk_jsonl_without_experts_is_a_clear_error(capsys, tmp_path, shared_traces):
-    source = shared_traces / "olmoe-1b-7b" / "decode_299.jsonl"
+def test_import_topk_jsonl_without_experts_is_a_clear_error(capsys, tmp_path, olmoe_file):
+    source = olmoe_file
     code, _, err = run(capsys, "import", "topk-jsonl", source, "-o", tmp_path / "x.parquet")
     assert_one_line_error(code, err, str(source), "--experts", "63")
     assert not (tmp_path / "x.parquet").exists()

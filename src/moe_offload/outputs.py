@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -79,7 +80,7 @@ def atomic_output(path) -> Iterator[Path]:
     path = _target_of(Path(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+        handle, temporary = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".partial", dir=path.parent)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot write: {exc.strerror or exc}") from None
     os.close(handle)
@@ -108,6 +109,17 @@ def _target_of(path: Path) -> Path:
     return target
 
 
+def _temporary_prefix(path: Path) -> str:
+    """The name of a temporary file beside ``path``: after ``path`` where its name is text; a name with bytes
+    that are not UTF-8 (kept by Python as lone surrogates) would be refused by the writers that take names as
+    UTF-8 text (pyarrow, safetensors), so then a fixed one: the rename at the end writes any name."""
+    try:
+        path.name.encode("utf-8")
+    except UnicodeEncodeError:
+        return ".moe-offload-output."
+    return f".{path.name}."
+
+
 def write_atomically(path, data: bytes | str) -> Path:
     """Write ``data`` to ``path`` through :func:`atomic_output`."""
     with atomic_output(path) as temporary:
@@ -125,7 +137,7 @@ def atomic_directory(path) -> Iterator[Path]:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+        staging = Path(tempfile.mkdtemp(prefix=_temporary_prefix(path), suffix=".partial", dir=path.parent))
     except OSError as exc:
         raise ConfigError(f"{path}: cannot write: {exc.strerror or exc}") from None
     try:
@@ -197,3 +209,60 @@ def _fsync_directory(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+class _CheckedStdout:
+    """``sys.stdout`` while a command runs (:func:`checked_stdout`): a write that fails (a full disk, /dev/full,
+    a terminal gone) is one ConfigError line instead of an OSError traceback; a closed pipe stays
+    BrokenPipeError, which the command line ends quietly as Unix tools do. Text the stream's encoding cannot
+    hold (a file name with bytes that are not UTF-8, which Python keeps as lone surrogates) is written with
+    backslash escapes, as Python writes it to stderr, instead of failing with UnicodeEncodeError."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._checked(self._stream.write, text)
+        except UnicodeEncodeError:
+            encoding = getattr(self._stream, "encoding", None) or "utf-8"
+            return self._checked(self._stream.write, text.encode(encoding, "backslashreplace").decode(encoding))
+
+    def flush(self) -> None:
+        self._checked(self._stream.flush)
+
+    def _checked(self, method, *args):
+        try:
+            return method(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            self._stream = _discard_stdout()
+            raise ConfigError(f"standard output: cannot write: {exc.strerror or exc}") from None
+
+    def __getattr__(self, name):  # isatty, fileno, encoding...: those of the stream
+        return getattr(self._stream, name)
+
+
+def _discard_stdout():
+    """Point file descriptor 1 at /dev/null and drop what is buffered, so that neither a later write nor the
+    interpreter's last flush at exit fails again on the stream that failed."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.__stdout__.fileno())
+    except (OSError, AttributeError, ValueError):
+        pass  # no real descriptor (a test's captured stdout): nothing at exit to fail
+    return open(os.devnull, "w")
+
+
+@contextmanager
+def checked_stdout() -> Iterator[None]:
+    """Run a command with its standard output checked (:class:`_CheckedStdout`); what it printed is flushed
+    before the block ends, so that a failure to write it is reported as the command's error, not lost at
+    exit."""
+    stream = sys.stdout
+    sys.stdout = checked = _CheckedStdout(stream)
+    try:
+        yield
+        checked.flush()
+    finally:
+        sys.stdout = stream

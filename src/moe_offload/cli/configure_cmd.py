@@ -21,9 +21,11 @@ def register(subparsers) -> None:
     parser.add_argument("trace", metavar="TRACE",
                         help="trace file with gate_prediction, or 'tiny' (the bundled model's recording)")
     parser.add_argument("--vram-budget", required=True, metavar="EXPERTS|BYTES|FRACTION",
-                        help="VRAM for cached expert segments (V_e, without non-expert weights and the prefetch "
-                             "buffer): a number of full experts (240), bytes with a unit (6GB, 5.5GiB) or a "
-                             "fraction (0.25) or percentage (25%%) of all L*J experts")
+                        help="VRAM for experts (without non-expert weights): a number of full experts (240), bytes "
+                             "with a unit (6GB, 5.5GiB) or a fraction (0.25) or percentage (25%%) of all L*J "
+                             "experts; the prefetch buffer of top-k experts is taken from it and the rest (V_e) "
+                             "caches segments, so the configuration runs at the same budget (`generate "
+                             "--fast-budget`)")
     parser.add_argument("--hardware", metavar="PRESET|FILE",
                         help="hardware preset or profile file whose GPU link and compute times give the timings "
                              "not given below (`moe-offload hardware list`)")
@@ -96,7 +98,13 @@ def run(args) -> int:
     if args.expert_bytes is not None:
         integer(args.expert_bytes, "--expert-bytes", low=1)
     expert_bytes = args.expert_bytes or meta.expert_bytes
-    budget = expert_amount(args.vram_budget, "--vram-budget", meta.num_expert_slots, expert_bytes)
+    vram = expert_amount(args.vram_budget, "--vram-budget", meta.num_expert_slots, expert_bytes)
+    # The split run holds the prefetch buffer (U_b, K whole experts) beside the cached tops in the same VRAM
+    # (simulator/split.py): V_e is what remains, so that the budget configured is the budget run.
+    budget = vram - meta.top_k
+    if budget <= 0:
+        raise ConfigError(f"--vram-budget {args.vram_budget!r}: {vram:g} experts leave nothing to cache beside the "
+                          f"prefetch buffer of top-k = {meta.top_k} experts; give more than {meta.top_k}")
     timings = timings_from_args(args, meta.top_k, expert_bytes)
     check_inputs(timings, budget, args.granularity, meta.num_layers, meta.num_experts, meta.top_k)
 
@@ -116,6 +124,7 @@ def run(args) -> int:
         document = {"trace": args.trace, "hardware": args.hardware, "model": meta.model,
                     "num_layers": meta.num_layers,
                     "num_experts": meta.num_experts, "top_k": meta.top_k, "tokens": stats.num_tokens,
+                    "vram_budget_experts": vram, "buffer_experts": meta.top_k,
                     "expert_bytes": expert_bytes,
                     "timings_seconds": {name: getattr(timings, name) for name in
                                         ("expert_load", "expert_compute", "attention", "moe", "head")},
@@ -131,8 +140,9 @@ def run(args) -> int:
     out = Console()
     if not out.is_terminal:
         out.width = 120
-    bytes_text = f" ({format_bytes(budget * expert_bytes)})" if expert_bytes else ""
-    table = Table(title=f"{args.trace}  -  MoEpic configuration for {budget:,.2f} experts of VRAM{bytes_text}, "
+    bytes_text = f" ({format_bytes(vram * expert_bytes)})" if expert_bytes else ""
+    table = Table(title=f"{args.trace}  -  MoEpic configuration for {vram:,.2f} experts of VRAM{bytes_text}: "
+                        f"{budget:,.2f} cache segments, {meta.top_k} are the prefetch buffer, "
                         f"zeta = {args.granularity:g}", title_justify="left")
     for column in ("layer", "VRAM experts", "theta", "cached C", "hit rate", "prefetch Y", "loaded m",
                    "window ms", "exposed ms"):

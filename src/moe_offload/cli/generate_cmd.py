@@ -38,8 +38,9 @@ def register(subparsers) -> None:
                         help="share of the budget the online configurator moves between two layers per step "
                              "(default 0.01, the paper's)")
     parser.add_argument("--hardware", metavar="PRESET|FILE",
-                        help="the hardware profile whose timings the online configurator plans with (default "
-                             "desktop-rtx4090; `moe-offload hardware list`)")
+                        help="the hardware profile whose timings the online configurator plans with and whose "
+                             "link sets how many experts a prefetcher moves per layer (MoEpic's Y, as simulate "
+                             "--timed counts it; default desktop-rtx4090; `moe-offload hardware list`)")
     parser.add_argument("--json", metavar="FILE", default=None,
                         help="also write the run's result record, with the prompt, the text and the token ids, as JSON")
     parser.set_defaults(run=run)
@@ -53,11 +54,18 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--host-budget", default=None, metavar="SIZE|P%",
                         help="add a host-memory tier of this budget between the files and the fast tier")
     parser.add_argument("--policy", default="lru", help="eviction policy (default lru; see `moe-offload policies`)")
-    parser.add_argument("--prefetch", default=None, metavar="NAME", help="prefetcher (default: none)")
+    parser.add_argument("--prefetch", default="none", metavar="NAME",
+                        help="prefetcher, or 'none' for demand loading only (default none)")
     parser.add_argument("--prefetch-history", default=None, metavar="TRACE",
                         help="trace the prefetcher learns from first (default for --model tiny: the bundled "
                              "recorded trace, for the prefetchers that need a history)")
     parser.add_argument("--policy-option", action="append", default=[], metavar=POLICY_OPTION)
+    parser.add_argument("--profile", default=None, metavar="TRACE",
+                        help="the trace a placing policy chooses its resident experts from (static-freq, pinned-lru: "
+                             "the most frequent); the experts it leaves out are computed on the host")
+    parser.add_argument("--fast-layers", default=None, metavar="N",
+                        help="static-layers: the last N layers' experts in the fast tier, the others computed on "
+                             "the host (llama.cpp's --n-cpu-moe L-N; default: as many whole layers as fit)")
     parser.add_argument("--prefetch-option", action="append", default=[], metavar=PREFETCH_OPTION)
     parser.add_argument("--bypass-page-cache", action="store_true",
                         help="drop expert files from the page cache before each read (honest SSD timings)")
@@ -69,6 +77,69 @@ def add_engine_arguments(parser) -> None:
                         help="where fMoE's matcher searches: on a thread of its own, its proposals applied when they "
                              "arrive (async, the paper's; default), on the decode thread (inline), or on its thread "
                              "with the decode thread waiting for each result (lockstep)")
+
+
+def engine_policy_options(args: argparse.Namespace) -> tuple[dict | None, dict | None]:
+    """The policy's and the prefetcher's options (``runtime_options``) with ``--profile`` and
+    ``--fast-layers`` among the policy's, checked before any work."""
+    from moe_offload.errors import ConfigError
+    from moe_offload.policies import policy_info
+    from moe_offload.values import integer, option_defaults
+
+    policy_options, prefetch_options = runtime_options(args)
+    takes = option_defaults(policy_info(args.policy).policy)
+    for flag, option, value in (("--profile", "profile", args.profile), ("--fast-layers", "fast_layers",
+                                                                       args.fast_layers)):
+        if value is None:
+            continue
+        if option not in takes:
+            raise ConfigError(f"{flag}: policy {args.policy!r} takes no {option} (static-freq and pinned-lru take "
+                              "--profile, static-layers --fast-layers)")
+        if option in (policy_options or {}):
+            raise ConfigError(f"{flag} and --policy-option {args.policy}.{option}=... say the same thing: give one")
+        value = _profile(value) if option == "profile" else integer(value, flag, low=0)
+        policy_options = {**(policy_options or {}), option: value}
+    return policy_options, prefetch_options
+
+
+def _profile(path) -> str:
+    """``--profile``'s trace, read once here so that a bad one is refused before the model loads."""
+    from moe_offload.errors import ConfigError, TraceError
+    from moe_offload.inputs import check_input
+    from moe_offload.trace.format import read_trace
+
+    try:
+        read_trace(check_input(path, "profile trace"))
+    except TraceError as exc:
+        raise ConfigError(f"--profile: {exc}") from None
+    return str(path)
+
+
+def check_prefetch(args: argparse.Namespace) -> None:
+    """--prefetch and --prefetch-history of generate and serve, checked before anything loads. 'none' (the
+    default, simulate --timed's word too) is no prefetcher: ``args.prefetch`` becomes None. Refused now, not after
+    the model has loaded: a prefetcher that reads the future routing (the engine runs live prompts), and one that
+    learns from past sequences without a history (the tiny model brings its own)."""
+    from moe_offload.errors import ConfigError
+    from moe_offload.inputs import check_input
+    from moe_offload.prefetch import prefetcher_info
+
+    if args.prefetch.strip() == "none":
+        if args.prefetch_history is not None:
+            raise ConfigError("--prefetch-history teaches a prefetcher: add --prefetch NAME")
+        args.prefetch = None
+        return
+    prefetcher = prefetcher_info(args.prefetch)
+    if prefetcher.reads_future:
+        raise ConfigError(f"--prefetch {args.prefetch} reads the future routing, which a running engine does not "
+                          "know; it is a bound of `moe-offload simulate --timed`")
+    if args.prefetch_history is not None:
+        from moe_offload.bundled import trace_path
+
+        check_input(trace_path(args.prefetch_history), "--prefetch-history trace")
+    elif prefetcher.needs_history and args.model != "tiny":
+        raise ConfigError(f"--prefetch {args.prefetch} predicts from past sequences: give it a trace of this model "
+                          "with --prefetch-history TRACE (`moe-offload record` writes one)")
 
 
 def apply_threads(args: argparse.Namespace) -> None:
@@ -88,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
 
     from moe_offload.models import require_model_stack
 
+    check_prefetch(args)
     require_model_stack("generate")
     from moe_offload.api import load
     from moe_offload.reporting.tables import print_runtime_summary
@@ -99,7 +171,10 @@ def run(args: argparse.Namespace) -> int:
     from moe_offload import values
 
     if args.json:
-        check_output(args.json, suffixes=(".json",), what="result record")
+        from moe_offload.runtime.packing import model_files
+
+        check_output(args.json, suffixes=(".json",), what="result record",
+                     inputs=[*model_files(args.model), args.split_config, args.prefetch_history])
     values.integer(args.max_new_tokens, "--max-new-tokens", low=1)
     apply_threads(args)
     resolve_device(args.device)
@@ -108,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
 
         read_split_config(args.split_config)
     reconfiguration = online_reconfiguration(args)
-    policy_options, prefetch_options = runtime_options(args)
+    policy_options, prefetch_options = engine_policy_options(args)
     prompt = chat_prompt(args.prompt) if args.chat else args.prompt
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
                   policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
@@ -123,6 +198,11 @@ def run(args: argparse.Namespace) -> int:
         result = engine.generate(prompt, max_new_tokens=args.max_new_tokens,
                                  on_text=lambda text: (sys.stdout.write(text), sys.stdout.flush()))
         sys.stdout.write("\n\n")
+        if args.model == "tiny":  # a first run shows this model's text: say what it is for
+            spec = engine.spec
+            print(f"note: the bundled tiny model ({spec.num_layers} layers x {spec.num_experts} experts, top-"
+                  f"{spec.top_k}, trained for minutes on a CPU) is there to run the offloading end to end on any "
+                  "machine; its text is not meant to make sense. The numbers below are what the run shows.")
         print_runtime_summary(result, engine)
         if engine.split is not None and engine.split.reconfigurations:
             records = engine.split.reconfigurations
@@ -148,9 +228,12 @@ def online_reconfiguration(args):
     from moe_offload.simulator.timed import Reconfiguration
 
     if args.reconfigure_every is None:
-        for given, option in ((args.granularity, "--granularity"), (args.hardware, "--hardware")):
-            if given is not None:
-                raise ConfigError(f"{option} belongs to the online configuration: add --reconfigure-every")
+        if args.granularity is not None:
+            raise ConfigError("--granularity belongs to the online configuration: add --reconfigure-every")
+        if args.hardware is not None:
+            from moe_offload.hardware import resolve_profile
+
+            resolve_profile(args.hardware)
         return None
     given = {} if args.granularity is None else {"granularity": args.granularity}
     reconfiguration = Reconfiguration(args.reconfigure_every, **given)

@@ -64,11 +64,15 @@ def _console():
 
 
 def _link_summary(profile) -> str:
-    return ", ".join(f"{link.name} {format_bytes(link.bandwidth_bytes_per_s)}/s" for link in profile.links)
+    from moe_offload.reporting.tables import binary_bytes
+
+    return ", ".join(f"{link.name} {binary_bytes(link.bandwidth_bytes_per_s)}/s" for link in profile.links)
 
 
 def run_list(args) -> int:
     from rich.table import Table
+
+    from moe_offload.reporting.tables import binary_bytes
 
     table = Table(title=f"hardware presets (use the name with --hardware; default {DEFAULT_PRESET})",
                   title_justify="left")
@@ -76,11 +80,26 @@ def run_list(args) -> int:
         table.add_column(column, style="bold" if column == "name" else None)
     for name in preset_names():
         profile = resolve_profile(name)
-        tiers = ", ".join(f"{t.name} {format_bytes(t.capacity_bytes)}" for t in profile.tiers)
+        tiers = ", ".join(f"{t.name} {binary_bytes(t.capacity_bytes)}" for t in profile.tiers)
         table.add_row(name + (" (default)" if name == DEFAULT_PRESET else ""), tiers, _link_summary(profile),
                       profile.description)
     _console().print(table)
     return 0
+
+
+def _print_expert(out, label: str, cost, example: str, expert_bytes: int) -> None:
+    """One expert's cost (the GPU's compute or the host's): its form, and its time for 1 and 64 tokens."""
+    if cost.expert is not None:
+        out.print(f"  {label:<18} {cost.expert.fixed_s * 1e6:.1f} us + {cost.expert.per_token_s * 1e6:.3f} us x n")
+    else:
+        roof = cost.roofline
+        rate = (f"{roof.flops_per_s / 1e12:.1f} TFLOP/s" if roof.flops_per_s >= 1e12  # a measured CPU: GFLOP/s
+                else f"{roof.flops_per_s / 1e9:.3g} GFLOP/s")
+        out.print(f"  {label:<18} roofline: {rate}, "
+                  f"{format_bytes(roof.memory_bandwidth_bytes_per_s)}/s, {roof.bytes_per_param:g} bytes/parameter, "
+                  f"+{roof.expert_overhead_s * 1e6:.1f} us")
+    out.print(f"  {example}: {cost.expert_seconds(1, expert_bytes) * 1e6:.1f} us for 1 token, "
+              f"{cost.expert_seconds(64, expert_bytes) * 1e6:.1f} us for 64")
 
 
 def run_show(args) -> int:
@@ -112,18 +131,11 @@ def run_show(args) -> int:
     for label, cost in (("attention / layer", compute.attention), ("router / layer", compute.router),
                         ("LM head", compute.lm_head)):
         out.print(f"  {label:<18} {cost.fixed_s * 1e6:.1f} us + {cost.per_token_s * 1e6:.3f} us x n")
-    if compute.expert is not None:
-        out.print(f"  {'expert':<18} {compute.expert.fixed_s * 1e6:.1f} us + "
-                  f"{compute.expert.per_token_s * 1e6:.3f} us x n")
+    _print_expert(out, "expert", compute, example, expert_bytes)
+    if profile.host is not None:
+        _print_expert(out, "host expert", profile.host, example, expert_bytes)
     else:
-        roof = compute.roofline
-        rate = (f"{roof.flops_per_s / 1e12:.1f} TFLOP/s" if roof.flops_per_s >= 1e12  # a measured CPU: GFLOP/s
-                else f"{roof.flops_per_s / 1e9:.3g} GFLOP/s")
-        out.print(f"  {'expert':<18} roofline: {rate}, "
-                  f"{format_bytes(roof.memory_bandwidth_bytes_per_s)}/s, {roof.bytes_per_param:g} bytes/parameter, "
-                  f"+{roof.expert_overhead_s * 1e6:.1f} us")
-    out.print(f"  {example}: {compute.expert_seconds(1, expert_bytes) * 1e6:.1f} us for 1 token, "
-              f"{compute.expert_seconds(64, expert_bytes) * 1e6:.1f} us for 64")
+        out.print("  no [host] compute: no expert can be computed on the host (static placements, fetch-or-compute)")
     if compute.slowdown_while_loading != 1:
         out.print(f"  compute runs {compute.slowdown_while_loading:.3g}x slower while a transfer runs")
     if profile.sources:
@@ -137,29 +149,34 @@ def run_show(args) -> int:
 def _measured_table(m, profile: dict):
     from rich.table import Table
 
+    from moe_offload.reporting.tables import binary_bytes
     from moe_offload.runtime.measure import expert_roofline, sharing
 
     table = Table(title=f"measured on {m.device_name} ({m.device}, {m.threads} threads, {m.repeats} repeats, "
-                        f"{m.elapsed_s:.1f} s)", title_justify="left")
+                        f"{m.elapsed_s:.1f} s, load average up to {m.load_average:.1f} on {m.cores} cores); "
+                        "medians, +-: the repeats' largest distance from them", title_justify="left")
     for column in ("what", "measured", "how"):
         table.add_column(column)
     cache = "page cache bypassed" if m.bypass_page_cache else "page cache kept"
-    table.add_row("expert through the data path", f"{m.link_seconds * 1e6:.1f} us, alone {m.link_alone_s * 1e6:.1f} us",
-                  f"{m.files_sampled} of {m.files_total} experts ({format_bytes(m.expert_bytes)}) back to back x "
+    table.add_row("expert through the data path",
+                  f"{m.link_seconds * 1e6:.1f} us +-{m.link_deviation:.0%}, alone {m.link_alone_s * 1e6:.1f} us",
+                  f"{m.files_sampled} of {m.files_total} experts ({binary_bytes(m.expert_bytes)}) back to back x "
                   f"{m.repeats}, {m.readers} readers, {cache}")
-    table.add_row("  raw: parallel read", f"{format_bytes(m.parallel_read_bandwidth)}/s",
+    table.add_row("  raw: parallel read", f"{binary_bytes(m.parallel_read_bandwidth)}/s",
                   "the reader pool reading experts into mapped memory")
     if m.convert_bandwidth:
-        table.add_row("  raw: conversion", f"{format_bytes(m.convert_bandwidth)}/s", f"stored -> {m.compute_dtype}")
+        table.add_row("  raw: conversion", f"{binary_bytes(m.convert_bandwidth)}/s", f"stored -> {m.compute_dtype}")
     for link in profile["links"]:
         table.add_row(f"link {link['from']}->{link['to']}",
-                      f"{format_bytes(link['bandwidth_bytes_per_s'])}/s + {link['latency_s'] * 1e6:.1f} us",
+                      f"{binary_bytes(link['bandwidth_bytes_per_s'])}/s + {link['latency_s'] * 1e6:.1f} us",
                       "in the profile" + (" (the data path)" if link["from"] == "ssd" else ""))
-    table.add_row("memory read", f"{format_bytes(m.memory_bandwidth)}/s", f"streaming sum on {m.device}")
+    table.add_row("memory read", f"{binary_bytes(m.memory_bandwidth)}/s", f"streaming sum on {m.device}")
     roof = expert_roofline(m)
     table.add_row("expert, 1 / 64 tokens",
-                  f"{m.expert_seconds[1] * 1e6:.1f} / {m.expert_seconds[64] * 1e6:.1f} us",
-                  f"roofline: +{roof['expert_overhead_s'] * 1e6:.1f} us, {roof['flops_per_s'] / 1e9:.3g} GFLOP/s")
+                  f"{m.expert_seconds[1] * 1e6:.1f} us +-{m.expert_deviation.get(1, 0.0):.0%} / "
+                  f"{m.expert_seconds[64] * 1e6:.1f} us +-{m.expert_deviation.get(64, 0.0):.0%}",
+                  f"roofline: +{roof['expert_overhead_s'] * 1e6:.1f} us, {roof['flops_per_s'] / 1e9:.3g} GFLOP/s "
+                  f"(peak {m.peak_flops / 1e9:,.4g})")
     for part, label in (("attention", "attention / layer"), ("router", "router / layer"), ("lm_head", "LM head")):
         cost = profile["compute"][part]
         table.add_row(label, f"{cost['fixed_s'] * 1e6:.1f} us + {cost['per_token_s'] * 1e6:.3f} us x n",
@@ -189,8 +206,11 @@ def _warn_if_busy(threads: int | None) -> None:
 
 
 def run_measure(args) -> int:
+    from moe_offload.models import require_model_stack
+
+    require_model_stack("hardware measure")  # it runs the packed model: before anything imports PyTorch
     from moe_offload.runtime import measure
-    from moe_offload.runtime.packing import packed_directory
+    from moe_offload.runtime.packing import model_files, packed_directory
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, not {args.repeats}")
@@ -200,9 +220,10 @@ def run_measure(args) -> int:
     from moe_offload.outputs import check_output
     from moe_offload.runtime.engine import resolve_device
 
-    output = check_output(args.output, what="profile")
+    output = check_output(args.output, what="profile", inputs=model_files(args.model))
     resolve_device(args.device)
     packed = packed_directory(args.model)
+    check_output(output, what="profile", inputs=model_files(str(packed)))  # the pack made from a checkpoint
     _warn_if_busy(args.threads)
     measurements = measure.measure(packed, repeats=args.repeats, bypass_page_cache=not args.keep_page_cache,
                                    threads=args.threads, model_name=args.model, device=args.device,
@@ -218,5 +239,7 @@ def run_measure(args) -> int:
     write_profile(profile, output, header)
     out = _console()
     out.print(_measured_table(measurements, profile))
+    for note in measure.measurement_notes(measurements):
+        out.print(f"note: {note}", highlight=False)
     out.print(f"profile written to {output} (use it with `moe-offload simulate --timed --hardware {output}`)")
     return 0

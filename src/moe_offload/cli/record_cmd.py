@@ -40,7 +40,10 @@ def run(args: argparse.Namespace) -> int:
     from moe_offload.text.prompts import BUILTIN_SOURCES, load_prompts
     from moe_offload.trace.format import write_trace
 
+    from moe_offload.runtime.packing import model_files
+
     prompt_files = [name.strip() for name in args.prompts.split(",") if name.strip() not in BUILTIN_SOURCES]
+    prompt_files += model_files(args.model)  # inputs too: no output may overwrite the model
     check_output(args.output, inputs=prompt_files, what="trace")
     if args.texts:
         check_output(args.texts, inputs=prompt_files + [args.output], what="texts file")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_offload.cli.generate_cmd import add_engine_arguments, apply_threads
-from moe_offload.cli.simulate_cmd import runtime_options
+from moe_offload.cli.generate_cmd import add_engine_arguments, apply_threads, check_prefetch, engine_policy_options
 from moe_offload.errors import ConfigError
 
 
@@ -34,13 +33,8 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from moe_offload.models import require_model_stack
 
-    require_model_stack("serve")
-    for module in ("fastapi", "uvicorn", "prometheus_client"):
-        try:
-            __import__(module)
-        except ImportError:
-            raise ConfigError(f"serve needs {module}, which is not installed: pip install 'moe-offload[serve]'") \
-                from None
+    check_prefetch(args)
+    require_model_stack("serve", serving=True)
     from moe_offload import values
     from moe_offload.api import load
     from moe_offload.server import model_name, serve
@@ -51,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     device = values.device(args.device) if args.device is not None else None
     apply_threads(args)
     _check_listen(host, port)
-    policy_options, prefetch_options = runtime_options(args)
+    policy_options, prefetch_options = engine_policy_options(args)
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
                   policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
                   prefetch_history=args.prefetch_history, device=device, bypass_page_cache=args.bypass_page_cache,

@@ -91,6 +91,9 @@ def register(subparsers) -> None:
                        help="run MoEpic's split experts as `moe-offload configure --json` chose them: per layer, "
                             "the top segments of cache_size experts cached, split_ratio of an expert each, and a "
                             "buffer of top-k experts for the missing segments (replaces --cache-size)")
+    timed.add_argument("--fetch-or-compute", action="store_true",
+                       help="compute a missed expert on the host CPU (the profile's [host]) instead of loading it "
+                            "when that is predicted faster, per expert and batch (Fiddler's rule)")
     timed.add_argument("--reconfigure-every", type=int, metavar="TAU",
                        help="MoEpic's online configurator (paper 004, Algorithm 1): rerun the split configuration "
                             "every TAU tokens from the statistics gathered so far and resize the running caches "
@@ -144,6 +147,18 @@ def check_components(meta: TraceMeta, policies, options: dict, seed: int, prefet
         make_policy(policy, spec, seed=seed, options=options.get(policy))
     for prefetcher in prefetchers:
         make_prefetcher(prefetcher, spec, (prefetch_options or {}).get(prefetcher))
+
+
+def check_some_run_possible(path: str, meta: TraceMeta, policies: list[str], sizes: list[int]) -> None:
+    """Refuse a table in which no policy can run at any size (a -dist policy below one expert per layer):
+    there would be nothing to show. Cells that cannot run beside others that can are reported as skipped."""
+    from moe_offload.policies import ModelSpec
+    from moe_offload.simulator.replay import grid_runs
+
+    runs, skipped = grid_runs(ModelSpec(meta.num_layers, meta.num_experts, meta.top_k), policies, sizes)
+    if skipped and not any(policy in policies for policy, _ in runs):
+        _, _, why = skipped[0]
+        raise ConfigError(f"{path}: --cache-size {','.join(map(str, sizes))}: nothing can run: {why}")
 
 
 def sweep_sizes(meta: TraceMeta, points) -> list[int]:
@@ -202,12 +217,13 @@ def run(args) -> int:
         trace = read_trace(path)
         check_components(trace.meta, policies, options, args.seed)
         table_sizes = cache_sizes(args.cache_size, "--cache-size", trace.meta.num_expert_slots)
+        check_some_run_possible(path, trace.meta, policies, table_sizes)
         sizes = sorted(set(table_sizes) | set(sweep_sizes(trace.meta, args.plot_points) if args.plot else ()))
         inputs.append(ReplayInput.of(trace, name=path if args.traces else Path(path).name))
         plans.append((table_sizes, sizes))
 
     stderr = Console(stderr=True)
-    results, skipped, table_results = [], [], []
+    results, skipped, table_results = [], [], []  # skipped: lines saying which table cell cannot run and why
     total = sum(len(data.sequence) * len(sizes) * (len(policies) + ("belady" not in policies))
                 for data, (_, sizes) in zip(inputs, plans))
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -217,7 +233,9 @@ def run(args) -> int:
             grid = replay_grid(data, policies, sizes, seed=args.seed, options=options, jobs=args.jobs,
                                progress=lambda n: bar.advance(task, n), engine=args.engine)
             results += grid.results
-            skipped += grid.skipped
+            where = f"{data.name}: " if len(inputs) > 1 else ""
+            skipped += [f"{where}{policy} at {size}: {why}" for policy, size, why in grid.skipped
+                        if size in table_sizes]
             table_results += [r for r in grid.results if r.cache_size in table_sizes]
 
     if "learned" in policies:
@@ -231,13 +249,13 @@ def run(args) -> int:
     if args.json:
         json.dump([r.to_dict() for r in results], sys.stdout, indent=1)
         sys.stdout.write("\n")
+        for line in skipped:  # on stderr, so that stdout stays the JSON document
+            print(f"skipped: {line}", file=sys.stderr)
     else:
         out = Console()
         if not out.is_terminal:
             out.width = 110  # files and pipes: wide enough for a table row and its title
-        shown = {r.cache_size for r in table_results}
-        print_replay_tables(table_results, out,
-                            skipped=[f"{policy} at {size}: {why}" for policy, size, why in skipped if size in shown])
+        print_replay_tables(table_results, out, skipped=skipped)
     sys.stdout.flush()
     if args.plot:
         from moe_offload.reporting.plots import plot_misses
@@ -270,6 +288,7 @@ def run_timed(args) -> int:
     from moe_offload.reporting.tables import print_timed_tables
     from moe_offload.simulator.split import read_split_config
     from moe_offload.simulator.timed import ORACLE, Arrivals, Reconfiguration, check_timed_run, timed_grid
+    from moe_offload.simulator.timed.simulate import timed_runs
 
     if args.plot:
         raise ConfigError("--plot draws the replay's misses; with --timed use --plot-cdf and --plot-timeline")
@@ -289,6 +308,10 @@ def run_timed(args) -> int:
     integer(args.max_batch, "--max-batch", low=1)
     hardware = resolve_profile(args.hardware)
     arrivals = Arrivals.parse(args.arrivals, args.max_batch, args.seed)
+    learners = [name for name in running if prefetcher_info(name).needs_history]
+    if learners and not args.history:
+        raise ConfigError(f"--prefetch {learners[0]} predicts from past sequences: give it a training split "
+                          "with --history TRACE")
     history = read_trace(args.history) if args.history else None
     if args.split_config and args.cache_size:
         raise ConfigError("--split-config sets the GPU's expert memory layer by layer: leave out --cache-size")
@@ -319,13 +342,12 @@ def run_timed(args) -> int:
         for policy in policies:
             for size in sizes:
                 check_timed_run(trace, hardware, policy, size, expert_bytes, arrivals, split, args.split_config,
-                                reconfiguration)
+                                reconfiguration, fetch_or_compute=args.fetch_or_compute)
         plans.append((path if args.traces else Path(path).name, trace, expert_bytes, sizes))
 
     stderr = Console(stderr=True)
     results = []
-    runs = sum(1 + len(sizes) * len(policies) * (len(prefetchers) + (ORACLE not in prefetchers))
-               for *_, sizes in plans)
+    runs = sum(len(timed_runs(policies, prefetchers, sizes)) for *_, sizes in plans)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeRemainingColumn(), console=stderr, transient=True, disable=not stderr.is_terminal) as bar:
         task = bar.add_task("timed runs", total=runs)
@@ -334,7 +356,8 @@ def run_timed(args) -> int:
                                   arrivals=arrivals, seed=args.seed, policy_options=options,
                                   prefetcher_options=prefetch_options, history=history,
                                   timeline_iteration=args.timeline_iteration, name=name, jobs=args.jobs,
-                                  progress=lambda: bar.advance(task), split=split, reconfiguration=reconfiguration)
+                                  progress=lambda: bar.advance(task), split=split, reconfiguration=reconfiguration,
+                                  fetch_or_compute=args.fetch_or_compute)
     if "learned" in policies:
         for name, trace, *_ in plans:
             note = learned_training_note(trace.path, options.get("learned", {}))

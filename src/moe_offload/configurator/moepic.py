@@ -32,7 +32,8 @@ at K (line 171 bounds it; eq 10's product of marginals can pass it), a layer nev
 experts (theta <= 1 with C <= N) nor gives away its last zeta V_e (V_i > 0), and among cache sizes with
 equal m the smallest wins.
 
-"line n" is a line of the paper's text, ../shared/seeds/004_f24bbadb95ea7f91.txt.
+"line n" is a line of the plain text of paper 004 (Yan et al., "Accelerating Mixture-of-Expert
+Inference with Adaptive Expert Split Mechanism").
 """
 
 from __future__ import annotations

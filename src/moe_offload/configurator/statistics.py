@@ -1,6 +1,6 @@
 """The per-layer statistics MoEpic's cache configurator reads (paper 004, section 3.4.2, Algorithm 1 state).
 
-After q tokens, for every layer i (lines 160-170 of the paper's text, ../shared/seeds/004_f24bbadb95ea7f91.txt):
+After q tokens, for every layer i (section 3.4.2 of the paper):
 
 * H_i(C), the cache hit rate: the number of times the activated experts hit the cache of layer i when it
   holds C experts, divided by the q * K activated experts;

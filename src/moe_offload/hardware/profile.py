@@ -32,6 +32,17 @@ sheets)::
     bytes_per_param = 2
     slowdown_while_loading = 1.0   # optional: compute takes this many times longer while a transfer runs
 
+    [host]                     # optional: the CPU that computes the experts a placement leaves in host memory
+    # the same two forms as the GPU's experts: a roofline from the CPU's memory bandwidth and FLOPs,
+    flops_per_s = 2.5e12
+    memory_bandwidth_bytes_per_s = 83e9
+    expert_overhead_s = 20e-6
+    bytes_per_param = 2            # optional: the GPU's by default
+    # or a measured cost, expert = { fixed_s = ..., per_token_s = ... }
+
+A bypassed expert (simulator/cache.py: Admission) costs ``host.expert_seconds(tokens)``; without ``[host]``
+no policy or rule may bypass a miss. ``hardware measure`` measures the host's expert on the CPU.
+
 The two slowdowns describe a machine whose compute and transfers share something: on a CPU the data path reads
 and converts experts on the cores that compute, and its Python holds the interpreter's lock the decode needs.
 ``hardware measure`` measures both by decoding with experts streaming in the background; a GPU's copy engine
@@ -144,6 +155,20 @@ class ComputeModel:
 
 
 @dataclass(frozen=True)
+class HostCompute:
+    """The host CPU's time for one expert on the tokens routed to it, from the expert's copy in host memory:
+    a measured linear cost, or the CPU's roofline."""
+
+    expert: LinearCost | None = None
+    roofline: Roofline | None = None
+
+    def expert_seconds(self, tokens: int, expert_bytes: int) -> float:
+        if self.expert is not None:
+            return self.expert(tokens)
+        return self.roofline.expert_seconds(tokens, expert_bytes)
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     name: str
     description: str
@@ -152,6 +177,7 @@ class HardwareProfile:
     links: tuple[Link, ...]   # links[i - 1] carries tier i to tier i - 1
     compute: ComputeModel
     path: str = "<memory>"
+    host: HostCompute | None = None  # the CPU computing bypassed experts; None: nothing can be bypassed
 
     def link_from(self, tier_index: int) -> Link:
         """The link that carries experts out of tier ``tier_index`` (>= 1) into the next faster tier."""
@@ -224,8 +250,8 @@ class _Reader:
             self.fail(where, "missing" if value is None else f"must be a non-empty string, not {value!r}")
         return value
 
-    def linear(self, compute: dict, key: str) -> LinearCost:
-        where = f"compute.{key}"
+    def linear(self, compute: dict, key: str, table: str = "compute") -> LinearCost:
+        where = f"{table}.{key}"
         table = self.table(compute, key, where)
         unknown = set(table) - {"fixed_s", "per_token_s"}
         if unknown:
@@ -284,23 +310,34 @@ class _Reader:
         links = tuple(by_pair[t.name] for t in tiers[1:])
 
         compute = self.table(data, "compute", "compute")
-        if "expert" in compute:
-            expert, roofline = self.linear(compute, "expert"), None
-        else:
-            if "flops_per_s" not in compute and "memory_bandwidth_bytes_per_s" not in compute:
-                self.fail("compute.expert", "missing: give compute.expert = { fixed_s, per_token_s } or the "
-                                            "roofline keys flops_per_s and memory_bandwidth_bytes_per_s")
-            expert = None
-            roofline = Roofline(
-                self.rate(compute, "flops_per_s", "compute.flops_per_s"),
-                self.rate(compute, "memory_bandwidth_bytes_per_s", "compute.memory_bandwidth_bytes_per_s"),
-                self.seconds(compute, "expert_overhead_s", "compute.expert_overhead_s", default=0.0),
-                self.number(compute, "bytes_per_param", "compute.bytes_per_param", low=BYTES_PER_PARAM[0],
-                            high=BYTES_PER_PARAM[1], default=2.0))
+        expert, roofline = self.expert_cost(compute, "compute", 2.0)
+        host = None
+        if "host" in data:
+            table = self.table(data, "host", "host")
+            unknown = set(table) - {"expert", "flops_per_s", "memory_bandwidth_bytes_per_s", "expert_overhead_s",
+                                    "bytes_per_param"}
+            if unknown:
+                self.fail(f"host.{sorted(unknown)[0]}", "unknown key (the host has expert or the roofline keys)")
+            default_bytes = roofline.bytes_per_param if roofline is not None else 2.0
+            host = HostCompute(*self.expert_cost(table, "host", default_bytes))
         model = ComputeModel(attention=self.linear(compute, "attention"), router=self.linear(compute, "router"),
                              lm_head=self.linear(compute, "lm_head"), expert=expert, roofline=roofline,
                              slowdown_while_loading=self.number(compute, "slowdown_while_loading",
                                                                 "compute.slowdown_while_loading", low=1.0,
                                                                 high=MAX_SLOWDOWN, default=1.0))
         return HardwareProfile(name=name, description=description, sources=tuple(sources), tiers=tuple(tiers),
-                               links=links, compute=model, path=self.path)
+                               links=links, compute=model, path=self.path, host=host)
+
+    def expert_cost(self, table: dict, where: str, default_bytes_per_param: float):
+        """(linear cost, None) from ``where.expert``, or (None, roofline) from ``where``'s roofline keys."""
+        if "expert" in table:
+            return self.linear(table, "expert", where), None
+        if "flops_per_s" not in table and "memory_bandwidth_bytes_per_s" not in table:
+            self.fail(f"{where}.expert", f"missing: give {where}.expert = {{ fixed_s, per_token_s }} or the "
+                                         "roofline keys flops_per_s and memory_bandwidth_bytes_per_s")
+        return None, Roofline(
+            self.rate(table, "flops_per_s", f"{where}.flops_per_s"),
+            self.rate(table, "memory_bandwidth_bytes_per_s", f"{where}.memory_bandwidth_bytes_per_s"),
+            self.seconds(table, "expert_overhead_s", f"{where}.expert_overhead_s", default=0.0),
+            self.number(table, "bytes_per_param", f"{where}.bytes_per_param", low=BYTES_PER_PARAM[0],
+                        high=BYTES_PER_PARAM[1], default=default_bytes_per_param))

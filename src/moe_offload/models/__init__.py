@@ -7,20 +7,29 @@ from moe_offload.errors import ConfigError
 
 
 MODEL_STACK = ("torch", "transformers", "safetensors", "tokenizers", "xxhash")
+SERVE_STACK = ("fastapi", "uvicorn", "prometheus_client")  # the `serve` extra
 
 
-def require_model_stack(what: str, modules: tuple[str, ...] = MODEL_STACK) -> None:
+def require_model_stack(what: str, modules: tuple[str, ...] = MODEL_STACK, *, serving: bool = False) -> None:
     """Fail with one clear line when PyTorch, transformers or another of ``modules`` is missing, before any
-    work starts."""
-    missing = []
-    for module in modules:
-        try:
-            __import__(module)
-        except ImportError:
-            missing.append(module)
-    if missing:
-        raise ConfigError(f"{what} needs {', '.join(missing)}, which is not installed: "
-                          "pip install 'moe-offload[models]' (after `pip install torch==<version>` for a CPU build)")
+    work starts. ``serving``: the server's modules too, so that the line names every extra to install at once."""
+    wanted = {"models": modules, "serve": SERVE_STACK if serving else ()}
+    missing = {extra: [module for module in group if not _importable(module)] for extra, group in wanted.items()}
+    names = [module for group in missing.values() for module in group]
+    if not names:
+        return
+    extras = ",".join(extra for extra, group in missing.items() if group)
+    cpu_torch = " (after `pip install torch==<version>` for a CPU build)" if "torch" in names else ""
+    raise ConfigError(f"{what} needs {', '.join(names)}, which {'is' if len(names) == 1 else 'are'} not installed: "
+                      f"pip install 'moe-offload[{extras}]'{cpu_torch}")
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
 
 
 def quiet_transformers() -> None:

@@ -196,11 +196,16 @@ def load_model(directory: str | Path, dtype=None, experts_implementation: str = 
     from safetensors import SafetensorError
 
     try:
-        model = model_class.from_pretrained(directory, dtype=dtype or torch.float32,
-                                            experts_implementation=experts_implementation)
+        model, loading = model_class.from_pretrained(directory, dtype=dtype or torch.float32,
+                                                     experts_implementation=experts_implementation,
+                                                     output_loading_info=True)
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # a truncated file: SafetensorError
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         raise ConfigError(f"{directory}: the checkpoint cannot be loaded: {lines[0]}") from None
+    missing = sorted(loading["missing_keys"])
+    if missing:  # transformers fills a tensor the files lack with random values: another model
+        raise ConfigError(f"{directory}: the weight files lack {missing[0]}"
+                          + (f" and {len(missing) - 1} more tensor(s)" if len(missing) > 1 else ""))
     model.eval()
     raw = json.loads((Path(directory) / "config.json").read_text())
     return model, MoeAdapter(model, stored_dtype=raw.get("dtype") or raw.get("torch_dtype"))

@@ -36,8 +36,11 @@ that reference is from the unsplit model).
 
 from __future__ import annotations
 
+import functools
 from contextlib import closing
 from typing import Iterator, Protocol
+
+from moe_offload.models.host_experts import ON_HOST, HostInputs, host_expert_output
 
 IMPLEMENTATION = "moe_offload"
 
@@ -56,10 +59,11 @@ class ExpertSource(Protocol):
 
 def routing_plan(top_k_index, segment_starts=(0,)):
     """The layer's routing on the host, from one device-to-host copy of ``top_k_index`` [T, K] (the only
-    synchronisation of a layer): (needed experts ascending, tokens of each segment per expert, groups) where
-    ``groups[i]`` lists expert ``needed[i]``'s (token index, top-k position index) pairs of tensors, one pair
-    per segment it serves (segments start at ``segment_starts``), each in the order of the eager forward's
-    ``torch.where`` on the transposed mask (top-k position first, then token)."""
+    synchronisation of a layer): (needed experts ascending, tokens of each segment per expert, groups, host
+    tokens) where ``groups[i]`` lists expert ``needed[i]``'s (token index, top-k position index) pairs of tensors,
+    one pair per segment it serves (segments start at ``segment_starts``), each in the order of the eager
+    forward's ``torch.where`` on the transposed mask (top-k position first, then token); ``host_tokens[i]`` the
+    same token indices in CPU memory (the rows of an expert computed on the host, models/host_experts.py)."""
     import numpy as np
     import torch
 
@@ -71,10 +75,10 @@ def routing_plan(top_k_index, segment_starts=(0,)):
     order = np.lexsort((np.arange(flat.size), segment[np.arange(flat.size) % tokens], flat))
     expert_of, segment_of = flat[order], segment[order % tokens]
     bounds = np.flatnonzero(np.r_[True, (np.diff(expert_of) != 0) | (np.diff(segment_of) != 0), True])
-    index = torch.from_numpy(np.stack([order % tokens, order // tokens]))
+    host_index = index = torch.from_numpy(np.stack([order % tokens, order // tokens]))
     if top_k_index.device.type != "cpu":
         index = index.pin_memory().to(top_k_index.device, non_blocking=True)
-    needed, counts, groups = [], [], []
+    needed, counts, groups, host_tokens = [], [], [], []
     segments = len(segment_starts)
     for first, last in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
         expert = int(expert_of[first])
@@ -82,9 +86,11 @@ def routing_plan(top_k_index, segment_starts=(0,)):
             needed.append(expert)
             counts.append([0] * segments)
             groups.append([])
+            host_tokens.append([])
         counts[-1][int(segment_of[first])] = last - first
         groups[-1].append((index[0, first:last], index[1, first:last]))
-    return needed, counts, groups
+        host_tokens[-1].append(host_index[0, first:last])
+    return needed, counts, groups, host_tokens
 
 
 def split_parts(gate_up, down, rows: int) -> list[dict]:
@@ -140,17 +146,28 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         final = _one_token_each_forward(self, packed, hidden_states, top_k_index, top_k_weights)
         if final is not None:
             return final
-    needed, counts, groups = routing_plan(top_k_index, packed.segment_starts if packed is not None else (0,))
+    needed, counts, groups, host_tokens = routing_plan(top_k_index,
+                                                       packed.segment_starts if packed is not None else (0,))
     if packed is not None and not packed.exact:  # one product per expert over the whole pass
         groups = [[(torch.cat([t for t, _ in group]), torch.cat([p for _, p in group]))] if len(group) > 1 else group
                   for group in groups]
+        host_tokens = [[torch.cat(tokens)] if len(tokens) > 1 else tokens for tokens in host_tokens]
     arrivals = _arrivals(self, needed, counts)
     position = {expert: i for i, expert in enumerate(needed)}
     outputs, partials = {}, {}
+    inputs = HostInputs(hidden_states)
     with closing(arrivals):
         for expert, weights in arrivals:
             group = groups[position[expert]]
-            if len(group) == 1:
+            if weights.get(ON_HOST):
+                order = sorted(range(len(group)), key=lambda i: len(group[i][0]) > 1)  # as below
+                sizes = [len(group[i][0]) for i in order]
+                token_idx = torch.cat([group[i][0] for i in order])
+                top_k_pos = torch.cat([group[i][1] for i in order])
+                rows = torch.cat([host_tokens[position[expert]][i] for i in order])
+                product = F.linear if len(group) == 1 else functools.partial(_blocks, packed, sizes)
+                current = host_expert_output(self, inputs, rows, weights, product)
+            elif len(group) == 1:
                 token_idx, top_k_pos = group[0]
                 current = self._apply_gate(F.linear(hidden_states[token_idx], weights["gate_up_proj"]))
                 current = F.linear(current, weights["down_proj"])
@@ -173,6 +190,11 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return final_hidden_states
 
 
+def _blocks(packed, sizes, x, weight):
+    """A packed pass's products of ``x`` by ``weight``, segment by segment (runtime/packed.py)."""
+    return packed.blocks(x, sizes, weight)
+
+
 def _one_token_forward(self, hidden_states, top_k_index, top_k_weights):
     """Decode's common case, one token routed to K distinct experts: the same arithmetic as the general path
     (the same GEMMs on the same [1, H] row, the same products, the outputs added to zeros in ascending expert
@@ -186,10 +208,14 @@ def _one_token_forward(self, hidden_states, top_k_index, top_k_weights):
         return None
     position = {expert: p for p, expert in enumerate(chosen)}
     outputs, partials = {}, {}
+    inputs = HostInputs(hidden_states)
     with closing(_arrivals(self, needed, [[1]] * len(needed))) as arrivals:
         for expert, weights in arrivals:
-            current = self._apply_gate(F.linear(hidden_states, weights["gate_up_proj"]))
-            current = _whole(partials, expert, weights, F.linear(current, weights["down_proj"]))
+            if weights.get(ON_HOST):
+                current = host_expert_output(self, inputs, None, weights, F.linear)
+            else:
+                current = self._apply_gate(F.linear(hidden_states, weights["gate_up_proj"]))
+                current = _whole(partials, expert, weights, F.linear(current, weights["down_proj"]))
             if current is None:
                 continue
             p = position[expert]
@@ -231,11 +257,16 @@ def _one_token_each_forward(self, packed, hidden_states, top_k_index, top_k_weig
         return packed.blocks(x, [1] * len(x), weight) if packed.exact else F.linear(x, weight)
 
     outputs, partials = {}, {}
+    inputs = HostInputs(hidden_states)
+    host_rows = torch.from_numpy(order // k)  # token_idx in CPU memory
     with closing(_arrivals(self, needed, counts.tolist())) as arrivals:
         for expert, weights in arrivals:
             first, last = span[expert]
-            current = self._apply_gate(products(rows[first:last], weights["gate_up_proj"]))
-            current = _whole(partials, expert, weights, products(current, weights["down_proj"]))
+            if weights.get(ON_HOST):
+                current = host_expert_output(self, inputs, host_rows[first:last], weights, products)
+            else:
+                current = self._apply_gate(products(rows[first:last], weights["gate_up_proj"]))
+                current = _whole(partials, expert, weights, products(current, weights["down_proj"]))
             if current is None:
                 continue
             outputs[expert] = current * gate_weights[first:last, None]

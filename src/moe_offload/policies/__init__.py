@@ -13,17 +13,23 @@ from moe_offload.errors import ConfigError
 from moe_offload.policies.arc import ARC
 from moe_offload.policies.base import AccessContext, EvictionPolicy, ModelSpec, NoEvictableExpert
 from moe_offload.policies.belady import Belady
+from moe_offload.policies.decayed_lfu import DecayedLFU
 from moe_offload.policies.fifo import FIFO
 from moe_offload.policies.fmoe import FMoE
 from moe_offload.policies.lcp import LCP
 from moe_offload.policies.learned import LearnedEviction
 from moe_offload.policies.lecar import LeCaR
 from moe_offload.policies.lfu import LFU
+from moe_offload.policies.lifo import LIFO
 from moe_offload.policies.llru import LLRU
 from moe_offload.policies.lru import LRU
 from moe_offload.policies.marking import Marking
 from moe_offload.policies.moe_infinity import MoEInfinity
+from moe_offload.policies.neighbor_aware import NeighborAware
+from moe_offload.policies.pinned_lru import PinnedLRU
 from moe_offload.policies.random import RandomEviction
+from moe_offload.policies.static_freq import StaticFrequency
+from moe_offload.policies.static_layers import StaticLayers
 from moe_offload.values import check_option_names, integer
 
 
@@ -32,6 +38,7 @@ class PolicyInfo:
     name: str
     policy: type[EvictionPolicy]
     partitioned: bool = False  # cache split equally among layers, one policy instance per layer
+    partitioned_source: str = "paper 001 (the -Dist baselines)"  # who runs the policy on a split cache
 
     @property
     def summary(self) -> str:
@@ -41,7 +48,7 @@ class PolicyInfo:
 
     @property
     def source(self) -> str:
-        return "paper 001 (the -Dist baselines)" if self.partitioned else self.policy.source
+        return self.partitioned_source if self.partitioned else self.policy.source
 
     @property
     def offline(self) -> bool:
@@ -60,6 +67,10 @@ POLICIES: dict[str, PolicyInfo] = {
         PolicyInfo("marking-dist", Marking, partitioned=True),
         PolicyInfo("belady", Belady),
         PolicyInfo("belady-dist", Belady, partitioned=True),
+        PolicyInfo("lifo", LIFO),
+        PolicyInfo("neighbor-aware", NeighborAware),
+        PolicyInfo("lcp-dist", LCP, partitioned=True,
+                   partitioned_source="paper 004: LCP ranks the experts of each layer's own cache"),
         PolicyInfo("llru", LLRU),
         PolicyInfo("arc", ARC),
         PolicyInfo("lecar", LeCaR),
@@ -67,6 +78,10 @@ POLICIES: dict[str, PolicyInfo] = {
         PolicyInfo("fmoe", FMoE),
         PolicyInfo("lcp", LCP),
         PolicyInfo("learned", LearnedEviction),
+        PolicyInfo("lfu-decay", DecayedLFU),
+        PolicyInfo("pinned-lru", PinnedLRU),
+        PolicyInfo("static-freq", StaticFrequency),
+        PolicyInfo("static-layers", StaticLayers),
     )
 }
 

@@ -8,6 +8,11 @@ ranks. For each demand request the cache calls, in this order:
     policy.on_evict(key)                the victim (or any key the cache drops) left
     policy.on_insert(key, ctx)          the key became resident (ctx.prefetch tells a prefetch from a miss)
 
+A miss is not always loaded. Before it loads a missed key the cache asks ``policy.admit(key, ctx)``: False
+*bypasses* the miss (the expert is served from the tier that holds it, computed there, and not inserted;
+simulator/cache.py). A static placement names the experts resident before the first access with
+``policy.placement(slots, trace)``, which the driver loads through the cache's ``preload``.
+
 and, through the cache's ``end_request``, ``policy.on_request_end(request)`` once a request (sequence) has
 run its last iteration, so that per-sequence state (MoE-Infinity's EAMs) ends with it and stays bounded.
 
@@ -51,6 +56,10 @@ class AccessContext:
 
     clock       position of the current request in the access order (monotone). In the layered-paging
                 replay, request t has clock t and layer t % L.
+    round       the layered-paging round of the current request where it differs from clock // L, or None (the
+                replay). A timed access serves a whole pass of T tokens, which the replay flattens into T * K
+                rounds (trace/flatten.py: token-major, then rank); the pass's access of a key is in the round
+                of its first request there, so round * L + layer is the clock the replay gives that request.
     layer       the layer being served now.
     token       index of the token being served (the trace row), counting from 0.
     iteration   the forward pass (prefill or decode step) the token belongs to.
@@ -67,11 +76,12 @@ class AccessContext:
     prefetch    True while the cache inserts a prefetched expert rather than a demand miss.
     """
 
-    __slots__ = ("clock", "layer", "token", "iteration", "request", "routed", "next_use", "probs", "predicted",
-                 "pinned", "prefetch")
+    __slots__ = ("clock", "round", "layer", "token", "iteration", "request", "routed", "next_use", "probs",
+                 "predicted", "pinned", "prefetch")
 
     def __init__(self):
         self.clock = 0
+        self.round: int | None = None
         self.layer = 0
         self.token = 0
         self.iteration = 0
@@ -92,13 +102,23 @@ class EvictionPolicy:
     source: ClassVar[str]    # the paper (seed file) or reference the formula comes from
     offline: ClassVar[bool] = False       # reads ctx.next_use (knows the future)
     needs_probs: ClassVar[bool] = False   # reads ctx.probs or ctx.predicted
+    seeded: ClassVar[bool] = False        # draws random numbers from its seed: each seed is another run
+    needs_rounds: ClassVar[bool] = False  # reads ctx.round: a runtime taps the routing to count rounds
     # The replay's compiled twin of the hooks below, in the subset of Python that Numba compiles, or None
     # (simulator/kernels.py: its arguments and how it is compiled).
     replay_kernel: ClassVar[Callable | None] = None
+    # Whether ``admit`` may refuse a miss or ``placement`` place experts: the compiled kernels load every miss
+    # into an empty cache, so such a policy has no kernel and the replay runs its Python form.
+    places_or_bypasses: ClassVar[bool] = False
+    # A static placement: ``admit`` refuses every miss, so nothing is loaded (nor prefetched) after the start.
+    static: ClassVar[bool] = False
 
     def __init__(self, spec: ModelSpec, seed: int = 0):
         self.spec = spec
         self.cache_slots: int | None = None  # experts the cache holds when full; set by the cache (module doc)
+        # Residents this policy never offers as victims (pinned-lru's hot set): the cache counts them as
+        # pinned when it decides whether room can be made, so it waits rather than ask for a victim in vain.
+        self.fixed: frozenset = frozenset()
 
     def kernel_arguments(self) -> tuple[np.ndarray, np.ndarray]:
         """(floats, ints) that ``replay_kernel`` starts from, taken from this instance as constructed (its
@@ -120,6 +140,22 @@ class EvictionPolicy:
 
     def on_request_end(self, request) -> None:
         """Request ``request`` has run its last iteration: no access will carry it again."""
+
+    def admit(self, key: Hashable, ctx: AccessContext) -> bool:
+        """Whether the missed ``key`` is loaded into the fast tier (True, every dynamic policy) or bypassed:
+        served from the tier that holds it without being inserted."""
+        return True
+
+    @property
+    def in_hindsight(self) -> bool:
+        """Whether ``placement`` chooses from the run's own trace (it knows the future: not an online policy)."""
+        return False
+
+    def placement(self, slots: int, trace) -> list:
+        """The keys resident before the first access, at most ``slots`` of them (a static placement), chosen
+        from ``trace`` (the run's trace, for a placement made in hindsight) or the policy's own profile; none
+        for a dynamic policy, whose cache starts empty."""
+        return []
 
     @classmethod
     def run_factory(cls, spec: ModelSpec, seed: int = 0, **options) -> Callable[[], "EvictionPolicy"]:

@@ -54,6 +54,7 @@ FINAL_DISCOUNT = 0.005  # d^N: the regret of a key that spent N requests in a hi
 
 class LeCaR(EvictionPolicy):
     name = "lecar"
+    seeded = True
     summary = "evict LRU's or LFU's choice at random, weighted by regret when an evicted expert comes back"
     source = "Vietri et al., HotStorage 2018; a baseline of paper 003 (FlashMoE)"
 

@@ -22,6 +22,7 @@ from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 
 class Marking(EvictionPolicy):
     name = "marking"
+    seeded = True
     summary = "randomized marking: evict a random unmarked expert, unmark all when every one is marked"
     source = "paper 001 reference [13] (Fiat et al. 1991)"
 

@@ -1,7 +1,7 @@
 """MoE-Infinity's activation-aware cache replacement (paper 002, Algorithm 2).
 
 EAMs (section 4.2). The Expert Activation Matrix of a sequence counts, per layer l and expert j, the
-sequence's tokens routed to j: M[l][j], with sum_j M[l][j] = its tokens so far. An access carries its
+sequence's tokens routed to j: ``M[l][j]``, with ``sum_j M[l][j]`` = its tokens so far. An access carries its
 tokens by request (``ctx.routed``; the replay's None is one token of ``ctx.request``), so a prefill or a
 batched iteration counts every token of every sequence, and rows of several requests interleaved in a trace
 each go to their own sequence's EAM. A sequence's EAM starts empty with its first token (Algorithm 1,
@@ -59,7 +59,7 @@ class SequenceEAMs:
         self._last_clock = self._last_key = None  # the access counted last
 
     def eam(self, request) -> list:
-        """The EAM of ``request`` so far ([L][J] counts; zeros when it is not running)."""
+        """The EAM of ``request`` so far (``[L][J]`` counts; zeros when it is not running)."""
         eam = self.by_request.get(request)
         return eam if eam is not None else [[0] * self.num_experts for _ in range(self.num_layers)]
 
@@ -139,7 +139,7 @@ class MoEInfinity(EvictionPolicy):
         return lambda: cls(spec, seed=seed, shared=shared, **options)
 
     def priority(self, key, eam=None) -> float:
-        """Algorithm 2, steps 6-8, for one expert, with ``eam`` ([L][J] counts; default the running sum)."""
+        """Algorithm 2, steps 6-8, for one expert, with ``eam`` (``[L][J]`` counts; default the running sum)."""
         L, J = self.spec.num_layers, self.spec.num_experts
         layer, expert = divmod(key, J)
         if eam is None:

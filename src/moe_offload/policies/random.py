@@ -12,6 +12,7 @@ from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 
 class RandomEviction(EvictionPolicy):
     name = "random"
+    seeded = True
     summary = "evict a uniformly random resident expert (seeded)"
     source = "classic; the RND baseline of paper 004"
 

@@ -1,7 +1,7 @@
 """MoE-Infinity's Expert Activation Matrices (paper 002, section 4.2): the EAM of a sequence, the distance
 of equation (1), the EAM collection (EAMC) built by K-means, and the nearest-EAM search of Algorithm 1.
 
-An EAM M of a sequence is an [L, J] matrix: M[l][j] counts the sequence's tokens routed to expert j of
+An EAM M of a sequence is an [L, J] matrix: ``M[l][j]`` counts the sequence's tokens routed to expert j of
 layer l. Equation (1):
 
     distance(M1, M2) = 1 - 1/L * sum_l CosineSimilarity(M1[l] / sum M1[l], M2[l] / sum M2[l])
@@ -30,6 +30,8 @@ over all L rows of every EAM at every layer.
 from __future__ import annotations
 
 import numpy as np
+
+from moe_offload.inputs import check_memory
 
 from moe_offload.trace.format import Trace
 
@@ -62,6 +64,9 @@ def sequence_eams(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     """(request ids ascending, their EAMs [R, L, J]) over every token of every request of ``trace``."""
     L, J = trace.meta.num_layers, trace.meta.num_experts
     requests, inverse = np.unique(trace.request, return_inverse=True)
+    # the counts (int64) and, in build_eamc, their unit rows (float64) and the K-means products over them
+    check_memory(3 * requests.size * L * J * 8, trace.path, f"the EAMs of its {requests.size:,} requests "
+                                                             f"({L} layers x {J} experts each)")
     cell = (inverse.reshape(-1, 1, 1).astype(np.int64) * (L * J) + np.arange(L)[None, :, None] * J
             + trace.experts.astype(np.int64))
     counts = np.bincount(cell.reshape(-1), minlength=requests.size * L * J)

@@ -13,6 +13,31 @@ PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 _OFFLINE_STYLE = {"belady": dict(color="black", linestyle="--", linewidth=2),
                   "belady-dist": dict(color="dimgray", linestyle=":", linewidth=2)}
+# Seven markers against ten colours: 7 and 10 share no factor, so the first 70 curves each get a colour and
+# marker pair of their own, and two curves of one colour (the 1st and the 11th) differ in marker and dash.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+
+def curve_styles(names) -> dict[str, dict]:
+    """A distinct colour and marker pair for each of ``names`` (see _MARKERS), dashed from the 11th on."""
+    import matplotlib
+
+    colours = matplotlib.colormaps["tab10"]
+    return {name: dict(color=colours(i % 10), marker=_MARKERS[i % len(_MARKERS)],
+                       linestyle="-" if i < 10 else "--") for i, name in enumerate(names)}
+
+
+def coinciding_labels(curves: dict[str, tuple]) -> dict[str, str]:
+    """Legend labels that say which curves are drawn over each other: ``curves`` maps a name to its points
+    (equal tuples: the same line), and a name whose points another curve also has becomes "lfu (= fmoe)"."""
+    same: dict[tuple, list[str]] = defaultdict(list)
+    for name, points in curves.items():
+        same[points].append(name)
+    labels = {}
+    for name, points in curves.items():
+        others = [other for other in same[points] if other != name]
+        labels[name] = f"{name} (= {', '.join(others)})" if others else name
+    return labels
 
 
 def plot_misses(results: list[RunResult], path, title: str | None = None) -> Path:
@@ -23,22 +48,20 @@ def plot_misses(results: list[RunResult], path, title: str | None = None) -> Pat
     for result in results:
         by_trace[result.trace].append(result)
     fig, axes = plt.subplots(len(by_trace), 2, figsize=(13, 4.8 * len(by_trace)), squeeze=False)
-    cmap = plt.get_cmap("tab10")
     policies = list(dict.fromkeys(r.policy for r in results))
-    online = [p for p in policies if p not in _OFFLINE_STYLE]
-    # ten colours, then the same colours dashed: every online policy stays distinguishable
-    styles = {p: dict(color=cmap(i % 10), linestyle="-" if i < 10 else "--", linewidth=1.4, marker=".",
-                      markersize=4) for i, p in enumerate(online)}
+    styles = curve_styles([p for p in policies if p not in _OFFLINE_STYLE])
     for row, (trace, rows) in enumerate(by_trace.items()):
         left, right = axes[row]
-        for policy in policies:
-            points = sorted((r.cache_size, r.misses, r.misses_vs_opt) for r in rows if r.policy == policy)
-            if not points:
-                continue
+        curves = {policy: tuple(sorted((r.cache_size, r.misses, r.misses_vs_opt) for r in rows
+                                       if r.policy == policy)) for policy in policies}
+        curves = {policy: points for policy, points in curves.items() if points}
+        labels = coinciding_labels(curves)
+        for policy, points in curves.items():
             sizes, misses, ratio = zip(*points)
-            style = _OFFLINE_STYLE.get(policy) or styles[policy]
-            left.plot(sizes, misses, label=policy, **style)
-            right.plot(sizes, [r if r is not None else float("nan") for r in ratio], label=policy, **style)
+            style = _OFFLINE_STYLE.get(policy) or dict(styles[policy], linewidth=1.4, markersize=4)
+            left.plot(sizes, misses, label=labels[policy], **style)
+            right.plot(sizes, [r if r is not None else float("nan") for r in ratio], label=labels[policy],
+                       **style)
         left.set_xlabel("cache size k (experts)")
         left.set_ylabel("faults (misses)")
         left.set_title(f"{Path(trace).name}: misses vs cache size")
@@ -82,24 +105,26 @@ def plot_latency_cdf(results: list[RunResult], path) -> Path:
     import numpy as np
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    from moe_offload.reporting.tables import run_label
-
     plt = _pyplot()
     by_trace: dict[str, list[RunResult]] = defaultdict(list)
     for result in results:
         by_trace[result.trace].append(result)
     fig, axes = plt.subplots(len(by_trace), 2, figsize=(13, 4.6 * len(by_trace)), squeeze=False)
-    cmap = plt.get_cmap("tab10")
     for row, (trace, rows) in enumerate(by_trace.items()):
         tokens, first = axes[row]
-        for i, r in enumerate(rows):
+        names = [cdf_label(r) for r in rows]
+        styles = curve_styles([name for name, r in zip(names, rows) if r.policy != "all-resident"])
+        labels = coinciding_labels({name: (tuple(r.token_latency_seconds or ()), tuple(r.request_ttft_seconds or ()))
+                                    for name, r in zip(names, rows)})
+        for name, r in zip(names, rows):
             style = dict(color="black", linestyle="--") if r.policy == "all-resident" else dict(
-                color=cmap(i % 10), linestyle=":" if r.prefetcher == "oracle" else "-")
+                styles[name], linestyle=":" if r.prefetcher == "oracle" else styles[name]["linestyle"])
             for ax, values in ((tokens, r.token_latency_seconds), (first, r.request_ttft_seconds)):
                 if values:
                     ms = np.sort(np.asarray(values)) * 1e3
                     ax.step(np.concatenate([[ms[0]], ms]), np.arange(ms.size + 1) / ms.size, where="post",
-                            label=run_label(r), linewidth=1.5, **style)
+                            label=labels[name], linewidth=1.5, markevery=max(1, ms.size // 8), markersize=4,
+                            **style)
         tokens.set_xlabel("token latency (ms)")
         tokens.set_title(f"{Path(trace).name}: output tokens after the first")
         first.set_xlabel("time to first token (ms)")
@@ -120,9 +145,20 @@ _COMPUTE_COLOURS = {"attention": "tab:green", "router": "tab:olive", "expert": "
 _TRANSFER_COLOURS = {"demand": "tab:red", "prefetch": "tab:cyan", "search": "tab:brown"}
 
 
+def cdf_label(result: RunResult) -> str:
+    """A timed run's name with its cache (several cache sizes share a plot): "lru, no prefetch, 32 experts
+    (1.5 GiB)"; the all-resident bound has none."""
+    from moe_offload.reporting.tables import binary_bytes, run_label
+
+    if result.policy == "all-resident" or result.cache_bytes is None:
+        return run_label(result)
+    return f"{run_label(result)}, {result.cache_size} experts ({binary_bytes(result.cache_bytes)})"
+
+
 def plot_timeline(results: list[RunResult], path) -> Path:
     """One panel per timed run: the iteration its ``timeline`` holds, lane by lane (compute by kind, stalls,
-    each link's demand loads and prefetches, the prefetcher's matcher), with the start of every layer."""
+    each link's demand loads and prefetches, the host's experts, the prefetcher's matcher), with the start of
+    every layer."""
     from matplotlib.patches import Patch
 
     from moe_offload.reporting.tables import run_label
@@ -140,6 +176,8 @@ def plot_timeline(results: list[RunResult], path) -> Path:
                 colour = _COMPUTE_COLOURS[event["kind"]]
             elif event["lane"] == "stall":
                 colour = "tab:orange"
+            elif event["lane"] == "host":  # an expert the host computes (a bypassed miss)
+                colour = "tab:purple"
             else:
                 colour = _TRANSFER_COLOURS[event["kind"]]
             # transfers and stalls come in runs of equal bars: a thin white edge tells them apart
@@ -160,6 +198,8 @@ def plot_timeline(results: list[RunResult], path) -> Path:
     legend = [Patch(color=c, label=k) for k, c in _COMPUTE_COLOURS.items()]
     legend += [Patch(color="tab:orange", label="stall"), Patch(color="tab:red", label="demand load"),
                Patch(color="tab:cyan", label="prefetch")]
+    if any("host" in r.timeline["lanes"] for r in shown):
+        legend.append(Patch(color="tab:purple", label="host expert"))
     fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     return _save(fig, path)

@@ -9,11 +9,14 @@ from dataclasses import asdict, dataclass, field
 class RunResult:
     """Outcome of one run (one policy at one cache size on one trace).
 
-    Counts are of expert requests. Fields a driver cannot measure stay None (the replay simulator has no
-    clock, so no stall time or latency). The timed simulator (moe_offload.simulator.timed) fills the rest:
-    its hits are experts resident in the fast tier when the router asks for them, its misses the others,
-    of which ``on_demand_loads`` needed a demand transfer (the rest were already on the wire as a prefetch);
-    prefetches issued are prefetch transfers into the GPU, used when requested before being evicted.
+    Counts are of expert requests: hits + misses + bypassed = accesses. A miss is loaded into the fast tier; a
+    bypassed request is served (computed) in the tier that holds the expert, without loading it
+    (simulator/cache.py: Admission); ``bypassed`` is None for a driver without admission. Fields a driver
+    cannot measure stay None (the replay simulator has no clock, so no stall time or latency). The timed
+    simulator (moe_offload.simulator.timed) fills the rest: its hits are experts resident in the fast tier
+    when the router asks for them, its misses the others, of which ``on_demand_loads`` needed a demand
+    transfer (the rest were already on the wire as a prefetch); prefetches issued are prefetch transfers into
+    the GPU, used when requested before being evicted.
     Latencies are in seconds; percentiles are over requests."""
 
     trace: str
@@ -24,6 +27,11 @@ class RunResult:
     misses: int
     per_layer_accesses: list[int] = field(default_factory=list)
     per_layer_hits: list[int] = field(default_factory=list)
+    bypassed: int | None = None                # misses served where the expert lives, not loaded
+    per_layer_bypassed: list[int] | None = None
+    host_compute_seconds: float | None = None  # timed: the host's compute of the bypassed experts
+    admission: str | None = None               # the driver's admission rule, if any ("fetch-or-compute")
+    in_hindsight: bool = False                 # a placement chosen from the run's own trace: not online
     opt_misses: int | None = None   # Belady OPT on the same sequence and cache size
     bytes_loaded: int | None = None  # misses x expert size, when the trace gives the size
     prefetches_issued: int | None = None
@@ -56,11 +64,17 @@ class RunResult:
         return self.hits / self.accesses if self.accesses else 0.0
 
     @property
+    def fast_misses(self) -> int:
+        """Requests the fast tier did not serve: the misses, loaded or bypassed (what OPT's misses compare to)."""
+        return self.misses + (self.bypassed or 0)
+
+    @property
     def misses_vs_opt(self) -> float | None:
-        """misses / OPT misses: 1.0 is optimal."""
+        """(misses + bypassed) / OPT misses: 1.0 is optimal."""
         if self.opt_misses is None:
             return None
-        return self.misses / self.opt_misses if self.opt_misses else (1.0 if self.misses == 0 else float("inf"))
+        missed = self.fast_misses
+        return missed / self.opt_misses if self.opt_misses else (1.0 if missed == 0 else float("inf"))
 
     @property
     def per_layer_hit_rate(self) -> list[float]:

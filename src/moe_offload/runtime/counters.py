@@ -10,7 +10,9 @@ class Counters:
     accesses: int = 0
     hits: int = 0
     on_demand_loads: int = 0
-    host_hits: int = 0  # demand loads that found the expert in the host tier
+    host_hits: int = 0  # demand loads and bypasses that found the expert in the host tier
+    bypassed: int = 0   # misses the fast tier did not admit: computed on the host (models/host_experts.py)
+    host_compute_seconds: float = 0.0  # the compute thread computing bypassed experts
     prefetches_issued: int = 0
     prefetches_used: int = 0
     prefetches_wasted: int = 0
@@ -18,13 +20,14 @@ class Counters:
     per_layer_accesses: list = field(default_factory=list)
     per_layer_hits: list = field(default_factory=list)
     per_layer_stall_seconds: list = field(default_factory=list)
+    per_layer_bypassed: list = field(default_factory=list)
     bytes_per_link: dict = field(default_factory=dict)
     link_busy_seconds: dict = field(default_factory=dict)  # link -> seconds a transfer was on it
 
     @classmethod
     def zero(cls, num_layers: int) -> "Counters":
         return cls(per_layer_accesses=[0] * num_layers, per_layer_hits=[0] * num_layers,
-                   per_layer_stall_seconds=[0.0] * num_layers)
+                   per_layer_stall_seconds=[0.0] * num_layers, per_layer_bypassed=[0] * num_layers)
 
     def reset(self) -> None:
         """Zero every count in place (the data path and the runner keep a reference to this object)."""
@@ -46,7 +49,8 @@ class Counters:
                 setattr(out, name, value - old)
         return out
 
-    def count_access(self, layer: int, hit: bool, demand: bool, prefetch_used: bool, from_host: bool) -> None:
+    def count_access(self, layer: int, hit: bool, demand: bool, prefetch_used: bool, from_host: bool,
+                     bypassed: bool = False) -> None:
         """One expert access of one request (the runner's per-request counters)."""
         self.host_hits += from_host
         self.accesses += 1
@@ -54,6 +58,9 @@ class Counters:
         if hit:
             self.hits += 1
             self.per_layer_hits[layer] += 1
+        elif bypassed:
+            self.bypassed += 1
+            self.per_layer_bypassed[layer] += 1
         elif demand:
             self.on_demand_loads += 1
         if prefetch_used:

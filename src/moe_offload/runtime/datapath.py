@@ -65,6 +65,7 @@ class DataPath:
         self.predicted: set[int] = set()  # resident in the fast tier, proposed since their layer was routed
         self.layer_now = -1                # the last routed layer of the running forward pass
         self.reading_from: list[set] = [set() for _ in tiers]  # keys being copied out of each tier now
+        self.on_host: set[int] = set()  # bypassed experts the layer computes from the host tier's copy
         tiers[0].cache.on_evict = self._on_fast_evict
         for tier in tiers[1:]:
             tier.cache.on_evict = tier.vacate
@@ -92,8 +93,23 @@ class DataPath:
             return worker.queue.demand(key, nbytes)
         return worker.queue.propose(key, priority, nbytes)
 
+    def compute_on_host(self, key: int) -> None:
+        """The fast tier did not admit the missed ``key``: the layer computes it from the host tier's copy, read
+        from the files into the host tier first when it is not there (and no further). The copy stays in the
+        host tier until :meth:`computed_on_host`."""
+        self.on_host.add(key)
+        if key not in self.tiers[-1].cache:
+            self.route(key, demand=True, priority=math.inf)
+            self.cond.notify_all()
+
+    def computed_on_host(self, key: int) -> None:
+        self.on_host.discard(key)
+
     def next_hop(self, key: int, landed_in: int, demand: bool) -> None:
         if landed_in == 0:
+            return
+        if key in self.on_host:  # a bypassed expert, computed where it landed
+            self.forward.pop(key, None)
             return
         demand_next, priority = self.forward.pop(key, (demand, 0.0))
         if key in self.tiers[0].cache:
@@ -196,7 +212,7 @@ class LinkWorker(threading.Thread):
         path, ctx = self.path, self.path.ctx
         if self.destination > 0:
             upstream = path.workers[self.destination - 1].queue
-            ctx.pinned = path.reading_from[self.destination] | (
+            ctx.pinned = path.reading_from[self.destination] | path.on_host | (
                 set(upstream.waiting_demands()) if transfer.demand else upstream.waiting())
         ctx.prefetch = self.destination == 0 and not transfer.demand  # held until used (cache.py)
         protect = predicted_no_later_than(path.predicted, transfer.key, path.layer_now, path.spec.num_experts,

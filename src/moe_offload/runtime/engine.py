@@ -51,8 +51,10 @@ from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.cpu_threads import single_threaded
 from moe_offload.runtime.packing import Manifest, load_skeleton, read_manifest
+from moe_offload.runtime.placement import host_keys, placement_keys, placing_host_budget
 from moe_offload.runtime.runner import ModelRunner
 from moe_offload.runtime.storage import ExpertStore
+from moe_offload.runtime.streaming import TimingStreamer
 from moe_offload.runtime.tiers import SlotPool, Tier
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
 
@@ -105,7 +107,9 @@ class OffloadEngine:
     SplitConfig) whose cached tops and buffer of top-k experts must fit in ``fast_budget``; the result is the
     all-resident model's computing with the same split. ``reconfiguration``: MoEpic's online loop
     (``Reconfiguration(every=tau)``, runtime/split_online.py) with the timings of ``hardware`` (a profile's
-    name or file; default desktop-rtx4090), from ``split_config`` or the uniform start on ``fast_budget``."""
+    name or file; default desktop-rtx4090), from ``split_config`` or the uniform start on ``fast_budget``.
+    Without a split the prefetcher gets the budget of ``hardware``'s link into the fast tier, as the timed
+    simulator gives it (MoEpic's Y: the loads that fit in a layer's window)."""
 
     def __init__(self, packed_dir, *, fast_budget="50%", host_budget=None, policy: str = "lru",
                  policy_options: dict | None = None, prefetch: str | None = None,
@@ -145,7 +149,11 @@ class OffloadEngine:
             fast_budget_bytes = values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget")
             fast_slots = self._slots(fast_budget_bytes, self.compute_expert_bytes)
             split, online = self._read_split(split_config, preload, reconfiguration, hardware, fast_budget_bytes)
-            if fast_slots < m.top_k and split is None:
+            self.places = info.policy.places_or_bypasses  # computes bypassed experts on the host
+            if self.places:
+                host_budget = placing_host_budget(info, policy_options, host_budget, replay is not None,
+                                                  split is not None, prefetch)
+            if fast_slots < m.top_k and split is None and not info.policy.static:  # static: the rest on the host
                 raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
                                   f"({format_bytes(m.top_k * self.compute_expert_bytes)}, "
                                   f"{format_bytes(self.compute_expert_bytes)} each)")
@@ -156,6 +164,9 @@ class OffloadEngine:
                 if host_slots < 1:
                     raise ConfigError(f"host budget {host_budget} cannot hold one expert "
                                       f"({format_bytes(m.expert_bytes)})")
+                if self.places and host_slots < m.top_k:  # a layer's bypassed experts are in the host tier at once
+                    raise ConfigError(f"host budget {host_budget} cannot hold a layer's top-{m.top_k} experts "
+                                      f"({format_bytes(m.expert_bytes)} each), which {policy!r} computes there")
             self.replay_trace = self._read_replay(replay)
             self.prefetcher = self._make_prefetcher(prefetch, prefetch_options, prefetch_history)
             self.policy_name, self.prefetch_name = policy, prefetch
@@ -176,6 +187,8 @@ class OffloadEngine:
             else:
                 self.tiers = self._make_tiers(info.partitioned, make, fast_slots, host_slots)
                 self.path = DataPath(self.tiers, self.store, self.counters, self.spec)
+                if self.prefetcher is not None:
+                    self.prefetcher.set_budget(self._link_budget(hardware))
             self.replay = None
             if self.replay_trace is not None:
                 from moe_offload.runtime.replay import RoutingReplay
@@ -188,13 +201,14 @@ class OffloadEngine:
                 runner = functools.partial(SplitRunner, online=online)
             self.runner = runner(self.model, self.adapter, self.spec, self.path, self.counters,
                                       prefetcher=self.prefetcher, policy_needs_probs=info.policy.needs_probs,
+                                      policy_needs_rounds=info.policy.needs_rounds,
                                       replay=self.replay, source=f"live generation with {m.directory}",
                                       matcher=matcher)
             self.runner.install()
             self._generate_lock = threading.Lock()
             self.max_batch, self.batch_math = max_batch, batch_math
             self._scheduler = None
-            self.preload_seconds = self._preload() if preload else 0.0
+            self.preload_seconds = self._preload() if preload or self.places else 0.0
 
     # ------------------------------------------------------------------------------------------ set-up
     def _make_tiers(self, partitioned: bool, make, fast_slots: int, host_slots: int) -> list[Tier]:
@@ -220,8 +234,6 @@ class OffloadEngine:
         """((configuration, its name), its online loop or None) of a split run, checked against the model; (None,
         None) without one."""
         if split_config is None and reconfiguration is None:
-            if hardware is not None:
-                raise ConfigError("hardware is the online configuration's: give a reconfiguration")
             return None, None
         from moe_offload.runtime.split_online import split_plan
 
@@ -231,6 +243,17 @@ class OffloadEngine:
             raise ConfigError(f"{source}: the split runtime loads into the tops and the buffer as experts are needed; "
                               "it does not preload yet")
         return (config, source), online
+
+    def _link_budget(self, hardware):
+        """What the link into the fast tier carries per layer on ``hardware`` (a profile, its name or file; default
+        the timed simulator's), for the stored experts the link moves: the budget ``simulate --timed`` gives the
+        prefetcher on the same profile (prefetch/budget.py), so MoEpic's Y is the same in both."""
+        from moe_offload.hardware import HardwareProfile, resolve_profile
+        from moe_offload.prefetch.budget import budget_from_hardware
+
+        profile = hardware if isinstance(hardware, HardwareProfile) else resolve_profile(hardware)
+        m = self.manifest
+        return budget_from_hardware(profile, m.expert_bytes, m.num_layers, m.top_k)
 
     def _slots(self, budget_bytes: int, slot_bytes: int) -> int:
         return min(budget_bytes // slot_bytes, self.spec.num_layers * self.spec.num_experts)
@@ -268,17 +291,29 @@ class OffloadEngine:
         return prefetcher
 
     def _preload(self) -> float:
-        """Fill the fast tier before the first token (the all-resident baseline): load experts in key order
-        while they fit."""
+        """Fill the fast tier before the first token: a placing policy's placement (policies/base.py, chosen
+        from its profile or, in hindsight, the replayed trace) and the host tier with the other experts while
+        they fit (runtime/placement.py), otherwise experts in key order while they fit (the all-resident
+        baseline)."""
         started = time.perf_counter()
         path = self.path
+        host_only = []
+        if self.places:
+            keys = placement_keys(self.tiers[0].cache, self.compute_expert_bytes, self.replay_trace)
+            host_only = host_keys(keys, self.spec, self.tiers[-1].pool.slots)
+        else:
+            keys = range(self.tiers[0].pool.slots)
         with path.cond:
-            for key in range(self.tiers[0].pool.slots):
+            for key in host_only:  # into the host tier and no further, as a bypassed expert is loaded
+                path.compute_on_host(key)
+            for key in keys:
                 path.route(key, demand=True, priority=float("inf"))
             path.cond.notify_all()
             while path.busy() and path.failure is None:
                 path.cond.wait()
             path.raise_failure()
+            for key in host_only:
+                path.computed_on_host(key)
         self.counters.reset()
         path.prefetched_unused.clear()
         return time.perf_counter() - started
@@ -425,7 +460,10 @@ class OffloadEngine:
             trace=f"runtime:{self.manifest.directory.name}", policy=self.policy_name,
             cache_size=sum(self.split.cached_experts) if self.split else self.tiers[0].pool.slots,
             accesses=c.accesses,
-            hits=c.hits, misses=c.accesses - c.hits, per_layer_accesses=list(c.per_layer_accesses),
+            hits=c.hits, misses=c.accesses - c.hits - c.bypassed, per_layer_accesses=list(c.per_layer_accesses),
+            bypassed=c.bypassed if self.places else None,
+            per_layer_bypassed=list(c.per_layer_bypassed) if self.places else None,
+            host_compute_seconds=c.host_compute_seconds if self.places else None,
             per_layer_hits=list(c.per_layer_hits), prefetches_issued=c.prefetches_issued if prefetching else None,
             prefetches_used=c.prefetches_used if prefetching else None,
             prefetches_wasted=c.prefetches_wasted if prefetching else None, stall_seconds=c.stall_seconds,
@@ -434,7 +472,7 @@ class OffloadEngine:
             cache_bytes=self.split.memory_bytes if self.split else self.tiers[0].cache.capacity,
             on_demand_loads=c.on_demand_loads,
             bytes_per_link=dict(c.bytes_per_link),
-            tier_requests={"fast": c.accesses, **({"host": c.on_demand_loads} if self._has_host else {})},
+            tier_requests={"fast": c.accesses, **({"host": c.on_demand_loads + c.bypassed} if self._has_host else {})},
             tier_hits={"fast": c.hits, **({"host": c.host_hits} if self._has_host else {})},
             bytes_loaded=sum(v for k, v in c.bytes_per_link.items() if k.endswith("->fast")))
 
@@ -471,33 +509,3 @@ class OffloadEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class TimingStreamer:
-    """transformers' streamer protocol: records when each generated token appears, forwards text."""
-
-    def __init__(self, tokenizer, on_text):
-        self.tokenizer, self.on_text = tokenizer, on_text
-        self.prompt_seen = False
-        self.token_times: list[float] = []
-        self._tokens: list[int] = []
-        self._printed = 0
-
-    def put(self, value) -> None:
-        if not self.prompt_seen:  # the first call carries the prompt
-            self.prompt_seen = True
-            return
-        self.token_times.append(time.perf_counter())
-        if self.on_text is not None:
-            self._tokens.extend(value.reshape(-1).tolist())
-            text = self.tokenizer.decode(self._tokens, skip_special_tokens=True)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                self.on_text(text[self._printed:])
-                self._printed = len(text)
-
-    def end(self) -> None:
-        if self.on_text is not None:
-            text = self.tokenizer.decode(self._tokens, skip_special_tokens=True)
-            if len(text) > self._printed:
-                self.on_text(text[self._printed:])
-                self._printed = len(text)

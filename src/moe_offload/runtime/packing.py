@@ -32,11 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_offload.errors import ConfigError, MoeOffloadError
+from moe_offload.inputs import check_input, missing, parse_json, read_text
+from moe_offload.runtime.pack_seal import (ALIGNMENT, FILES_KEY, SEAL_KEY, check_copied_files, check_inside,
+                                           check_layout, check_seal, file_sha256, layer_file, seal_of)
 
 MANIFEST = "moe-offload-pack.json"
 NON_EXPERTS = "non-experts.safetensors"
-FORMAT_VERSION = 2
-ALIGNMENT = 4096               # expert regions start on page boundaries (O_DIRECT-ready, whole pages per read)
+FORMAT_VERSION = 3  # 3: the manifest is sealed (runtime/pack_seal.py)
 # One checksum per 8 MiB: a reader verifies and converts its chunk while it is still in cache, and each chunk
 # costs the reader pool some Python (a task, the calls around preadv and the hash) that holds the GIL the
 # decode thread needs: with 1 MiB chunks, on an H100 (wide model, 48 MiB experts), the link moved 4.5 GB/s and
@@ -119,14 +121,6 @@ def expert_parameter_names(adapter) -> set[str]:
     return names
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def pack_model(model_dir, out_dir, on_expert=None) -> Manifest:
     """Split the checkpoint in ``model_dir`` into ``out_dir`` (see the module docstring). ``out_dir`` is checked
     before any work (it must not exist, or be an empty directory, in a writable folder) and written atomically:
@@ -135,16 +129,18 @@ def pack_model(model_dir, out_dir, on_expert=None) -> Manifest:
 
     from moe_offload.models.adapters import load_model, read_config
     from moe_offload.outputs import atomic_directory, check_output
+    from moe_offload.runtime.checkpoint_checks import check_checkpoint_files, check_loaded_weights
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_output(out_dir, inputs=[model_dir], directory=True, what="packed model")
+    raw = check_checkpoint_files(model_dir)  # before transformers reads a file (runtime/checkpoint_checks.py)
     config = read_config(model_dir)
-    raw = json.loads((model_dir / "config.json").read_text())
     stored = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    dtype = getattr(torch, stored, None)
+    dtype = getattr(torch, stored, None) if isinstance(stored, str) else None
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"{model_dir / 'config.json'}: unknown dtype {stored!r}")
     model, adapter = load_model(model_dir, dtype=dtype)
+    check_loaded_weights(model)
     with atomic_directory(out_dir) as staging:
         _write_pack(model, adapter, config, stored, model_dir, staging, on_expert)
     return read_manifest(out_dir)
@@ -152,6 +148,7 @@ def pack_model(model_dir, out_dir, on_expert=None) -> Manifest:
 
 def _write_pack(model, adapter, config, stored: str, model_dir: Path, out_dir: Path, on_expert) -> None:
     import torch
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     (out_dir / "experts").mkdir()
@@ -166,7 +163,10 @@ def _write_pack(model, adapter, config, stored: str, model_dir: Path, out_dir: P
             continue
         seen[key] = name
         non_experts[name] = tensor.contiguous()
-    save_file(non_experts, out_dir / NON_EXPERTS, metadata={"format": "pt"})
+    try:
+        save_file(non_experts, out_dir / NON_EXPERTS, metadata={"format": "pt"})
+    except SafetensorError as exc:  # its error for a failed write (a full disk): an OSError for atomic_directory
+        raise OSError(str(exc)) from None
 
     first = adapter.expert_tensors(0, 0)
     tensors, offset = [], 0
@@ -178,7 +178,7 @@ def _write_pack(model, adapter, config, stored: str, model_dir: Path, out_dir: P
     stride = -(-expert_bytes // ALIGNMENT) * ALIGNMENT
     layers, experts = [], []
     for layer in range(adapter.num_layers):
-        path = out_dir / "experts" / f"layer{layer:03d}.bin"
+        path = out_dir / layer_file(layer)
         with open(path, "wb") as handle:
             for expert in range(adapter.num_experts):
                 parts = adapter.expert_tensors(layer, expert)
@@ -192,33 +192,63 @@ def _write_pack(model, adapter, config, stored: str, model_dir: Path, out_dir: P
                 if on_expert:
                     on_expert()
         layers.append({"file": path.relative_to(out_dir).as_posix(), "bytes": path.stat().st_size})
+    copied = {}
     for name in ("config.json", *TOKENIZER_FILES):
         if (model_dir / name).is_file():
             shutil.copy2(model_dir / name, out_dir / name)
+            copied[name] = file_sha256(out_dir / name)
     manifest = {
         "format_version": FORMAT_VERSION, "model_type": config.model_type, "source": str(model_dir.resolve()),
         "num_layers": adapter.num_layers, "num_experts": adapter.num_experts, "top_k": adapter.top_k,
         "hidden_size": adapter.hidden_size, "dtype": stored, "expert_bytes": expert_bytes,
         "max_position_embeddings": getattr(config, "max_position_embeddings", None),
         "decoder_layers": adapter.decoder_layers, "tied": tied,
-        "non_experts": {"file": NON_EXPERTS, "sha256": _sha256(out_dir / NON_EXPERTS)},
+        "non_experts": {"file": NON_EXPERTS, "sha256": file_sha256(out_dir / NON_EXPERTS)},
         "expert_tensors": tensors, "chunk_bytes": CHUNK_BYTES, "layers": layers, "experts": experts,
+        FILES_KEY: copied,
     }
+    manifest[SEAL_KEY] = seal_of(manifest)
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
 
 
 def read_manifest(directory, check_files: bool = True) -> Manifest:
-    """The manifest of a packed directory; with ``check_files``, every layer file must exist with the
-    manifest's size (a cheap stat each, so a missing or truncated file is reported at start-up)."""
+    """The manifest of a packed directory, checked against its seal and the pack layout (runtime/pack_seal.py);
+    with ``check_files``, every file of the pack must be a readable file inside the directory, the layer files
+    of the manifest's sizes (a cheap stat each, so a missing or truncated file is reported at start-up) and the
+    copied files (config, tokenizer) of their digests."""
     directory = Path(directory)
     path = directory / MANIFEST
-    if not path.is_file():
+    if missing(path):
         raise PackError(f"{path}: missing; is {directory} a directory written by `moe-offload pack`?")
+    data = parse_json(read_text(path, "pack manifest", PackError), path, "pack manifest", PackError)
+    if not isinstance(data, dict):
+        raise PackError(f"{path}: a pack manifest is a JSON object, not {type(data).__name__}")
+    if data.get("format_version") != FORMAT_VERSION:
+        raise PackError(f"{path}: format version {data.get('format_version')!r}, this release reads "
+                        f"{FORMAT_VERSION}: pack the model again (`moe-offload pack`)")
+    check_seal(data, path, PackError)
+    manifest = _manifest(data, directory, path)
+    if check_files:
+        for layer, (name, nbytes) in enumerate(manifest.layer_files):
+            file = check_inside(directory, name, path, PackError)
+            if missing(file):
+                raise PackError(f"experts of layer {layer}: {file}: missing")
+            check_input(file, "layer file", PackError)
+            size = file.stat().st_size
+            if size != nbytes:
+                raise PackError(f"experts of layer {layer}: {file}: {size} bytes, the manifest says {nbytes} "
+                                "(truncated or replaced)")
+        check_input(check_inside(directory, NON_EXPERTS, path, PackError), "non-expert weight file", PackError)
+        check_copied_files(data, directory, path, PackError)
+    return manifest
+
+
+def _manifest(data: dict, directory: Path, path: Path) -> Manifest:
+    """The Manifest the sealed document ``data`` describes, once its layout is the pack's (pack_seal.py)."""
     try:
-        data = json.loads(path.read_text())
-        if data.get("format_version") != FORMAT_VERSION:
-            raise PackError(f"{path}: format version {data.get('format_version')!r}, this release reads "
-                            f"{FORMAT_VERSION}: pack the model again (`moe-offload pack`)")
+        num_layers, num_experts = int(data["num_layers"]), int(data["num_experts"])
+        if len(data["experts"]) != num_layers * num_experts:  # before building anything of that size
+            raise PackError(f"{path}: lists {len(data['experts'])} experts, expected {num_layers} x {num_experts}")
         experts = {}
         for entry in data["experts"]:
             item = ExpertEntry(int(entry["layer"]), int(entry["expert"]), int(entry["offset"]),
@@ -226,36 +256,24 @@ def read_manifest(directory, check_files: bool = True) -> Manifest:
             experts[(item.layer, item.expert)] = item
         tensors = tuple(TensorEntry(str(t["name"]), tuple(int(n) for n in t["shape"]), int(t["offset"]),
                                     int(t["bytes"])) for t in data["expert_tensors"])
-        manifest = Manifest(directory, data["model_type"], int(data["num_layers"]), int(data["num_experts"]),
+        manifest = Manifest(directory, data["model_type"], num_layers, num_experts,
                             int(data["top_k"]), int(data["hidden_size"]), str(data["dtype"]),
                             int(data["expert_bytes"]), [int(i) for i in data["decoder_layers"]], tensors,
                             int(data["chunk_bytes"]), [(str(f["file"]), int(f["bytes"])) for f in data["layers"]],
                             experts, str(data["non_experts"]["sha256"]), dict(data.get("tied", {})),
                             data.get("max_position_embeddings"))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise PackError(f"{path}: not a valid pack manifest ({type(exc).__name__}: {exc})") from None
     expected = {(l, e) for l in range(manifest.num_layers) for e in range(manifest.num_experts)}
     if set(experts) != expected or len(manifest.layer_files) != manifest.num_layers:
-        missing = sorted(expected - set(experts))
+        absent = sorted(expected - set(experts))
         raise PackError(f"{path}: lists {len(experts)} experts in {len(manifest.layer_files)} layer files, expected "
                         f"{len(expected)} in {manifest.num_layers}"
-                        + (f" (no entry for layer {missing[0][0]} expert {missing[0][1]})" if missing else ""))
+                        + (f" (no entry for layer {absent[0][0]} expert {absent[0][1]})" if absent else ""))
+    check_layout(manifest, path, PackError)
     chunks = len(manifest.chunks())
-    if sum(t.nbytes for t in tensors) != manifest.expert_bytes or any(
-            len(e.sha256) != chunks or len(e.xxh3) != chunks for e in experts.values()):
-        raise PackError(f"{path}: the expert tensors or chunk checksums do not add up to {manifest.expert_bytes} "
-                        "bytes per expert")
-    if check_files:
-        for layer, (name, nbytes) in enumerate(manifest.layer_files):
-            file = directory / name
-            if not file.is_file():
-                raise PackError(f"experts of layer {layer}: {file}: missing")
-            size = file.stat().st_size
-            if size != nbytes:
-                raise PackError(f"experts of layer {layer}: {file}: {size} bytes, the manifest says {nbytes} "
-                                "(truncated or replaced)")
-        if not (directory / NON_EXPERTS).is_file():
-            raise PackError(f"{directory / NON_EXPERTS}: missing")
+    if any(len(e.sha256) != chunks or len(e.xxh3) != chunks for e in experts.values()):
+        raise PackError(f"{path}: the chunk checksums do not cover the {manifest.expert_bytes} bytes of each expert")
     return manifest
 
 
@@ -277,13 +295,14 @@ def load_skeleton(manifest: Manifest, device="cpu", dtype=None, verify: bool = T
     adapter = MoeAdapter(model, stored_dtype=manifest.dtype)
     if adapter.decoder_layers != manifest.decoder_layers or adapter.num_experts != manifest.num_experts:
         raise PackError(f"{manifest.directory}: config.json and the manifest disagree on the MoE layers")
+    file = manifest.directory / NON_EXPERTS
+    _check_shapes(model, adapter, manifest, file)  # before any memory is allocated for them
     for layer in range(adapter.num_layers):
         module = adapter.experts(layer)
         for name in adapter.EXPERT_TENSORS:  # no storage: the weights live in the tiers
             setattr(module, name, torch.nn.Parameter(torch.empty(0, device=device), requires_grad=False))
     model.to_empty(device=device)
-    file = manifest.directory / NON_EXPERTS
-    if verify and _sha256(file) != manifest.non_experts_sha256:
+    if verify and file_sha256(file) != manifest.non_experts_sha256:
         raise PackError(f"{file}: checksum mismatch with the manifest (corrupt or replaced)")
     try:
         state = load_file(file, device=str(device))
@@ -311,6 +330,39 @@ def load_skeleton(manifest: Manifest, device="cpu", dtype=None, verify: bool = T
     return model.eval(), adapter, time.perf_counter() - started
 
 
+def _check_shapes(model, adapter, manifest: Manifest, file: Path) -> None:
+    """PackError unless the model that config.json describes (``model``, on the meta device) has the shapes of
+    the manifest's expert tensors and of every tensor in the non-expert file: a hand-edited ``vocab_size`` or
+    tensor shape is refused naming the tensor, instead of failing deep in PyTorch (or allocating a vocabulary
+    of 10^12 rows)."""
+    from safetensors import SafetensorError, safe_open
+
+    expected = {name: tuple(getattr(adapter.experts(0), name).shape[1:]) for name in adapter.EXPERT_TENSORS}
+    for tensor in manifest.tensors:
+        if expected.get(tensor.name) != tensor.shape:
+            raise PackError(f"{manifest.directory / MANIFEST}: expert tensor {tensor.name} has shape "
+                            f"{list(tensor.shape)}, config.json gives the model {list(expected.get(tensor.name, ()))}")
+    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    try:
+        with safe_open(file, "pt") as handle:
+            for name in handle.keys():
+                stored = tuple(handle.get_slice(name).get_shape())
+                if name in shapes and stored != shapes[name]:
+                    raise PackError(f"{file}: {name} has shape {list(stored)}, config.json gives the model "
+                                    f"{list(shapes[name])}")
+    except (SafetensorError, OSError) as exc:
+        raise PackError(f"{file}: cannot be read: {exc}") from None
+
+
+def model_files(name: str) -> list[Path]:
+    """Every file of the model ``--model NAME`` names (a packed directory or a checkpoint): inputs of the
+    command that runs it, which none of its outputs may overwrite (outputs.check_output)."""
+    from moe_offload.models.tiny import model_directory
+
+    directory = model_directory(name)
+    return [path for path in directory.rglob("*") if path.is_file()] if directory.is_dir() else []
+
+
 def cache_root() -> Path:
     """Where packed copies of models are kept: $MOE_OFFLOAD_CACHE, else $XDG_CACHE_HOME/moe-offload."""
     import os
@@ -335,15 +387,15 @@ def packed_directory(name: str, on_expert=None) -> Path:
         raise ConfigError(f"{directory}: no such model directory")
     if not directory.is_dir():
         raise ConfigError(f"{directory}: not a directory (give a packed model or a checkpoint directory)")
-    if (directory / MANIFEST).is_file():
+    if not missing(directory / MANIFEST):  # a pack, even one that cannot be read: read_manifest says why
         return directory
-    if not (directory / "config.json").is_file():
+    if missing(directory / "config.json"):
         raise ConfigError(f"{directory}: not a model: neither a packed model ({MANIFEST}) nor a checkpoint "
                           "(config.json)")
-    weights = sorted(directory.glob("*.safetensors"))
+    weights = [check_input(file, "weight file") for file in sorted(directory.glob("*.safetensors"))]
     if not weights:
         raise ConfigError(f"{directory}: no weight file (*.safetensors) in the model directory")
-    digest = hashlib.sha256("".join(_sha256(file) for file in weights).encode()).hexdigest()[:12]
+    digest = hashlib.sha256("".join(file_sha256(file) for file in weights).encode()).hexdigest()[:12]
     # the format version in the name: a pack written by another release is never served
     target = cache_root() / "packed" / f"{directory.resolve().name}-{digest}-v{FORMAT_VERSION}"
     if (target / MANIFEST).is_file():

@@ -38,6 +38,7 @@ import time
 
 import numpy as np
 
+from moe_offload.models.host_experts import ON_HOST
 from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.live_view import LiveRoutingView
@@ -47,15 +48,21 @@ from moe_offload.runtime.routing_log import RoutingLog
 
 class ModelRunner:
     def __init__(self, model, adapter, spec, path: DataPath, counters: Counters, *, prefetcher=None,
-                 policy_needs_probs: bool = False, replay=None, source: str = "live generation",
-                 matcher: str = "async"):
+                 policy_needs_probs: bool = False, policy_needs_rounds: bool = False, replay=None,
+                 source: str = "live generation", matcher: str = "async"):
         """``matcher``: ``async``, ``inline`` or ``lockstep`` (runtime/matcher.py), for a prefetcher whose
-        search is off the inference path; the others always run on the decode thread."""
+        search is off the inference path; the others always run on the decode thread.
+        ``policy_needs_rounds``: give each access the replay's round (AccessContext.round), from the routing."""
         self.model, self.adapter, self.spec, self.path, self.counters = model, adapter, spec, path, counters
         self.prefetcher, self.replay, self.source = prefetcher, replay, source
         self.policy_needs_probs = policy_needs_probs
         self.needs_gate_prediction = "gate_prediction" in getattr(prefetcher, "requires", ())
-        self.needs_routing = prefetcher is not None or policy_needs_probs
+        self.policy_needs_rounds = policy_needs_rounds
+        self.needs_routing = prefetcher is not None or policy_needs_probs or policy_needs_rounds
+        # the replay's rounds before this pass (K per token fed) and, per layer of this pass, each routed
+        # expert's first position in the [tokens, K] selections, row-major: its round counted from the pass's
+        self.rounds = 0
+        self.first_round: list[dict] = [{} for _ in range(spec.num_layers)]
         self.needs_embedding = "embedding" in getattr(prefetcher, "requires", ())
         self.matcher = None
         if prefetcher is not None and matcher != "inline" and runs_off_the_decode_thread(prefetcher):
@@ -160,8 +167,12 @@ class ModelRunner:
             pinned.clear()
             pinned.update(keys)
             missing = False
-            for key, counts in zip(keys, tokens):
+            on_host: set[int] = set()  # bypassed: computed from the host tier's copy
+            first_round = self.first_round[layer] if self.policy_needs_rounds else None
+            for expert, key, counts in zip(experts, keys, tokens):
                 ctx.clock += 1
+                if first_round is not None:
+                    ctx.round = self.rounds + first_round[expert]
                 ctx.routed = {request: n for request, n in zip(requests, counts) if n}
                 c.accesses += 1
                 c.per_layer_accesses[layer] += 1
@@ -171,20 +182,26 @@ class ModelRunner:
                     c.prefetches_used += 1
                 hit = fast.touch(key, ctx)
                 demand = not hit and not path.on_wire_to_fast(key)  # a prefetch on the last wire is no demand load
+                bypassed = demand and not fast.admits(key, ctx)
                 from_host = demand and len(path.tiers) > 1 and key in path.tiers[1].cache
                 if hit:
                     c.hits += 1
                     c.per_layer_hits[layer] += 1
                 else:
                     missing = True
-                    if demand:
-                        c.host_hits += from_host
+                    c.host_hits += from_host
+                    if bypassed:
+                        on_host.add(key)
+                        path.compute_on_host(key)
+                        c.bypassed += 1
+                        c.per_layer_bypassed[layer] += 1
+                    elif demand:
                         path.route(key, demand=True, priority=math.inf)  # also on its way to the host: demand
                         c.on_demand_loads += 1
                 if per_request:
                     for counters, n in zip(own, counts):
                         if counters is not None and n:
-                            counters.count_access(layer, hit, demand, used, from_host)
+                            counters.count_access(layer, hit, demand, used, from_host, bypassed)
                 for request in ctx.routed:
                     self.keys_of.setdefault(request, set()).add(key)
             ctx.routed = None
@@ -203,12 +220,16 @@ class ModelRunner:
                     yield key - layer * J, tensors
                 return
             remaining = list(keys)
+            host = path.tiers[-1].cache
             while remaining:
                 with cond:
                     waited = time.perf_counter()
                     while True:
                         path.raise_failure()
-                        key = next((k for k in remaining if k in fast), None)
+                        # the fast tier's first: their kernels are queued before the host computes (CUDA)
+                        key = next((k for k in remaining if k not in on_host and k in fast), None)
+                        if key is None:
+                            key = next((k for k in remaining if k in on_host and k in host), None)
                         if key is not None:
                             break
                         cond.wait()
@@ -220,17 +241,34 @@ class ModelRunner:
                             if counters is not None:
                                 counters.stall_seconds += stalled
                                 counters.per_layer_stall_seconds[layer] += stalled
-                    tensors, event = fast_tier.tensors(key), fast_tier.ready.get(key)
+                    if key in on_host:
+                        tensors, event = {**path.tiers[-1].tensors(key), ON_HOST: True}, None
+                    else:
+                        tensors, event = fast_tier.tensors(key), fast_tier.ready.get(key)
                 remaining.remove(key)
                 _wait(event)
+                computing = time.perf_counter()
                 yield key - layer * J, tensors
+                computed = time.perf_counter() - computing  # the consumer computed it on this thread meanwhile
                 with cond:  # computed: it may be evicted from now on
                     pinned.discard(key)
+                    if key in on_host:
+                        path.computed_on_host(key)
+                        self._count_host_compute(computed, own)
                     path.room_freed()
         finally:
             with cond:
                 pinned.difference_update(keys)
+                for key in on_host:
+                    path.computed_on_host(key)
                 path.room_freed()
+
+    def _count_host_compute(self, seconds: float, own) -> None:
+        """Seconds the layer computed a bypassed expert on the host, for the pass and each of its requests."""
+        self.counters.host_compute_seconds += seconds
+        for counters in own:
+            if counters is not None:
+                counters.host_compute_seconds += seconds
 
     # -------------------------------------------------------------------------------- routing hooks
     def _pass_start(self, module, args, kwargs):
@@ -281,11 +319,15 @@ class ModelRunner:
                 self.adapter.predict_next_router_logits(layer, routing.hidden)).cpu().numpy()
         view.routed(layer, selected, probs, predicted)
         self.probs[layer] = probs.mean(axis=0)
+        if self.policy_needs_rounds:
+            flat = selected.reshape(-1).tolist()
+            self.first_round[layer] = {expert: flat.index(expert) for expert in set(flat)}
         if self.prefetcher is not None:
             self._consult("on_layer_routed", layer)
 
     def _pass_end(self, module, args, output):
         self.routing_log.pass_end()
+        self.rounds += self.tokens_in_pass * self.spec.top_k
         if self.prefetcher is not None and self.view is not None:
             if self.matcher is not None:
                 self.matcher.submit("on_iteration_end", self.view, self.view.iteration)

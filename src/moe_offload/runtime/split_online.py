@@ -99,6 +99,13 @@ def split_plan(split_config, reconfiguration, hardware, manifest, spec, fast_exp
         config, source = uniform_start(budget_bytes, fast_expert_bytes, intermediate_rows(manifest), spec)
     else:
         config, source = load_split_config(split_config)
+        intermediate = intermediate_rows(manifest)
+        whole_rows = all(round(p.split_ratio * intermediate) >= 1 for p in config.layers if p.cached_experts)
+        if whole_rows and config.memory_bytes(spec.top_k, fast_expert_bytes) <= budget_bytes:
+            # a configuration for this budget (`configure --vram-budget`) fits before its ratios become whole
+            # rows; rounding up must not make it refused. One for a larger budget, or with a ratio below one
+            # row, is refused by the fast tier.
+            config = fit_rows(config, intermediate, fast_expert_bytes, spec.top_k, budget_bytes)
     config.check_model(spec.num_layers, spec.num_experts, fast_expert_bytes, source)
     online = None
     if reconfiguration is not None:

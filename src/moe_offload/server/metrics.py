@@ -7,6 +7,8 @@ JSON reads), collected at each scrape, so they can never disagree with ``generat
     moe_offload_expert_hits_total{tier}         of those, resident in the tier
     moe_offload_expert_hit_rate{tier}           hits / requests
     moe_offload_on_demand_loads_total           loads a layer waited for
+    moe_offload_expert_bypassed_total           misses the fast tier did not admit, computed on the host
+    moe_offload_host_compute_seconds_total      seconds the host computed them (placing policies only)
     moe_offload_prefetches_total{outcome}       issued, used, wasted (evicted unused)
     moe_offload_stall_seconds_total             compute waiting for experts
     moe_offload_link_bytes_total{link}          bytes moved per link ("ssd->fast", "ssd->host", "host->fast")
@@ -47,6 +49,11 @@ class EngineCollector:
         yield from (requests, hits, rate)
         yield CounterMetricFamily("moe_offload_on_demand_loads", "expert loads a layer waited for",
                                   value=stats.on_demand_loads)
+        if stats.bypassed is not None:  # a placing policy (runtime/placement.py)
+            yield CounterMetricFamily("moe_offload_expert_bypassed", "expert misses computed on the host",
+                                      value=stats.bypassed)
+            yield CounterMetricFamily("moe_offload_host_compute_seconds", "seconds the host computed bypassed experts",
+                                      value=stats.host_compute_seconds)
         prefetches = CounterMetricFamily("moe_offload_prefetches", "prefetches into the fast tier",
                                          labels=["outcome"])
         for outcome, value in (("issued", stats.prefetches_issued), ("used", stats.prefetches_used),

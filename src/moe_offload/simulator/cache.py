@@ -10,7 +10,7 @@ starts (paper 002 section 5.4 applies the replacement "before initiating the act
 ``complete`` makes it resident when it arrives; ``touch`` is a demand access that loads nothing. A
 reserved expert is not resident, so no policy can pick it as a victim while it is on the wire.
 
-A prefetched expert is *held* until it is used (DESIGN.md). An expert reserved for a prefetch
+A prefetched expert is *held* until it is used. An expert reserved for a prefetch
 (``ctx.prefetch``) is held from its reservation until a demand access uses it (``touch``/``request``) or
 the driver withdraws its prediction (``release``: its layer was routed without it). While held it is
 never offered to the policy as a victim, whatever the policy's ranking, and its bytes count in the
@@ -30,12 +30,24 @@ happen:
 * a demand load always makes progress: when every unpinned resident is held, holds are released, the
   most recent first (the prediction made furthest ahead), until the room can be made; the policy then
   picks its victim among the released.
+
+Admission. A miss is *admitted* (loaded into the fast tier, as above) or *bypassed*: served from the tier
+that holds it (the host computes it there: llama.cpp's ``--n-cpu-moe``, ktransformers, Fiddler) and not
+inserted, so nothing is evicted for it. ``admits(key, ctx)`` decides, once per missed access: the policy's
+``admit`` (a static placement never admits) and then the driver's ``admission`` rule, if any (the timed
+simulator's fetch-or-compute rule, which knows the costs); it counts the refusals in ``bypasses``. The
+replay serves a request with ``serve``, which says which of the three happened (HIT, LOADED, BYPASSED); the
+timed simulator and the runtime ``touch`` the key and, on a miss, ask ``admits`` before they reserve room.
+A static placement's experts are loaded before the first access by ``preload`` (not counted as misses).
 """
 
 from __future__ import annotations
 
 from moe_offload.errors import ConfigError
 from moe_offload.policies.base import AccessContext, EvictionPolicy
+
+# What a demand request came to (``ExpertCache.serve``).
+HIT, LOADED, BYPASSED = "hit", "loaded", "bypassed"
 
 
 def predicted_no_later_than(predicted, key: int, layer_now: int, num_experts: int, num_layers: int) -> set:
@@ -50,11 +62,16 @@ def predicted_no_later_than(predicted, key: int, layer_now: int, num_experts: in
 
 
 class ExpertCache:
-    def __init__(self, capacity: int, policy: EvictionPolicy):
+    """``admission``, optional, is the driver's rule ``(key, ctx) -> bool`` asked after the policy's ``admit``
+    (module doc: Admission)."""
+
+    def __init__(self, capacity: int, policy: EvictionPolicy, admission=None):
         if capacity < 0:
             raise ConfigError(f"cache capacity must not be negative, got {capacity}")
         self.capacity = capacity
         self.policy = policy
+        self.admission = admission
+        self.bypasses = 0
         self.resident: dict = {}  # key -> size
         self.reserved: dict = {}  # key -> size, experts on their way in (counted in used)
         self.held: dict = {}      # key -> None, prefetched and not used yet, oldest first (module doc)
@@ -69,14 +86,36 @@ class ExpertCache:
         return len(self.resident)
 
     def request(self, key, ctx: AccessContext, size: int = 1) -> bool:
-        """A demand request: True on a hit; on a miss, make room, load ``key`` and return False."""
+        """A demand request: True on a hit; on a miss, load ``key`` (or bypass it) and return False."""
+        return self.serve(key, ctx, size) == HIT
+
+    def serve(self, key, ctx: AccessContext, size: int = 1) -> str:
+        """A demand request: HIT; or a miss, LOADED after making room and loading ``key``, or BYPASSED when
+        ``admits`` refuses it (nothing changes in the cache)."""
         self.policy.on_access(key, ctx)
         if self.held:
             self.held.pop(key, None)
         if key in self.resident:
-            return True
+            return HIT
+        if not self.admits(key, ctx):
+            return BYPASSED
         self._load(key, ctx, size)
+        return LOADED
+
+    def admits(self, key, ctx: AccessContext) -> bool:
+        """Whether the missed ``key`` is loaded (True) or bypassed (counted in ``bypasses``); ask once per
+        missed access, before reserving room for it (module doc: Admission)."""
+        if self.policy.admit(key, ctx) and (self.admission is None or self.admission(key, ctx)):
+            return True
+        self.bypasses += 1
         return False
+
+    def preload(self, trace, ctx: AccessContext, size: int = 1) -> None:
+        """Load the policy's static placement (``policy.placement``) before the first access: as many experts
+        of ``size`` units as the capacity holds, chosen from ``trace`` or the policy's profile."""
+        for key in self.policy.placement(self.capacity // size, trace):
+            self.reserve(key, ctx, size)
+            self.complete(key, ctx)
 
     def touch(self, key, ctx: AccessContext) -> bool:
         """A demand access that loads nothing (the timed simulator loads by transfers): True if resident.
@@ -153,10 +192,12 @@ class ExpertCache:
         if self.policy.cache_slots is None:  # full for the first time: what it holds is its size in experts
             self.policy.cache_slots = len(self.resident) + len(self.reserved)
         pinned = ctx.pinned
-        if self.reserved or pinned or self.held or protect:  # the hot paths (the replay) have none of these
+        fixed = self.policy.fixed
+        blocked = pinned | fixed if fixed else pinned  # what no victim can come from
+        if self.reserved or blocked or self.held or protect:  # the hot paths (the replay) have none of these
             spared = self.held.keys() | protect if ctx.prefetch and protect else self.held.keys()
-            if not self._room_can_be_made(pinned, size, spared):
-                if ctx.prefetch or not self._release_holds_for(pinned, size):
+            if not self._room_can_be_made(blocked, size, spared):
+                if ctx.prefetch or not self._release_holds_for(blocked, size):
                     return False
                 spared = self.held.keys()
             if spared:  # the policy must not see a held or protected expert as a candidate
@@ -206,10 +247,11 @@ class PartitionedCache:
     (one expert's bytes in the timed simulator), so a byte budget splits into whole experts as the replay's
     expert budget does."""
 
-    def __init__(self, capacity: int, num_layers: int, make_policy, experts_per_layer: int, slot_size: int = 1):
+    def __init__(self, capacity: int, num_layers: int, make_policy, experts_per_layer: int, slot_size: int = 1,
+                 admission=None):
         self.capacity = capacity
         self.experts_per_layer = experts_per_layer
-        self.parts = [ExpertCache(slots * slot_size, make_policy())
+        self.parts = [ExpertCache(slots * slot_size, make_policy(), admission)
                       for slots in self.capacities(capacity // slot_size, num_layers)]
 
     @staticmethod
@@ -231,6 +273,10 @@ class PartitionedCache:
     @property
     def used(self) -> int:
         return sum(part.used for part in self.parts)
+
+    @property
+    def bypasses(self) -> int:
+        return sum(part.bypasses for part in self.parts)
 
     @property
     def reserved(self) -> dict:
@@ -263,6 +309,16 @@ class PartitionedCache:
 
     def request(self, key, ctx: AccessContext, size: int = 1) -> bool:
         return self.parts[key // self.experts_per_layer].request(key, ctx, size)
+
+    def serve(self, key, ctx: AccessContext, size: int = 1) -> str:
+        return self.parts[key // self.experts_per_layer].serve(key, ctx, size)
+
+    def admits(self, key, ctx: AccessContext) -> bool:
+        return self.parts[key // self.experts_per_layer].admits(key, ctx)
+
+    def preload(self, trace, ctx: AccessContext, size: int = 1) -> None:
+        for part in self.parts:
+            part.preload(trace, ctx, size)
 
     def touch(self, key, ctx: AccessContext) -> bool:
         return self.parts[key // self.experts_per_layer].touch(key, ctx)

@@ -1,10 +1,11 @@
 """Access-level replay: demand paging of the layered-paging model (paper 001).
 
-The trace is flattened into expert requests (moe_offload.trace.flatten documents the order); each request
-is a hit if the expert is resident, otherwise a miss that loads it, evicting the policy's victim when the
-cache is full; after the last token of a request the cache hears that the request has ended (a policy's
-per-sequence state ends with it). No clock, no prefetch: this is the model in which Belady's OPT is
-optimal, so every policy's misses are reported against OPT on the same sequence.
+The trace is flattened into expert requests (moe_offload.trace.flatten documents the order); each request is a
+hit if the expert is resident, otherwise a miss that loads it, evicting the policy's victim when the cache is
+full, or that the policy bypasses (served where the expert lives, not loaded: a static placement, loaded
+before the first request, never admits); after the last token of a request the cache hears that the request
+has ended (a policy's per-sequence state ends with it). No clock, no prefetch: this is the model in which
+Belady's OPT is optimal, so every policy's misses are reported against OPT on the same sequence.
 
 Two engines make the same decisions: the policy objects driven through ExpertCache (the reference, any
 policy), and the policies' compiled kernels (simulator/kernels.py), which the replay uses by default where
@@ -22,7 +23,7 @@ from moe_offload.errors import ConfigError
 from moe_offload.policies import AccessContext, ModelSpec, make_policy, policy_factory, policy_info
 from moe_offload.reporting.results import RunResult
 from moe_offload.simulator import kernels
-from moe_offload.simulator.cache import ExpertCache, PartitionedCache
+from moe_offload.simulator.cache import BYPASSED, HIT, LOADED, ExpertCache, PartitionedCache
 from moe_offload.trace.flatten import AccessSequence, flatten, last_row_of_each_request
 from moe_offload.trace.format import Trace
 from moe_offload.values import integer, worker_count
@@ -48,8 +49,9 @@ class ReplayInput:
 
 
 def check_cache_size(policy: str, cache_size: int, spec: ModelSpec) -> None:
-    """Raise ConfigError when ``policy`` cannot run with ``cache_size`` experts."""
-    if cache_size < spec.top_k:
+    """Raise ConfigError when ``policy`` cannot run with ``cache_size`` experts. A static placement computes
+    what it does not hold where it lives, so any size will do."""
+    if cache_size < spec.top_k and not policy_info(policy).policy.static:
         raise ConfigError(f"a cache of {cache_size} experts is smaller than top-k = {spec.top_k}: one layer's "
                           f"selected experts could not be resident together")
     if policy_info(policy).partitioned and cache_size < spec.num_layers:
@@ -73,23 +75,32 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
     check_cache_size(policy, cache_size, spec)
     info = policy_info(policy)
     make = policy_factory(policy, spec, seed=seed, options=options)
+    in_hindsight = info.policy.places_or_bypasses and make().in_hindsight  # built only for placements
     kernel = replay_kernel(policy, engine)
     if kernel is not None:
         layer_hits = _replay_compiled(data, info, make(), cache_size, kernel)
+        layer_bypassed = np.zeros(spec.num_layers, np.int64)
     else:
-        layer_hits = _replay_objects(data, info, make, cache_size)
+        layer_hits, layer_bypassed = _replay_objects(data, info, make, cache_size)
 
     n = len(data.sequence)
     per_layer_accesses = np.bincount(data.sequence.layer, minlength=spec.num_layers)
     hits = int(layer_hits.sum())
-    misses = n - hits
+    bypassed = int(layer_bypassed.sum())
+    misses = n - hits - bypassed
     expert_bytes = data.trace.meta.expert_bytes
     notes = []
     if info.policy.needs_probs and data.trace.probs is None:
         notes.append(f"{policy}: the trace has no router probabilities, so p is uniform "
                      "(fmoe then ranks like LFU)")
+    if in_hindsight:
+        notes.append(f"{policy}: placed in hindsight, from the trace it runs on (give it a profile trace to make "
+                     "it an online placement); not ranked among the online policies")
     return RunResult(trace=data.name, policy=policy, cache_size=cache_size, accesses=n, hits=hits, misses=misses,
+                     in_hindsight=in_hindsight,
                      per_layer_accesses=per_layer_accesses.tolist(), per_layer_hits=layer_hits.tolist(),
+                     bypassed=bypassed if info.policy.places_or_bypasses else None,
+                     per_layer_bypassed=layer_bypassed.tolist() if info.policy.places_or_bypasses else None,
                      bytes_loaded=misses * expert_bytes if expert_bytes else None, notes=notes)
 
 
@@ -103,29 +114,36 @@ def replay_kernel(policy: str, engine: str = "auto"):
     policy_class = policy_info(policy).policy
     kernel = kernels.compiled_kernel(policy_class)
     if kernel is None and engine == "compiled":
+        if policy_class.places_or_bypasses:
+            raise ConfigError(f"{policy} places experts before the first access or bypasses misses, which the "
+                              "compiled kernels (an empty cache that loads every miss) do not model; its replay "
+                              "runs the Python policy (engine auto)")
         if policy_class.replay_kernel is None:
             raise ConfigError(f"{policy} has no compiled kernel; its replay runs the Python policy (engine auto)")
         raise ConfigError(f"the compiled replay of {policy} needs Numba: {kernels.INSTALL_HINT}")
     return kernel
 
 
-def _replay_objects(data: ReplayInput, info, make, cache_size: int) -> np.ndarray:
-    """The reference: every request through ExpertCache and the policy object. Hits per layer."""
+def _replay_objects(data: ReplayInput, info, make, cache_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The reference: every request through ExpertCache and the policy object, after the policy's static
+    placement (if any). Hits and bypassed requests per layer."""
     spec = data.spec
     if info.partitioned:
         cache = PartitionedCache(cache_size, spec.num_layers, make, spec.num_experts)
     else:
         cache = ExpertCache(cache_size, make())
     seq, trace = data.sequence, data.trace
+    ctx = AccessContext()
+    cache.preload(trace, ctx)
     n = len(seq)
     keys, layers, tokens = seq.expert_id.tolist(), seq.layer.tolist(), seq.token.tolist()
     next_use = seq.next_use.tolist() if info.offline else None
     probs = trace.probs
     request_ids, iterations = trace.request.tolist(), trace.iteration.tolist()
     last_rows = set(last_row_of_each_request(trace.request).tolist())
-    hit_flags = bytearray(n)
-    ctx = AccessContext()
-    serve = cache.request
+    outcomes = bytearray(n)  # 0 loaded, 1 hit, 2 bypassed
+    code = {HIT: 1, LOADED: 0, BYPASSED: 2}
+    serve = cache.serve
     current_token = -1
     for t in range(n):
         ctx.clock = t
@@ -141,13 +159,13 @@ def _replay_objects(data: ReplayInput, info, make, cache_size: int) -> np.ndarra
                 ctx.probs = probs[token]
         if next_use is not None:
             ctx.next_use = next_use[t]
-        if serve(keys[t], ctx):
-            hit_flags[t] = 1
+        outcomes[t] = code[serve(keys[t], ctx)]
     if current_token in last_rows:
         cache.end_request(ctx.request)
 
-    hits_mask = np.frombuffer(bytes(hit_flags), dtype=np.uint8).astype(bool)
-    return np.bincount(seq.layer[hits_mask], minlength=spec.num_layers).astype(np.int64)
+    outcome = np.frombuffer(bytes(outcomes), dtype=np.uint8)
+    return tuple(np.bincount(seq.layer[outcome == value], minlength=spec.num_layers).astype(np.int64)
+                 for value in (1, 2))
 
 
 def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel) -> np.ndarray:

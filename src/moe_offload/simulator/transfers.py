@@ -1,6 +1,6 @@
 """The transfer queue of one link: which expert goes on the wire next.
 
-Prefetchers propose, queues decide (DESIGN.md). The rules, from papers 000 and 002:
+Prefetchers propose, queues decide. The rules, from papers 000 and 002:
 
 * one transfer on the wire at a time per link (paper 002 section 5.3: one I/O thread per link copies one
   expert at a time, so experts do not compete for bandwidth), and a transfer on the wire always completes;

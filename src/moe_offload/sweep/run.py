@@ -69,7 +69,8 @@ def run_cell(workload: Workload, cell: Cell) -> RunResult:
             if any(token != workload.token for token, _ in _FLATTENED):
                 _FLATTENED.clear()  # another sweep's traces are not needed any more
             _FLATTENED[key] = ReplayInput.of(workload.traces[cell.trace], name=cell.trace)
-        return replay(_FLATTENED[key], cell.policy, cell.cache_size, seed=cell.seed, options=options.get("policy"),
+        seed = 0 if cell.seed is None else cell.seed  # None: the policy draws nothing from it
+        return replay(_FLATTENED[key], cell.policy, cell.cache_size, seed=seed, options=options.get("policy"),
                       engine=workload.engine)
     trace, hardware = workload.traces[cell.trace], workload.hardware[cell.hardware]
     arrivals = Arrivals.parse(options["arrivals"], options["max_batch"], cell.seed)

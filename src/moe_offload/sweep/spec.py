@@ -11,6 +11,10 @@ number of experts it gives are the same cell. ``options`` is the canonical JSON 
 changes the run's result: the policy's and the prefetcher's options and, for a timed cell, the arrivals,
 the batch size, the history and the expert size. A cell's ``key`` (its fields as canonical JSON) is what a
 results file records to know that the cell is done.
+
+A replay cell of a policy that draws no random number (every policy but the ``seeded`` ones: random, marking,
+LeCaR) gives the same result whatever the seed, so it is run once, with seed None, and stands for every seed;
+a timed cell keeps its seed (Poisson arrivals draw from it).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ class Cell:
     cache_size: int | None
     prefetcher: str | None
     hardware: str | None
-    seed: int
+    seed: int | None  # None: a replay that draws no random number, the same at every seed (module doc)
     options: str  # canonical JSON
 
     @property
@@ -89,6 +93,7 @@ class Sweep:
     engine: str
     policy_options: dict[str, dict]
     timed: TimedSettings | None
+    seeds: list[int] = field(default_factory=lambda: [0])
     cells: list[Cell] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # cells that cannot run, with the reason
 
@@ -136,7 +141,7 @@ def read_sweep(path, output=None) -> Sweep:
     elif "timed" in raw:
         raise ConfigError(f"{path}: timed: applies only when modes includes \"timed\"")
     sweep = Sweep(path=path, output=output, traces=traces, policies=policies, engine=engine,
-                  policy_options=policy_options, timed=timed)
+                  policy_options=policy_options, timed=timed, seeds=seeds)
     sizes = check.list_of(raw["cache_sizes"], "cache_sizes", (int, float, str), "sizes")
     if "replay" in modes:
         _replay_cells(sweep, check, policies, sizes, seeds)
@@ -221,8 +226,11 @@ def _replay_cells(sweep: Sweep, check: "_Checker", policies: list[str], sizes: l
         sweep.skipped += [f"replay {trace_name}, {policy} at {size} experts: {why}" for policy, size, why in skipped]
         for seed in seeds:
             for policy, size in runs:
+                seeded = policy_info(policy).policy.seeded
+                if not seeded and seed != seeds[0]:
+                    continue  # the same run as at the first seed
                 options = sweep.policy_options.get(policy)
-                sweep.cells.append(Cell("replay", trace_name, policy, size, None, None, seed,
+                sweep.cells.append(Cell("replay", trace_name, policy, size, None, None, seed if seeded else None,
                                         canonical({"policy": options} if options else {})))
 
 

@@ -293,6 +293,7 @@ class Trace:
             first, again = sorted(int(row) for row in order[repeated[0]:repeated[0] + 2])
             raise TraceError(path, f"duplicates row {first}: request {int(self.request[again])} has position "
                                    f"{int(self.position[again])} twice", row=again)
+        self._check_request_order()
         self._check_float("weights", self.weights, (n, L, K))
         self._check_float("probs", self.probs, (n, L, J), upper=1.0)
         self._check_float("gate_prediction", self.gate_prediction, (n, L - 1, J), upper=1.0)
@@ -300,6 +301,35 @@ class Trace:
         if self.embedding is not None:
             self._check_float("embedding", self.embedding, (n, self.embedding.shape[-1] if self.embedding.ndim == 2
                                                               else -1), lower=None)
+
+    def _check_request_order(self) -> None:
+        """What a model can have produced: each request's rows, in file (iteration) order, have rising
+        positions and its prompt (prefill) before its generated tokens (decode); and a forward pass decodes
+        one token per request (a prompt may take many rows of one pass, a decode step only one)."""
+        path = self.path
+        order = np.argsort(self.request, kind="stable")  # each request's rows, in file order
+        same = self.request[order][1:] == self.request[order][:-1]
+        earlier, later = order[:-1][same], order[1:][same]
+        bad = np.flatnonzero(self.position[later] <= self.position[earlier])
+        if bad.size:
+            row, before = int(later[bad[0]]), int(earlier[bad[0]])
+            raise TraceError(path, f"request {int(self.request[row])} has position {int(self.position[row])} after "
+                                   f"position {int(self.position[before])} (row {before}): a request's positions "
+                                   "must rise", row=row)
+        bad = np.flatnonzero(self.phase[later] < self.phase[earlier])
+        if bad.size:
+            row, before = int(later[bad[0]]), int(earlier[bad[0]])
+            raise TraceError(path, f"request {int(self.request[row])} has a prefill row after its decode row "
+                                   f"{before}: a request's prompt comes before its generated tokens", row=row)
+        decode = np.flatnonzero(self.phase == DECODE)
+        step = self.request[decode].astype(np.int64) << 32 | self.iteration[decode].astype(np.int64) & 0xFFFFFFFF
+        ranked = np.argsort(step, kind="stable")
+        repeated = np.flatnonzero(step[ranked][1:] == step[ranked][:-1])
+        if repeated.size:
+            row = int(decode[ranked[repeated[0] + 1]])
+            raise TraceError(path, f"request {int(self.request[row])} decodes more than one token in iteration "
+                                   f"{int(self.iteration[row])}: a forward pass decodes one token per request",
+                             row=row)
 
     def _check_float(self, name, values, shape, lower=0.0, upper=None):
         if values is None:

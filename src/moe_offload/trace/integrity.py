@@ -42,7 +42,7 @@ def column_digest(name: str, values: np.ndarray) -> str:
     """SHA-256 of a decoded column: its name, dtype and shape, then its bytes in C order."""
     values = np.ascontiguousarray(values)
     digest = hashlib.sha256(f"{name}|{values.dtype.str}|{values.shape}|".encode())
-    digest.update(memoryview(values).cast("B"))
+    digest.update(values.reshape(-1).view(np.uint8))  # (a memoryview cannot be cast when a dimension is 0)
     return digest.hexdigest()
 
 

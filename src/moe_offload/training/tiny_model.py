@@ -42,7 +42,7 @@ import numpy as np
 from moe_offload import __version__
 from moe_offload.errors import ConfigError
 from moe_offload.text.sources import (Document, is_held_out, sharegpt_documents, sharegpt_recovery,
-                                      stdlib_documents, stdlib_root)
+                                      stdlib_documents)
 
 END_OF_TEXT = "<|endoftext|>"
 
@@ -107,7 +107,7 @@ def load_corpus(seed: int) -> Corpus:
     train = {kind: _seeded_order([d for d in docs if not is_held_out(d.name)], seed) for kind, docs in by_kind.items()}
     held = {kind: _seeded_order([d for d in docs if is_held_out(d.name)], seed) for kind, docs in by_kind.items()}
     counts = {
-        "stdlib_root": str(stdlib_root()),
+        "code_source": "the standard library of the Python below (sysconfig stdlib, site-packages excluded)",
         "python": platform.python_version(),
         "code_documents": len(by_kind["code"]),
         "sharegpt_file_bytes": recovery.total_bytes,

@@ -11,6 +11,9 @@ What the runtime (runtime/engine.py) does with an expert, timed piece by piece o
   memory (parallel read), the conversion (CPU) or the pinned host -> GPU copy (CUDA);
 - one expert's computation (the per-expert work of models/experts.py: select tokens, gate_up, activation,
   down, routing weight, index_add) at 1, 2, 4, ..., 64 tokens, fitted to the profile's roofline;
+- the same expert on the host CPU in float32 (as the runtime computes on a CPU), with the host memory's
+  streaming read beside it: the profile's ``[host]`` roofline, what a bypassed expert costs (a static
+  placement's, or Fiddler's fetch-or-compute rule's). On a CPU machine that is the expert measured above;
 - the rest of an iteration (attention, routers, LM head) by running the packed model's skeleton with the
   experts stubbed out and timing its modules with hooks;
 - one whole decode step of the runtime with every expert resident (OffloadEngine, preloaded, greedy
@@ -35,10 +38,13 @@ pinned host slots). The simulator charges every transfer and every memory term i
 bytes, so every rate here is in stored bytes per second.
 
 Timings are medians over ``repeats``; short operations are timed in batches of at least a few milliseconds
-so that the clock's resolution does not matter.
+so that the clock's resolution does not matter. How far the repeats spread, how busy the machine was and
+whether the expert's FLOP rate is above the machine's peak (then held to it) are stability.py's: the
+profile's sources and the command's notes say it.
 
 The package: timing.py (medians, fits), transfers.py (the link and the raw rates), compute.py (one expert,
-the rest of an iteration, a decode step); here the capacities, and the profile they all make.
+the rest of an iteration, a decode step), stability.py (spread, load, peak); here the capacities, and the
+profile they all make.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import MAX_SLOWDOWN
 from moe_offload.runtime.measure.compute import (DECODE_PROBE_TOKENS, TOKEN_COUNTS, measure_decode_step, measure_expert_compute,
                                                  measure_non_expert)
+from moe_offload.runtime.measure.stability import load_average, peak_flops, stability_notes
 from moe_offload.runtime.measure.timing import _round, fit_linear_cost
 from moe_offload.runtime.measure.transfers import (COPY_PROBE_BYTES, MAX_SAMPLED_FILES, MEMORY_PROBE_BYTES,
                                                    MIN_SAMPLED_FILES, fit_latency_bandwidth, measure_host_to_gpu,
@@ -64,7 +71,8 @@ from moe_offload.runtime.measure.transfers import (COPY_PROBE_BYTES, MAX_SAMPLED
 from moe_offload.runtime.packing import load_skeleton, read_manifest
 from moe_offload.runtime.storage import ExpertStore
 
-__all__ = ["Measurements", "measure", "measure_hardware", "profile_dict", "expert_roofline", "sharing", "capacities",
+__all__ = ["Measurements", "measure", "measure_hardware", "profile_dict", "expert_roofline", "measurement_notes",
+           "sharing", "capacities",
            "fit_latency_bandwidth", "fit_linear_cost", "measure_host_to_gpu", "measure_pinned_copy",
            "measure_raw_rates", "sample_experts"]
 
@@ -105,7 +113,15 @@ class Measurements:
     decode_step_s: float | None = None          # one all-resident decode step of the runtime, end to end
     decode_step_streaming_s: float | None = None  # the same while experts stream through the data path
     link_seconds_decoding: float | None = None  # one expert of that stream, while the decode runs
+    host_expert_seconds: dict[int, float] | None = None  # tokens -> the expert on the host CPU (float32)
+    host_memory_bandwidth: float | None = None  # streaming read of the host's memory (float32)
     elapsed_s: float = 0.0
+    expert_deviation: dict[int, float] = field(default_factory=dict)  # tokens -> repeats' largest deviation
+    link_deviation: float = 0.0     # the stream's repeats' largest deviation from their median
+    load_average: float = 0.0       # the largest 1-minute load average seen while measuring
+    cores: int = 1
+    peak_flops: float = float("inf")  # no FLOP rate above this is possible on the device (stability.py)
+    peak_flops_how: str = "not known"
     date: str = field(default_factory=lambda: datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
 
 
@@ -198,6 +214,7 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
     from moe_offload.runtime.storage import default_readers
 
     started = time.perf_counter()
+    load = load_average()
     quiet_transformers()
     device = resolve_device(device)
     manifest = read_manifest(packed_dir)
@@ -211,19 +228,26 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
             raise ConfigError("a host tier is measured in front of a GPU only (on a CPU the fast tier is the RAM)")
         host_bytes = values.budget_bytes(host_budget, manifest.expert_bytes * len(manifest.experts), "--host-budget")
 
-    link_s, alone_s = measure_link(manifest, keys, repeats, bypass, device, compute_dtype, readers)
+    link_s, alone_s, link_deviation = measure_link(manifest, keys, repeats, bypass, device, compute_dtype, readers)
     parallel_read, convert = measure_raw_rates(manifest, keys, repeats, bypass, readers)
     host_link_s = h2d_latency = h2d_bandwidth = None
     if device.type == "cuda":
         h2d_latency, h2d_bandwidth = measure_host_to_gpu(device, manifest.expert_bytes, repeats)
         if host_bytes is not None:
-            host_link_s, _ = measure_link(manifest, keys, repeats, bypass, torch.device("cpu"), stored, readers,
+            host_link_s, *_ = measure_link(manifest, keys, repeats, bypass, torch.device("cpu"), stored, readers,
                                           pinned_host=True)
     memory_bandwidth = measure_memory_bandwidth(device, repeats)
 
     model, adapter, _ = load_skeleton(manifest, device, compute_dtype, verify=False)
     tensors = ExpertStore(manifest).read_tensors(*keys[0])
-    expert_seconds = measure_expert_compute(adapter.experts(0), tensors, device, compute_dtype, repeats)
+    expert_seconds, expert_deviation = measure_expert_compute(adapter.experts(0), tensors, device, compute_dtype,
+                                                              repeats)
+    if device.type == "cpu":  # the fast tier is the host: its expert is the host's
+        host_expert_seconds, host_memory_bandwidth = expert_seconds, memory_bandwidth
+    else:
+        cpu = torch.device("cpu")
+        host_expert_seconds, _ = measure_expert_compute(adapter.experts(0), tensors, cpu, torch.float32, repeats)
+        host_memory_bandwidth = measure_memory_bandwidth(cpu, repeats)
     non_expert = measure_non_expert(model, adapter, device, repeats)
     del model
     decode_step, decode_step_streaming, link_decoding = measure_decode_step(
@@ -232,6 +256,7 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
     sizes, notes = capacities(Path(packed_dir), device, stored.itemsize, compute_dtype.itemsize, host_bytes)
 
     params = sum(t.numel() for t in tensors.values())
+    peak, peak_how = peak_flops(device)
     return Measurements(
         device=device.type, device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
         packed_dir=Path(packed_dir).resolve(), model_name=model_name or str(Path(packed_dir).resolve()),
@@ -245,7 +270,9 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
         expert_seconds=expert_seconds, non_expert_seconds=non_expert, num_layers=manifest.num_layers,
         capacities=sizes, capacity_notes=notes, threads=torch.get_num_threads(), decode_step_s=decode_step,
         decode_step_streaming_s=decode_step_streaming, link_seconds_decoding=link_decoding,
-        elapsed_s=time.perf_counter() - started)
+        host_expert_seconds=host_expert_seconds, host_memory_bandwidth=host_memory_bandwidth,
+        elapsed_s=time.perf_counter() - started, expert_deviation=expert_deviation, link_deviation=link_deviation,
+        load_average=max(load, load_average()), cores=os.cpu_count() or 1, peak_flops=peak, peak_flops_how=peak_how)
 
 
 def framework_overhead(m: Measurements, compute: dict, top_k: int) -> float:
@@ -278,7 +305,30 @@ def slow_link(m: Measurements) -> tuple[float, float]:
     return fit_latency_bandwidth(m.expert_bytes, stream, max(m.link_alone_s, stream))[0], m.expert_bytes / stream
 
 
-def expert_roofline(m: Measurements) -> dict:
+def _fitted_seconds_per_token(expert_seconds: dict[int, float], memory_s: float) -> float:
+    """The slope of one expert's time over its tokens, fitted where the FLOPs, not the weights' bytes, set the
+    time when two or more sizes are there, else over all sizes."""
+    tokens = sorted(expert_seconds)
+    _, per_token = fit_linear_cost(tokens, [expert_seconds[n] for n in tokens])
+    compute_bound = [n for n in tokens if per_token * n >= memory_s]
+    if len(compute_bound) >= 2:
+        _, per_token = fit_linear_cost(compute_bound, [expert_seconds[n] for n in compute_bound])
+    return per_token
+
+
+def measurement_notes(m: Measurements) -> list[str]:
+    """What makes these measurements less than facts (stability.stability_notes)."""
+    stored_itemsize = m.expert_bytes / m.expert_params
+    compute_itemsize = 4 if m.compute_dtype == "float32" else stored_itemsize
+    memory_s = m.expert_bytes / (m.memory_bandwidth * stored_itemsize / compute_itemsize)
+    slope = _fitted_seconds_per_token(m.expert_seconds, memory_s)
+    fitted = 2.0 * m.expert_params / slope if slope > 0 else float("inf")
+    return stability_notes(repeats=m.repeats, expert_deviation=m.expert_deviation.get(min(m.expert_seconds), 0.0),
+                           link_deviation=m.link_deviation, load=m.load_average, cores=m.cores,
+                           fitted_flops=fitted, peak=m.peak_flops, peak_how=m.peak_flops_how)
+
+
+def expert_roofline(m: Measurements, host: bool = False) -> dict:
     """The roofline ``overhead + max(bytes / memory bandwidth, 2 P n / flops)`` fitted to the measured expert:
     the memory term from the streaming read (converted to stored bytes, the simulator's unit), the slope of
     time over tokens as the FLOP rate, and the overhead that makes the roofline pass through the one-token
@@ -286,19 +336,20 @@ def expert_roofline(m: Measurements) -> dict:
     than the streaming read predicts (a weight that stays in a CPU's last-level cache between tokens), the
     memory bandwidth is the one-token rate instead. A roofline rather than a linear cost so that the profile
     scales with the expert size of whatever trace it simulates; between one token and the compute-bound
-    sizes it is a bound, not a fit (MKL's products of 4 to 16 rows on CPU take up to twice what it says)."""
+    sizes it is a bound, not a fit (MKL's products of 4 to 16 rows on CPU take up to twice what it says).
+    ``host``: the same fit to the expert measured on the host CPU in float32 (the profile's ``[host]``)."""
     stored_itemsize = m.expert_bytes / m.expert_params
-    compute_itemsize = 4 if m.compute_dtype == "float32" else stored_itemsize
-    memory_bandwidth = m.memory_bandwidth * stored_itemsize / compute_itemsize
+    if host:
+        expert_seconds, compute_itemsize, read = m.host_expert_seconds, 4, m.host_memory_bandwidth
+    else:
+        expert_seconds, read = m.expert_seconds, m.memory_bandwidth
+        compute_itemsize = 4 if m.compute_dtype == "float32" else stored_itemsize
+    memory_bandwidth = read * stored_itemsize / compute_itemsize
     memory_s = m.expert_bytes / memory_bandwidth
-    tokens = sorted(m.expert_seconds)
-    seconds = [m.expert_seconds[n] for n in tokens]
-    _, per_token = fit_linear_cost(tokens, seconds)
-    compute_bound = [n for n in tokens if per_token * n >= memory_s]
-    if len(compute_bound) >= 2:  # the slope where the FLOPs, not the weights' bytes, set the time
-        _, per_token = fit_linear_cost(compute_bound, [m.expert_seconds[n] for n in compute_bound])
-    per_token = max(per_token, 1e-12)  # flat within noise: a rate too high to matter, still finite
-    one = m.expert_seconds[tokens[0]]
+    tokens = sorted(expert_seconds)
+    # flat within noise, the slope would claim a rate above the machine's peak: the peak's time per token
+    per_token = max(_fitted_seconds_per_token(expert_seconds, memory_s), 2.0 * m.expert_params / m.peak_flops, 1e-12)
+    one = expert_seconds[tokens[0]]
     if one < max(memory_s, per_token * tokens[0]) and per_token * tokens[0] < one:
         memory_bandwidth, memory_s = m.expert_bytes / one, one
     overhead = max(0.0, one - max(memory_s, per_token * tokens[0]))
@@ -311,9 +362,11 @@ def _sources(m: Measurements, link_latency: float, link_bandwidth: float) -> lis
              else "page cache kept (reads may come from RAM, not the device)")
     sources = [
         f"measured by `moe-offload hardware measure` on {m.date}: {platform.system()} {platform.machine()}, "
-        f"{m.device_name}, torch {_torch_version()} with {m.threads} threads, load average "
-        f"{os.getloadavg()[0]:.2f} (other work on the machine inflates every time), medians of {m.repeats} "
-        f"repeats, {m.elapsed_s:.1f} s in all",
+        f"{m.device_name}, torch {_torch_version()} with {m.threads} threads, load average up to "
+        f"{m.load_average:.2f} on {m.cores} cores (other work on the machine inflates every time), medians of "
+        f"{m.repeats} repeats, {m.elapsed_s:.1f} s in all; one-token expert compute within "
+        f"{m.expert_deviation.get(min(m.expert_seconds), 0.0):.0%} of its median, the data path's stream within "
+        f"{m.link_deviation:.0%}; peak {m.peak_flops / 1e9:,.4g} GFLOP/s ({m.peak_flops_how}) bounds the roofline",
         f"model: {m.model_name} ({m.model_type}, {m.num_layers} MoE layers, experts of {m.expert_params:,} "
         f"parameters, {m.expert_bytes:,} bytes in {m.stored_dtype}); compute in {m.compute_dtype} on {m.device}",
         f"the data path (runtime/datapath.py ExpertMover, {m.readers} reader threads, chunked reads, SHA-256 on "
@@ -373,6 +426,8 @@ def profile_dict(m: Measurements, name: str = "measured") -> dict:
     if link_slowdown is not None:
         links[-1]["slowdown_while_computing"] = _round(link_slowdown)
     compute = {key: _round(value) for key, value in expert_roofline(m).items()}
+    host = ({key: _round(value) for key, value in expert_roofline(m, host=True).items()}
+            if m.host_expert_seconds else None)
     for part in ("attention", "router", "lm_head"):
         tokens = sorted(m.non_expert_seconds[part])
         fixed, per_token = fit_linear_cost(tokens, [m.non_expert_seconds[part][n] for n in tokens])
@@ -389,17 +444,25 @@ def profile_dict(m: Measurements, name: str = "measured") -> dict:
                        f"{max(2, m.repeats)} x {DECODE_PROBE_TOKENS} tokens); the {overhead * 1e3:.2f} ms the "
                        "parts above do not explain (generate loop, hooks, Python) is spread over the "
                        f"{m.num_layers} layers: added to attention.fixed_s")
+    sources += [f"note: {note}" for note in measurement_notes(m)]
     if compute_slowdown is not None:
         sources.append(f"sharing: while a thread streamed experts through the data path (as the link above), "
                        f"the decode step took {m.decode_step_streaming_s * 1e3:.2f} ms: compute."
                        f"slowdown_while_loading {compute_slowdown:.3g}; while the decode ran, the stream took "
                        f"{m.link_seconds_decoding * 1e6:.1f} us an expert: the ssd link's slowdown_while_computing "
                        f"{link_slowdown:.3g} (ratios below 1 are noise, read as 1)")
-    return {"name": name,
-            "description": f"measured on {m.date[:10]}: {m.device_name}, experts computed in {fast}, read from "
-                           f"the expert files of a packed {m.model_type} model",
-            "sources": sources,
-            "tiers": tiers, "links": links, "compute": compute}
+    if host is not None:
+        sources.append("host: the same expert on the host CPU in float32 at "
+                       + ", ".join(f"{n}: {s * 1e6:.1f} us" for n, s in sorted(m.host_expert_seconds.items()))
+                       + f" tokens, host memory read {m.host_memory_bandwidth / 1e9:.3g} GB/s; the same roofline fit")
+    profile = {"name": name,
+               "description": f"measured on {m.date[:10]}: {m.device_name}, experts computed in {fast}, read from "
+                              f"the expert files of a packed {m.model_type} model",
+               "sources": sources,
+               "tiers": tiers, "links": links, "compute": compute}
+    if host is not None:
+        profile["host"] = host
+    return profile
 
 
 def measure_hardware(packed_dir, *, repeats: int = 5, bypass_page_cache: bool = True, device=None,

@@ -6,17 +6,18 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from moe_offload.runtime.measure.timing import _median, _synchronizer, time_per_call
+from moe_offload.runtime.measure.timing import _median, _synchronizer, deviation, time_samples
 
 TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 NO_EXPERTS = "moe_offload_measure_no_experts"
 
 
 def measure_expert_compute(experts_module, tensors: dict, device, dtype, repeats: int,
-                           token_counts=TOKEN_COUNTS) -> dict[int, float]:
+                           token_counts=TOKEN_COUNTS) -> tuple[dict[int, float], dict[int, float]]:
     """Seconds of one expert's work on n tokens, n in ``token_counts``: the per-expert body of
     models/experts.py (select the expert's tokens, gate_up, the module's own activation, down, the routing
-    weight, index_add) with the expert's real weights, so shapes, dtype and activation are the model's."""
+    weight, index_add) with the expert's real weights, so shapes, dtype and activation are the model's.
+    Returns (n -> median over the repeats, n -> the repeats' largest deviation from it, timing.deviation)."""
     import torch
     import torch.nn.functional as F
 
@@ -24,7 +25,7 @@ def measure_expert_compute(experts_module, tensors: dict, device, dtype, repeats
     down = tensors["down_proj"].to(device, dtype=dtype)
     hidden = gate_up.shape[1]
     generator = torch.Generator().manual_seed(0)
-    results = {}
+    results, deviations = {}, {}
     for n in token_counts:
         states = torch.randn(n, hidden, generator=generator).to(device, dtype=dtype)
         top_k_index = torch.zeros(n, 1, dtype=torch.long, device=device)
@@ -38,8 +39,9 @@ def measure_expert_compute(experts_module, tensors: dict, device, dtype, repeats
             out.index_add_(0, token_idx, current)
 
         with torch.inference_mode():
-            results[n] = time_per_call(one_expert, repeats, _synchronizer(device))
-    return results
+            samples = time_samples(one_expert, repeats, _synchronizer(device))
+        results[n], deviations[n] = _median(samples), deviation(samples)
+    return results, deviations
 
 
 def _no_experts(self, hidden_states, top_k_index, top_k_weights):

@@ -6,12 +6,22 @@ import math
 import statistics
 import time
 
-MIN_BATCH_S = 2e-3             # a timed batch of short calls lasts at least this long
+MIN_BATCH_S = 5e-3             # a timed batch of short calls lasts at least this long
+WARMUP_S = 0.05                # calls before timing: caches, allocator, thread pool and clock speed settle
 SIGNIFICANT_DIGITS = 4         # the profile's numbers: more would only record noise
 
 
 def _median(values) -> float:
     return float(statistics.median(values))
+
+
+def deviation(samples) -> float:
+    """The largest distance of a sample from the samples' median, as a share of the median: 0.1 means every
+    repeat fell within 10% of the median (0 for a single sample)."""
+    middle = _median(samples)
+    if middle <= 0:
+        return 0.0
+    return max(abs(sample - middle) for sample in samples) / middle
 
 
 def _synchronizer(device):
@@ -22,11 +32,16 @@ def _synchronizer(device):
     return lambda: None
 
 
-def time_per_call(fn, repeats: int, sync=lambda: None) -> float:
-    """Median seconds of one ``fn()``: a warm-up call, then ``repeats`` batches of as many calls as make a
-    batch last MIN_BATCH_S (one call of a few microseconds is below what the clock can resolve)."""
-    fn()
-    sync()
+def time_samples(fn, repeats: int, sync=lambda: None) -> list[float]:
+    """Seconds of one ``fn()`` in each of ``repeats`` batches: calls for WARMUP_S first (the first calls of a
+    kernel pay for its caches, allocations and threads starting), then batches of as many calls as make one
+    last MIN_BATCH_S (one call of a few microseconds is below what the clock can resolve)."""
+    warm_until = time.perf_counter() + WARMUP_S
+    while True:
+        fn()
+        sync()
+        if time.perf_counter() >= warm_until:
+            break
     calls, elapsed = 1, 0.0
     while True:  # calibrate the batch size
         started = time.perf_counter()
@@ -44,7 +59,12 @@ def time_per_call(fn, repeats: int, sync=lambda: None) -> float:
             fn()
         sync()
         samples.append((time.perf_counter() - started) / calls)
-    return _median(samples)
+    return samples
+
+
+def time_per_call(fn, repeats: int, sync=lambda: None) -> float:
+    """Median seconds of one ``fn()`` over ``repeats`` batches (``time_samples``)."""
+    return _median(time_samples(fn, repeats, sync))
 
 
 def fit_line(xs, ys) -> tuple[float, float]:

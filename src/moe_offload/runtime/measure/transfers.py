@@ -8,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-from moe_offload.runtime.measure.timing import _median, _synchronizer, time_per_call
+from moe_offload.runtime.measure.timing import _median, _synchronizer, deviation, time_per_call
 from moe_offload.runtime.packing import Manifest
 
 MIN_SAMPLED_FILES = 16
@@ -41,11 +41,11 @@ def _itemsize(dtype_name: str) -> int:
 
 
 def measure_link(manifest: Manifest, keys, repeats: int, bypass_page_cache: bool, device, dtype,
-                 readers: int | None = None, pinned_host: bool = False) -> tuple[float, float]:
-    """(seconds per expert in a stream, seconds for one expert alone) through the runtime's data path from
-    the files into a tier on ``device`` in ``dtype`` (``pinned_host``: a pinned host slot, as a host tier in
-    front of a GPU); the stream is ``keys`` moved back to back (medians over ``repeats``), CUDA copies
-    included (synchronised at the end)."""
+                 readers: int | None = None, pinned_host: bool = False) -> tuple[float, float, float]:
+    """(seconds per expert in a stream, seconds for one expert alone, the stream's largest deviation from its
+    median over the repeats: timing.deviation) through the runtime's data path from the files into a tier on
+    ``device`` in ``dtype`` (``pinned_host``: a pinned host slot, as a host tier in front of a GPU); the stream
+    is ``keys`` moved back to back (medians over ``repeats``), CUDA copies included (synchronised at the end)."""
     sync = _synchronizer(device)
     with _data_path(manifest, bypass_page_cache, device, dtype, readers, pinned_host) as move:
         for layer, expert in keys:  # first reads check SHA-256; the runtime's later reads check xxHash3
@@ -62,7 +62,7 @@ def measure_link(manifest: Manifest, keys, repeats: int, bypass_page_cache: bool
             move(*keys[0], 0)
             sync()
             alone.append(time.perf_counter() - started)
-    return _median(streams), _median(alone)
+    return _median(streams), _median(alone), deviation(streams)
 
 
 @contextmanager

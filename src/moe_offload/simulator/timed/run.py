@@ -46,6 +46,17 @@ the replay's (trace/flatten.py: token, rank, layer) and every policy makes exact
 (tests/test_timed.py checks it). With top-k > 1 the orders differ by design: the replay serves paper
 001's rounds (rank-major), the timed simulator the physical order (layer-major).
 
+Host compute. A miss the GPU's cache does not admit (simulator/cache.py: Admission; a static placement, or
+``fetch_or_compute``: Fiddler's rule, policies/fetch_or_compute.py) is bypassed: nothing is loaded, and the
+host CPU computes the expert from its copy in host memory (read there first from a slower home, an SSD, at
+that link's speed, and kept in the host tier when that is a cache: tiers.py ``keep_in_host``),
+``hardware.host.expert_seconds(tokens routed to it)``, as ktransformers and HybriMoE schedule it. When the
+layer is routed the host starts: the hidden states of the iteration's tokens cross the host link, the layer's
+bypassed experts run one after another, the results cross back. Meanwhile the GPU computes the resident and
+loaded experts; the layer is done when both are (the GPU's wait for the host counts as stall). A prefill
+routes many tokens to an expert, so its host compute is many tokens of the CPU's FLOPs: TTFT grows with the
+prompt.
+
 Split experts (``split``, MoEpic, paper 004). The GPU is then not one cache of whole experts but, per layer,
 a cache of top segments and a buffer for the missing segments (simulator/split.py): a transfer into the
 GPU carries what the expert lacks there (its bottom segment when its top is cached, else all of it),
@@ -67,6 +78,7 @@ import numpy as np
 from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies import AccessContext, ModelSpec, policy_factory, policy_info
+from moe_offload.policies.fetch_or_compute import FetchOrCompute
 from moe_offload.prefetch import Prefetcher, RoutingView, search_latency
 from moe_offload.prefetch.budget import budget_from_hardware
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
@@ -82,14 +94,23 @@ from moe_offload.trace.format import PREFILL, Trace
 def layer_needs(experts: np.ndarray, rows: np.ndarray, layer: int, num_experts: int) -> tuple[list[int], list[int]]:
     """The keys layer ``layer`` needs for ``rows`` in access order (first appearance over the rows' [tokens,
     K] selections, row-major) and the number of tokens routed to each."""
+    keys, counts, _ = layer_needs_with_rounds(experts, rows, layer, num_experts)
+    return keys, counts
+
+
+def layer_needs_with_rounds(experts: np.ndarray, rows: np.ndarray, layer: int,
+                            num_experts: int) -> tuple[list[int], list[int], list[int]]:
+    """``layer_needs`` and, for each key, the position of its first appearance in the rows' [tokens, K]
+    selections, row-major: token b's rank-r expert is at b * K + r, the replay's round of that request
+    counted from the pass's first (trace/flatten.py)."""
     selected = experts[rows, layer]
     if selected.shape[0] == 1:
         ids = selected[0].astype(np.int64)
-        return (ids + layer * num_experts).tolist(), [1] * ids.size
+        return (ids + layer * num_experts).tolist(), [1] * ids.size, list(range(ids.size))
     flat = selected.reshape(-1).astype(np.int64)
     unique, first, counts = np.unique(flat, return_index=True, return_counts=True)
     order = np.argsort(first)
-    return (unique[order] + layer * num_experts).tolist(), counts[order].tolist()
+    return (unique[order] + layer * num_experts).tolist(), counts[order].tolist(), first[order].tolist()
 
 
 def routed_by_request(experts: np.ndarray, requests: np.ndarray, rows: np.ndarray, layer: int,
@@ -116,7 +137,7 @@ class TimedRun:
     def __init__(self, trace: Trace, hardware: HardwareProfile, policy: str, cache_bytes: int, expert_bytes: int,
                  prefetcher: Prefetcher | None, arrivals: Arrivals, seed: int, policy_options: dict | None,
                  all_resident: bool, split: SplitConfig | None = None,
-                 reconfiguration: OnlineConfigurator | None = None):
+                 reconfiguration: OnlineConfigurator | None = None, fetch_or_compute: bool = False):
         meta = trace.meta
         self.trace, self.hardware, self.arrivals = trace, hardware, arrivals
         self.spec = spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
@@ -127,10 +148,12 @@ class TimedRun:
         self.offline = info.offline and not all_resident
         make = policy_factory(policy, spec, seed=seed, options=policy_options)  # every tier's policy
 
-        def cache(capacity):
+        def cache(capacity, admission=None, middle=False):
+            if middle and info.policy.static:  # a static placement is the GPU's; a middle tier keeps a cache (LRU)
+                return ExpertCache(capacity, policy_factory("lru", spec)())
             if info.partitioned:
-                return PartitionedCache(capacity, self.L, make, self.J, slot_size=expert_bytes)
-            return ExpertCache(capacity, make())
+                return PartitionedCache(capacity, self.L, make, self.J, slot_size=expert_bytes, admission=admission)
+            return ExpertCache(capacity, make(), admission)
 
         total = self.L * self.J * expert_bytes
         self.ctx = ctx = AccessContext()
@@ -145,12 +168,15 @@ class TimedRun:
         elif split is not None:
             self.fast = self.split = SplitExperts(split, self.J, spec.top_k, expert_bytes, make)
         else:
-            self.fast = cache(cache_bytes)
+            rule = FetchOrCompute(self._fetch_seconds, self._compute_seconds) if fetch_or_compute else None
+            self.fast = cache(cache_bytes, rule)
+            self.fast.preload(trace, ctx, expert_bytes)  # a static placement's experts, before the first pass
         # The home tier holds every expert from the start; the tiers between it and the GPU are caches.
         # every expert in the GPU (all-resident, no home found): no other tier and no link is used
         home = home_tier(hardware, total) or 0
         self.events: list = []         # (lane, kind, start, end, layer, key)
-        self.net = TierNetwork(hardware, [self.fast] + [cache(tier.capacity_bytes) for tier in hardware.tiers[1:home]],
+        middle = [cache(tier.capacity_bytes, middle=True) for tier in hardware.tiers[1:home]]
+        self.net = TierNetwork(hardware, [self.fast] + middle,
                                home, expert_bytes, self.L, self.J, ctx, self.pinned, self.events, self.split,
                                self._next_use_after if self.offline else None)
         self.reconfiguration = reconfiguration
@@ -159,10 +185,14 @@ class TimedRun:
         self.delivery_order = itertools.count()
         self.matcher_free = 0.0
         self.clock = -1
+        self.rounds = 0  # the replay's rounds before the current pass: K per token (AccessContext.round)
         self.iteration = 0
         self.passed_last_router = False  # the current pass has routed its last layer
         # counters
-        self.accesses = self.hits = self.on_demand = self.used = 0
+        self.accesses = self.hits = self.on_demand = self.used = self.bypassed = 0
+        self.host_seconds = 0.0
+        self.bypassed_now: dict[int, int] = {}  # the current layer's bypassed experts -> tokens routed to each
+        self.per_layer_bypassed = [0] * self.L
         self.per_layer_accesses = [0] * self.L
         self.per_layer_hits = [0] * self.L
         self.per_layer_stall = [0.0] * self.L
@@ -275,18 +305,20 @@ class TimedRun:
 
     # ------------------------------------------------------------------------------------------ the run
 
-    def _route(self, layer: int, keys: list[int], routed: dict[int, dict[int, int]]) -> None:
-        """Layer ``layer``'s router has run: its accesses, in order (each with its tokens by request), and the
-        demand loads of its misses."""
+    def _route(self, layer: int, keys: list[int], routed: dict[int, dict[int, int]], rounds: list[int]) -> None:
+        """Layer ``layer``'s router has run: its accesses, in order (each with its tokens by request, and the
+        replay's round of its first request counted from the pass's first), and the demand loads of its
+        misses."""
         ctx, fast = self.ctx, self.fast
         self.pinned.update(keys)
         if self.split is not None:
             self.split.drop_unneeded(layer, set(keys))
         net = self.net
         middle = net.caches[1:]
-        for key in keys:
+        for key, round_in_pass in zip(keys, rounds):
             self.clock += 1
             ctx.clock = self.clock
+            ctx.round = self.rounds + round_in_pass
             if self.offline:
                 ctx.next_use = self.next_use_at[self.clock]
             ctx.routed = routed[key]
@@ -302,6 +334,13 @@ class TimedRun:
             for tier in middle:
                 tier.touch(key, ctx)
             load = net.loads.get(key)
+            # not admitted: computed on the host (module doc: Host compute)
+            if load is None and self.split is None and not fast.admits(key, ctx):
+                self.bypassed += 1
+                self.per_layer_bypassed[layer] += 1
+                self.bypassed_now[key] = sum(ctx.routed.values())
+                self.pinned.discard(key)
+                continue
             if load is not None and not load.demand and net.on_last_wire(key):
                 self.used += prefetched  # a late prefetch, already on its last wire
                 continue
@@ -320,8 +359,59 @@ class TimedRun:
             return key in self.fast
         return self.split.has_top(key)
 
-    def _run_experts(self, layer: int, keys: list[int], counts: list[int]) -> None:
-        remaining = [[key, tokens, False] for key, tokens in zip(keys, counts)]  # [key, tokens, top share run]
+    # ------------------------------------------------------------------------------------------ the host
+
+    def _where(self, key: int) -> int:
+        """The fastest tier after the GPU that holds ``key``: a middle cache's copy, else the home."""
+        return next((i for i in range(1, self.net.home) if key in self.net.caches[i]), self.net.home)
+
+    def _read_seconds(self, key: int, down_to: int) -> float:
+        """One expert's bytes over the links from where it is to tier ``down_to``, hop after hop, alone."""
+        return sum(self.hardware.link_from(i).transfer_seconds(self.E) for i in range(down_to + 1,
+                                                                                       self._where(key) + 1))
+
+    def _activation_seconds(self, tokens: int) -> float:
+        """The hidden states of ``tokens`` over the host link, one way: its latency, plus their bytes when the
+        trace gives the hidden size (in the profile's bytes per parameter)."""
+        link = self.hardware.link_from(1)
+        hidden = self.trace.meta.hidden_size
+        roofline = self.compute.roofline
+        nbytes = tokens * hidden * (roofline.bytes_per_param if roofline is not None else 2.0) if hidden else 0
+        return link.transfer_seconds(nbytes)
+
+    def _host_expert_seconds(self, key: int, tokens: int) -> float:
+        """The host's time for expert ``key`` on ``tokens`` tokens: its weights read into host memory when
+        they are further away (an SSD home), then its compute there."""
+        return self._read_seconds(key, 1) + self.hardware.host.expert_seconds(tokens, self.E)
+
+    def _fetch_seconds(self, key: int, tokens: int) -> float:
+        """Fiddler's fetch(k, n): the expert's bytes to the GPU, then its compute there."""
+        return self._read_seconds(key, 0) + self.compute.expert_seconds(tokens, self.E)
+
+    def _compute_seconds(self, key: int, tokens: int) -> float:
+        """Fiddler's compute(k, n): the hidden states to the host and back, and the host's compute."""
+        return 2 * self._activation_seconds(tokens) + self._host_expert_seconds(key, tokens)
+
+    def _start_host(self, layer: int, tokens: int) -> float:
+        """Start the host's work on the layer's bypassed experts now: the hidden states of the iteration's
+        ``tokens`` go over once, the experts run one after another on the CPU, the results come back once.
+        Returns when it is done."""
+        start = self.now
+        t = start + self._activation_seconds(tokens)
+        for key, routed in self.bypassed_now.items():
+            seconds = self._host_expert_seconds(key, routed)
+            self.net.keep_in_host(key)
+            self.events.append(("host", "expert", t, t + seconds, layer, key))
+            self.host_seconds += seconds
+            t += seconds
+        self.bypassed_now = {}
+        return t + self._activation_seconds(tokens)
+
+    def _run_experts(self, layer: int, keys: list[int], counts: list[int], tokens: int) -> None:
+        bypassed = self.bypassed_now  # they run on the host
+        host_done = self._start_host(layer, tokens) if bypassed else self.now
+        remaining = [[key, count, False] for key, count in zip(keys, counts)  # [key, tokens, top share run]
+                     if key not in bypassed]
         expert_seconds, E, split = self.compute.expert_seconds, self.E, self.split
         theta = split.ratio[layer] if split is not None else 1.0
         while remaining:
@@ -349,6 +439,11 @@ class TimedRun:
             if split is not None:
                 split.consume(key)
             self.net.kick()
+        if host_done > self.now:  # the layer is done when the host's share is
+            start = self.now
+            self._advance_to(host_done)
+            self.per_layer_stall[layer] += self.now - start
+            self.events.append(("stall", "host", start, self.now, layer, -1))
 
     def run(self) -> dict:
         trace, ctx, compute, L, J = self.trace, self.ctx, self.compute, self.L, self.J
@@ -380,15 +475,16 @@ class TimedRun:
                 ctx.layer = layer
                 self._compute(compute.attention(n), "attention", layer)
                 self._compute(compute.router(n), "router", layer)
-                keys, counts = layer_needs(trace.experts, rows, layer, J)
+                keys, counts, rounds = layer_needs_with_rounds(trace.experts, rows, layer, J)
                 self.layer_now = view.layer_now = layer
-                self._route(layer, keys, routed_by_request(trace.experts, trace.request, rows, layer, J))
+                self._route(layer, keys, routed_by_request(trace.experts, trace.request, rows, layer, J), rounds)
                 if layer == L - 1:  # every layer is ahead again: proposals and arrivals are for the next pass
                     self.layer_now, self.passed_last_router = -1, True
                 if self.prefetcher is not None:
                     self._consult(self.prefetcher.on_layer_routed, view)
-                self._run_experts(layer, keys, counts)
+                self._run_experts(layer, keys, counts, n)
             self._compute(compute.lm_head(n), "lm_head", -1)
+            self.rounds += n * self.spec.top_k
             for request in requests:
                 token_times[request].append(self.now)
             spans.append((start, self.now, not (trace.phase[rows] == PREFILL).any()))
@@ -449,6 +545,8 @@ class TimedRun:
                    "expert": key}
                   for lane, kind, s, e, layer, key in self.events if (e > start and s < end) or s == e == start]
         lanes = ["compute", "stall"] + [q.link.name for q in self.net.queues.values()]
+        if any(event[0] == "host" for event in self.events):
+            lanes.append("host")
         if any(event[0] == "matcher" for event in self.events):
             lanes.append("matcher")
         return {"iteration": iteration, "duration_s": end - start, "lanes": lanes, "events": events}

@@ -45,16 +45,28 @@ def starting_split(trace: Trace, cache_bytes: int | None, expert_bytes: int, spl
     return SplitConfig.uniform((cache_bytes - buffer) / expert_bytes, meta.num_layers, meta.num_experts)
 
 
+# The timed simulator keeps Python objects for every expert of every tier (caches, policies, the all-resident
+# bound's GPU): 2^18 experts took 2.3 GB and 4 minutes for one policy on a 2-core machine. 2^16 is four
+# times DeepSeek-V3's 61 x 256.
+MAX_TIMED_EXPERTS = 2**16
+
+
 def check_timed_run(trace: Trace, hardware: HardwareProfile, policy: str, cache_bytes: int | None,
                     expert_bytes: int, arrivals: Arrivals, split: SplitConfig | None = None,
                     split_source: str = "the split configuration",
-                    reconfiguration: Reconfiguration | None = None) -> None:
+                    reconfiguration: Reconfiguration | None = None, prefetcher: str | None = None,
+                    fetch_or_compute: bool = False) -> None:
     """Raise ConfigError when this run cannot be made: a cache that holds no expert, exceeds the GPU or
     is below what the policy needs (with ``split``, a split configuration the model or the GPU cannot run,
     named ``split_source`` in the message; ``cache_bytes`` is then unused); experts with no tier to live
     in; a middle tier too small for one expert; an offline policy with serving arrivals; an online
     reconfiguration (``reconfiguration``) without gate predictions, with bad options or a free link."""
     meta = trace.meta
+    if meta.num_expert_slots > MAX_TIMED_EXPERTS:
+        raise ConfigError(f"{trace.path}: {meta.num_layers:,} layers x {meta.num_experts:,} experts is more experts "
+                          f"than the timed simulator models (at most {MAX_TIMED_EXPERTS:,}: it keeps Python state "
+                          "for every expert of every tier); replay it without --timed")
+    arrivals.check_clock(trace.num_requests, trace.path)
     spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
     total = meta.num_expert_slots * expert_bytes
     gpu = hardware.tiers[0]
@@ -83,6 +95,19 @@ def check_timed_run(trace: Trace, hardware: HardwareProfile, policy: str, cache_
         if tier.capacity_bytes < expert_bytes:
             raise ConfigError(f"hardware {hardware.name}: tier {tier.name} ({format_bytes(tier.capacity_bytes)}) "
                               f"cannot hold one expert of {format_bytes(expert_bytes)}")
+    policy_class = policy_info(policy).policy
+    bypassing = policy_class.static or fetch_or_compute
+    if bypassing and hardware.host is None:
+        raise ConfigError(f"hardware {hardware.name} has no [host] compute: "
+                          + (f"{policy} computes its misses on the host" if policy_class.static
+                             else "the fetch-or-compute rule needs the host's time per expert"))
+    if bypassing and len(hardware.tiers) < 2:
+        raise ConfigError(f"hardware {hardware.name} has no host tier for bypassed experts to live in")
+    if policy_class.places_or_bypasses and (split is not None or reconfiguration is not None):
+        raise ConfigError(f"{policy} places its own experts: it runs on a cache of whole experts, not split ones")
+    if policy_class.static and prefetcher is not None:
+        raise ConfigError(f"{policy} is a static placement: it loads nothing after the start, so there is "
+                          f"nothing for the prefetcher {prefetcher} to prefetch")
     if policy_info(policy).offline and arrivals.kind != "trace":
         raise ConfigError(f"{policy} is offline: it needs the future access order, which a serving run decides "
                           "while it runs (batches depend on timing); use it with --arrivals trace")
@@ -94,7 +119,7 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
                    arrivals: Arrivals = Arrivals(), seed: int = 0, policy_options: dict | None = None,
                    timeline_iteration: int | None = None, name: str | None = None,
                    all_resident: bool = False, split: SplitConfig | None = None,
-                   reconfiguration: Reconfiguration | None = None) -> RunResult:
+                   reconfiguration: Reconfiguration | None = None, fetch_or_compute: bool = False) -> RunResult:
     """Run ``trace`` on ``hardware`` with ``policy`` on a GPU expert cache of ``cache_bytes`` and an optional
     prefetcher (a registry name, or an instance); ``all_resident`` runs the bound with every expert in the
     GPU from the start (no transfers; ``policy``, ``cache_bytes``, ``prefetcher``, ``split`` and
@@ -103,7 +128,10 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
     ignored. With ``reconfiguration`` (reconfigure.py, e.g. ``Reconfiguration(every=5000)``) MoEpic's
     configurator reruns online every tau tokens, from ``split`` or, without one, from Algorithm 1's uniform
     start on ``cache_bytes``. The prefetcher is told what the GPU's link carries per layer (prefetch/budget.py),
-    and the split configuration's Y when it gives them."""
+    and the split configuration's Y when it gives them. ``fetch_or_compute`` bypasses a miss whenever the
+    host computes it faster than it is fetched (Fiddler's rule, policies/fetch_or_compute.py); a static
+    placement (static-freq, static-layers) bypasses every miss. Bypassed experts run on the profile's
+    ``[host]`` (run.py: Host compute)."""
     meta = trace.meta
     expert_bytes = expert_bytes or meta.expert_bytes
     if not expert_bytes:
@@ -115,7 +143,9 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         policy, policy_options, cache_bytes, prefetcher, split, reconfiguration = "lru", None, total, None, None, None
     else:
         check_timed_run(trace, hardware, policy, cache_bytes, expert_bytes, arrivals, split,
-                        reconfiguration=reconfiguration)
+                        reconfiguration=reconfiguration,
+                        prefetcher=prefetcher if isinstance(prefetcher, str) or prefetcher is None
+                        else prefetcher.name, fetch_or_compute=fetch_or_compute)
         split = starting_split(trace, cache_bytes, expert_bytes, split, reconfiguration)
         if split is not None:
             cache_bytes = split.memory_bytes(meta.top_k, expert_bytes)
@@ -143,7 +173,7 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         online = OnlineConfigurator(reconfiguration, split, hardware, meta.num_layers, meta.num_experts, meta.top_k,
                                     expert_bytes)
     sim = TimedRun(trace, hardware, policy, cache_bytes, expert_bytes, instance, arrivals, seed, policy_options,
-                   all_resident, split, online)
+                   all_resident, split, online, fetch_or_compute and not all_resident)
     if sim.net.home > 1 and not all_resident:
         notes.append(f"{hardware.name}: the experts live in {hardware.tiers[sim.net.home].name}; "
                      + ", ".join(f"{t.name} caches {format_bytes(t.capacity_bytes)}"
@@ -161,7 +191,12 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
     ttft = [token_times[r][0] - arrival[r] for r in arrival]
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
     gaps = [b - a for t in token_times.values() for a, b in zip(t, t[1:])]
-    misses = sim.accesses - sim.hits
+    misses = sim.accesses - sim.hits - sim.bypassed
+    fetch_or_compute = fetch_or_compute and not all_resident and not policy_info(policy).policy.static  # else moot
+    if fetch_or_compute:
+        notes.append("fetch-or-compute: a miss is computed on the host when that is predicted faster than "
+                     "fetching it (Fiddler's rule)")
+    bypassing = (fetch_or_compute or policy_info(policy).policy.places_or_bypasses) and not all_resident
     return RunResult(
         trace=name or trace.path, policy=ALL_RESIDENT if all_resident else policy,
         # a split run's memory is fractional experts (tops of theta_i E bytes): the nearest whole number
@@ -169,6 +204,10 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
                     else min(cache_bytes, total) // expert_bytes),
         accesses=sim.accesses, hits=sim.hits, misses=misses,
         per_layer_accesses=sim.per_layer_accesses, per_layer_hits=sim.per_layer_hits,
+        bypassed=sim.bypassed if bypassing else None,
+        per_layer_bypassed=sim.per_layer_bypassed if bypassing else None,
+        host_compute_seconds=sim.host_seconds if bypassing else None,
+        admission="fetch-or-compute" if fetch_or_compute else None,
         bytes_loaded=sim.net.queues[1].bytes_moved if sim.net.queues else 0,
         prefetches_issued=sim.net.issued if instance is not None else None,
         prefetches_used=sim.used if instance is not None else None,
@@ -203,11 +242,16 @@ def timed_runs(policies: list[str], prefetchers: list[str | None], cache_sizes: 
                with_oracle: bool = True) -> list[tuple[str, str | None, int | None]]:
     """The (policy, prefetcher, cache bytes) runs of a timed grid: the all-resident bound first
     (ALL_RESIDENT, None, None), then every policy with every prefetcher at every size, then the oracle
-    prefetcher with every policy at every size (unless asked for anyway, or not ``with_oracle``)."""
+    prefetcher with every policy at every size (unless asked for anyway, or not ``with_oracle``). A static
+    placement, which loads nothing after the start, runs without a prefetcher only."""
+    def fits(policy, prefetcher):
+        return prefetcher is None or not policy_info(policy).policy.static
+
     runs = [(ALL_RESIDENT, None, None)]
-    runs += [(policy, prefetcher, size) for size in cache_sizes for policy in policies for prefetcher in prefetchers]
+    runs += [(policy, prefetcher, size) for size in cache_sizes for policy in policies for prefetcher in prefetchers
+             if fits(policy, prefetcher)]
     if with_oracle and ORACLE not in prefetchers:
-        runs += [(policy, ORACLE, size) for size in cache_sizes for policy in policies]
+        runs += [(policy, ORACLE, size) for size in cache_sizes for policy in policies if fits(policy, ORACLE)]
     return runs
 
 
@@ -217,11 +261,12 @@ def timed_grid(trace: Trace, hardware: HardwareProfile, policies: list[str], pre
                prefetcher_options: dict[str, dict] | None = None, history: Trace | None = None,
                timeline_iteration: int | None = None, with_oracle: bool = True, name: str | None = None,
                jobs: int = 1, progress=None, split: SplitConfig | None = None,
-               reconfiguration: Reconfiguration | None = None) -> list[RunResult]:
+               reconfiguration: Reconfiguration | None = None, fetch_or_compute: bool = False) -> list[RunResult]:
     """Every (policy, prefetcher, cache size in bytes) and the bounds to compare them with: the all-resident
     run (first) and, for every policy and size, the oracle prefetcher (unless asked for anyway). With
     ``split`` every run but the all-resident one runs that split configuration (give one cache size: it is
-    unused); with ``reconfiguration`` every such run reconfigures it online (simulate_timed).
+    unused); with ``reconfiguration`` every such run reconfigures it online; with ``fetch_or_compute`` every
+    such run computes on the host the misses that Fiddler's rule bypasses (simulate_timed).
 
     Runs are independent, so ``jobs`` > 1 spreads them over processes; results do not depend on it.
     ``progress`` is called after each run."""
@@ -229,6 +274,7 @@ def timed_grid(trace: Trace, hardware: HardwareProfile, policies: list[str], pre
                   name=name)
     tasks = [dict(all_resident=True, **shared) if policy == ALL_RESIDENT else
              dict(policy=policy, cache_bytes=size, prefetcher=prefetcher, split=split, reconfiguration=reconfiguration,
+                  fetch_or_compute=fetch_or_compute,
                   prefetcher_options=(prefetcher_options or {}).get(prefetcher),
                   policy_options=(policy_options or {}).get(policy), **shared)
              for policy, prefetcher, size in timed_runs(policies, prefetchers, cache_sizes, with_oracle)]

@@ -112,6 +112,21 @@ class TierNetwork:
             pins.add(queue.on_wire.key)
         return pins
 
+    def keep_in_host(self, key: int) -> None:
+        """The host read ``key`` from a slower home to compute it there (a bypassed miss, run.py): the host
+        tier, a cache of the slower tiers, keeps the copy as it keeps any expert read through it (the page
+        cache of llama.cpp's memory-mapped weights does the same), when it can make room without evicting what
+        its link to the GPU is reading or about to read. The read itself is the host's time, not the link's."""
+        if self.home < 2 or key in self.caches[1] or key in self.caches[1].reserved:
+            return
+        ctx = self.ctx
+        ctx.pinned = self._middle_pins(1, for_demand=False)
+        try:
+            if self.caches[1].reserve(key, ctx, self.E):
+                self.caches[1].complete(key, ctx)
+        finally:
+            ctx.pinned = self.pinned
+
     def kick(self) -> None:
         """Start whatever can start on every idle link; repeat while something started or moved."""
         moved = True

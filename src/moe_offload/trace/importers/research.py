@@ -1,4 +1,4 @@
-"""Importers of routing traces published by research projects.
+"""Importers of routing traces published by research projects, one per public format below.
 
 ``topk-jsonl``
     One JSON object per line, ``{"tok": n, "layers": [[K expert ids] x L]}``: one decode token per line
@@ -195,7 +195,7 @@ def _read_routes(path: Path, document: dict, layer_keys: list[str] | None,
         if not isinstance(layers, dict) or not layers:
             fail("'layers' must be a non-empty object {layer: {experts, weights}}")
         if layer_keys is None:
-            if not all(key.isdigit() for key in layers):
+            if not all(key.isascii() and key.isdigit() for key in layers):
                 fail(f"layer keys must be layer numbers, found {sorted(layers)!r}")
             layer_keys = sorted(layers, key=int)
         if set(layers) != set(layer_keys):
