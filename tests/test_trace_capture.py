@@ -1,7 +1,8 @@
 """`moe-offload trace capture` end to end against `moe-offload serve` (in-process, on loopback, the bundled
 tiny model): 16 prompts sent 16 at a time give back each prompt's own routing (what `record` sees, greedy,
 alone), the tokens /metrics counted, and the server's batches, so that the trace's expert requests (one per
-expert a pass's tokens select, per layer, as the runtime counts them) equal /metrics' count; sent one at a
+expert a pass's tokens select, per layer, as the runtime counts them), counted directly and by the timed
+simulator's replay of the trace, equal /metrics' count; sent one at a
 time without the server's pass numbers (as from SGLang), the arrival times alone rebuild the passes. Bad
 servers and options are one-line errors with nothing written."""
 
@@ -18,9 +19,11 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from moe_offload.api import load  # noqa: E402
 from moe_offload.bundled import TINY_MODEL_DIR  # noqa: E402
 from moe_offload.cli.main import main  # noqa: E402
+from moe_offload.hardware.profile import resolve_profile  # noqa: E402
 from moe_offload.server import ServerThread  # noqa: E402
 from moe_offload.text.prompts import Prompt  # noqa: E402
 from moe_offload.trace.capture import capture  # noqa: E402
+from moe_offload.simulator.timed import simulate_timed  # noqa: E402
 from moe_offload.trace.format import PREFILL, read_trace  # noqa: E402
 
 PROMPTS = [f"question {i}: tell me about {word}." for i, word in enumerate(
@@ -100,6 +103,9 @@ def test_sixteen_concurrent_prompts(capsys, server, prompt_file, recorded, tmp_p
     captured = sorted(trace.experts[trace.request == r].astype(np.int64).tobytes() for r in range(16))
     assert captured == sorted(expected.astype(np.int64).tobytes() for expected in recorded)
     assert pass_requests(trace) == expert_requests(after) - expert_requests(before)
+    # the timed simulator replays the trace's passes as recorded: it serves as many expert requests
+    replayed = simulate_timed(trace, resolve_profile("desktop-rtx4090"), "lru", 16 * trace.meta.expert_bytes)
+    assert replayed.accesses == expert_requests(after) - expert_requests(before)
     batch_sizes = [np.unique(trace.request[trace.iteration == i]).size for i in np.unique(trace.iteration)]
     assert max(batch_sizes) > 1  # the server did batch them
 
