@@ -241,3 +241,18 @@ def test_sglang_top_level_sglext_and_generate_answers(tmp_path, tiny_trace):
     write_jsonl(tmp_path / "s.jsonl", [first, native])
     trace = import_sglang(tmp_path / "s.jsonl", model_config=read_model_config(config_file(tmp_path, tiny_trace)))
     assert_same_sequence(trace, two)
+
+
+def test_vllm_choices_share_the_prompt(tmp_path, tiny_trace):
+    """n > 1: each choice is a request of its own, with the response's prompt rows."""
+    (prompt, first), (_, second) = requests_of(tiny_trace)[:2]
+    response = {"model": "m", "prompt_routed_experts": prompt.tolist(), "usage": {"prompt_tokens": len(prompt)},
+                "choices": [{"index": 0, "routed_experts": first.tolist()},
+                            {"index": 1, "routed_experts": second.tolist()}]}
+    write_jsonl(tmp_path / "v.jsonl", [response])
+    trace = import_vllm(tmp_path / "v.jsonl", num_experts=8)
+    assert trace.num_requests == 2
+    for request, generated in ((0, first), (1, second)):
+        rows = trace.request == request
+        np.testing.assert_array_equal(trace.experts[rows & (trace.phase == PREFILL)], prompt)
+        np.testing.assert_array_equal(trace.experts[rows & (trace.phase == DECODE)], generated)
