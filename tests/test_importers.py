@@ -18,8 +18,8 @@ from moe_offload.trace.importers import IMPORTERS, import_routes_json, import_to
 from conftest import QWEN_FILES
 
 
-def test_registry_names_both_formats():
-    assert set(IMPORTERS) == {"topk-jsonl", "routes-json"}
+def test_registry_names_every_format():
+    assert set(IMPORTERS) == {"topk-jsonl", "routes-json", "vllm", "sglang", "npy"}
 
 
 # ------------------------------------------------------------------------------------------ real traces

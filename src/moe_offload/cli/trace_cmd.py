@@ -6,11 +6,13 @@ import json
 
 import numpy as np
 
+from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import format_bytes
 from moe_offload.outputs import check_output
 from moe_offload.trace.flatten import flatten, write_csv, write_oracle_general
 from moe_offload.trace.format import DECODE, EMBEDDING_KINDS, PREFILL, Trace, read_trace, seal_trace, write_trace
-from moe_offload.trace.importers import IMPORTERS
+from moe_offload.trace.capture import ENGINES
+from moe_offload.trace.importers import IMPORTERS, TAKES_MODEL_CONFIG
 from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
 
 OPTIONAL_COLUMNS = ("weights", "probs", "embedding", "gate_prediction", "next_token_gate_prediction")
@@ -35,20 +37,52 @@ def register(subparsers) -> None:
 
     importer = actions.add_parser(
         "import", help="convert a public trace format into a trace file",
-        description="Convert traces recorded by other projects. Several SRC files become several requests "
+        description="Convert traces recorded by other projects, or the routing vLLM and SGLang return with their "
+                    "responses (see docs/guides/your-traffic.md). Several SRC files become several requests "
                     "(request id = order on the command line).")
     importer.add_argument("format", choices=sorted(IMPORTERS), metavar="FORMAT",
                           help=f"source format: {', '.join(sorted(IMPORTERS))}")
     importer.add_argument("sources", nargs="+", metavar="SRC", help="source file(s)")
     importer.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write")
     importer.add_argument("--experts", type=int, metavar="J",
-                          help="experts per layer (required for topk-jsonl, whose files do not say it)")
+                          help="experts per layer (required for topk-jsonl, vllm and npy unless --model-config "
+                               "gives it: their files do not say it)")
+    importer.add_argument("--model-config", metavar="CONFIG",
+                          help="the model's Hugging Face config.json, for L, J, K and the expert size (vllm, sglang "
+                               "and npy; required for sglang)")
     importer.add_argument("--model", metavar="NAME", help="model name to record")
     importer.add_argument("--expert-bytes", type=int, metavar="N", help="bytes of one expert's weights")
     importer.add_argument("--hidden-size", type=int, metavar="D", help="the model's hidden size")
     importer.add_argument("--source", metavar="TEXT", help="provenance to record (default: the file names)")
     importer.add_argument("--license", metavar="TEXT", help="license of the source data")
     importer.set_defaults(run=run_import)
+
+    capture = actions.add_parser(
+        "capture", help="send prompts to a server that returns routed experts and write their trace",
+        description="Send each prompt as a /v1/completions request (at most --concurrency at once) to an "
+                    "OpenAI-compatible server that returns the routing with its answers: moe-offload serve, "
+                    "SGLang or vLLM started with --enable-return-routed-experts. Arrival times are recorded; "
+                    "the trace is written when every answer is in (see docs/guides/your-traffic.md).")
+    capture.add_argument("--url", required=True, metavar="URL", help="the server, e.g. http://127.0.0.1:8000")
+    capture.add_argument("--prompts", required=True, metavar="SOURCES",
+                         help="comma-separated prompt sources: sharegpt, humaneval, or files with one prompt per "
+                              "line (or .jsonl with 'prompt')")
+    capture.add_argument("--limit", type=int, metavar="N", help="at most N prompts from each source")
+    capture.add_argument("--engine", choices=ENGINES, default="moe-offload",
+                         help="how the server returns routing: moe-offload and sglang (sgl_ext.routed_experts, "
+                              "asked per request), vllm (prompt_routed_experts and routed_experts); default "
+                              "moe-offload")
+    capture.add_argument("--concurrency", type=int, default=8, metavar="N", help="requests in flight (default 8)")
+    capture.add_argument("--max-tokens", type=int, default=32, metavar="N", help="tokens per answer (default 32)")
+    capture.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0, greedy)")
+    capture.add_argument("--model", metavar="NAME", help="the model to ask for (default: the first the server lists)")
+    capture.add_argument("--model-config", metavar="CONFIG",
+                         help="the model's config.json for L, J, K and the expert size ('tiny': the bundled "
+                              "model's); required for moe-offload and sglang")
+    capture.add_argument("--experts", type=int, metavar="J", help="experts per layer, when no --model-config")
+    capture.add_argument("--expert-bytes", type=int, metavar="N", help="bytes of one expert's weights")
+    capture.add_argument("-o", "--output", required=True, metavar="TRACE", help="trace file to write (.parquet)")
+    capture.set_defaults(run=run_capture)
 
     synth = actions.add_parser("synth", help="generate a synthetic trace",
                                description="Generate the synthetic traces of the layered-paging paper (001).")
@@ -224,11 +258,47 @@ def _rounded(value: float | None) -> float | None:
 # ------------------------------------------------------------------------------------------ import, synth
 
 def run_import(args) -> int:
-    check_output(args.output, inputs=args.sources, what="trace")
+    check_output(args.output, inputs=[*args.sources, args.model_config], what="trace")
+    options = {}
+    if args.model_config is not None:
+        if args.format not in TAKES_MODEL_CONFIG:
+            raise ConfigError(f"--model-config is for the formats {', '.join(TAKES_MODEL_CONFIG)}, not {args.format}")
+        options["model_config"] = _model_config(args.model_config)
     trace = IMPORTERS[args.format](args.sources, num_experts=args.experts, model=args.model,
                                    expert_bytes=args.expert_bytes, hidden_size=args.hidden_size,
-                                   source=args.source, license=args.license)
+                                   source=args.source, license=args.license, **options)
     return _write(trace, args.output)
+
+
+def run_capture(args) -> int:
+    from moe_offload.reporting.progress import progress_bar
+    from moe_offload.text.prompts import BUILTIN_SOURCES, load_prompts
+    from moe_offload.trace.capture import capture
+
+    prompt_files = [name.strip() for name in args.prompts.split(",") if name.strip() not in BUILTIN_SOURCES]
+    check_output(args.output, inputs=[*prompt_files, args.model_config], what="trace")
+    shape = _model_config(args.model_config)
+    prompts = load_prompts(args.prompts, args.limit)
+    with progress_bar() as bar:  # capture checks the options, then asks the server for its model, then sends
+        task = bar.add_task(f"capturing {len(prompts)} prompts", total=len(prompts))
+        trace = capture(args.url, prompts, engine=args.engine, model=args.model, max_tokens=args.max_tokens,
+                        temperature=args.temperature, concurrency=args.concurrency, model_config=shape,
+                        num_experts=args.experts, expert_bytes=args.expert_bytes,
+                        on_answer=lambda: bar.advance(task))
+    return _write(trace, args.output)
+
+
+def _model_config(name: str | None):
+    """--model-config: a config.json, or 'tiny' for the bundled model's."""
+    from moe_offload.bundled import TINY_MODEL_DIR
+    from moe_offload.inputs import missing
+    from moe_offload.trace.importers.model_config import read_model_config
+
+    if name is None:
+        return None
+    if name == "tiny" and missing(name):
+        return read_model_config(TINY_MODEL_DIR / "config.json")
+    return read_model_config(name)
 
 
 def run_synth_zipf(args) -> int:

@@ -70,6 +70,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     return_logits: bool = False
+    return_routed_experts: bool = False  # the Completion carries the routing of the tokens fed (routing_log.py)
 
     def check(self) -> None:
         """Each field checked (values.py), in place; a ConfigError names the first bad one."""
@@ -104,6 +105,8 @@ class Completion:
     stats: RunResult
     error: BaseException | None = None
     logits: list | None = None  # per generated token, [vocab] (SamplingParams.return_logits)
+    routed_experts: object = None  # [prompt + generated - 1, L, K] int32 (SamplingParams.return_routed_experts)
+    passes: list[int] | None = None  # the scheduler's forward passes it ran in (first: its prompt), with routed_experts
 
 
 class RequestHandle:
@@ -181,6 +184,7 @@ class _Request:
     sent: int = 0   # characters of text already emitted
     text: str = ""
     slot: int | None = None  # its rows in the KV pool, while it runs
+    passes: list[int] = field(default_factory=list)  # numbers of the scheduler's passes it ran in
 
     @property
     def prefilled(self) -> bool:
@@ -257,6 +261,8 @@ class BatchScheduler:
             if self.stopping:
                 raise MoeOffloadError("the engine is shutting down")
             request = self.runner.new_request()
+            if params.return_routed_experts:
+                self.runner.routing_log.keep(request)
             handle = RequestHandle(request, on_event)
             self.waiting.append(_Request(request, ids, params, handle, generator,
                                          Counters.zero(self.engine.spec.num_layers), time.perf_counter()))
@@ -397,6 +403,8 @@ class BatchScheduler:
         for segment in segments:
             self.kv.commit(segment.slot, segment.end - segment.start)
         now = time.perf_counter()
+        for request in batch:
+            request.passes.append(self.iterations)
         self.iterations += 1
         self.forward_seconds += now - started
         if any(s.prefill for s in segments):
@@ -456,6 +464,7 @@ class BatchScheduler:
         self._finish(request, finish)
 
     def _finish(self, request: _Request, reason: str, error: BaseException | None = None) -> None:
+        routed_experts = self.runner.routing_log.take(request.id)
         self.runner.end_request(request.id)
         if request.slot is not None:
             self.kv.release(request.slot)
@@ -468,7 +477,8 @@ class BatchScheduler:
         stats.bytes_per_link = stats.bytes_loaded = None  # the links are shared: see the engine's stats
         stats.token_latency_seconds = [b - a for a, b in zip(times, times[1:])]
         completion = Completion(request.id, request.text, list(request.tokens), len(request.prompt), reason, stats,
-                                error, request.logits if request.params.return_logits else None)
+                                error, request.logits if request.params.return_logits else None, routed_experts,
+                                request.passes if routed_experts is not None else None)
         for observer in self.observers:
             observer.on_finish(completion)
         request.handle._emit(completion)

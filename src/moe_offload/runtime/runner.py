@@ -43,6 +43,7 @@ from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.live_view import LiveRoutingView
 from moe_offload.runtime.matcher import AsyncMatcher, runs_off_the_decode_thread
+from moe_offload.runtime.routing_log import RoutingLog
 
 
 class ModelRunner:
@@ -81,6 +82,7 @@ class ModelRunner:
         self._hooks = []
         self._segmented = []
         self._tap = None
+        self.routing_log = RoutingLog(adapter)  # the routing of the requests that ask for it (a server's)
 
     # ------------------------------------------------------------------------------------------ set-up
     def install(self) -> None:
@@ -96,6 +98,7 @@ class ModelRunner:
         base = self.model.model
         self._hooks = [base.register_forward_pre_hook(self._pass_start, with_kwargs=True),
                        base.register_forward_hook(self._pass_end)]
+        self.routing_log.install()
         if self.needs_routing:
             self._tap = RoutingTap(self.adapter, self._layer_routed, capture_hidden=self.needs_gate_prediction)
             self._tap.__enter__()
@@ -104,6 +107,7 @@ class ModelRunner:
         from moe_offload.runtime.packed import unsegment_rows
 
         unsegment_rows(self._segmented)
+        self.routing_log.remove()
         for handle in self._hooks:
             handle.remove()
         if self._tap is not None:
@@ -280,6 +284,7 @@ class ModelRunner:
             segments = [(self.request, 0, self.tokens_in_pass, self.view is None)]
         self.segment_requests = [request for request, *_ in segments]
         self.keys_of = {}
+        self.routing_log.pass_start(segments)
         if not self.needs_routing:
             return
         requests = np.empty(self.tokens_in_pass, np.int64)
@@ -321,6 +326,7 @@ class ModelRunner:
             self._consult("on_layer_routed", layer)
 
     def _pass_end(self, module, args, output):
+        self.routing_log.pass_end()
         self.rounds += self.tokens_in_pass * self.spec.top_k
         if self.prefetcher is not None and self.view is not None:
             if self.matcher is not None:

@@ -34,6 +34,7 @@ from moe_offload.server.metrics import ServerMetrics
 from moe_offload.server.protocol import (CHAT_MAX_TOKENS, COMPLETION_MAX_TOKENS, APIError, ChatRequest,
                                          CompletionRequest, chat_text, chunk_body, completion_body, new_id, parse,
                                          request_counters, usage)
+from moe_offload.server.routed_experts import attach as attach_routing
 
 GRACE_SECONDS = 10  # on SIGINT/SIGTERM, running requests may finish for this long before they are cancelled
 DISCONNECT_POLL_SECONDS = 0.25
@@ -111,7 +112,8 @@ def create_app(engine, name: str) -> FastAPI:
                 room = (engine.manifest.max_position_embeddings or len(ids) + CHAT_MAX_TOKENS) - len(ids)
                 max_tokens = COMPLETION_MAX_TOKENS if kind == "text" else min(CHAT_MAX_TOKENS, max(room, 1))
             params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                    seed=req.seed, stop=req.stop_sequences())
+                                    seed=req.seed, stop=req.stop_sequences(),
+                                    return_routed_experts=req.return_routed_experts)
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
             handle = scheduler.submit(ids, params, on_event=lambda e: loop.call_soon_threadsafe(events.put_nowait, e))
@@ -122,13 +124,15 @@ def create_app(engine, name: str) -> FastAPI:
         rid = new_id("cmpl" if kind == "text" else "chatcmpl")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(kind, rid, handle, events, include_usage),
-                                     media_type="text/event-stream")
+            return StreamingResponse(_stream(kind, rid, handle, events, include_usage,
+                                             req.routed_experts_start_len), media_type="text/event-stream")
         completion = await _completion(handle, events, request)
         if completion is None:  # the client went away: nobody reads an answer
             return Response(status_code=499)
         _raise_failure(completion)
-        return completion_body(kind, rid, name, completion)
+        body = completion_body(kind, rid, name, completion)
+        attach_routing(body, completion, req.routed_experts_start_len)
+        return body
 
     async def _completion(handle, events, request) -> Completion | None:
         try:
@@ -146,7 +150,7 @@ def create_app(engine, name: str) -> FastAPI:
             handle.cancel()
             raise
 
-    async def _stream(kind, rid, handle, events, include_usage):
+    async def _stream(kind, rid, handle, events, include_usage, routed_experts_start_len):
         first = True
         try:
             while True:
@@ -163,6 +167,7 @@ def create_app(engine, name: str) -> FastAPI:
                     return
                 last = chunk_body(kind, rid, name, "", event.finish_reason, first=first)
                 last["moe_offload"] = request_counters(event.stats)
+                attach_routing(last, event, routed_experts_start_len)
                 yield _sse(last)
                 if include_usage:
                     yield _sse({"id": rid, "object": last["object"], "created": last["created"], "model": name,

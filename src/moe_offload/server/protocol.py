@@ -51,6 +51,9 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     user: str | None = None  # accepted and unused, as a tag for the caller
+    # SGLang's extension (server/routed_experts.py): the routing of the request's tokens in sgl_ext
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = Field(0, ge=0)
 
     def stop_sequences(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

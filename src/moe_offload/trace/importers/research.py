@@ -1,4 +1,4 @@
-"""Importers of routing traces recorded by other projects, one per public format below.
+"""Importers of routing traces published by research projects, one per public format below.
 
 ``topk-jsonl``
     One JSON object per line, ``{"tok": n, "layers": [[K expert ids] x L]}``: one decode token per line
@@ -13,12 +13,7 @@
     traces). Router weights are kept (float16). The prompt's tokens form one iteration (one prefill
     forward pass); every decode token is an iteration of its own.
 
-Every importer takes one path or a list of paths; several files become several requests (request id =
-file order) with increasing iterations. All share the signature of :data:`IMPORTERS`' values::
-
-    importer(paths, *, num_experts=None, model=None, expert_bytes=None, hidden_size=None,
-             source=None, license=None, extra=None) -> Trace
-
+Several files become several requests (request id = file order), one after the other.
 Malformed input raises TraceError naming the file and the line (``topk-jsonl``, 1-based; invalid JSON
 in either format) or the route (``routes-json``, the 0-based index into ``routes``).
 """
@@ -26,32 +21,17 @@ in either format) or the route (``routes-json``, the 0-based index into ``routes
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 from moe_offload.errors import ConfigError, TraceError
 from moe_offload.inputs import parse_json, read_text
-from moe_offload.trace.format import DECODE, MAX_EXPERT_SLOTS, PHASES, PREFILL, Trace, TraceMeta
-from moe_offload.values import integer
+from moe_offload.trace.format import DECODE, PHASES, PREFILL, Trace
+from moe_offload.trace.importers.common import (_are_ids, _as_paths, _assemble, _check_expert_ids,
+                                                _check_num_experts, _failer, _is_int, _is_number, _Request)
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
-
-
-@dataclass
-class _Request:
-    """The rows one file contributed, before the request id and iteration offset are known."""
-
-    path: Path
-    experts: np.ndarray        # [n, L, K] int64
-    position: list[int]
-    phase: list[int]
-    iteration: list[int]       # 0-based inside the request
-    locator: list[int]         # line number or route index of each row, for error messages
-    unit: str                  # "line" or "route"
-    weights: np.ndarray | None = None  # [n, L, K] float64
 
 
 # ---------------------------------------------------------------------------------------------- topk-jsonl
@@ -279,88 +259,3 @@ def _check_token_counts(path: Path, document: dict, phases: list[int]) -> None:
         routed = phases.count(phase)
         if routed != len(tokens):
             raise TraceError(path, f"{routed} {PHASES[phase]} routes, but '{key}' lists {len(tokens)} tokens")
-
-
-# ------------------------------------------------------------------------------------------------- shared
-
-def _assemble(requests: list[_Request], paths: list[Path], format_name: str, *, num_experts: int, model: str,
-              expert_bytes, hidden_size, source, license, extra: dict) -> Trace:
-    """One trace from per-file rows: request id = file order, iterations continued across files."""
-    _, num_layers, top_k = requests[0].experts.shape
-    request_ids, iterations = [], []
-    next_iteration = 0
-    for request_id, request in enumerate(requests):
-        request_ids.append(np.full(len(request.position), request_id, dtype=np.int32))
-        local = np.asarray(request.iteration, dtype=np.int64)
-        iterations.append(local + next_iteration)
-        next_iteration += int(local.max()) + 1
-    weights = [r.weights for r in requests]
-    meta = TraceMeta(model=model, num_layers=num_layers, num_experts=num_experts, top_k=top_k,
-                     expert_bytes=expert_bytes, hidden_size=hidden_size,
-                     source=source or f"{format_name} import of {', '.join(p.name for p in paths)}",
-                     license=license, extra=extra)
-    path = paths[0] if len(paths) == 1 else "<" + ", ".join(map(str, paths)) + ">"
-    meta.check(path)
-    return Trace.build(meta, np.concatenate([r.experts for r in requests]),
-                       request=np.concatenate(request_ids), iteration=np.concatenate(iterations),
-                       position=np.concatenate([r.position for r in requests]),
-                       phase=np.concatenate([r.phase for r in requests]),
-                       weights=None if any(w is None for w in weights) else np.concatenate(weights), path=path)
-
-
-def _check_expert_ids(request: _Request, num_experts: int) -> None:
-    """Raise TraceError at the first line/route selecting an id outside 0..J-1 or one expert twice."""
-    experts = request.experts
-    out_of_range = (experts < 0) | (experts >= num_experts)
-    ordered = np.sort(experts, axis=2)
-    duplicated = ordered[:, :, 1:] == ordered[:, :, :-1]
-    for bad, problem in ((out_of_range, f"expert id out of range 0..{num_experts - 1} (num_experts={num_experts})"),
-                         (duplicated, "the same expert listed twice")):
-        rows = np.flatnonzero(bad.any(axis=2).any(axis=1))
-        if rows.size:
-            row = int(rows[0])
-            layer = int(np.flatnonzero(bad[row].any(axis=1))[0])
-            raise TraceError(request.path, f"layer {layer}: {problem}: {experts[row, layer].tolist()}",
-                             row=request.locator[row], unit=request.unit)
-
-
-def _failer(path: Path, row: int, unit: str) -> Callable[[str], None]:
-    def fail(problem: str) -> None:
-        raise TraceError(path, problem, row=row, unit=unit)
-    return fail
-
-
-def _as_paths(paths) -> list[Path]:
-    if isinstance(paths, (str, Path)):
-        paths = [paths]
-    paths = [Path(p) for p in paths]
-    if not paths:
-        raise ConfigError("no trace files given to import")
-    return paths
-
-
-def _check_num_experts(num_experts) -> None:
-    if num_experts is not None:
-        integer(num_experts, "num_experts (--experts)", low=1, high=MAX_EXPERT_SLOTS,
-                why="experts per layer, at most the experts of a whole model this release handles")
-
-
-def _are_ids(values: list) -> bool:
-    """Whether every value is an integer that fits the int64 array the ids are checked in."""
-    return all(_is_int(v) and -2**63 <= v < 2**63 for v in values)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-Importer = Callable[..., Trace]
-
-IMPORTERS: dict[str, Importer] = {
-    "topk-jsonl": import_topk_jsonl,
-    "routes-json": import_routes_json,
-}

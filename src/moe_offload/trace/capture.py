@@ -1,0 +1,125 @@
+"""`moe-offload trace capture`: send prompts to a running server that returns routed experts; keep the trace.
+
+The server is any OpenAI-compatible one that returns the routing with its answers: vLLM started with
+``--enable-return-routed-experts`` (it returns routing unasked), SGLang started with the same flag (asked
+with ``"return_routed_experts": true``), or ``moe-offload serve``, which speaks SGLang's convention
+(server/routed_experts.py). Each prompt is one ``/v1/completions`` request; at most ``concurrency`` are in
+flight at once, so the server batches them as it would its users' traffic. The time each request was sent
+and answered is recorded (one clock): requests enter the trace in the order they were sent, and one that
+was sent after another was answered starts after it (importers/engines.py, ``schedule``). ``moe-offload
+serve`` also says which forward passes each request ran in (``moe_offload.passes``): the trace's iterations
+are then the server's batches exactly.
+
+The responses are read by the importers' own code (``vllm_rows``, ``sglang_rows``), so a capture and an
+import of the same responses give the same trace.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from moe_offload.errors import ConfigError
+from moe_offload.text.prompts import Prompt
+from moe_offload.trace.format import Trace
+from moe_offload.trace.importers.engines import Routed, build_trace, sglang_rows, vllm_rows
+from moe_offload.trace.importers.model_config import ModelShape
+from moe_offload.trace.importers.responses import ResponseError
+from moe_offload.values import integer, number
+
+ENGINES = ("moe-offload", "sglang", "vllm")
+
+
+def capture(url: str, prompts: list[Prompt], *, engine: str = "moe-offload", model: str | None = None,
+            max_tokens: int = 32, temperature: float = 0.0, concurrency: int = 8,
+            model_config: ModelShape | None = None, num_experts: int | None = None, expert_bytes: int | None = None,
+            timeout: float = 600.0, on_answer: Callable[[], None] | None = None) -> Trace:
+    """Send every prompt to the server at ``url`` and return the trace of their routing. ``on_answer`` is
+    called (from a worker thread) after each answer. A request the server refuses, or an answer without
+    routing, ends the capture with a one-line error naming the prompt."""
+    if engine not in ENGINES:
+        raise ConfigError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
+    concurrency = integer(concurrency, "--concurrency", low=1, high=1024)
+    max_tokens = integer(max_tokens, "--max-tokens", low=1)
+    temperature = number(temperature, "--temperature", low=0, high=2)
+    if engine != "vllm" and model_config is None:
+        raise ConfigError(f"{engine} returns routing as flat ids: give the model's config (--model-config "
+                          "config.json, or 'tiny' for the bundled model) for its layers and top-k")
+    base = url.rstrip("/")
+    model = model or served_model(base, timeout)
+    extra = {} if engine == "vllm" else {"return_routed_experts": True}
+    clock = time.perf_counter
+
+    def one(index: int, prompt: Prompt) -> list[Routed]:
+        body = {"model": model, "prompt": prompt.text, "max_tokens": max_tokens, "temperature": temperature, **extra}
+        sent = clock()
+        response = _post(f"{base}/v1/completions", body, timeout, f"prompt {index} ({prompt.source})")
+        answered = clock()
+        if engine == "vllm":
+            rows = vllm_rows(response, base, index)
+        else:
+            rows = sglang_rows(response, base, index, shape=model_config)
+        if on_answer is not None:
+            on_answer()
+        passes = (response.get("moe_offload") or {}).get("passes") if engine == "moe-offload" else None
+        if passes is not None and not (isinstance(passes, list)
+                                       and all(isinstance(p, int) and not isinstance(p, bool) for p in passes)):
+            raise ResponseError(base, index, f"moe_offload.passes must be a list of pass numbers, not {passes!r}")
+        return [Routed(response.get("model"), base, index, prompt_rows, generated, sent, answered, passes)
+                for prompt_rows, generated in rows]
+
+    with ThreadPoolExecutor(concurrency, thread_name_prefix="capture") as pool:
+        futures = [pool.submit(one, index, prompt) for index, prompt in enumerate(prompts)]
+        try:
+            routed = [entry for future in futures for entry in future.result()]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+    return build_trace("vllm" if engine == "vllm" else "sglang", routed, [base], num_experts=num_experts,
+                       model=model, expert_bytes=expert_bytes, model_config=model_config,
+                       source=f"trace capture of {len(prompts)} prompts from {base} ({engine}, max_tokens "
+                              f"{max_tokens}, temperature {temperature:g}, concurrency {concurrency})",
+                       extra={"importer": f"capture ({engine})", "files": []})
+
+
+def served_model(base: str, timeout: float = 30.0) -> str:
+    """The first model the server lists at /v1/models; ConfigError when it cannot be reached."""
+    listing = _request(urllib.request.Request(f"{base}/v1/models"), timeout, "the model list")
+    models = listing.get("data") if isinstance(listing, dict) else None
+    if not models or not isinstance(models[0], dict) or "id" not in models[0]:
+        raise ConfigError(f"{base}/v1/models: lists no model; give --model NAME")
+    return str(models[0]["id"])
+
+
+def _post(url: str, body: dict, timeout: float, what: str) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    answer = _request(request, timeout, what)
+    if not isinstance(answer, dict):
+        raise ConfigError(f"{url}: {what}: the answer is not a JSON object")
+    return answer
+
+
+def _request(request: urllib.request.Request, timeout: float, what: str):
+    url = request.full_url
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            text = response.read().decode("utf-8", errors="replace")
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode("utf-8", errors="replace")
+        try:
+            detail = json.loads(detail)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            detail = detail.strip().splitlines()[0] if detail.strip() else exc.reason
+        raise ConfigError(f"{url}: {what}: the server answered {exc.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ConfigError(f"{url}: {what}: cannot reach the server ({reason})") from None
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise ConfigError(f"{url}: {what}: the answer is not JSON") from None

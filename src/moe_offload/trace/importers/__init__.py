@@ -1,0 +1,37 @@
+"""Importers of routing recorded elsewhere, one module per family of formats.
+
+research.py: ``topk-jsonl`` and ``routes-json``, traces published by research projects;
+engines.py: ``vllm``, ``sglang`` and ``npy``, the routing serving engines return with their responses
+(model_config.py reads the shape those lack from a Hugging Face config.json, responses.py the files).
+
+Every importer takes one path or a list of paths and shares the signature of :data:`IMPORTERS`' values::
+
+    importer(paths, *, num_experts=None, model=None, expert_bytes=None, hidden_size=None,
+             source=None, license=None, extra=None) -> Trace
+
+(the engine importers also take ``model_config``). Malformed input raises TraceError naming the file and
+the line, route, response or array at fault.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from moe_offload.trace.format import Trace
+from moe_offload.trace.importers.engines import import_npy, import_sglang, import_vllm
+from moe_offload.trace.importers.research import import_routes_json, import_topk_jsonl
+
+Importer = Callable[..., Trace]
+
+IMPORTERS: dict[str, Importer] = {
+    "topk-jsonl": import_topk_jsonl,
+    "routes-json": import_routes_json,
+    "vllm": import_vllm,
+    "sglang": import_sglang,
+    "npy": import_npy,
+}
+# the importers that read a model config (--model-config) for the shape their format lacks
+TAKES_MODEL_CONFIG = ("vllm", "sglang", "npy")
+
+__all__ = ["IMPORTERS", "TAKES_MODEL_CONFIG", "import_npy", "import_routes_json", "import_sglang", "import_topk_jsonl",
+           "import_vllm"]
