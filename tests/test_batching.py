@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from moe_offload.api import load  # noqa: E402
-from moe_offload.errors import ConfigError  # noqa: E402
+from moe_offload.errors import ConfigError, MoeOffloadError  # noqa: E402
 from moe_offload.runtime.batching import SamplingParams  # noqa: E402
 from moe_offload.runtime.packing import packed_directory, read_manifest  # noqa: E402
 from moe_offload.runtime.storage import ExpertReadError  # noqa: E402
@@ -183,6 +183,55 @@ def test_cancelled_requests_leave_at_the_next_iteration():
         assert completion.finish_reason == "cancelled" and len(completion.token_ids) < 200
         assert other.result(timeout=60).finish_reason == "length"
         assert engine.scheduler.queued == (0, 0)
+
+
+def test_cancels_racing_the_scheduler_never_lose_a_request_or_its_slot():
+    """Cancels from other threads at arbitrary moments (the disconnect storm of issue 23): every request still
+    ends, and every KV slot is free afterwards. Before cancel() took the scheduler's lock, a cancel between
+    the loop's two reads of the flag dropped a request without ending it and leaked its slot."""
+    with load("tiny", fast_budget="50%", max_batch=3) as engine:
+        scheduler = engine.scheduler
+        for _ in range(3):
+            handles = [engine.submit(PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=40)) for i in range(12)]
+            cancellers = [threading.Timer(0.002 * i, handle.cancel) for i, handle in enumerate(handles)]
+            for canceller in cancellers:
+                canceller.start()
+            ends = [handle.result(timeout=60).finish_reason for handle in handles]
+            for canceller in cancellers:
+                canceller.join()
+            assert set(ends) <= {"cancelled", "length", "stop"}
+            assert scheduler.queued == (0, 0)
+            assert scheduler.kv.available == scheduler.kv.slots
+        assert engine.submit(PROMPTS[1], SamplingParams(max_tokens=3)).result(timeout=60).finish_reason == "length"
+
+
+def test_a_request_without_a_free_kv_slot_waits_for_one():
+    with load("tiny", fast_budget="50%", max_batch=2) as engine:
+        scheduler = engine.scheduler
+        with scheduler.cond:
+            taken = scheduler.kv.acquire()  # one slot held elsewhere: one request runs at a time
+        handles = [engine.submit(p, SamplingParams(max_tokens=4)) for p in PROMPTS[:2]]
+        assert [h.result(timeout=60).finish_reason for h in handles] == ["length", "length"]
+        assert scheduler.failure is None
+        scheduler.kv.release(taken)
+
+
+def test_a_dead_scheduler_fails_every_request_and_refuses_new_ones():
+    with load("tiny", fast_budget="50%", max_batch=2) as engine:
+        scheduler = engine.scheduler
+
+        def broken_acquire():
+            raise RuntimeError("the pool is corrupt")
+
+        scheduler.kv.acquire = broken_acquire
+        with scheduler.cond:  # all three wait when the scheduler dies
+            handles = [engine.submit(p, SamplingParams(max_tokens=4)) for p in PROMPTS[:3]]
+        ends = [handle.result(timeout=60) for handle in handles]
+        assert [c.finish_reason for c in ends] == ["error"] * 3
+        assert all("corrupt" in str(c.error) for c in ends)
+        assert "corrupt" in str(scheduler.failure)
+        with pytest.raises(MoeOffloadError, match="scheduler stopped.*corrupt"):
+            engine.submit(PROMPTS[0], SamplingParams(max_tokens=2))
 
 
 def test_bad_parameters_are_refused_before_any_work():

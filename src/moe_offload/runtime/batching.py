@@ -101,7 +101,7 @@ class Completion:
     token_ids: list[int]
     prompt_tokens: int
     finish_reason: str
-    stats: RunResult
+    stats: RunResult | None  # None only for a request the scheduler failed to account for as it died
     error: BaseException | None = None
     logits: list | None = None  # per generated token, [vocab] (SamplingParams.return_logits)
 
@@ -110,17 +110,20 @@ class RequestHandle:
     """A submitted request: iterate over its TextDeltas (ends after the last), or wait for its Completion.
     ``on_event`` (called from the scheduler thread) replaces the queue, for event loops."""
 
-    def __init__(self, request: int, on_event=None):
+    def __init__(self, request: int, lock, on_event=None):
         self.request = request
         self._events: queue.Queue = queue.Queue()
         self._on_event = on_event
+        self._lock = lock  # the scheduler's: it reads ``cancelled`` once per iteration under it
         self.cancelled = False
         self.completion: Completion | None = None
         self._done = threading.Event()
 
     def cancel(self) -> None:
-        """Leave the batch at the next iteration (a client that went away)."""
-        self.cancelled = True
+        """Leave the batch at the next iteration (a client that went away). Under the scheduler's lock, so that
+        an iteration sees a request either cancelled or not, never both (which would lose it and its KV slot)."""
+        with self._lock:
+            self.cancelled = True
 
     def _emit(self, event) -> None:
         if isinstance(event, Completion):
@@ -201,9 +204,11 @@ class BatchScheduler:
         self.cond = threading.Condition()
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
+        self._leaving: list[_Request] = []
         self.jobs: deque[_Job] = deque()
         self.kv = KVPool(max_batch)
         self.stopping = False
+        self.failure: BaseException | None = None  # what stopped the scheduler's thread, if anything did
         self.iterations = 0
         self.forward_seconds = 0.0   # in forward passes (expert loads waited for included)
         self.prompt_pass_seconds = 0.0  # ... of them, in passes with at least one prompt (prefill)
@@ -254,15 +259,20 @@ class BatchScheduler:
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else int(torch.seed()))
         with self.cond:
-            if self.stopping:
-                raise MoeOffloadError("the engine is shutting down")
+            self._check_open()
             request = self.runner.new_request()
-            handle = RequestHandle(request, on_event)
+            handle = RequestHandle(request, self.cond, on_event)
             self.waiting.append(_Request(request, ids, params, handle, generator,
                                          Counters.zero(self.engine.spec.num_layers), time.perf_counter()))
             self._start()
             self.cond.notify_all()
         return handle
+
+    def _check_open(self) -> None:
+        if self.failure is not None:
+            raise MoeOffloadError(f"the engine's scheduler stopped: {type(self.failure).__name__}: {self.failure}")
+        if self.stopping:
+            raise MoeOffloadError("the engine is shutting down")
 
     def _start(self) -> None:
         if self._thread is None:
@@ -277,8 +287,7 @@ class BatchScheduler:
             return fn(*args)
         job = _Job(fn, args)
         with self.cond:
-            if self.stopping:
-                raise MoeOffloadError("the engine is shutting down")
+            self._check_open()
             self.jobs.append(job)
             self._start()
             self.cond.notify_all()
@@ -317,6 +326,12 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------------------------------ the loop
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - a scheduler that cannot go on fails all it holds, below
+            self._die(exc)
+
+    def _serve(self) -> None:
         while True:
             with self.cond:
                 while not self.waiting and not self.running and not self.jobs and not self.stopping:
@@ -329,15 +344,18 @@ class BatchScheduler:
                     dropped, self.jobs = list(self.jobs), deque()
                 else:
                     dropped = []
-                    leaving = [r for r in self.running if r.handle.cancelled]
-                    self.running = [r for r in self.running if not r.handle.cancelled]
-                    while self.waiting and len(self.running) < self.max_batch:
-                        request = self.waiting.popleft()
-                        if request.handle.cancelled:
-                            leaving.append(request)
-                        else:
-                            request.slot = self.kv.acquire()
-                            self.running.append(request)
+                    # each handle's flag read once, under the lock its cancel() takes
+                    leaving, staying, still_waiting = [], [], deque()
+                    for request in self.running:
+                        (leaving if request.handle.cancelled else staying).append(request)
+                    for request in self.waiting:
+                        (leaving if request.handle.cancelled else still_waiting).append(request)
+                    self.running, self.waiting = staying, still_waiting
+                    # a request joins only with a free KV slot; without one it waits for the next iteration
+                    while self.waiting and len(self.running) < self.max_batch and self.kv.available:
+                        self.waiting[0].slot = self.kv.acquire()
+                        self.running.append(self.waiting.popleft())
+                self._leaving = leaving  # out of both queues until they have ended: _die ends them if need be
                 batch = list(self.running)
             for request in leaving:
                 self._finish(request, "cancelled")
@@ -358,6 +376,25 @@ class BatchScheduler:
                                 continue
                             self.running.remove(request)
                         self._finish(request, "error", exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """The scheduler's thread cannot go on: every request it holds ends with the error, every job fails, and
+        new requests are refused (``failure``, which /health reports), so that nobody waits for it for good."""
+        with self.cond:
+            self.failure = exc
+            self.stopping = True
+            stranded = list(self.waiting) + self.running + self._leaving
+            self.waiting.clear()
+            self.running = []
+            jobs, self.jobs = list(self.jobs), deque()
+        for request in (r for r in stranded if r.handle.completion is None):
+            try:
+                self._finish(request, "error", exc)
+            except Exception:  # noqa: BLE001 - its accounting failed too: it still gets its end
+                request.handle._emit(Completion(request.id, request.text, list(request.tokens), len(request.prompt),
+                                                "error", None, exc))
+        for job in jobs:
+            job.fail(MoeOffloadError(f"the engine's scheduler stopped: {exc}"))
 
     def _iteration(self, batch: list[_Request]) -> None:
         import torch
