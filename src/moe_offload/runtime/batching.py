@@ -51,6 +51,7 @@ from moe_offload.reporting.results import RunResult
 from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.kv_pool import KVPool
 from moe_offload.runtime.packed import PackedPass, Segment
+from moe_offload.runtime.sampling import sample, token_logprobs
 from moe_offload.values import integer, number, text
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -58,10 +59,12 @@ FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 @dataclass
 class SamplingParams:
-    """How one request generates. ``temperature`` 0 is greedy; otherwise softmax sampling at that temperature
-    over the smallest set of tokens whose probability reaches ``top_p``, drawn with the request's own
-    generator seeded with ``seed`` (the same tokens whatever else runs in the batch). ``stop``: strings that
-    end the generation, left out of the text (OpenAI's rule)."""
+    """How one request generates (runtime/sampling.py). ``temperature`` 0 is greedy; otherwise softmax
+    sampling at that temperature over the smallest set of tokens whose probability reaches ``top_p``, drawn
+    with the request's own generator seeded with ``seed`` (the same tokens whatever else runs in the batch).
+    ``logit_bias`` (token id -> added to its logit) and the presence and frequency penalties are OpenAI's.
+    ``stop``: strings that end the generation, left out of the text (OpenAI's rule). ``logprobs``: None, or
+    how many of the most likely tokens to report with each token's log-probability."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -70,12 +73,23 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     return_logits: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
 
     def check(self) -> None:
         """Each field checked (values.py), in place; a ConfigError names the first bad one."""
         self.max_tokens = integer(self.max_tokens, "max_tokens", low=1)
         self.temperature = number(self.temperature, "temperature", low=0, high=2)  # OpenAI's range
         self.top_p = number(self.top_p, "top_p", low=0, high=1, low_open=True)
+        self.presence_penalty = number(self.presence_penalty, "presence_penalty", low=-2, high=2)
+        self.frequency_penalty = number(self.frequency_penalty, "frequency_penalty", low=-2, high=2)
+        self.logit_bias = {integer(token, "a logit_bias token id", low=0): number(bias, "a logit_bias value",
+                                                                                  low=-100, high=100)
+                           for token, bias in self.logit_bias.items()}
+        if self.logprobs is not None:
+            self.logprobs = integer(self.logprobs, "logprobs", low=0, high=20)
         if self.seed is not None:
             self.seed = integer(self.seed, "seed", low=0, high=2**63 - 1)
         if isinstance(self.stop, str):
@@ -90,6 +104,7 @@ class TextDelta:
 
     text: str
     token_ids: list[int]
+    logprobs: list | None = None  # per token: (logprob, [(id, logprob) of the most likely]) (SamplingParams.logprobs)
 
 
 @dataclass
@@ -104,6 +119,8 @@ class Completion:
     stats: RunResult | None  # None only for a request the scheduler failed to account for as it died
     error: BaseException | None = None
     logits: list | None = None  # per generated token, [vocab] (SamplingParams.return_logits)
+    logprobs: list | None = None  # per generated token, as TextDelta.logprobs (SamplingParams.logprobs)
+    queue_seconds: float | None = None  # from arrival to joining the batch (None: it never joined)
 
 
 class RequestHandle:
@@ -181,6 +198,8 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     logits: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    joined: float | None = None  # when it joined the batch
     sent: int = 0   # characters of text already emitted
     text: str = ""
     slot: int | None = None  # its rows in the KV pool, while it runs
@@ -249,6 +268,9 @@ class BatchScheduler:
         params = params or SamplingParams()
         params.check()
         ids = self.encode(prompt)
+        vocab = int(self.model.config.vocab_size)
+        if any(token >= vocab for token in params.logit_bias):
+            raise ConfigError(f"a logit_bias token id is outside the vocabulary (0..{vocab - 1})")
         self.engine.check_length(len(ids), params.max_tokens)
         window = getattr(self.model.config, "sliding_window", None)
         if window and len(ids) > window:  # a packed prompt attends causally over all of itself (packed.py)
@@ -354,6 +376,7 @@ class BatchScheduler:
                     # a request joins only with a free KV slot; without one it waits for the next iteration
                     while self.waiting and len(self.running) < self.max_batch and self.kv.available:
                         self.waiting[0].slot = self.kv.acquire()
+                        self.waiting[0].joined = time.perf_counter()
                         self.running.append(self.waiting.popleft())
                 self._leaving = leaving  # out of both queues until they have ended: _die ends them if need be
                 batch = list(self.running)
@@ -458,11 +481,15 @@ class BatchScheduler:
     # ------------------------------------------------------------------------------------ per request
     def _advance(self, request: _Request, logits, now: float) -> None:
         params = request.params
-        token = sample(logits, params, request.generator)
+        token = sample(logits, params, request.generator, request.tokens)
         request.tokens.append(token)
         request.token_times.append(now)
         if params.return_logits:
             request.logits.append(logits.cpu())
+        new_logprobs = None
+        if params.logprobs is not None:
+            new_logprobs = [token_logprobs(logits, token, params.logprobs)]
+            request.logprobs.extend(new_logprobs)
         finish = None
         eos = self.model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -480,13 +507,13 @@ class BatchScheduler:
         if finish is None:
             stable = _stable_prefix(request.text, params.stop)
             if len(stable) > request.sent:
-                request.handle._emit(TextDelta(stable[request.sent:], [token]))
+                request.handle._emit(TextDelta(stable[request.sent:], [token], new_logprobs))
                 request.sent = len(stable)
             else:
-                request.handle._emit(TextDelta("", [token]))
+                request.handle._emit(TextDelta("", [token], new_logprobs))
             return
-        if len(request.text) > request.sent:
-            request.handle._emit(TextDelta(request.text[request.sent:], [token]))
+        if len(request.text) > request.sent or new_logprobs:
+            request.handle._emit(TextDelta(request.text[request.sent:], [token], new_logprobs))
             request.sent = len(request.text)
         with self.cond:
             self.running.remove(request)
@@ -505,30 +532,12 @@ class BatchScheduler:
         stats.bytes_per_link = stats.bytes_loaded = None  # the links are shared: see the engine's stats
         stats.token_latency_seconds = [b - a for a, b in zip(times, times[1:])]
         completion = Completion(request.id, request.text, list(request.tokens), len(request.prompt), reason, stats,
-                                error, request.logits if request.params.return_logits else None)
+                                error, request.logits if request.params.return_logits else None,
+                                request.logprobs if request.params.logprobs is not None else None,
+                                None if request.joined is None else request.joined - request.arrived)
         for observer in self.observers:
             observer.on_finish(completion)
         request.handle._emit(completion)
-
-
-def sample(logits, params: SamplingParams, generator) -> int:
-    """The next token from one request's logits [vocab] (float32): greedy at temperature 0, otherwise
-    temperature, then top-p (the smallest set of most likely tokens whose probability reaches top_p, as
-    transformers' TopPLogitsWarper), drawn with the request's generator."""
-    import torch
-
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
-    scores = logits.cpu() / params.temperature
-    if params.top_p < 1.0:
-        ordered, order = torch.sort(scores, descending=False)
-        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-        remove = cumulative <= (1 - params.top_p)
-        remove[-1] = False  # keep at least the most likely token
-        scores = scores.clone()
-        scores[order[remove]] = -float("inf")
-    probs = scores.softmax(dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _stable_prefix(text: str, stop: tuple[str, ...]) -> str:
