@@ -1,7 +1,8 @@
 """The OpenAI-compatible server (moe_offload/server), in-process on a free port, through the real `openai`
 client: completions, chat, streaming, stop sequences, seeded sampling, concurrent clients getting the
 tokens they get alone, /metrics moving, every bad input a 4xx OpenAI error, a disconnect freeing its slot,
-an engine failure a 5xx with the server serving on, SIGTERM a clean exit."""
+an engine failure a 5xx with the server serving on, SIGTERM a clean exit. OpenAI's parameters and hostile
+input: tests/test_server_hostile.py."""
 
 from __future__ import annotations
 
@@ -195,9 +196,16 @@ BAD_REQUESTS = [
     (CHAT, {"model": "tiny", "messages": MESSAGES, "max_completion_tokens": 0}, 400, None),
     (CHAT, {"model": "tiny", "messages": MESSAGES, "max_tokens": 100000}, 400, None),
     (COMPLETIONS, {"model": "tiny", "prompt": "word " * 1500, "max_tokens": 1}, 400, None),
-    (COMPLETIONS, {"model": "tiny", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
-    (CHAT, {"model": "tiny", "messages": MESSAGES, "frequency_penalty": 1.0}, 400, "frequency_penalty"),
-    (CHAT, {"model": "tiny", "messages": MESSAGES, "n": 2}, 400, "n"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    (CHAT, {"model": "tiny", "messages": MESSAGES, "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    (CHAT, {"model": "tiny", "messages": MESSAGES, "n": 0}, 400, "n"),
+    (CHAT, {"model": "tiny", "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools"),
+    (CHAT, {"model": "tiny", "messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    (CHAT, {"model": "tiny", "messages": MESSAGES, "no_such_parameter": 1}, 400, "no_such_parameter"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages.0.content.0.type"),
     (CHAT, {"model": "tiny", "messages": MESSAGES, "temperature": 7}, 400, "temperature"),
     (CHAT, {"model": "tiny", "messages": MESSAGES, "top_p": 0}, 400, "top_p"),
     (CHAT, {"model": "tiny", "messages": MESSAGES, "stop": [""]}, 400, "stop"),
