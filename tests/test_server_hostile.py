@@ -143,11 +143,12 @@ def stream_then_drop(port: int, chunks: int, reset: bool) -> None:
 
 def test_a_disconnect_storm_leaves_no_request_and_no_slot_behind(server, engine, client, quiet):
     """Issue 23: streaming clients reading 1-3 chunks then closing hung the scheduler for good (a cancel
-    racing the loop leaked KV slots until acquire() raised). 16 clients on 4 slots, 8 rounds."""
+    racing the loop leaked KV slots until acquire() raised). 10 clients on 4 slots, 5 rounds (the issue's
+    64 clients x 20 rounds: benchmarks/serve_storm.py)."""
     rng = random.Random(23)
-    for _ in range(8):
-        with ThreadPoolExecutor(16) as pool:
-            list(pool.map(lambda i: stream_then_drop(server.port, rng.randint(1, 3), rng.random() < 0.5), range(16)))
+    for _ in range(5):
+        with ThreadPoolExecutor(10) as pool:
+            list(pool.map(lambda i: stream_then_drop(server.port, rng.randint(1, 3), rng.random() < 0.5), range(10)))
         assert idle(server) == {"status": "ok", "running": 0, "waiting": 0}
         assert engine.scheduler.kv.available == engine.scheduler.kv.slots
     answer = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0)
@@ -297,9 +298,9 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(client, engine, quiet
 
 
 def test_penalties_pick_the_arg_max_of_openais_adjusted_logits(client, engine, quiet):
-    penalised = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+    penalised = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
                                           frequency_penalty=1.5, presence_penalty=0.5)
-    params = SamplingParams(max_tokens=12, frequency_penalty=1.5, presence_penalty=0.5, return_logits=True)
+    params = SamplingParams(max_tokens=8, frequency_penalty=1.5, presence_penalty=0.5, return_logits=True)
     run = engine.submit(PROMPT, params).result(timeout=60)
     assert run.text == penalised.choices[0].text
     for step, (row, token) in enumerate(zip(run.logits, run.token_ids)):  # the formula, worked again here
