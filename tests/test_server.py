@@ -324,7 +324,10 @@ def test_serve_options_are_checked_before_the_model_loads(capsys):
         for argv, problem in [(["--port", "0"], "--port '0': must be a whole number from 1 to 65,535"),
                               (["--max-batch", "none"], "--max-batch 'none': must be a whole number"),
                               (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
-                              (["--host", "no.such.host.invalid"], "--host 'no.such.host.invalid'")]:
+                              (["--host", "no.such.host.invalid"], "--host 'no.such.host.invalid'"),
+                              (["--max-body", "lots"], "--max-body 'lots': is not a byte count"),
+                              (["--max-body", "10"], "--max-body '10': at least 1KiB"),
+                              (["--api-key", " "], "--api-key: printable ASCII")]:
             assert main(["serve", *argv]) == 2
             err = capsys.readouterr().err
             assert problem in err and len(err.strip().splitlines()) == 1, err

@@ -383,3 +383,19 @@ def test_shutdown_answers_every_running_request_with_an_openai_error(engine, log
     problems = Collected()
     problems.records = log.records[start:]
     assert problems.problems() == []
+
+
+def test_a_dead_scheduler_fails_health_and_every_request(log):
+    with load("tiny", fast_budget="30%", max_batch=2) as dying, ServerThread(dying, "tiny") as server:
+        def broken_acquire():
+            raise RuntimeError("the pool is corrupt")
+
+        dying.scheduler.kv.acquire = broken_acquire
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        with pytest.raises(openai.InternalServerError, match="corrupt"):
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+        status, answer = raw(server, "/health", method="GET")
+        assert status == 503 and "corrupt" in answer["error"]
+        with pytest.raises(openai.APIStatusError, match="scheduler stopped") as refused:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+        assert refused.value.status_code == 503
