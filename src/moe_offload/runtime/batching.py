@@ -36,6 +36,8 @@ thread took 3.5 times as long as without it (benchmarks/one_thread.py).
 A forward pass that fails inside the engine (an expert file vanished, a checksum failed) fails the
 requests that routed to the failing expert with the error; the other requests of the pass keep their KV
 slots' lengths as they were (what the pass wrote there is overwritten) and run again at the next iteration.
+A fault in one request's own step after the pass (its sampling, detokenising, stop check) ends that request
+only: nothing of one request's sampling reaches another.
 """
 
 from __future__ import annotations
@@ -464,7 +466,12 @@ class BatchScheduler:
         for observer in self.observers:
             observer.on_pass(len(batch), now - started)
         for request, row in zip(batch, logits):
-            self._advance(request, row, now)
+            try:
+                self._advance(request, row, now)
+            except Exception as exc:  # noqa: BLE001 - its own sampling, detokenising or stop check: it alone ends
+                with self.cond:
+                    self.running.remove(request)
+                self._finish(request, "error", exc)
         self.advance_seconds += time.perf_counter() - now
 
     def _failed(self, batch, exc) -> None:

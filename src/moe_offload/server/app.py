@@ -171,8 +171,7 @@ def create_app(engine, names: str | list[str], api_key: str | None = None, max_b
             _cancel(handles)
             raise APIError(503, str(exc), "server_error", code="unavailable") from None
         rid = new_id("cmpl" if kind == "text" else "chatcmpl")
-        top = req.top_logprobs() if kind == "text" else req.top_logprobs_count()
-        writer = None if top is None else LogprobWriter(kind, scheduler.tokenizer)
+        writer = None if req.logprob_count() is None else LogprobWriter(kind, scheduler.tokenizer)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_stream(kind, rid, handles, events, include_usage, writer, n, received),
@@ -315,7 +314,7 @@ def _sampling(req, kind: str, prompt_tokens: int, engine, choice: int) -> Sampli
         top_p=1.0 if req.top_p is None else req.top_p,
         seed=None if req.seed is None else (req.seed + choice) % 2**63, stop=req.stop_sequences(),
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-        logit_bias=req.token_bias(), logprobs=req.top_logprobs() if kind == "text" else req.top_logprobs_count())
+        logit_bias=req.token_bias(), logprobs=req.logprob_count())
 
 
 def _param_of(message: str) -> str | None:

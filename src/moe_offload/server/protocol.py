@@ -115,7 +115,8 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "prompt: empty", param="prompt", code="invalid_value")
         return prompts
 
-    def top_logprobs(self) -> int | None:
+    def logprob_count(self) -> int | None:
+        """None (no log-probabilities), or how many of the most likely tokens to report with each."""
         return self.logprobs
 
 
@@ -178,7 +179,8 @@ class ChatRequest(_Sampling):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
-    def top_logprobs_count(self) -> int | None:
+    def logprob_count(self) -> int | None:
+        """None (no log-probabilities), or how many of the most likely tokens to report with each."""
         if not self.logprobs:
             if self.top_logprobs:
                 raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs",
