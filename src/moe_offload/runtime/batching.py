@@ -238,17 +238,20 @@ class BatchScheduler:
         self._thread: threading.Thread | None = None
         self._tokenizer = None
         self._tokenizer_checked = False
+        self._tokenizer_lock = threading.Lock()
 
     # --------------------------------------------------------------------------------------------- intake
     @property
     def tokenizer(self):
-        """The model's tokenizer, or None for a model without one (token ids in, token ids out)."""
-        if not self._tokenizer_checked:
-            self._tokenizer_checked = True
-            try:
-                self._tokenizer = self.engine.tokenizer
-            except ConfigError:
-                self._tokenizer = None
+        """The model's tokenizer, or None for a model without one (token ids in, token ids out). Loaded once,
+        under a lock: the server tokenizes in worker threads, and a second caller must not see it unloaded."""
+        with self._tokenizer_lock:
+            if not self._tokenizer_checked:
+                try:
+                    self._tokenizer = self.engine.tokenizer
+                except ConfigError:
+                    self._tokenizer = None
+                self._tokenizer_checked = True
         return self._tokenizer
 
     def encode(self, prompt) -> list[int]:
