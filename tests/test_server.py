@@ -53,14 +53,14 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def raw(server, path: str, body: bytes | None = None, method: str = "POST") -> tuple[int, dict | str]:
     request = urllib.request.Request(server.url + path, data=body, method=method,
                                      headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=300) as response:
             status, text = response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         status, text = exc.code, exc.read().decode()
@@ -246,7 +246,7 @@ def test_a_client_that_disconnects_frees_its_slot(server):
     body = json.dumps({"model": "tiny", "prompt": "User: hi\nAssistant:", "max_tokens": 900, "temperature": 0,
                        "stream": True}).encode()
     request = urllib.request.Request(server.url + COMPLETIONS, data=body, headers={"Content-Type": "application/json"})
-    response = urllib.request.urlopen(request, timeout=60)
+    response = urllib.request.urlopen(request, timeout=300)
     assert response.readline().startswith(b"data: ")
     response.close()
     deadline = time.monotonic() + 20
@@ -269,7 +269,7 @@ def test_an_engine_failure_is_a_5xx_naming_it_and_the_server_serves_on(tmp_path)
     for i in range(0, len(broken), 4096):  # every expert of layer 0: every request needs one
         broken[i] ^= 0xFF
     with OffloadEngine(packed, fast_budget="30%") as engine, ServerThread(engine, "packed") as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         layer_file.write_bytes(bytes(broken))
         with pytest.raises(openai.InternalServerError, match=r"layer000\.bin.*checksum mismatch"):
             client.completions.create(model="packed", prompt="hi", max_tokens=3)
