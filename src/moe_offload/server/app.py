@@ -180,7 +180,9 @@ def create_app(engine, names: str | list[str], api_key: str | None = None, max_b
         if done is None:  # the client went away: nobody reads an answer
             return Response(status_code=499)
         _log_request(rid, done, n, received, metrics)
-        _raise_failure(done)
+        failure = _failure(done)
+        if failure is not None:  # answered after work: an engine error or a shutdown, not a rejection
+            return JSONResponse(failure.body(), status_code=failure.status)
         return completion_body(kind, rid, name, done, n, writer)
 
     def _prepare(raw: bytes, kind: str):
@@ -247,11 +249,10 @@ def create_app(engine, names: str | list[str], api_key: str | None = None, max_b
                         sent[index] += len(event.text)
                     continue
                 done.append(event)
-                try:
-                    _raise_failure([event])
-                except APIError as exc:
+                failure = _failure([event])
+                if failure is not None:
                     _log_request(rid, done, n, received, metrics)
-                    yield _sse(exc.body())
+                    yield _sse(failure.body())
                     yield "data: [DONE]\n\n"
                     return
                 last = chunk_body(kind, rid, name, index, "", event.finish_reason, first=first[index])
@@ -341,14 +342,16 @@ def _cancel(handles) -> None:
         handle.cancel()
 
 
-def _raise_failure(completions: list[Completion]) -> None:
+def _failure(completions: list[Completion]) -> APIError | None:
+    """The error that answers a request one of whose choices failed or was cancelled, if one was."""
     for completion in completions:
         if completion.finish_reason == "error":
-            raise APIError(500, f"the engine failed this request: {completion.error}", "server_error",
-                           code="engine_error")
+            return APIError(500, f"the engine failed this request: {completion.error}", "server_error",
+                            code="engine_error")
         if completion.finish_reason == "cancelled":
-            raise APIError(503, "the request was cancelled: the server is shutting down", "server_error",
-                           code="cancelled")
+            return APIError(503, "the request was cancelled: the server is shutting down", "server_error",
+                            code="cancelled")
+    return None
 
 
 def _log_request(rid: str, done: list[Completion], n: int, received: float, metrics: ServerMetrics) -> None:
