@@ -191,7 +191,7 @@ def test_cancels_racing_the_scheduler_never_lose_a_request_or_its_slot():
     the loop's two reads of the flag dropped a request without ending it and leaked its slot."""
     with load("tiny", fast_budget="50%", max_batch=3) as engine:
         scheduler = engine.scheduler
-        for _ in range(3):
+        for _ in range(6):  # main's code before the fix lost a request in about one run of three rounds in two
             handles = [engine.submit(PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=40)) for i in range(12)]
             cancellers = [threading.Timer(0.002 * i, handle.cancel) for i, handle in enumerate(handles)]
             for canceller in cancellers:
