@@ -1,7 +1,8 @@
 """The OpenAI-compatible server (moe_offload/server), in-process on a free port, through the real `openai`
 client: completions, chat, streaming, stop sequences, seeded sampling, concurrent clients getting the
 tokens they get alone, /metrics moving, every bad input a 4xx OpenAI error, a disconnect freeing its slot,
-an engine failure a 5xx with the server serving on, SIGTERM a clean exit."""
+an engine failure a 5xx with the server serving on, SIGTERM a clean exit. OpenAI's parameters and hostile
+input: tests/test_server_hostile.py."""
 
 from __future__ import annotations
 
@@ -52,14 +53,14 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def raw(server, path: str, body: bytes | None = None, method: str = "POST") -> tuple[int, dict | str]:
     request = urllib.request.Request(server.url + path, data=body, method=method,
                                      headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
+        with urllib.request.urlopen(request, timeout=300) as response:
             status, text = response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         status, text = exc.code, exc.read().decode()
@@ -195,9 +196,16 @@ BAD_REQUESTS = [
     (CHAT, {"model": "tiny", "messages": MESSAGES, "max_completion_tokens": 0}, 400, None),
     (CHAT, {"model": "tiny", "messages": MESSAGES, "max_tokens": 100000}, 400, None),
     (COMPLETIONS, {"model": "tiny", "prompt": "word " * 1500, "max_tokens": 1}, 400, None),
-    (COMPLETIONS, {"model": "tiny", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
-    (CHAT, {"model": "tiny", "messages": MESSAGES, "frequency_penalty": 1.0}, 400, "frequency_penalty"),
-    (CHAT, {"model": "tiny", "messages": MESSAGES, "n": 2}, 400, "n"),
+    (COMPLETIONS, {"model": "tiny", "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    (CHAT, {"model": "tiny", "messages": MESSAGES, "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    (CHAT, {"model": "tiny", "messages": MESSAGES, "n": 0}, 400, "n"),
+    (CHAT, {"model": "tiny", "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools"),
+    (CHAT, {"model": "tiny", "messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    (CHAT, {"model": "tiny", "messages": MESSAGES, "no_such_parameter": 1}, 400, "no_such_parameter"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages.0.content.0.type"),
     (CHAT, {"model": "tiny", "messages": MESSAGES, "temperature": 7}, 400, "temperature"),
     (CHAT, {"model": "tiny", "messages": MESSAGES, "top_p": 0}, 400, "top_p"),
     (CHAT, {"model": "tiny", "messages": MESSAGES, "stop": [""]}, 400, "stop"),
@@ -238,7 +246,7 @@ def test_a_client_that_disconnects_frees_its_slot(server):
     body = json.dumps({"model": "tiny", "prompt": "User: hi\nAssistant:", "max_tokens": 900, "temperature": 0,
                        "stream": True}).encode()
     request = urllib.request.Request(server.url + COMPLETIONS, data=body, headers={"Content-Type": "application/json"})
-    response = urllib.request.urlopen(request, timeout=60)
+    response = urllib.request.urlopen(request, timeout=300)
     assert response.readline().startswith(b"data: ")
     response.close()
     deadline = time.monotonic() + 20
@@ -261,7 +269,7 @@ def test_an_engine_failure_is_a_5xx_naming_it_and_the_server_serves_on(tmp_path)
     for i in range(0, len(broken), 4096):  # every expert of layer 0: every request needs one
         broken[i] ^= 0xFF
     with OffloadEngine(packed, fast_budget="30%") as engine, ServerThread(engine, "packed") as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         layer_file.write_bytes(bytes(broken))
         with pytest.raises(openai.InternalServerError, match=r"layer000\.bin.*checksum mismatch"):
             client.completions.create(model="packed", prompt="hi", max_tokens=3)
@@ -316,7 +324,10 @@ def test_serve_options_are_checked_before_the_model_loads(capsys):
         for argv, problem in [(["--port", "0"], "--port '0': must be a whole number from 1 to 65,535"),
                               (["--max-batch", "none"], "--max-batch 'none': must be a whole number"),
                               (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
-                              (["--host", "no.such.host.invalid"], "--host 'no.such.host.invalid'")]:
+                              (["--host", "no.such.host.invalid"], "--host 'no.such.host.invalid'"),
+                              (["--max-body", "lots"], "--max-body 'lots': is not a byte count"),
+                              (["--max-body", "10"], "--max-body '10': at least 1KiB"),
+                              (["--api-key", " "], "--api-key: printable ASCII")]:
             assert main(["serve", *argv]) == 2
             err = capsys.readouterr().err
             assert problem in err and len(err.strip().splitlines()) == 1, err

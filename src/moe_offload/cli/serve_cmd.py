@@ -27,6 +27,14 @@ def register(subparsers) -> None:
                              "each request's tokens and logits are the bits it gets alone, its products one row "
                              "at a time; fast: each matrix product once over the whole batch, faster, equal only "
                              "up to rounding (a greedy token may differ where two logits nearly tie)")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="the model ids the server answers to (default: the model's directory name, or tiny); "
+                             "responses name the first")
+    parser.add_argument("--api-key", metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1 (default: no key; /health and /metrics "
+                             "stay open). Also read from MOE_OFFLOAD_API_KEY")
+    parser.add_argument("--max-body", default="4MiB", metavar="BYTES",
+                        help="largest request body accepted (default 4MiB; larger: 413)")
     parser.set_defaults(run=run)
 
 
@@ -39,7 +47,16 @@ def run(args: argparse.Namespace) -> int:
     from moe_offload.api import load
     from moe_offload.server import model_name, serve
 
+    import os
+
     port = values.integer(args.port, "--port", low=1, high=65535)
+    max_body = values.parse_bytes(args.max_body, "--max-body")
+    if max_body < 1024:
+        raise ConfigError(f"--max-body {args.max_body!r}: at least 1KiB (a request body is JSON)")
+    names = [values.text(n, "--served-model-name") for n in args.served_model_name or [model_name(args.model)]]
+    api_key = args.api_key if args.api_key is not None else os.environ.get("MOE_OFFLOAD_API_KEY")
+    if api_key is not None and (not api_key.strip() or not api_key.isascii() or not api_key.isprintable()):
+        raise ConfigError("--api-key: printable ASCII characters, not empty")
     max_batch = values.integer(args.max_batch, "--max-batch", low=1, high=4096)
     host = values.text(args.host, "--host")
     device = values.device(args.device) if args.device is not None else None
@@ -51,10 +68,9 @@ def run(args: argparse.Namespace) -> int:
                   prefetch_history=args.prefetch_history, device=device, bypass_page_cache=args.bypass_page_cache,
                   matcher=args.matcher,
                   max_batch=max_batch, batch_math=args.batch_math)
-    name = model_name(args.model)
-    print(f"moe-offload: serving {name} on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics); "
+    print(f"moe-offload: serving {names[0]} on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics); "
           "Ctrl-C to stop", flush=True)
-    serve(engine, name, host, port)
+    serve(engine, names, host, port, api_key=api_key, max_body_bytes=max_body)
     return 0
 
 

@@ -36,6 +36,8 @@ thread took 3.5 times as long as without it (benchmarks/one_thread.py).
 A forward pass that fails inside the engine (an expert file vanished, a checksum failed) fails the
 requests that routed to the failing expert with the error; the other requests of the pass keep their KV
 slots' lengths as they were (what the pass wrote there is overwritten) and run again at the next iteration.
+A fault in one request's own step after the pass (its sampling, detokenising, stop check) ends that request
+only: nothing of one request's sampling reaches another.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from moe_offload.reporting.results import RunResult
 from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.kv_pool import KVPool
 from moe_offload.runtime.packed import PackedPass, Segment
+from moe_offload.runtime.sampling import sample, token_logprobs
 from moe_offload.values import integer, number, text
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -58,10 +61,12 @@ FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 @dataclass
 class SamplingParams:
-    """How one request generates. ``temperature`` 0 is greedy; otherwise softmax sampling at that temperature
-    over the smallest set of tokens whose probability reaches ``top_p``, drawn with the request's own
-    generator seeded with ``seed`` (the same tokens whatever else runs in the batch). ``stop``: strings that
-    end the generation, left out of the text (OpenAI's rule)."""
+    """How one request generates (runtime/sampling.py). ``temperature`` 0 is greedy; otherwise softmax
+    sampling at that temperature over the smallest set of tokens whose probability reaches ``top_p``, drawn
+    with the request's own generator seeded with ``seed`` (the same tokens whatever else runs in the batch).
+    ``logit_bias`` (token id -> added to its logit) and the presence and frequency penalties are OpenAI's.
+    ``stop``: strings that end the generation, left out of the text (OpenAI's rule). ``logprobs``: None, or
+    how many of the most likely tokens to report with each token's log-probability."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -71,12 +76,23 @@ class SamplingParams:
     ignore_eos: bool = False
     return_logits: bool = False
     return_routed_experts: bool = False  # the Completion carries the routing of the tokens fed (routing_log.py)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
 
     def check(self) -> None:
         """Each field checked (values.py), in place; a ConfigError names the first bad one."""
         self.max_tokens = integer(self.max_tokens, "max_tokens", low=1)
         self.temperature = number(self.temperature, "temperature", low=0, high=2)  # OpenAI's range
         self.top_p = number(self.top_p, "top_p", low=0, high=1, low_open=True)
+        self.presence_penalty = number(self.presence_penalty, "presence_penalty", low=-2, high=2)
+        self.frequency_penalty = number(self.frequency_penalty, "frequency_penalty", low=-2, high=2)
+        self.logit_bias = {integer(token, "a logit_bias token id", low=0): number(bias, "a logit_bias value",
+                                                                                  low=-100, high=100)
+                           for token, bias in self.logit_bias.items()}
+        if self.logprobs is not None:
+            self.logprobs = integer(self.logprobs, "logprobs", low=0, high=20)
         if self.seed is not None:
             self.seed = integer(self.seed, "seed", low=0, high=2**63 - 1)
         if isinstance(self.stop, str):
@@ -91,6 +107,7 @@ class TextDelta:
 
     text: str
     token_ids: list[int]
+    logprobs: list | None = None  # per token: (logprob, [(id, logprob) of the most likely]) (SamplingParams.logprobs)
 
 
 @dataclass
@@ -102,28 +119,33 @@ class Completion:
     token_ids: list[int]
     prompt_tokens: int
     finish_reason: str
-    stats: RunResult
+    stats: RunResult | None  # None only for a request the scheduler failed to account for as it died
     error: BaseException | None = None
     logits: list | None = None  # per generated token, [vocab] (SamplingParams.return_logits)
     routed_experts: object = None  # [prompt + generated - 1, L, K] int32 (SamplingParams.return_routed_experts)
     passes: list[int] | None = None  # the scheduler's forward passes it ran in (first: its prompt), with routed_experts
+    logprobs: list | None = None  # per generated token, as TextDelta.logprobs (SamplingParams.logprobs)
+    queue_seconds: float | None = None  # from arrival to joining the batch (None: it never joined)
 
 
 class RequestHandle:
     """A submitted request: iterate over its TextDeltas (ends after the last), or wait for its Completion.
     ``on_event`` (called from the scheduler thread) replaces the queue, for event loops."""
 
-    def __init__(self, request: int, on_event=None):
+    def __init__(self, request: int, lock, on_event=None):
         self.request = request
         self._events: queue.Queue = queue.Queue()
         self._on_event = on_event
+        self._lock = lock  # the scheduler's: it reads ``cancelled`` once per iteration under it
         self.cancelled = False
         self.completion: Completion | None = None
         self._done = threading.Event()
 
     def cancel(self) -> None:
-        """Leave the batch at the next iteration (a client that went away)."""
-        self.cancelled = True
+        """Leave the batch at the next iteration (a client that went away). Under the scheduler's lock, so that
+        an iteration sees a request either cancelled or not, never both (which would lose it and its KV slot)."""
+        with self._lock:
+            self.cancelled = True
 
     def _emit(self, event) -> None:
         if isinstance(event, Completion):
@@ -181,6 +203,8 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     logits: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    joined: float | None = None  # when it joined the batch
     sent: int = 0   # characters of text already emitted
     text: str = ""
     slot: int | None = None  # its rows in the KV pool, while it runs
@@ -205,9 +229,11 @@ class BatchScheduler:
         self.cond = threading.Condition()
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
+        self._leaving: list[_Request] = []
         self.jobs: deque[_Job] = deque()
         self.kv = KVPool(max_batch)
         self.stopping = False
+        self.failure: BaseException | None = None  # what stopped the scheduler's thread, if anything did
         self.iterations = 0
         self.forward_seconds = 0.0   # in forward passes (expert loads waited for included)
         self.prompt_pass_seconds = 0.0  # ... of them, in passes with at least one prompt (prefill)
@@ -216,17 +242,20 @@ class BatchScheduler:
         self._thread: threading.Thread | None = None
         self._tokenizer = None
         self._tokenizer_checked = False
+        self._tokenizer_lock = threading.Lock()
 
     # --------------------------------------------------------------------------------------------- intake
     @property
     def tokenizer(self):
-        """The model's tokenizer, or None for a model without one (token ids in, token ids out)."""
-        if not self._tokenizer_checked:
-            self._tokenizer_checked = True
-            try:
-                self._tokenizer = self.engine.tokenizer
-            except ConfigError:
-                self._tokenizer = None
+        """The model's tokenizer, or None for a model without one (token ids in, token ids out). Loaded once,
+        under a lock: the server tokenizes in worker threads, and a second caller must not see it unloaded."""
+        with self._tokenizer_lock:
+            if not self._tokenizer_checked:
+                try:
+                    self._tokenizer = self.engine.tokenizer
+                except ConfigError:
+                    self._tokenizer = None
+                self._tokenizer_checked = True
         return self._tokenizer
 
     def encode(self, prompt) -> list[int]:
@@ -248,6 +277,9 @@ class BatchScheduler:
         params = params or SamplingParams()
         params.check()
         ids = self.encode(prompt)
+        vocab = int(self.model.config.vocab_size)
+        if any(token >= vocab for token in params.logit_bias):
+            raise ConfigError(f"a logit_bias token id is outside the vocabulary (0..{vocab - 1})")
         self.engine.check_length(len(ids), params.max_tokens)
         window = getattr(self.model.config, "sliding_window", None)
         if window and len(ids) > window:  # a packed prompt attends causally over all of itself (packed.py)
@@ -258,17 +290,22 @@ class BatchScheduler:
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else int(torch.seed()))
         with self.cond:
-            if self.stopping:
-                raise MoeOffloadError("the engine is shutting down")
+            self._check_open()
             request = self.runner.new_request()
             if params.return_routed_experts:
                 self.runner.routing_log.keep(request)
-            handle = RequestHandle(request, on_event)
+            handle = RequestHandle(request, self.cond, on_event)
             self.waiting.append(_Request(request, ids, params, handle, generator,
                                          Counters.zero(self.engine.spec.num_layers), time.perf_counter()))
             self._start()
             self.cond.notify_all()
         return handle
+
+    def _check_open(self) -> None:
+        if self.failure is not None:
+            raise MoeOffloadError(f"the engine's scheduler stopped: {type(self.failure).__name__}: {self.failure}")
+        if self.stopping:
+            raise MoeOffloadError("the engine is shutting down")
 
     def _start(self) -> None:
         if self._thread is None:
@@ -283,8 +320,7 @@ class BatchScheduler:
             return fn(*args)
         job = _Job(fn, args)
         with self.cond:
-            if self.stopping:
-                raise MoeOffloadError("the engine is shutting down")
+            self._check_open()
             self.jobs.append(job)
             self._start()
             self.cond.notify_all()
@@ -323,6 +359,12 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------------------------------ the loop
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - a scheduler that cannot go on fails all it holds, below
+            self._die(exc)
+
+    def _serve(self) -> None:
         while True:
             with self.cond:
                 while not self.waiting and not self.running and not self.jobs and not self.stopping:
@@ -335,15 +377,19 @@ class BatchScheduler:
                     dropped, self.jobs = list(self.jobs), deque()
                 else:
                     dropped = []
-                    leaving = [r for r in self.running if r.handle.cancelled]
-                    self.running = [r for r in self.running if not r.handle.cancelled]
-                    while self.waiting and len(self.running) < self.max_batch:
-                        request = self.waiting.popleft()
-                        if request.handle.cancelled:
-                            leaving.append(request)
-                        else:
-                            request.slot = self.kv.acquire()
-                            self.running.append(request)
+                    # each handle's flag read once, under the lock its cancel() takes
+                    leaving, staying, still_waiting = [], [], deque()
+                    for request in self.running:
+                        (leaving if request.handle.cancelled else staying).append(request)
+                    for request in self.waiting:
+                        (leaving if request.handle.cancelled else still_waiting).append(request)
+                    self.running, self.waiting = staying, still_waiting
+                    # a request joins only with a free KV slot; without one it waits for the next iteration
+                    while self.waiting and len(self.running) < self.max_batch and self.kv.available:
+                        self.waiting[0].slot = self.kv.acquire()
+                        self.waiting[0].joined = time.perf_counter()
+                        self.running.append(self.waiting.popleft())
+                self._leaving = leaving  # out of both queues until they have ended: _die ends them if need be
                 batch = list(self.running)
             for request in leaving:
                 self._finish(request, "cancelled")
@@ -364,6 +410,25 @@ class BatchScheduler:
                                 continue
                             self.running.remove(request)
                         self._finish(request, "error", exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """The scheduler's thread cannot go on: every request it holds ends with the error, every job fails, and
+        new requests are refused (``failure``, which /health reports), so that nobody waits for it for good."""
+        with self.cond:
+            self.failure = exc
+            self.stopping = True
+            stranded = list(self.waiting) + self.running + self._leaving
+            self.waiting.clear()
+            self.running = []
+            jobs, self.jobs = list(self.jobs), deque()
+        for request in (r for r in stranded if r.handle.completion is None):
+            try:
+                self._finish(request, "error", exc)
+            except Exception:  # noqa: BLE001 - its accounting failed too: it still gets its end
+                request.handle._emit(Completion(request.id, request.text, list(request.tokens), len(request.prompt),
+                                                "error", None, exc))
+        for job in jobs:
+            job.fail(MoeOffloadError(f"the engine's scheduler stopped: {exc}"))
 
     def _iteration(self, batch: list[_Request]) -> None:
         import torch
@@ -412,7 +477,12 @@ class BatchScheduler:
         for observer in self.observers:
             observer.on_pass(len(batch), now - started)
         for request, row in zip(batch, logits):
-            self._advance(request, row, now)
+            try:
+                self._advance(request, row, now)
+            except Exception as exc:  # noqa: BLE001 - its own sampling, detokenising or stop check: it alone ends
+                with self.cond:
+                    self.running.remove(request)
+                self._finish(request, "error", exc)
         self.advance_seconds += time.perf_counter() - now
 
     def _failed(self, batch, exc) -> None:
@@ -429,11 +499,15 @@ class BatchScheduler:
     # ------------------------------------------------------------------------------------ per request
     def _advance(self, request: _Request, logits, now: float) -> None:
         params = request.params
-        token = sample(logits, params, request.generator)
+        token = sample(logits, params, request.generator, request.tokens)
         request.tokens.append(token)
         request.token_times.append(now)
         if params.return_logits:
             request.logits.append(logits.cpu())
+        new_logprobs = None
+        if params.logprobs is not None:
+            new_logprobs = [token_logprobs(logits, token, params.logprobs)]
+            request.logprobs.extend(new_logprobs)
         finish = None
         eos = self.model.generation_config.eos_token_id
         eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
@@ -451,13 +525,13 @@ class BatchScheduler:
         if finish is None:
             stable = _stable_prefix(request.text, params.stop)
             if len(stable) > request.sent:
-                request.handle._emit(TextDelta(stable[request.sent:], [token]))
+                request.handle._emit(TextDelta(stable[request.sent:], [token], new_logprobs))
                 request.sent = len(stable)
             else:
-                request.handle._emit(TextDelta("", [token]))
+                request.handle._emit(TextDelta("", [token], new_logprobs))
             return
-        if len(request.text) > request.sent:
-            request.handle._emit(TextDelta(request.text[request.sent:], [token]))
+        if len(request.text) > request.sent or new_logprobs:
+            request.handle._emit(TextDelta(request.text[request.sent:], [token], new_logprobs))
             request.sent = len(request.text)
         with self.cond:
             self.running.remove(request)
@@ -478,30 +552,12 @@ class BatchScheduler:
         stats.token_latency_seconds = [b - a for a, b in zip(times, times[1:])]
         completion = Completion(request.id, request.text, list(request.tokens), len(request.prompt), reason, stats,
                                 error, request.logits if request.params.return_logits else None, routed_experts,
-                                request.passes if routed_experts is not None else None)
+                                request.passes if routed_experts is not None else None,
+                                request.logprobs if request.params.logprobs is not None else None,
+                                None if request.joined is None else request.joined - request.arrived)
         for observer in self.observers:
             observer.on_finish(completion)
         request.handle._emit(completion)
-
-
-def sample(logits, params: SamplingParams, generator) -> int:
-    """The next token from one request's logits [vocab] (float32): greedy at temperature 0, otherwise
-    temperature, then top-p (the smallest set of most likely tokens whose probability reaches top_p, as
-    transformers' TopPLogitsWarper), drawn with the request's generator."""
-    import torch
-
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
-    scores = logits.cpu() / params.temperature
-    if params.top_p < 1.0:
-        ordered, order = torch.sort(scores, descending=False)
-        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-        remove = cumulative <= (1 - params.top_p)
-        remove[-1] = False  # keep at least the most likely token
-        scores = scores.clone()
-        scores[order[remove]] = -float("inf")
-    probs = scores.softmax(dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _stable_prefix(text: str, stop: tuple[str, ...]) -> str:

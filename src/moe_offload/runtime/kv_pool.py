@@ -45,8 +45,13 @@ class KVPool:
         self.keys: dict[int, object] = {}    # layer -> [rows, kv_heads, capacity, head_dim]
         self.values: dict[int, object] = {}
 
+    @property
+    def available(self) -> int:
+        """Free slots: a request joins the batch only when there is one (it waits otherwise)."""
+        return len(self.free)
+
     def acquire(self) -> int:
-        """A free slot for a request joining the batch, empty."""
+        """A free slot for a request joining the batch, empty (the caller checked :attr:`available`)."""
         if not self.free:
             raise RuntimeError("every slot of the KV pool is taken: more running requests than max_batch")
         slot = heapq.heappop(self.free)

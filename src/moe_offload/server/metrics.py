@@ -16,7 +16,12 @@ JSON reads), collected at each scrape, so they can never disagree with ``generat
 
 and from the scheduler and the server: ``moe_offload_requests_running``/``_waiting``, the batch size of each
 forward pass (``moe_offload_batch_size``), TTFT and TPOT histograms, finished requests by finish reason,
-prompt and generated tokens.
+prompt and generated tokens, and:
+
+    moe_offload_queue_seconds                   histogram: from arrival to joining the batch, per choice
+    moe_offload_e2e_seconds                     histogram: from the body's arrival to the answer's end, per request
+    moe_offload_rejected_requests_total{reason} requests answered with an error before any work (the
+                                                error's code: invalid_value, request_too_large, ...)
 """
 
 from __future__ import annotations
@@ -94,13 +99,29 @@ class ServerMetrics:
         self.finished = Counter("moe_offload_requests", "finished requests", ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("moe_offload_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter("moe_offload_generated_tokens", "tokens generated", registry=r)
+        self.queue = Histogram("moe_offload_queue_seconds", "seconds from arrival to joining the batch",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("moe_offload_e2e_seconds", "seconds from a request's arrival to its answer's end",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.rejected = Counter("moe_offload_rejected_requests", "requests refused with an error, by its code",
+                                ["reason"], registry=r)
+        self.passed_tokens = 0   # tokens sampled in forward passes (one per request of each pass)
+        self.prompt_tokens_seen = 0
+
+    def throughput_counts(self) -> tuple[int, int]:
+        """(prompt tokens of finished requests, tokens sampled) so far: the periodic throughput line."""
+        return self.prompt_tokens_seen, self.passed_tokens
 
     def on_pass(self, batch: int, seconds: float) -> None:
         self.batch_size.observe(batch)
         self.pass_seconds.observe(seconds)
+        self.passed_tokens += batch
 
     def on_finish(self, completion) -> None:
         self.finished.labels(completion.finish_reason).inc()
+        self.prompt_tokens_seen += completion.prompt_tokens
+        if completion.queue_seconds is not None:
+            self.queue.observe(completion.queue_seconds)
         self.prompt_tokens.inc(completion.prompt_tokens)
         self.generated_tokens.inc(len(completion.token_ids))
         if completion.stats.ttft_seconds is not None:

@@ -1,13 +1,25 @@
-"""The OpenAI wire format the server speaks: request bodies (checked), responses, stream chunks and errors.
+"""The OpenAI requests the server reads: every documented parameter of /v1/chat/completions and
+/v1/completions, checked; the errors it answers (server/responses.py writes the answers).
 
-Requests are pydantic models that forbid unknown fields: a parameter the server does not implement
-(``logprobs``, ``n`` above 1, penalties, tools) is refused with a 400 naming it rather than ignored. Every
-error is OpenAI's body ``{"error": {"message", "type", "param", "code"}}``.
+Every documented parameter is accepted, because SDKs and proxies send their defaults
+(``presence_penalty: 0``, ``logprobs: false``, ``tools: []``, ``response_format: {"type": "text"}``, ...).
+A parameter is then one of three kinds:
+
+- implemented: ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+  ``n``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``logprobs``/``top_logprobs``,
+  ``stream``/``stream_options``, a completions ``prompt`` given as a list (one choice set per prompt);
+- a tag with no effect on the answer: ``user``, ``metadata``, ``prompt_cache_key``, ``safety_identifier``,
+  ``parallel_tool_calls``, ``prediction`` (a latency hint: the answer is the same without it);
+- honoured only at its neutral value (:data:`NEUTRAL`): a value the server cannot honour (``tools`` that
+  are not empty, ``response_format`` json, ``store: true``, audio, ``echo: true``, ...) is a 400 naming the
+  parameter, never silently ignored.
+
+A name that is not a documented parameter is a 400 naming it too. Non-finite numbers never get here: the
+body parser refuses NaN and Infinity (inputs.parse_json).
 """
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Literal
 
@@ -18,6 +30,7 @@ from moe_offload.text.sources import format_conversation
 # OpenAI's default for /v1/completions; chat answers until the end of the text, bounded here.
 COMPLETION_MAX_TOKENS = 16
 CHAT_MAX_TOKENS = 256
+MAX_CHOICES = 128  # n x prompts in one request, OpenAI's bound on n
 
 
 class APIError(Exception):
@@ -33,24 +46,31 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # padding against length side channels: none is sent here
 
 
 class _Sampling(_Strict):
     model: str
     max_tokens: int | None = None
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
+    temperature: float | None = Field(1.0, ge=0, le=2)
+    top_p: float | None = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
-    user: str | None = None  # accepted and unused, as a tag for the caller
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # tags for the caller: accepted, no effect on the answer
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # SGLang's extension (server/routed_experts.py): the routing of the request's tokens in sgl_ext
     return_routed_experts: bool = False
     routed_experts_start_len: int = Field(0, ge=0)
@@ -63,35 +83,144 @@ class _Sampling(_Strict):
             raise APIError(400, "stop: a stop sequence must not be empty", param="stop")
         return tuple(stops)
 
+    def token_bias(self) -> dict[int, float]:
+        """``logit_bias`` with its keys (token ids written as strings, OpenAI's form) as numbers."""
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) < 12):
+                raise APIError(400, f"logit_bias: the key {key[:40]!r} is not a token id", param="logit_bias",
+                               code="invalid_value")
+            if not -100 <= value <= 100:
+                raise APIError(400, f"logit_bias: the bias {value} of token {key} is outside -100..100",
+                               param="logit_bias", code="invalid_value")
+            bias[int(key)] = value
+        return bias
+
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
-    echo: Literal[False] = False
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    suffix: str | None = None
 
-    def prompt_input(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each answered with ``n`` choices (OpenAI: a list of strings or of token lists is a
+        batch; a list of numbers is one prompt of token ids)."""
         prompt = self.prompt
-        if isinstance(prompt, list):
-            if prompt and all(isinstance(p, str) for p in prompt):
-                if len(prompt) != 1:
-                    raise APIError(400, "prompt: one prompt per request (a list of one string)", param="prompt")
-                return prompt[0]
-            if not prompt:
-                raise APIError(400, "prompt: empty", param="prompt")
-            return [int(t) for t in prompt]
-        if not prompt:
-            raise APIError(400, "prompt: empty", param="prompt")
-        return prompt
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise APIError(400, "prompt: empty", param="prompt", code="invalid_value")
+        return prompts
+
+    def logprob_count(self) -> int | None:
+        """None (no log-probabilities), or how many of the most likely tokens to report with each."""
+        return self.logprobs
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict] | None = None
     name: str | None = None
+    refusal: str | None = None
+    tool_calls: list | None = None
+    function_call: dict | None = None
+    audio: dict | None = None
+
+    def text(self, index: int) -> str:
+        """The message's text: a string, or its text parts joined by newlines (as vLLM joins them)."""
+        where = f"messages.{index}"
+        if self.tool_calls or self.function_call is not None or self.audio is not None:
+            field = "tool_calls" if self.tool_calls else "function_call" if self.function_call is not None \
+                else "audio"
+            raise APIError(400, f"{where}.{field}: this server has no tools or audio", param=f"{where}.{field}",
+                           code="unsupported_value")
+        if self.content is None:
+            raise APIError(400, f"{where}.content: missing", param=f"{where}.content", code="missing_parameter")
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            kind = part.get("type")
+            if kind != "text":
+                raise APIError(400, f"{where}.content.{j}: a {kind!r} part; this model reads text parts only",
+                               param=f"{where}.content.{j}.type", code="unsupported_value")
+            try:
+                texts.append(TextPart.model_validate(part).text)
+            except ValidationError as exc:
+                raise _validation_error(exc, f"{where}.content.{j}") from None
+        return "\n".join(texts)
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    response_format: dict | None = None
+    audio: dict | None = None
+    modalities: list[str] | None = None
+    prediction: dict | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    def logprob_count(self) -> int | None:
+        """None (no log-probabilities), or how many of the most likely tokens to report with each."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise APIError(400, "top_logprobs: needs logprobs: true", param="top_logprobs",
+                               code="invalid_value")
+            return None
+        return self.top_logprobs or 0
+
+
+# parameter -> (is this value a no-op here, why another value cannot be honoured)
+NEUTRAL = {
+    "store": (lambda v: not v, "this server does not store completions"),
+    "service_tier": (lambda v: v in (None, "auto", "default"), "this server has one service tier"),
+    "tools": (lambda v: not v, "this server does not call tools"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "this server does not call tools"),
+    "functions": (lambda v: not v, "this server does not call functions"),
+    "function_call": (lambda v: v in (None, "none", "auto"), "this server does not call functions"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, "only text responses"),
+    "audio": (lambda v: v is None, "this model answers in text only"),
+    "modalities": (lambda v: v is None or v == ["text"], "this model answers in text only"),
+    "reasoning_effort": (lambda v: v is None, "this model does not reason before answering"),
+    "verbosity": (lambda v: v in (None, "medium"), "this server has one verbosity"),
+    "web_search_options": (lambda v: v is None, "this server does not search the web"),
+    "echo": (lambda v: not v, "the prompt is not echoed back"),
+    "suffix": (lambda v: not v, "this model does not insert text before a suffix"),
+}
+
+
+def refuse_unhonoured(request: _Sampling) -> None:
+    """A 400 naming the first parameter whose value the server cannot honour."""
+    for name, (neutral, why) in NEUTRAL.items():
+        if name in type(request).model_fields and not neutral(getattr(request, name)):
+            raise APIError(400, f"{name}: {getattr(request, name)!r} cannot be honoured: {why}", param=name,
+                           code="unsupported_value")
+    best_of = getattr(request, "best_of", None)
+    if best_of is not None and best_of != (request.n or 1):
+        raise APIError(400, "best_of: only best_of equal to n (no candidates are generated and dropped)",
+                       param="best_of", code="unsupported_value")
 
 
 def parse(model: type[_Strict], body) -> _Strict:
@@ -99,72 +228,35 @@ def parse(model: type[_Strict], body) -> _Strict:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
-        return model.model_validate(body)
+        request = model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or None
-        if first["type"] == "extra_forbidden":
-            raise APIError(400, f"unknown or unsupported parameter {where!r}", param=where,
-                           code="unsupported_parameter") from None
-        if first["type"] == "missing":
-            raise APIError(400, f"missing required parameter {where!r}", param=where, code="missing_parameter") \
-                from None
-        raise APIError(400, f"{where}: {first['msg']}", param=where, code="invalid_value") from None
+        raise _validation_error(exc) from None
+    refuse_unhonoured(request)
+    return request
+
+
+def _validation_error(exc: ValidationError, prefix: str = "") -> APIError:
+    first = exc.errors()[0]
+    where = ".".join(part for part in [prefix, *(str(p) for p in first["loc"])] if part) or None
+    if first["type"] == "extra_forbidden":
+        return APIError(400, f"unknown parameter {where!r} (not an OpenAI parameter)", param=where,
+                        code="unsupported_parameter")
+    if first["type"] == "missing":
+        return APIError(400, f"missing required parameter {where!r}", param=where, code="missing_parameter")
+    return APIError(400, f"{where}: {first['msg']}", param=where, code="invalid_value")
 
 
 def chat_text(tokenizer, messages: list[ChatMessage]) -> str:
     """The prompt of a conversation: the tokenizer's chat template when it has one, otherwise the bundled
-    model's format (``User: ...`` lines, text/sources.py), ending where the assistant's answer begins."""
-    turns = [{"role": m.role, "content": m.content} for m in messages]
+    model's format (``User: ...`` lines, text/sources.py), ending where the assistant's answer begins.
+    A ``developer`` message is OpenAI's newer name for a system message."""
+    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+             for i, m in enumerate(messages)]
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-    text = format_conversation([{"from": m.role, "value": m.content} for m in messages])
+    text = format_conversation([{"from": t["role"], "value": t["content"]} for t in turns])
     return f"{text}\nAssistant:" if text else "Assistant:"
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def request_counters(stats) -> dict:
-    """The request's own expert-cache counters (the extension field ``moe_offload`` of a response)."""
-    return {"expert_requests": stats.accesses, "expert_hits": stats.hits, "hit_rate": stats.hit_rate,
-            "on_demand_loads": stats.on_demand_loads, "prefetches_used": stats.prefetches_used,
-            "stall_seconds": stats.stall_seconds, "ttft_seconds": stats.ttft_seconds,
-            "tpot_seconds": stats.tpot_seconds}
-
-
-def completion_body(kind: str, rid: str, model: str, completion) -> dict:
-    """The non-streaming response of /v1/completions (``kind`` "text") or /v1/chat/completions ("chat")."""
-    if kind == "text":
-        choice = {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": completion.finish_reason}
-        obj = "text_completion"
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
-                  "logprobs": None, "finish_reason": completion.finish_reason}
-        obj = "chat.completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage(completion.prompt_tokens, len(completion.token_ids)),
-            "moe_offload": request_counters(completion.stats)}
-
-
-def chunk_body(kind: str, rid: str, model: str, text: str | None, finish_reason: str | None = None,
-               first: bool = False) -> dict:
-    """One server-sent event of a stream."""
-    if kind == "text":
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    else:
-        delta = {}
-        if first:
-            delta["role"] = "assistant"
-        if text:
-            delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        obj = "chat.completion.chunk"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice]}
