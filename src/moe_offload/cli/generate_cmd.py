@@ -47,7 +47,10 @@ def register(subparsers) -> None:
 
 def add_engine_arguments(parser) -> None:
     """The options of the offloaded engine, shared by ``generate`` and ``serve``."""
-    parser.add_argument("--model", default="tiny", metavar="tiny|DIR", help="model (default: tiny)")
+    parser.add_argument("--model", default="tiny", metavar="tiny|DIR|ORG/NAME[@REV]",
+                        help="model: tiny (the default), a checkpoint or packed directory, or a Hugging Face hub "
+                             "id (from the hub cache, downloaded where the hub is reachable; HF_HOME, "
+                             "HF_HUB_OFFLINE hold)")
     parser.add_argument("--fast-budget", default="50%", metavar="SIZE|P%",
                         help="fast-tier budget: a share of all expert bytes (30%%) or a size (64MiB); default 50%%")
     parser.add_argument("--host-budget", default=None, metavar="SIZE|P%",

@@ -11,7 +11,8 @@ def register(subparsers) -> None:
         description="Write the non-expert weights to one file and every layer's routed experts to one file "
                     "of raw tensors with a manifest of offsets and checksums, so that the runtime loads only the non-experts "
                     "at start-up and reads experts on demand (FlashMoE, paper 003). Reports the start-up time.")
-    parser.add_argument("model", metavar="MODEL", help="tiny (the bundled model) or a checkpoint directory")
+    parser.add_argument("model", metavar="MODEL",
+                        help="tiny (the bundled model), a checkpoint directory or a hub id ORG/NAME[@REVISION]")
     parser.add_argument("-o", "--output", required=True, metavar="DIR",
                         help="new directory to write (missing or empty; written atomically)")
     parser.set_defaults(run=run)

@@ -375,13 +375,14 @@ def cache_root() -> Path:
 def packed_directory(name: str, on_expert=None) -> Path:
     """``--model NAME`` for the runtime: a packed directory as is; ``tiny`` or a checkpoint directory packed
     once into the cache, in a directory named after its weights' checksum so that a retrained or replaced
-    checkpoint is packed anew instead of serving a stale pack."""
-    import sys
-    import tempfile
-
+    checkpoint is packed anew instead of serving a stale pack; a hub id (models/hub.py) packed once per
+    repository and commit."""
+    from moe_offload.models.hub import hub_id, resolve
     from moe_offload.models.tiny import model_directory
-    from moe_offload.runtime.cpu_threads import single_threaded
 
+    if hub_id(name) is not None:  # a hub snapshot: its commit pins its files, no need to hash them
+        hub = resolve(name)
+        return _packed_once(hub.directory, f"{hub.repo_id.replace('/', '--')}-{hub.commit[:12]}", on_expert)
     directory = model_directory(name)
     if not directory.exists():
         raise ConfigError(f"{directory}: no such model directory")
@@ -396,8 +397,19 @@ def packed_directory(name: str, on_expert=None) -> Path:
     if not weights:
         raise ConfigError(f"{directory}: no weight file (*.safetensors) in the model directory")
     digest = hashlib.sha256("".join(file_sha256(file) for file in weights).encode()).hexdigest()[:12]
+    return _packed_once(directory, f"{directory.resolve().name}-{digest}", on_expert)
+
+
+def _packed_once(directory: Path, key: str, on_expert) -> Path:
+    """The pack of the checkpoint ``directory`` in the cache under ``key`` (what identifies its weights),
+    written there the first time."""
+    import sys
+    import tempfile
+
+    from moe_offload.runtime.cpu_threads import single_threaded
+
     # the format version in the name: a pack written by another release is never served
-    target = cache_root() / "packed" / f"{directory.resolve().name}-{digest}-v{FORMAT_VERSION}"
+    target = cache_root() / "packed" / f"{key}-v{FORMAT_VERSION}"
     if (target / MANIFEST).is_file():
         return target
     print(f"packing {directory} into {target} (once)", file=sys.stderr)
