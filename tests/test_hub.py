@@ -57,35 +57,37 @@ def hub_home(tmp_path, monkeypatch):
     return home
 
 
-def generated_tokens(model: str, tmp_path: Path, capsys) -> list[int]:
+PROMPT = "User: what is a cache?\nAssistant:"
+
+
+def generate(model: str, tmp_path: Path, capsys) -> tuple[list[int], str]:
+    """(token ids, stderr) of ``generate --model MODEL`` at a 25% budget."""
     record = tmp_path / f"{model.replace('/', '_')}.json"
     assert main(["generate", "--model", model, "--max-new-tokens", "12", "--device", "cpu", "--fast-budget",
-                 "25%", "--json", str(record), "User: what is a cache?\nAssistant:"]) == 0
-    capsys.readouterr()
-    return json.loads(record.read_text())["token_ids"]
+                 "25%", "--json", str(record), PROMPT]) == 0
+    return json.loads(record.read_text())["token_ids"], capsys.readouterr().err
 
 
-def test_a_hub_id_in_the_offline_cache_generates_the_tokens_of_tiny(hub_home, tmp_path, capsys):
-    tiny = generated_tokens("tiny", tmp_path, capsys)
-    assert generated_tokens(REPO, tmp_path, capsys) == tiny
-    assert generated_tokens(f"{REPO}@main", tmp_path, capsys) == tiny
-    assert generated_tokens(f"{REPO}@{COMMIT}", tmp_path, capsys) == tiny
+def test_a_hub_id_in_the_offline_cache_generates_the_tokens_of_tiny_and_packs_once(hub_home, tmp_path, capsys):
+    tiny, _ = generate("tiny", tmp_path, capsys)
+    tokens, err = generate(REPO, tmp_path, capsys)
+    assert tokens == tiny and "(once)" in err
+    tokens, err = generate(f"{REPO}@{COMMIT}", tmp_path, capsys)  # the same commit: its pack is reused
+    assert tokens == tiny and "(once)" not in err
     packs = sorted(path.name for path in (tmp_path / "packs" / "packed").iterdir())
-    # one pack for the commit, whichever way it was named, beside tiny's
-    assert [name for name in packs if name.startswith("test-org--tiny-moe")] == \
-        [f"test-org--tiny-moe-{COMMIT[:12]}-v3"]
+    assert [name for name in packs if name.startswith("test-org--")] == [f"test-org--tiny-moe-{COMMIT[:12]}-v3"]
 
 
-def test_the_command_line_offline_with_hf_home_packs_once(hub_home, tmp_path):
-    command = [sys.executable, "-m", "moe_offload.cli.main", "generate", "--model", REPO, "--max-new-tokens", "4",
-               "--device", "cpu", "hello"]
+def test_the_command_line_with_hf_home_and_hf_hub_offline(hub_home, tmp_path, capsys):
+    """The variables alone, in a fresh process whose hub client reads them at import."""
+    arguments = ["generate", "--max-new-tokens", "6", "--device", "cpu", PROMPT]
+    assert main(["generate", "--model", "tiny", *arguments[1:]]) == 0
+    tiny = capsys.readouterr().out.split("\n\n")[0]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    first = subprocess.run(command, capture_output=True, text=True, env=env)
-    assert first.returncode == 0, first.stderr
-    assert "(once)" in first.stderr
-    second = subprocess.run(command, capture_output=True, text=True, env=env)
-    assert second.returncode == 0 and "(once)" not in second.stderr
-    assert first.stdout.split("\n\n")[0] == second.stdout.split("\n\n")[0]
+    result = subprocess.run([sys.executable, "-m", "moe_offload.cli.main", *arguments, "--model", REPO],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n\n")[0] == tiny
 
 
 @pytest.mark.parametrize("model, problem", [
@@ -109,10 +111,13 @@ def test_a_snapshot_without_weights_is_one_line(hub_home, capsys):
 
 
 def test_pack_reads_a_hub_id(hub_home, tmp_path, capsys):
-    assert main(["pack", REPO, "-o", str(tmp_path / "packed")]) == 0
-    assert "wrote" in capsys.readouterr().out
-    tiny = generated_tokens("tiny", tmp_path, capsys)
-    assert generated_tokens(str(tmp_path / "packed"), tmp_path, capsys) == tiny
+    from moe_offload.runtime.packing import read_manifest
+
+    assert main(["pack", REPO, "-o", str(tmp_path / "hub-pack")]) == 0
+    assert main(["pack", "tiny", "-o", str(tmp_path / "tiny-pack")]) == 0
+    capsys.readouterr()
+    hub, tiny = read_manifest(tmp_path / "hub-pack"), read_manifest(tmp_path / "tiny-pack")
+    assert hub.experts == tiny.experts and hub.non_experts_sha256 == tiny.non_experts_sha256
 
 
 def test_what_is_a_hub_id(tmp_path, monkeypatch):
