@@ -516,3 +516,63 @@ def test_the_policy_sees_the_tokens_each_access_carries(checkpoint):
     # every token of the prompt and of the one decode step is routed to top-2 experts in every layer
     assert {layer: sum(r[0] for l, r in seen if l == layer) for layer in range(3)} == \
         {layer: 2 * (prompt_tokens + 1) for layer in range(3)}
+
+
+@pytest.fixture(scope="module")
+def expert_dtype_packs(checkpoint):
+    """expert dtype -> (its pack, the reference tokens and logits of the all-resident float32 model whose experts
+    are the very values that pack stores: cast to bfloat16, or quantized and dequantized by quantize.py)."""
+    from model_configs import tiny_tokenizer as tokenizer_of
+
+    from moe_offload.models.adapters import load_model
+    from moe_offload.runtime.quantize import QUANTIZED, dequantize, quantize
+
+    tokenizer = tokenizer_of()
+    packs = {}
+    for expert_dtype in ("bfloat16", "int8", "int4"):
+        packed = checkpoint["root"] / f"packed-{expert_dtype}"
+        pack_model(checkpoint["root"] / "model", packed, expert_dtype=expert_dtype)
+        reference, adapter = load_model(checkpoint["root"] / "model")
+        with torch.no_grad():
+            for layer in range(adapter.num_layers):
+                module = adapter.experts(layer)
+                for name in adapter.EXPERT_TENSORS:
+                    weight = getattr(module, name)
+                    for expert in range(adapter.num_experts):
+                        w = weight[expert]
+                        weight[expert] = (dequantize(quantize(w, expert_dtype), w.shape, expert_dtype, torch.float32)
+                                          if expert_dtype in QUANTIZED else w.to(torch.bfloat16).float())
+        expected = {}
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                out = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                         max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
+                                         output_logits=True, pad_token_id=0)
+            expected[prompt] = (out.sequences[0, ids.shape[1]:].tolist(), [step[0] for step in out.logits])
+        packs[expert_dtype] = (packed, expected)
+    return packs
+
+
+@pytest.mark.parametrize("expert_dtype", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("policy, prefetch, budget", [("lru", None, 2), ("lfu", "topk", 5), ("arc", "moepic", 11)])
+def test_generation_is_lossless_for_every_expert_dtype(checkpoint, expert_dtype_packs, expert_dtype, policy,
+                                                       prefetch, budget):
+    packed, expected = expert_dtype_packs[expert_dtype]
+    manifest = read_manifest(packed)
+    with OffloadEngine(packed, fast_budget=str(budget * manifest.expert_bytes if manifest.quantized
+                                               else budget * COMPUTE_EXPERT_BYTES),
+                       policy=policy, prefetch=prefetch) as engine:
+        assert engine.tiers[0].pool.slots == budget  # quantized: the budget counts the stored bytes
+        assert_lossless(engine, Checkpoint(expected=expected))
+
+
+def test_a_budget_share_is_the_same_memory_and_holds_more_quantized_experts(checkpoint, expert_dtype_packs):
+    # the test model's int4 expert: gate_up_proj [96, 32] in groups of 32, down_proj [32, 48] in groups of 16
+    int4_expert = (96 * 32 // 2 + 96 * 1 * 2) + (32 * 48 // 2 + 32 * 3 * 2)
+    assert read_manifest(expert_dtype_packs["int4"][0]).expert_bytes == int4_expert == 2688
+    budget = 18 * COMPUTE_EXPERT_BYTES // 8  # 12.5% of the 18 experts in float32: 41472 bytes
+    with OffloadEngine(checkpoint["packed"], fast_budget="12.5%") as engine:
+        assert engine.tiers[0].pool.slots == budget // COMPUTE_EXPERT_BYTES == 2
+    with OffloadEngine(expert_dtype_packs["int4"][0], fast_budget="12.5%") as engine:
+        assert engine.tiers[0].pool.slots == budget // int4_expert == 15

@@ -51,6 +51,9 @@ def add_engine_arguments(parser) -> None:
                         help="model: tiny (the default), a checkpoint or packed directory, or a Hugging Face hub "
                              "id (from the hub cache, downloaded where the hub is reachable; HF_HOME, "
                              "HF_HUB_OFFLINE hold)")
+    parser.add_argument("--expert-dtype", default=None, metavar="float16|bfloat16|int8|int4",
+                        help="the experts' stored dtype: a checkpoint is packed once per dtype (int8/int4: "
+                             "group-wise with scales; the budget counts their bytes); default: the checkpoint's")
     parser.add_argument("--fast-budget", default="50%", metavar="SIZE|P%",
                         help="fast-tier budget: a share of all expert bytes (30%%) or a size (64MiB); default 50%%")
     parser.add_argument("--host-budget", default=None, metavar="SIZE|P%",
@@ -189,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = chat_prompt(args.prompt) if args.chat else args.prompt
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
                   policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
-                  prefetch_history=args.prefetch_history, device=args.device,
+                  prefetch_history=args.prefetch_history, device=args.device, expert_dtype=args.expert_dtype,
                   bypass_page_cache=args.bypass_page_cache, matcher=args.matcher,
                   split_config=args.split_config, reconfiguration=reconfiguration, hardware=args.hardware)
     with engine:
