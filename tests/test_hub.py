@@ -136,3 +136,12 @@ def test_the_server_lists_a_hub_id_as_given():
     from moe_offload.server.app import model_name
 
     assert model_name(REPO) == REPO and model_name("tiny") == "tiny"
+
+
+def test_each_expert_dtype_of_a_commit_is_packed_once(hub_home, tmp_path):
+    from moe_offload.runtime.packing import packed_directory, read_manifest
+
+    packed = packed_directory(REPO, expert_dtype="int4")
+    assert packed.name == f"test-org--tiny-moe-{COMMIT[:12]}-int4-v3"
+    assert read_manifest(packed).expert_dtype == "int4"
+    assert packed_directory(f"{REPO}@{COMMIT}", expert_dtype="int4") == packed

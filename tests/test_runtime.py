@@ -576,3 +576,15 @@ def test_a_budget_share_is_the_same_memory_and_holds_more_quantized_experts(chec
         assert engine.tiers[0].pool.slots == budget // COMPUTE_EXPERT_BYTES == 2
     with OffloadEngine(expert_dtype_packs["int4"][0], fast_budget="12.5%") as engine:
         assert engine.tiers[0].pool.slots == budget // int4_expert == 15
+
+
+def test_quantized_packs_refuse_what_does_not_read_them_in_one_line(checkpoint, expert_dtype_packs, tmp_path, capsys):
+    packed = str(expert_dtype_packs["int8"][0])
+    with pytest.raises(ConfigError, match="int8 experts run with the fast tier alone"):
+        OffloadEngine(packed, fast_budget="50%", host_budget="50%")
+    assert main(["generate", "--model", packed, "--expert-dtype", "int4", "x"]) == 2
+    assert "packed with int8 experts, not int4" in capsys.readouterr().err
+    assert main(["pack", str(checkpoint["root"] / "model"), "-o", str(tmp_path / "q"), "--expert-dtype", "int3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--expert-dtype 'int3': choose from" in err
+    assert not (tmp_path / "q").exists()
