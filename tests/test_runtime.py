@@ -588,3 +588,23 @@ def test_quantized_packs_refuse_what_does_not_read_them_in_one_line(checkpoint, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--expert-dtype 'int3': choose from" in err
     assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_compute_dtype_is_lossless_against_the_all_resident_engine_in_that_dtype(checkpoint, dtype):
+    with OffloadEngine(checkpoint["packed"], fast_budget="100%", preload=True, dtype=dtype, device="cpu") as engine:
+        assert engine.compute_dtype == getattr(torch, dtype) and engine.tiers[0].pool.memory.dtype == engine.compute_dtype
+        expected = {}
+        for prompt in PROMPTS:
+            result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
+            expected[prompt] = (result.token_ids, result.logits)
+    with OffloadEngine(checkpoint["packed"], fast_budget=str(3 * COMPUTE_EXPERT_BYTES // 2), dtype=dtype,
+                       prefetch="topk", device="cpu") as engine:
+        assert engine.tiers[0].pool.slots == 3  # half the bytes of a float32 expert each
+        assert_lossless(engine, Checkpoint(expected=expected))
+
+
+def test_an_unknown_compute_dtype_is_one_line_before_any_work(checkpoint, capsys):
+    assert main(["generate", "--model", str(checkpoint["packed"]), "--dtype", "float8", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--dtype 'float8': choose from float32, bfloat16, float16" in err

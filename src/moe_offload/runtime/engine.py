@@ -64,6 +64,20 @@ class EngineBusyError(MoeOffloadError):
     """generate was called on an engine that is already generating."""
 
 
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def compute_dtype(name: str | None, device, stored):
+    """The fast tier's dtype: ``name`` (COMPUTE_DTYPES), else float32 on a CPU and the stored dtype elsewhere."""
+    import torch
+
+    if name is None:
+        return torch.float32 if device.type == "cpu" else stored
+    if name not in COMPUTE_DTYPES:
+        raise ConfigError(f"--dtype {name!r}: choose from {', '.join(COMPUTE_DTYPES)}")
+    return getattr(torch, name)
+
+
 def resolve_device(device):
     """The torch.device of ``device`` (a name or a torch.device, checked by values.device: cpu, or cuda[:N] with
     CUDA present); None is cuda where present, else cpu."""
@@ -117,7 +131,7 @@ class OffloadEngine:
                  store: ExpertStore | None = None, preload: bool = False, seed: int = 0,
                  readers: int | None = None, replay=None, replay_weights: str = "trace", max_batch: int = 16,
                  batch_math: str = "exact", matcher: str = "async", split_config=None, reconfiguration=None,
-                 hardware=None):
+                 hardware=None, dtype: str | None = None):
         with single_threaded():  # this thread loads the model without an OpenMP team (runtime/cpu_threads.py)
             import torch
 
@@ -138,7 +152,7 @@ class OffloadEngine:
             m = self.manifest
             self.spec = ModelSpec(m.num_layers, m.num_experts, m.top_k)
             stored = getattr(torch, m.dtype)
-            self.compute_dtype = torch.float32 if self.device.type == "cpu" else stored
+            self.compute_dtype = compute_dtype(dtype, self.device, stored)
             elements = sum(math.prod(tensor.shape) for tensor in m.tensors)
             # A share of the budget is of all experts in the compute dtype whatever the stored dtype, so "25%" is
             # the same memory for every pack of a model; quantized experts stay quantized in the fast tier
