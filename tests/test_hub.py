@@ -145,3 +145,12 @@ def test_each_expert_dtype_of_a_commit_is_packed_once(hub_home, tmp_path):
     assert packed.name == f"test-org--tiny-moe-{COMMIT[:12]}-int4-v3"
     assert read_manifest(packed).expert_dtype == "int4"
     assert packed_directory(f"{REPO}@{COMMIT}", expert_dtype="int4") == packed
+
+
+def test_record_names_the_trace_after_the_hub_id(hub_home, tmp_path, capsys):
+    from moe_offload.trace import read_trace
+
+    assert main(["record", "--model", REPO, "--limit", "1", "--max-new-tokens", "2", "-o",
+                 str(tmp_path / "t.parquet")]) == 0
+    capsys.readouterr()
+    assert read_trace(tmp_path / "t.parquet").meta.model == REPO
