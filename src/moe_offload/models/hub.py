@@ -67,13 +67,14 @@ def resolve(name: str) -> HubCheckpoint:
         raise ConfigError(f"--model {name}: {repo_id} is gated on the hub: accept its terms on its page and log "
                           "in (`hf auth login`)") from None
     except RepositoryNotFoundError:
-        raise ConfigError(f"--model {name}: no repository {repo_id} on the hub (or a private one: log in with "
-                          "`hf auth login`)") from None
+        raise ConfigError(f"--model {name}: no local directory of that name, and no repository {repo_id} on the "
+                          "hub (or a private one: log in with `hf auth login`)") from None
     except LocalEntryNotFoundError:
         where = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
         at = f"@{revision}" if revision else ""
-        raise ConfigError(f"--model {name}: {repo_id}{at} is not in the hub cache {constants.HF_HUB_CACHE} and "
-                          f"{where}: download it where the hub is reachable (`hf download {repo_id}`)") from None
+        raise ConfigError(f"--model {name}: no local directory of that name, {repo_id}{at} is not in the hub cache "
+                          f"{constants.HF_HUB_CACHE} and {where}: download it where the hub is reachable "
+                          f"(`hf download {repo_id}`)") from None
     except (HfHubHTTPError, OSError, ValueError) as exc:
         raise ConfigError(f"--model {name}: {repo_id}: {str(exc).strip().splitlines()[0]}") from None
     if not (snapshot / "config.json").is_file():
