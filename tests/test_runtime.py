@@ -608,3 +608,14 @@ def test_an_unknown_compute_dtype_is_one_line_before_any_work(checkpoint, capsys
     assert main(["generate", "--model", str(checkpoint["packed"]), "--dtype", "float8", "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--dtype 'float8': choose from float32, bfloat16, float16" in err
+
+
+def test_quantized_experts_computed_in_bfloat16_are_lossless(expert_dtype_packs):
+    packed = expert_dtype_packs["int4"][0]
+    with OffloadEngine(packed, fast_budget="100%", preload=True, dtype="bfloat16", device="cpu") as engine:
+        expected = {prompt: (result.token_ids, result.logits) for prompt in PROMPTS
+                    for result in [engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)]}
+        assert next(engine.model.parameters()).dtype == torch.bfloat16
+    with OffloadEngine(packed, fast_budget=str(2 * read_manifest(packed).expert_bytes), dtype="bfloat16",
+                       prefetch="topk", device="cpu") as engine:
+        assert_lossless(engine, Checkpoint(expected=expected))
