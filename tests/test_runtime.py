@@ -592,3 +592,106 @@ def test_the_policy_sees_the_tokens_each_access_carries(checkpoint):
     # every token of the prompt and of the one decode step is routed to top-2 experts in every layer
     assert {layer: sum(r[0] for l, r in seen if l == layer) for layer in range(3)} == \
         {layer: 2 * (prompt_tokens + 1) for layer in range(3)}
+
+
+@pytest.fixture(scope="module")
+def expert_dtype_packs(checkpoint):
+    """expert dtype -> (its pack, the reference tokens and logits of the all-resident float32 model whose experts
+    are the very values that pack stores: cast to bfloat16, or quantized and dequantized by quantize.py)."""
+    from model_configs import tiny_tokenizer as tokenizer_of
+
+    from moe_offload.models.adapters import load_model
+    from moe_offload.runtime.quantize import QUANTIZED, dequantize, quantize
+
+    tokenizer = tokenizer_of()
+    packs = {}
+    for expert_dtype in ("bfloat16", "int8", "int4"):
+        packed = checkpoint["root"] / f"packed-{expert_dtype}"
+        pack_model(checkpoint["root"] / "model", packed, expert_dtype=expert_dtype)
+        reference, adapter = load_model(checkpoint["root"] / "model")
+        with torch.no_grad():
+            for layer in range(adapter.num_layers):
+                module = adapter.experts(layer)
+                for name in adapter.EXPERT_TENSORS:
+                    weight = getattr(module, name)
+                    for expert in range(adapter.num_experts):
+                        w = weight[expert]
+                        weight[expert] = (dequantize(quantize(w, expert_dtype), w.shape, expert_dtype, torch.float32)
+                                          if expert_dtype in QUANTIZED else w.to(torch.bfloat16).float())
+        expected = {}
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                out = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                         max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True,
+                                         output_logits=True, pad_token_id=0)
+            expected[prompt] = (out.sequences[0, ids.shape[1]:].tolist(), [step[0] for step in out.logits])
+        packs[expert_dtype] = (packed, expected)
+    return packs
+
+
+@pytest.mark.parametrize("expert_dtype", ["bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("policy, prefetch, budget", [("lru", None, 2), ("lfu", "topk", 5), ("arc", "moepic", 11)])
+def test_generation_is_lossless_for_every_expert_dtype(checkpoint, expert_dtype_packs, expert_dtype, policy,
+                                                       prefetch, budget):
+    packed, expected = expert_dtype_packs[expert_dtype]
+    manifest = read_manifest(packed)
+    with OffloadEngine(packed, fast_budget=str(budget * manifest.expert_bytes if manifest.quantized
+                                               else budget * COMPUTE_EXPERT_BYTES),
+                       policy=policy, prefetch=prefetch) as engine:
+        assert engine.tiers[0].pool.slots == budget  # quantized: the budget counts the stored bytes
+        assert_lossless(engine, Checkpoint(expected=expected))
+
+
+def test_a_budget_share_is_the_same_memory_and_holds_more_quantized_experts(checkpoint, expert_dtype_packs):
+    # the test model's int4 expert: gate_up_proj [96, 32] in groups of 32, down_proj [32, 48] in groups of 16
+    int4_expert = (96 * 32 // 2 + 96 * 1 * 2) + (32 * 48 // 2 + 32 * 3 * 2)
+    assert read_manifest(expert_dtype_packs["int4"][0]).expert_bytes == int4_expert == 2688
+    budget = 18 * COMPUTE_EXPERT_BYTES // 8  # 12.5% of the 18 experts in float32: 41472 bytes
+    with OffloadEngine(checkpoint["packed"], fast_budget="12.5%") as engine:
+        assert engine.tiers[0].pool.slots == budget // COMPUTE_EXPERT_BYTES == 2
+    with OffloadEngine(expert_dtype_packs["int4"][0], fast_budget="12.5%") as engine:
+        assert engine.tiers[0].pool.slots == budget // int4_expert == 15
+
+
+def test_quantized_packs_refuse_what_does_not_read_them_in_one_line(checkpoint, expert_dtype_packs, tmp_path, capsys):
+    packed = str(expert_dtype_packs["int8"][0])
+    with pytest.raises(ConfigError, match="int8 experts run with the fast tier alone"):
+        OffloadEngine(packed, fast_budget="50%", host_budget="50%")
+    assert main(["generate", "--model", packed, "--expert-dtype", "int4", "x"]) == 2
+    assert "packed with int8 experts, not int4" in capsys.readouterr().err
+    assert main(["pack", str(checkpoint["root"] / "model"), "-o", str(tmp_path / "q"), "--expert-dtype", "int3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--expert-dtype 'int3': choose from" in err
+    assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_compute_dtype_is_lossless_against_the_all_resident_engine_in_that_dtype(checkpoint, dtype):
+    with OffloadEngine(checkpoint["packed"], fast_budget="100%", preload=True, dtype=dtype, device="cpu") as engine:
+        assert engine.compute_dtype == getattr(torch, dtype) and engine.tiers[0].pool.memory.dtype == engine.compute_dtype
+        expected = {}
+        for prompt in PROMPTS:
+            result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
+            expected[prompt] = (result.token_ids, result.logits)
+    with OffloadEngine(checkpoint["packed"], fast_budget=str(3 * COMPUTE_EXPERT_BYTES // 2), dtype=dtype,
+                       prefetch="topk", device="cpu") as engine:
+        assert engine.tiers[0].pool.slots == 3  # half the bytes of a float32 expert each
+        assert_lossless(engine, Checkpoint(expected=expected))
+
+
+def test_an_unknown_compute_dtype_is_one_line_before_any_work(checkpoint, capsys):
+    assert main(["generate", "--model", str(checkpoint["packed"]), "--dtype", "float8", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--dtype 'float8': choose from float32, bfloat16, float16" in err
+
+
+def test_quantized_experts_computed_in_bfloat16_are_lossless(expert_dtype_packs):
+    packed = expert_dtype_packs["int4"][0]
+    with OffloadEngine(packed, fast_budget="100%", preload=True, dtype="bfloat16", device="cpu") as engine:
+        expected = {prompt: (result.token_ids, result.logits) for prompt in PROMPTS
+                    for result in [engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)]}
+        assert next(engine.model.parameters()).dtype == torch.bfloat16
+    with OffloadEngine(packed, fast_budget=str(2 * read_manifest(packed).expert_bytes), dtype="bfloat16",
+                       prefetch="topk", device="cpu") as engine:
+        assert_lossless(engine, Checkpoint(expected=expected))

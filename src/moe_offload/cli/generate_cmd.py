@@ -48,7 +48,16 @@ def register(subparsers) -> None:
 
 def add_engine_arguments(parser) -> None:
     """The options of the offloaded engine, shared by ``generate`` and ``serve``."""
-    parser.add_argument("--model", default="tiny", metavar="tiny|DIR", help="model (default: tiny)")
+    parser.add_argument("--model", default="tiny", metavar="tiny|DIR|ORG/NAME[@REV]",
+                        help="model: tiny (the default), a checkpoint or packed directory, or a Hugging Face hub "
+                             "id (from the hub cache, downloaded where the hub is reachable; HF_HOME, "
+                             "HF_HUB_OFFLINE hold)")
+    parser.add_argument("--expert-dtype", default=None, metavar="float16|bfloat16|int8|int4",
+                        help="the experts' stored dtype: a checkpoint is packed once per dtype (int8/int4: "
+                             "group-wise with scales; the budget counts their bytes); default: the checkpoint's")
+    parser.add_argument("--dtype", default=None, metavar="float32|bfloat16|float16",
+                        help="the fast tier's compute dtype (weights and activations); default: float32 on a CPU, "
+                             "the stored dtype on a GPU")
     parser.add_argument("--fast-budget", default="50%", metavar="SIZE|P%",
                         help="fast-tier budget: a share of all expert bytes (30%%) or a size (64MiB); default 50%%")
     parser.add_argument("--host-budget", default=None, metavar="SIZE|P%",
@@ -178,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     values.integer(args.max_new_tokens, "--max-new-tokens", low=1)
     apply_threads(args)
     resolve_device(args.device)
+    check_dtype(args)
     if args.split_config:  # a bad file is refused before the model is packed or loaded
         from moe_offload.simulator.split import read_split_config
 
@@ -187,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = chat_prompt(args.prompt) if args.chat else args.prompt
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
                   policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
-                  prefetch_history=args.prefetch_history, device=args.device,
+                  prefetch_history=args.prefetch_history, device=args.device, expert_dtype=args.expert_dtype, dtype=args.dtype,
                   bypass_page_cache=args.bypass_page_cache, matcher=args.matcher,
                   split_config=args.split_config, reconfiguration=reconfiguration, hardware=args.hardware)
     with engine:
@@ -219,6 +229,17 @@ def run(args: argparse.Namespace) -> int:
                   "text": result.text, "token_ids": result.token_ids}
         write_atomically(args.json, json.dumps(record, indent=1))
     return 0
+
+
+def check_dtype(args: argparse.Namespace) -> None:
+    """--dtype and --expert-dtype, before the model is packed or loaded."""
+    from moe_offload.errors import ConfigError
+    from moe_offload.runtime.engine import COMPUTE_DTYPES
+    from moe_offload.runtime.packing import check_expert_dtype
+
+    check_expert_dtype(args.expert_dtype)
+    if args.dtype is not None and args.dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"--dtype {args.dtype!r}: choose from {', '.join(COMPUTE_DTYPES)}")
 
 
 def online_reconfiguration(args):

@@ -11,9 +11,13 @@ def register(subparsers) -> None:
         description="Write the non-expert weights to one file and every layer's routed experts to one file "
                     "of raw tensors with a manifest of offsets and checksums, so that the runtime loads only the non-experts "
                     "at start-up and reads experts on demand (FlashMoE, paper 003). Reports the start-up time.")
-    parser.add_argument("model", metavar="MODEL", help="tiny (the bundled model) or a checkpoint directory")
+    parser.add_argument("model", metavar="MODEL",
+                        help="tiny (the bundled model), a checkpoint directory or a hub id ORG/NAME[@REVISION]")
     parser.add_argument("-o", "--output", required=True, metavar="DIR",
                         help="new directory to write (missing or empty; written atomically)")
+    parser.add_argument("--expert-dtype", default=None, metavar="float16|bfloat16|int8|int4",
+                        help="store the experts in this dtype (int8/int4: group-wise with float16 scales, what the "
+                             "runtime moves and holds); default: the checkpoint's")
     parser.set_defaults(run=run)
 
 
@@ -24,17 +28,20 @@ def run(args: argparse.Namespace) -> int:
     require_model_stack("pack")
     from moe_offload.models.tiny import model_directory
     from moe_offload.reporting.progress import progress_bar
-    from moe_offload.runtime.packing import load_skeleton, pack_model
+    from moe_offload.runtime.packing import check_expert_dtype, load_skeleton, pack_model
 
     from moe_offload.outputs import check_output
 
+    check_expert_dtype(args.expert_dtype)
     check_output(args.output, directory=True, what="packed model")  # before loading anything
     with progress_bar() as bar:
         task = bar.add_task("packing experts", total=None)
-        manifest = pack_model(model_directory(args.model), args.output, on_expert=lambda: bar.advance(task))
+        manifest = pack_model(model_directory(args.model), args.output, on_expert=lambda: bar.advance(task),
+                              expert_dtype=args.expert_dtype)
     _, _, seconds = load_skeleton(manifest)
     count = len(manifest.experts)
-    print(f"wrote {args.output}: {count} experts ({manifest.num_layers} layers x {manifest.num_experts}), "
+    print(f"wrote {args.output}: {count} {manifest.expert_dtype or manifest.dtype} experts ({manifest.num_layers} "
+          f"layers x {manifest.num_experts}), "
           f"{format_bytes(manifest.expert_bytes)} each, {format_bytes(count * manifest.expert_bytes)} in all")
     print(f"start-up (non-expert weights only): {seconds * 1000:.0f} ms")
     return 0

@@ -15,7 +15,8 @@ def register(subparsers) -> None:
                     "the selected experts and weights, the full router distribution of every layer, the "
                     "token's input embedding and the next layer's gate prediction (for the last layer: layer 0 "
                     "of the next token).")
-    parser.add_argument("--model", default="tiny", metavar="tiny|DIR", help="model (default: tiny, the bundled one)")
+    parser.add_argument("--model", default="tiny", metavar="tiny|DIR|ORG/NAME[@REV]",
+                        help="model: tiny (the bundled one, the default), a checkpoint directory or a hub id")
     parser.add_argument("--prompts", default="sharegpt", metavar="SOURCES",
                         help="comma-separated prompt sources: sharegpt, humaneval, or files with one prompt per "
                              "line (or .jsonl with 'prompt'); default: sharegpt")
@@ -49,7 +50,10 @@ def run(args: argparse.Namespace) -> int:
         check_output(args.texts, inputs=prompt_files + [args.output], what="texts file")
     prompts = load_prompts(args.prompts, args.limit, args.skip)
     model, adapter, tokenizer = load(args.model)
-    name = "moe-offload/tiny-mixtral" if args.model == "tiny" else Path(args.model).resolve().name
+    from moe_offload.models.hub import hub_id
+
+    name = "moe-offload/tiny-mixtral" if args.model == "tiny" else \
+        args.model if hub_id(args.model) is not None else Path(args.model).resolve().name
     with progress_bar() as bar:
         task = bar.add_task(f"recording {len(prompts)} prompts", total=len(prompts))
         recording = record(model, adapter, tokenizer, prompts, model_name=name, max_new_tokens=args.max_new_tokens,

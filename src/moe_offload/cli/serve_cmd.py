@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from moe_offload.cli.generate_cmd import add_engine_arguments, apply_threads, check_prefetch, engine_policy_options
+from moe_offload.cli.generate_cmd import (add_engine_arguments, apply_threads, check_dtype, check_prefetch,
+                                          engine_policy_options)
 from moe_offload.errors import ConfigError
 
 
@@ -61,11 +62,13 @@ def run(args: argparse.Namespace) -> int:
     host = values.text(args.host, "--host")
     device = values.device(args.device) if args.device is not None else None
     apply_threads(args)
+    check_dtype(args)
     _check_listen(host, port)
     policy_options, prefetch_options = engine_policy_options(args)
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
                   policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
-                  prefetch_history=args.prefetch_history, device=device, bypass_page_cache=args.bypass_page_cache,
+                  prefetch_history=args.prefetch_history, device=device, expert_dtype=args.expert_dtype, dtype=args.dtype,
+                  bypass_page_cache=args.bypass_page_cache,
                   matcher=args.matcher,
                   max_batch=max_batch, batch_math=args.batch_math)
     print(f"moe-offload: serving {names[0]} on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics); "

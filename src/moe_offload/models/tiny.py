@@ -1,4 +1,4 @@
-"""The bundled tiny Mixtral and the one way a command resolves ``--model tiny|DIR``."""
+"""The bundled tiny Mixtral and the one way a command resolves ``--model tiny|DIR|ORG/NAME[@REVISION]``."""
 
 from __future__ import annotations
 
@@ -11,12 +11,17 @@ TINY = "tiny"
 
 
 def model_directory(name: str) -> Path:
-    """``tiny`` is the bundled checkpoint; anything else is a local checkpoint directory."""
+    """``tiny`` is the bundled checkpoint; a hub id with no local path of that name is its snapshot in the hub
+    cache, downloaded first where the hub is reachable (models/hub.py); anything else is a local directory."""
     if name == TINY:
         if not (TINY_MODEL_DIR / "model.safetensors").is_file():
             raise ConfigError(f"{TINY_MODEL_DIR}: the bundled model is missing from this installation "
                               "(rebuild it with `moe-offload train-tiny -o DIR` and pass --model DIR)")
         return TINY_MODEL_DIR
+    from moe_offload.models.hub import hub_id, resolve
+
+    if hub_id(name) is not None:
+        return resolve(name).directory
     return Path(name)
 
 

@@ -317,7 +317,9 @@ class ExpertMover:
                 staged = self._ring_buffer()
                 array = staged.numpy()
                 self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
-                origin = staged.view(getattr(torch, self.store.manifest.dtype))
+                # quantized experts' slots hold bytes (uint8), the others elements of the stored dtype
+                origin = staged if destination.dtype == torch.uint8 else \
+                    staged.view(getattr(torch, self.store.manifest.dtype))
             else:
                 origin = source.region(source_slot)
                 staged = None
@@ -339,7 +341,7 @@ class ExpertMover:
         wait = tier.pool.free_after[slot]
         if wait is not None:  # a pinned host slot that a GPU copy may still read
             wait.synchronize()
-        if destination.dtype == getattr(torch, self.store.manifest.dtype):
+        if destination.dtype in (torch.uint8, getattr(torch, self.store.manifest.dtype)):
             array = destination.view(torch.uint8).numpy()
             self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
         else:

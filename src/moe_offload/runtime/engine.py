@@ -36,6 +36,7 @@ union of its tokens' selections, fetched once, and each request's tokens are the
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -61,6 +62,20 @@ from moe_offload.simulator.cache import ExpertCache, PartitionedCache
 
 class EngineBusyError(MoeOffloadError):
     """generate was called on an engine that is already generating."""
+
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def compute_dtype(name: str | None, device, stored):
+    """The fast tier's dtype: ``name`` (COMPUTE_DTYPES), else float32 on a CPU and the stored dtype elsewhere."""
+    import torch
+
+    if name is None:
+        return torch.float32 if device.type == "cpu" else stored
+    if name not in COMPUTE_DTYPES:
+        raise ConfigError(f"--dtype {name!r}: choose from {', '.join(COMPUTE_DTYPES)}")
+    return getattr(torch, name)
 
 
 def resolve_device(device):
@@ -118,7 +133,7 @@ class OffloadEngine:
                  store: ExpertStore | None = None, preload: bool = False, seed: int = 0,
                  readers: int | None = None, replay=None, replay_weights: str = "trace", max_batch: int = 16,
                  batch_math: str = "exact", matcher: str = "async", split_config=None, reconfiguration=None,
-                 hardware=None):
+                 hardware=None, dtype: str | None = None):
         with single_threaded():  # this thread loads the model without an OpenMP team (runtime/cpu_threads.py)
             import torch
 
@@ -139,9 +154,13 @@ class OffloadEngine:
             m = self.manifest
             self.spec = ModelSpec(m.num_layers, m.num_experts, m.top_k)
             stored = getattr(torch, m.dtype)
-            self.compute_dtype = torch.float32 if self.device.type == "cpu" else stored
-            self.compute_expert_bytes = m.expert_bytes // stored.itemsize * self.compute_dtype.itemsize
-            self.total_expert_bytes = m.num_layers * m.num_experts * self.compute_expert_bytes
+            self.compute_dtype = compute_dtype(dtype, self.device, stored)
+            elements = sum(math.prod(tensor.shape) for tensor in m.tensors)
+            # A share of the budget is of all experts in the compute dtype whatever the stored dtype, so "25%" is
+            # the same memory for every pack of a model; quantized experts stay quantized in the fast tier
+            # (dequantized as each is computed with), so more of them fit in it.
+            self.compute_expert_bytes = m.expert_bytes if m.quantized else elements * self.compute_dtype.itemsize
+            self.total_expert_bytes = m.num_layers * m.num_experts * elements * self.compute_dtype.itemsize
             info = policy_info(policy)
             if info.offline:
                 raise ConfigError(f"policy {policy!r} needs the future (next use of every expert), which a running "
@@ -157,6 +176,9 @@ class OffloadEngine:
                 raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
                                   f"({format_bytes(m.top_k * self.compute_expert_bytes)}, "
                                   f"{format_bytes(self.compute_expert_bytes)} each)")
+            if m.quantized and (host_budget is not None or split is not None):
+                raise ConfigError(f"{m.directory}: {m.expert_dtype} experts run with the fast tier alone: the host "
+                                  "tier and MoEpic's split do not read quantized experts yet")
             host_slots = 0
             if host_budget is not None:
                 host_slots = self._slots(values.budget_bytes(host_budget, m.num_layers * m.num_experts * m.expert_bytes,
@@ -221,8 +243,10 @@ class OffloadEngine:
         fast_cache = (PartitionedCache(fast_bytes, m.num_layers, make, m.num_experts, slot_size=self.compute_expert_bytes)
                       if partitioned else ExpertCache(fast_bytes, make()))
         elements = m.expert_bytes // stored.itemsize
-        tiers = [Tier("fast", fast_cache, SlotPool(fast_slots, elements, self.compute_dtype, self.device), m,
-                      self.device, self.compute_dtype)]
+        # quantized experts: the slots hold their stored bytes, the tier computes in compute_dtype
+        fast_pool = SlotPool(fast_slots, m.expert_bytes, torch.uint8, self.device) if m.quantized else \
+            SlotPool(fast_slots, elements, self.compute_dtype, self.device)
+        tiers = [Tier("fast", fast_cache, fast_pool, m, self.device, self.compute_dtype)]
         if host_slots:
             cpu = torch.device("cpu")
             tiers.append(Tier("host", ExpertCache(host_slots * m.expert_bytes, policy_info("lru").policy(self.spec)),

@@ -71,12 +71,18 @@ def check_layout(manifest, path, error: type) -> None:
     if not 0 < manifest.expert_bytes <= MAX_EXPERT_BYTES or manifest.chunk_bytes <= 0:
         raise error(f"{path}: expert_bytes {manifest.expert_bytes} and chunk_bytes {manifest.chunk_bytes} must be "
                     f"positive, an expert at most {MAX_EXPERT_BYTES:,} bytes")
+    from moe_offload.runtime.quantize import QUANTIZED, quantized_nbytes
+
+    if manifest.expert_dtype is not None and manifest.expert_dtype not in QUANTIZED:
+        raise error(f"{path}: expert_dtype {manifest.expert_dtype!r} is not one of {', '.join(QUANTIZED)}")
     offset = 0
     for tensor in manifest.tensors:
-        nbytes = math.prod(tensor.shape) * DTYPE_BYTES[manifest.dtype]
+        nbytes = quantized_nbytes(tensor.shape, manifest.expert_dtype) if manifest.quantized and tensor.shape else \
+            math.prod(tensor.shape) * DTYPE_BYTES[manifest.dtype]
         if tensor.offset != offset or tensor.nbytes != nbytes or any(n <= 0 for n in tensor.shape):
             raise error(f"{path}: expert tensor {tensor.name} {list(tensor.shape)} at offset {tensor.offset} "
-                        f"({tensor.nbytes} bytes) does not follow the tensors before it in {manifest.dtype}")
+                        f"({tensor.nbytes} bytes) does not follow the tensors before it in "
+                        f"{manifest.expert_dtype or manifest.dtype}")
         offset += nbytes
     if offset != manifest.expert_bytes:
         raise error(f"{path}: the expert tensors take {offset} bytes, expert_bytes says {manifest.expert_bytes}")

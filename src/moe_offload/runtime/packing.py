@@ -9,7 +9,9 @@ raw tensor bytes at offsets the manifest gives (FlashMoE's separation, paper 003
     DIR/experts/layer003.bin          layer 3's experts, each at an offset aligned to 4 KiB
 
 An expert's region holds its tensors one after the other in ``EXPERT_TENSORS`` order (``gate_up_proj`` [2I, H],
-``down_proj`` [H, I], the stored dtype, row-major, no header), so the runtime reads an expert with one
+``down_proj`` [H, I], the expert dtype, row-major, no header; ``int8``/``int4`` experts: each tensor's quantized
+values then its group scales, runtime/quantize.py, with the manifest's ``expert_dtype`` naming the format and
+``dtype`` the float dtype they stand for), so the runtime reads an expert with one
 positional read into a reusable buffer and makes its tensors as views, with no parsing on the hot path.
 The manifest lists, once for all experts, each tensor's offset, shape and byte size inside a region (so a
 part of an expert can be read on its own: MoEpic's split along the intermediate dimension reads the
@@ -84,7 +86,7 @@ class Manifest:
     top_k: int
     hidden_size: int
     dtype: str
-    expert_bytes: int  # tensor bytes of one expert in ``dtype`` (the region's size)
+    expert_bytes: int  # tensor bytes of one expert as stored (the region's size)
     decoder_layers: list[int]
     tensors: tuple[TensorEntry, ...]
     chunk_bytes: int
@@ -93,6 +95,11 @@ class Manifest:
     non_experts_sha256: str
     tied: dict[str, str]  # parameter -> the parameter it shares storage with (tied embeddings)
     max_position_embeddings: int | None = None
+    expert_dtype: str | None = None  # int8 / int4: the experts are quantized (runtime/quantize.py); else None
+
+    @property
+    def quantized(self) -> bool:
+        return self.expert_dtype is not None
 
     def layer_path(self, layer: int) -> Path:
         return self.directory / self.layer_files[layer][0]
@@ -125,8 +132,9 @@ def expert_parameter_names(adapter) -> set[str]:
     return names
 
 
-def pack_model(model_dir, out_dir, on_expert=None) -> Manifest:
-    """Split the checkpoint in ``model_dir`` into ``out_dir`` (see the module docstring). ``out_dir`` is checked
+def pack_model(model_dir, out_dir, on_expert=None, expert_dtype: str | None = None) -> Manifest:
+    """Split the checkpoint in ``model_dir`` into ``out_dir`` (see the module docstring), its experts stored as
+    ``expert_dtype`` (runtime/quantize.EXPERT_DTYPES; None: as the checkpoint stores them). ``out_dir`` is checked
     before any work (it must not exist, or be an empty directory, in a writable folder) and written atomically:
     an interrupted or failed pack leaves nothing behind."""
     import torch
@@ -136,6 +144,7 @@ def pack_model(model_dir, out_dir, on_expert=None) -> Manifest:
     from moe_offload.runtime.checkpoint_checks import check_checkpoint_files, check_loaded_weights
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    check_expert_dtype(expert_dtype)
     check_output(out_dir, inputs=[model_dir], directory=True, what="packed model")
     raw = check_checkpoint_files(model_dir)  # before transformers reads a file (runtime/checkpoint_checks.py)
     config = read_config(model_dir)
@@ -146,11 +155,19 @@ def pack_model(model_dir, out_dir, on_expert=None) -> Manifest:
     model, adapter = load_model(model_dir, dtype=dtype)
     check_loaded_weights(model)
     with atomic_directory(out_dir) as staging:
-        _write_pack(model, adapter, config, stored, model_dir, staging, on_expert)
+        _write_pack(model, adapter, config, stored, model_dir, staging, on_expert, expert_dtype or stored)
     return read_manifest(out_dir)
 
 
-def _write_pack(model, adapter, config, stored: str, model_dir: Path, out_dir: Path, on_expert) -> None:
+def check_expert_dtype(expert_dtype: str | None) -> None:
+    from moe_offload.runtime.quantize import EXPERT_DTYPES
+
+    if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
+        raise ConfigError(f"--expert-dtype {expert_dtype!r}: choose from {', '.join(EXPERT_DTYPES)}")
+
+
+def _write_pack(model, adapter, config, stored: str, model_dir: Path, out_dir: Path, on_expert,
+                expert_dtype: str) -> None:
     import torch
     from safetensors import SafetensorError
     from safetensors.torch import save_file
@@ -172,10 +189,22 @@ def _write_pack(model, adapter, config, stored: str, model_dir: Path, out_dir: P
     except SafetensorError as exc:  # its error for a failed write (a full disk): an OSError for atomic_directory
         raise OSError(str(exc)) from None
 
+    from moe_offload.runtime.quantize import QUANTIZED, quantize, quantized_nbytes
+
+    quantized = expert_dtype in QUANTIZED
+    dtype = stored if quantized else expert_dtype  # the float dtype the experts' bytes stand for
+
+    def stored_bytes(tensor):
+        if quantized:
+            return quantize(tensor, expert_dtype)
+        return tensor.to(getattr(torch, dtype)).contiguous().reshape(-1).view(torch.uint8)
+
     first = adapter.expert_tensors(0, 0)
     tensors, offset = [], 0
     for name in adapter.EXPERT_TENSORS:
-        nbytes = first[name].numel() * first[name].element_size()
+        shape = tuple(first[name].shape)
+        nbytes = quantized_nbytes(shape, expert_dtype) if quantized else \
+            first[name].numel() * getattr(torch, dtype).itemsize
         tensors.append({"name": name, "shape": list(first[name].shape), "offset": offset, "bytes": nbytes})
         offset += nbytes
     expert_bytes = offset
@@ -186,8 +215,7 @@ def _write_pack(model, adapter, config, stored: str, model_dir: Path, out_dir: P
         with open(path, "wb") as handle:
             for expert in range(adapter.num_experts):
                 parts = adapter.expert_tensors(layer, expert)
-                region = torch.cat([parts[name].contiguous().reshape(-1).view(torch.uint8)
-                                    for name in adapter.EXPERT_TENSORS]).numpy()
+                region = torch.cat([stored_bytes(parts[name]) for name in adapter.EXPERT_TENSORS]).numpy()
                 handle.write(memoryview(region))
                 handle.write(bytes(stride - expert_bytes))
                 sha, xxh = chunk_digests(region, CHUNK_BYTES)
@@ -204,7 +232,8 @@ def _write_pack(model, adapter, config, stored: str, model_dir: Path, out_dir: P
     manifest = {
         "format_version": FORMAT_VERSION, "model_type": config.model_type, "source": str(model_dir.resolve()),
         "num_layers": adapter.num_layers, "num_experts": adapter.num_experts, "top_k": adapter.top_k,
-        "hidden_size": adapter.hidden_size, "dtype": stored, "expert_bytes": expert_bytes,
+        "hidden_size": adapter.hidden_size, "dtype": dtype, "expert_bytes": expert_bytes,
+        **({"expert_dtype": expert_dtype} if quantized else {}),
         "max_position_embeddings": getattr(config, "max_position_embeddings", None),
         "decoder_layers": adapter.decoder_layers, "tied": tied,
         "non_experts": {"file": NON_EXPERTS, "sha256": file_sha256(out_dir / NON_EXPERTS)},
@@ -269,7 +298,7 @@ def _manifest(data: dict, directory: Path, path: Path) -> Manifest:
                             int(data["expert_bytes"]), [int(i) for i in data["decoder_layers"]], tensors,
                             int(data["chunk_bytes"]), [(str(f["file"]), int(f["bytes"])) for f in data["layers"]],
                             experts, str(data["non_experts"]["sha256"]), dict(data.get("tied", {})),
-                            data.get("max_position_embeddings"))
+                            data.get("max_position_embeddings"), data.get("expert_dtype"))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise PackError(f"{path}: not a valid pack manifest ({type(exc).__name__}: {exc})") from None
     expected = {(l, e) for l in range(manifest.num_layers) for e in range(manifest.num_experts)}
@@ -386,22 +415,30 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-offload"
 
 
-def packed_directory(name: str, on_expert=None) -> Path:
+def packed_directory(name: str, on_expert=None, expert_dtype: str | None = None) -> Path:
     """``--model NAME`` for the runtime: a packed directory as is; ``tiny`` or a checkpoint directory packed
     once into the cache, in a directory named after its weights' checksum so that a retrained or replaced
-    checkpoint is packed anew instead of serving a stale pack."""
-    import sys
-    import tempfile
-
+    checkpoint is packed anew instead of serving a stale pack; a hub id (models/hub.py) packed once per
+    repository and commit. Each ``expert_dtype`` (None: the checkpoint's) has its own pack."""
+    check_expert_dtype(expert_dtype)
+    from moe_offload.models.hub import hub_id, resolve
     from moe_offload.models.tiny import model_directory
-    from moe_offload.runtime.cpu_threads import single_threaded
 
+    if hub_id(name) is not None:  # a hub snapshot: its commit pins its files, no need to hash them
+        hub = resolve(name)
+        return _packed_once(hub.directory, f"{hub.repo_id.replace('/', '--')}-{hub.commit[:12]}", on_expert,
+                            expert_dtype)
     directory = model_directory(name)
     if not directory.exists():
         raise ConfigError(f"{directory}: no such model directory")
     if not directory.is_dir():
         raise ConfigError(f"{directory}: not a directory (give a packed model or a checkpoint directory)")
     if not missing(directory / MANIFEST):  # a pack, even one that cannot be read: read_manifest says why
+        if expert_dtype is not None:
+            packed = read_manifest(directory, check_files=False)
+            if expert_dtype != (packed.expert_dtype or packed.dtype):
+                raise ConfigError(f"{directory}: packed with {packed.expert_dtype or packed.dtype} experts, not "
+                                  f"{expert_dtype}: pack the checkpoint with --expert-dtype {expert_dtype}")
         return directory
     if missing(directory / "config.json"):
         raise ConfigError(f"{directory}: not a model: neither a packed model ({MANIFEST}) nor a checkpoint "
@@ -410,8 +447,19 @@ def packed_directory(name: str, on_expert=None) -> Path:
     if not weights:
         raise ConfigError(f"{directory}: no weight file (*.safetensors) in the model directory")
     digest = hashlib.sha256("".join(file_sha256(file) for file in weights).encode()).hexdigest()[:12]
+    return _packed_once(directory, f"{directory.resolve().name}-{digest}", on_expert, expert_dtype)
+
+
+def _packed_once(directory: Path, key: str, on_expert, expert_dtype: str | None) -> Path:
+    """The pack of the checkpoint ``directory`` with ``expert_dtype`` experts in the cache under ``key`` (what
+    identifies its weights), written there the first time."""
+    import sys
+    import tempfile
+
+    from moe_offload.runtime.cpu_threads import single_threaded
+
     # the format version in the name: a pack written by another release is never served
-    target = cache_root() / "packed" / f"{directory.resolve().name}-{digest}-v{FORMAT_VERSION}"
+    target = cache_root() / "packed" / f"{key}{'-' + expert_dtype if expert_dtype else ''}-v{FORMAT_VERSION}"
     if (target / MANIFEST).is_file():
         return target
     print(f"packing {directory} into {target} (once)", file=sys.stderr)
@@ -422,7 +470,7 @@ def packed_directory(name: str, on_expert=None) -> Path:
         raise ConfigError(f"{target.parent}: cannot create the pack cache: {exc.strerror or exc}") from None
     try:  # pack aside, then rename: an interrupted pack never looks finished
         with single_threaded():  # no OpenMP team left behind in the caller's thread (runtime/cpu_threads.py)
-            pack_model(directory, staging / "packed", on_expert=on_expert)
+            pack_model(directory, staging / "packed", on_expert=on_expert, expert_dtype=expert_dtype)
         try:
             (staging / "packed").rename(target)
         except OSError:

@@ -205,11 +205,18 @@ class ExpertStore:
         return expert_views(self.manifest, region)
 
 
-def expert_views(manifest: Manifest, region) -> dict:
+def expert_views(manifest: Manifest, region, dtype=None) -> dict:
     """The expert's tensors as views of ``region``, a flat tensor holding one expert: a uint8 tensor of its
-    stored bytes, or a tensor of elements (a compute-ready copy in another dtype, the same element order)."""
+    stored bytes, or a tensor of elements (a compute-ready copy in another dtype, the same element order).
+    Quantized experts (always uint8 bytes) are dequantized into new tensors of ``dtype`` instead (quantize.py)."""
     import torch
 
+    if manifest.quantized:
+        from moe_offload.runtime.quantize import dequantize
+
+        return {tensor.name: dequantize(region[tensor.offset:tensor.offset + tensor.nbytes], tensor.shape,
+                                        manifest.expert_dtype, dtype or getattr(torch, manifest.dtype))
+                for tensor in manifest.tensors}
     stored = getattr(torch, manifest.dtype)
     flat = region.view(stored) if region.dtype == torch.uint8 else region
     out, itemsize = {}, stored.itemsize

@@ -86,8 +86,11 @@ class Tier:
         return self.pool.memory[slot]
 
     def tensors(self, key: int) -> dict:
-        """The resident expert ``key``'s tensors (views of its slot, made once per slot)."""
+        """The resident expert ``key``'s tensors (views of its slot, made once per slot; quantized experts
+        dequantized from the slot's bytes at each call, since a slot's next expert would leave a copy stale)."""
         slot = self.slot_of[key]
+        if self.manifest.quantized:
+            return expert_views(self.manifest, self.pool.memory[slot], self.dtype)
         views = self._views.get(slot)
         if views is None:
             views = self._views[slot] = expert_views(self.manifest, self.pool.memory[slot])

@@ -59,8 +59,11 @@ LOG = logging.getLogger("moe_offload.server")
 
 
 def model_name(model: str) -> str:
-    """The id /v1/models lists for ``--model tiny|DIR``."""
-    return "tiny" if model == "tiny" else Path(model).name
+    """The id /v1/models lists for ``--model tiny|DIR|ORG/NAME[@REVISION]``: a hub id as given, as vLLM serves
+    its ``--model``; a directory by its name."""
+    from moe_offload.models.hub import hub_id
+
+    return model if model == "tiny" or hub_id(model) is not None else Path(model).name
 
 
 class Lifecycle:

@@ -1,0 +1,150 @@
+"""What quantized experts cost and save on the bundled tiny Mixtral: per expert dtype and fast budget, the bytes
+moved into the fast tier per token, the hit rate and TPOT of the offloaded runtime, and against the float16
+experts the held-out perplexity and the top-1 agreement.
+
+    python benchmarks/quantization.py [--dtypes float16,int8,int4] [--budgets 25] [--tokens 24] [--prompts 2]
+        [--windows 8] [--device cpu|cuda] [--json FILE]
+
+The full table of the docs page: ``--budgets 12.5,25,50 --tokens 64 --prompts 4 --windows 32``.
+
+- Runtime: a fresh engine per (dtype, budget), LRU, no prefetch, greedy, on ShareGPT first turns as chat
+  prompts; bytes per token are the bytes put on the links into the fast tier over the generated tokens; TPOT
+  the mean of each prompt's. Budgets are shares of all experts in the compute dtype, so a share is the same
+  memory for every expert dtype and more quantized experts fit in it.
+- Quality, on the all-resident model whose experts are the stored ones (cast to bfloat16, or quantized and
+  dequantized: the runtime computes exactly these, tests/test_runtime.py): perplexity on ``--windows``
+  windows of 256 tokens of the held-out code and English the tiny model was not trained on
+  (text/sources.is_held_out), and top-1 agreement: the float16 model generates ``--tokens`` tokens greedily per
+  prompt, each model reads that same text, and the share of positions where both pick the same next token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+
+
+def experts_as_stored(reference, adapter, expert_dtype: str):
+    """A copy of the float32 model whose experts hold what a pack of ``expert_dtype`` computes with."""
+    import torch
+
+    from moe_offload.runtime.quantize import QUANTIZED, dequantize, quantize
+
+    model = copy.deepcopy(reference)
+    experts = adapter.__class__(model)
+    with torch.no_grad():
+        for layer in range(experts.num_layers):
+            module = experts.experts(layer)
+            for name in experts.EXPERT_TENSORS:
+                weight = getattr(module, name)
+                for index in range(experts.num_experts):
+                    w = weight[index].to(torch.float16)  # the checkpoint's values
+                    weight[index] = (dequantize(quantize(w, expert_dtype), w.shape, expert_dtype, torch.float32)
+                                     if expert_dtype in QUANTIZED else w.to(getattr(torch, expert_dtype)).float())
+    return model.eval()
+
+
+def held_out_windows(count: int):
+    """``count`` windows of held-out code and as many of held-out English (the training recipe's windows)."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from moe_offload.bundled import TINY_MODEL_DIR
+    from moe_offload.training.tiny_model import TinyRecipe, load_corpus, windows
+
+    recipe = TinyRecipe()
+    tokenizer = Tokenizer.from_file(str(TINY_MODEL_DIR / "tokenizer.json"))
+    corpus = load_corpus(recipe.seed)
+    return np.concatenate([windows(tokenizer, docs, count, recipe) for docs in corpus.held_out.values()])
+
+
+def top1_agreement(model, reference_sequences, prompt_lengths) -> float:
+    import torch
+
+    same = total = 0
+    with torch.no_grad():
+        for sequence, start in zip(reference_sequences, prompt_lengths):
+            ids = torch.tensor([sequence])
+            picks = model(input_ids=ids).logits[0, start - 1:-1].argmax(-1)
+            same += int((picks == ids[0, start:]).sum())
+            total += len(sequence) - start
+    return same / total
+
+
+def runtime_row(expert_dtype: str, budget: str, prompts, tokens: int, device: str) -> dict:
+    import moe_offload
+
+    with moe_offload.load("tiny", fast_budget=f"{budget}%", expert_dtype=expert_dtype, device=device) as engine:
+        moved = generated = 0
+        tpots, hits, accesses = [], 0, 0
+        for prompt in prompts:
+            result = engine.generate(prompt, max_new_tokens=tokens)
+            stats = result.stats
+            moved += sum((stats.bytes_per_link or {}).values())
+            generated += len(result.token_ids)
+            tpots.append(stats.tpot_seconds)
+            hits, accesses = hits + stats.hits, accesses + stats.accesses
+        return {"expert_dtype": expert_dtype, "budget": budget, "experts_held": engine.tiers[0].pool.slots,
+                "expert_bytes": engine.manifest.expert_bytes, "bytes_per_token": moved / generated,
+                "hit_rate": hits / accesses, "tpot_ms": 1000 * sum(tpots) / len(tpots)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtypes", default="float16,int8,int4")
+    parser.add_argument("--budgets", default="25", help="fast budgets in %% of all experts (default 25)")
+    parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--windows", type=int, default=8, help="held-out windows of 256 tokens per kind")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    import torch
+    from transformers import AutoTokenizer
+
+    from moe_offload.bundled import TINY_MODEL_DIR
+    from moe_offload.models.adapters import load_model
+    from moe_offload.text.sources import chat_prompt, sharegpt_prompts
+    from moe_offload.training.tiny_model import perplexity
+
+    dtypes = args.dtypes.split(",")
+    prompts = [chat_prompt(text) for text in sharegpt_prompts()[-args.prompts:]]  # the recorded traces use the first
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    reference, adapter = load_model(TINY_MODEL_DIR)
+    float16 = experts_as_stored(reference, adapter, "float16")
+    sequences, lengths = [], []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = float16.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens,
+                                   do_sample=False, pad_token_id=0)
+        sequences.append(out[0].tolist())
+        lengths.append(ids.shape[1])
+    batch = held_out_windows(args.windows)
+    base = perplexity(float16, batch)
+    quality = {}
+    for expert_dtype in dtypes:
+        model = float16 if expert_dtype == "float16" else experts_as_stored(reference, adapter, expert_dtype)
+        value = base if model is float16 else perplexity(model, batch)
+        quality[expert_dtype] = {"perplexity": value, "perplexity_delta": value - base,
+                                 "top1_agreement": top1_agreement(model, sequences, lengths)}
+    rows = [{**runtime_row(d, b, prompts, args.tokens, args.device), **quality[d]}
+            for b in args.budgets.split(",") for d in dtypes]
+    print(f"tiny Mixtral, {args.device}, {len(prompts)} prompts x {args.tokens} tokens, LRU; perplexity on "
+          f"{len(batch)} held-out windows (float16: {base:.3f})")
+    print("| experts | budget | experts held | bytes/token | hit rate | TPOT | perplexity delta | top-1 agreement |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['expert_dtype']} | {row['budget']}% | {row['experts_held']} | "
+              f"{row['bytes_per_token'] / 2**20:.2f} MiB | {row['hit_rate']:.1%} | {row['tpot_ms']:.1f} ms | "
+              f"{row['perplexity_delta']:+.4f} | {row['top1_agreement']:.1%} |")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"float16_perplexity": base, "rows": rows}, handle, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
