@@ -201,6 +201,7 @@ class OffloadEngine:
                                       prefetcher=self.prefetcher, policy_needs_probs=info.policy.needs_probs,
                                       replay=self.replay, source=f"live generation with {m.directory}",
                                       matcher=matcher)
+            self.runner.computes_on_host = self.places
             self.runner.install()
             self._generate_lock = threading.Lock()
             self.max_batch, self.batch_math = max_batch, batch_math

@@ -74,6 +74,7 @@ class ModelRunner:
         self.view: LiveRoutingView | None = None
         self.keys_of: dict = {}     # request -> the experts it routed to in the running pass (failures)
         self.probs = np.zeros((spec.num_layers, spec.num_experts), np.float32)
+        self.computes_on_host = False  # a placing policy's misses may be computed on the host (the engine sets it)
         self._hooks = []
         self._segmented = []
         self._tap = None
