@@ -215,3 +215,48 @@ def test_bit_flips_in_sweep_results_read_back_identical_or_are_refused(small_swe
         assert rows == clean, offset
         accepted += 1
     assert refused > 0 and accepted + refused == len(offsets)
+
+
+# ------------------------------------------------------------------ sizes checked before the work
+
+@pytest.mark.parametrize("rate", ["1e-15", "1e-12"])
+def test_poisson_rates_the_clock_cannot_resolve_are_refused(capsys, rate):
+    """At 1e-12 requests/s the one request of the bundled trace arrives near 6.8e11 s, where float64 steps by
+    2^-13 s = 0.12 ms (np.spacing): more than the 1e-7 s the simulator accepts."""
+    code, _, err = run(capsys, "simulate", "--timed", "olmoe", "--arrivals", f"poisson:{rate}", "--policy", "lru")
+    assert_refused(code, err, "olmoe-1b-7b-decode299.parquet", "the simulator's clock steps by", "give arrivals closer")
+
+
+def test_a_resolvable_poisson_rate_still_runs():
+    from moe_offload.simulator.timed.schedule import CLOCK_RESOLUTION, Arrivals
+
+    Arrivals.parse("poisson:1e-6").check_clock(100, "t")  # 1e8 s: a step of 1.5e-8 s
+    assert np.spacing(1e8) < CLOCK_RESOLUTION < np.spacing(1e12)
+
+
+def test_more_experts_than_the_timed_simulator_models_are_refused_at_once(tmp_path, capsys):
+    from moe_offload.trace.format import write_trace
+
+    layers = 2**17  # within the metadata's bound (2^24 experts), which replay takes
+    meta = TraceMeta(model="deep", num_layers=layers, num_experts=1, top_k=1, expert_bytes=4096)
+    path = write_trace(Trace.build(meta, np.zeros((2, layers, 1), np.int64)), tmp_path / "deep.parquet")
+    code, _, err = run(capsys, "simulate", "--timed", path, "--policy", "lru", "--jobs", 1)
+    assert_refused(code, err, path, "131,072 layers x 1 experts is more experts than the timed simulator models")
+
+
+def test_a_history_whose_eams_exceed_memory_is_refused_before_allocating(tmp_path, monkeypatch):
+    """256 layers x 4,096 experts for 1,000 requests: 3 x 1,000 x 2^20 x 8 bytes = 23.4 GiB of EAM arrays
+    against the 1 GiB this test says is available."""
+    from moe_offload import inputs
+    from moe_offload.errors import ConfigError
+    from moe_offload.prefetch.eam import sequence_eams
+
+    layers, experts, requests = 256, 4096, 1000
+    meta = TraceMeta(model="big", num_layers=layers, num_experts=experts, top_k=1, expert_bytes=4096)
+    rng = np.random.default_rng(0)
+    history = Trace.build(meta, rng.integers(0, experts, (requests, layers, 1)), request=np.arange(requests),
+                          position=np.zeros(requests, np.int64), iteration=np.arange(requests), path="h.parquet")
+    monkeypatch.setattr(inputs, "available_memory", lambda: 2**30)
+    with pytest.raises(ConfigError, match=r"h.parquet: the EAMs of its 1,000 requests \(256 layers x 4096 experts "
+                                          r"each\) would need 23.4 GiB of memory, and 1.0 GiB is available"):
+        sequence_eams(history)

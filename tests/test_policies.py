@@ -35,6 +35,24 @@ def test_fifo_ignores_hits():
     assert evicted[5] == [1]
 
 
+def test_lifo_evicts_the_newest_resident():
+    _, evicted = drive("lifo", single_layer(0, 1, 2, 0, 3, 4), 3, ONE_LAYER)
+    assert evicted[4] == [2]  # the last one in; the hit on 0 changes nothing
+    assert evicted[5] == [3]  # 3 came in last: 0 and 1 stay for good
+
+
+def test_neighbor_aware_ages_and_evicts_neighbors_together():
+    # groups of 2: {0, 1}, {2, 3}, {4, 5}. At the request of 4 the cache holds 0, 2, 1: group {0, 1} was last
+    # requested at t=2 (expert 1), group {2, 3} at t=1, so 2 goes where LRU evicts 0.
+    _, evicted = drive("neighbor-aware", single_layer(0, 2, 1, 4, 3, 5), 3, ONE_LAYER)
+    assert evicted[3] == [2]
+    assert drive("lru", single_layer(0, 2, 1, 4, 3, 5), 3, ONE_LAYER)[1][3] == [0]
+    assert evicted[4] == [0]  # {0, 1} (t=2) is now older than {4} (t=3): its lower member first
+    assert evicted[5] == [1]  # ... then the rest of the group, although {2, 3} was requested later
+    _, one = drive("neighbor-aware", single_layer(0, 2, 1, 4, 3, 5), 3, ONE_LAYER, options={"group": 1})
+    assert one == drive("lru", single_layer(0, 2, 1, 4, 3, 5), 3, ONE_LAYER)[1]
+
+
 def test_lfu_evicts_fewest_requests_ties_to_least_recent():
     hits, evicted = drive("lfu", single_layer(0, 0, 1, 1, 1, 2, 3, 2), 3, ONE_LAYER)
     assert evicted[6] == [2]  # frequencies 0:2, 1:3, 2:1
@@ -274,6 +292,22 @@ def test_lru_dist_confines_evictions_to_the_layer():
     assert shared[4] == []
 
 
+def test_lcp_dist_ranks_by_priority_within_the_layer_share():
+    # 2 layers, 4 slots: 2 per layer. Layer 0 holds expert 0 (mu 2, last token 2) and 1 (mu 1, last token 4)
+    # when (0, 2) misses at token 6; layer 1's 3 and 4 are the lowest in the shared cache.
+    spec = ModelSpec(num_layers=2, num_experts=3, top_k=1)
+    requests = [(0, 0), (1, 0), (0, 0), (1, 1), (0, 1), (1, 2), (0, 2)]
+    _, evicted = drive("lcp-dist", requests, 4, spec)
+    assert evicted[5] == [3]  # layer 1: 3 (mu 1, token 1) below 4 (mu 1, token 3)
+    # P = mu * rho^(nu / omega): 2 * 0.25^(4/128) = 1.915 > 1 * 0.25^(2/128) = 0.979
+    assert evicted[6] == [1]
+    # with omega = 1 the interval dominates: 2 * 0.25^4 = 0.0078 < 0.25^2 = 0.0625
+    _, evicted = drive("lcp-dist", requests, 4, spec, options={"omega": 1.0})
+    assert evicted[6] == [0]
+    _, shared = drive("lcp", requests, 4, spec)
+    assert shared[6] == [4]  # the shared cache's lowest is layer 1's 4 (mu 1, token 3)
+
+
 def test_marking_dist_is_marking_within_each_layer_share():
     # Paper 001: "Marker-Dist", marking "on each layer with a specific cache of size k/l per layer".
     spec = ModelSpec(num_layers=2, num_experts=4, top_k=1)
@@ -479,10 +513,11 @@ def test_belady_dist_is_optimal_per_layer():
 
 
 def test_every_policy_is_listed_with_its_source():
+    baselines = {"lifo", "lcp-dist", "neighbor-aware"}  # issue 25
     expected = {"lru", "lfu", "fifo", "random", "marking", "lru-dist", "marking-dist", "belady", "belady-dist",
                 "llru", "arc", "lecar", "moe-infinity", "fmoe", "lcp", "learned", "lfu-decay", "pinned-lru",
                 "static-freq", "static-layers"}
-    assert set(POLICIES) == expected
+    assert set(POLICIES) == expected | baselines
     for info in POLICIES.values():
         assert info.summary and info.source
 

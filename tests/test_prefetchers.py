@@ -63,7 +63,8 @@ def random_full_trace(seed=0, L=4, J=6, K=2, tokens=24, requests=4, D=5) -> Trac
 
 
 def test_registry_names_and_descriptions():
-    assert list(PREFETCHERS) == ["topk", "traced-topk", "moe-infinity", "fmoe", "moepic", "oracle"]
+    assert list(PREFETCHERS) == ["topk", "traced-topk", "moe-infinity", "fmoe", "moepic", "mixtral-offloading",
+                                 "pre-gated", "oracle"]
     for name, cls in PREFETCHERS.items():
         assert cls.name == name and cls.summary and cls.source
         assert set(cls.requires) <= {"probs", "embedding", "gate_prediction", "weights"}
@@ -78,10 +79,18 @@ def test_unknown_prefetcher_and_option_are_config_errors():
         make_prefetcher("oracle", ModelSpec(2, 4, 1), {"depth": 2})
     with pytest.raises(ConfigError, match="topk.k 0: must be a whole number from 1 to 4"):
         make_prefetcher("topk", ModelSpec(2, 4, 1), {"k": 0})
-    assert prefetcher_options("fmoe") == {"capacity": 1000, "distance": 3, "search_seconds": None,
+    assert prefetcher_options("fmoe") == {"capacity": None, "distance": 3, "search_seconds": None,
                                          "semantic": "iteration",
                                           "embedding_dims": None, "candidates": None, "map_dtype": "float32",
                                           "lists": None, "probes": 8, "seed": 0}
+
+
+def test_fmoe_store_capacity_follows_the_papers_sizing_guidance():
+    # Paper 000: 2LJ maps bound the similarity at 75%, 1/2 LJ ln(LJ) at 98%; the default is the larger.
+    assert make_prefetcher("fmoe", ModelSpec(16, 64, 8)).capacity == 3549  # OLMoE: 512 * ln(1024) = 3549.1
+    assert make_prefetcher("fmoe", ModelSpec(32, 8, 2)).capacity == 710    # Mixtral: 128 * ln(256) = 709.8 > 512
+    assert make_prefetcher("fmoe", ModelSpec(4, 6, 2)).capacity == 48      # 12 * ln(24) = 38.1 < 2LJ = 48
+    assert make_prefetcher("fmoe", ModelSpec(4, 6, 2), {"capacity": 5}).capacity == 5
 
 
 @pytest.mark.parametrize("name, column, hint", [
@@ -123,7 +132,11 @@ class NoOracleView(RoutingView):
         raise AssertionError("a real prefetcher looked at the future")
 
 
-@pytest.mark.parametrize("name", [n for n in PREFETCHERS if n != "oracle"])
+def test_only_the_bounds_read_the_future():
+    assert [n for n, cls in PREFETCHERS.items() if cls.reads_future] == ["pre-gated", "oracle"]
+
+
+@pytest.mark.parametrize("name", [n for n in PREFETCHERS if not PREFETCHERS[n].reads_future])
 def test_real_prefetchers_never_see_the_future(name):
     trace = random_full_trace(seed=1)
     prefetcher = make_prefetcher(name, ModelSpec(4, 6, 2), {"capacity": 4} if "capacity" in
@@ -305,6 +318,63 @@ def test_moe_infinity_keeps_one_eam_per_sequence_and_refines_every_layer():
     assert prefetcher.current_eam(9).tolist() == [[0, 0, 1], [0, 1, 0]]
 
 
+def dataset_switch_trace(L=3, sequences=6):
+    """Sequences of two decode iterations each, one at a time: the first half routes every layer to experts 0
+    and 1 (dataset A), the second half to 4 and 5 (dataset B)."""
+    experts, request, iteration = [], [], []
+    for sequence in range(2 * sequences):
+        pair = [0, 1] if sequence < sequences else [4, 5]
+        for step in range(2):
+            experts.append([pair] * L)
+            request.append(sequence)
+            iteration.append(2 * sequence + step)
+    return make_trace(experts, num_experts=6, request=request, iteration=iteration,
+                      position=[i % 2 for i in range(len(request))])
+
+
+def first_choices_per_sequence(prefetcher, trace) -> list[set[int]]:
+    """Per sequence, the two highest-priority proposals after layer 0 of its first iteration; the driver ends
+    each sequence after its last iteration."""
+    choices = []
+    for iteration in np.unique(trace.iteration):
+        rows = np.flatnonzero(trace.iteration == iteration)
+        view = RoutingView(trace, int(iteration), rows)
+        prefetcher.on_iteration_start(view)
+        for layer in range(trace.meta.num_layers):
+            view.layer_now = layer
+            proposed = prefetcher.on_layer_routed(view)
+            if layer == 0 and iteration % 2 == 0:
+                choices.append({p.key for p in proposed[:2]})
+        prefetcher.on_iteration_end(view)
+        if iteration % 2 == 1:
+            prefetcher.on_request_end(int(trace.request[rows[0]]))
+    return choices
+
+
+@pytest.mark.parametrize("search", ["exhaustive", "incremental"])
+def test_moe_infinity_rebuilds_the_eamc_when_the_dataset_switches(search):
+    # Paper 002, sections 4.3 and 8.5: sequences the EAMC covers badly are recorded and the EAMC is rebuilt
+    # from the history and them. The history is dataset A only; the run switches to B halfway.
+    J, spec = 6, ModelSpec(3, 6, 2)
+    history = make_trace([[[0, 1]] * 3, [[0, 1]] * 3], num_experts=J, request=[0, 1], iteration=[0, 1])
+    trace = dataset_switch_trace()
+    a, b = {J + 0, J + 1}, {J + 4, J + 5}  # layer 1's experts of A and of B
+
+    fixed = make_prefetcher("moe-infinity", spec, {"capacity": 2, "search": search})
+    fixed.fit(history)
+    assert first_choices_per_sequence(fixed, trace) == [a] * 12  # B is never predicted
+
+    shifting = make_prefetcher("moe-infinity", spec, {"capacity": 2, "search": search, "rebuild_after": 2})
+    shifting.fit(history)
+    # A sequences are at distance 0 from the EAMC: not recorded. The first two B sequences are at distance 1
+    # (no common expert: every cosine 0) > 0.5: recorded; the second triggers the rebuild, K-means of 2 A and
+    # 2 B EAMs into 2 clusters, and from the third B sequence on B is predicted.
+    assert first_choices_per_sequence(shifting, trace) == [a] * 6 + [a, a] + [b] * 4
+    assert shifting.rebuilds == 1 and shifting.recorded == 0
+    # one EAM of each dataset: a recorded B sequence (2 tokens) and a history A sequence (1 token)
+    assert sorted(map(tuple, shifting.eamc.eams[:, 1].tolist())) == [(0, 0, 0, 0, 2, 2), (1, 1, 0, 0, 0, 0)]
+
+
 # ---------------------------------------------------------------------------------------------- fMoE
 
 
@@ -443,9 +513,11 @@ def test_fmoe_fit_in_chunks_and_batches_equals_one_entry_per_iteration_and_reque
     # prefill iterations of several tokens next to decode iterations of a batch of two requests
     request = [0, 0, 0, 1, 1, 0, 1, 0, 1, 2, 2, 2, 2, 2]
     iteration = [0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 4, 4, 4]
+    phase = [0, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0]  # prefill, decode
     probs = rng.dirichlet(np.ones(J), size=(len(request), L))
     history = make_trace(np.argsort(-probs, axis=2)[:, :, :K], num_experts=J, request=request, iteration=iteration,
-                         position=np.arange(len(request)), probs=probs, embedding=rng.normal(size=(len(request), D)))
+                         phase=phase, position=np.arange(len(request)), probs=probs,
+                         embedding=rng.normal(size=(len(request), D)))
     groups = {}
     for row, key in enumerate(zip(iteration, request)):
         groups.setdefault(key, []).append(row)
@@ -541,6 +613,45 @@ def test_moepic_prefetches_the_top_predicted_experts_of_the_next_layer():
     assert as_dict(l1) == pytest.approx({2 * J + 0: 0.2, 2 * J + 1: 0.2}, rel=1e-3)
     assert [p.key for p in drive(make_prefetcher("moepic", ModelSpec(L, J, 2), {"prefetches": 1}),
                                  trace)[0][1]] == [J + 1]
+
+
+def test_mixtral_offloading_prefetches_the_guessed_top_k_of_the_next_layer_only():
+    # Paper 004's Mixtral-offloading baseline: layer l+1's router on layer l's hidden state, its top-k per token;
+    # no guess of the next token's layer 0 and no window budget (unlike MoEpic).
+    from moe_offload.prefetch.budget import PrefetchBudget
+
+    L, J = 3, 5
+    gate = np.zeros((2, L - 1, J))
+    gate[0, 0] = [0.1, 0.5, 0.05, 0.3, 0.05]   # token 0 guesses layer 1: 1, 3
+    gate[1, 0] = [0.4, 0.45, 0.05, 0.05, 0.05]  # token 1 guesses layer 1: 1, 0
+    gate[:, 1] = [0.1, 0.2, 0.3, 0.2, 0.2]     # layer 2: 2, then a tie of 1, 3, 4 to the lower id
+    trace = make_trace(np.zeros((2, L, 2), int) + [0, 1], num_experts=J, iteration=[0, 0], request=[0, 1],
+                       position=[0, 0], gate_prediction=gate, next_token_gate_prediction=np.full((2, J), 0.2))
+    prefetcher = make_prefetcher("mixtral-offloading", ModelSpec(L, J, 2))
+    prefetcher.set_budget(PrefetchBudget(expert_load_seconds=1.0, window_seconds=(9.0,) * L, prefetches=(5, 5, 5)))
+    start, l0, l1, l2 = drive(prefetcher, trace)[0]
+    assert start == [] and l2 == []  # layer 0 of the next token is not guessed
+    assert as_dict(l0) == pytest.approx({J + 1: 0.5, J + 0: 0.4, J + 3: 0.3}, rel=1e-3)  # the highest a token gives
+    assert [p.key for p in l0] == [J + 1, J + 0, J + 3]
+    assert [p.key for p in l1] == [2 * J + 2, 2 * J + 1]
+    one = drive(make_prefetcher("mixtral-offloading", ModelSpec(L, J, 2), {"k": 1}), trace)[0]
+    assert [p.key for p in one[1]] == [J + 1] and [p.key for p in one[2]] == [2 * J + 2]
+    with pytest.raises(ConfigError, match="gate_prediction"):
+        check_trace_columns(PREFETCHERS["mixtral-offloading"],
+                            make_trace(np.zeros((1, L, 2), int) + [0, 1], num_experts=J))
+
+
+def test_pre_gated_prefetches_exactly_the_next_layers_selection():
+    # Pre-gated MoE: layer l's pre-gate selects layer l+1's experts, so after layer l every expert layer l+1
+    # selects (over the pass's tokens) is proposed, nothing further ahead, nothing for layer 0.
+    L, J = 3, 6
+    experts = np.array([[[0, 1], [2, 3], [4, 5]],
+                        [[0, 2], [3, 5], [4, 1]]])
+    trace = make_trace(experts, num_experts=J, iteration=[0, 0], request=[0, 1], position=[0, 0])
+    start, l0, l1, l2 = drive(make_prefetcher("pre-gated", ModelSpec(L, J, 2)), trace)[0]
+    assert start == [] and l2 == []
+    assert as_dict(l0) == {J + 2: 1.0, J + 3: 1.0, J + 5: 1.0}
+    assert as_dict(l1) == {2 * J + 1: 1.0, 2 * J + 4: 1.0, 2 * J + 5: 1.0}
 
 
 def one_token_gate_trace(L=3, J=6):

@@ -30,7 +30,7 @@ COMPUTE_EXPERT_BYTES = (2 * 48 * 32 + 32 * 48) * 4  # one expert of the test mod
 # tests/test_runtime_bypass.py
 ONLINE_POLICIES = sorted(name for name, info in POLICIES.items()
                          if not info.offline and not info.policy.places_or_bypasses)
-PREFETCHERS = [None, "topk", "traced-topk", "moe-infinity", "fmoe", "moepic"]
+PREFETCHERS = [None, "topk", "traced-topk", "moe-infinity", "fmoe", "moepic", "mixtral-offloading"]
 
 
 @pytest.fixture(scope="module")
@@ -304,6 +304,78 @@ def test_moepic_prefetches_layer_0_of_the_next_token_after_the_last_layer(checkp
         layers, experts = engine.spec.num_layers, engine.spec.num_experts
     next_token = [key for key, demand, now in queued if not demand and now == layers - 1]
     assert next_token and all(key // experts == 0 for key in next_token)
+
+
+def test_the_unsplit_runtime_gives_moepic_the_timed_simulators_y(checkpoint):
+    """Issue 25: without a split, the runtime's MoEpic prefetcher gets the link budget of the hardware profile, as
+    ``simulate --timed`` gives it, so both propose the same experts for the same routing."""
+    from moe_offload.hardware import resolve_profile
+    from moe_offload.policies import ModelSpec
+    from moe_offload.prefetch import RoutingView, make_prefetcher
+    from moe_offload.prefetch.budget import budget_from_hardware
+    from moe_offload.simulator.timed import simulate_timed
+
+    hardware = resolve_profile("server-h100-pcie5")
+    trace = checkpoint["history"]
+    manifest = read_manifest(checkpoint["packed"])
+    expert_bytes = manifest.expert_bytes
+    simulated = make_prefetcher("moepic", ModelSpec(manifest.num_layers, manifest.num_experts, manifest.top_k))
+    simulate_timed(trace, hardware, "lru", 6 * expert_bytes, expert_bytes=expert_bytes, prefetcher=simulated)
+    with OffloadEngine(checkpoint["packed"], fast_budget="50%", prefetch="moepic", hardware=hardware) as engine:
+        running = engine.prefetcher
+        L = engine.spec.num_layers
+        # by hand: window / load on this profile, at most J = 6; layer 0's window has the LM head in it
+        budget = running.budget
+        assert budget.window_seconds == simulated.budget.window_seconds
+        assert budget.expert_load_seconds == simulated.budget.expert_load_seconds
+        assert [running.prefetches_for(layer) for layer in range(L)] == [
+            min(6, int(window // budget.expert_load_seconds)) for window in budget.window_seconds] == [6, 5, 5]
+        most = 0
+        for iteration in np.unique(trace.iteration):
+            view = RoutingView(trace, int(iteration), np.flatnonzero(trace.iteration == iteration))
+            for layer in range(L):
+                view.layer_now = layer
+                proposed = running.on_layer_routed(view)
+                assert proposed == simulated.on_layer_routed(view)
+                most = max(most, len(proposed))
+        assert most > manifest.top_k  # Y, not top-k, reached the proposals
+    with OffloadEngine(checkpoint["packed"], fast_budget="50%", prefetch="moepic") as engine:  # the default profile
+        assert engine.prefetcher.budget == budget_from_hardware(resolve_profile(None), expert_bytes, L, manifest.top_k)
+
+
+def test_llru_counts_the_replays_rounds_in_the_runtime(checkpoint, monkeypatch):
+    """Issue 25: the clock LLRU reads for each runtime access, round * L + layer, is the replay's clock of the
+    first request of that expert in the pass (K rounds per token), as in the timed simulator."""
+    from moe_offload.models.adapters import load_model
+    from moe_offload.policies import PolicyInfo
+    from moe_offload.policies.llru import LLRU
+    from moe_offload.trace.flatten import flatten
+
+    seen = []
+
+    class Spy(LLRU):
+        name = "test-llru"
+
+        def on_access(self, key, ctx):
+            seen.append((ctx.iteration, key, self._clock(ctx)))
+            super().on_access(key, ctx)
+
+    monkeypatch.setitem(POLICIES, "test-llru", PolicyInfo("test-llru", Spy))
+    with OffloadEngine(checkpoint["packed"], fast_budget=str(6 * COMPUTE_EXPERT_BYTES), policy="test-llru") as engine:
+        engine.generate(PROMPTS[1], max_new_tokens=3)
+    reference, adapter = load_model(checkpoint["root"] / "model")
+    trace = record(reference, adapter, tiny_tokenizer(), [Prompt(PROMPTS[1], "p")], model_name="tiny-random",
+                   max_new_tokens=3, batch_size=1).trace
+    flat, L = flatten(trace), trace.meta.num_layers
+    expected = []
+    for iteration in np.unique(trace.iteration):
+        rows = np.flatnonzero(trace.iteration == iteration)
+        for layer in range(L):
+            in_pass = np.isin(flat.token, rows) & (flat.layer == layer)
+            keys, clocks = flat.expert_id[in_pass].tolist(), np.flatnonzero(in_pass).tolist()
+            expected += [(int(iteration), key, clocks[keys.index(key)]) for key in sorted(set(keys))]
+    assert len(np.unique(trace.iteration)) == 3  # the prompt's pass, then two one-token passes
+    assert seen == expected
 
 
 # ------------------------------------------------------------------------------------ hostile input (issue 11)

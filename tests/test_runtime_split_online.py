@@ -11,7 +11,6 @@ from test_runtime_split import (HIDDEN, INTERMEDIATE, LAYERS, NEW_TOKENS, PROMPT
                                 config, make_checkpoint, reference)
 
 from moe_offload.cli.main import main  # noqa: E402
-from moe_offload.errors import ConfigError  # noqa: E402
 from moe_offload.models.adapters import load_model  # noqa: E402
 from moe_offload.models.experts import use_project_experts  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
@@ -113,7 +112,7 @@ def test_rows_are_fitted_to_the_budget_one_at_a_time_from_the_largest_excess():
 def test_online_options_are_checked_with_one_line_errors(split_checkpoint, capsys):
     packed = str(split_checkpoint / "packed")
     for argv, problem in [(["--granularity", "0.1"], "--granularity belongs to the online configuration"),
-                          (["--hardware", "desktop-rtx4090"], "--hardware belongs to the online configuration"),
+                          (["--hardware", "no-such-preset"], "no-such-preset"),
                           (["--reconfigure-every", "0"], "tau must be a positive number"),
                           (["--reconfigure-every", "5", "--granularity", "2"], "zeta must be in (0, 1)"),
                           (["--reconfigure-every", "5", "--hardware", "no-such-preset"], "no-such-preset"),
@@ -121,8 +120,6 @@ def test_online_options_are_checked_with_one_line_errors(split_checkpoint, capsy
         code = main(["generate", "hi", "--model", packed, "--device", "cpu", *argv])
         err = capsys.readouterr().err
         assert code == 2 and problem in err and len(err.strip().splitlines()) == 1, (argv, err)
-    with pytest.raises(ConfigError, match="give a reconfiguration"):
-        OffloadEngine(packed, device="cpu", hardware="desktop-rtx4090")
     assert main(["generate", "def", "--model", packed, "--device", "cpu", "--fast-budget", "60%",
                  "--reconfigure-every", "2", "--prefetch", "moepic", "--max-new-tokens", "4"]) == 0
     assert "online configuration: reconfigured" in capsys.readouterr().out

@@ -561,6 +561,70 @@ def test_the_access_order_and_context_the_policy_sees(monkeypatch):
     assert seen[0][-1] == [0, 1, 2]  # the routed layer's experts are pinned while the policy is asked
 
 
+def test_llru_counts_the_replays_rounds_in_the_timed_simulator(monkeypatch):
+    # Issue 25: LLRU's R = floor((t - tau) / L) must count rounds (K requests per layer per token, batching
+    # included) as the replay does. The clock the policy sees for each timed access, round * L + layer, is the
+    # replay's clock (trace/flatten.py) of the first request of that key among the pass's tokens.
+    from moe_offload.policies.llru import LLRU
+    from moe_offload.trace.flatten import flatten
+
+    seen = []
+
+    class Spy(LLRU):
+        name = "test-llru"
+
+        def on_access(self, key, ctx):
+            seen.append((ctx.iteration, key, self._clock(ctx)))
+            super().on_access(key, ctx)
+
+    monkeypatch.setitem(POLICIES, "test-llru", PolicyInfo("test-llru", Spy))
+    # a prefill of two tokens of request 0 (experts merge: 1 in layer 0), then a batch of requests 0 and 1
+    trace = hand_trace([[[0, 1], [2, 3]], [[1, 2], [3, 0]], [[3, 2], [1, 0]], [[0, 2], [2, 1]]], layers=2,
+                       request=[0, 0, 0, 1], phase=[PREFILL, PREFILL, DECODE, DECODE], iteration=[0, 0, 1, 1])
+    simulate_timed(trace, profile(), "test-llru", 16 * E)
+    flat = flatten(trace)
+    passes = [[0, 1], [2, 3]]
+    expected = []
+    for iteration, rows in enumerate(passes):
+        for layer in range(2):
+            in_pass = np.isin(flat.token, rows) & (flat.layer == layer)
+            keys = flat.expert_id[in_pass].tolist()
+            clocks = np.flatnonzero(in_pass).tolist()
+            expected += [(iteration, key, clocks[keys.index(key)]) for key in dict.fromkeys(keys)]
+    assert sorted(seen) == sorted(expected)
+    # by hand for the prefill's layer 0: token 0's experts 0, 1 at clocks 0 and 2 (rounds 0, 1), token 1's
+    # expert 2 at clock 6 (round 3); expert 1 of token 1 (clock 4) merged into the first request of 1
+    assert [entry for entry in seen if entry[0] == 0 and entry[1] < 4] == [(0, 0, 0), (0, 1, 2), (0, 2, 6)]
+
+
+def test_llru_evicts_in_the_timed_simulator_what_the_replay_evicts():
+    # One top-2 token per pass, 2 layers, 6 slots, no prefetcher: the timed LLRU evicts what the replay's does.
+    # Counting accesses / L instead (the clock of the timed access order) evicts 3, 1, 5, ...: one more.
+    from policy_driver import drive
+
+    from moe_offload.policies.llru import LLRU
+    from moe_offload.trace.flatten import flatten
+
+    experts = [[[3, 2], [3, 1]], [[0, 1], [1, 3]], [[2, 0], [0, 2]], [[2, 1], [2, 1]], [[1, 0], [1, 0]],
+               [[1, 2], [1, 3]], [[3, 1], [0, 3]], [[2, 1], [2, 0]]]
+    trace = hand_trace(experts, layers=2, request=[0] * 8, phase=[DECODE] * 8, iteration=list(range(8)))
+    victims = []
+
+    class Recording(LLRU):
+        name = "test-llru"
+
+        def victim(self, ctx):
+            victims.append(super().victim(ctx))
+            return victims[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(POLICIES, "test-llru", PolicyInfo("test-llru", Recording))
+        simulate_timed(trace, profile(), "test-llru", 6 * E)
+    flat = flatten(trace)
+    _, evicted = drive("llru", list(zip(flat.layer.tolist(), (flat.expert_id % 4).tolist())), 6, spec_of(trace))
+    assert victims == [key for keys in evicted for key in keys] == [3, 5, 7, 6, 0, 5]
+
+
 def test_each_access_carries_its_tokens_by_request(monkeypatch):
     # A batch of two requests (rows 0, 1 of request 7; row 2 of request 9) in one iteration, top-2, one layer:
     # expert 1 serves two tokens of 7 and one of 9, expert 0 two tokens of 7, expert 3 one of 9.

@@ -12,6 +12,9 @@ there), the non-standard constants ``NaN`` and ``Infinity`` that Python's parser
 too large for a float (``1e400``, which Python would read as infinity) and integers of more digits than
 Python converts; ``parse_toml`` does the same for TOML.
 
+``check_memory`` refuses, before allocating, work whose arrays an input makes larger than this machine's
+available memory (a history trace of 256 layers x 4,096 experts and thousands of requests).
+
 Readers of traces raise :class:`~moe_offload.errors.TraceError`, readers of configuration files (profiles,
 split configurations, prompt files, models) :class:`~moe_offload.errors.ConfigError`; both name the file.
 """
@@ -145,3 +148,25 @@ def parse_toml(text: str, path, what: str = "file", error: type = ConfigError) -
         fail(path, f"not a valid TOML {what} ({exc})", error)
     except RecursionError:
         fail(path, f"TOML nested too deeply to be a {what}", error)
+
+
+def available_memory() -> int:
+    """Bytes this machine can still give a process without swapping: MemAvailable from /proc/meminfo, else
+    the physical memory."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(needed: int, path, what: str, error: type = ConfigError) -> None:
+    """``error`` naming ``path`` when ``what`` needs ``needed`` bytes, more than the memory available: refused in
+    one line before the allocation, instead of a MemoryError (or the system swapping) minutes in."""
+    free = available_memory()
+    if needed > free:
+        fail(path, f"{what} would need {needed / 2**30:,.1f} GiB of memory, and {free / 2**30:,.1f} GiB is "
+                   "available", error)

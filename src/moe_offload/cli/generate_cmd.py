@@ -38,8 +38,9 @@ def register(subparsers) -> None:
                         help="share of the budget the online configurator moves between two layers per step "
                              "(default 0.01, the paper's)")
     parser.add_argument("--hardware", metavar="PRESET|FILE",
-                        help="the hardware profile whose timings the online configurator plans with (default "
-                             "desktop-rtx4090; `moe-offload hardware list`)")
+                        help="the hardware profile whose timings the online configurator plans with and whose "
+                             "link sets how many experts a prefetcher moves per layer (MoEpic's Y, as simulate "
+                             "--timed counts it; default desktop-rtx4090; `moe-offload hardware list`)")
     parser.add_argument("--json", metavar="FILE", default=None,
                         help="also write the run's result record, with the prompt, the text and the token ids, as JSON")
     parser.set_defaults(run=run)
@@ -227,9 +228,12 @@ def online_reconfiguration(args):
     from moe_offload.simulator.timed import Reconfiguration
 
     if args.reconfigure_every is None:
-        for given, option in ((args.granularity, "--granularity"), (args.hardware, "--hardware")):
-            if given is not None:
-                raise ConfigError(f"{option} belongs to the online configuration: add --reconfigure-every")
+        if args.granularity is not None:
+            raise ConfigError("--granularity belongs to the online configuration: add --reconfigure-every")
+        if args.hardware is not None:
+            from moe_offload.hardware import resolve_profile
+
+            resolve_profile(args.hardware)
         return None
     given = {} if args.granularity is None else {"granularity": args.granularity}
     reconfiguration = Reconfiguration(args.reconfigure_every, **given)

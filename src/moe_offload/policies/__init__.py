@@ -20,10 +20,12 @@ from moe_offload.policies.lcp import LCP
 from moe_offload.policies.learned import LearnedEviction
 from moe_offload.policies.lecar import LeCaR
 from moe_offload.policies.lfu import LFU
+from moe_offload.policies.lifo import LIFO
 from moe_offload.policies.llru import LLRU
 from moe_offload.policies.lru import LRU
 from moe_offload.policies.marking import Marking
 from moe_offload.policies.moe_infinity import MoEInfinity
+from moe_offload.policies.neighbor_aware import NeighborAware
 from moe_offload.policies.pinned_lru import PinnedLRU
 from moe_offload.policies.random import RandomEviction
 from moe_offload.policies.static_freq import StaticFrequency
@@ -36,6 +38,7 @@ class PolicyInfo:
     name: str
     policy: type[EvictionPolicy]
     partitioned: bool = False  # cache split equally among layers, one policy instance per layer
+    partitioned_source: str = "paper 001 (the -Dist baselines)"  # who runs the policy on a split cache
 
     @property
     def summary(self) -> str:
@@ -45,7 +48,7 @@ class PolicyInfo:
 
     @property
     def source(self) -> str:
-        return "paper 001 (the -Dist baselines)" if self.partitioned else self.policy.source
+        return self.partitioned_source if self.partitioned else self.policy.source
 
     @property
     def offline(self) -> bool:
@@ -64,6 +67,10 @@ POLICIES: dict[str, PolicyInfo] = {
         PolicyInfo("marking-dist", Marking, partitioned=True),
         PolicyInfo("belady", Belady),
         PolicyInfo("belady-dist", Belady, partitioned=True),
+        PolicyInfo("lifo", LIFO),
+        PolicyInfo("neighbor-aware", NeighborAware),
+        PolicyInfo("lcp-dist", LCP, partitioned=True,
+                   partitioned_source="paper 004: LCP ranks the experts of each layer's own cache"),
         PolicyInfo("llru", LLRU),
         PolicyInfo("arc", ARC),
         PolicyInfo("lecar", LeCaR),

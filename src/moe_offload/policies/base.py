@@ -56,6 +56,10 @@ class AccessContext:
 
     clock       position of the current request in the access order (monotone). In the layered-paging
                 replay, request t has clock t and layer t % L.
+    round       the layered-paging round of the current request where it differs from clock // L, or None (the
+                replay). A timed access serves a whole pass of T tokens, which the replay flattens into T * K
+                rounds (trace/flatten.py: token-major, then rank); the pass's access of a key is in the round
+                of its first request there, so round * L + layer is the clock the replay gives that request.
     layer       the layer being served now.
     token       index of the token being served (the trace row), counting from 0.
     iteration   the forward pass (prefill or decode step) the token belongs to.
@@ -72,11 +76,12 @@ class AccessContext:
     prefetch    True while the cache inserts a prefetched expert rather than a demand miss.
     """
 
-    __slots__ = ("clock", "layer", "token", "iteration", "request", "routed", "next_use", "probs", "predicted",
-                 "pinned", "prefetch")
+    __slots__ = ("clock", "round", "layer", "token", "iteration", "request", "routed", "next_use", "probs",
+                 "predicted", "pinned", "prefetch")
 
     def __init__(self):
         self.clock = 0
+        self.round: int | None = None
         self.layer = 0
         self.token = 0
         self.iteration = 0
@@ -98,6 +103,7 @@ class EvictionPolicy:
     offline: ClassVar[bool] = False       # reads ctx.next_use (knows the future)
     needs_probs: ClassVar[bool] = False   # reads ctx.probs or ctx.predicted
     seeded: ClassVar[bool] = False        # draws random numbers from its seed: each seed is another run
+    needs_rounds: ClassVar[bool] = False  # reads ctx.round: a runtime taps the routing to count rounds
     # The replay's compiled twin of the hooks below, in the subset of Python that Numba compiles, or None
     # (simulator/kernels.py: its arguments and how it is compiled).
     replay_kernel: ClassVar[Callable | None] = None

@@ -5,6 +5,11 @@ For a resident expert p last requested at clock tau, at the current clock t serv
     D(p, t) = (layer(p) - b) mod L          the relative layer distance: requests until p's layer comes
 On a miss, evict the largest R; among those the largest D; any remaining tie goes to the older request.
 
+The clock is the replay's request number, round * L + layer. A timed or runtime access serves a whole pass,
+so its count of accesses is not that clock (a layer requests K experts per token, several tokens' experts at
+once in a batch); such a driver sets ``ctx.round`` (policies/base.py) and the clock is computed from it, so R
+counts rounds as the replay does.
+
 Why a miss looks at L experts, not the whole cache: D is the same for every expert of a layer and R only
 grows with age, so within a layer the least recently requested expert ranks first. Each layer keeps its
 experts in LRU order, and the victim is the best of the L layer heads.
@@ -12,6 +17,7 @@ experts in LRU order, and the victim is the best of the L layer heads.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import numpy as np
@@ -24,6 +30,7 @@ class LLRU(EvictionPolicy):
     name = "llru"
     summary = "layered LRU: evict the largest last-round index R, ties by largest layer distance D"
     source = "paper 001, Definition 2"
+    needs_rounds = True
 
     def __init__(self, spec, seed=0):
         super().__init__(spec, seed)
@@ -35,20 +42,25 @@ class LLRU(EvictionPolicy):
         experts = self._by_layer[layer]
         self._head[layer] = next(iter(experts.items())) if experts else None
 
+    def _clock(self, ctx):
+        """The replay's clock of the current request (module doc)."""
+        return ctx.clock if ctx.round is None else ctx.round * self.spec.num_layers + ctx.layer
+
     def on_access(self, key, ctx):
         layer = key // self.spec.num_experts
         experts = self._by_layer[layer]
         if key in experts:
-            experts[key] = ctx.clock
+            experts[key] = self._clock(ctx)
             experts.move_to_end(key)
             if self._head[layer][0] == key:
                 self._refresh_head(layer)
 
     def on_insert(self, key, ctx):
         layer = key // self.spec.num_experts
-        self._by_layer[layer][key] = ctx.clock
+        now = self._clock(ctx)
+        self._by_layer[layer][key] = now
         if self._head[layer] is None:
-            self._head[layer] = (key, ctx.clock)
+            self._head[layer] = (key, now)
 
     def on_evict(self, key):
         layer = key // self.spec.num_experts
@@ -58,8 +70,10 @@ class LLRU(EvictionPolicy):
 
     def victim(self, ctx):
         L = self.spec.num_layers
-        t, b, pinned = ctx.clock, ctx.layer, ctx.pinned
-        best_score, best_age, best_key = -1, -1, None
+        t, b, pinned = self._clock(ctx), ctx.layer, ctx.pinned
+        # -inf: in a timed pass an expert can carry a later replay clock than now (a higher rank of an earlier
+        # layer of the same pass), so its age and score are negative
+        best_score, best_age, best_key = -math.inf, -math.inf, None
         for layer, head in enumerate(self._head):
             if head is None:
                 continue

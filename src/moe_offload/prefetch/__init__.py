@@ -13,9 +13,11 @@ from moe_offload.errors import ConfigError
 from moe_offload.policies.base import ModelSpec
 from moe_offload.prefetch.base import Prefetcher, Proposal, RoutingView
 from moe_offload.prefetch.fmoe import FMoEPrefetcher
+from moe_offload.prefetch.mixtral_offloading import MixtralOffloadingPrefetcher
 from moe_offload.prefetch.moe_infinity import MoEInfinityPrefetcher
 from moe_offload.prefetch.moepic import MoEpicPrefetcher
 from moe_offload.prefetch.oracle import OraclePrefetcher
+from moe_offload.prefetch.pre_gated import PreGatedPrefetcher
 from moe_offload.prefetch.requirements import check_trace_columns
 from moe_offload.prefetch.topk import TopKPrefetcher
 from moe_offload.prefetch.traced_topk import TracedTopKPrefetcher
@@ -29,6 +31,8 @@ PREFETCHERS: dict[str, type[Prefetcher]] = {
         MoEInfinityPrefetcher,
         FMoEPrefetcher,
         MoEpicPrefetcher,
+        MixtralOffloadingPrefetcher,
+        PreGatedPrefetcher,
         OraclePrefetcher,
     )
 }

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from moe_offload.inputs import check_memory
+
 from moe_offload.trace.format import Trace
 
 MAX_KMEANS_ITERATIONS = 100
@@ -62,6 +64,9 @@ def sequence_eams(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     """(request ids ascending, their EAMs [R, L, J]) over every token of every request of ``trace``."""
     L, J = trace.meta.num_layers, trace.meta.num_experts
     requests, inverse = np.unique(trace.request, return_inverse=True)
+    # the counts (int64) and, in build_eamc, their unit rows (float64) and the K-means products over them
+    check_memory(3 * requests.size * L * J * 8, trace.path, f"the EAMs of its {requests.size:,} requests "
+                                                             f"({L} layers x {J} experts each)")
     cell = (inverse.reshape(-1, 1, 1).astype(np.int64) * (L * J) + np.arange(L)[None, :, None] * J
             + trace.experts.astype(np.int64))
     counts = np.bincount(cell.reshape(-1), minlength=requests.size * L * J)

@@ -25,7 +25,8 @@ The store (moe_offload.prefetch.expert_map_store) is filled by ``fit(history)`` 
 (iteration, request) of the history, added in batches of up to FIT_BATCH entries, and then, as each
 iteration of the run ends, with that iteration's entries; at capacity the redundancy score decides which
 stored entry each new one replaces, reusing the scores the iteration's searches computed (the store reads
-each of its bytes once per iteration). An empty store (no history yet) proposes nothing.
+each of its bytes once per iteration). An empty store (no history yet) proposes nothing. The capacity C, unless
+``capacity`` sets it, follows the paper's sizing guidance (``default_capacity``).
 
 Options of the store (all off by default; expert_map_store says what each costs and saves):
 ``embedding_dims=N`` keeps a fixed random projection of the embeddings, ``candidates=M`` runs the
@@ -66,6 +67,8 @@ runtime calls the hooks on a matcher thread and applies the proposals when they 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from moe_offload.errors import ConfigError
@@ -77,11 +80,19 @@ from moe_offload.prefetch.requirements import check_trace_columns
 from moe_offload.prefetch.search_cost import TimedSearch
 from moe_offload.values import integer
 
-DEFAULT_CAPACITY = 1000
 DEFAULT_DISTANCE = 3
 SEMANTIC_POOLINGS = ("iteration", "request")
 FIT_BATCH = 256        # entries per redundancy computation while filling the store from history
 FIT_CHUNK_ROWS = 1 << 15  # history rows converted to float32 at a time
+
+
+def default_capacity(num_layers: int, num_experts: int) -> int:
+    """The store capacity C of paper 000's sizing guidance (Expert Map Store Management, "Theoretical analysis"),
+    with LJ the model's expert count: at least 2LJ maps guarantee a stored map at least 75% similar to any new
+    iteration, and 1/2 LJ ln(LJ) maps 98%. C is the larger: the 98% bound once LJ >= e^4 (about 55 experts,
+    every real MoE model), and never under the 75% bound for the smaller models, where 1/2 ln(LJ) < 2."""
+    experts = num_layers * num_experts
+    return max(2 * experts, math.ceil(0.5 * experts * math.log(experts)))
 
 
 def prefetch_sets(predicted: np.ndarray, scores, min_experts: int) -> np.ndarray:
@@ -137,12 +148,13 @@ class FMoEPrefetcher(TimedSearch, Prefetcher):
     requires = ("probs", "embedding")
     search_on_inference_path = False
 
-    def __init__(self, spec, capacity: int = DEFAULT_CAPACITY, distance: int = DEFAULT_DISTANCE,
+    def __init__(self, spec, capacity: int | None = None, distance: int = DEFAULT_DISTANCE,
                  search_seconds: float | None = None, semantic: str = "iteration",
                  embedding_dims: int | None = None, candidates: int | None = None, map_dtype: str = "float32",
                  lists: int | None = None, probes: int = DEFAULT_PROBES, seed: int = 0):
         super().__init__(spec)
-        self.capacity = integer(capacity, f"{self.name}.capacity", low=1)
+        self.capacity = (default_capacity(spec.num_layers, spec.num_experts) if capacity is None
+                         else integer(capacity, f"{self.name}.capacity", low=1))
         self.distance = integer(distance, f"{self.name}.distance", low=1)
         if semantic not in SEMANTIC_POOLINGS:
             raise ConfigError(f"{self.name}: semantic must be one of {', '.join(SEMANTIC_POOLINGS)}, not {semantic!r}")

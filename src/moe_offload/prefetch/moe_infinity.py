@@ -19,10 +19,18 @@ layer l is routed (steps 5-8):
 
 With several sequences in one iteration each is matched on its own EAM and an expert keeps the highest
 priority any of them gives it. Algorithm 1 calls PREFETCH only after a layer is routed, so layer 0 of an
-iteration is never prefetched (nothing is proposed before it). The EAMC is the one ``fit`` built; paper
-002 rebuilds it in the background when the workload drifts, which a run here does not do. Without a
-``fit`` history there is no EAMC and the first iteration raises ConfigError: the method has nothing to
-predict from.
+iteration is never prefetched (nothing is proposed before it). Without a ``fit`` history there is no EAMC
+and the first iteration raises ConfigError: the method has nothing to predict from.
+
+Distribution shift (sections 4.3 and 8.5). The EAMC is the one ``fit`` built unless ``rebuild_after=N`` is
+given. Then, as the paper does, the run records "input sequences with insufficient performance" and adds
+them to the dataset the EAMC is built from, and reruns the construction once N have been recorded since the
+last build (the paper's experiment rebuilds after 100 sequences of the new dataset). A sequence's
+performance is how well the EAMC covers it, since the prediction is its nearest EAM: when it ends, its whole
+EAM's distance (equation 1) to the nearest EAM of the EAMC; above ``rebuild_distance`` (default 0.5: less
+than half the cosine, averaged over the layers) it is recorded. The paper builds in the background while
+10-13 more sequences run on the old EAMC; here the new one serves from the next iteration on. The dataset
+keeps every recorded EAM (one [L, J] matrix of counts per sequence).
 
 The search (``search="exhaustive"``, the default) computes equation (1) against every EAM of the EAMC over
 all L rows at every layer. ``search="incremental"`` keeps each sequence's cosines layer by layer and
@@ -45,8 +53,9 @@ from moe_offload.prefetch._shared import RequestGroups, check_same_model, propos
 from moe_offload.prefetch.base import Prefetcher
 from moe_offload.prefetch.eam import EAMCollection, build_eamc, sequence_eams
 from moe_offload.prefetch.search_cost import TimedSearch
-from moe_offload.values import integer
+from moe_offload.values import integer, number
 
+DEFAULT_REBUILD_DISTANCE = 0.5
 DEFAULT_CAPACITY = 300  # paper 002, section 8: "hundreds of EAMs"; its overhead measurement uses 300
 SEARCHES = ("exhaustive", "incremental")
 
@@ -60,9 +69,16 @@ class MoEInfinityPrefetcher(TimedSearch, Prefetcher):
     needs_history = True
 
     def __init__(self, spec, capacity: int = DEFAULT_CAPACITY, seed: int = 0, search_seconds: float | None = None,
-                 search: str = "exhaustive"):
+                 search: str = "exhaustive", rebuild_after: int | None = None,
+                 rebuild_distance: float = DEFAULT_REBUILD_DISTANCE):
         super().__init__(spec)
         self.capacity = integer(capacity, f"{self.name}.capacity", low=1)
+        self.rebuild_after = None if rebuild_after is None else integer(rebuild_after, f"{self.name}.rebuild_after",
+                                                                        low=1)
+        self.rebuild_distance = number(rebuild_distance, f"{self.name}.rebuild_distance", low=0, high=1)
+        self._dataset: list[np.ndarray] = []  # the EAMs [N, L, J] the EAMC is built from: history, then recorded
+        self.recorded = 0  # sequences recorded since the last build
+        self.rebuilds = 0
         self.seed = integer(seed, f"{self.name}.seed", low=0)
         self._set_search_seconds(search_seconds)
         if search not in SEARCHES:
@@ -77,7 +93,14 @@ class MoEInfinityPrefetcher(TimedSearch, Prefetcher):
     def fit(self, history):
         check_same_model(self.spec, history, self.name)
         _, eams = sequence_eams(history)
+        self._dataset = [eams]
+        self._build(eams)
+
+    def _build(self, eams: np.ndarray) -> None:
+        """The EAMC of ``eams`` by K-means and its priorities; the running sequences' incremental cosines are
+        recomputed against it when next needed."""
         self.eamc = EAMCollection(eams[build_eamc(eams, self.capacity, self.seed)])
+        self._similarities.clear()
         L = self.spec.num_layers
         rows = self.eamc.eams.astype(np.float64)
         ratio = rows / rows.sum(axis=2, keepdims=True)  # every row of a recorded EAM counts its tokens, > 0
@@ -88,8 +111,21 @@ class MoEInfinityPrefetcher(TimedSearch, Prefetcher):
         return self._current.get(int(request), np.zeros((self.spec.num_layers, self.spec.num_experts), np.int64))
 
     def on_request_end(self, request):
-        self._current.pop(int(request), None)
+        eam = self._current.pop(int(request), None)
         self._similarities.pop(int(request), None)
+        if self.rebuild_after is None or eam is None or len(self.eamc) == 0:
+            return
+        _, distance = self.eamc.nearest(eam[None])
+        if distance[0] <= self.rebuild_distance:
+            return
+        self._dataset.append(eam[None])
+        self.recorded += 1
+        if self.recorded >= self.rebuild_after:
+            eams = np.concatenate(self._dataset)
+            self._dataset = [eams]
+            self._build(eams)
+            self.recorded = 0
+            self.rebuilds += 1
 
     def on_iteration_start(self, view):
         if len(self.eamc) == 0:
@@ -120,8 +156,10 @@ class MoEInfinityPrefetcher(TimedSearch, Prefetcher):
                 kept = []
                 for request, term in zip(requests, terms):
                     similarities = self._similarities.get(request)
-                    if similarities is None:
-                        similarities = self._similarities[request] = np.zeros((L, len(self.eamc)), np.float32)
+                    if similarities is None:  # a new sequence (zero rows: cosines 0), or a rebuilt EAMC
+                        eam = self._current[request]
+                        similarities = self._similarities[request] = np.stack(
+                            [self.eamc.layer_similarities(row, eam[row][None])[0] for row in range(L)])
                     similarities[layer] = term
                     kept.append(similarities)
                 if layer == L - 1:  # the term is kept for the next iteration; nothing later to prefetch

@@ -24,7 +24,8 @@ Y, the number of experts a layer's prefetch reaches, is the paper's own:
   floor(window / load): the same equation 11 for experts that are not split, with the window of equation 7
   with every expert loaded, from the hardware (moe_offload.prefetch.budget); 0 when not one load fits, as
   the configurator's Y can be (a load still on the wire when the router fires would be terminated);
-* ``prefetches=N`` fixes it for every layer; a driver that gives no budget (the runtime today) gets top-k.
+* ``prefetches=N`` fixes it for every layer; a driver that gives no budget gets top-k. The timed simulator
+  and the runtime both give one, from the same hardware profile, so both prefetch the same Y.
 
 A trace without ``next_token_gate_prediction`` (recorded before the column existed) leaves layer 0 to the
 cache and on-demand loads.

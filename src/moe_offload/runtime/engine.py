@@ -109,7 +109,9 @@ class OffloadEngine:
     SplitConfig) whose cached tops and buffer of top-k experts must fit in ``fast_budget``; the result is the
     all-resident model's computing with the same split. ``reconfiguration``: MoEpic's online loop
     (``Reconfiguration(every=tau)``, runtime/split_online.py) with the timings of ``hardware`` (a profile's
-    name or file; default desktop-rtx4090), from ``split_config`` or the uniform start on ``fast_budget``."""
+    name or file; default desktop-rtx4090), from ``split_config`` or the uniform start on ``fast_budget``.
+    Without a split the prefetcher gets the budget of ``hardware``'s link into the fast tier, as the timed
+    simulator gives it (MoEpic's Y: the loads that fit in a layer's window)."""
 
     def __init__(self, packed_dir, *, fast_budget="50%", host_budget=None, policy: str = "lru",
                  policy_options: dict | None = None, prefetch: str | None = None,
@@ -187,6 +189,8 @@ class OffloadEngine:
             else:
                 self.tiers = self._make_tiers(info.partitioned, make, fast_slots, host_slots)
                 self.path = DataPath(self.tiers, self.store, self.counters, self.spec)
+                if self.prefetcher is not None:
+                    self.prefetcher.set_budget(self._link_budget(hardware))
             self.replay = None
             if self.replay_trace is not None:
                 from moe_offload.runtime.replay import RoutingReplay
@@ -199,6 +203,7 @@ class OffloadEngine:
                 runner = functools.partial(SplitRunner, online=online)
             self.runner = runner(self.model, self.adapter, self.spec, self.path, self.counters,
                                       prefetcher=self.prefetcher, policy_needs_probs=info.policy.needs_probs,
+                                      policy_needs_rounds=info.policy.needs_rounds,
                                       replay=self.replay, source=f"live generation with {m.directory}",
                                       matcher=matcher)
             self.runner.computes_on_host = self.places
@@ -232,8 +237,6 @@ class OffloadEngine:
         """((configuration, its name), its online loop or None) of a split run, checked against the model; (None,
         None) without one."""
         if split_config is None and reconfiguration is None:
-            if hardware is not None:
-                raise ConfigError("hardware is the online configuration's: give a reconfiguration")
             return None, None
         from moe_offload.runtime.split_online import split_plan
 
@@ -243,6 +246,17 @@ class OffloadEngine:
             raise ConfigError(f"{source}: the split runtime loads into the tops and the buffer as experts are needed; "
                               "it does not preload yet")
         return (config, source), online
+
+    def _link_budget(self, hardware):
+        """What the link into the fast tier carries per layer on ``hardware`` (a profile, its name or file; default
+        the timed simulator's), for the stored experts the link moves: the budget ``simulate --timed`` gives the
+        prefetcher on the same profile (prefetch/budget.py), so MoEpic's Y is the same in both."""
+        from moe_offload.hardware import HardwareProfile, resolve_profile
+        from moe_offload.prefetch.budget import budget_from_hardware
+
+        profile = hardware if isinstance(hardware, HardwareProfile) else resolve_profile(hardware)
+        m = self.manifest
+        return budget_from_hardware(profile, m.expert_bytes, m.num_layers, m.top_k)
 
     def _slots(self, budget_bytes: int, slot_bytes: int) -> int:
         return min(budget_bytes // slot_bytes, self.spec.num_layers * self.spec.num_experts)

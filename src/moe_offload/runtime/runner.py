@@ -49,15 +49,21 @@ from moe_offload.runtime.matcher import AsyncMatcher, runs_off_the_decode_thread
 
 class ModelRunner:
     def __init__(self, model, adapter, spec, path: DataPath, counters: Counters, *, prefetcher=None,
-                 policy_needs_probs: bool = False, replay=None, source: str = "live generation",
-                 matcher: str = "async"):
+                 policy_needs_probs: bool = False, policy_needs_rounds: bool = False, replay=None,
+                 source: str = "live generation", matcher: str = "async"):
         """``matcher``: ``async``, ``inline`` or ``lockstep`` (runtime/matcher.py), for a prefetcher whose
-        search is off the inference path; the others always run on the decode thread."""
+        search is off the inference path; the others always run on the decode thread.
+        ``policy_needs_rounds``: give each access the replay's round (AccessContext.round), from the routing."""
         self.model, self.adapter, self.spec, self.path, self.counters = model, adapter, spec, path, counters
         self.prefetcher, self.replay, self.source = prefetcher, replay, source
         self.policy_needs_probs = policy_needs_probs
         self.needs_gate_prediction = "gate_prediction" in getattr(prefetcher, "requires", ())
-        self.needs_routing = prefetcher is not None or policy_needs_probs
+        self.policy_needs_rounds = policy_needs_rounds
+        self.needs_routing = prefetcher is not None or policy_needs_probs or policy_needs_rounds
+        # the replay's rounds before this pass (K per token fed) and, per layer of this pass, each routed
+        # expert's first position in the [tokens, K] selections, row-major: its round counted from the pass's
+        self.rounds = 0
+        self.first_round: list[dict] = [{} for _ in range(spec.num_layers)]
         self.needs_embedding = "embedding" in getattr(prefetcher, "requires", ())
         self.matcher = None
         if prefetcher is not None and matcher != "inline" and runs_off_the_decode_thread(prefetcher):
@@ -161,8 +167,11 @@ class ModelRunner:
             pinned.update(keys)
             missing = False
             on_host: set[int] = set()  # bypassed: computed from the host tier's copy
-            for key, counts in zip(keys, tokens):
+            first_round = self.first_round[layer] if self.policy_needs_rounds else None
+            for expert, key, counts in zip(experts, keys, tokens):
                 ctx.clock += 1
+                if first_round is not None:
+                    ctx.round = self.rounds + first_round[expert]
                 ctx.routed = {request: n for request, n in zip(requests, counts) if n}
                 c.accesses += 1
                 c.per_layer_accesses[layer] += 1
@@ -308,10 +317,14 @@ class ModelRunner:
                 self.adapter.predict_next_router_logits(layer, routing.hidden)).cpu().numpy()
         view.routed(layer, selected, probs, predicted)
         self.probs[layer] = probs.mean(axis=0)
+        if self.policy_needs_rounds:
+            flat = selected.reshape(-1).tolist()
+            self.first_round[layer] = {expert: flat.index(expert) for expert in set(flat)}
         if self.prefetcher is not None:
             self._consult("on_layer_routed", layer)
 
     def _pass_end(self, module, args, output):
+        self.rounds += self.tokens_in_pass * self.spec.top_k
         if self.prefetcher is not None and self.view is not None:
             if self.matcher is not None:
                 self.matcher.submit("on_iteration_end", self.view, self.view.iteration)

@@ -94,14 +94,23 @@ from moe_offload.trace.format import PREFILL, Trace
 def layer_needs(experts: np.ndarray, rows: np.ndarray, layer: int, num_experts: int) -> tuple[list[int], list[int]]:
     """The keys layer ``layer`` needs for ``rows`` in access order (first appearance over the rows' [tokens,
     K] selections, row-major) and the number of tokens routed to each."""
+    keys, counts, _ = layer_needs_with_rounds(experts, rows, layer, num_experts)
+    return keys, counts
+
+
+def layer_needs_with_rounds(experts: np.ndarray, rows: np.ndarray, layer: int,
+                            num_experts: int) -> tuple[list[int], list[int], list[int]]:
+    """``layer_needs`` and, for each key, the position of its first appearance in the rows' [tokens, K]
+    selections, row-major: token b's rank-r expert is at b * K + r, the replay's round of that request
+    counted from the pass's first (trace/flatten.py)."""
     selected = experts[rows, layer]
     if selected.shape[0] == 1:
         ids = selected[0].astype(np.int64)
-        return (ids + layer * num_experts).tolist(), [1] * ids.size
+        return (ids + layer * num_experts).tolist(), [1] * ids.size, list(range(ids.size))
     flat = selected.reshape(-1).astype(np.int64)
     unique, first, counts = np.unique(flat, return_index=True, return_counts=True)
     order = np.argsort(first)
-    return (unique[order] + layer * num_experts).tolist(), counts[order].tolist()
+    return (unique[order] + layer * num_experts).tolist(), counts[order].tolist(), first[order].tolist()
 
 
 def routed_by_request(experts: np.ndarray, requests: np.ndarray, rows: np.ndarray, layer: int,
@@ -176,6 +185,7 @@ class TimedRun:
         self.delivery_order = itertools.count()
         self.matcher_free = 0.0
         self.clock = -1
+        self.rounds = 0  # the replay's rounds before the current pass: K per token (AccessContext.round)
         self.iteration = 0
         self.passed_last_router = False  # the current pass has routed its last layer
         # counters
@@ -295,18 +305,20 @@ class TimedRun:
 
     # ------------------------------------------------------------------------------------------ the run
 
-    def _route(self, layer: int, keys: list[int], routed: dict[int, dict[int, int]]) -> None:
-        """Layer ``layer``'s router has run: its accesses, in order (each with its tokens by request), and the
-        demand loads of its misses."""
+    def _route(self, layer: int, keys: list[int], routed: dict[int, dict[int, int]], rounds: list[int]) -> None:
+        """Layer ``layer``'s router has run: its accesses, in order (each with its tokens by request, and the
+        replay's round of its first request counted from the pass's first), and the demand loads of its
+        misses."""
         ctx, fast = self.ctx, self.fast
         self.pinned.update(keys)
         if self.split is not None:
             self.split.drop_unneeded(layer, set(keys))
         net = self.net
         middle = net.caches[1:]
-        for key in keys:
+        for key, round_in_pass in zip(keys, rounds):
             self.clock += 1
             ctx.clock = self.clock
+            ctx.round = self.rounds + round_in_pass
             if self.offline:
                 ctx.next_use = self.next_use_at[self.clock]
             ctx.routed = routed[key]
@@ -463,15 +475,16 @@ class TimedRun:
                 ctx.layer = layer
                 self._compute(compute.attention(n), "attention", layer)
                 self._compute(compute.router(n), "router", layer)
-                keys, counts = layer_needs(trace.experts, rows, layer, J)
+                keys, counts, rounds = layer_needs_with_rounds(trace.experts, rows, layer, J)
                 self.layer_now = view.layer_now = layer
-                self._route(layer, keys, routed_by_request(trace.experts, trace.request, rows, layer, J))
+                self._route(layer, keys, routed_by_request(trace.experts, trace.request, rows, layer, J), rounds)
                 if layer == L - 1:  # every layer is ahead again: proposals and arrivals are for the next pass
                     self.layer_now, self.passed_last_router = -1, True
                 if self.prefetcher is not None:
                     self._consult(self.prefetcher.on_layer_routed, view)
                 self._run_experts(layer, keys, counts, n)
             self._compute(compute.lm_head(n), "lm_head", -1)
+            self.rounds += n * self.spec.top_k
             for request in requests:
                 token_times[request].append(self.now)
             spans.append((start, self.now, not (trace.phase[rows] == PREFILL).any()))

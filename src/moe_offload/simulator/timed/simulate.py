@@ -45,6 +45,12 @@ def starting_split(trace: Trace, cache_bytes: int | None, expert_bytes: int, spl
     return SplitConfig.uniform((cache_bytes - buffer) / expert_bytes, meta.num_layers, meta.num_experts)
 
 
+# The timed simulator keeps Python objects for every expert of every tier (caches, policies, the all-resident
+# bound's GPU): 2^18 experts took 2.3 GB and 4 minutes for one policy on a 2-core machine. 2^16 is four
+# times DeepSeek-V3's 61 x 256.
+MAX_TIMED_EXPERTS = 2**16
+
+
 def check_timed_run(trace: Trace, hardware: HardwareProfile, policy: str, cache_bytes: int | None,
                     expert_bytes: int, arrivals: Arrivals, split: SplitConfig | None = None,
                     split_source: str = "the split configuration",
@@ -56,6 +62,11 @@ def check_timed_run(trace: Trace, hardware: HardwareProfile, policy: str, cache_
     in; a middle tier too small for one expert; an offline policy with serving arrivals; an online
     reconfiguration (``reconfiguration``) without gate predictions, with bad options or a free link."""
     meta = trace.meta
+    if meta.num_expert_slots > MAX_TIMED_EXPERTS:
+        raise ConfigError(f"{trace.path}: {meta.num_layers:,} layers x {meta.num_experts:,} experts is more experts "
+                          f"than the timed simulator models (at most {MAX_TIMED_EXPERTS:,}: it keeps Python state "
+                          "for every expert of every tier); replay it without --timed")
+    arrivals.check_clock(trace.num_requests, trace.path)
     spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
     total = meta.num_expert_slots * expert_bytes
     gpu = hardware.tiers[0]

@@ -1,0 +1,115 @@
+"""`moe-offload report`: is a trace's expert cache limited by its policy or by its working set, what would
+the alternatives give on a hardware profile, and what to run (reporting/report.py); terminal and HTML."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from moe_offload.errors import ConfigError
+
+HTML_SUFFIXES = (".html", ".htm")
+# rows of the trace the timed simulator runs (reporting/latency.py): about 20 s of its runs for 32 layers
+DEFAULT_TIMED_TOKENS = 1024
+
+
+def register(subparsers) -> None:
+    from moe_offload.hardware import DEFAULT_PRESET
+    from moe_offload.reporting.bound import PYTHON_REPLAY_REQUESTS
+    from moe_offload.simulator.replay import ENGINES
+
+    parser = subparsers.add_parser(
+        "report", help="policy or working set? one trace and one budget of fast memory, answered on one page",
+        description="Answer, for a routing trace and a budget of fast memory, whether the expert cache's misses are "
+                    "the policy's or the working set's: distinct experts per layer over sliding windows, reuse "
+                    "distances and skew against the budget; Belady's hit rate at the budget, the budget it needs "
+                    "for 50/80/90% hits, every online policy beside it, and a one-sentence verdict; the timed "
+                    "simulator's TTFT and TPOT on a hardware profile for the best policies with the prefetchers "
+                    "the trace's columns allow, and MoEpic's split; and the `generate`/`serve` options to run. "
+                    "Printed, and with -o written as a self-contained HTML page.")
+    parser.add_argument("trace", metavar="TRACE",
+                        help="trace file, or 'olmoe' / 'tiny' for the bundled traces")
+    parser.add_argument("--fast-memory", required=True, metavar="SIZE",
+                        help="the fast tier's room for experts: a number of experts (64), a percentage (25%%) or "
+                             "fraction (0.25) of all L*J experts, or bytes with a unit (4GiB)")
+    parser.add_argument("--hardware", metavar="PRESET|FILE", default=DEFAULT_PRESET,
+                        help=f"hardware preset or profile file of the latency section (default {DEFAULT_PRESET}; "
+                             "`moe-offload hardware list`)")
+    parser.add_argument("-o", "--output", metavar="FILE.html", help="also write the report as an HTML page")
+    parser.add_argument("--expert-bytes", metavar="BYTES",
+                        help="bytes of one expert (default: the trace's metadata; without either, no latency)")
+    parser.add_argument("--timed-tokens", default=str(DEFAULT_TIMED_TOKENS), metavar="N",
+                        help=f"the timed simulator runs the trace's first whole iterations up to N rows (default "
+                             f"{DEFAULT_TIMED_TOKENS}); the replay runs the whole trace, or, for the policies "
+                             f"without a compiled kernel, its first {PYTHON_REPLAY_REQUESTS:,} expert requests")
+    parser.add_argument("--seed", default="0", help="seed of the randomized policies (default 0)")
+    parser.add_argument("--jobs", default=str(min(2, os.cpu_count() or 1)),
+                        help="worker processes (default: up to 2)")
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="how the replay runs (as `simulate --engine`); never what it finds")
+    parser.set_defaults(run=run)
+
+
+def fast_memory_experts(value: str, total: int, top_k: int, expert_bytes: int | None) -> int:
+    """--fast-memory as whole experts: a count, share or fraction as `simulate --cache-size` rounds it, bytes
+    as the whole experts they hold."""
+    from moe_offload.values import cache_sizes, expert_amount, is_byte_size
+
+    if "," in str(value):
+        raise ConfigError(f"--fast-memory {value!r}: give one size (the report is of one budget)")
+    if is_byte_size(str(value)):
+        experts = int(expert_amount(value, "--fast-memory", total, expert_bytes))
+    else:
+        experts = cache_sizes(value, "--fast-memory", total)[0]
+    if experts < top_k:
+        raise ConfigError(f"--fast-memory {value!r} holds {experts} experts, fewer than top-k = {top_k}: one "
+                          "layer's selected experts could not be resident together")
+    return experts
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from moe_offload.bundled import trace_path
+    from moe_offload.cli.simulate_cmd import learned_training_note
+    from moe_offload.hardware import resolve_profile
+    from moe_offload.outputs import check_output, write_atomically
+    from moe_offload.reporting.report import build_report, print_report
+    from moe_offload.simulator.replay import ReplayInput
+    from moe_offload.simulator.timed import Arrivals, check_timed_run
+    from moe_offload.trace.format import read_trace
+    from moe_offload.values import integer, jobs, parse_bytes
+
+    path = trace_path(args.trace)
+    if args.output:
+        check_output(args.output, inputs=[path], suffixes=HTML_SUFFIXES, what="report")
+    seed = integer(args.seed, "--seed", low=0)
+    workers = jobs(args.jobs)
+    timed_tokens = integer(args.timed_tokens, "--timed-tokens", low=1)
+    hardware = resolve_profile(args.hardware)
+    trace = read_trace(path)
+    meta = trace.meta
+    expert_bytes = parse_bytes(args.expert_bytes, "--expert-bytes") if args.expert_bytes else meta.expert_bytes
+    cache_size = fast_memory_experts(args.fast_memory, meta.num_expert_slots, meta.top_k, expert_bytes)
+    if expert_bytes:  # the budget must fit the GPU the latency runs on, before any run
+        check_timed_run(trace, hardware, "lru", cache_size * expert_bytes, expert_bytes, Arrivals())
+
+    stderr = Console(stderr=True)
+    step = (lambda text: stderr.print(f"[dim]{text}...[/]")) if stderr.is_terminal else None
+    name = args.trace if Path(args.trace) == path else path.name
+    report = build_report(ReplayInput.of(trace, name=name), args.trace, cache_size, hardware, expert_bytes,
+                          seed=seed, jobs=workers, engine=args.engine, timed_tokens=timed_tokens, step=step)
+    if report.bound.result("learned") is not None:
+        note = learned_training_note(str(path), {})
+        if note:
+            report.notes.append(note)
+    out = Console()
+    if not out.is_terminal:
+        out.width = 120  # files and pipes: wide enough for the tables
+    print_report(report, out)
+    if args.output:
+        from moe_offload.reporting.html import render_html
+
+        write_atomically(args.output, render_html(report))
+        out.print(f"report written to {args.output}")
+    return 0

@@ -1,0 +1,62 @@
+"""What to run: the report's fastest configuration as `moe-offload generate` and `moe-offload serve` commands.
+
+The configuration is the timed run of least TPOT that a user can make (no oracle, not all resident:
+reporting/latency.py), or without timed runs (no expert size) the online policy with the most replay hits.
+The options are those of cli/generate_cmd.py's engine arguments, which `serve` shares: ``--fast-budget`` as
+the budget's share of all experts' bytes (the runtime sizes experts in the dtype it computes in, which may
+differ from the trace's expert size: a share means the same number of experts on every device), ``--policy``,
+``--prefetch``; MoEpic's split experts run from the configuration `moe-offload configure --json` writes
+(``--split-config``), which `serve` does not take.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+
+from moe_offload.reporting.latency import MOEPIC_POLICY, Latency
+from moe_offload.trace.format import TraceMeta
+
+BUNDLED_MODEL = "moe-offload/tiny-mixtral"  # the recording of `--model tiny` names its model so
+
+
+def budget_share(experts: float, total: int) -> str:
+    """``experts`` of ``total`` as the percentage `--fast-budget` reads (runtime: floor(share x all bytes / one
+    expert's bytes)), rounded up in its fourth decimal so that the floor is not one expert short."""
+    return f"{math.ceil(100 * experts / total * 1e4) / 1e4:g}%"
+
+
+def model_argument(meta: TraceMeta) -> str:
+    return "tiny" if meta.model == BUNDLED_MODEL else "MODEL_DIR"
+
+
+def commands(meta: TraceMeta, trace_name: str, hardware: str, cache_size: int, expert_bytes: int | None,
+             latency: Latency | None, best_policy: str) -> list[list[str]]:
+    """The commands, each an argument list after ``moe-offload``; MODEL_DIR stands for the checkpoint directory
+    of the trace's model unless it is the bundled one."""
+    model = model_argument(meta)
+    best = latency.best() if latency is not None else None
+    budget = budget_share(cache_size, meta.num_expert_slots)
+    prompt = "Why is the sky blue?"
+    if best is not None and latency.moepic is best:
+        config = "split.json"
+        split_budget = latency.moepic_config["budget_experts"]
+        return [["configure", trace_name, "--vram-budget", str(split_budget), "--hardware", hardware, "--json"],
+                ["generate", prompt, "--model", model, "--fast-budget", budget, "--split-config", config,
+                 "--policy", MOEPIC_POLICY, "--prefetch", "moepic"]]
+    policy = best.policy if best is not None else best_policy
+    options = ["--model", model, "--fast-budget", budget, "--policy", policy]
+    if best is not None and best.prefetcher is not None:
+        options += ["--prefetch", best.prefetcher]
+    return [["generate", prompt, *options], ["serve", *options]]
+
+
+def command_lines(argument_lists: list[list[str]]) -> list[str]:
+    """Shell lines; `configure --json` writes the split configuration the next command reads."""
+    lines = []
+    for arguments in argument_lists:
+        line = "moe-offload " + shlex.join(arguments)
+        if arguments[0] == "configure":
+            line += " > split.json"
+        lines.append(line)
+    return lines

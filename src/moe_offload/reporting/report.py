@@ -1,0 +1,187 @@
+"""`moe-offload report`: one trace and one budget of fast memory in, the answer to "policy or working set?"
+out: the working set (reporting/working_set.py), the bound and the verdict (bound.py), the latency on a hardware
+profile (latency.py), what to run (recommend.py); printed here for the terminal, rendered by html.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.table import Table
+
+from moe_offload.hardware.profile import HardwareProfile, format_bytes
+from moe_offload.reporting.bound import TARGET_HIT_RATES, Bound, measure_bound, verdict
+from moe_offload.reporting.latency import Latency, measure_latency
+from moe_offload.reporting.recommend import command_lines, commands
+from moe_offload.reporting.tables import run_label
+from moe_offload.reporting.working_set import WorkingSet, measure_working_set
+from moe_offload.simulator.replay import ReplayInput
+from moe_offload.trace.format import TraceMeta
+
+
+@dataclass
+class Report:
+    trace: str
+    meta: TraceMeta
+    tokens: int
+    requests: int
+    cache_size: int                  # experts
+    expert_bytes: int | None
+    hardware: str
+    working_set: WorkingSet
+    bound: Bound
+    verdict: str
+    latency: Latency | None
+    commands: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_experts(self) -> int:
+        return self.meta.num_expert_slots
+
+    @property
+    def per_layer_budget(self) -> float:
+        return self.cache_size / self.meta.num_layers
+
+    def budget_text(self) -> str:
+        size = f" = {format_bytes(self.cache_size * self.expert_bytes)}" if self.expert_bytes else ""
+        return (f"{self.cache_size:,} of {self.total_experts:,} experts ({self.cache_size / self.total_experts:.1%})"
+                f"{size}, {self.per_layer_budget:.3g} per layer")
+
+    def size_text(self, size: int | None) -> str:
+        if size is None:
+            return "unreachable"
+        memory = f", {format_bytes(size * self.expert_bytes)}" if self.expert_bytes else ""
+        return f"{size:,} experts ({size / self.total_experts:.1%}{memory})"
+
+
+def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: HardwareProfile,
+                 expert_bytes: int | None, *, timed_tokens: int, seed: int = 0, jobs: int = 1, engine: str = "auto",
+                 step=None) -> Report:
+    """Measure everything, the timed runs on the first ``timed_tokens`` rows (latency.py); ``step(text)`` is
+    told what runs next (a progress line)."""
+    step = step or (lambda text: None)
+    trace = data.trace
+    step("working set: sliding windows and reuse distances")
+    working_set = measure_working_set(trace, data.sequence)
+    step("the bound: Belady and every online policy at the budget")
+    bound = measure_bound(data, cache_size, working_set, seed=seed, jobs=jobs, engine=engine)
+    notes = [f"{policy} did not run: {why}" for policy, why in bound.skipped]
+    latency = None
+    if expert_bytes:
+        step(f"latency on {hardware.name}: timed simulator")
+        latency = measure_latency(trace, hardware, cache_size, expert_bytes, [r.policy for r in bound.online],
+                                  tokens=timed_tokens, seed=seed, jobs=jobs)
+    else:
+        notes.append("no latency: the trace does not give the size of an expert (give --expert-bytes)")
+    best_policy = bound.best.policy if bound.best is not None else "lru"
+    lines = command_lines(commands(trace.meta, trace_name, hardware.name, cache_size, expert_bytes, latency,
+                                   best_policy))
+    if lines and "MODEL_DIR" in lines[-1]:
+        notes.append(f"MODEL_DIR: the checkpoint directory of {trace.meta.model} (packed on first use)")
+    return Report(trace=trace_name, meta=trace.meta, tokens=trace.num_tokens, requests=trace.num_requests,
+                  cache_size=cache_size, expert_bytes=expert_bytes, hardware=hardware.name,
+                  working_set=working_set, bound=bound, verdict=verdict(bound, trace.meta.num_expert_slots),
+                  latency=latency, commands=lines, notes=notes)
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
+def working_set_rows(report: Report) -> list[tuple[str, ...]]:
+    """Per window length: mean and largest distinct experts of a layer (mean over layers; the largest over
+    layers and windows), and how the mean compares with the per-layer budget."""
+    ws, budget = report.working_set, report.per_layer_budget
+    return [(f"{window:,}", f"{ws.distinct_mean[i].mean():.2f}", f"{ws.distinct_max[i].max():,}",
+             f"{ws.distinct_mean[i].mean() / budget:.2f}x") for i, window in enumerate(ws.windows)]
+
+
+def policy_rows(report: Report) -> list[tuple[str, ...]]:
+    bound = report.bound
+    opt = bound.belady
+    rows = [("belady (OPT)", f"{opt.hit_rate:.2%}", "100%", f"{opt.misses:,}", "whole trace")]
+    for result in bound.online:
+        rows.append((result.policy, f"{result.hit_rate:.2%}", f"{result.hits / max(1, opt.hits):.0%}",
+                     f"{result.misses:,}", "whole trace"))
+    if bound.sampled:
+        sample_opt = bound.sampled_belady
+        rows.append(("belady (OPT)", f"{sample_opt.hit_rate:.2%}", "100%", f"{sample_opt.misses:,}",
+                     f"first {bound.sampled_tokens:,} tokens"))
+        for result in bound.sampled:
+            rows.append((result.policy, f"{result.hit_rate:.2%}", f"{result.hits / max(1, sample_opt.hits):.0%}",
+                         f"{result.misses:,}", f"first {bound.sampled_tokens:,} tokens"))
+    return rows
+
+
+def latency_rows(latency: Latency) -> list[tuple[str, ...]]:
+    best = latency.best()
+    runs = [latency.all_resident] + latency.candidates() + [r for r in latency.runs if r.prefetcher == "oracle"]
+    rows = []
+    for run in runs:
+        label = run_label(run) + (" (split experts)" if run is latency.moepic else "")
+        if run is best:
+            label += "  <- fastest"
+        rows.append((label, ms(run.ttft_seconds), ms(run.tpot_seconds), f"{run.hit_rate:.2%}",
+                     f"{run.stall_seconds * 1e3:.1f}"))
+    return rows
+
+
+def print_report(report: Report, console: Console) -> None:
+    meta = report.meta
+    console.print(f"[bold]{report.trace}[/]: {meta.model}, {meta.num_layers} layers x {meta.num_experts} experts, "
+                  f"top-{meta.top_k}; {report.tokens:,} tokens in {plural(report.requests, 'request')}; "
+                  f"{report.bound.belady.accesses:,} expert requests")
+    console.print(f"fast memory: {report.budget_text()}")
+    console.print(f"\n[bold]verdict[/]: {report.verdict}\n")
+
+    table = Table(title="working set: distinct experts of a layer in a window of tokens", title_justify="left")
+    for column in ("window (tokens)", "mean", "max", "mean / budget per layer"):
+        table.add_column(column, justify="right")
+    for row in working_set_rows(report):
+        table.add_row(*row)
+    console.print(table)
+    ws = report.working_set
+    per_layer = max(1, int(report.per_layer_budget))
+    shares = ws.hottest_share(per_layer)
+    console.print(f"reuse distance below the budget (LRU's hit rate): {ws.lru_hit_rate(report.cache_size):.2%}; "
+                  f"first requests (cold misses of any cache): {ws.cold_requests / ws.requests:.2%}")
+    console.print(f"skew: the {per_layer} hottest experts of a layer take {shares.mean():.1%} of its requests "
+                  f"(layers from {shares.min():.1%} to {shares.max():.1%}); pinning the {report.cache_size:,} "
+                  f"hottest experts in hindsight would serve {ws.pinned_hit_rate(report.cache_size):.2%}")
+
+    table = Table(title=f"the bound: hit rate at {report.cache_size:,} experts", title_justify="left")
+    for column in ("policy", "hit rate", "of OPT's hits", "misses", "replayed on"):
+        table.add_column(column, justify="left" if column in ("policy", "replayed on") else "right")
+    for row in policy_rows(report):
+        table.add_row(*row)
+    console.print(table)
+    needed = ", ".join(f"{target:.0%}: {report.size_text(report.bound.needed[target])}" for target in TARGET_HIT_RATES)
+    console.print(f"Belady needs, for a hit rate of {needed} (no cache hits more than "
+                  f"{report.bound.max_hit_rate:.2%})")
+
+    latency = report.latency
+    if latency is not None:
+        sample = f"its first {latency.tokens:,} tokens" if latency.sampled else f"all {latency.tokens:,} tokens"
+        table = Table(title=f"latency on {latency.hardware}, {format_bytes(latency.cache_bytes)} of experts in the "
+                            f"GPU (timed simulator, {sample}; ms)", title_justify="left")
+        for column in ("run", "TTFT", "TPOT", "hit rate", "stall ms"):
+            table.add_column(column, justify="left" if column == "run" else "right")
+        for row in latency_rows(latency):
+            table.add_row(*row)
+        console.print(table)
+        if latency.moepic_config is not None:
+            config = latency.moepic_config
+            console.print(f"MoEpic's split of {config['budget_experts']:,} experts (plus its buffer of {meta.top_k}): "
+                          + ", ".join(f"L{i} {layer['cache_size']}x{layer['split_ratio']:.2f}"
+                                      for i, layer in enumerate(config["layers"]))
+                          + " (cached experts x split ratio per layer)")
+    console.print("\n[bold]what to run[/]:")
+    for line in report.commands:
+        console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+    for note in report.notes + (latency.notes if latency is not None else []):
+        console.print(f"note: {note}", markup=False, highlight=False)

@@ -1,0 +1,203 @@
+"""The working set of a trace, measured against a budget of fast memory: is the traffic cacheable at all?
+
+Three measures, each exact over the whole trace (no sampling), each computed by a kernel written in the
+subset of Python that Numba compiles (compiled when Numba is installed, as the replay's kernels are; plain
+Python otherwise, slowly):
+
+* **Distinct experts per layer over sliding windows.** For a window of W consecutive tokens (trace rows, in
+  the order the engine ran them), the number of distinct experts layer l selects inside it, averaged over
+  every window position (W <= N: N - W + 1 positions) and its maximum. A window's distinct experts are what a
+  cache must hold to serve those W tokens without a miss after the first use; when the mean over a short
+  window already exceeds the layer's share of the budget, no policy can keep the layer's traffic resident.
+  One pass per window size: a count per expert of its uses inside the window, updated as the window slides.
+
+* **Reuse distance** (Mattson's stack distance) of every expert request of the replay's flattened sequence
+  (trace/flatten.py): the number of distinct *other* experts requested since the previous request of the same
+  expert; a first request has none (a cold miss). LRU keeps the C most recently used experts, so a request
+  hits an LRU cache of C experts exactly when its reuse distance is below C (Mattson et al. 1970, LRU is a
+  stack algorithm): the distribution is LRU's hit rate at every budget at once, and the tests check it
+  against the replay. The distance of a request is the number of experts whose last use is more recent than
+  its expert's last use: a Fenwick tree over last-use slots counts them in O(log D) for D = L * J experts;
+  the slots are renumbered (compacted) when they run out, every D requests at most, so memory stays O(D).
+
+* **Skew per layer**: each layer's request counts per expert, sorted; the share of the layer's requests that
+  its hottest m experts take is what pinning those m experts (chosen in hindsight) would serve, the
+  frequency-pinning oracle of hand-written replayers.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass
+
+import numpy as np
+
+from moe_offload.trace.flatten import AccessSequence
+from moe_offload.trace.format import Trace
+
+# Window lengths in tokens: powers of 4 from one token, the last one at most the trace's length.
+WINDOW_BASE = 4
+
+
+def window_lengths(num_tokens: int) -> list[int]:
+    """1, 4, 16, ... tokens, up to the trace's length (at least one window)."""
+    lengths, length = [], 1
+    while length <= num_tokens:
+        lengths.append(length)
+        length *= WINDOW_BASE
+    return lengths
+
+
+def sliding_distinct_kernel(experts, num_experts, window, distinct_sum, distinct_max):
+    """For every layer l of ``experts`` ([N, L, K] int64), add over each window of ``window`` consecutive rows
+    the number of distinct experts of layer l in it to ``distinct_sum[l]`` and keep the largest in
+    ``distinct_max[l]``."""
+    num_tokens, num_layers, top_k = experts.shape
+    counts = np.zeros(num_experts, np.int64)
+    for layer in range(num_layers):
+        counts[:] = 0
+        distinct = 0
+        for row in range(num_tokens):
+            for rank in range(top_k):
+                expert = experts[row, layer, rank]
+                if counts[expert] == 0:
+                    distinct += 1
+                counts[expert] += 1
+            if row >= window:  # the row leaving the window
+                for rank in range(top_k):
+                    expert = experts[row - window, layer, rank]
+                    counts[expert] -= 1
+                    if counts[expert] == 0:
+                        distinct -= 1
+            if row >= window - 1:
+                distinct_sum[layer] += distinct
+                if distinct > distinct_max[layer]:
+                    distinct_max[layer] = distinct
+
+
+def _fenwick_add(tree, slot, delta):
+    index = slot + 1
+    while index < tree.shape[0]:
+        tree[index] += delta
+        index += index & (-index)
+
+
+def _fenwick_prefix(tree, slot):
+    """Marks in slots 0..slot."""
+    total = 0
+    index = slot + 1
+    while index > 0:
+        total += tree[index]
+        index -= index & (-index)
+    return total
+
+
+def reuse_distance_kernel(keys, num_keys, histogram):
+    """Add each request of ``keys`` (flat expert ids in [0, num_keys)) to ``histogram[distance]``, its reuse
+    distance, or to ``histogram[num_keys]`` for a first request; the module docstring derives the method."""
+    slots = 2 * num_keys
+    tree = np.zeros(slots + 1, np.int64)
+    last = np.full(num_keys, -1, np.int64)  # each expert's last-use slot, -1 before its first request
+    following = 0  # the slot the next request takes
+    for position in range(keys.shape[0]):
+        key = keys[position]
+        previous = last[key]
+        if previous < 0:
+            histogram[num_keys] += 1
+        else:
+            histogram[_fenwick_prefix(tree, following - 1) - _fenwick_prefix(tree, previous)] += 1
+            _fenwick_add(tree, previous, -1)
+        if following == slots:  # renumber the live slots 0, 1, ... in their order and rebuild the tree
+            order = np.argsort(last)
+            tree[:] = 0
+            following = 0
+            for index in range(num_keys):
+                expert = order[index]
+                if last[expert] >= 0 and expert != key:
+                    last[expert] = following
+                    _fenwick_add(tree, following, 1)
+                    following += 1
+        last[key] = following
+        _fenwick_add(tree, following, 1)
+        following += 1
+
+
+@functools.cache
+def _kernels():
+    """(sliding_distinct, reuse_distance): compiled by Numba when it is installed, else the plain functions."""
+    from moe_offload.simulator.kernels import njit_cached, numba_available
+
+    if not numba_available():
+        return sliding_distinct_kernel, reuse_distance_kernel
+    import numba
+
+    add = numba.njit(inline="always")(_fenwick_add)
+    prefix = numba.njit(inline="always")(_fenwick_prefix)
+    reuse_globals = dict(reuse_distance_kernel.__globals__, _fenwick_add=add, _fenwick_prefix=prefix)
+    reuse = types.FunctionType(reuse_distance_kernel.__code__, reuse_globals, reuse_distance_kernel.__name__)
+    return (njit_cached(sliding_distinct_kernel, "void(int64[:, :, ::1], int64, int64, int64[::1], int64[::1])"),
+            njit_cached(reuse, "void(int64[::1], int64, int64[::1])"))
+
+
+@dataclass
+class WorkingSet:
+    """The three measures of one trace (module docstring). Shapes: L layers, J experts per layer, D = L * J."""
+
+    windows: list[int]               # window lengths in tokens
+    distinct_mean: np.ndarray        # [len(windows), L] mean distinct experts of a layer in a window
+    distinct_max: np.ndarray         # [len(windows), L]
+    reuse_histogram: np.ndarray      # [D + 1] requests per reuse distance 0..D-1, then first requests
+    layer_counts: np.ndarray         # [L, J] requests per expert of each layer
+    top_k: int
+
+    @property
+    def requests(self) -> int:
+        return int(self.reuse_histogram.sum())
+
+    @property
+    def cold_requests(self) -> int:
+        """First requests of an expert: misses of every cache that starts empty."""
+        return int(self.reuse_histogram[-1])
+
+    def lru_hit_rate(self, cache_size: int) -> float:
+        """LRU's hit rate with ``cache_size`` experts: the share of requests of reuse distance below it."""
+        return float(self.reuse_histogram[:min(cache_size, len(self.reuse_histogram) - 1)].sum()) / self.requests
+
+    def max_hit_rate(self) -> float:
+        """Any cache's hit rate when it holds every expert: all but the first requests hit."""
+        return (self.requests - self.cold_requests) / self.requests
+
+    def hottest_share(self, experts_per_layer: int) -> np.ndarray:
+        """[L]: the share of each layer's requests that its ``experts_per_layer`` hottest experts take."""
+        ranked = -np.sort(-self.layer_counts, axis=1)
+        totals = ranked.sum(axis=1)
+        return ranked[:, :max(0, experts_per_layer)].sum(axis=1) / np.maximum(totals, 1)
+
+    def pinned_hit_rate(self, cache_size: int) -> float:
+        """The share of all requests the hottest experts take when the cache holds the ``cache_size``
+        most requested experts of the whole model (pinned, chosen in hindsight)."""
+        counts = np.sort(self.layer_counts.ravel())[::-1]
+        return float(counts[:cache_size].sum()) / max(1, int(counts.sum()))
+
+
+def measure_working_set(trace: Trace, sequence: AccessSequence) -> WorkingSet:
+    """The working set of ``trace``; ``sequence`` is its flattened request sequence (ReplayInput's)."""
+    meta = trace.meta
+    sliding, reuse = _kernels()
+    experts = np.ascontiguousarray(trace.experts, dtype=np.int64)
+    windows = window_lengths(trace.num_tokens)
+    distinct_mean = np.zeros((len(windows), meta.num_layers))
+    distinct_max = np.zeros((len(windows), meta.num_layers), np.int64)
+    for index, window in enumerate(windows):
+        total = np.zeros(meta.num_layers, np.int64)
+        largest = np.zeros(meta.num_layers, np.int64)
+        sliding(experts, meta.num_experts, window, total, largest)
+        distinct_mean[index] = total / (trace.num_tokens - window + 1)
+        distinct_max[index] = largest
+    histogram = np.zeros(meta.num_expert_slots + 1, np.int64)
+    reuse(np.ascontiguousarray(sequence.expert_id, dtype=np.int64), meta.num_expert_slots, histogram)
+    layer_counts = np.bincount(sequence.expert_id, minlength=meta.num_expert_slots).reshape(meta.num_layers,
+                                                                                          meta.num_experts)
+    return WorkingSet(windows=windows, distinct_mean=distinct_mean, distinct_max=distinct_max,
+                      reuse_histogram=histogram, layer_counts=layer_counts, top_k=meta.top_k)

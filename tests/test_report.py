@@ -1,0 +1,135 @@
+"""`moe-offload report`'s measures: the working set (against naive recounts and LRU's replay), the bound
+(against simulate's replay), the verdict."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moe_offload.bundled import DEFAULT_TRACE
+from moe_offload.reporting.bound import TARGET_HIT_RATES, measure_bound, verdict
+from moe_offload.reporting.working_set import (measure_working_set, reuse_distance_kernel, sliding_distinct_kernel,
+                                               window_lengths)
+from moe_offload.simulator.replay import ReplayInput, replay
+from moe_offload.trace.format import Trace, TraceMeta, read_trace
+
+
+@pytest.fixture(scope="module")
+def olmoe():
+    return ReplayInput.of(read_trace(DEFAULT_TRACE))
+
+
+def one_layer_trace(experts, num_experts: int) -> Trace:
+    rows = np.asarray(experts, dtype=np.uint8).reshape(-1, 1, 1)
+    return Trace.build(TraceMeta("toy", 1, num_experts, 1), rows)
+
+
+def naive_reuse_distances(keys) -> list:
+    """Distinct other keys since the previous request of the same key, by rescanning: O(n^2)."""
+    out = []
+    for position, key in enumerate(keys):
+        before = [p for p in range(position) if keys[p] == key]
+        out.append(None if not before else len(set(keys[before[-1] + 1:position]) - {key}))
+    return out
+
+
+def test_reuse_distances_of_a_hand_worked_sequence():
+    # 0 1 0 2 1 0: first uses of 0, 1, 2; then 0 after {1}, 1 after {0, 2}, 0 after {2, 1}
+    histogram = np.zeros(5, np.int64)
+    reuse_distance_kernel(np.array([0, 1, 0, 2, 1, 0], np.int64), 4, histogram)
+    assert histogram.tolist() == [0, 1, 2, 0, 3]
+
+
+def test_reuse_distances_equal_a_rescan_through_many_compactions():
+    keys = np.random.default_rng(3).integers(0, 5, 400)  # 400 requests of 5 keys: the 10 slots renumber often
+    histogram = np.zeros(6, np.int64)
+    reuse_distance_kernel(keys.astype(np.int64), 5, histogram)
+    expected = np.zeros(6, np.int64)
+    for distance in naive_reuse_distances(keys.tolist()):
+        expected[5 if distance is None else distance] += 1
+    assert histogram.tolist() == expected.tolist()
+
+
+def test_sliding_distinct_equals_a_recount_of_every_window():
+    rng = np.random.default_rng(7)
+    experts = np.stack([np.stack([rng.choice(6, 2, replace=False) for _ in range(3)]) for _ in range(40)])
+    for window in (1, 3, 16, 40):
+        total, largest = np.zeros(3, np.int64), np.zeros(3, np.int64)
+        sliding_distinct_kernel(experts.astype(np.int64), 6, window, total, largest)
+        counts = np.array([[len(set(experts[start:start + window, layer].ravel())) for layer in range(3)]
+                           for start in range(40 - window + 1)])
+        assert total.tolist() == counts.sum(axis=0).tolist()
+        assert largest.tolist() == counts.max(axis=0).tolist()
+
+
+def test_window_lengths_are_powers_of_four_within_the_trace():
+    assert window_lengths(1) == [1]
+    assert window_lengths(299) == [1, 4, 16, 64, 256]
+
+
+def test_reuse_distances_give_lru_hit_rate_at_every_size(olmoe, tiny_trace):
+    """Mattson: a request hits LRU with C experts iff its reuse distance is below C."""
+    for data in (olmoe, ReplayInput.of(tiny_trace)):
+        working_set = measure_working_set(data.trace, data.sequence)
+        assert working_set.requests == len(data.sequence)
+        for size in (data.spec.top_k, 20, data.spec.num_layers * data.spec.num_experts // 4):
+            assert working_set.lru_hit_rate(size) == replay(data, "lru", size).hit_rate
+
+
+def test_skew_and_pinning_by_hand():
+    # one layer: expert 0 three times, 1 twice, 2 once
+    trace = one_layer_trace([0, 1, 0, 2, 1, 0], 4)
+    working_set = measure_working_set(trace, ReplayInput.of(trace).sequence)
+    assert working_set.hottest_share(1).tolist() == [0.5]
+    assert working_set.hottest_share(2).tolist() == [5 / 6]
+    assert working_set.pinned_hit_rate(2) == 5 / 6
+    assert working_set.max_hit_rate() == 0.5  # three first requests of six
+    assert working_set.distinct_mean[0].tolist() == [1.0]  # windows of 4: 0102, 1021, 0210: 3 experts each
+    assert working_set.distinct_mean[1].tolist() == [3.0]
+
+
+def test_bound_is_simulates_replay_and_opt_sizes_are_the_smallest(olmoe):
+    working_set = measure_working_set(olmoe.trace, olmoe.sequence)
+    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "lfu", "fifo"])
+    assert bound.belady.hits == replay(olmoe, "belady", 256).hits
+    assert [r.policy for r in bound.online] == ["lru", "fifo", "lfu"]  # most hits first
+    for target in TARGET_HIT_RATES:
+        size = bound.needed[target]
+        requests = len(olmoe.sequence)
+        assert replay(olmoe, "belady", size).hits >= target * requests > replay(olmoe, "belady", size - 1).hits
+
+
+def test_verdict_sentences(olmoe):
+    working_set = measure_working_set(olmoe.trace, olmoe.sequence)
+    bound = measure_bound(olmoe, 256, working_set, policies=["lru"])
+    lru, opt = bound.online[0], bound.belady
+    assert verdict(bound, 1024).startswith(f"lru reaches {lru.hits / opt.hits:.0%} of the hits Belady reaches at "
+                                           "256 experts (25.0% of 1,024): the policy leaves "
+                                           f"{(opt.hits - lru.hits) / opt.accesses:.1%} of the requests")
+    small = measure_bound(olmoe, 16, working_set, policies=["lru"])
+    assert verdict(small, 1024).startswith(f"even Belady hits only {small.belady.hit_rate:.0%} at 16 experts")
+    assert "no policy helps; buy memory or cut traffic" in verdict(small, 1024)
+    large = measure_bound(olmoe, 900, working_set, policies=["lru"])
+    assert "the working set, not the policy, limits the hits" in verdict(large, 1024)
+
+
+def test_policies_without_a_kernel_replay_a_prefix_of_a_large_trace(olmoe, monkeypatch):
+    from moe_offload.reporting import bound as bound_module
+
+    monkeypatch.setattr(bound_module, "PYTHON_REPLAY_REQUESTS", 5000)  # olmoe has 38,272 requests
+    working_set = measure_working_set(olmoe.trace, olmoe.sequence)
+    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "arc"])
+    assert [r.policy for r in bound.online] == ["lru"] and [r.policy for r in bound.sampled] == ["arc"]
+    rows = 5000 // (16 * 8)  # whole rows of L * K requests each
+    assert bound.sampled_tokens == rows
+    prefix = ReplayInput.of(olmoe.trace.select(slice(0, rows)))
+    assert bound.sampled[0].hits == replay(prefix, "arc", 256).hits
+    assert bound.sampled_belady.hits == replay(prefix, "belady", 256).hits
+
+
+def test_a_hit_rate_no_cache_reaches_is_unreachable():
+    trace = one_layer_trace([0, 1, 2, 3, 0], 4)  # four first requests of five: at most 20% hits
+    data = ReplayInput.of(trace)
+    bound = measure_bound(data, 2, measure_working_set(trace, data.sequence), policies=["lru"])
+    assert bound.needed == {0.5: None, 0.8: None, 0.9: None}
+    assert bound.max_hit_rate == 0.2
