@@ -153,6 +153,10 @@ def test_generate_runs_a_placement_and_refuses_bad_placement_options_in_one_line
                                "--policy-option", "static-layers.fast_layers=1"], "say the same thing")):
         assert main(["generate", *options, "hi"]) == 2
         assert problem in one_line_error(capsys)
+    assert main(["serve", "--policy", "static-layers", "--fast-layers", "-1"]) == 2  # serve checks them alike
+    assert "--fast-layers '-1'" in one_line_error(capsys)
+    assert main(["generate", "--policy", "static-layers", "--prefetch", "topk", "hi"]) == 2
+    assert "nothing for the prefetcher 'topk' to prefetch" in one_line_error(capsys)
 
 
 def test_metrics_count_bypassed_requests_and_host_compute_seconds():

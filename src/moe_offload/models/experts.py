@@ -155,7 +155,7 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     arrivals = _arrivals(self, needed, counts)
     position = {expert: i for i, expert in enumerate(needed)}
     outputs, partials = {}, {}
-    inputs = HostInputs(hidden_states)
+    inputs = HostInputs(self, hidden_states)
     with closing(arrivals):
         for expert, weights in arrivals:
             group = groups[position[expert]]
@@ -208,7 +208,7 @@ def _one_token_forward(self, hidden_states, top_k_index, top_k_weights):
         return None
     position = {expert: p for p, expert in enumerate(chosen)}
     outputs, partials = {}, {}
-    inputs = HostInputs(hidden_states)
+    inputs = HostInputs(self, hidden_states)
     with closing(_arrivals(self, needed, [[1]] * len(needed))) as arrivals:
         for expert, weights in arrivals:
             if weights.get(ON_HOST):
@@ -257,7 +257,7 @@ def _one_token_each_forward(self, packed, hidden_states, top_k_index, top_k_weig
         return packed.blocks(x, [1] * len(x), weight) if packed.exact else F.linear(x, weight)
 
     outputs, partials = {}, {}
-    inputs = HostInputs(hidden_states)
+    inputs = HostInputs(self, hidden_states)
     host_rows = torch.from_numpy(order // k)  # token_idx in CPU memory
     with closing(_arrivals(self, needed, counts.tolist())) as arrivals:
         for expert, weights in arrivals:

@@ -28,13 +28,15 @@ _side_streams: dict = {}  # CUDA device -> the stream that copies hidden states 
 
 
 class HostInputs:
-    """One layer call's hidden states, as the host computes from them: copied to the host at most once."""
+    """One layer call's hidden states, as the host computes from them: copied to the host at most once.
+    ``module``: the experts module; only when its expert source ``computes_on_host`` is the event recorded
+    that lets the copy skip the layer's GPU kernels (otherwise the copy, never expected, waits for them)."""
 
-    def __init__(self, hidden_states):
+    def __init__(self, module, hidden_states):
         self.hidden_states = hidden_states
         self._host = None
         self._began = None
-        if hidden_states.is_cuda:
+        if hidden_states.is_cuda and getattr(getattr(module, "expert_source", None), "computes_on_host", False):
             import torch
 
             self._began = torch.cuda.Event()
@@ -48,7 +50,7 @@ class HostInputs:
 
     def _to_host(self):
         if self._began is None:
-            return self.hidden_states
+            return self.hidden_states.cpu()
         import torch
 
         device = self.hidden_states.device

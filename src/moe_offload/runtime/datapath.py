@@ -25,6 +25,9 @@ slot, and moves the bytes outside the lock:
 - **host tier -> fast tier**: one copy from the host slot (pinned with CUDA: one DMA on the copy stream)
   or one conversion on a CPU. The host slot stays pinned in the host tier while it is read.
 
+A miss the fast tier does not admit (a placing policy's bypass) goes no further than the host tier, which
+keeps it while the layer computes it there (``compute_on_host``, models/host_experts.py).
+
 All cache, queue and policy state is guarded by one condition variable (``DataPath.cond``); bytes move
 outside it.
 

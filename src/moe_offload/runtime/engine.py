@@ -7,6 +7,8 @@ The engine puts the parts together and runs the single-prompt generation loop::
     runtime/datapath.py  link workers, reader pool, pinned ring and copy streams: files -> [host] -> fast
     runtime/runner.py    per forward pass: the experts source, routing hooks, prefetcher, AccessContext
     runtime/replay.py    routing replay: the routers select a trace's experts (and the oracle can run)
+    runtime/placement.py a placing policy's placement and host tier: the misses it does not admit are
+                         computed on the host from the host tier's copy (models/host_experts.py)
     runtime/split.py     MoEpic's split experts (``split_config``): per-layer top caches and a buffer, in place
                          of the tiers and the data path
 
@@ -226,6 +228,7 @@ class OffloadEngine:
                                       policy_needs_rounds=info.policy.needs_rounds,
                                       replay=self.replay, source=f"live generation with {m.directory}",
                                       matcher=matcher)
+            self.runner.computes_on_host = self.places
             self.runner.install()
             self._generate_lock = threading.Lock()
             self.max_batch, self.batch_math = max_batch, batch_math

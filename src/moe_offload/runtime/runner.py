@@ -9,9 +9,11 @@ segments, one per request; a single-request pass has one:
   of models/experts.py): for each MoE layer, count the accesses in the policy's
   :class:`~moe_offload.policies.base.AccessContext` (filled as the simulators fill it, ``routed`` included),
   pin the layer's experts, demand-load the missing ones through the data path, and hand each expert to the
-  compute as soon as it is resident; computed experts are unpinned at once. A batch's experts are the union
-  of its tokens' selections: one access per expert and pass, whose ``routed`` carries each request's
-  tokens, one load; each request's own counters (``request_counters``) see the accesses of its experts;
+  compute as soon as it is resident; computed experts are unpinned at once. A miss the fast tier does not
+  admit (``admits``: a placing policy's bypass, simulator/cache.py) is handed over from the host tier's copy
+  instead, marked to be computed on the host (models/host_experts.py), after the resident ones. A batch's
+  experts are the union of its tokens' selections: one access per expert and pass, whose ``routed`` carries
+  each request's tokens, one load; each request's own counters (``request_counters``) see the accesses of its experts;
 - the **routing hooks**: a RoutingTap on every router feeds the prefetcher (the same objects as the timed
   simulator's) through a :class:`~moe_offload.runtime.live_view.LiveRoutingView` right after each layer's
   router ran, with each row's request (``RoutingView.requests``) and, when the prefetcher reads them
@@ -79,6 +81,7 @@ class ModelRunner:
         self.view: LiveRoutingView | None = None
         self.keys_of: dict = {}     # request -> the experts it routed to in the running pass (failures)
         self.probs = np.zeros((spec.num_layers, spec.num_experts), np.float32)
+        self.computes_on_host = False  # a placing policy's misses may be computed on the host (the engine sets it)
         self._hooks = []
         self._segmented = []
         self._tap = None
