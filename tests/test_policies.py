@@ -53,6 +53,24 @@ def test_neighbor_aware_ages_and_evicts_neighbors_together():
     assert one == drive("lru", single_layer(0, 2, 1, 4, 3, 5), 3, ONE_LAYER)[1]
 
 
+def test_moe_infinity_fills_the_cache_layer_by_layer_when_asked():
+    # Paper 002, section 6.1: the GPU cache starts with the experts in topological order, layer by layer.
+    from moe_offload.simulator.replay import ReplayInput, replay
+    from moe_offload.trace.format import Trace, TraceMeta
+
+    spec = ModelSpec(num_layers=3, num_experts=2, top_k=1)
+    policy = POLICIES["moe-infinity"].policy(spec, fill="layers")
+    assert policy.placement(3, None) == [0, 1, 2] and policy.placement(9, None) == list(range(6))
+    assert POLICIES["moe-infinity"].policy(spec).placement(3, None) == []
+    # One token routed to expert 1 of layer 0, then 0 of layer 1, then 1 of layer 2, in a cache of 3: filled,
+    # it starts with (0, 0), (0, 1), (1, 0): two hits; (2, 1) misses and evicts (0, 0), whose ratio is 0.
+    trace = Trace.build(TraceMeta("hand", 3, 2, 1), np.array([[[1], [0], [1]]]))
+    filled = replay(ReplayInput.of(trace), "moe-infinity", 3, options={"fill": "layers"})
+    assert filled.hits == 2 and replay(ReplayInput.of(trace), "moe-infinity", 3).hits == 0
+    with pytest.raises(ConfigError, match="fill must be one of empty, layers"):
+        POLICIES["moe-infinity"].policy(spec, fill="gpu")
+
+
 def test_lfu_evicts_fewest_requests_ties_to_least_recent():
     hits, evicted = drive("lfu", single_layer(0, 0, 1, 1, 1, 2, 3, 2), 3, ONE_LAYER)
     assert evicted[6] == [2]  # frequencies 0:2, 1:3, 2:1

@@ -29,6 +29,12 @@ tier) therefore share one ``SequenceEAMs``: the host tier ranks with the EAMs of
 simulator shows it only the GPU's misses. Each access is counted once, by the first tier that sees it: the
 tiers of a run are shown one access with the same ``ctx.clock`` and key.
 
+The initial fill (section 6.1): "the GPU cache is initialized with experts with topological order where
+experts are filled into GPU layer by layer". With ``fill="layers"`` the cache starts full of the first
+experts in that order, layer 0's, then layer 1's, ... (``placement``, which the replay and the timed
+simulator load before the first access; the runtime's ``preload`` fills its fast tier in the same key
+order); the default ``fill="empty"`` starts empty, as the other policies do.
+
 Why ``running`` is not a scan of the cache: within one layer the order is the order of the counts (the row
 sum and the layer decay are common to the layer), so each instance keeps its resident experts of each layer
 ranked by count, updated in O(log n) when a count changes, and a miss compares the L layer minima (each
@@ -44,6 +50,7 @@ from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 
 EPSILON = 1e-6
 RANKINGS = ("running", "request")
+FILLS = ("empty", "layers")
 
 
 class SequenceEAMs:
@@ -114,10 +121,13 @@ class MoEInfinity(EvictionPolicy):
                "sequences")
     source = "paper 002, Algorithm 2"
 
-    def __init__(self, spec, seed=0, eam: str = "running", shared: SequenceEAMs | None = None):
+    def __init__(self, spec, seed=0, eam: str = "running", shared: SequenceEAMs | None = None, fill: str = "empty"):
         super().__init__(spec, seed)
         if eam not in RANKINGS:
             raise ConfigError(f"{self.name}: eam must be one of {', '.join(RANKINGS)}, not {eam!r}")
+        if fill not in FILLS:
+            raise ConfigError(f"{self.name}: fill must be one of {', '.join(FILLS)}, not {fill!r}")
+        self.fill = fill
         L, J = spec.num_layers, spec.num_experts
         if shared is None:
             shared = SequenceEAMs(L, J)
@@ -137,6 +147,12 @@ class MoEInfinity(EvictionPolicy):
     def run_factory(cls, spec, seed=0, **options):
         shared = SequenceEAMs(spec.num_layers, spec.num_experts)
         return lambda: cls(spec, seed=seed, shared=shared, **options)
+
+    def placement(self, slots, trace):
+        """The initial fill (module doc): the first ``slots`` keys, layer by layer, with ``fill="layers"``."""
+        if self.fill == "empty":
+            return []
+        return list(range(min(slots, self.spec.num_layers * self.spec.num_experts)))
 
     def priority(self, key, eam=None) -> float:
         """Algorithm 2, steps 6-8, for one expert, with ``eam`` (``[L][J]`` counts; default the running sum)."""
