@@ -52,7 +52,9 @@ class Bound:
 
     @property
     def best(self) -> RunResult | None:
-        return self.online[0] if self.online else None
+        """The online policy with the most hits: a placement chosen from this very trace (in hindsight) is
+        a bound like OPT, not a policy a user can run on traffic to come."""
+        return next((r for r in self.online if not r.in_hindsight), None)
 
     def result(self, policy: str) -> RunResult | None:
         return next((r for r in self.online + self.sampled if r.policy == policy), None)

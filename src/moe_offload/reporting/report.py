@@ -106,16 +106,21 @@ def policy_rows(report: Report) -> list[tuple[str, ...]]:
     opt = bound.belady
     rows = [("belady (OPT)", f"{opt.hit_rate:.2%}", "100%", f"{opt.misses:,}", "whole trace")]
     for result in bound.online:
-        rows.append((result.policy, f"{result.hit_rate:.2%}", f"{result.hits / max(1, opt.hits):.0%}",
-                     f"{result.misses:,}", "whole trace"))
+        rows.append((_label(result), f"{result.hit_rate:.2%}", f"{result.hits / max(1, opt.hits):.0%}",
+                     f"{result.fast_misses:,}", "whole trace"))
     if bound.sampled:
         sample_opt = bound.sampled_belady
         rows.append(("belady (OPT)", f"{sample_opt.hit_rate:.2%}", "100%", f"{sample_opt.misses:,}",
                      f"first {bound.sampled_tokens:,} tokens"))
         for result in bound.sampled:
-            rows.append((result.policy, f"{result.hit_rate:.2%}", f"{result.hits / max(1, sample_opt.hits):.0%}",
-                         f"{result.misses:,}", f"first {bound.sampled_tokens:,} tokens"))
+            rows.append((_label(result), f"{result.hit_rate:.2%}", f"{result.hits / max(1, sample_opt.hits):.0%}",
+                         f"{result.fast_misses:,}", f"first {bound.sampled_tokens:,} tokens"))
     return rows
+
+
+def _label(result) -> str:
+    """A policy's name, marked when its placement was chosen from this trace (a bound, never the verdict's)."""
+    return f"{result.policy} (hindsight)" if result.in_hindsight else result.policy
 
 
 def latency_rows(latency: Latency) -> list[tuple[str, ...]]:
