@@ -40,8 +40,8 @@ def commands(meta: TraceMeta, trace_name: str, hardware: str, cache_size: int, e
     prompt = "Why is the sky blue?"
     if best is not None and latency.moepic is best:
         config = "split.json"
-        split_budget = latency.moepic_config["budget_experts"]
-        return [["configure", trace_name, "--vram-budget", str(split_budget), "--hardware", hardware, "--json"],
+        # configure's --vram-budget is the whole VRAM: it takes the prefetch buffer out itself
+        return [["configure", trace_name, "--vram-budget", str(cache_size), "--hardware", hardware, "--json"],
                 ["generate", prompt, "--model", model, "--fast-budget", budget, "--split-config", config,
                  "--policy", MOEPIC_POLICY, "--prefetch", "moepic"]]
     policy = best.policy if best is not None else best_policy
