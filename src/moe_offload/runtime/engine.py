@@ -159,6 +159,10 @@ class OffloadEngine:
                 raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
                                   f"({format_bytes(m.top_k * self.compute_expert_bytes)}, "
                                   f"{format_bytes(self.compute_expert_bytes)} each)")
+            if info.partitioned and split is None and fast_slots < m.num_layers:  # a layer with no slot waits forever
+                raise ConfigError(f"policy {policy!r} splits the fast tier among the {m.num_layers} layers: "
+                                  f"{fast_slots} experts leave a layer without one; give at least {m.num_layers} "
+                                  f"({format_bytes(m.num_layers * self.compute_expert_bytes)})")
             host_slots = 0
             if host_budget is not None:
                 host_slots = self._slots(values.budget_bytes(host_budget, m.num_layers * m.num_experts * m.expert_bytes,
