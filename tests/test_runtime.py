@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from model_configs import build, tiny_tokenizer  # noqa: E402
 
@@ -76,6 +76,7 @@ def assert_lossless(engine, checkpoint):
 @given(policy=st.sampled_from(ONLINE_POLICIES), prefetch=st.sampled_from(PREFETCHERS),
        budget=st.integers(min_value=2, max_value=18), host=st.sampled_from([None, "40%", "100%"]))
 def test_generation_is_lossless_for_every_policy_prefetcher_and_budget(checkpoint, policy, prefetch, budget, host):
+    assume(budget >= 3 or not POLICIES[policy].partitioned)  # a -dist cache gives each of the 3 layers a slot
     history = checkpoint["history"] if prefetch in ("moe-infinity", "fmoe") else None
     fast = str(budget * COMPUTE_EXPERT_BYTES)  # 18 experts in all (3 layers x 6); top-2 is the least that works
     with OffloadEngine(checkpoint["packed"], fast_budget=fast, policy=policy, prefetch=prefetch,
@@ -132,6 +133,8 @@ def test_refusals(checkpoint):
     packed = checkpoint["packed"]
     with pytest.raises(ConfigError, match="cannot hold one layer's top-2 experts"):
         OffloadEngine(packed, fast_budget="5%")
+    with pytest.raises(ConfigError, match="leave a layer without one"):
+        OffloadEngine(packed, fast_budget=str(2 * COMPUTE_EXPERT_BYTES), policy="lru-dist")
     with pytest.raises(ConfigError, match="needs the future"):
         OffloadEngine(packed, policy="belady")
     with pytest.raises(ConfigError, match="chooses its experts from a profile"):

@@ -181,6 +181,10 @@ class OffloadEngine:
             if m.quantized and (host_budget is not None or split is not None):
                 raise ConfigError(f"{m.directory}: {m.expert_dtype} experts run with the fast tier alone: the host "
                                   "tier and MoEpic's split do not read quantized experts yet")
+            if info.partitioned and split is None and fast_slots < m.num_layers:  # a layer with no slot waits forever
+                raise ConfigError(f"policy {policy!r} splits the fast tier among the {m.num_layers} layers: "
+                                  f"{fast_slots} experts leave a layer without one; give at least {m.num_layers} "
+                                  f"({format_bytes(m.num_layers * self.compute_expert_bytes)})")
             host_slots = 0
             if host_budget is not None:
                 host_slots = self._slots(values.budget_bytes(host_budget, m.num_layers * m.num_experts * m.expert_bytes,
