@@ -6,25 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_offload.cli.main import main
 from moe_offload.errors import TraceError
 from moe_offload.trace.format import DECODE, PREFILL, Trace, TraceMeta
-
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exit_:  # argparse's errors
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def assert_refused(code: int, err: str, *fragments) -> None:
-    assert code == 2, err
-    assert err.startswith("moe-offload") and err.count("\n") == 1 and "Traceback" not in err, err
-    for fragment in fragments:
-        assert str(fragment) in err, err
+from cli_driver import assert_refused, run  # noqa: E402
 
 
 # ------------------------------------------------------------------ traces with impossible content

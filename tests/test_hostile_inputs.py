@@ -23,22 +23,7 @@ from moe_offload.errors import TraceError
 from moe_offload.trace import integrity
 from moe_offload.trace.format import METADATA_KEY, Trace, TraceMeta, read_trace, write_trace
 from moe_offload.trace.synthetic import zipf_trace
-
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as exit_:  # argparse's errors
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def assert_refused(code: int, err: str, *fragments) -> None:
-    assert code == 2, err
-    assert err.startswith("moe-offload") and err.count("\n") == 1 and "Traceback" not in err, err
-    for fragment in fragments:
-        assert str(fragment) in err, err
+from cli_driver import assert_refused, run  # noqa: E402
 
 
 @pytest.fixture

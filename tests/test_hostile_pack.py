@@ -14,20 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from model_configs import build, tiny_tokenizer  # noqa: E402
 
-from moe_offload.cli.main import main  # noqa: E402
-
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    code = main([str(a) for a in argv])
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
-def assert_refused(code: int, err: str, *fragments) -> None:
-    assert code == 2, err
-    assert err.startswith("moe-offload") and err.count("\n") == 1 and "Traceback" not in err, err
-    for fragment in fragments:
-        assert str(fragment) in err, err
+from cli_driver import assert_refused, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
