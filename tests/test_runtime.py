@@ -76,6 +76,8 @@ def assert_lossless(engine, checkpoint):
 @given(policy=st.sampled_from(ONLINE_POLICIES), prefetch=st.sampled_from(PREFETCHERS),
        budget=st.integers(min_value=2, max_value=18), host=st.sampled_from([None, "40%", "100%"]))
 def test_generation_is_lossless_for_every_policy_prefetcher_and_budget(checkpoint, policy, prefetch, budget, host):
+    if POLICIES[policy].partitioned and budget < 3:  # one slot per layer at least (the next test)
+        return
     history = checkpoint["history"] if prefetch in ("moe-infinity", "fmoe") else None
     fast = str(budget * COMPUTE_EXPERT_BYTES)  # 18 experts in all (3 layers x 6); top-2 is the least that works
     with OffloadEngine(checkpoint["packed"], fast_budget=fast, policy=policy, prefetch=prefetch,
@@ -272,6 +274,12 @@ def test_pack_and_generate_commands(checkpoint, tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "p"), "--fast-budget", "1%", "x"]) == 2
     assert "cannot hold one layer's top-2" in capsys.readouterr().err
     assert main(["pack", str(tmp_path / "nothing"), "-o", str(tmp_path / "q")]) == 2
+
+
+def test_a_partitioned_policy_without_a_slot_per_layer_is_refused(checkpoint):
+    # 2 experts among 3 layers: a layer with no slot would wait for room forever
+    with pytest.raises(ConfigError, match="splits the fast tier among 3 layers.*holds 2"):
+        OffloadEngine(checkpoint["packed"], fast_budget=str(2 * COMPUTE_EXPERT_BYTES), policy="marking-dist")
 
 
 def test_python_api(checkpoint):

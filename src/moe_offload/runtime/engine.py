@@ -157,6 +157,9 @@ class OffloadEngine:
                 raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
                                   f"({format_bytes(m.top_k * self.compute_expert_bytes)}, "
                                   f"{format_bytes(self.compute_expert_bytes)} each)")
+            if info.partitioned and fast_slots < m.num_layers and split is None:  # a layer without a slot waits forever
+                raise ConfigError(f"policy {policy!r} splits the fast tier among {m.num_layers} layers and needs at "
+                                  f"least one expert per layer; fast budget {fast_budget} holds {fast_slots}")
             host_slots = 0
             if host_budget is not None:
                 host_slots = self._slots(values.budget_bytes(host_budget, m.num_layers * m.num_experts * m.expert_bytes,
