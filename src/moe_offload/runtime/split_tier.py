@@ -1,8 +1,9 @@
 """The fast memory of a split run and its one link worker (runtime/split.py says what a split run is).
 
 Per layer a cache of C_i expert tops (an ExpertCache of C_i entries with the run's eviction policy, over a pool
-of top-sized slots) and one buffer of K slots of a whole expert each (the paper's U_b, K = top-k); a buffer
-slot holds one expert's bottom, or its whole copy when its top is not cached. One worker thread serves the
+of top-sized slots) and one buffer of K whole experts' bytes (the paper's U_b, K = top-k) handed out in
+segment-sized ranges (tiers.SegmentPool): a range holds one expert's bottom, or its whole copy when its top is
+not cached, so the buffer holds as many bottoms as fit its bytes. One worker thread serves the
 link from the files, in the order of the timed simulator's TransferQueue (simulator/transfers.py): demand
 loads first, then prefetches by priority, never one expert twice.
 
@@ -19,9 +20,9 @@ Prefetching follows the timed simulator's split run (simulator/split.py, simulat
   pass) queues what the expert lacks: its bottom when its top is cached, else the whole expert; an expert
   already complete (its bottom or whole copy buffered, or its top cached at ratio 1) is noted as predicted
   instead, and a prefetched top does not evict it;
-- a prefetch starts only into a free buffer slot: it never drops anything. A demand load that finds no free
-  slot drops a landed segment that the current layer does not compute with, the most recent first (the
-  speculation for the layers ahead), and waits while there is none;
+- a prefetch starts only into a free buffer range: it never drops anything. A demand load that finds no free
+  range drops landed segments that the current layer does not compute with, the most recent first (the
+  speculation for the layers ahead), and waits while there are none;
 - the top of a whole expert is copied into its layer's cache when the policy makes room, never evicting a
   top that the current layer computes with or whose bottom is buffered; a prefetched top is *held* until its
   layer uses it or is routed without it (simulator/cache.py);
@@ -29,11 +30,9 @@ Prefetching follows the timed simulator's split run (simulator/split.py, simulat
   demand loads), its landed segments that it does not need leave the buffer, its held tops that it does not
   need are released; a prefetch landing after its layer was routed without it leaves the buffer at once.
 
-One difference from the simulator: its buffer counts bytes (K experts' worth, so it holds more than K bottoms
-when they are small), while a runtime slot holds one segment, a bottom as a whole expert would: at most K
-segments are buffered at once, fewer prefetches land ahead of a layer than the simulator lets when Y_i > K.
-Packing several bottoms into one slot needs an allocator of contiguous ranges that a segment's lifetime does
-not fragment; not done.
+The buffer counts bytes as the simulator's does (simulator/split.py: K experts' worth), slot by slot: a
+whole-expert slot holds floor(E / b) bottoms of b bytes, so with Y_i > K as many prefetched bottoms land ahead
+of a layer as fit, up to one bottom per slot fewer than the bytes alone would hold.
 
 Counters (engine's): a prefetch is *issued* when it goes on the wire, *used* when its layer is routed to it
 (landed or still on the wire: no demand load then), *wasted* when its segment leaves the buffer unused.
@@ -50,7 +49,7 @@ from moe_offload.hardware.profile import Link
 from moe_offload.policies import AccessContext
 from moe_offload.runtime.cpu_threads import copy_serially
 from moe_offload.runtime.split import bottom_ranges, split_rows
-from moe_offload.runtime.tiers import SlotPool
+from moe_offload.runtime.tiers import SegmentPool, SlotPool
 from moe_offload.simulator.cache import ExpertCache, predicted_no_later_than
 from moe_offload.simulator.split import SplitConfig
 from moe_offload.simulator.transfers import TransferQueue
@@ -100,8 +99,8 @@ class SplitFastTier:
         for top in self.tops:
             top.on_evict = self._vacate_top
         self.top_slot: dict[int, int] = {}
-        self.buffer = SlotPool(spec.top_k, 3 * self.intermediate * self.hidden, compute_dtype, device)
-        self.buffer_slot: dict[int, int] = {}
+        self.buffer = SegmentPool(spec.top_k, 3 * self.intermediate * self.hidden, compute_dtype, device)
+        self.buffer_slot: dict[int, tuple[int, int]] = {}  # key -> its range of the buffer
         self.landed: dict[int, bool] = {}    # key -> whether its buffered copy is the whole expert; landing order
         self.ready: dict[int, object] = {}   # CUDA: key -> event of its copy into the buffer
         self.top_ready: dict[int, object] = {}
@@ -172,6 +171,13 @@ class SplitFastTier:
             return self.manifest.expert_bytes * (self.intermediate - self.rows[layer]) // self.intermediate
         return self.manifest.expert_bytes
 
+    def segment_elements(self, key: int) -> int:
+        """Elements a load of ``key`` takes in the buffer now: its bottom when its top is cached, else the whole."""
+        layer = key // self.spec.num_experts
+        if key in self.tops[layer]:
+            return 3 * (self.intermediate - self.rows[layer]) * self.hidden
+        return self.buffer.elements
+
     def demand(self, key: int) -> bool:
         """Queue a demand load of ``key`` (a waiting prefetch of it becomes one); False when it is on the wire or
         landed: no demand load then."""
@@ -224,8 +230,8 @@ class SplitFastTier:
             region, event = self.top_pools[layer].memory[self.top_slot[key]], self.top_ready.get(key)
             first = 0
         else:
-            region, event = self.buffer.memory[self.buffer_slot[key]], self.ready.get(key)
-            first = 0 if part == 0 else 3 * r * self.hidden
+            region, event = self.buffer.region(self.buffer_slot[key]), self.ready.get(key)
+            first = 3 * r * self.hidden if part == 1 and self.landed[key] else 0  # a bottom alone starts its range
         rows = r if part == 0 else self.intermediate - r
         H = self.hidden
         part_region = region[first:first + 3 * rows * H]
@@ -234,7 +240,7 @@ class SplitFastTier:
                 "parts": self.parts(key)}, event
 
     def consume(self, key: int) -> None:
-        """``key`` has computed (or its layer gave up on it, or was routed without it): its buffer slot is free.
+        """``key`` has computed (or its layer gave up on it, or was routed without it): its buffer range is free.
         A key still on the wire keeps its slot: the worker frees it when it lands unpinned."""
         if self.on_wire(key):
             return
@@ -245,21 +251,22 @@ class SplitFastTier:
             self.prefetched_unused.discard(key)
             self.counters.prefetches_wasted += 1
         if slot is not None:
-            self._free_after_compute(self.buffer, slot)
+            self._free_after_compute(self.buffer, slot[0])
             self.buffer.give_back(slot)
         self.cond.notify_all()
 
-    def _room(self, demand: bool) -> bool:
-        """Whether a buffer slot is free for a load; a demand load drops the most recent landed segment that the
-        current layer does not compute with to make one."""
-        if self.buffer.free:
-            return True
+    def _room(self, demand: bool, elements: int) -> bool:
+        """Whether a buffer range of ``elements`` is free for a load; a demand load drops the landed segments that
+        the current layer does not compute with, the most recent first, until one is (tiers.SegmentPool says why
+        one then is)."""
         if not demand:
-            return False
-        droppable = [key for key in self.landed if key not in self.pinned]
-        if droppable:
+            return self.buffer.fits(elements)
+        while not self.buffer.fits(elements):
+            droppable = [key for key in self.landed if key not in self.pinned]
+            if not droppable:
+                return False
             self.consume(droppable[-1])
-        return bool(self.buffer.free)
+        return True
 
     def _vacate_top(self, key: int) -> None:
         pool = self.top_pools[key // self.spec.num_experts]
@@ -364,7 +371,7 @@ class SplitFastTier:
         with cond:
             while not self.stopping:
                 transfer = queue.next_transfer(0.0)
-                if transfer is None or not self._room(transfer.demand):
+                if transfer is None or not self._room(transfer.demand, self.segment_elements(transfer.key)):
                     cond.wait()
                     continue
                 queue.start(0.0)
@@ -372,7 +379,7 @@ class SplitFastTier:
                 key, prefetch = transfer.key, not transfer.demand
                 layer = key // J
                 whole = key not in self.tops[layer]
-                slot = self.buffer.take()
+                slot = self.buffer.take(self.segment_elements(key))
                 self.buffer_slot[key] = slot
                 if prefetch:
                     self.counters.prefetches_issued += 1
@@ -412,8 +419,8 @@ class SplitFastTier:
                         self.moving = False
                     cond.notify_all()
 
-    def _cache_top(self, key: int, slot: int, landed_event, held: bool) -> None:
-        """Copy the top of the whole expert in buffer slot ``slot`` into its layer's cache if the policy makes
+    def _cache_top(self, key: int, slot: tuple[int, int], landed_event, held: bool) -> None:
+        """Copy the top of the whole expert in buffer range ``slot`` into its layer's cache if the policy makes
         room, never evicting a top the current layer computes with or whose bottom is buffered; a prefetch's
         top is held (module doc). Locked; the copy runs outside the lock."""
         layer = key // self.spec.num_experts
@@ -442,8 +449,8 @@ class SplitFastTier:
             ctx.prefetch = False
         self.cond.notify_all()
 
-    def _load(self, key: int, slot: int, whole: bool):
-        """Write ``key``'s whole expert ([top | bottom]) or its bottom into buffer slot ``slot``, from the host tier
+    def _load(self, key: int, slot: tuple[int, int], whole: bool):
+        """Write ``key``'s whole expert ([top | bottom]) or its bottom into buffer range ``slot``, from the host tier
         when there is one; returns (the CUDA event of the copy or None, bytes read, the link they came over)."""
         import torch
         import xxhash
@@ -469,7 +476,6 @@ class SplitFastTier:
                 bottom = compact[3 * r * H:].view(torch.uint8).numpy()
                 self.bottom_digest[key] = xxhash.xxh3_64_hexdigest(bottom)
             nbytes = self.manifest.expert_bytes
-            first = 0
         else:
             runs, nbytes = bottom_ranges(self.manifest, r)
             if host is not None:  # the host copy was read and verified whole
@@ -485,10 +491,9 @@ class SplitFastTier:
                 raise ExpertReadError(f"expert {expert} of layer {layer}: {path}: its bottom segment does not match "
                                       "the bytes read and verified before (the file is corrupt or was replaced)")
             compact = staging[:nbytes].view(self.stored)
-            first = 3 * r * H
-        destination = self.buffer.memory[slot][first:first + compact.numel()]
+        destination = self.buffer.region(slot)[:compact.numel()]
         link = "ssd->fast" if host is None else "host->fast"
-        return self._copy(destination, compact, self.buffer.free_after[slot]), nbytes, link
+        return self._copy(destination, compact, self.buffer.free_after[slot[0]]), nbytes, link
 
     def _host_copy(self, key: int):
         """``key``'s bytes as stored, in the host tier (an LRU cache of whole experts), read there from the files
@@ -518,10 +523,10 @@ class SplitFastTier:
             self.host.complete(key, ctx)
         return memory
 
-    def _copy_top(self, layer: int, slot: int, top_slot: int, landed_event):
-        """The top of the whole expert in buffer slot ``slot`` into ``top_slot`` of the layer's cache."""
+    def _copy_top(self, layer: int, slot: tuple[int, int], top_slot: int, landed_event):
+        """The top of the whole expert in buffer range ``slot`` into ``top_slot`` of the layer's cache."""
         pool = self.top_pools[layer]
-        source = self.buffer.memory[slot][:pool.memory.shape[1]]
+        source = self.buffer.region(slot)[:pool.memory.shape[1]]
         return self._copy(pool.memory[top_slot], source, pool.free_after[top_slot], landed_event)
 
     def _copy(self, destination, source, free_after, after=None):
