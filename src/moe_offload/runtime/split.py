@@ -8,25 +8,25 @@ the rest. The fast memory (runtime/split_tier.py) holds
 
 - per layer, a cache of C_i tops (an ExpertCache of C_i entries with the run's eviction policy, over a pool of
   C_i top-sized slots), and
-- one buffer of K whole experts (the paper's U_b, K = top-k): a slot holds an expert's bottom, or its whole
-  copy when its top is not cached.
+- one buffer of K whole experts' bytes (the paper's U_b, K = top-k) in segment-sized ranges: a range holds an
+  expert's bottom, or its whole copy when its top is not cached (runtime/tiers.py SegmentPool).
 
 A layer's expert whose top is cached loads only its bottom; otherwise the whole expert is loaded into the
 buffer and its top is copied into the layer's cache if the policy makes room (never evicting a top the
 layer computes with). The expert computes its top part as soon as it has its top, and its bottom part
 when the bottom lands (models/experts.py adds them in a fixed order): the top's compute overlaps the
-bottom's transfer. A buffer slot is freed once its expert has computed. The memory of a split run is the
+bottom's transfer. A buffer range is freed once its expert has computed. The memory of a split run is the
 tops and the buffer, which is what a split run and an unsplit one are compared at.
 
-A prefetcher (MoEpic's speculative one: its Y_i from the configuration) fills free buffer slots ahead of the
+A prefetcher (MoEpic's speculative one: its Y_i from the configuration) fills free buffer ranges ahead of the
 router with the predicted experts' bottoms, or whole experts when their top is not cached, as the timed
 simulator's split run does (split_tier.py says how: never evicting what the current layer computes with,
 dropped when its layer is routed without it). MoEpic's online loop (split_online.py) reconfigures the tops
 every tau tokens between two passes.
 
 A slot holds a part in the *segment layout*: gate rows, up rows (together ``gate_up_proj`` [2r, H]), then
-the down columns as a row-major [H, r] block (``down_proj``); a buffer slot is [top | bottom] in that
-layout. A whole expert is read with the checked chunk reads of the pack (runtime/storage.py) and rearranged;
+the down columns as a row-major [H, r] block (``down_proj``); a whole copy in the buffer is [top | bottom] in that
+layout, a bottom alone its bottom. A whole expert is read with the checked chunk reads of the pack (runtime/storage.py) and rearranged;
 a bottom alone is read as the manifest's byte ranges (gate rows, up rows, one run per down row: ``H + 2``
 ranges, fewer when they touch), straight into the segment layout. The pack's chunk checksums cover whole
 chunks, so a bottom read alone is checked against an xxHash3 of the same bytes taken when the whole expert
