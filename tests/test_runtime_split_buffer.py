@@ -1,4 +1,4 @@
-"""The split runtime's buffer counts bytes (runtime/tiers.py SegmentPool, runtime/split_tier.py): a whole-expert
+"""The split runtime's buffer counts bytes (runtime/tiers.py SegmentPool, runtime/segment_tier.py): a whole-expert
 slot holds floor(E / b) bottoms of b bytes, is whole again once they are all back, and with MoEpic's Y > K more
 than K prefetched bottoms land ahead of their layers and are used without a demand load."""
 

@@ -106,7 +106,7 @@ class SegmentPool:
     So the buffer holds as many bottoms as fit its bytes, slot by slot (at most one bottom's worth less per slot
     than the bytes alone would), and carving never fragments it: the current layer's at most K segments sit in
     at most K slots, so once the others' unused ranges are dropped a whole slot is free for any segment of the
-    layer (runtime/split_tier.py relies on it). A range is ``(slot, offset)``; ``take()`` with no size is a
+    layer (runtime/segment_tier.py relies on it). A range is ``(slot, offset)``; ``take()`` with no size is a
     whole slot."""
 
     def __init__(self, slots: int, elements: int, dtype, device):

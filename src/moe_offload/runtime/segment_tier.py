@@ -1,18 +1,15 @@
-"""The fast memory of a split run and its one link worker (runtime/split.py says what a split run is).
+"""The fast tier of a split run: what it holds are segments (runtime/split.py says what a split run is).
 
 Per layer a cache of C_i expert tops (an ExpertCache of C_i entries with the run's eviction policy, over a pool
 of top-sized slots) and one buffer of K whole experts' bytes (the paper's U_b, K = top-k) handed out in
 segment-sized ranges (tiers.SegmentPool): a range holds one expert's bottom, or its whole copy when its top is
-not cached, so the buffer holds as many bottoms as fit its bytes. One worker thread serves the
-link from the files, in the order of the timed simulator's TransferQueue (simulator/transfers.py): demand
-loads first, then prefetches by priority, never one expert twice.
+not cached, so the buffer holds as many bottoms as fit its bytes.
 
-With a host tier (``host_budget``), an LRU cache of whole experts as stored in host memory (pinned with CUDA),
-every load comes through it: an expert it lacks is read there whole from the files (the pack's checked chunk
-reads, ``ssd->host``), then its bottom or its whole copy goes to the fast memory (``host->fast``: a bottom is
-gathered from the host copy's byte ranges). The one worker does both hops in turn, where the unsplit data path
-(runtime/datapath.py) runs a worker per link and overlaps them; a demand load that finds its expert there
-counts as a host hit.
+It is the fast tier of the one data path (runtime/datapath.py): the link into it is served by a
+``SegmentWorker``, the links before it (files -> host tier) by the ordinary link workers, so with a host tier
+(``host_budget``, whole experts as stored) the two hops overlap; a bottom then is gathered from the host copy's
+byte ranges. The queue of the link into the fast tier orders its transfers as the timed simulator's
+TransferQueue: demand loads first, then prefetches by priority, never one expert twice.
 
 Prefetching follows the timed simulator's split run (simulator/split.py, simulator/timed/tiers.py):
 
@@ -34,48 +31,30 @@ The buffer counts bytes as the simulator's does (simulator/split.py: K experts' 
 whole-expert slot holds floor(E / b) bottoms of b bytes, so with Y_i > K as many prefetched bottoms land ahead
 of a layer as fit, up to one bottom per slot fewer than the bytes alone would hold.
 
-Counters (engine's): a prefetch is *issued* when it goes on the wire, *used* when its layer is routed to it
-(landed or still on the wire: no demand load then), *wasted* when its segment leaves the buffer unused.
+Counters (the data path's): a prefetch is *issued* when it goes on the wire into the fast tier, *used* when its
+layer is routed to it (landed or still on the wire: no demand load then), *wasted* when its segment leaves the
+buffer unused. Everything here is guarded by the data path's ``cond``.
 """
 
 from __future__ import annotations
 
-import math
-import threading
 import time
 
 from moe_offload.errors import ConfigError
-from moe_offload.hardware.profile import Link
-from moe_offload.policies import AccessContext
 from moe_offload.runtime.cpu_threads import copy_serially
 from moe_offload.runtime.split import bottom_ranges, split_rows
 from moe_offload.runtime.tiers import SegmentPool, SlotPool
 from moe_offload.simulator.cache import ExpertCache, predicted_no_later_than
 from moe_offload.simulator.split import SplitConfig
-from moe_offload.simulator.transfers import TransferQueue
 
 
-class _Landed:
-    """The TransferQueue's destination: an expert is there once its bottom or whole copy is buffered."""
+class SegmentTier:
+    """The tops and the buffer (module doc); ``path`` is the data path it is the fast tier of (set by DataPath)."""
 
-    def __init__(self, landed: dict):
-        self.landed = landed
-
-    def __contains__(self, key) -> bool:
-        return key in self.landed
-
-
-class SplitFastTier:
-    """The tops, the buffer and the worker (module doc).
-
-    Guarded by ``cond`` (the runner's lock, as DataPath's): ``pinned`` holds the experts the current layer
-    computes with (their tops are never evicted, their buffer slots never reused); ``queue`` the transfers
-    waiting for the link and the one on it."""
+    name = "fast"
 
     def __init__(self, config: SplitConfig, source: str, manifest, store, counters, spec, make_policy, device,
-                 compute_dtype, budget_bytes: int, host_slots: int = 0):
-        """``host_slots``: whole experts, as stored, that a host tier between the files and the fast memory holds
-        (0: none; module doc)."""
+                 compute_dtype, budget_bytes: int):
         import torch
 
         self.manifest, self.store, self.counters, self.spec = manifest, store, counters, spec
@@ -105,40 +84,38 @@ class SplitFastTier:
         self.ready: dict[int, object] = {}   # CUDA: key -> event of its copy into the buffer
         self.top_ready: dict[int, object] = {}
         self.bottom_digest: dict[int, str] = {}  # key -> xxHash3 of its bottom's stored bytes (verified read)
-        self.cond = threading.Condition()
-        self.ctx = AccessContext()
-        self.pinned: set[int] = set()
-        self.ctx.pinned = self.pinned
-        self.host = self.host_pool = None
-        if host_slots:
-            from moe_offload.policies import policy_info
-
-            self.host = ExpertCache(host_slots, policy_info("lru").policy(spec))
-            self.host_pool = SlotPool(host_slots, manifest.expert_bytes // self.stored.itemsize, self.stored,
-                                      torch.device("cpu"), pin=device.type == "cuda")
-            self.host.on_evict = lambda key: self.host_pool.give_back(self.host_slot.pop(key))
-        self.host_slot: dict[int, int] = {}
-        self.host_ctx = AccessContext()
-        self.queue = TransferQueue(Link("host" if host_slots else "ssd", "fast", math.inf, 0.0),
-                                   _Landed(self.landed))
-        self.prefetched_unused: set[int] = set()  # prefetches on the wire or landed, not used yet
-        self.predicted: set[int] = set()  # complete, proposed since their layer was routed
-        self.layer_now = -1               # the last routed layer of the running pass; -1 after its last
-        self.failure: BaseException | None = None
-        self.failed_key: int | None = None
-        self.stopping = False
-        self.moving = False                # the worker is between taking a transfer and being done with it
         self.reconfigurations: list[dict] = []  # online reconfiguration (runtime/split_online.py)
+        self.path = None
         self._stream = None  # CUDA: the copy stream
         self._staging = None
-        self._worker = threading.Thread(target=self._run, name="moe-offload ssd->fast (split)", daemon=True)
-        self._worker.start()
 
     def _memory(self, config: SplitConfig, rows: list[int]) -> int:
         """Bytes of the tops of ``config`` at ``rows`` and of the buffer of K whole experts."""
         H = self.hidden
         return (sum(plan.cached_experts * 3 * r * H for plan, r in zip(config.layers, rows))
                 + self.spec.top_k * 3 * self.intermediate * H) * self.compute_dtype.itemsize
+
+    # ------------------------------------------------------------------------- the data path, seen from here
+    @property
+    def cond(self):
+        return self.path.cond
+
+    @property
+    def queue(self):
+        """The queue of the link into this tier."""
+        return self.path.workers[0].queue
+
+    @property
+    def host(self):
+        """The host tier's cache, or None without one."""
+        return self.path.tiers[1].cache if len(self.path.tiers) > 1 else None
+
+    @property
+    def prefetched_unused(self) -> set:
+        return self.path.prefetched_unused
+
+    def propose(self, proposals, routed_layer: int) -> None:
+        self.path.propose(proposals, routed_layer)
 
     # --------------------------------------------------------------------------------------- state (locked)
     def parts(self, key: int) -> int:
@@ -149,20 +126,12 @@ class SplitFastTier:
             return True
         return key in self.landed and (part == 1 or self.landed[key])
 
-    def has_top(self, key: int) -> bool:
-        """Whether ``key``'s top is in fast memory: cached, or in its whole copy in the buffer."""
-        return self.has_part(key, 0)
-
     def needs_bytes(self, key: int) -> bool:
         """Whether ``key`` must load something: its bottom, or the whole expert when its top is not cached."""
         return self.parts(key) == 2 or key not in self.tops[key // self.spec.num_experts]
 
     def complete(self, key: int) -> bool:
         return key in self.landed or not self.needs_bytes(key)
-
-    def on_wire(self, key: int) -> bool:
-        wire = self.queue.on_wire
-        return wire is not None and wire.key == key
 
     def transfer_bytes(self, key: int) -> int:
         """Bytes a load of ``key`` reads now: its bottom when its top is cached, else the whole expert."""
@@ -178,46 +147,19 @@ class SplitFastTier:
             return 3 * (self.intermediate - self.rows[layer]) * self.hidden
         return self.buffer.elements
 
-    def demand(self, key: int) -> bool:
-        """Queue a demand load of ``key`` (a waiting prefetch of it becomes one); False when it is on the wire or
-        landed: no demand load then."""
-        return self.queue.demand(key, self.transfer_bytes(key))
-
-    def propose(self, proposals, routed_layer: int) -> None:
-        """A prefetcher's (key, priority) proposals after layer ``routed_layer`` was routed (module doc)."""
-        if not proposals:
-            return
-        J, L = self.spec.num_experts, self.spec.num_layers
-        ahead_of = -1 if routed_layer == L - 1 else routed_layer
-        for key, priority in proposals:
-            key = int(key)
-            if key // J <= ahead_of:
-                continue
-            if self.complete(key):
-                self.predicted.add(key)
-                continue
-            self.queue.propose(key, float(priority), self.transfer_bytes(key))
-        self.cond.notify_all()
-
-    def layer_routed(self, layer: int, keys: list[int]) -> None:
-        """Layer ``layer`` is routed to ``keys`` (pinned already): what was fetched or held for it in vain goes."""
+    def layer_routed(self, layer: int, pinned) -> None:
+        """Layer ``layer`` is routed to ``pinned``: what was fetched or held for it in vain goes."""
         J = self.spec.num_experts
-        self.layer_now = -1 if layer == self.spec.num_layers - 1 else layer
-        for waiting in self.queue.waiting_prefetches():
-            if waiting // J == layer and waiting not in self.pinned:
-                self.queue.withdraw(waiting)
-        for key in [key for key in self.landed if key // J == layer and key not in self.pinned]:
+        for key in [key for key in self.landed if key // J == layer and key not in pinned]:
             self.consume(key)
         top = self.tops[layer]
-        for key in [key for key in top.held if key not in self.pinned]:
+        for key in [key for key in top.held if key not in pinned]:
             top.release(key)
-        if self.predicted:
-            self.predicted = {key for key in self.predicted if key // J != layer}
 
     def use(self, key: int) -> bool:
         """``key`` is accessed: True when a prefetch of it is used now."""
-        if key in self.prefetched_unused:
-            self.prefetched_unused.discard(key)
+        if key in self.path.prefetched_unused:
+            self.path.prefetched_unused.discard(key)
             self.counters.prefetches_used += 1
             return True
         return False
@@ -241,28 +183,28 @@ class SplitFastTier:
 
     def consume(self, key: int) -> None:
         """``key`` has computed (or its layer gave up on it, or was routed without it): its buffer range is free.
-        A key still on the wire keeps its slot: the worker frees it when it lands unpinned."""
-        if self.on_wire(key):
+        A key still on the wire keeps its range: the worker frees it when it lands unpinned."""
+        if self.path.on_wire_to_fast(key):
             return
         slot = self.buffer_slot.pop(key, None)
         self.landed.pop(key, None)
         self.ready.pop(key, None)
-        if key in self.prefetched_unused:
-            self.prefetched_unused.discard(key)
+        if key in self.path.prefetched_unused:
+            self.path.prefetched_unused.discard(key)
             self.counters.prefetches_wasted += 1
         if slot is not None:
             self._free_after_compute(self.buffer, slot[0])
             self.buffer.give_back(slot)
         self.cond.notify_all()
 
-    def _room(self, demand: bool, elements: int) -> bool:
+    def room(self, demand: bool, elements: int, pinned) -> bool:
         """Whether a buffer range of ``elements`` is free for a load; a demand load drops the landed segments that
-        the current layer does not compute with, the most recent first, until one is (tiers.SegmentPool says why
-        one then is)."""
+        the current layer (``pinned``) does not compute with, the most recent first, until one is
+        (tiers.SegmentPool says why one then is)."""
         if not demand:
             return self.buffer.fits(elements)
         while not self.buffer.fits(elements):
-            droppable = [key for key in self.landed if key not in self.pinned]
+            droppable = [key for key in self.landed if key not in pinned]
             if not droppable:
                 return False
             self.consume(droppable[-1])
@@ -275,7 +217,7 @@ class SplitFastTier:
         self._free_after_compute(pool, slot)
         pool.give_back(slot)
 
-    def _free_after_compute(self, pool: SlotPool, slot: int) -> None:
+    def _free_after_compute(self, pool, slot: int) -> None:
         if self.device.type == "cuda":  # kernels queued so far may still read the slot
             import torch
 
@@ -283,30 +225,16 @@ class SplitFastTier:
             event.record(torch.cuda.default_stream(self.device))
             pool.free_after[slot] = event
 
-    def raise_failure(self) -> None:
-        if self.failure is not None:
-            raise self.failure
-
-    def clear_failure(self) -> None:
-        self.failure = self.failed_key = None
-
     def end_request(self, request) -> None:
         for top in self.tops:
             top.end_request(request)
 
-    def close(self) -> None:
-        with self.cond:
-            self.stopping = True
-            self.cond.notify_all()
-        self._worker.join(timeout=5)
-        self.store.close()
-
     # ---------------------------------------------------------------------------------------- reconfiguration
     def reconfigure(self, config: SplitConfig, iteration: int, tokens: int) -> bool:
-        """Apply ``config`` between two passes (runtime/split_online.py): nothing moves, nothing is buffered or
-        held, each layer's tops are cut to C_i by the policy's victims and moved into a pool of the new size,
-        re-read where the ratio changed. False, with nothing changed, when it would not fit in the fast budget.
-        Locked; the caller's pass is over (nothing pinned)."""
+        """Apply ``config`` between two passes (runtime/split_online.py): nothing moves into this tier, nothing is
+        buffered or held, each layer's tops are cut to C_i by the policy's victims and moved into a pool of the
+        new size, re-read where the ratio changed. False, with nothing changed, when it would not fit in the fast
+        budget. Locked; the caller's pass is over (nothing pinned)."""
         source = f"the online configuration after {tokens} tokens"
         rows = split_rows(config, self.intermediate, source)
         memory = self._memory(config, rows)
@@ -317,16 +245,16 @@ class SplitFastTier:
         self.reconfigurations.append(record)
         if not record["applied"]:
             return False
-        for key in self.queue.waiting_prefetches():
-            self.queue.withdraw(key)
-        self.cond.wait_for(lambda: not self.moving and self.queue.on_wire is None)
-        self.raise_failure()
+        path = self.path
+        path.withdraw_prefetches()
+        path.cond.wait_for(lambda: not path.workers[0].moving)
+        path.raise_failure()
         for key in list(self.landed):
             self.consume(key)
         for top in self.tops:
             for key in list(top.held):
                 top.release(key)
-        self.predicted.clear()
+        path.predicted.clear()
         for layer, (plan, r) in enumerate(zip(config.layers, rows)):
             record["bytes_loaded"] += self._resize_layer(layer, plan.cached_experts, r)
         self.cached_experts = [plan.cached_experts for plan in config.layers]
@@ -340,11 +268,12 @@ class SplitFastTier:
             return 0
         import torch
 
-        top.resize(cached, self.ctx)  # nothing is pinned or held: exactly C_i stay
+        top.resize(cached, self.path.ctx)  # nothing is pinned or held: exactly C_i stay
         with torch.inference_mode(False):  # called under generate's inference mode; the worker writes the pool too
             pool = SlotPool(cached, 3 * rows * self.hidden, self.compute_dtype, self.device)
         kept = {key: self.top_slot.pop(key) for key in list(top.resident)}
         self.top_pools[layer], self.rows[layer] = pool, rows
+        host = self.path.tiers[1] if len(self.path.tiers) > 1 else None
         moved = 0
         for key, old_slot in kept.items():
             self.top_slot[key] = slot = pool.take()
@@ -353,93 +282,43 @@ class SplitFastTier:
                 event = self._copy(pool.memory[slot], old_pool.memory[old_slot], None, previous)
             else:  # cut at another row: read the whole expert again (its bottom's checksum changes too)
                 started = time.perf_counter()
+                source = host if host is not None and key in host.cache else None
                 buffered = self.buffer.take()
                 try:
-                    landed, nbytes, link = self._load(key, buffered, whole=True)
+                    landed, nbytes = self._load(key, buffered, True, source)
                     event = self._copy_top(layer, buffered, slot, landed)
                 finally:
                     self.buffer.give_back(buffered)
-                self.counters.moved(link, nbytes, time.perf_counter() - started)
+                self.counters.moved("ssd->fast" if source is None else "host->fast", nbytes,
+                                    time.perf_counter() - started)
                 moved += nbytes
             if event is not None:
                 event.synchronize()  # CUDA: the old pool is freed on return
         return moved
 
-    # ------------------------------------------------------------------------------------------ the worker
-    def _run(self) -> None:
-        cond, queue, J = self.cond, self.queue, self.spec.num_experts
-        with cond:
-            while not self.stopping:
-                transfer = queue.next_transfer(0.0)
-                if transfer is None or not self._room(transfer.demand, self.segment_elements(transfer.key)):
-                    cond.wait()
-                    continue
-                queue.start(0.0)
-                self.moving = True
-                key, prefetch = transfer.key, not transfer.demand
-                layer = key // J
-                whole = key not in self.tops[layer]
-                slot = self.buffer.take(self.segment_elements(key))
-                self.buffer_slot[key] = slot
-                if prefetch:
-                    self.counters.prefetches_issued += 1
-                    self.prefetched_unused.add(key)
-                cond.release()
-                started, error, event = time.perf_counter(), None, None
-                try:
-                    event, nbytes, link = self._load(key, slot, whole)
-                except BaseException as exc:  # reported to the compute thread, which raises it
-                    error = exc
-                finally:
-                    cond.acquire()
-                queue.finish()
-                self.moving = False
-                if error is not None:
-                    self.buffer_slot.pop(key)
-                    self.buffer.give_back(slot)
-                    self.prefetched_unused.discard(key)
-                    # A prefetch nobody waits for fails quietly: a later demand load meets the error itself.
-                    if key in self.pinned and self.failure is None:
-                        self.failure, self.failed_key = error, key
-                    cond.notify_all()
-                    continue
-                self.counters.moved(link, nbytes, time.perf_counter() - started)
-                self.landed[key] = whole
-                if event is not None:
-                    self.ready[key] = event
-                if key not in self.pinned and not (prefetch and layer > self.layer_now):
-                    self.consume(key)  # its layer gave up on it (a failure) or was routed without it
-                    continue
-                cond.notify_all()
-                if whole:
-                    self.moving = True
-                    try:
-                        self._cache_top(key, slot, event, held=key not in self.pinned)
-                    finally:
-                        self.moving = False
-                    cond.notify_all()
-
-    def _cache_top(self, key: int, slot: tuple[int, int], landed_event, held: bool) -> None:
+    # ------------------------------------------------------------------------------------------ the bytes
+    def cache_top(self, key: int, slot: tuple[int, int], landed_event, held: bool) -> None:
         """Copy the top of the whole expert in buffer range ``slot`` into its layer's cache if the policy makes
         room, never evicting a top the current layer computes with or whose bottom is buffered; a prefetch's
         top is held (module doc). Locked; the copy runs outside the lock."""
+        path = self.path
         layer = key // self.spec.num_experts
-        ctx, top = self.ctx, self.tops[layer]
-        ctx.pinned, ctx.prefetch = self.pinned | self.buffer_slot.keys(), held
-        protect = predicted_no_later_than(self.predicted, key, self.layer_now, self.spec.num_experts,
-                                          self.spec.num_layers) if held and self.predicted else ()
+        ctx, top = path.ctx, self.tops[layer]
+        ctx.pinned, ctx.prefetch = path.pinned | self.buffer_slot.keys(), held
+        protect = predicted_no_later_than(path.predicted, key, path.layer_now, self.spec.num_experts,
+                                          self.spec.num_layers) if held and path.predicted else ()
         try:
             admitted = top.reserve(key, ctx, 1, protect)
         finally:
-            ctx.pinned, ctx.prefetch = self.pinned, False
+            ctx.pinned, ctx.prefetch = path.pinned, False
         if not admitted:
             return
         self.top_slot[key] = top_slot = self.top_pools[layer].take()
-        self.cond.release()
+        path.cond.release()
         try:
             top_event = self._copy_top(layer, slot, top_slot, landed_event)
         finally:
-            self.cond.acquire()
+            path.cond.acquire()
         if top_event is not None:
             self.top_ready[key] = top_event
         ctx.prefetch = held
@@ -447,11 +326,12 @@ class SplitFastTier:
             top.complete(key, ctx)
         finally:
             ctx.prefetch = False
-        self.cond.notify_all()
+        path.cond.notify_all()
 
-    def _load(self, key: int, slot: tuple[int, int], whole: bool):
-        """Write ``key``'s whole expert ([top | bottom]) or its bottom into buffer range ``slot``, from the host tier
-        when there is one; returns (the CUDA event of the copy or None, bytes read, the link they came over)."""
+    def _load(self, key: int, slot: tuple[int, int], whole: bool, host=None):
+        """Write ``key``'s whole expert ([top | bottom]) or its bottom into buffer range ``slot``, from the files or
+        from its copy in the ``host`` tier (kept there while this reads it); returns (the CUDA event of the copy
+        or None, bytes read)."""
         import torch
         import xxhash
 
@@ -461,11 +341,11 @@ class SplitFastTier:
         r, I, H = self.rows[layer], self.intermediate, self.hidden
         staging = self._staging_buffer()
         array = staging.numpy()
-        host = self._host_copy(key) if self.host is not None else None
+        host_copy = None if host is None else host.region(host.slot_of[key]).view(torch.uint8)
         if whole:
-            if host is None:
+            if host_copy is None:
                 self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
-            views = expert_views(self.manifest, staging if host is None else host)
+            views = expert_views(self.manifest, staging if host_copy is None else host_copy)
             gate_up, down = views["gate_up_proj"], views["down_proj"]
             # [top | bottom], each part's tensors flattened row-major, copied on this thread alone (cpu_threads)
             compact, filled = torch.empty(gate_up.numel() + down.numel(), dtype=gate_up.dtype), 0
@@ -478,50 +358,21 @@ class SplitFastTier:
             nbytes = self.manifest.expert_bytes
         else:
             runs, nbytes = bottom_ranges(self.manifest, r)
-            if host is not None:  # the host copy was read and verified whole
-                copied, source = 0, host.numpy()
+            if host_copy is not None:  # the host copy was read and verified whole
+                copied, source = 0, host_copy.numpy()
                 for offset, length in runs:
                     array[copied:copied + length] = source[offset:offset + length]
                     copied += length
             else:
                 self.store.read_runs(layer, expert, runs, memoryview(array[:nbytes]))
-            if host is None and self.store.verify \
+            if host_copy is None and self.store.verify \
                     and xxhash.xxh3_64_hexdigest(array[:nbytes]) != self.bottom_digest[key]:
                 path = self.manifest.layer_path(layer)
                 raise ExpertReadError(f"expert {expert} of layer {layer}: {path}: its bottom segment does not match "
                                       "the bytes read and verified before (the file is corrupt or was replaced)")
             compact = staging[:nbytes].view(self.stored)
         destination = self.buffer.region(slot)[:compact.numel()]
-        link = "ssd->fast" if host is None else "host->fast"
-        return self._copy(destination, compact, self.buffer.free_after[slot[0]]), nbytes, link
-
-    def _host_copy(self, key: int):
-        """``key``'s bytes as stored, in the host tier (an LRU cache of whole experts), read there from the files
-        first (checked chunk reads) when it is not; the worker's only (no copy reads a host slot afterwards)."""
-        import torch
-
-        layer, expert = divmod(key, self.spec.num_experts)
-        with self.cond:
-            ctx = self.host_ctx
-            ctx.clock += 1
-            if self.host.touch(key, ctx):
-                return self.host_pool.memory[self.host_slot[key]].view(torch.uint8)
-            self.host.reserve(key, ctx, 1)  # nothing is pinned in it: the worker reads one expert at a time
-            slot = self.host_slot[key] = self.host_pool.take()
-        memory = self.host_pool.memory[slot].view(torch.uint8)
-        array = memory.numpy()
-        started = time.perf_counter()
-        try:
-            self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
-        except BaseException:
-            with self.cond:
-                self.host.cancel(key)
-                self.host_pool.give_back(self.host_slot.pop(key))
-            raise
-        with self.cond:
-            self.counters.moved("ssd->host", self.manifest.expert_bytes, time.perf_counter() - started)
-            self.host.complete(key, ctx)
-        return memory
+        return self._copy(destination, compact, self.buffer.free_after[slot[0]]), nbytes
 
     def _copy_top(self, layer: int, slot: tuple[int, int], top_slot: int, landed_event):
         """The top of the whole expert in buffer range ``slot`` into ``top_slot`` of the layer's cache."""
