@@ -84,3 +84,13 @@ def test_moepic_with_y_above_k_is_lossless_and_lands_more_bottoms_than_k(split_c
             assert all(torch.equal(a, b) for a, b in zip(result.logits, logits))
             assert result.stats.on_demand_loads + result.stats.prefetches_used == result.stats.accesses
             assert result.stats.prefetches_issued > 0
+
+
+def test_a_split_run_with_a_host_tier_has_a_worker_per_link(split_checkpoint):
+    """One data path: the link into the split's fast tier and the link into the host tier each have their worker,
+    and the engine's data path is the one the split tier belongs to."""
+    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu", host_budget="100%",
+                       split_config=config([2] * LAYERS, [0.5] * LAYERS)) as engine:
+        assert [worker.link.name for worker in engine.path.workers] == ["host->fast", "ssd->host"]
+        assert engine.path.tiers[0] is engine.split and engine.split.path is engine.path
+        assert all(worker.is_alive() for worker in engine.path.workers)
