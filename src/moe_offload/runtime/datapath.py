@@ -28,6 +28,11 @@ slot, and moves the bytes outside the lock:
 A miss the fast tier does not admit (a placing policy's bypass) goes no further than the host tier, which
 keeps it while the layer computes it there (``compute_on_host``, models/host_experts.py).
 
+A split run (MoEpic, runtime/split.py) runs on the same path: its fast tier is a
+:class:`~moe_offload.runtime.segment_tier.SegmentTier`, whose segments (whole experts, tops, bottoms) a
+:class:`SegmentWorker` moves over the link into it, from the files or the host tier, while the link workers
+before it fill the host tier as for any run (the two hops overlap).
+
 All cache, queue and policy state is guarded by one condition variable (``DataPath.cond``); bytes move
 outside it.
 
@@ -69,12 +74,19 @@ class DataPath:
         self.layer_now = -1                # the last routed layer of the running forward pass
         self.reading_from: list[set] = [set() for _ in tiers]  # keys being copied out of each tier now
         self.on_host: set[int] = set()  # bypassed experts the layer computes from the host tier's copy
-        tiers[0].cache.on_evict = self._on_fast_evict
+        from moe_offload.runtime.segment_tier import SegmentTier
+
+        self.split = tiers[0] if isinstance(tiers[0], SegmentTier) else None  # a split run's fast tier
+        if self.split is not None:
+            self.split.path = self
+        else:
+            tiers[0].cache.on_evict = self._on_fast_evict
         for tier in tiers[1:]:
             tier.cache.on_evict = tier.vacate
         names = [tier.name for tier in tiers] + ["ssd"]
-        self.workers = [LinkWorker(self, i + 1 if i + 1 < len(tiers) else None, i,
-                                   Link(names[i + 1], names[i], math.inf, 0.0)) for i in range(len(tiers))]
+        links = [Link(names[i + 1], names[i], math.inf, 0.0) for i in range(len(tiers))]
+        self.workers = [(SegmentWorker if i == 0 and self.split is not None else LinkWorker)(
+            self, i + 1 if i + 1 < len(tiers) else None, i, link) for i, link in enumerate(links)]
         for worker in self.workers:
             worker.start()
 
@@ -91,10 +103,20 @@ class DataPath:
                 previous = self.forward.get(key)
                 if demand or previous is None or not previous[0]:
                     self.forward[key] = (demand, priority)
-        nbytes = self.store.manifest.expert_bytes
+        nbytes = self.transfer_bytes(key, worker is self.workers[0])
         if demand:
             return worker.queue.demand(key, nbytes)
         return worker.queue.propose(key, priority, nbytes)
+
+    def transfer_bytes(self, key: int, into_fast: bool) -> int:
+        """Bytes a transfer of ``key`` moves: what a split run's fast tier lacks of it, else the whole expert."""
+        if into_fast and self.split is not None:
+            return self.split.transfer_bytes(key)
+        return self.store.manifest.expert_bytes
+
+    def in_fast(self, key: int) -> bool:
+        """Whether the fast tier has all of ``key`` that its layer computes with (a split run: complete)."""
+        return self.split.complete(key) if self.split is not None else key in self.tiers[0].cache
 
     def compute_on_host(self, key: int) -> None:
         """The fast tier did not admit the missed ``key``: the layer computes it from the host tier's copy, read
@@ -115,13 +137,14 @@ class DataPath:
             self.forward.pop(key, None)
             return
         demand_next, priority = self.forward.pop(key, (demand, 0.0))
-        if key in self.tiers[0].cache:
+        if self.in_fast(key):
             return
         queue = self.workers[landed_in - 1].queue
+        nbytes = self.transfer_bytes(key, landed_in == 1)
         if demand_next:
-            queue.demand(key, self.store.manifest.expert_bytes)
+            queue.demand(key, nbytes)
         else:
-            queue.propose(key, priority, self.store.manifest.expert_bytes)
+            queue.propose(key, priority, nbytes)
 
     def on_wire_to_fast(self, key: int) -> bool:
         wire = self.workers[0].queue.on_wire
@@ -132,17 +155,18 @@ class DataPath:
         if not proposals:
             return
         J = self.spec.num_experts
-        fast = self.tiers[0].cache
-        self.layer_now = routed_layer
+        fast = self.tiers[0].cache if self.split is None else None
+        if fast is not None:  # a split run's moves on at routing alone: SegmentWorker drops prefetches landing behind it
+            self.layer_now = routed_layer
         # once the last layer is routed every layer is ahead: proposals are for the next pass (prefetch/base.py),
         # MoEpic's layer 0 of the next token among them, as the timed simulator takes them
         passed = -1 if routed_layer == self.spec.num_layers - 1 else routed_layer
         routed = False
         for key, priority in proposals:
             key = int(key)
-            if key // J <= passed or key in fast.reserved:
+            if key // J <= passed or (fast is not None and key in fast.reserved):
                 continue
-            if key in fast:  # predicted and resident: no prefetch for a later layer may evict it (cache.py)
+            if self.in_fast(key):  # predicted and resident: no prefetch for a later layer may evict it (cache.py)
                 self.predicted.add(key)
                 continue
             self.route(key, demand=False, priority=float(priority))
@@ -159,13 +183,27 @@ class DataPath:
                 if waiting // J == layer and waiting not in keys:
                     worker.queue.withdraw(waiting)
                     self.forward.pop(waiting, None)
-        fast = self.tiers[0].cache
-        self.layer_now = layer
-        if fast.held:
+        # after the last layer every layer is ahead (-1: the same place modulo L for predicted_no_later_than)
+        self.layer_now = -1 if layer == self.spec.num_layers - 1 else layer
+        if self.split is not None:
+            self.split.layer_routed(layer, keys)
+        elif self.tiers[0].cache.held:
+            fast = self.tiers[0].cache
             for key in [key for key in fast.held if key // J == layer]:
                 fast.release(key)
         if self.predicted:
             self.predicted = {key for key in self.predicted if key // J != layer}
+
+    def withdraw_prefetches(self) -> None:
+        """Every waiting prefetch on every link (a split run's reconfiguration; locked)."""
+        for worker in self.workers:
+            for key in worker.queue.waiting_prefetches():
+                worker.queue.withdraw(key)
+                self.forward.pop(key, None)
+
+    def end_request(self, request: int) -> None:
+        for tier in self.tiers:
+            (tier if tier is self.split else tier.cache).end_request(request)
 
     def room_freed(self) -> None:
         """Experts were unpinned or released (locked): wake the link workers only if a demand load waits for
@@ -292,6 +330,87 @@ class LinkWorker(threading.Thread):
                     path.ctx.prefetch = False
                 path.next_hop(key, self.destination, transfer.demand)
                 cond.notify_all()
+
+
+class SegmentWorker(threading.Thread):
+    """Serves the link into a split run's fast tier (runtime/segment_tier.py): picks the next transfer, takes a
+    buffer range of the segment's size when one is free (a demand load drops landed speculation for it), moves
+    the bottom, or the whole expert whose top is not cached, from the files or the host tier outside the lock,
+    and offers a whole expert's top to its layer's cache."""
+
+    def __init__(self, path: DataPath, source: int | None, destination: int, link: Link):
+        super().__init__(name=f"moe-offload {link.name}", daemon=True)
+        self.path, self.source, self.link = path, source, link
+        self.queue = TransferQueue(link, path.split.landed)
+        self.moving = False  # between taking a transfer and being done with it (a reconfiguration waits)
+
+    def run(self) -> None:
+        path, queue, split = self.path, self.queue, self.path.split
+        host = path.tiers[self.source] if self.source is not None else None
+        cond, J = path.cond, path.spec.num_experts
+        with cond:
+            while not path.stopping:
+                transfer = queue.next_transfer(0.0)
+                if transfer is None:
+                    cond.wait()
+                    continue
+                key, prefetch = transfer.key, not transfer.demand
+                if host is not None and key not in host.cache:
+                    queue.withdraw(key)  # its host copy was evicted while it waited: from the files again
+                    if transfer.demand:
+                        path.route(key, True, math.inf)
+                    cond.notify_all()
+                    continue
+                elements = split.segment_elements(key)
+                if not split.room(transfer.demand, elements, path.pinned):
+                    cond.wait()
+                    continue
+                queue.start(0.0)
+                self.moving = True
+                layer = key // J
+                whole = key not in split.tops[layer]
+                slot = split.buffer_slot[key] = split.buffer.take(elements)
+                if prefetch:
+                    path.counters.prefetches_issued += 1
+                    path.prefetched_unused.add(key)
+                if host is not None:
+                    path.reading_from[self.source].add(key)
+                cond.release()
+                started, error, event, nbytes = time.perf_counter(), None, None, 0
+                try:
+                    event, nbytes = split._load(key, slot, whole, host)
+                except BaseException as exc:  # reported to the compute thread, which raises it
+                    error = exc
+                finally:
+                    cond.acquire()
+                queue.finish()
+                self.moving = False
+                if host is not None:
+                    path.reading_from[self.source].discard(key)
+                if error is not None:
+                    split.buffer_slot.pop(key)
+                    split.buffer.give_back(slot)
+                    path.prefetched_unused.discard(key)
+                    # A prefetch nobody waits for fails quietly: a later demand load meets the error itself.
+                    if key in path.pinned and path.failure is None:
+                        path.failure, path.failed_key = error, key
+                    cond.notify_all()
+                    continue
+                path.counters.moved(self.link.name, nbytes, time.perf_counter() - started)
+                split.landed[key] = whole
+                if event is not None:
+                    split.ready[key] = event
+                if key not in path.pinned and not (prefetch and layer > path.layer_now):
+                    split.consume(key)  # its layer gave up on it (a failure) or was routed without it
+                    continue
+                cond.notify_all()
+                if whole:
+                    self.moving = True
+                    try:
+                        split.cache_top(key, slot, event, held=key not in path.pinned)
+                    finally:
+                        self.moving = False
+                    cond.notify_all()
 
 
 class ExpertMover:

@@ -9,8 +9,8 @@ The engine puts the parts together and runs the single-prompt generation loop::
     runtime/replay.py    routing replay: the routers select a trace's experts (and the oracle can run)
     runtime/placement.py a placing policy's placement and host tier: the misses it does not admit are
                          computed on the host from the host tier's copy (models/host_experts.py)
-    runtime/split.py     MoEpic's split experts (``split_config``): per-layer top caches and a buffer, in place
-                         of the tiers and the data path
+    runtime/split.py     MoEpic's split experts (``split_config``): per-layer top caches and a buffer are the fast
+                         tier (runtime/segment_tier.py) of the same data path
 
 - Start-up loads only the non-expert weights; every expert starts in the slow tier (the packed files).
 - The fast tier is GPU memory with CUDA, otherwise a RAM budget of compute-ready tensors (float32 on a CPU);
@@ -206,17 +206,17 @@ class OffloadEngine:
                                               retries=retries, readers=readers)
             self.counters = Counters.zero(m.num_layers)
             self.split = None
-            if split is not None:  # MoEpic's tops and buffer (runtime/split.py)
-                from moe_offload.runtime.split_tier import SplitFastTier
+            if split is not None:  # MoEpic's tops and buffer (runtime/split.py) are the fast tier
+                from moe_offload.runtime.segment_tier import SegmentTier
 
-                self.split = self.path = SplitFastTier(*split, m, self.store, self.counters, self.spec, make,
-                                                       self.device, self.compute_dtype, fast_budget_bytes, host_slots)
-                self.tiers = []
+                self.split = SegmentTier(*split, m, self.store, self.counters, self.spec, make, self.device,
+                                         self.compute_dtype, fast_budget_bytes)
+                self.tiers = [self.split] + self._host_tier(host_slots)
             else:
                 self.tiers = self._make_tiers(info.partitioned, make, fast_slots, host_slots)
-                self.path = DataPath(self.tiers, self.store, self.counters, self.spec)
-                if self.prefetcher is not None:
-                    self.prefetcher.set_budget(self._link_budget(hardware))
+            self.path = DataPath(self.tiers, self.store, self.counters, self.spec)
+            if self.prefetcher is not None and split is None:  # a split run's prefetcher takes Y per layer
+                self.prefetcher.set_budget(self._link_budget(hardware))
             self.replay = None
             if self.replay_trace is not None:
                 from moe_offload.runtime.replay import RoutingReplay
@@ -253,13 +253,19 @@ class OffloadEngine:
         # quantized experts: the slots hold their stored bytes, the tier computes in compute_dtype
         fast_pool = SlotPool(fast_slots, m.expert_bytes, torch.uint8, self.device) if m.quantized else \
             SlotPool(fast_slots, elements, self.compute_dtype, self.device)
-        tiers = [Tier("fast", fast_cache, fast_pool, m, self.device, self.compute_dtype)]
-        if host_slots:
-            cpu = torch.device("cpu")
-            tiers.append(Tier("host", ExpertCache(host_slots * m.expert_bytes, policy_info("lru").policy(self.spec)),
-                              SlotPool(host_slots, elements, stored, cpu, pin=self.device.type == "cuda"), m,
-                              cpu, stored))
-        return tiers
+        return [Tier("fast", fast_cache, fast_pool, m, self.device, self.compute_dtype)] + self._host_tier(host_slots)
+
+    def _host_tier(self, host_slots: int) -> list[Tier]:
+        """The host tier of ``host_slots`` experts as stored (pinned with CUDA), LRU; none for 0."""
+        import torch
+
+        if not host_slots:
+            return []
+        m, cpu = self.manifest, torch.device("cpu")
+        stored = getattr(torch, m.dtype)
+        return [Tier("host", ExpertCache(host_slots * m.expert_bytes, policy_info("lru").policy(self.spec)),
+                     SlotPool(host_slots, m.expert_bytes // stored.itemsize, stored, cpu,
+                              pin=self.device.type == "cuda"), m, cpu, stored)]
 
     def _read_split(self, split_config, preload, reconfiguration, hardware, budget_bytes):
         """((configuration, its name), its online loop or None) of a split run, checked against the model; (None,
@@ -509,7 +515,7 @@ class OffloadEngine:
 
     @property
     def _has_host(self) -> bool:
-        return len(self.tiers) > 1 or (self.split is not None and self.split.host is not None)
+        return len(self.tiers) > 1
 
     @property
     def stats(self) -> RunResult:

@@ -133,8 +133,7 @@ class ModelRunner:
     def end_request(self, request: int) -> None:
         """``request`` has run its last iteration (finished, cancelled, failed): per-sequence state goes."""
         with self.path.cond:
-            for tier in self.path.tiers:
-                tier.cache.end_request(request)
+            self.path.end_request(request)
             if self.prefetcher is not None and self.matcher is None:
                 self.prefetcher.on_request_end(request)
         if self.matcher is not None:

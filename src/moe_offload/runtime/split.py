@@ -4,29 +4,29 @@ The configuration is the one `moe-offload configure` writes and the timed simula
 (simulator/split.py: per layer i, C_i cached tops, the split ratio theta_i and the prefetch count Y_i). In the
 runtime an expert is split along its intermediate dimension: its *top* is intermediate rows [0, r_i) (gate
 rows, up rows and down columns [0, r_i)), r_i = round(theta_i I) of the I rows (at least one), its *bottom*
-the rest. The fast memory (runtime/split_tier.py) holds
+the rest. The fast memory, the fast tier of the data path (runtime/segment_tier.py), holds
 
 - per layer, a cache of C_i tops (an ExpertCache of C_i entries with the run's eviction policy, over a pool of
   C_i top-sized slots), and
-- one buffer of K whole experts (the paper's U_b, K = top-k): a slot holds an expert's bottom, or its whole
-  copy when its top is not cached.
+- one buffer of K whole experts' bytes (the paper's U_b, K = top-k) in segment-sized ranges: a range holds an
+  expert's bottom, or its whole copy when its top is not cached (runtime/tiers.py SegmentPool).
 
 A layer's expert whose top is cached loads only its bottom; otherwise the whole expert is loaded into the
 buffer and its top is copied into the layer's cache if the policy makes room (never evicting a top the
 layer computes with). The expert computes its top part as soon as it has its top, and its bottom part
 when the bottom lands (models/experts.py adds them in a fixed order): the top's compute overlaps the
-bottom's transfer. A buffer slot is freed once its expert has computed. The memory of a split run is the
+bottom's transfer. A buffer range is freed once its expert has computed. The memory of a split run is the
 tops and the buffer, which is what a split run and an unsplit one are compared at.
 
-A prefetcher (MoEpic's speculative one: its Y_i from the configuration) fills free buffer slots ahead of the
+A prefetcher (MoEpic's speculative one: its Y_i from the configuration) fills free buffer ranges ahead of the
 router with the predicted experts' bottoms, or whole experts when their top is not cached, as the timed
-simulator's split run does (split_tier.py says how: never evicting what the current layer computes with,
+simulator's split run does (segment_tier.py says how: never evicting what the current layer computes with,
 dropped when its layer is routed without it). MoEpic's online loop (split_online.py) reconfigures the tops
 every tau tokens between two passes.
 
 A slot holds a part in the *segment layout*: gate rows, up rows (together ``gate_up_proj`` [2r, H]), then
-the down columns as a row-major [H, r] block (``down_proj``); a buffer slot is [top | bottom] in that
-layout. A whole expert is read with the checked chunk reads of the pack (runtime/storage.py) and rearranged;
+the down columns as a row-major [H, r] block (``down_proj``); a whole copy in the buffer is [top | bottom] in that
+layout, a bottom alone its bottom. A whole expert is read with the checked chunk reads of the pack (runtime/storage.py) and rearranged;
 a bottom alone is read as the manifest's byte ranges (gate rows, up rows, one run per down row: ``H + 2``
 ranges, fewer when they touch), straight into the segment layout. The pack's chunk checksums cover whole
 chunks, so a bottom read alone is checked against an xxHash3 of the same bytes taken when the whole expert
@@ -36,8 +36,8 @@ Lossless: the parts are the same contiguous tensors as the all-resident referenc
 (models/experts.py ``split_parts``) and are added in the same order, so a split run gives the tokens and
 logits of the all-resident model computing with the same split, whatever the budget, policy or prefetcher
 (with online reconfiguration: with the split in force in each pass, split_online.py). A host tier
-(``host_budget``) holds whole experts as stored between the files and the fast memory (split_tier.py).
-Preloading is not done here; the engine refuses it with a split configuration.
+(``host_budget``) holds whole experts as stored between the files and the fast memory, filled by its own link
+worker (runtime/datapath.py). Preloading is not done here; the engine refuses it with a split configuration.
 
 Counters: an access is a *hit* when the expert's top is in fast memory when its layer is routed (cached, or in
 a prefetched whole copy; its bottom is loaded unless theta is 1 or a prefetch brought it), a miss loads the
@@ -104,8 +104,8 @@ class SplitRunner(ModelRunner):
         self.online = online
         if online is not None:  # its statistics read every pass's routing and speculative gate predictions
             self.needs_routing = self.needs_gate_prediction = True
-        if self.prefetcher is not None and path.prefetches is not None:
-            self.prefetcher.set_budget(self._budget(path.prefetches))
+        if self.prefetcher is not None and path.split.prefetches is not None:
+            self.prefetcher.set_budget(self._budget(path.split.prefetches))
 
     def _budget(self, prefetches):
         """MoEpic's Y_i: the configuration's count alone without a profile (the runtime derives no link timings of
@@ -123,41 +123,36 @@ class SplitRunner(ModelRunner):
         config = self.online.after_pass(view, iteration)
         if config is None:
             return
-        split = self.path
-        with split.cond:
+        split = self.path.split
+        with self.path.cond:
             tokens = self.online.configurator.statistics.tokens
             if split.reconfigure(config, iteration, tokens) and self.prefetcher is not None:
                 self.prefetcher.set_budget(self._budget(config.prefetches))
 
     def end_request(self, request: int) -> None:
-        with self.path.cond:
-            self.path.end_request(request)
-            if self.prefetcher is not None and self.matcher is None:
-                self.prefetcher.on_request_end(request)
-        if self.matcher is not None:
-            self.matcher.submit("on_request_end", request, self.iteration)
+        super().end_request(request)
         if self.online is not None:
             self.online.end_request(request)
-        self.request_counters.pop(request, None)
 
     def layer_experts(self, layer: int, experts: list[int], tokens: list[list[int]]):
         J = self.spec.num_experts
         keys = [layer * J + e for e in experts]
-        c, split = self.counters, self.path
+        c, path, split = self.counters, self.path, self.path.split
+        host = path.tiers[1].cache if len(path.tiers) > 1 else None
         own = [self.request_counters.get(request) for request in self.segment_requests]
-        cond = split.cond
+        cond = path.cond
         with cond:
-            split.raise_failure()
-            ctx = split.ctx
+            path.raise_failure()
+            ctx = path.ctx
             ctx.layer, ctx.iteration, ctx.token = layer, self.iteration, self.iteration
             ctx.request = self.segment_requests[0]
             if self.policy_needs_probs:
                 ctx.probs = self.probs
                 ctx.predicted = (None if self.prefetcher is None else self.matcher.predicted
                                  if self.matcher is not None else self.prefetcher.predicted_map())
-            split.pinned.clear()
-            split.pinned.update(keys)
-            split.layer_routed(layer, keys)
+            path.pinned.clear()
+            path.pinned.update(keys)
+            path.layer_routed(layer, keys)
             for key, counts in zip(keys, tokens):
                 ctx.clock += 1
                 ctx.routed = {request: n for request, n in zip(self.segment_requests, counts) if n}
@@ -167,8 +162,11 @@ class SplitRunner(ModelRunner):
                 hit = split.tops[layer].touch(key, ctx) or split.landed.get(key, False)
                 c.hits += hit
                 c.per_layer_hits[layer] += hit
-                demand = split.needs_bytes(key) and split.demand(key)
-                from_host = demand and split.host is not None and key in split.host
+                # a segment landed or on the last wire needs no demand load
+                demand = split.needs_bytes(key) and key not in split.landed and not path.on_wire_to_fast(key)
+                from_host = demand and host is not None and key in host
+                if demand:
+                    path.route(key, demand=True, priority=math.inf)
                 c.on_demand_loads += demand
                 c.host_hits += from_host
                 for counters, n in zip(own, counts):
@@ -184,7 +182,7 @@ class SplitRunner(ModelRunner):
                 with cond:
                     waited = time.perf_counter()
                     while True:
-                        split.raise_failure()
+                        path.raise_failure()
                         ready = next((item for item in remaining if split.has_part(*item)), None)
                         if ready is not None:
                             break
@@ -204,12 +202,14 @@ class SplitRunner(ModelRunner):
                 if not any(k == key for k, _ in remaining):
                     with cond:  # computed: its buffer slot is free, its top may be evicted
                         split.consume(key)
-                        split.pinned.discard(key)
+                        path.pinned.discard(key)
         finally:
             with cond:
                 for key in keys:
-                    split.queue.withdraw(key)
+                    for worker in path.workers:
+                        worker.queue.withdraw(key)
+                    path.forward.pop(key, None)
                     split.consume(key)
-                split.pinned.difference_update(keys)
+                path.pinned.difference_update(keys)
                 cond.notify_all()
 

@@ -11,7 +11,7 @@ and the speculative gate's prediction of layers 1..L-1 (models/adapters.py, comp
 reconfigures); the runner computes no prediction of the next token's layer 0, so the statistics have no
 prediction ranks of layer 0 (a trace's ``next_token_gate_prediction``), as for a trace recorded without it.
 
-A new configuration is applied between two passes (SplitFastTier.reconfigure, runtime/split_tier.py): the
+A new configuration is applied between two passes (SegmentTier.reconfigure, runtime/segment_tier.py): the
 waiting prefetches are dropped and the one on the wire lands, every buffered segment and hold is dropped,
 each layer's cache of tops is resized to its C_i by the policy's victims, and its kept tops are moved into
 the new layer's pool, re-read from the files (whole, with the pack's checked reads) where the ratio changed.
@@ -90,7 +90,7 @@ def uniform_start(budget_bytes: int, expert_bytes: int, intermediate: int, spec)
 def split_plan(split_config, reconfiguration, hardware, manifest, spec, fast_expert_bytes: int, budget_bytes: int):
     """((configuration, its name for messages), OnlineSplit or None) of a split run: ``split_config`` (a path or a
     SplitConfig) or, with ``reconfiguration`` alone, the uniform start; checked against the model (the memory is
-    SplitFastTier's to check). ``hardware``: a profile, its name or file, for the online loop (default: the
+    SegmentTier's to check). ``hardware``: a profile, its name or file, for the online loop (default: the
     timed simulator's default profile)."""
     from moe_offload.hardware import HardwareProfile, resolve_profile
     from moe_offload.runtime.split import load_split_config

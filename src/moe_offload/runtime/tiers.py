@@ -99,3 +99,58 @@ class Tier:
 
 def slots_for(budget_bytes: int, slot_bytes: int) -> int:
     return budget_bytes // slot_bytes
+
+
+class SegmentPool:
+    """A buffer of ``slots`` whole-expert slots (``elements`` each) in one allocation, handed out in ranges of
+    segment size: a slot holds one whole expert, or is carved into ``elements // size`` equal ranges of one
+    smaller segment size (a layer's bottoms) while any of them is taken, and is whole again once all are back.
+
+    So the buffer holds as many bottoms as fit its bytes, slot by slot (at most one bottom's worth less per slot
+    than the bytes alone would), and carving never fragments it: the current layer's at most K segments sit in
+    at most K slots, so once the others' unused ranges are dropped a whole slot is free for any segment of the
+    layer (runtime/segment_tier.py relies on it). A range is ``(slot, offset)``; ``take()`` with no size is a
+    whole slot."""
+
+    def __init__(self, slots: int, elements: int, dtype, device):
+        import torch
+
+        self.memory = torch.empty((slots, elements), dtype=dtype, device=device)
+        self.elements = elements
+        self.free = list(range(slots - 1, -1, -1))  # whole slots, pop() hands out slot 0 first
+        self.free_after: list = [None] * slots       # CUDA: event after which any range of the slot may be overwritten
+        self._carved: dict[int, tuple[int, list[int]]] = {}  # slot -> (its segments' size, their free offsets)
+
+    def fits(self, elements: int | None = None) -> bool:
+        elements = elements or self.elements
+        return bool(self.free) or (self.elements // elements > 1 and any(
+            size == elements and offsets for size, offsets in self._carved.values()))
+
+    def take(self, elements: int | None = None) -> tuple[int, int]:
+        """A free range of ``elements`` (default a whole slot): a free one of a slot carved to that size first."""
+        elements = elements or self.elements
+        pieces = self.elements // elements
+        if pieces > 1:
+            for slot, (size, offsets) in self._carved.items():
+                if size == elements and offsets:
+                    return slot, offsets.pop()
+        slot = self.free.pop()
+        if pieces > 1:
+            self._carved[slot] = (elements, [n * elements for n in range(pieces - 1, 0, -1)])
+        return slot, 0
+
+    def give_back(self, taken: tuple[int, int]) -> None:
+        slot, offset = taken
+        carved = self._carved.get(slot)
+        if carved is not None:
+            size, offsets = carved
+            offsets.append(offset)
+            if len(offsets) < self.elements // size:
+                return
+            del self._carved[slot]
+        self.free.append(slot)
+
+    def region(self, taken: tuple[int, int]):
+        """The range's slot from its offset on, as a flat tensor (the segment is its first elements)."""
+        slot, offset = taken
+        return self.memory[slot][offset:]

@@ -1,0 +1,414 @@
+"""The fast tier of a split run: what it holds are segments (runtime/split.py says what a split run is).
+
+Per layer a cache of C_i expert tops (an ExpertCache of C_i entries with the run's eviction policy, over a pool
+of top-sized slots) and one buffer of K whole experts' bytes (the paper's U_b, K = top-k) handed out in
+segment-sized ranges (tiers.SegmentPool): a range holds one expert's bottom, or its whole copy when its top is
+not cached, so the buffer holds as many bottoms as fit its bytes.
+
+It is the fast tier of the one data path (runtime/datapath.py): the link into it is served by a
+``SegmentWorker``, the links before it (files -> host tier) by the ordinary link workers, so with a host tier
+(``host_budget``, whole experts as stored) the two hops overlap; a bottom then is gathered from the host copy's
+byte ranges. The queue of the link into the fast tier orders its transfers as the timed simulator's
+TransferQueue: demand loads first, then prefetches by priority, never one expert twice.
+
+Prefetching follows the timed simulator's split run (simulator/split.py, simulator/timed/tiers.py):
+
+- a proposal for a layer ahead (after the last layer's router every layer is ahead: layer 0 of the next
+  pass) queues what the expert lacks: its bottom when its top is cached, else the whole expert; an expert
+  already complete (its bottom or whole copy buffered, or its top cached at ratio 1) is noted as predicted
+  instead, and a prefetched top does not evict it;
+- a prefetch starts only into a free buffer range: it never drops anything. A demand load that finds no free
+  range drops landed segments that the current layer does not compute with, the most recent first (the
+  speculation for the layers ahead), and waits while there are none;
+- the top of a whole expert is copied into its layer's cache when the policy makes room, never evicting a
+  top that the current layer computes with or whose bottom is buffered; a prefetched top is *held* until its
+  layer uses it or is routed without it (simulator/cache.py);
+- when a layer is routed its waiting prefetches that it does not need are withdrawn (those it needs become
+  demand loads), its landed segments that it does not need leave the buffer, its held tops that it does not
+  need are released; a prefetch landing after its layer was routed without it leaves the buffer at once.
+
+The buffer counts bytes as the simulator's does (simulator/split.py: K experts' worth), slot by slot: a
+whole-expert slot holds floor(E / b) bottoms of b bytes, so with Y_i > K as many prefetched bottoms land ahead
+of a layer as fit, up to one bottom per slot fewer than the bytes alone would hold.
+
+Counters (the data path's): a prefetch is *issued* when it goes on the wire into the fast tier, *used* when its
+layer is routed to it (landed or still on the wire: no demand load then), *wasted* when its segment leaves the
+buffer unused. Everything here is guarded by the data path's ``cond``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from moe_offload.errors import ConfigError
+from moe_offload.runtime.cpu_threads import copy_serially
+from moe_offload.runtime.split import bottom_ranges, split_rows
+from moe_offload.runtime.tiers import SegmentPool, SlotPool
+from moe_offload.simulator.cache import ExpertCache, predicted_no_later_than
+from moe_offload.simulator.split import SplitConfig
+
+
+class SegmentTier:
+    """The tops and the buffer (module doc); ``path`` is the data path it is the fast tier of (set by DataPath)."""
+
+    name = "fast"
+
+    def __init__(self, config: SplitConfig, source: str, manifest, store, counters, spec, make_policy, device,
+                 compute_dtype, budget_bytes: int):
+        import torch
+
+        self.manifest, self.store, self.counters, self.spec = manifest, store, counters, spec
+        self.device = device
+        self.hidden, self.intermediate = next(t for t in manifest.tensors if t.name == "down_proj").shape
+        self.stored = getattr(torch, manifest.dtype)
+        self.rows = split_rows(config, self.intermediate, source)
+        self.prefetches = config.prefetches  # Y_i of the configuration, or None
+        self.compute_dtype, self.budget_bytes = compute_dtype, budget_bytes
+        self.memory_bytes = self._memory(config, self.rows)
+        if self.memory_bytes > budget_bytes:
+            from moe_offload.hardware.profile import format_bytes
+
+            raise ConfigError(f"{source}: the cached tops and the buffer of {spec.top_k} experts need "
+                              f"{format_bytes(self.memory_bytes)}, more than the fast budget of "
+                              f"{format_bytes(budget_bytes)}")
+        self.cached_experts = [plan.cached_experts for plan in config.layers]
+        self.tops = [ExpertCache(plan.cached_experts, make_policy()) for plan in config.layers]
+        self.top_pools = [SlotPool(plan.cached_experts, 3 * r * self.hidden, compute_dtype, device)
+                          for plan, r in zip(config.layers, self.rows)]
+        for top in self.tops:
+            top.on_evict = self._vacate_top
+        self.top_slot: dict[int, int] = {}
+        self.buffer = SegmentPool(spec.top_k, 3 * self.intermediate * self.hidden, compute_dtype, device)
+        self.buffer_slot: dict[int, tuple[int, int]] = {}  # key -> its range of the buffer
+        self.landed: dict[int, bool] = {}    # key -> whether its buffered copy is the whole expert; landing order
+        self.ready: dict[int, object] = {}   # CUDA: key -> event of its copy into the buffer
+        self.top_ready: dict[int, object] = {}
+        self.bottom_digest: dict[int, str] = {}  # key -> xxHash3 of its bottom's stored bytes (verified read)
+        self.reconfigurations: list[dict] = []  # online reconfiguration (runtime/split_online.py)
+        self.path = None
+        self._stream = None  # CUDA: the copy stream
+        self._staging = None
+
+    def _memory(self, config: SplitConfig, rows: list[int]) -> int:
+        """Bytes of the tops of ``config`` at ``rows`` and of the buffer of K whole experts."""
+        H = self.hidden
+        return (sum(plan.cached_experts * 3 * r * H for plan, r in zip(config.layers, rows))
+                + self.spec.top_k * 3 * self.intermediate * H) * self.compute_dtype.itemsize
+
+    # ------------------------------------------------------------------------- the data path, seen from here
+    @property
+    def cond(self):
+        return self.path.cond
+
+    @property
+    def queue(self):
+        """The queue of the link into this tier."""
+        return self.path.workers[0].queue
+
+    @property
+    def host(self):
+        """The host tier's cache, or None without one."""
+        return self.path.tiers[1].cache if len(self.path.tiers) > 1 else None
+
+    @property
+    def prefetched_unused(self) -> set:
+        return self.path.prefetched_unused
+
+    def propose(self, proposals, routed_layer: int) -> None:
+        self.path.propose(proposals, routed_layer)
+
+    # --------------------------------------------------------------------------------------- state (locked)
+    def parts(self, key: int) -> int:
+        return 1 if self.rows[key // self.spec.num_experts] == self.intermediate else 2
+
+    def has_part(self, key: int, part: int) -> bool:
+        if part == 0 and key in self.tops[key // self.spec.num_experts]:
+            return True
+        return key in self.landed and (part == 1 or self.landed[key])
+
+    def needs_bytes(self, key: int) -> bool:
+        """Whether ``key`` must load something: its bottom, or the whole expert when its top is not cached."""
+        return self.parts(key) == 2 or key not in self.tops[key // self.spec.num_experts]
+
+    def complete(self, key: int) -> bool:
+        return key in self.landed or not self.needs_bytes(key)
+
+    def transfer_bytes(self, key: int) -> int:
+        """Bytes a load of ``key`` reads now: its bottom when its top is cached, else the whole expert."""
+        layer = key // self.spec.num_experts
+        if key in self.tops[layer]:
+            return self.manifest.expert_bytes * (self.intermediate - self.rows[layer]) // self.intermediate
+        return self.manifest.expert_bytes
+
+    def segment_elements(self, key: int) -> int:
+        """Elements a load of ``key`` takes in the buffer now: its bottom when its top is cached, else the whole."""
+        layer = key // self.spec.num_experts
+        if key in self.tops[layer]:
+            return 3 * (self.intermediate - self.rows[layer]) * self.hidden
+        return self.buffer.elements
+
+    def layer_routed(self, layer: int, pinned) -> None:
+        """Layer ``layer`` is routed to ``pinned``: what was fetched or held for it in vain goes."""
+        J = self.spec.num_experts
+        for key in [key for key in self.landed if key // J == layer and key not in pinned]:
+            self.consume(key)
+        top = self.tops[layer]
+        for key in [key for key in top.held if key not in pinned]:
+            top.release(key)
+
+    def use(self, key: int) -> bool:
+        """``key`` is accessed: True when a prefetch of it is used now."""
+        if key in self.path.prefetched_unused:
+            self.path.prefetched_unused.discard(key)
+            self.counters.prefetches_used += 1
+            return True
+        return False
+
+    def part_tensors(self, key: int, part: int) -> tuple[dict, object]:
+        """The part's tensors (views of its slot, the segment layout) and the CUDA event to wait for."""
+        layer = key // self.spec.num_experts
+        r = self.rows[layer]
+        if part == 0 and key in self.tops[layer]:
+            region, event = self.top_pools[layer].memory[self.top_slot[key]], self.top_ready.get(key)
+            first = 0
+        else:
+            region, event = self.buffer.region(self.buffer_slot[key]), self.ready.get(key)
+            first = 3 * r * self.hidden if part == 1 and self.landed[key] else 0  # a bottom alone starts its range
+        rows = r if part == 0 else self.intermediate - r
+        H = self.hidden
+        part_region = region[first:first + 3 * rows * H]
+        return {"gate_up_proj": part_region[:2 * rows * H].view(2 * rows, H),
+                "down_proj": part_region[2 * rows * H:].view(H, rows), "part": part,
+                "parts": self.parts(key)}, event
+
+    def consume(self, key: int) -> None:
+        """``key`` has computed (or its layer gave up on it, or was routed without it): its buffer range is free.
+        A key still on the wire keeps its range: the worker frees it when it lands unpinned."""
+        if self.path.on_wire_to_fast(key):
+            return
+        slot = self.buffer_slot.pop(key, None)
+        self.landed.pop(key, None)
+        self.ready.pop(key, None)
+        if key in self.path.prefetched_unused:
+            self.path.prefetched_unused.discard(key)
+            self.counters.prefetches_wasted += 1
+        if slot is not None:
+            self._free_after_compute(self.buffer, slot[0])
+            self.buffer.give_back(slot)
+        self.cond.notify_all()
+
+    def room(self, demand: bool, elements: int, pinned) -> bool:
+        """Whether a buffer range of ``elements`` is free for a load; a demand load drops the landed segments that
+        the current layer (``pinned``) does not compute with, the most recent first, until one is
+        (tiers.SegmentPool says why one then is)."""
+        if not demand:
+            return self.buffer.fits(elements)
+        while not self.buffer.fits(elements):
+            droppable = [key for key in self.landed if key not in pinned]
+            if not droppable:
+                return False
+            self.consume(droppable[-1])
+        return True
+
+    def _vacate_top(self, key: int) -> None:
+        pool = self.top_pools[key // self.spec.num_experts]
+        slot = self.top_slot.pop(key)
+        self.top_ready.pop(key, None)
+        self._free_after_compute(pool, slot)
+        pool.give_back(slot)
+
+    def _free_after_compute(self, pool, slot: int) -> None:
+        if self.device.type == "cuda":  # kernels queued so far may still read the slot
+            import torch
+
+            event = torch.cuda.Event()
+            event.record(torch.cuda.default_stream(self.device))
+            pool.free_after[slot] = event
+
+    def end_request(self, request) -> None:
+        for top in self.tops:
+            top.end_request(request)
+
+    # ---------------------------------------------------------------------------------------- reconfiguration
+    def reconfigure(self, config: SplitConfig, iteration: int, tokens: int) -> bool:
+        """Apply ``config`` between two passes (runtime/split_online.py): nothing moves into this tier, nothing is
+        buffered or held, each layer's tops are cut to C_i by the policy's victims and moved into a pool of the
+        new size, re-read where the ratio changed. False, with nothing changed, when it would not fit in the fast
+        budget. Locked; the caller's pass is over (nothing pinned)."""
+        source = f"the online configuration after {tokens} tokens"
+        rows = split_rows(config, self.intermediate, source)
+        memory = self._memory(config, rows)
+        record = {"iteration": iteration, "tokens": tokens, "applied": memory <= self.budget_bytes,
+                  "memory_bytes": memory, "bytes_loaded": 0,
+                  "layers": [{"cache_size": p.cached_experts, "split_ratio": p.split_ratio, "rows": r,
+                              "prefetches": p.prefetches} for p, r in zip(config.layers, rows)]}
+        self.reconfigurations.append(record)
+        if not record["applied"]:
+            return False
+        path = self.path
+        path.withdraw_prefetches()
+        path.cond.wait_for(lambda: not path.workers[0].moving)
+        path.raise_failure()
+        for key in list(self.landed):
+            self.consume(key)
+        for top in self.tops:
+            for key in list(top.held):
+                top.release(key)
+        path.predicted.clear()
+        for layer, (plan, r) in enumerate(zip(config.layers, rows)):
+            record["bytes_loaded"] += self._resize_layer(layer, plan.cached_experts, r)
+        self.cached_experts = [plan.cached_experts for plan in config.layers]
+        self.memory_bytes, self.prefetches = memory, config.prefetches
+        return True
+
+    def _resize_layer(self, layer: int, cached: int, rows: int) -> int:
+        """Layer ``layer`` caches ``cached`` tops of ``rows`` rows from now on; returns the bytes re-read."""
+        top, old_pool, old_rows = self.tops[layer], self.top_pools[layer], self.rows[layer]
+        if cached == old_pool.slots and rows == old_rows:
+            return 0
+        import torch
+
+        top.resize(cached, self.path.ctx)  # nothing is pinned or held: exactly C_i stay
+        with torch.inference_mode(False):  # called under generate's inference mode; the worker writes the pool too
+            pool = SlotPool(cached, 3 * rows * self.hidden, self.compute_dtype, self.device)
+        kept = {key: self.top_slot.pop(key) for key in list(top.resident)}
+        self.top_pools[layer], self.rows[layer] = pool, rows
+        host = self.path.tiers[1] if len(self.path.tiers) > 1 else None
+        moved = 0
+        for key, old_slot in kept.items():
+            self.top_slot[key] = slot = pool.take()
+            previous = self.top_ready.pop(key, None)
+            if rows == old_rows:  # the same top: copied from the old pool
+                event = self._copy(pool.memory[slot], old_pool.memory[old_slot], None, previous)
+            else:  # cut at another row: read the whole expert again (its bottom's checksum changes too)
+                started = time.perf_counter()
+                source = host if host is not None and key in host.cache else None
+                buffered = self.buffer.take()
+                try:
+                    landed, nbytes = self._load(key, buffered, True, source)
+                    event = self._copy_top(layer, buffered, slot, landed)
+                finally:
+                    self.buffer.give_back(buffered)
+                self.counters.moved("ssd->fast" if source is None else "host->fast", nbytes,
+                                    time.perf_counter() - started)
+                moved += nbytes
+            if event is not None:
+                event.synchronize()  # CUDA: the old pool is freed on return
+        return moved
+
+    # ------------------------------------------------------------------------------------------ the bytes
+    def cache_top(self, key: int, slot: tuple[int, int], landed_event, held: bool) -> None:
+        """Copy the top of the whole expert in buffer range ``slot`` into its layer's cache if the policy makes
+        room, never evicting a top the current layer computes with or whose bottom is buffered; a prefetch's
+        top is held (module doc). Locked; the copy runs outside the lock."""
+        path = self.path
+        layer = key // self.spec.num_experts
+        ctx, top = path.ctx, self.tops[layer]
+        ctx.pinned, ctx.prefetch = path.pinned | self.buffer_slot.keys(), held
+        protect = predicted_no_later_than(path.predicted, key, path.layer_now, self.spec.num_experts,
+                                          self.spec.num_layers) if held and path.predicted else ()
+        try:
+            admitted = top.reserve(key, ctx, 1, protect)
+        finally:
+            ctx.pinned, ctx.prefetch = path.pinned, False
+        if not admitted:
+            return
+        self.top_slot[key] = top_slot = self.top_pools[layer].take()
+        path.cond.release()
+        try:
+            top_event = self._copy_top(layer, slot, top_slot, landed_event)
+        finally:
+            path.cond.acquire()
+        if top_event is not None:
+            self.top_ready[key] = top_event
+        ctx.prefetch = held
+        try:
+            top.complete(key, ctx)
+        finally:
+            ctx.prefetch = False
+        path.cond.notify_all()
+
+    def _load(self, key: int, slot: tuple[int, int], whole: bool, host=None):
+        """Write ``key``'s whole expert ([top | bottom]) or its bottom into buffer range ``slot``, from the files or
+        from its copy in the ``host`` tier (kept there while this reads it); returns (the CUDA event of the copy
+        or None, bytes read)."""
+        import torch
+        import xxhash
+
+        from moe_offload.runtime.storage import ExpertReadError, expert_views
+
+        layer, expert = divmod(key, self.spec.num_experts)
+        r, I, H = self.rows[layer], self.intermediate, self.hidden
+        staging = self._staging_buffer()
+        array = staging.numpy()
+        host_copy = None if host is None else host.region(host.slot_of[key]).view(torch.uint8)
+        if whole:
+            if host_copy is None:
+                self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
+            views = expert_views(self.manifest, staging if host_copy is None else host_copy)
+            gate_up, down = views["gate_up_proj"], views["down_proj"]
+            # [top | bottom], each part's tensors flattened row-major, copied on this thread alone (cpu_threads)
+            compact, filled = torch.empty(gate_up.numel() + down.numel(), dtype=gate_up.dtype), 0
+            for part in (gate_up[:r], gate_up[I:I + r], down[:, :r], gate_up[r:I], gate_up[I + r:], down[:, r:]):
+                copy_serially(compact[filled:filled + part.numel()].view(part.shape), part)
+                filled += part.numel()
+            if r < I:
+                bottom = compact[3 * r * H:].view(torch.uint8).numpy()
+                self.bottom_digest[key] = xxhash.xxh3_64_hexdigest(bottom)
+            nbytes = self.manifest.expert_bytes
+        else:
+            runs, nbytes = bottom_ranges(self.manifest, r)
+            if host_copy is not None:  # the host copy was read and verified whole
+                copied, source = 0, host_copy.numpy()
+                for offset, length in runs:
+                    array[copied:copied + length] = source[offset:offset + length]
+                    copied += length
+            else:
+                self.store.read_runs(layer, expert, runs, memoryview(array[:nbytes]))
+            if host_copy is None and self.store.verify \
+                    and xxhash.xxh3_64_hexdigest(array[:nbytes]) != self.bottom_digest[key]:
+                path = self.manifest.layer_path(layer)
+                raise ExpertReadError(f"expert {expert} of layer {layer}: {path}: its bottom segment does not match "
+                                      "the bytes read and verified before (the file is corrupt or was replaced)")
+            compact = staging[:nbytes].view(self.stored)
+        destination = self.buffer.region(slot)[:compact.numel()]
+        return self._copy(destination, compact, self.buffer.free_after[slot[0]]), nbytes
+
+    def _copy_top(self, layer: int, slot: tuple[int, int], top_slot: int, landed_event):
+        """The top of the whole expert in buffer range ``slot`` into ``top_slot`` of the layer's cache."""
+        pool = self.top_pools[layer]
+        source = self.buffer.region(slot)[:pool.memory.shape[1]]
+        return self._copy(pool.memory[top_slot], source, pool.free_after[top_slot], landed_event)
+
+    def _copy(self, destination, source, free_after, after=None):
+        """``destination.copy_(source)``; on CUDA on the copy stream once the slot's readers are done (and
+        ``after``), returning the copy's event (the staging buffer is reused only after it)."""
+        if self.device.type != "cuda":
+            copy_serially(destination, source)  # on the worker's thread alone (runtime/cpu_threads.py)
+            return None
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        event = torch.cuda.Event()
+        with torch.cuda.stream(self._stream):
+            for wait in (free_after, after):
+                if wait is not None:
+                    self._stream.wait_event(wait)
+            destination.copy_(source, non_blocking=True)
+            event.record(self._stream)
+        self._staging_event = event
+        return event
+
+    def _staging_buffer(self):
+        """The worker's staging buffer (pinned with CUDA), once the copy that last read it has completed."""
+        import torch
+
+        if self._staging is None:
+            self._staging = torch.empty(self.manifest.expert_bytes, dtype=torch.uint8,
+                                        pin_memory=self.device.type == "cuda")
+            self._staging_event = None
+        if self._staging_event is not None:
+            self._staging_event.synchronize()
+            self._staging_event = None
+        return self._staging
