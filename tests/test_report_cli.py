@@ -214,3 +214,12 @@ def test_only_prefetchers_a_runtime_can_run_are_candidates(tiny_trace):
                           for name in usable)
     assert "oracle" not in usable and "moepic" not in usable  # a bound; MoEpic runs with its split
     assert len(usable) + len(why) == len(PREFETCHERS) - 2
+
+
+def test_the_recommended_model_is_the_traces_hub_id_when_it_names_one():
+    from moe_offload.reporting.recommend import model_argument
+    from moe_offload.trace.format import TraceMeta
+
+    assert model_argument(TraceMeta("allenai/OLMoE-1B-7B-0924", 16, 64, 8)) == "allenai/OLMoE-1B-7B-0924"
+    assert model_argument(TraceMeta("moe-offload/tiny-mixtral", 8, 8, 2)) == "tiny"
+    assert model_argument(TraceMeta("my model", 8, 8, 2)) == "MODEL_DIR"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import shlex
 
+from moe_offload.models.hub import HUB_ID
 from moe_offload.reporting.latency import MOEPIC_POLICY, Latency
 from moe_offload.trace.format import TraceMeta
 
@@ -27,13 +28,17 @@ def budget_share(experts: float, total: int) -> str:
 
 
 def model_argument(meta: TraceMeta) -> str:
-    return "tiny" if meta.model == BUNDLED_MODEL else "MODEL_DIR"
+    """``--model`` for the trace's model: ``tiny``, its hub id when the trace names one (the runtime resolves
+    ORG/NAME through the hub cache, models/hub.py), else MODEL_DIR for the user's checkpoint directory."""
+    if meta.model == BUNDLED_MODEL:
+        return "tiny"
+    return meta.model if HUB_ID.fullmatch(meta.model) else "MODEL_DIR"
 
 
 def commands(meta: TraceMeta, trace_name: str, hardware: str, cache_size: int, expert_bytes: int | None,
              latency: Latency | None, best_policy: str) -> list[list[str]]:
     """The commands, each an argument list after ``moe-offload``; MODEL_DIR stands for the checkpoint directory
-    of the trace's model unless it is the bundled one."""
+    of the trace's model unless it is the bundled one or a hub id."""
     model = model_argument(meta)
     best = latency.best() if latency is not None else None
     budget = budget_share(cache_size, meta.num_expert_slots)
