@@ -147,3 +147,12 @@ def test_bad_concurrency_is_refused_before_contacting_the_server(capsys, prompt_
                  "--model-config", "tiny", "--concurrency", "0", "-o", str(tmp_path / "t.parquet")])
     err = capsys.readouterr().err
     assert code == 2 and "--concurrency" in err and "reach" not in err, err
+
+
+@pytest.mark.parametrize("url", ["notaurl", "ftp://127.0.0.1:8000", "http://"])
+def test_an_address_that_is_no_http_server_is_one_line(capsys, prompt_file, tmp_path, url):
+    code = main(["trace", "capture", "--url", url, "--prompts", str(prompt_file), "--model-config", "tiny",
+                 "-o", str(tmp_path / "t.parquet")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "--url" in err and "Traceback" not in err, err
+    assert not (tmp_path / "t.parquet").exists()

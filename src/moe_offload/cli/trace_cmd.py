@@ -273,8 +273,9 @@ def run_import(args) -> int:
 def run_capture(args) -> int:
     from moe_offload.reporting.progress import progress_bar
     from moe_offload.text.prompts import BUILTIN_SOURCES, load_prompts
-    from moe_offload.trace.capture import capture
+    from moe_offload.trace.capture import capture, server_url
 
+    server_url(args.url)  # a bad address is refused before the prompts load
     prompt_files = [name.strip() for name in args.prompts.split(",") if name.strip() not in BUILTIN_SOURCES]
     check_output(args.output, inputs=[*prompt_files, args.model_config], what="trace")
     shape = _model_config(args.model_config)

@@ -20,6 +20,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+from urllib.parse import urlsplit
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -49,7 +50,7 @@ def capture(url: str, prompts: list[Prompt], *, engine: str = "moe-offload", mod
     if engine != "vllm" and model_config is None:
         raise ConfigError(f"{engine} returns routing as flat ids: give the model's config (--model-config "
                           "config.json, or 'tiny' for the bundled model) for its layers and top-k")
-    base = url.rstrip("/")
+    base = server_url(url)
     model = model or served_model(base, timeout)
     extra = {} if engine == "vllm" else {"return_routed_experts": True}
     clock = time.perf_counter
@@ -85,6 +86,14 @@ def capture(url: str, prompts: list[Prompt], *, engine: str = "moe-offload", mod
                        source=f"trace capture of {len(prompts)} prompts from {base} ({engine}, max_tokens "
                               f"{max_tokens}, temperature {temperature:g}, concurrency {concurrency})",
                        extra={"importer": f"capture ({engine})", "files": []})
+
+
+def server_url(url: str) -> str:
+    """``--url`` checked: an http(s) address with a host (a path such as ``/v1`` is the server's own prefix)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"--url {url!r}: give the server's http:// or https:// address, e.g. http://127.0.0.1:8000")
+    return url.rstrip("/")
 
 
 def served_model(base: str, timeout: float = 30.0) -> str:
