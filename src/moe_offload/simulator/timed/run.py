@@ -25,7 +25,7 @@ How AccessContext maps onto the timed model (the replay fills the same fields, s
 
     clock       the position of the access in the *timed access order*: iteration by iteration, layer by
                 layer, the layer's needed experts in order of first appearance over the iteration's tokens
-                (row order, then router rank). Between accesses (a transfer starting or landing later)
+                (row order, then router rank; needs.py). Between accesses (a transfer starting or landing later)
                 it stays at the latest access.
     layer       the layer being computed.
     token, iteration
@@ -40,11 +40,6 @@ How AccessContext maps onto the timed model (the replay fills the same fields, s
                 when serving arrivals (poisson, times), where that order depends on the timing itself.
     pinned      the experts the current layer still has to compute.
     prefetch    True while a prefetch into the GPU is reserved or lands.
-
-With one token per iteration, top-1 routing, no prefetcher and zero compute, the timed access order is
-the replay's (trace/flatten.py: token, rank, layer) and every policy makes exactly the replay's misses
-(tests/test_timed.py checks it). With top-k > 1 the orders differ by design: the replay serves paper
-001's rounds (rank-major), the timed simulator the physical order (layer-major).
 
 Host compute. A miss the GPU's cache does not admit (simulator/cache.py: Admission; a static placement, or
 ``fetch_or_compute``: Fiddler's rule, policies/fetch_or_compute.py) is bypassed: nothing is loaded, and the
@@ -75,7 +70,6 @@ import math
 
 import numpy as np
 
-from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies import AccessContext, ModelSpec, policy_factory, policy_info
 from moe_offload.policies.fetch_or_compute import FetchOrCompute
@@ -85,50 +79,10 @@ from moe_offload.simulator.cache import ExpertCache, PartitionedCache
 from moe_offload.simulator.split import SplitConfig, SplitExperts
 from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.simulator.timed.schedule import Arrivals, make_schedule, trace_iterations
+from moe_offload.simulator.timed.needs import layer_needs, layer_needs_with_rounds, routed_by_request
 from moe_offload.simulator.timed.tiers import TierNetwork, home_tier
 from moe_offload.trace.flatten import NEVER, next_use_times
 from moe_offload.trace.format import PREFILL, Trace
-
-
-
-def layer_needs(experts: np.ndarray, rows: np.ndarray, layer: int, num_experts: int) -> tuple[list[int], list[int]]:
-    """The keys layer ``layer`` needs for ``rows`` in access order (first appearance over the rows' [tokens,
-    K] selections, row-major) and the number of tokens routed to each."""
-    keys, counts, _ = layer_needs_with_rounds(experts, rows, layer, num_experts)
-    return keys, counts
-
-
-def layer_needs_with_rounds(experts: np.ndarray, rows: np.ndarray, layer: int,
-                            num_experts: int) -> tuple[list[int], list[int], list[int]]:
-    """``layer_needs`` and, for each key, the position of its first appearance in the rows' [tokens, K]
-    selections, row-major: token b's rank-r expert is at b * K + r, the replay's round of that request
-    counted from the pass's first (trace/flatten.py)."""
-    selected = experts[rows, layer]
-    if selected.shape[0] == 1:
-        ids = selected[0].astype(np.int64)
-        return (ids + layer * num_experts).tolist(), [1] * ids.size, list(range(ids.size))
-    flat = selected.reshape(-1).astype(np.int64)
-    unique, first, counts = np.unique(flat, return_index=True, return_counts=True)
-    order = np.argsort(first)
-    return (unique[order] + layer * num_experts).tolist(), counts[order].tolist(), first[order].tolist()
-
-
-def routed_by_request(experts: np.ndarray, requests: np.ndarray, rows: np.ndarray, layer: int,
-                      num_experts: int) -> dict[int, dict[int, int]]:
-    """For each key layer ``layer`` needs for ``rows``: the tokens routed to it, by request
-    (``AccessContext.routed``)."""
-    selected = experts[rows, layer].astype(np.int64)
-    if selected.shape[0] == 1:
-        request = int(requests[rows[0]])
-        return {int(e) + layer * num_experts: {request: 1} for e in selected[0]}
-    keys = selected.reshape(-1) + layer * num_experts
-    owners = np.repeat(requests[rows].astype(np.int64), selected.shape[1])
-    pairs, counts = np.unique(np.stack([keys, owners]), axis=1, return_counts=True)
-    routed: dict[int, dict[int, int]] = {}
-    for key, request, count in zip(pairs[0].tolist(), pairs[1].tolist(), counts.tolist()):
-        routed.setdefault(key, {})[request] = count
-    return routed
-
 
 
 class TimedRun:
@@ -529,25 +483,3 @@ class TimedRun:
             "seconds": self.now - start, "bytes_loaded": sum(grown),
             "layers": [{"cache_size": p.cached_experts, "split_ratio": p.split_ratio, "prefetches": p.prefetches}
                        for p in plan.layers]})
-
-    def timeline(self, spans, iteration: int | None) -> dict:
-        """The events of one iteration (default: the decode iteration of median duration), in seconds from
-        its start: lanes compute, stall, matcher and one per link."""
-        if iteration is None:
-            candidates = [i for i, span in enumerate(spans) if span[2]] or list(range(len(spans)))
-            durations = [spans[i][1] - spans[i][0] for i in candidates]
-            iteration = candidates[int(np.argsort(durations, kind="stable")[len(durations) // 2])]
-        if not 0 <= iteration < len(spans):
-            raise ConfigError(f"timeline iteration {iteration} does not exist: the run has {len(spans)} "
-                              "iterations (0-based)")
-        start, end, _ = spans[iteration]
-        events = [{"lane": lane, "kind": kind, "start_s": s - start, "end_s": e - start, "layer": layer,
-                   "expert": key}
-                  for lane, kind, s, e, layer, key in self.events if (e > start and s < end) or s == e == start]
-        lanes = ["compute", "stall"] + [q.link.name for q in self.net.queues.values()]
-        if any(event[0] == "host" for event in self.events):
-            lanes.append("host")
-        if any(event[0] == "matcher" for event in self.events):
-            lanes.append("matcher")
-        return {"iteration": iteration, "duration_s": end - start, "lanes": lanes, "events": events}
-

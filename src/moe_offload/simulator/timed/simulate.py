@@ -16,6 +16,7 @@ from moe_offload.simulator.timed.reconfigure import OnlineConfigurator, Reconfig
 from moe_offload.simulator.timed.run import TimedRun
 from moe_offload.simulator.timed.schedule import Arrivals
 from moe_offload.simulator.timed.tiers import home_tier
+from moe_offload.simulator.timed.timeline import iteration_timeline
 from moe_offload.trace.format import Trace
 from moe_offload.values import worker_count
 
@@ -221,7 +222,8 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         ttft_percentiles=latency_summary(ttft), tpot_percentiles=latency_summary(tpot),
         request_ttft_seconds=ttft, request_tpot_seconds=tpot, token_latency_seconds=gaps,
         total_seconds=max(t[-1] for t in token_times.values()) - min(arrival.values()),
-        timeline=sim.timeline(outcome["spans"], timeline_iteration), notes=notes,
+        timeline=iteration_timeline(sim.events, [q.link.name for q in sim.net.queues.values()],
+                                    outcome["spans"], timeline_iteration), notes=notes,
         reconfigurations=sim.reconfigurations if online is not None else None)
 
 
