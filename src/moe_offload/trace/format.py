@@ -28,6 +28,8 @@ million-token trace small.
 Format version 2 seals every file with a checksum of its content (trace/integrity.py): ``read_trace``
 returns exactly the trace that was written, or raises TraceError; a version-1 file (no checksum) is read
 only by ``moe-offload trace seal``, which checks it and writes it sealed.
+
+The consistency checks every trace passes (``Trace.validate``) are trace/validate.py's.
 """
 
 from __future__ import annotations
@@ -239,116 +241,11 @@ class Trace:
                        next_token_gate_prediction=pick(self.next_token_gate_prediction))
 
     def validate(self) -> None:
-        """Raise TraceError naming the first offending row, or return when the trace is consistent."""
-        meta, path = self.meta, self.path
-        meta.check(path)
-        L, J, K = meta.num_layers, meta.num_experts, meta.top_k
-        n = self.num_tokens
-        for name in ("request", "position", "phase", "iteration"):
-            column = getattr(self, name)
-            if column.shape != (n,):
-                raise TraceError(path, f"column {name} has {column.shape[0] if column.ndim else 0} rows, "
-                                       f"experts has {n}")
-        if self.experts.ndim != 3 or self.experts.shape[1] != L:
-            got = self.experts.shape[1] if self.experts.ndim == 3 else "?"
-            raise TraceError(path, f"experts has {got} layers per row, metadata says num_layers={L}")
-        if self.experts.shape[2] != K:
-            raise TraceError(path, f"experts has {self.experts.shape[2]} experts per layer, "
-                                   f"metadata says top_k={K}")
-        if n == 0:
-            raise TraceError(path, "the trace has no tokens")
-        if not np.issubdtype(self.experts.dtype, np.integer):
-            raise TraceError(path, f"expert ids must be integers, not {self.experts.dtype}")
-        bad = np.flatnonzero(((self.experts < 0) | (self.experts >= J)).any(axis=(1, 2)))
-        if bad.size:
-            row = int(bad[0])
-            layer = int(np.flatnonzero(((self.experts[row] < 0) | (self.experts[row] >= J)).any(axis=1))[0])
-            raise TraceError(path, f"layer {layer} selects expert {self.experts[row, layer].tolist()}, "
-                                   f"but the model has experts 0..{J - 1}", row=row)
-        if K > 1:
-            ordered = np.sort(self.experts, axis=2)
-            dup = np.flatnonzero((ordered[:, :, 1:] == ordered[:, :, :-1]).any(axis=(1, 2)))
-            if dup.size:
-                row = int(dup[0])
-                layer = int(np.flatnonzero((ordered[row, :, 1:] == ordered[row, :, :-1]).any(axis=1))[0])
-                raise TraceError(path, f"layer {layer} selects the same expert twice: "
-                                       f"{self.experts[row, layer].tolist()}", row=row)
-        bad = np.flatnonzero(self.phase > DECODE)
-        if bad.size:
-            raise TraceError(path, f"phase code {int(self.phase[bad[0]])} is neither prefill (0) nor decode (1)",
-                             row=int(bad[0]))
-        bad = np.flatnonzero(np.diff(self.iteration) < 0)
-        if bad.size:
-            raise TraceError(path, "rows are not in iteration order "
-                                   f"(iteration {int(self.iteration[bad[0] + 1])} after {int(self.iteration[bad[0]])})",
-                             row=int(bad[0]) + 1)
-        bad = np.flatnonzero(self.position < 0)
-        if bad.size:
-            raise TraceError(path, f"negative position {int(self.position[bad[0]])}", row=int(bad[0]))
-        # A token is one (request, position): a repeated row would be served, and counted, twice.
-        token = self.request.astype(np.int64) << 32 | self.position.astype(np.int64)
-        order = np.argsort(token, kind="stable")
-        repeated = np.flatnonzero(token[order][1:] == token[order][:-1])
-        if repeated.size:
-            first, again = sorted(int(row) for row in order[repeated[0]:repeated[0] + 2])
-            raise TraceError(path, f"duplicates row {first}: request {int(self.request[again])} has position "
-                                   f"{int(self.position[again])} twice", row=again)
-        self._check_request_order()
-        self._check_float("weights", self.weights, (n, L, K))
-        self._check_float("probs", self.probs, (n, L, J), upper=1.0)
-        self._check_float("gate_prediction", self.gate_prediction, (n, L - 1, J), upper=1.0)
-        self._check_float("next_token_gate_prediction", self.next_token_gate_prediction, (n, J), upper=1.0)
-        if self.embedding is not None:
-            self._check_float("embedding", self.embedding, (n, self.embedding.shape[-1] if self.embedding.ndim == 2
-                                                              else -1), lower=None)
+        """Raise TraceError naming the first offending row, or return when the trace is consistent
+        (trace/validate.py)."""
+        from moe_offload.trace.validate import validate_trace
 
-    def _check_request_order(self) -> None:
-        """What a model can have produced: each request's rows, in file (iteration) order, have rising
-        positions and its prompt (prefill) before its generated tokens (decode); and a forward pass decodes
-        one token per request (a prompt may take many rows of one pass, a decode step only one)."""
-        path = self.path
-        order = np.argsort(self.request, kind="stable")  # each request's rows, in file order
-        same = self.request[order][1:] == self.request[order][:-1]
-        earlier, later = order[:-1][same], order[1:][same]
-        bad = np.flatnonzero(self.position[later] <= self.position[earlier])
-        if bad.size:
-            row, before = int(later[bad[0]]), int(earlier[bad[0]])
-            raise TraceError(path, f"request {int(self.request[row])} has position {int(self.position[row])} after "
-                                   f"position {int(self.position[before])} (row {before}): a request's positions "
-                                   "must rise", row=row)
-        bad = np.flatnonzero(self.phase[later] < self.phase[earlier])
-        if bad.size:
-            row, before = int(later[bad[0]]), int(earlier[bad[0]])
-            raise TraceError(path, f"request {int(self.request[row])} has a prefill row after its decode row "
-                                   f"{before}: a request's prompt comes before its generated tokens", row=row)
-        decode = np.flatnonzero(self.phase == DECODE)
-        step = self.request[decode].astype(np.int64) << 32 | self.iteration[decode].astype(np.int64) & 0xFFFFFFFF
-        ranked = np.argsort(step, kind="stable")
-        repeated = np.flatnonzero(step[ranked][1:] == step[ranked][:-1])
-        if repeated.size:
-            row = int(decode[ranked[repeated[0] + 1]])
-            raise TraceError(path, f"request {int(self.request[row])} decodes more than one token in iteration "
-                                   f"{int(self.iteration[row])}: a forward pass decodes one token per request",
-                             row=row)
-
-    def _check_float(self, name, values, shape, lower=0.0, upper=None):
-        if values is None:
-            return
-        if values.shape != shape:
-            raise TraceError(self.path, f"column {name} has shape {values.shape}, expected {shape}")
-        finite = np.isfinite(values).reshape(values.shape[0], -1).all(axis=1)
-        if not finite.all():
-            raise TraceError(self.path, f"column {name} holds NaN or infinity", row=int(np.flatnonzero(~finite)[0]))
-        if lower is not None:
-            low = (values < lower).reshape(values.shape[0], -1).any(axis=1)
-            if low.any():
-                raise TraceError(self.path, f"column {name} holds a negative value", row=int(np.flatnonzero(low)[0]))
-        if upper is not None:
-            # float16 rounds 1.0 - 1e-4 up to 1.0; anything clearly above 1 is not a probability.
-            high = (values > upper + 1e-3).reshape(values.shape[0], -1).any(axis=1)
-            if high.any():
-                raise TraceError(self.path, f"column {name} holds a probability above 1",
-                                 row=int(np.flatnonzero(high)[0]))
+        validate_trace(self)
 
 
 # ---------------------------------------------------------------------------------------------- Parquet I/O
