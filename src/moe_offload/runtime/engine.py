@@ -395,7 +395,7 @@ class OffloadEngine:
     def generate_batch(self, prompts, max_new_tokens: int = 64, **params) -> list:
         """Every prompt's Completion, generated together by continuous batching (greedy unless ``temperature``
         is given; the other SamplingParams fields as keywords)."""
-        from moe_offload.runtime.batching import SamplingParams
+        from moe_offload.runtime.requests import SamplingParams
 
         with self.scheduler.cond:  # all join the batch at the same iteration (up to max_batch)
             handles = [self.submit(prompt, SamplingParams(max_tokens=max_new_tokens, **params)) for prompt in prompts]
