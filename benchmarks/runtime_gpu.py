@@ -236,7 +236,7 @@ def main(argv=None) -> int:
     from moe_offload.models import quiet_transformers
     from moe_offload.outputs import check_output, write_atomically
     from moe_offload.runtime import measure
-    from moe_offload.runtime.engine import resolve_device
+    from moe_offload.runtime.engine_setup import resolve_device
     from moe_offload.runtime.packing import read_manifest
     from moe_offload.runtime.replay import replay_rows
     from moe_offload.simulator.timed import simulate_timed

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from moe_offload.api import load  # noqa: E402
 from moe_offload.errors import ConfigError, MoeOffloadError  # noqa: E402
-from moe_offload.runtime.batching import SamplingParams  # noqa: E402
+from moe_offload.runtime.requests import SamplingParams  # noqa: E402
 from moe_offload.runtime.packing import packed_directory, read_manifest  # noqa: E402
 from moe_offload.runtime.storage import ExpertReadError  # noqa: E402
 

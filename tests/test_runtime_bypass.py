@@ -16,7 +16,7 @@ from test_runtime import NEW_TOKENS, PROMPTS, assert_lossless, checkpoint  # noq
 from moe_offload.api import load  # noqa: E402
 from moe_offload.policies import POLICIES, PolicyInfo  # noqa: E402
 from moe_offload.policies.lru import LRU  # noqa: E402
-from moe_offload.runtime.batching import SamplingParams  # noqa: E402
+from moe_offload.runtime.requests import SamplingParams  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 
 

@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from moe_offload.runtime.batching import SamplingParams  # noqa: E402
+from moe_offload.runtime.requests import SamplingParams  # noqa: E402
 from moe_offload.runtime.sampling import adjusted, sample, token_logprobs  # noqa: E402
 
 

@@ -25,7 +25,7 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from moe_offload.api import load  # noqa: E402
-from moe_offload.runtime.batching import SamplingParams  # noqa: E402
+from moe_offload.runtime.requests import SamplingParams  # noqa: E402
 from moe_offload.server import ServerThread  # noqa: E402
 from moe_offload.server import app as server_app  # noqa: E402
 

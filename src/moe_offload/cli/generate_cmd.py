@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_offload.text.sources import chat_prompt
 
     from moe_offload.outputs import check_output, write_atomically
-    from moe_offload.runtime.engine import resolve_device
+    from moe_offload.runtime.engine_setup import resolve_device
 
     from moe_offload import values
 
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
 def check_dtype(args: argparse.Namespace) -> None:
     """--dtype and --expert-dtype, before the model is packed or loaded."""
     from moe_offload.errors import ConfigError
-    from moe_offload.runtime.engine import COMPUTE_DTYPES
+    from moe_offload.runtime.engine_setup import COMPUTE_DTYPES
     from moe_offload.runtime.packing import check_expert_dtype
 
     check_expert_dtype(args.expert_dtype)

@@ -218,7 +218,7 @@ def run_measure(args) -> int:
         raise ConfigError(f"--threads must be at least 1, not {args.threads}")
     from moe_offload.hardware.toml_writer import write_profile
     from moe_offload.outputs import check_output
-    from moe_offload.runtime.engine import resolve_device
+    from moe_offload.runtime.engine_setup import resolve_device
 
     output = check_output(args.output, what="profile", inputs=model_files(args.model))
     resolve_device(args.device)

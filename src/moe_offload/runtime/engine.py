@@ -3,6 +3,7 @@
 The engine puts the parts together and runs the single-prompt generation loop::
 
     runtime/packing.py   the packed files and the skeleton model (non-expert weights only)
+    runtime/engine_setup.py  the device and compute dtype, the tiers and the prefetcher, made from the arguments
     runtime/tiers.py     the tiers: the simulators' ExpertCache with your policy, over a pool of slots
     runtime/datapath.py  link workers, reader pool, pinned ring and copy streams: files -> [host] -> fast
     runtime/runner.py    per forward pass: the experts source, routing hooks, prefetcher, AccessContext
@@ -48,46 +49,21 @@ from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload import values
 from moe_offload.hardware.profile import format_bytes
 from moe_offload.policies import ModelSpec, policy_factory, policy_info
-from moe_offload.prefetch import make_prefetcher, prefetcher_info
 from moe_offload.reporting.results import RunResult
 from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.cpu_threads import single_threaded
+from moe_offload.runtime.engine_setup import (compute_dtype, engine_prefetcher, host_tier, link_budget, make_tiers,
+                                              read_replay, read_split, resolve_device)
 from moe_offload.runtime.packing import Manifest, load_skeleton, read_manifest
 from moe_offload.runtime.placement import host_keys, placement_keys, placing_host_budget
 from moe_offload.runtime.runner import ModelRunner
 from moe_offload.runtime.storage import ExpertStore
 from moe_offload.runtime.streaming import TimingStreamer
-from moe_offload.runtime.tiers import SlotPool, Tier
-from moe_offload.simulator.cache import ExpertCache, PartitionedCache
 
 
 class EngineBusyError(MoeOffloadError):
     """generate was called on an engine that is already generating."""
-
-
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def compute_dtype(name: str | None, device, stored):
-    """The fast tier's dtype: ``name`` (COMPUTE_DTYPES), else float32 on a CPU and the stored dtype elsewhere."""
-    import torch
-
-    if name is None:
-        return torch.float32 if device.type == "cpu" else stored
-    if name not in COMPUTE_DTYPES:
-        raise ConfigError(f"--dtype {name!r}: choose from {', '.join(COMPUTE_DTYPES)}")
-    return getattr(torch, name)
-
-
-def resolve_device(device):
-    """The torch.device of ``device`` (a name or a torch.device, checked by values.device: cpu, or cuda[:N] with
-    CUDA present); None is cuda where present, else cpu."""
-    import torch
-
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(values.device(str(device) if isinstance(device, torch.device) else device, "device"))
 
 
 @dataclass
@@ -169,7 +145,8 @@ class OffloadEngine:
                                   "engine does not know; use it in `moe-offload simulate`")
             fast_budget_bytes = values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget")
             fast_slots = self._slots(fast_budget_bytes, self.compute_expert_bytes)
-            split, online = self._read_split(split_config, preload, reconfiguration, hardware, fast_budget_bytes)
+            split, online = read_split(split_config, preload, reconfiguration, hardware, fast_budget_bytes, m, self.spec,
+                                       self.compute_expert_bytes)
             self.places = info.policy.places_or_bypasses  # computes bypassed experts on the host
             if self.places:
                 host_budget = placing_host_budget(info, policy_options, host_budget, replay is not None,
@@ -195,8 +172,9 @@ class OffloadEngine:
                 if self.places and host_slots < m.top_k:  # a layer's bypassed experts are in the host tier at once
                     raise ConfigError(f"host budget {host_budget} cannot hold a layer's top-{m.top_k} experts "
                                       f"({format_bytes(m.expert_bytes)} each), which {policy!r} computes there")
-            self.replay_trace = self._read_replay(replay)
-            self.prefetcher = self._make_prefetcher(prefetch, prefetch_options, prefetch_history)
+            self.replay_trace = read_replay(replay)
+            self.prefetcher = engine_prefetcher(prefetch, prefetch_options, prefetch_history, self.spec,
+                                                self.replay_trace)
             self.policy_name, self.prefetch_name = policy, prefetch
 
             self.model, self.adapter, self.startup_seconds = load_skeleton(m, self.device, self.compute_dtype,
@@ -211,12 +189,13 @@ class OffloadEngine:
 
                 self.split = SegmentTier(*split, m, self.store, self.counters, self.spec, make, self.device,
                                          self.compute_dtype, fast_budget_bytes)
-                self.tiers = [self.split] + self._host_tier(host_slots)
+                self.tiers = [self.split] + host_tier(m, self.spec, host_slots, self.device)
             else:
-                self.tiers = self._make_tiers(info.partitioned, make, fast_slots, host_slots)
+                self.tiers = make_tiers(m, self.spec, info.partitioned, make, fast_slots, host_slots, self.device,
+                                        self.compute_dtype, self.compute_expert_bytes)
             self.path = DataPath(self.tiers, self.store, self.counters, self.spec)
             if self.prefetcher is not None and split is None:  # a split run's prefetcher takes Y per layer
-                self.prefetcher.set_budget(self._link_budget(hardware))
+                self.prefetcher.set_budget(link_budget(hardware, m))
             self.replay = None
             if self.replay_trace is not None:
                 from moe_offload.runtime.replay import RoutingReplay
@@ -240,92 +219,8 @@ class OffloadEngine:
             self.preload_seconds = self._preload() if preload or self.places else 0.0
 
     # ------------------------------------------------------------------------------------------ set-up
-    def _make_tiers(self, partitioned: bool, make, fast_slots: int, host_slots: int) -> list[Tier]:
-        """The fast tier (and the host tier) of an unsplit run."""
-        import torch
-
-        m = self.manifest
-        stored = getattr(torch, m.dtype)
-        fast_bytes = fast_slots * self.compute_expert_bytes
-        fast_cache = (PartitionedCache(fast_bytes, m.num_layers, make, m.num_experts, slot_size=self.compute_expert_bytes)
-                      if partitioned else ExpertCache(fast_bytes, make()))
-        elements = m.expert_bytes // stored.itemsize
-        # quantized experts: the slots hold their stored bytes, the tier computes in compute_dtype
-        fast_pool = SlotPool(fast_slots, m.expert_bytes, torch.uint8, self.device) if m.quantized else \
-            SlotPool(fast_slots, elements, self.compute_dtype, self.device)
-        return [Tier("fast", fast_cache, fast_pool, m, self.device, self.compute_dtype)] + self._host_tier(host_slots)
-
-    def _host_tier(self, host_slots: int) -> list[Tier]:
-        """The host tier of ``host_slots`` experts as stored (pinned with CUDA), LRU; none for 0."""
-        import torch
-
-        if not host_slots:
-            return []
-        m, cpu = self.manifest, torch.device("cpu")
-        stored = getattr(torch, m.dtype)
-        return [Tier("host", ExpertCache(host_slots * m.expert_bytes, policy_info("lru").policy(self.spec)),
-                     SlotPool(host_slots, m.expert_bytes // stored.itemsize, stored, cpu,
-                              pin=self.device.type == "cuda"), m, cpu, stored)]
-
-    def _read_split(self, split_config, preload, reconfiguration, hardware, budget_bytes):
-        """((configuration, its name), its online loop or None) of a split run, checked against the model; (None,
-        None) without one."""
-        if split_config is None and reconfiguration is None:
-            return None, None
-        from moe_offload.runtime.split_online import split_plan
-
-        (config, source), online = split_plan(split_config, reconfiguration, hardware, self.manifest, self.spec,
-                                              self.compute_expert_bytes, budget_bytes)
-        if preload:
-            raise ConfigError(f"{source}: the split runtime loads into the tops and the buffer as experts are needed; "
-                              "it does not preload yet")
-        return (config, source), online
-
-    def _link_budget(self, hardware):
-        """What the link into the fast tier carries per layer on ``hardware`` (a profile, its name or file; default
-        the timed simulator's), for the stored experts the link moves: the budget ``simulate --timed`` gives the
-        prefetcher on the same profile (prefetch/budget.py), so MoEpic's Y is the same in both."""
-        from moe_offload.hardware import HardwareProfile, resolve_profile
-        from moe_offload.prefetch.budget import budget_from_hardware
-
-        profile = hardware if isinstance(hardware, HardwareProfile) else resolve_profile(hardware)
-        m = self.manifest
-        return budget_from_hardware(profile, m.expert_bytes, m.num_layers, m.top_k)
-
     def _slots(self, budget_bytes: int, slot_bytes: int) -> int:
         return min(budget_bytes // slot_bytes, self.spec.num_layers * self.spec.num_experts)
-
-    @staticmethod
-    def _read_replay(replay):
-        if replay is None:
-            return None
-        from moe_offload.trace.format import Trace, read_trace
-
-        return replay if isinstance(replay, Trace) else read_trace(replay)
-
-    def _make_prefetcher(self, prefetch, options, history):
-        if prefetch is None:
-            return None
-        cls = prefetcher_info(prefetch)
-        if cls.reads_future and self.replay_trace is None:
-            raise ConfigError(f"prefetcher {prefetch!r} reads the future routing, which a running engine knows only "
-                              "when it replays a trace (replay=TRACE); otherwise use `moe-offload simulate --timed`")
-        prefetcher = make_prefetcher(prefetch, self.spec, options)
-        if history is not None:
-            from moe_offload.trace.format import Trace, read_trace
-
-            trace = history if isinstance(history, Trace) else read_trace(history)
-            meta = trace.meta
-            if (meta.num_layers, meta.num_experts, meta.top_k) != (self.spec.num_layers, self.spec.num_experts,
-                                                                   self.spec.top_k):
-                raise ConfigError(f"{trace.path}: a trace of {meta.num_layers} layers x {meta.num_experts} experts, "
-                                  f"top-{meta.top_k} cannot teach a prefetcher for this model "
-                                  f"({self.spec.num_layers} x {self.spec.num_experts}, top-{self.spec.top_k})")
-            prefetcher.fit(trace)
-        elif cls.needs_history:
-            raise ConfigError(f"prefetcher {prefetch!r} predicts from past sequences: give it a history trace "
-                              "of this model (prefetch_history=..., --prefetch-history TRACE)")
-        return prefetcher
 
     def _preload(self) -> float:
         """Fill the fast tier before the first token: a placing policy's placement (policies/base.py, chosen
@@ -395,7 +290,7 @@ class OffloadEngine:
     def generate_batch(self, prompts, max_new_tokens: int = 64, **params) -> list:
         """Every prompt's Completion, generated together by continuous batching (greedy unless ``temperature``
         is given; the other SamplingParams fields as keywords)."""
-        from moe_offload.runtime.batching import SamplingParams
+        from moe_offload.runtime.requests import SamplingParams
 
         with self.scheduler.cond:  # all join the batch at the same iteration (up to max_batch)
             handles = [self.submit(prompt, SamplingParams(max_tokens=max_new_tokens, **params)) for prompt in prompts]

@@ -44,7 +44,7 @@ from starlette.requests import ClientDisconnect
 
 from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload.inputs import parse_json
-from moe_offload.runtime.batching import Completion, SamplingParams, TextDelta
+from moe_offload.runtime.requests import Completion, SamplingParams, TextDelta
 from moe_offload.server.metrics import ServerMetrics
 from moe_offload.server.protocol import (CHAT_MAX_TOKENS, COMPLETION_MAX_TOKENS, MAX_CHOICES, APIError, ChatRequest,
                                          CompletionRequest, chat_text, new_id, parse)

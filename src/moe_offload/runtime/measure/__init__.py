@@ -210,7 +210,7 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
 
     from moe_offload.models import quiet_transformers
     from moe_offload import values
-    from moe_offload.runtime.engine import resolve_device
+    from moe_offload.runtime.engine_setup import resolve_device
     from moe_offload.runtime.storage import default_readers
 
     started = time.perf_counter()

@@ -1,0 +1,133 @@
+"""The engine's set-up (runtime/engine.py): its device and compute dtype, its tiers, MoEpic's split, the
+prefetcher's link budget, the replayed trace and the prefetcher.
+
+Each part is made once, while ``OffloadEngine`` is constructed, from the manifest of the packed model and
+the engine's arguments; a part that cannot be made raises a ConfigError naming the argument, before the
+model loads. The device helpers are also the CLI's checks of ``--device`` and ``--dtype``.
+"""
+
+from __future__ import annotations
+
+from moe_offload import values
+from moe_offload.errors import ConfigError
+from moe_offload.policies import policy_info
+from moe_offload.prefetch import make_prefetcher, prefetcher_info
+from moe_offload.runtime.tiers import SlotPool, Tier
+from moe_offload.simulator.cache import ExpertCache, PartitionedCache
+
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def compute_dtype(name: str | None, device, stored):
+    """The fast tier's dtype: ``name`` (COMPUTE_DTYPES), else float32 on a CPU and the stored dtype elsewhere."""
+    import torch
+
+    if name is None:
+        return torch.float32 if device.type == "cpu" else stored
+    if name not in COMPUTE_DTYPES:
+        raise ConfigError(f"--dtype {name!r}: choose from {', '.join(COMPUTE_DTYPES)}")
+    return getattr(torch, name)
+
+
+def resolve_device(device):
+    """The torch.device of ``device`` (a name or a torch.device, checked by values.device: cpu, or cuda[:N] with
+    CUDA present); None is cuda where present, else cpu."""
+    import torch
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(values.device(str(device) if isinstance(device, torch.device) else device, "device"))
+
+
+def make_tiers(manifest, spec, partitioned: bool, make, fast_slots: int, host_slots: int, device, dtype,
+               compute_expert_bytes: int) -> list[Tier]:
+    """The fast tier (and the host tier) of an unsplit run: ``fast_slots`` experts of ``compute_expert_bytes``
+    computing in ``dtype`` on ``device``, each partition's policy from ``make``."""
+    import torch
+
+    m = manifest
+    stored = getattr(torch, m.dtype)
+    fast_bytes = fast_slots * compute_expert_bytes
+    fast_cache = (PartitionedCache(fast_bytes, m.num_layers, make, m.num_experts, slot_size=compute_expert_bytes)
+                  if partitioned else ExpertCache(fast_bytes, make()))
+    elements = m.expert_bytes // stored.itemsize
+    # quantized experts: the slots hold their stored bytes, the tier computes in compute_dtype
+    fast_pool = SlotPool(fast_slots, m.expert_bytes, torch.uint8, device) if m.quantized else \
+        SlotPool(fast_slots, elements, dtype, device)
+    return [Tier("fast", fast_cache, fast_pool, m, device, dtype)] + host_tier(manifest, spec, host_slots, device)
+
+
+def host_tier(manifest, spec, host_slots: int, device) -> list[Tier]:
+    """The host tier of ``host_slots`` experts as stored (pinned when ``device`` is CUDA), LRU; none for 0."""
+    import torch
+
+    if not host_slots:
+        return []
+    m, cpu = manifest, torch.device("cpu")
+    stored = getattr(torch, m.dtype)
+    return [Tier("host", ExpertCache(host_slots * m.expert_bytes, policy_info("lru").policy(spec)),
+                 SlotPool(host_slots, m.expert_bytes // stored.itemsize, stored, cpu,
+                          pin=device.type == "cuda"), m, cpu, stored)]
+
+
+def read_split(split_config, preload, reconfiguration, hardware, budget_bytes, manifest, spec,
+               compute_expert_bytes: int):
+    """((configuration, its name), its online loop or None) of a split run, checked against the model; (None,
+    None) without one."""
+    if split_config is None and reconfiguration is None:
+        return None, None
+    from moe_offload.runtime.split_online import split_plan
+
+    (config, source), online = split_plan(split_config, reconfiguration, hardware, manifest, spec,
+                                          compute_expert_bytes, budget_bytes)
+    if preload:
+        raise ConfigError(f"{source}: the split runtime loads into the tops and the buffer as experts are needed; "
+                          "it does not preload yet")
+    return (config, source), online
+
+
+def link_budget(hardware, manifest):
+    """What the link into the fast tier carries per layer on ``hardware`` (a profile, its name or file; default
+    the timed simulator's), for the stored experts the link moves: the budget ``simulate --timed`` gives the
+    prefetcher on the same profile (prefetch/budget.py), so MoEpic's Y is the same in both."""
+    from moe_offload.hardware import HardwareProfile, resolve_profile
+    from moe_offload.prefetch.budget import budget_from_hardware
+
+    profile = hardware if isinstance(hardware, HardwareProfile) else resolve_profile(hardware)
+    m = manifest
+    return budget_from_hardware(profile, m.expert_bytes, m.num_layers, m.top_k)
+
+
+def read_replay(replay):
+    """The trace to replay: ``replay`` itself (a Trace), read from its path, or None."""
+    if replay is None:
+        return None
+    from moe_offload.trace.format import Trace, read_trace
+
+    return replay if isinstance(replay, Trace) else read_trace(replay)
+
+
+def engine_prefetcher(prefetch, options, history, spec, replay_trace):
+    """The prefetcher named ``prefetch`` (None: none) for a model of ``spec``, fitted on the ``history`` trace;
+    one that reads the future only when the engine replays ``replay_trace``."""
+    if prefetch is None:
+        return None
+    cls = prefetcher_info(prefetch)
+    if cls.reads_future and replay_trace is None:
+        raise ConfigError(f"prefetcher {prefetch!r} reads the future routing, which a running engine knows only "
+                          "when it replays a trace (replay=TRACE); otherwise use `moe-offload simulate --timed`")
+    prefetcher = make_prefetcher(prefetch, spec, options)
+    if history is not None:
+        from moe_offload.trace.format import Trace, read_trace
+
+        trace = history if isinstance(history, Trace) else read_trace(history)
+        meta = trace.meta
+        if (meta.num_layers, meta.num_experts, meta.top_k) != (spec.num_layers, spec.num_experts, spec.top_k):
+            raise ConfigError(f"{trace.path}: a trace of {meta.num_layers} layers x {meta.num_experts} experts, "
+                              f"top-{meta.top_k} cannot teach a prefetcher for this model "
+                              f"({spec.num_layers} x {spec.num_experts}, top-{spec.top_k})")
+        prefetcher.fit(trace)
+    elif cls.needs_history:
+        raise ConfigError(f"prefetcher {prefetch!r} predicts from past sequences: give it a history trace "
+                          "of this model (prefetch_history=..., --prefetch-history TRACE)")
+    return prefetcher
