@@ -8,6 +8,8 @@ from itertools import count
 
 import numpy as np
 
+from moe_offload.policies.base import NoEvictableExpert
+
 
 class RankedKeys:
     """Keys ordered by score, lowest first; among equal scores the key whose score was set earliest comes
@@ -64,6 +66,13 @@ class RankedKeys:
         for entry in skipped:
             heapq.heappush(heap, entry)
         return found
+
+    def victim(self, pinned=()):
+        """The lowest-scored key not in ``pinned``: a ranking policy's victim; NoEvictableExpert if none."""
+        lowest = self.lowest(pinned)
+        if lowest is None:
+            raise NoEvictableExpert
+        return lowest[1]
 
 
 # ------------------------------------------------------------------------------------- the kernels' twin

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from moe_offload.policies._ranked import RankedKeys, heap_new, heap_pop, heap_push, heap_update
-from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
+from moe_offload.policies.base import EvictionPolicy
 
 
 class Belady(EvictionPolicy):
@@ -29,10 +29,7 @@ class Belady(EvictionPolicy):
         self._ranked.discard(key)
 
     def victim(self, ctx):
-        lowest = self._ranked.lowest(ctx.pinned)
-        if lowest is None:
-            raise NoEvictableExpert
-        return lowest[1]
+        return self._ranked.victim(ctx.pinned)
 
     @staticmethod
     def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,

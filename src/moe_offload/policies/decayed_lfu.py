@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from moe_offload.policies._ranked import RankedKeys
-from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
+from moe_offload.policies.base import EvictionPolicy
 from moe_offload.values import number
 
 
@@ -58,7 +58,4 @@ class DecayedLFU(EvictionPolicy):
         self._ranked.discard(key)
 
     def victim(self, ctx):
-        lowest = self._ranked.lowest(ctx.pinned)
-        if lowest is None:
-            raise NoEvictableExpert
-        return lowest[1]
+        return self._ranked.victim(ctx.pinned)

@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from moe_offload.policies._ranked import RankedKeys, heap_new, heap_pop, heap_push, heap_update
-from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
+from moe_offload.policies.base import EvictionPolicy
 from moe_offload.values import number
 
 
@@ -62,10 +62,7 @@ class LCP(EvictionPolicy):
         self._ranked.discard(key)
 
     def victim(self, ctx):
-        lowest = self._ranked.lowest(ctx.pinned)
-        if lowest is None:
-            raise NoEvictableExpert
-        return lowest[1]
+        return self._ranked.victim(ctx.pinned)
 
     def kernel_arguments(self):
         return np.array([self._decay], np.float64), np.zeros(0, np.int64)

@@ -7,28 +7,19 @@ slot(s): a stack. When the newest is pinned (the current layer computes with it)
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 
 from moe_offload.policies._linked import list_append, list_remove, lists_new
-from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
+from moe_offload.policies.base import NoEvictableExpert
+from moe_offload.policies.fifo import FIFO
 
 
-class LIFO(EvictionPolicy):
+class LIFO(FIFO):
+    """FIFO's insertion order (its hooks), evicting from the other end."""
+
     name = "lifo"
     summary = "last in, first out: evict the expert that entered the cache most recently"
     source = "classic; baseline of paper 003"
-
-    def __init__(self, spec, seed=0):
-        super().__init__(spec, seed)
-        self._order: OrderedDict = OrderedDict()  # insertion order, newest last
-
-    def on_insert(self, key, ctx):
-        self._order[key] = None
-
-    def on_evict(self, key):
-        del self._order[key]
 
     def victim(self, ctx):
         for key in reversed(self._order):
