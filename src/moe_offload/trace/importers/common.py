@@ -60,6 +60,17 @@ def _assemble(requests: list[_Request], paths: list[Path], format_name: str, *, 
                        path=path)
 
 
+def _check_requests_ids(requests: list[_Request], num_experts: int | None, paths: list[Path], how: str) -> None:
+    """Every request's ids checked against J (_check_expert_ids); a format that does not carry J, given none,
+    is refused with ``how`` to give it and the least J its ids allow."""
+    if num_experts is None:
+        largest = max(int(r.experts.max()) for r in requests)
+        raise ConfigError(f"{', '.join(map(str, paths))}: {how}. Hint: the largest expert id in the file(s) is "
+                          f"{largest}, so J is at least {largest + 1}")
+    for request in requests:
+        _check_expert_ids(request, num_experts)
+
+
 def _check_expert_ids(request: _Request, num_experts: int) -> None:
     """Raise TraceError at the first line/route selecting an id outside 0..J-1 or one expert twice."""
     experts = request.experts

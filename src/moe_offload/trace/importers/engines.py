@@ -39,7 +39,7 @@ import numpy as np
 from moe_offload.errors import ConfigError, TraceError
 from moe_offload.inputs import check_input
 from moe_offload.trace.format import DECODE, PREFILL, Trace
-from moe_offload.trace.importers.common import _as_paths, _assemble, _check_expert_ids, _check_num_experts, _Request
+from moe_offload.trace.importers.common import _as_paths, _assemble, _check_num_experts, _check_requests_ids, _Request
 from moe_offload.trace.importers.model_config import ModelShape
 from moe_offload.trace.importers.responses import (ResponseError, check_id_array, decode_int32_ids,
                                                    decode_nested_or_encoded, read_responses, usage_counts)
@@ -285,13 +285,8 @@ def build_trace(format_name: str, routed: list[Routed], paths: list[Path], *, nu
             raise TraceError(request.path, f"routing of {shape[0]} layers x top-{shape[1]}, but the model config "
                                            f"has {model_config.num_layers} MoE layers x top-{model_config.top_k}",
                              row=request.locator[0], unit=unit)
-    if num_experts is None:
-        largest = max(int(r.experts.max()) for r in requests)
-        raise ConfigError(f"{', '.join(map(str, paths))}: {format_name} routing does not say how many experts each "
-                          f"layer has; give --experts J or --model-config config.json. Hint: the largest expert id "
-                          f"is {largest}, so J is at least {largest + 1}")
-    for request in requests:
-        _check_expert_ids(request, num_experts)
+    _check_requests_ids(requests, num_experts, paths, f"{format_name} routing does not say how many experts each "
+                        "layer has; give --experts J or --model-config config.json")
     models = {entry.model for entry in routed if entry.model is not None}
     model = model or (models.pop() if models else None) or (model_config.name if model_config else "unknown")
     details = {"importer": format_name, "files": [Path(p).name for p in paths], "experts_sorted": False}

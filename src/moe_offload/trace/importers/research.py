@@ -28,7 +28,7 @@ import numpy as np
 from moe_offload.errors import ConfigError, TraceError
 from moe_offload.inputs import parse_json, read_text
 from moe_offload.trace.format import DECODE, PHASES, PREFILL, Trace
-from moe_offload.trace.importers.common import (_are_ids, _as_paths, _assemble, _check_expert_ids,
+from moe_offload.trace.importers.common import (_are_ids, _as_paths, _assemble, _check_expert_ids, _check_requests_ids,
                                                 _check_num_experts, _failer, _is_int, _is_number, _Request)
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
@@ -47,13 +47,8 @@ def import_topk_jsonl(paths, *, num_experts: int | None = None, model: str | Non
     for path in paths[1:]:
         requests.append(_read_topk_jsonl(path, shape=requests[0].experts.shape[1:], shape_origin=paths[0].name))
     shape = requests[0].experts.shape[1:]
-    if num_experts is None:
-        largest = max(int(r.experts.max()) for r in requests)
-        raise ConfigError(f"{', '.join(map(str, paths))}: topk-jsonl traces do not say how many experts each "
-                          f"layer has; give it (num_experts, or --experts J on the command line). Hint: the "
-                          f"largest expert id in the file(s) is {largest}, so J is at least {largest + 1}")
-    for request in requests:
-        _check_expert_ids(request, num_experts)
+    _check_requests_ids(requests, num_experts, paths, "topk-jsonl traces do not say how many experts each layer "
+                        "has; give it (num_experts, or --experts J on the command line)")
 
     # Sorted lists of K > 1 experts everywhere: the file kept the set of experts, not the router's ranking.
     every_layer_sorted = all(bool((np.diff(r.experts, axis=2) > 0).all()) for r in requests)
