@@ -56,9 +56,10 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def raw(server, path: str, body: bytes | None = None, method: str = "POST") -> tuple[int, dict | str]:
+def raw(server, path: str, body: bytes | None = None, method: str = "POST", headers=None) -> tuple[int, dict | str]:
+    """(status, JSON body or text) of one request over plain HTTP, as a client that is no SDK sends it."""
     request = urllib.request.Request(server.url + path, data=body, method=method,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=300) as response:
             status, text = response.status, response.read().decode()

@@ -28,6 +28,7 @@ from moe_offload.api import load  # noqa: E402
 from moe_offload.runtime.requests import SamplingParams  # noqa: E402
 from moe_offload.server import ServerThread  # noqa: E402
 from moe_offload.server import app as server_app  # noqa: E402
+from test_server import raw  # noqa: E402
 
 BODY_LIMIT = 256 * 1024
 SLOW = 300  # seconds a client waits: a 2-core machine shared with other work can take seconds per pass
@@ -88,20 +89,6 @@ def quiet(log):
     new = Collected()
     new.records = log.records[start:]
     assert new.problems() == []
-
-
-def raw(server, path: str, body: bytes | None = None, method: str = "POST", headers=None):
-    request = urllib.request.Request(server.url + path, data=body, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=SLOW) as response:
-            status, text = response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        status, text = exc.code, exc.read().decode()
-    try:
-        return status, json.loads(text)
-    except json.JSONDecodeError:
-        return status, text
 
 
 def health(server) -> dict:
