@@ -70,3 +70,24 @@ def tiny_trace():
     from moe_offload.trace import read_trace
 
     return read_trace(DEFAULT_TINY_TRACE)
+
+
+@pytest.fixture(scope="session")
+def tiny_server():
+    """The bundled tiny model served on loopback (tests/tiny_server.py), one for the whole session: tests that
+    read /metrics compare counts before and after their own requests."""
+    pytest.importorskip("torch")
+    pytest.importorskip("fastapi")
+    from tiny_server import serving
+
+    with serving() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def tiny_recorded():
+    """What `record` sees for tests/tiny_server.py's PROMPTS, one prompt at a time."""
+    pytest.importorskip("torch")
+    from tiny_server import recorded_alone
+
+    return recorded_alone()

@@ -16,45 +16,20 @@ pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from moe_offload.api import load  # noqa: E402
 from moe_offload.bundled import TINY_MODEL_DIR  # noqa: E402
 from moe_offload.cli.main import main  # noqa: E402
 from moe_offload.hardware.profile import resolve_profile  # noqa: E402
-from moe_offload.server import ServerThread  # noqa: E402
 from moe_offload.text.prompts import Prompt  # noqa: E402
 from moe_offload.trace.capture import capture  # noqa: E402
 from moe_offload.simulator.timed import simulate_timed  # noqa: E402
 from moe_offload.trace.format import PREFILL, read_trace  # noqa: E402
-
-PROMPTS = [f"question {i}: tell me about {word}." for i, word in enumerate(
-    ["caches", "the sea", "Rome", "lists", "the sky", "poems", "experts", "memory", "trees", "sorting",
-     "models", "routers", "tokens", "layers", "GPUs", "disks"])]
-NEW_TOKENS = 4
-
-
-@pytest.fixture(scope="module")
-def server():
-    with load("tiny", fast_budget="30%", policy="lru", max_batch=16) as engine:
-        with ServerThread(engine, "tiny") as running:
-            yield running
-
+from tiny_server import NEW_TOKENS, PROMPTS  # noqa: E402
 
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
     path.write_text("".join(p + "\n" for p in PROMPTS))
     return path
-
-
-@pytest.fixture(scope="module")
-def recorded():
-    from moe_offload.models.recorder import record
-    from moe_offload.models.tiny import load as load_model
-
-    model, adapter, tokenizer = load_model("tiny")
-    trace = record(model, adapter, tokenizer, [Prompt(p, f"t:{i}") for i, p in enumerate(PROMPTS)],
-                   model_name="tiny", max_new_tokens=NEW_TOKENS, batch_size=1).trace
-    return [trace.experts[trace.request == r] for r in range(len(PROMPTS))]
 
 
 def scrape(server) -> dict:
@@ -90,10 +65,10 @@ def pass_requests(trace) -> int:
     return int(np.unique(keys).size)
 
 
-def test_sixteen_concurrent_prompts(capsys, server, prompt_file, recorded, tmp_path):
-    before = scrape(server)
-    trace = run_capture(capsys, server, prompt_file, tmp_path / "t.parquet", concurrency=16)
-    after = scrape(server)
+def test_sixteen_concurrent_prompts(capsys, tiny_server, prompt_file, tiny_recorded, tmp_path):
+    before = scrape(tiny_server)
+    trace = run_capture(capsys, tiny_server, prompt_file, tmp_path / "t.parquet", concurrency=16)
+    after = scrape(tiny_server)
     assert trace.num_requests == 16
     # every token that went through the model: prompt + completion - 1 per request
     assert trace.num_tokens == tokens(after) - tokens(before) - 16
@@ -101,7 +76,7 @@ def test_sixteen_concurrent_prompts(capsys, server, prompt_file, recorded, tmp_p
     assert order == sorted(order) and len(order) == 16
     # the trace's requests are in sending order: each is one prompt's routing, and every prompt's is there
     captured = sorted(trace.experts[trace.request == r].astype(np.int64).tobytes() for r in range(16))
-    assert captured == sorted(expected.astype(np.int64).tobytes() for expected in recorded)
+    assert captured == sorted(expected.astype(np.int64).tobytes() for expected in tiny_recorded)
     assert pass_requests(trace) == expert_requests(after) - expert_requests(before)
     # the timed simulator replays the trace's passes as recorded: it serves as many expert requests
     replayed = simulate_timed(trace, resolve_profile("desktop-rtx4090"), "lru", 16 * trace.meta.expert_bytes)
@@ -110,15 +85,15 @@ def test_sixteen_concurrent_prompts(capsys, server, prompt_file, recorded, tmp_p
     assert max(batch_sizes) > 1  # the server did batch them
 
 
-def test_one_at_a_time_arrival_times_give_the_servers_passes(capsys, server, prompt_file, tmp_path):
+def test_one_at_a_time_arrival_times_give_the_servers_passes(capsys, tiny_server, prompt_file, tmp_path):
     from moe_offload.trace.importers.model_config import read_model_config
 
     shape = read_model_config(TINY_MODEL_DIR / "config.json")
-    before = scrape(server)
+    before = scrape(tiny_server)
     # as SGLang answers: routing without the pass numbers, so the schedule comes from the times alone
-    trace = capture(server.url, [Prompt(p, f"t:{i}") for i, p in enumerate(PROMPTS)], engine="sglang",
+    trace = capture(tiny_server.url, [Prompt(p, f"t:{i}") for i, p in enumerate(PROMPTS)], engine="sglang",
                     max_tokens=NEW_TOKENS, concurrency=1, model_config=shape)
-    after = scrape(server)
+    after = scrape(tiny_server)
     assert pass_requests(trace) == expert_requests(after) - expert_requests(before)
     # one request after the other: each prompt one prefill pass, then one pass per generated token
     first_rows = np.flatnonzero(np.r_[True, trace.request[1:] != trace.request[:-1]])
@@ -134,8 +109,8 @@ def test_unreachable_server_is_one_line_and_writes_nothing(capsys, prompt_file, 
     assert not (tmp_path / "t.parquet").exists()
 
 
-def test_sglang_engine_needs_a_model_config(capsys, server, prompt_file, tmp_path):
-    code = main(["trace", "capture", "--url", server.url, "--prompts", str(prompt_file), "--engine", "sglang",
+def test_sglang_engine_needs_a_model_config(capsys, tiny_server, prompt_file, tmp_path):
+    code = main(["trace", "capture", "--url", tiny_server.url, "--prompts", str(prompt_file), "--engine", "sglang",
                  "-o", str(tmp_path / "t.parquet")])
     err = capsys.readouterr().err
     assert code == 2 and "--model-config" in err and err.count("\n") == 1, err
