@@ -72,7 +72,7 @@ import numpy as np
 
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies import AccessContext, ModelSpec, policy_factory, policy_info
-from moe_offload.policies.fetch_or_compute import FetchOrCompute
+from moe_offload.policies.fetch_or_compute import FetchOrCompute, ProfileCosts
 from moe_offload.prefetch import Prefetcher, RoutingView, search_latency
 from moe_offload.prefetch.budget import budget_from_hardware
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
@@ -98,6 +98,8 @@ class TimedRun:
         self.L, self.J, self.E = spec.num_layers, spec.num_experts, expert_bytes
         self.prefetcher = prefetcher
         self.compute = hardware.compute
+        # what the host's work costs, and Fiddler's fetch(k, n) and compute(k, n) (the runtime's too)
+        self.costs = ProfileCosts(hardware, expert_bytes, meta.hidden_size, self._where) if hardware.host else None
         info = policy_info(policy)
         self.offline = info.offline and not all_resident
         make = policy_factory(policy, spec, seed=seed, options=policy_options)  # every tier's policy
@@ -122,7 +124,7 @@ class TimedRun:
         elif split is not None:
             self.fast = self.split = SplitExperts(split, self.J, spec.top_k, expert_bytes, make)
         else:
-            rule = FetchOrCompute(self._fetch_seconds, self._compute_seconds) if fetch_or_compute else None
+            rule = FetchOrCompute.on_profile(self.costs) if fetch_or_compute else None
             self.fast = cache(cache_bytes, rule)
             self.fast.preload(trace, ctx, expert_bytes)  # a static placement's experts, before the first pass
         # The home tier holds every expert from the start; the tiers between it and the GPU are caches.
@@ -319,47 +321,21 @@ class TimedRun:
         """The fastest tier after the GPU that holds ``key``: a middle cache's copy, else the home."""
         return next((i for i in range(1, self.net.home) if key in self.net.caches[i]), self.net.home)
 
-    def _read_seconds(self, key: int, down_to: int) -> float:
-        """One expert's bytes over the links from where it is to tier ``down_to``, hop after hop, alone."""
-        return sum(self.hardware.link_from(i).transfer_seconds(self.E) for i in range(down_to + 1,
-                                                                                       self._where(key) + 1))
-
-    def _activation_seconds(self, tokens: int) -> float:
-        """The hidden states of ``tokens`` over the host link, one way: its latency, plus their bytes when the
-        trace gives the hidden size (in the profile's bytes per parameter)."""
-        link = self.hardware.link_from(1)
-        hidden = self.trace.meta.hidden_size
-        roofline = self.compute.roofline
-        nbytes = tokens * hidden * (roofline.bytes_per_param if roofline is not None else 2.0) if hidden else 0
-        return link.transfer_seconds(nbytes)
-
-    def _host_expert_seconds(self, key: int, tokens: int) -> float:
-        """The host's time for expert ``key`` on ``tokens`` tokens: its weights read into host memory when
-        they are further away (an SSD home), then its compute there."""
-        return self._read_seconds(key, 1) + self.hardware.host.expert_seconds(tokens, self.E)
-
-    def _fetch_seconds(self, key: int, tokens: int) -> float:
-        """Fiddler's fetch(k, n): the expert's bytes to the GPU, then its compute there."""
-        return self._read_seconds(key, 0) + self.compute.expert_seconds(tokens, self.E)
-
-    def _compute_seconds(self, key: int, tokens: int) -> float:
-        """Fiddler's compute(k, n): the hidden states to the host and back, and the host's compute."""
-        return 2 * self._activation_seconds(tokens) + self._host_expert_seconds(key, tokens)
-
     def _start_host(self, layer: int, tokens: int) -> float:
         """Start the host's work on the layer's bypassed experts now: the hidden states of the iteration's
         ``tokens`` go over once, the experts run one after another on the CPU, the results come back once.
         Returns when it is done."""
         start = self.now
-        t = start + self._activation_seconds(tokens)
+        costs = self.costs
+        t = start + costs.activation_seconds(tokens)
         for key, routed in self.bypassed_now.items():
-            seconds = self._host_expert_seconds(key, routed)
+            seconds = costs.host_expert_seconds(key, routed)
             self.net.keep_in_host(key)
             self.events.append(("host", "expert", t, t + seconds, layer, key))
             self.host_seconds += seconds
             t += seconds
         self.bypassed_now = {}
-        return t + self._activation_seconds(tokens)
+        return t + costs.activation_seconds(tokens)
 
     def _run_experts(self, layer: int, keys: list[int], counts: list[int], tokens: int) -> None:
         bypassed = self.bypassed_now  # they run on the host
