@@ -21,7 +21,8 @@ the runtime (``generate --fetch-or-compute``), so both decide alike on the same 
     T_host(k,n) the links from the tier that holds k down to the host tier (nothing when the host holds
                 it: an SSD home's read first), then the profile's [host] expert on n tokens
     T_act(n)    twice the host link (the link out of tier 1) carrying n hidden states of hidden_size values
-                at the profile's bytes per parameter (its latency alone when the hidden size is unknown)
+                at the profile's bytes per parameter (its latency alone when the hidden size is unknown);
+                nothing when the host is the compute device (``[host] on_compute_device``: no GPU)
 
 Where the host's memory outruns the link, decoding bypasses every miss, so a dynamic cache that starts empty
 fills only through what this rule does not decide: prefetches, and the fetches of a long prefill. Fiddler
@@ -51,7 +52,9 @@ class ProfileCosts:
         return sum(link_from(i).transfer_seconds(self.expert_bytes) for i in range(down_to + 1, self.where(key) + 1))
 
     def activation_seconds(self, tokens: int) -> float:
-        """The hidden states of ``tokens`` over the host link, one way."""
+        """The hidden states of ``tokens`` over the host link, one way; none when the host is the compute device."""
+        if self.hardware.host.on_compute_device:
+            return 0.0
         nbytes = tokens * self.hidden_size * self.bytes_per_value if self.hidden_size else 0
         return self.hardware.link_from(1).transfer_seconds(nbytes)
 

@@ -48,7 +48,10 @@ that link's speed, and kept in the host tier when that is a cache: tiers.py ``ke
 ``hardware.host.expert_seconds(tokens routed to it)``, as ktransformers and HybriMoE schedule it. When the
 layer is routed the host starts: the hidden states of the iteration's tokens cross the host link, the layer's
 bypassed experts run one after another, the results cross back. Meanwhile the GPU computes the resident and
-loaded experts; the layer is done when both are (the GPU's wait for the host counts as stall). A prefill
+loaded experts; the layer is done when both are (the GPU's wait for the host counts as stall). On a machine
+without a GPU (``[host] on_compute_device``) the host *is* the compute device: no hidden states cross a link,
+and its experts run on the compute stream after the layer's resident ones (or while none is resident and a
+load is awaited), as the runtime orders them there. A prefill
 routes many tokens to an expert, so its host compute is many tokens of the CPU's FLOPs: TTFT grows with the
 prompt.
 
@@ -337,9 +340,21 @@ class TimedRun:
         self.bypassed_now = {}
         return t + costs.activation_seconds(tokens)
 
+    def _host_expert_on_compute_stream(self, layer: int, key: int, routed: int) -> None:
+        """A bypassed expert computed by the compute device itself (``[host] on_compute_device``)."""
+        seconds = self.costs.host_expert_seconds(key, routed)
+        self.net.keep_in_host(key)
+        self.host_seconds += seconds
+        self._compute(seconds, "host", layer, key)
+
     def _run_experts(self, layer: int, keys: list[int], counts: list[int], tokens: int) -> None:
         bypassed = self.bypassed_now  # they run on the host
-        host_done = self._start_host(layer, tokens) if bypassed else self.now
+        # A host that is the compute device runs them on the compute stream: after the resident experts, or
+        # while none is resident and a load is awaited (the runtime's order), not beside them.
+        on_stream = list(bypassed.items()) if bypassed and self.hardware.host.on_compute_device else []
+        if on_stream:
+            self.bypassed_now = {}
+        host_done = self._start_host(layer, tokens) if bypassed and not on_stream else self.now
         remaining = [[key, count, False] for key, count in zip(keys, counts)  # [key, tokens, top share run]
                      if key not in bypassed]
         expert_seconds, E, split = self.compute.expert_seconds, self.E, self.split
@@ -347,6 +362,9 @@ class TimedRun:
         while remaining:
             ready = next((i for i, (key, _, top_done) in enumerate(remaining) if self._part_ready(key, top_done)),
                          None)
+            if ready is None and on_stream:
+                self._host_expert_on_compute_stream(layer, *on_stream.pop(0))
+                continue
             if ready is None:
                 start = self.now
                 while not any(self._part_ready(key, top_done) for key, _, top_done in remaining):
@@ -369,6 +387,8 @@ class TimedRun:
             if split is not None:
                 split.consume(key)
             self.net.kick()
+        for key, routed in on_stream:
+            self._host_expert_on_compute_stream(layer, key, routed)
         if host_done > self.now:  # the layer is done when the host's share is
             start = self.now
             self._advance_to(host_done)
