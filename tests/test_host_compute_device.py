@@ -49,3 +49,24 @@ def test_on_compute_device_must_be_a_boolean(tmp_path):
                     'expert = { fixed_s = 1 }\n[host]\nexpert = { fixed_s = 1 }\non_compute_device = "yes"\n')
     with pytest.raises(ConfigError, match=r"bad.toml: key 'host.on_compute_device': must be true or false"):
         load_profile(path)
+
+
+def test_a_bypassed_expert_runs_while_the_layer_waits_for_its_loads(monkeypatch):
+    from moe_offload.policies import POLICIES, PolicyInfo
+    from moe_offload.policies.lru import LRU
+
+    class LRUNeverTwo(LRU):  # the host computes expert 2: a layer with loads and a bypass at once
+        name = "lru-never-two"
+        places_or_bypasses = True
+
+        def admit(self, key, ctx):
+            return key != 2
+
+    monkeypatch.setitem(POLICIES, LRUNeverTwo.name, PolicyInfo(LRUNeverTwo.name, LRUNeverTwo))
+    result = simulate_timed(trace(ROWS), on_compute_device(), LRUNeverTwo.name, 3 * E)
+    # first pass: routed at 1.25; experts 0 and 1 load one after the other (0.5 + 1000 / 100 = 10.5 s each:
+    # 11.75, 22.25) while the host computes 2 (1.25 to 6.25) on the idle compute stream; 0 runs 11.75-13.75,
+    # 1 22.25-24.25; LM head: 24.75. Were the host's expert run after the resident ones: 29.75
+    assert result.ttft_seconds == pytest.approx(24.75)
+    # then 0 and 1 are resident: 1.25 + 2 + 2 + 5 + 0.5
+    assert result.tpot_seconds == pytest.approx(10.75)
