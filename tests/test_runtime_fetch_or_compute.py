@@ -60,10 +60,10 @@ def decisions(monkeypatch):
     return made
 
 
-def run(tiny, hardware, fast_budget="25%"):
+def run(tiny, hardware, fast_budget="25%", **options):
     packed, trace, reference = tiny
     with OffloadEngine(packed, replay=trace, fast_budget=fast_budget, policy="lru", fetch_or_compute=True,
-                       hardware=hardware) as engine:
+                       hardware=hardware, **options) as engine:
         result = engine.generate_replayed(REQUEST, NEW_TOKENS, return_logits=True)
     assert result.token_ids == reference.token_ids  # lossless against the all-resident engine
     assert all(torch.equal(a, b) for a, b in zip(result.logits, reference.logits))
@@ -82,6 +82,14 @@ def test_a_pass_fetches_an_expert_with_many_tokens_and_computes_one_with_few_on_
     assert stats.bypassed == sum(not fetched for *_, fetched in decisions)
     assert stats.misses == sum(fetched for *_, fetched in decisions)
     assert stats.host_compute_seconds > 0
+
+
+@pytest.mark.parametrize("prefetch", ["topk", "oracle"])
+def test_a_prefetcher_beside_the_rule_stays_lossless(tiny, prefetch):
+    # the rule decides the demand misses; what the prefetcher brings in is used as any resident expert
+    stats = run(tiny, profile(gpu_expert=10e-3, host_fixed=0.5e-3, host_per_token=1e-3), prefetch=prefetch)
+    assert stats.bypassed > 0 and stats.prefetches_issued > 0
+    assert stats.hits + stats.misses + stats.bypassed == stats.accesses
 
 
 E, HIDDEN = 442368, 192  # the tiny model's expert (float16, stored) and hidden size
