@@ -170,3 +170,25 @@ def test_generate_and_serve_take_fetch_or_compute_and_refuse_bad_input_in_one_li
             assert problem in one_line_error(capsys)
     assert main(["serve", "--hardware", str(tmp_path / "none.toml")]) == 2  # serve reads --hardware first too
     assert "none.toml" in one_line_error(capsys)
+
+
+def test_a_batch_decides_on_the_tokens_each_expert_gets_in_the_pass(decisions):
+    # fetch 2.5 ms against 0.5 ms + 1 ms x n on the host: fetched iff n >= 2, so in a pass of three decoding
+    # requests an expert two or three of them route to is fetched and one routed by a single request is not
+    from moe_offload.api import load
+    from moe_offload.runtime.requests import SamplingParams
+
+    prompts = ["User: what is a cache?\nAssistant:", "User: hi\nAssistant:", "def add(a, b):"]
+    tokens = [9, 5, 7]
+    with load("tiny", fast_budget="30%", policy="lru") as engine:
+        alone = [engine.generate(p, max_new_tokens=n, return_logits=True) for p, n in zip(prompts, tokens)]
+    decisions.clear()
+    with load("tiny", fast_budget="30%", policy="lru", max_batch=3, fetch_or_compute=True,
+              hardware=profile(gpu_expert=2.5e-3, host_fixed=0.5e-3, host_per_token=1e-3)) as engine:
+        handles = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True)) for p, n in zip(prompts, tokens)]
+        completions = [handle.result(timeout=120) for handle in handles]
+    for completion, reference in zip(completions, alone):
+        assert completion.token_ids == reference.token_ids
+        assert all(torch.equal(a, b) for a, b in zip(completion.logits, reference.logits))
+    assert all(fetched == (n >= 2) for _, n, fetched in decisions)
+    assert {(n, fetched) for _, n, fetched in decisions} >= {(1, False), (2, True)}
