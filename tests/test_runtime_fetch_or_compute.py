@@ -92,6 +92,14 @@ def test_a_prefetcher_beside_the_rule_stays_lossless(tiny, prefetch):
     assert stats.hits + stats.misses + stats.bypassed == stats.accesses
 
 
+def test_a_small_host_tier_reads_a_bypassed_expert_into_it_first(tiny):
+    # a host tier of 6 experts: most bypassed experts are not in it, and go from the files into it (no further)
+    # before the layer computes them there; the host tier's requests count each of them
+    stats = run(tiny, profile(gpu_expert=10e-3, host_fixed=0.5e-3, host_per_token=1e-3), host_budget="10%")
+    assert stats.bypassed > 0 and stats.tier_requests["host"] == stats.on_demand_loads + stats.bypassed
+    assert stats.tier_hits["host"] < stats.tier_requests["host"]  # some were read from the files first
+
+
 E, HIDDEN = 442368, 192  # the tiny model's expert (float16, stored) and hidden size
 # a link of 1 GB/s and 10 us: fetch = 10 us + E / 1e9 + GPU 10 us = 462.4 us; compute = 2 x (10 us + n x HIDDEN
 # x 2 B / 1e9) + host fixed, at most 2 x 33 us + host fixed for the 60-token prompt
