@@ -1,22 +1,34 @@
-"""Static placement with host compute against dynamic caching with prefetch, in the runtime, on the bundled tiny
-Mixtral, each beside the timed simulator's prediction for the same run.
+"""Static placement with host compute against dynamic caching, in the runtime, on the bundled tiny Mixtral or a
+wider random-weight model, each beside the timed simulator's prediction for the same run.
 
-    python benchmarks/runtime_placement.py [--budget 25] [--requests 2] [--max-new-tokens 16]
-        [--prefetch moepic] [--reps 3] [--repeats 3] [--threads N] [--json FILE]
+    python benchmarks/runtime_placement.py [--model tiny|small|wide-quick|wide] [--budget 25] [--requests 2]
+        [--max-new-tokens 16] [--prefetch moepic] [--reps 3] [--repeats 3] [--threads N] [--json FILE]
 
-1. ``hardware measure`` (moe_offload.runtime.measure) times this machine on the packed bundled model, the
-   host's expert (the profile's ``[host]``) among the rest.
+The default (the bundled tiny model: hidden 192, 432 KiB experts) takes well under a minute on a CPU; its
+compute is so small that Python between the kernels is much of every step. ``--model wide-quick`` (Mixtral
+shape, 8 layers x 8 experts, top-2, hidden 1024, expert width 2048: 12 MiB per float16 expert, built once with
+random weights into the pack cache by benchmarks/runtime_gpu.py) makes expert compute and transfers dominate:
+    python benchmarks/runtime_placement.py --model wide-quick --requests 1 --max-new-tokens 12 --reps 2
+(a few minutes on a loaded 2-core CPU; ``small`` is hidden 256, ``wide`` hidden 2048).
+
+1. ``hardware measure`` (moe_offload.runtime.measure) times this machine on the packed model, the host's
+   expert (the profile's ``[host]``, a bypassed expert as the runtime computes it) among the rest.
 2. The runtime replays the routing of the bundled recorded trace (the tiny model on ShareGPT prompts,
-   runtime/replay.py): its first ``--requests`` requests, at most ``--max-new-tokens`` tokens each, with a fast
-   tier of ``--budget`` % of the experts, three ways: ``static-layers`` (llama.cpp's --n-cpu-moe: as many
-   whole layers as fit resident, the others computed on the host), ``static-freq`` (the most frequent experts
-   of the bundled history trace resident, the others computed on the host) and ``lru`` with ``--prefetch``
-   (every miss loaded from the files), the three alternating ``--reps`` times (fresh engines): TPOT is the
-   median over repetitions of the mean over requests. Each run's tokens and logits are checked against the
-   all-resident engine replaying the same routing (lossless).
-3. The timed simulator runs the same rows of the trace on the measured profile with the same policy, budget
-   and prefetcher. Reported: TPOT measured and predicted, the error (predicted - measured) / measured, the
-   share of expert requests computed on the host, and the host's compute seconds.
+   runtime/replay.py; a random-weight model is forced to the same experts): its first ``--requests``
+   requests, at most ``--max-new-tokens`` tokens each, all-resident (the baseline: how far the measured
+   profile is from this run before any expert is offloaded; the machine's load moves both), then with a fast
+   tier of ``--budget`` % of the experts four ways: ``static-layers`` (llama.cpp's --n-cpu-moe: as many whole layers as fit resident, the others
+   computed on the host), ``static-freq`` (the most frequent experts of the bundled history trace resident,
+   the others computed on the host), ``lru`` with ``--prefetch`` (every miss loaded from the files) and
+   ``lru`` with Fiddler's fetch-or-compute rule on the measured profile (a miss computed on the host when the
+   profile says that is faster), all five alternating ``--reps`` times (fresh engines, given the measured
+   profile, as the simulator is): TPOT is the median over repetitions of the mean over requests. Each run's
+   tokens and logits are checked against the first all-resident run (lossless).
+3. The timed simulator runs the same rows of the trace on the measured profile with the same policy, budget,
+   prefetcher and rule. Reported: TPOT measured and predicted, the error (predicted - measured) / measured,
+   the error of the slowdown over all-resident (predicted TPOT / predicted all-resident against measured TPOT
+   / measured all-resident: on a shared machine the load moves between the measurement and the runs, and
+   this ratio leaves out what it does to every configuration alike), the share of expert requests computed on the host, and the host's compute seconds.
 
 CPU threads: one by default without CUDA (as benchmarks/simulator_fidelity.py, which says why).
 """
@@ -27,6 +39,10 @@ import argparse
 import json
 import statistics
 import time
+
+
+# the random-weight models of benchmarks/runtime_gpu.py that replay the tiny model's trace (8 x 8, top-2)
+WIDER = ("small", "wide-quick", "wide")
 
 
 def replayed(packed, trace, requests: int, max_new_tokens: int, **options) -> dict:
@@ -51,6 +67,8 @@ def lossless(run: dict, reference: dict) -> bool:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", choices=("tiny",) + WIDER,
+                        help="the bundled tiny model (default) or a random-weight model of benchmarks/runtime_gpu.py")
     parser.add_argument("--budget", default="25", help="fast tier, %% of all experts (default 25)")
     parser.add_argument("--requests", default="2", help="requests of the bundled trace replayed (default 2)")
     parser.add_argument("--max-new-tokens", default="16", help="per request (default 16)")
@@ -87,49 +105,64 @@ def main(argv=None) -> int:
         torch.set_num_threads(values.integer(args.threads or 1, "--threads", low=1, high=values.cores()))
     quiet_transformers()
     started = time.perf_counter()
-    packed = packed_directory("tiny")
+    if args.model == "tiny":
+        packed, weights = packed_directory("tiny"), "trace"
+    else:
+        from runtime_gpu import MODELS, build_packed
+
+        packed, weights = build_packed(args.model), MODELS[args.model][3]
     manifest = read_manifest(packed)
     trace = read_trace(DEFAULT_TINY_TRACE)
     rows = [row for request in range(requests) for row in replay_rows(trace, request, max_new_tokens)]
     simulated_trace = trace.select(rows)
-    profile = HardwareProfile.from_dict(measure_hardware(packed, repeats=repeats, model_name="tiny"),
+    profile = HardwareProfile.from_dict(measure_hardware(packed, repeats=repeats, model_name=args.model),
                                         path="<measured>")
     slots = int(manifest.num_layers * manifest.num_experts * budget / 100)
     print(f"measured profile: host expert {profile.host.expert_seconds(1, manifest.expert_bytes) * 1e3:.3f} ms per "
           f"token-1 expert; replaying {requests} requests x {max_new_tokens} tokens of {DEFAULT_TINY_TRACE.name}; "
           f"fast tier {slots} of {manifest.num_layers * manifest.num_experts} experts", flush=True)
-    reference = replayed(packed, trace, requests, max_new_tokens, fast_budget="100%", preload=True)
-    configurations = [
+    configurations = [  # (name, the engine's options, the simulator's)
+        ("all-resident", {"fast_budget": "100%", "preload": True}, {"all_resident": True}),
         ("static-layers", {"policy": "static-layers"}, {}),
         ("static-freq", {"policy": "static-freq", "policy_options": {"profile": str(TINY_HISTORY_TRACE)}},
          {"policy_options": {"profile": str(TINY_HISTORY_TRACE)}}),
         (f"lru + {args.prefetch}", {"policy": "lru", "prefetch": args.prefetch, "bypass_page_cache": True,
                                     "prefetch_history": read_trace(TINY_HISTORY_TRACE)},
          {"prefetcher": args.prefetch, "history": read_trace(TINY_HISTORY_TRACE)}),
+        ("lru + fetch-or-compute", {"policy": "lru", "fetch_or_compute": True, "bypass_page_cache": True},
+         {"fetch_or_compute": True}),
     ]
     runs = {name: [] for name, _, _ in configurations}
+    reference = None  # the first all-resident run
     for _ in range(reps):
         for name, engine_options, _ in configurations:
-            measured = replayed(packed, trace, requests, max_new_tokens, fast_budget=f"{budget}%", **engine_options)
+            measured = replayed(packed, trace, requests, max_new_tokens, **{
+                "fast_budget": f"{budget}%", "hardware": profile, "replay_weights": weights, **engine_options})
+            reference = reference or measured
             if not lossless(measured, reference):
                 raise SystemExit(f"LOSSLESS VIOLATION: {name}")
             runs[name].append(measured)
     rows_out = []
+    baseline = None  # (measured, predicted) TPOT all-resident
     for name, engine_options, simulator_options in configurations:
         measured = sorted(runs[name], key=lambda run: run["tpot_s"])[(reps - 1) // 2]  # the median run
-        predicted = simulate_timed(simulated_trace, profile, engine_options["policy"],
+        predicted = simulate_timed(simulated_trace, profile, engine_options.get("policy", "lru"),
                                    cache_bytes=slots * manifest.expert_bytes, expert_bytes=manifest.expert_bytes,
                                    **simulator_options)
         row = {"configuration": name, "tpot_measured_s": measured["tpot_s"], "tpot_predicted_s": predicted.tpot_seconds,
                "tpot_error": predicted.tpot_seconds / measured["tpot_s"] - 1,
+               # the error of the slowdown over all-resident: what the machine's load did to both cancels out
+               "slowdown_error": (predicted.tpot_seconds / baseline[1]) / (measured["tpot_s"] / baseline[0]) - 1
+               if baseline else 0.0,
                "hit_rate_measured": measured["hit_rate"], "hit_rate_predicted": predicted.hit_rate,
                "host_share_measured": measured["bypassed"] / measured["accesses"],
                "host_share_predicted": (predicted.bypassed or 0) / predicted.accesses,
                "host_compute_measured_s": measured["host_compute_s"],
                "host_compute_predicted_s": predicted.host_compute_seconds or 0.0, "lossless": True}
         rows_out.append(row)
-        print(f"{name:<14} TPOT {row['tpot_measured_s'] * 1e3:7.2f} ms measured, {row['tpot_predicted_s'] * 1e3:7.2f} "
-              f"predicted ({row['tpot_error']:+.0%}); hit {row['hit_rate_measured']:.0%} / "
+        baseline = baseline or (measured["tpot_s"], predicted.tpot_seconds)
+        print(f"{name:<22} TPOT {row['tpot_measured_s'] * 1e3:7.2f} ms measured, {row['tpot_predicted_s'] * 1e3:7.2f} "
+              f"predicted ({row['tpot_error']:+.0%}; slowdown over all-resident {row['slowdown_error']:+.0%}); hit {row['hit_rate_measured']:.0%} / "
               f"{row['hit_rate_predicted']:.0%}; on the host {row['host_share_measured']:.0%} / "
               f"{row['host_share_predicted']:.0%} of requests, {row['host_compute_measured_s'] * 1e3:.0f} / "
               f"{row['host_compute_predicted_s'] * 1e3:.0f} ms; lossless", flush=True)
@@ -137,7 +170,7 @@ def main(argv=None) -> int:
     print(f"\n{len(rows_out)} configurations x {reps} runs in {time.perf_counter() - started:.0f} s ({threads} "
           f"thread{'s' * (threads > 1)}); every run lossless against the all-resident replay")
     if args.json:
-        write_atomically(args.json, json.dumps({"budget_pct": budget, "requests": requests, "reps": reps,
+        write_atomically(args.json, json.dumps({"model": args.model, "budget_pct": budget, "requests": requests, "reps": reps,
                                                 "max_new_tokens": max_new_tokens, "rows": rows_out}, indent=1))
     return 0
 

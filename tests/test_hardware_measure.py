@@ -76,9 +76,10 @@ def test_the_measured_dict_is_a_profile_of_this_runtime(measured):
     # decoding with experts streaming in the background: both slowdowns measured, neither below 1
     assert "sharing: while a thread streamed experts" in text
     assert 1 <= profile.compute.slowdown_while_loading <= 100 and 1 <= profile.links[0].slowdown_while_computing <= 100
-    # on a CPU the fast tier is the host: the host's expert is the same measurement, the same roofline
-    assert profile.host is not None and profile.host.roofline == profile.compute.roofline
-    assert "host: the same expert on the host CPU" in text
+    # on a CPU the fast tier is the host: the host computes the fast tier's experts too, and its own expert is
+    # measured as the runtime computes a bypassed one, from the stored copy
+    assert profile.host is not None and profile.host.on_compute_device
+    assert "host: the same expert on the host CPU from the host tier's stored copy, converted to float32" in text
 
 
 def test_a_cuda_measurement_has_the_runtimes_tiers(packed):
@@ -95,6 +96,7 @@ def test_a_cuda_measurement_has_the_runtimes_tiers(packed):
     profile = HardwareProfile.from_dict(measure.profile_dict(cuda))
     assert [t.name for t in profile.tiers] == ["gpu", "ssd"]
     assert [link.name for link in profile.links] == ["ssd->gpu"]
+    assert not profile.host.on_compute_device  # the GPU computes the resident experts beside the host
     link = profile.link_from(1)
     assert link.bandwidth_bytes_per_s == pytest.approx(5e9, rel=1e-3) and link.latency_s == pytest.approx(2e-5, rel=1e-3)
     # decoding slowed the stream 1.5x, streaming slowed the decode 1.25x

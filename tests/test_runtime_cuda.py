@@ -96,3 +96,20 @@ def test_bypassed_experts_computed_on_the_host_agree_with_the_gpu(packed, tmp_pa
             for ours, theirs in zip(result.logits, reference.logits):
                 torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
             assert result.stats.bypassed > 0 and result.stats.host_compute_seconds > 0
+
+
+def test_fetch_or_compute_computes_the_misses_on_the_host_and_agrees_with_the_gpu(packed):
+    """Fiddler's rule with a GPU expert of 1 ms against a host expert of 1 us and a link of 1 us: every miss is
+    computed on the CPU from the pinned host tier (fetch >= 1 ms > compute), as the static placements above."""
+    from test_runtime_fetch_or_compute import profile
+
+    directory, expected, _ = packed
+    cheap_host = profile(gpu_expert=1e-3, host_fixed=1e-6, latency=1e-6, bandwidth=1e9)
+    with OffloadEngine(directory, fast_budget="25%", policy="lru", fetch_or_compute=True, hardware=cheap_host,
+                       device="cuda") as engine:
+        for prompt, reference in expected.items():
+            result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
+            assert result.token_ids == reference.token_ids
+            for ours, theirs in zip(result.logits, reference.logits):
+                torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
+            assert result.stats.bypassed == result.stats.accesses > 0

@@ -37,10 +37,6 @@ def register(subparsers) -> None:
     parser.add_argument("--granularity", type=float, default=None, metavar="ZETA",
                         help="share of the budget the online configurator moves between two layers per step "
                              "(default 0.01, the paper's)")
-    parser.add_argument("--hardware", metavar="PRESET|FILE",
-                        help="the hardware profile whose timings the online configurator plans with and whose "
-                             "link sets how many experts a prefetcher moves per layer (MoEpic's Y, as simulate "
-                             "--timed counts it; default desktop-rtx4090; `moe-offload hardware list`)")
     parser.add_argument("--json", metavar="FILE", default=None,
                         help="also write the run's result record, with the prompt, the text and the token ids, as JSON")
     parser.set_defaults(run=run)
@@ -75,6 +71,15 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--fast-layers", default=None, metavar="N",
                         help="static-layers: the last N layers' experts in the fast tier, the others computed on "
                              "the host (llama.cpp's --n-cpu-moe L-N; default: as many whole layers as fit)")
+    parser.add_argument("--fetch-or-compute", action="store_true",
+                        help="compute a missed expert on the host CPU from the host tier's copy instead of loading "
+                             "it when --hardware's costs say that is faster, per expert and pass (Fiddler's rule, as "
+                             "simulate --timed --fetch-or-compute decides); for a dynamic --policy")
+    parser.add_argument("--hardware", metavar="PRESET|FILE",
+                        help="the hardware profile whose costs --fetch-or-compute decides with, whose timings the "
+                             "online configurator plans with and whose link sets how many experts a prefetcher "
+                             "moves per layer (MoEpic's Y, as simulate --timed counts it; default desktop-rtx4090; "
+                             "`moe-offload hardware list`, `moe-offload hardware measure`)")
     parser.add_argument("--prefetch-option", action="append", default=[], metavar=PREFETCH_OPTION)
     parser.add_argument("--bypass-page-cache", action="store_true",
                         help="drop expert files from the page cache before each read (honest SSD timings)")
@@ -90,12 +95,20 @@ def add_engine_arguments(parser) -> None:
 
 def engine_policy_options(args: argparse.Namespace) -> tuple[dict | None, dict | None]:
     """The policy's and the prefetcher's options (``runtime_options``) with ``--profile`` and
-    ``--fast-layers`` among the policy's, checked before any work."""
+    ``--fast-layers`` among the policy's, checked before any work, as is ``--fetch-or-compute``'s profile."""
     from moe_offload.errors import ConfigError
     from moe_offload.policies import policy_info
     from moe_offload.values import integer, option_defaults
 
     policy_options, prefetch_options = runtime_options(args)
+    if args.fetch_or_compute:  # the profile read and checked now, before the model loads
+        from moe_offload.runtime.placement import fetch_or_compute_profile
+
+        fetch_or_compute_profile(args.policy, args.hardware, getattr(args, "split_config", None) is not None)
+    elif args.hardware is not None:
+        from moe_offload.hardware import resolve_profile
+
+        resolve_profile(args.hardware)
     takes = option_defaults(policy_info(args.policy).policy)
     for flag, option, value in (("--profile", "profile", args.profile), ("--fast-layers", "fast_layers",
                                                                        args.fast_layers)):
@@ -199,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
                   policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
                   prefetch_history=args.prefetch_history, device=args.device, expert_dtype=args.expert_dtype, dtype=args.dtype,
                   bypass_page_cache=args.bypass_page_cache, matcher=args.matcher,
-                  split_config=args.split_config, reconfiguration=reconfiguration, hardware=args.hardware)
+                  split_config=args.split_config, reconfiguration=reconfiguration, hardware=args.hardware,
+                  fetch_or_compute=args.fetch_or_compute)
     with engine:
         # the prompt's length against the context before the prompt is echoed (the engine checks it again)
         engine.check_length(len(engine.tokenizer(prompt)["input_ids"]), args.max_new_tokens)

@@ -134,6 +134,8 @@ def run_show(args) -> int:
     _print_expert(out, "expert", compute, example, expert_bytes)
     if profile.host is not None:
         _print_expert(out, "host expert", profile.host, example, expert_bytes)
+        if profile.host.on_compute_device:
+            out.print("  the host computes the fast tier's experts too: its experts run after those, no link crossed")
     else:
         out.print("  no [host] compute: no expert can be computed on the host (static placements, fetch-or-compute)")
     if compute.slowdown_while_loading != 1:

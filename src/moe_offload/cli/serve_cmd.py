@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                   policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
                   prefetch_history=args.prefetch_history, device=device, expert_dtype=args.expert_dtype, dtype=args.dtype,
                   bypass_page_cache=args.bypass_page_cache,
-                  matcher=args.matcher,
+                  matcher=args.matcher, hardware=args.hardware, fetch_or_compute=args.fetch_or_compute,
                   max_batch=max_batch, batch_math=args.batch_math)
     print(f"moe-offload: serving {names[0]} on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics); "
           "Ctrl-C to stop", flush=True)

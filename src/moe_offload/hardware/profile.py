@@ -39,6 +39,8 @@ sheets)::
     expert_overhead_s = 20e-6
     bytes_per_param = 2            # optional: the GPU's by default
     # or a measured cost, expert = { fixed_s = ..., per_token_s = ... }
+    on_compute_device = false      # optional: true when the host is the processor that computes the fast
+                                   # tier's experts (no GPU): its experts then run after those, no link crossed
 
 A bypassed expert (simulator/cache.py: Admission) costs ``host.expert_seconds(tokens)``; without ``[host]``
 no policy or rule may bypass a miss. ``hardware measure`` measures the host's expert on the CPU.
@@ -157,10 +159,13 @@ class ComputeModel:
 @dataclass(frozen=True)
 class HostCompute:
     """The host CPU's time for one expert on the tokens routed to it, from the expert's copy in host memory:
-    a measured linear cost, or the CPU's roofline."""
+    a measured linear cost, or the CPU's roofline. ``on_compute_device``: the host is the processor that
+    computes the fast tier's experts too (a machine without a GPU), so its experts run after those, on the
+    same compute stream, and no hidden states cross a link."""
 
     expert: LinearCost | None = None
     roofline: Roofline | None = None
+    on_compute_device: bool = False
 
     def expert_seconds(self, tokens: int, expert_bytes: int) -> float:
         if self.expert is not None:
@@ -315,11 +320,15 @@ class _Reader:
         if "host" in data:
             table = self.table(data, "host", "host")
             unknown = set(table) - {"expert", "flops_per_s", "memory_bandwidth_bytes_per_s", "expert_overhead_s",
-                                    "bytes_per_param"}
+                                    "bytes_per_param", "on_compute_device"}
             if unknown:
-                self.fail(f"host.{sorted(unknown)[0]}", "unknown key (the host has expert or the roofline keys)")
+                self.fail(f"host.{sorted(unknown)[0]}", "unknown key (the host has expert or the roofline keys, and "
+                                                        "on_compute_device)")
             default_bytes = roofline.bytes_per_param if roofline is not None else 2.0
-            host = HostCompute(*self.expert_cost(table, "host", default_bytes))
+            shared = table.get("on_compute_device", False)
+            if not isinstance(shared, bool):
+                self.fail("host.on_compute_device", f"must be true or false, not {shared!r}")
+            host = HostCompute(*self.expert_cost(table, "host", default_bytes), on_compute_device=shared)
         model = ComputeModel(attention=self.linear(compute, "attention"), router=self.linear(compute, "router"),
                              lm_head=self.linear(compute, "lm_head"), expert=expert, roofline=roofline,
                              slowdown_while_loading=self.number(compute, "slowdown_while_loading",

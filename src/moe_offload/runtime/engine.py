@@ -56,7 +56,8 @@ from moe_offload.runtime.cpu_threads import single_threaded
 from moe_offload.runtime.engine_setup import (compute_dtype, engine_prefetcher, host_tier, link_budget, make_tiers,
                                               read_replay, read_split, resolve_device)
 from moe_offload.runtime.packing import Manifest, load_skeleton, read_manifest
-from moe_offload.runtime.placement import host_keys, placement_keys, placing_host_budget
+from moe_offload.runtime.placement import (admit_by, fetch_or_compute_profile, fetch_or_compute_rule, host_keys,
+                                           placement_keys, placing_host_budget)
 from moe_offload.runtime.runner import ModelRunner
 from moe_offload.runtime.storage import ExpertStore
 from moe_offload.runtime.streaming import TimingStreamer
@@ -102,7 +103,9 @@ class OffloadEngine:
     (``Reconfiguration(every=tau)``, runtime/split_online.py) with the timings of ``hardware`` (a profile's
     name or file; default desktop-rtx4090), from ``split_config`` or the uniform start on ``fast_budget``.
     Without a split the prefetcher gets the budget of ``hardware``'s link into the fast tier, as the timed
-    simulator gives it (MoEpic's Y: the loads that fit in a layer's window)."""
+    simulator gives it (MoEpic's Y: the loads that fit in a layer's window). ``fetch_or_compute``: a miss of
+    the dynamic ``policy`` is computed on the host instead of loaded when ``hardware``'s costs say that is
+    faster (Fiddler's rule, as ``simulate --timed --fetch-or-compute`` decides; runtime/placement.py)."""
 
     def __init__(self, packed_dir, *, fast_budget="50%", host_budget=None, policy: str = "lru",
                  policy_options: dict | None = None, prefetch: str | None = None,
@@ -111,7 +114,7 @@ class OffloadEngine:
                  store: ExpertStore | None = None, preload: bool = False, seed: int = 0,
                  readers: int | None = None, replay=None, replay_weights: str = "trace", max_batch: int = 16,
                  batch_math: str = "exact", matcher: str = "async", split_config=None, reconfiguration=None,
-                 hardware=None, dtype: str | None = None):
+                 hardware=None, dtype: str | None = None, fetch_or_compute: bool = False):
         with single_threaded():  # this thread loads the model without an OpenMP team (runtime/cpu_threads.py)
             import torch
 
@@ -147,7 +150,10 @@ class OffloadEngine:
             fast_slots = self._slots(fast_budget_bytes, self.compute_expert_bytes)
             split, online = read_split(split_config, preload, reconfiguration, hardware, fast_budget_bytes, m, self.spec,
                                        self.compute_expert_bytes)
-            self.places = info.policy.places_or_bypasses  # computes bypassed experts on the host
+            rule_profile = fetch_or_compute_profile(policy, hardware, split is not None) if fetch_or_compute else None
+            self.admission = "fetch-or-compute" if fetch_or_compute else None
+            # computes bypassed experts on the host
+            self.places = info.policy.places_or_bypasses or fetch_or_compute
             if self.places:
                 host_budget = placing_host_budget(info, policy_options, host_budget, replay is not None,
                                                   split is not None, prefetch)
@@ -193,6 +199,8 @@ class OffloadEngine:
             else:
                 self.tiers = make_tiers(m, self.spec, info.partitioned, make, fast_slots, host_slots, self.device,
                                         self.compute_dtype, self.compute_expert_bytes)
+            if rule_profile is not None:
+                admit_by(self.tiers[0].cache, fetch_or_compute_rule(rule_profile, m, self.tiers[-1].cache))
             self.path = DataPath(self.tiers, self.store, self.counters, self.spec)
             if self.prefetcher is not None and split is None:  # a split run's prefetcher takes Y per layer
                 self.prefetcher.set_budget(link_budget(hardware, m))
@@ -395,7 +403,7 @@ class OffloadEngine:
             hits=c.hits, misses=c.accesses - c.hits - c.bypassed, per_layer_accesses=list(c.per_layer_accesses),
             bypassed=c.bypassed if self.places else None,
             per_layer_bypassed=list(c.per_layer_bypassed) if self.places else None,
-            host_compute_seconds=c.host_compute_seconds if self.places else None,
+            host_compute_seconds=c.host_compute_seconds if self.places else None, admission=self.admission,
             per_layer_hits=list(c.per_layer_hits), prefetches_issued=c.prefetches_issued if prefetching else None,
             prefetches_used=c.prefetches_used if prefetching else None,
             prefetches_wasted=c.prefetches_wasted if prefetching else None, stall_seconds=c.stall_seconds,

@@ -1,5 +1,7 @@
 """The runtime's side of a placing policy (policies/base.py: ``places_or_bypasses``): static placements
-(static-freq, static-layers) and pinned sets (pinned-lru) whose misses the fast tier may refuse.
+(static-freq, static-layers) and pinned sets (pinned-lru) whose misses the fast tier may refuse; and of
+Fiddler's fetch-or-compute rule (policies/fetch_or_compute.py), which refuses a dynamic policy's miss when
+the host computes it faster than it is fetched.
 
 A refused miss is computed on the host from the host tier's copy (models/host_experts.py), so such a run
 always has a host tier: by default one that holds every expert in its stored dtype (llama.cpp and
@@ -9,11 +11,23 @@ placement (the experts resident before the first token) is loaded through the da
 the host tier with the other experts while they fit, so that a static placement moves nothing while it
 generates; none of it counts as misses. A placement chosen from a profile needs one, or a replayed trace to
 choose from in hindsight.
+
+Fetch or compute. ``fetch_or_compute`` gives the fast tier's cache the rule the timed simulator uses
+(``simulate --timed --fetch-or-compute``): the same FetchOrCompute on the same ProfileCosts, with the costs
+of the run's hardware profile (``hardware``: a measured profile, a preset, or the default preset). A run with
+the rule is a placing run: it has a host tier (every expert by default, loaded at start-up), and a bypassed
+miss is computed from the host tier's copy. The profile's tiers are matched to the runtime's by position:
+the runtime's host tier is the profile's tier 1 when that tier is a cache in front of a slower home (an SSD),
+so an expert the host tier holds costs no read, and one it does not hold costs the read from the home, into
+the host tier first, as the data path does it (``compute_on_host``: the files into the host tier, no
+further; the host tier keeps it while the layer computes it). With a profile whose tier 1 is the home (a
+host that holds every expert), every expert is read from there, as in the simulator.
 """
 
 from __future__ import annotations
 
 from moe_offload.errors import ConfigError
+from moe_offload.policies.fetch_or_compute import FetchOrCompute, ProfileCosts
 from moe_offload.simulator.cache import PartitionedCache
 from moe_offload.values import option_defaults
 
@@ -46,3 +60,45 @@ def host_keys(placed: list[int], spec, host_slots: int) -> list[int]:
     their way to the fast tier: the others in key order, while they fit."""
     others = sorted(set(range(spec.num_layers * spec.num_experts)) - set(placed))
     return others[:max(0, host_slots - len(placed))]
+
+
+def fetch_or_compute_profile(policy: str, hardware, split: bool):
+    """The hardware profile (a HardwareProfile, a preset's name or a file; None: the default preset) whose costs
+    a run of ``policy`` with the fetch-or-compute rule decides with, checked: a dynamic policy, an unsplit run,
+    and a profile with a host tier and the host's time per expert. A ConfigError names the problem."""
+    from moe_offload.hardware import HardwareProfile, resolve_profile
+    from moe_offload.policies import policy_info
+
+    if policy_info(policy).policy.static:
+        raise ConfigError(f"--fetch-or-compute decides whether a miss is loaded; policy {policy!r} is a static "
+                          "placement that loads none: drop one of them")
+    if split:
+        raise ConfigError("--fetch-or-compute computes whole experts on the host: it does not run with a split "
+                          "configuration")
+    profile = hardware if isinstance(hardware, HardwareProfile) else resolve_profile(hardware)
+    if profile.host is None:
+        raise ConfigError(f"hardware {profile.name} has no [host] compute: the fetch-or-compute rule needs the "
+                          "host's time per expert (`moe-offload hardware measure` measures it)")
+    if len(profile.tiers) < 2:
+        raise ConfigError(f"hardware {profile.name} has no host tier for bypassed experts to live in")
+    return profile
+
+
+def fetch_or_compute_rule(profile, manifest, host_cache) -> FetchOrCompute:
+    """Fiddler's rule on ``profile`` for the experts of ``manifest`` (their stored bytes, as the simulator charges
+    them), the runtime's host tier ``host_cache`` standing for the profile's tier 1 (module doc)."""
+    from moe_offload.simulator.timed.tiers import home_tier
+
+    m = manifest
+    home = home_tier(profile, m.num_layers * m.num_experts * m.expert_bytes) or len(profile.tiers) - 1
+
+    def where(key: int) -> int:
+        return 1 if home > 1 and key in host_cache else home
+
+    return FetchOrCompute.on_profile(ProfileCosts(profile, m.expert_bytes, m.hidden_size, where))
+
+
+def admit_by(fast_cache, rule) -> None:
+    """``rule`` decides the fast tier's admissions from now on (each partition's, for a partitioned cache)."""
+    for cache in fast_cache.parts if isinstance(fast_cache, PartitionedCache) else [fast_cache]:
+        cache.admission = rule

@@ -11,9 +11,13 @@ What the runtime (runtime/engine.py) does with an expert, timed piece by piece o
   memory (parallel read), the conversion (CPU) or the pinned host -> GPU copy (CUDA);
 - one expert's computation (the per-expert work of models/experts.py: select tokens, gate_up, activation,
   down, routing weight, index_add) at 1, 2, 4, ..., 64 tokens, fitted to the profile's roofline;
-- the same expert on the host CPU in float32 (as the runtime computes on a CPU), with the host memory's
+- the same expert on the host CPU as the runtime computes a bypassed one (models/host_experts.py: from the
+  host tier's copy in the stored dtype, converted to float32 at every call), with the host memory's
   streaming read beside it: the profile's ``[host]`` roofline, what a bypassed expert costs (a static
-  placement's, or Fiddler's fetch-or-compute rule's). On a CPU machine that is the expert measured above;
+  placement's, or Fiddler's fetch-or-compute rule's). On a CPU machine the host is the processor that
+  computes the fast tier's experts too: the profile says so (``[host] on_compute_device``), and the timed
+  simulator then runs the host's experts on the compute stream, after the layer's resident ones, with no
+  hidden states crossing a link, as the runtime does;
 - the rest of an iteration (attention, routers, LM head) by running the packed model's skeleton with the
   experts stubbed out and timing its modules with hooks;
 - one whole decode step of the runtime with every expert resident (OffloadEngine, preloaded, greedy
@@ -242,12 +246,10 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
     tensors = ExpertStore(manifest).read_tensors(*keys[0])
     expert_seconds, expert_deviation = measure_expert_compute(adapter.experts(0), tensors, device, compute_dtype,
                                                               repeats)
-    if device.type == "cpu":  # the fast tier is the host: its expert is the host's
-        host_expert_seconds, host_memory_bandwidth = expert_seconds, memory_bandwidth
-    else:
-        cpu = torch.device("cpu")
-        host_expert_seconds, _ = measure_expert_compute(adapter.experts(0), tensors, cpu, torch.float32, repeats)
-        host_memory_bandwidth = measure_memory_bandwidth(cpu, repeats)
+    cpu = torch.device("cpu")  # a bypassed expert: from the host tier's stored copy, converted at every call
+    host_expert_seconds, _ = measure_expert_compute(adapter.experts(0), tensors, cpu, torch.float32, repeats,
+                                                    host_copy=True)
+    host_memory_bandwidth = memory_bandwidth if device.type == "cpu" else measure_memory_bandwidth(cpu, repeats)
     non_expert = measure_non_expert(model, adapter, device, repeats)
     del model
     decode_step, decode_step_streaming, link_decoding = measure_decode_step(
@@ -452,7 +454,8 @@ def profile_dict(m: Measurements, name: str = "measured") -> dict:
                        f"{m.link_seconds_decoding * 1e6:.1f} us an expert: the ssd link's slowdown_while_computing "
                        f"{link_slowdown:.3g} (ratios below 1 are noise, read as 1)")
     if host is not None:
-        sources.append("host: the same expert on the host CPU in float32 at "
+        sources.append("host: the same expert on the host CPU from the host tier's stored copy, converted to float32 "
+                       "at every call (as the runtime computes a bypassed expert), at "
                        + ", ".join(f"{n}: {s * 1e6:.1f} us" for n, s in sorted(m.host_expert_seconds.items()))
                        + f" tokens, host memory read {m.host_memory_bandwidth / 1e9:.3g} GB/s; the same roofline fit")
     profile = {"name": name,
@@ -461,6 +464,8 @@ def profile_dict(m: Measurements, name: str = "measured") -> dict:
                "sources": sources,
                "tiers": tiers, "links": links, "compute": compute}
     if host is not None:
+        if m.device == "cpu":  # the host's experts run on the cores that compute the fast tier's
+            host["on_compute_device"] = True
         profile["host"] = host
     return profile
 

@@ -13,14 +13,22 @@ NO_EXPERTS = "moe_offload_measure_no_experts"
 
 
 def measure_expert_compute(experts_module, tensors: dict, device, dtype, repeats: int,
-                           token_counts=TOKEN_COUNTS) -> tuple[dict[int, float], dict[int, float]]:
+                           token_counts=TOKEN_COUNTS, host_copy: bool = False) -> tuple[dict[int, float],
+                                                                                      dict[int, float]]:
     """Seconds of one expert's work on n tokens, n in ``token_counts``: the per-expert body of
     models/experts.py (select the expert's tokens, gate_up, the module's own activation, down, the routing
     weight, index_add) with the expert's real weights, so shapes, dtype and activation are the model's.
+    ``host_copy``: the expert as the runtime computes a bypassed one (models/host_experts.py), from the host
+    tier's copy in the stored dtype, converted to ``dtype`` at every call, on the host; otherwise from a
+    compute-ready copy in ``dtype`` on ``device``, as a resident expert.
     Returns (n -> median over the repeats, n -> the repeats' largest deviation from it, timing.deviation)."""
     import torch
     import torch.nn.functional as F
 
+    from moe_offload.models.host_experts import HostInputs, host_expert_output
+
+    if host_copy:
+        weights = {name: tensors[name].to(device) for name in ("gate_up_proj", "down_proj")}
     gate_up = tensors["gate_up_proj"].to(device, dtype=dtype)
     down = tensors["down_proj"].to(device, dtype=dtype)
     hidden = gate_up.shape[1]
@@ -34,8 +42,12 @@ def measure_expert_compute(experts_module, tensors: dict, device, dtype, repeats
 
         def one_expert():
             top_k_pos, token_idx = torch.where((top_k_index == 0).transpose(0, 1))
-            current = experts_module._apply_gate(F.linear(states[token_idx], gate_up))
-            current = F.linear(current, down) * top_k_weights[token_idx, top_k_pos, None]
+            if host_copy:
+                current = host_expert_output(experts_module, HostInputs(experts_module, states), token_idx.cpu(),
+                                             weights, F.linear)
+            else:
+                current = F.linear(experts_module._apply_gate(F.linear(states[token_idx], gate_up)), down)
+            current = current * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, current)
 
         with torch.inference_mode():

@@ -48,7 +48,10 @@ that link's speed, and kept in the host tier when that is a cache: tiers.py ``ke
 ``hardware.host.expert_seconds(tokens routed to it)``, as ktransformers and HybriMoE schedule it. When the
 layer is routed the host starts: the hidden states of the iteration's tokens cross the host link, the layer's
 bypassed experts run one after another, the results cross back. Meanwhile the GPU computes the resident and
-loaded experts; the layer is done when both are (the GPU's wait for the host counts as stall). A prefill
+loaded experts; the layer is done when both are (the GPU's wait for the host counts as stall). On a machine
+without a GPU (``[host] on_compute_device``) the host *is* the compute device: no hidden states cross a link,
+and its experts run on the compute stream after the layer's resident ones (or while none is resident and a
+load is awaited), as the runtime orders them there. A prefill
 routes many tokens to an expert, so its host compute is many tokens of the CPU's FLOPs: TTFT grows with the
 prompt.
 
@@ -72,7 +75,7 @@ import numpy as np
 
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies import AccessContext, ModelSpec, policy_factory, policy_info
-from moe_offload.policies.fetch_or_compute import FetchOrCompute
+from moe_offload.policies.fetch_or_compute import FetchOrCompute, ProfileCosts
 from moe_offload.prefetch import Prefetcher, RoutingView, search_latency
 from moe_offload.prefetch.budget import budget_from_hardware
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
@@ -98,6 +101,8 @@ class TimedRun:
         self.L, self.J, self.E = spec.num_layers, spec.num_experts, expert_bytes
         self.prefetcher = prefetcher
         self.compute = hardware.compute
+        # what the host's work costs, and Fiddler's fetch(k, n) and compute(k, n) (the runtime's too)
+        self.costs = ProfileCosts(hardware, expert_bytes, meta.hidden_size, self._where) if hardware.host else None
         info = policy_info(policy)
         self.offline = info.offline and not all_resident
         make = policy_factory(policy, spec, seed=seed, options=policy_options)  # every tier's policy
@@ -122,7 +127,7 @@ class TimedRun:
         elif split is not None:
             self.fast = self.split = SplitExperts(split, self.J, spec.top_k, expert_bytes, make)
         else:
-            rule = FetchOrCompute(self._fetch_seconds, self._compute_seconds) if fetch_or_compute else None
+            rule = FetchOrCompute.on_profile(self.costs) if fetch_or_compute else None
             self.fast = cache(cache_bytes, rule)
             self.fast.preload(trace, ctx, expert_bytes)  # a static placement's experts, before the first pass
         # The home tier holds every expert from the start; the tiers between it and the GPU are caches.
@@ -319,51 +324,37 @@ class TimedRun:
         """The fastest tier after the GPU that holds ``key``: a middle cache's copy, else the home."""
         return next((i for i in range(1, self.net.home) if key in self.net.caches[i]), self.net.home)
 
-    def _read_seconds(self, key: int, down_to: int) -> float:
-        """One expert's bytes over the links from where it is to tier ``down_to``, hop after hop, alone."""
-        return sum(self.hardware.link_from(i).transfer_seconds(self.E) for i in range(down_to + 1,
-                                                                                       self._where(key) + 1))
-
-    def _activation_seconds(self, tokens: int) -> float:
-        """The hidden states of ``tokens`` over the host link, one way: its latency, plus their bytes when the
-        trace gives the hidden size (in the profile's bytes per parameter)."""
-        link = self.hardware.link_from(1)
-        hidden = self.trace.meta.hidden_size
-        roofline = self.compute.roofline
-        nbytes = tokens * hidden * (roofline.bytes_per_param if roofline is not None else 2.0) if hidden else 0
-        return link.transfer_seconds(nbytes)
-
-    def _host_expert_seconds(self, key: int, tokens: int) -> float:
-        """The host's time for expert ``key`` on ``tokens`` tokens: its weights read into host memory when
-        they are further away (an SSD home), then its compute there."""
-        return self._read_seconds(key, 1) + self.hardware.host.expert_seconds(tokens, self.E)
-
-    def _fetch_seconds(self, key: int, tokens: int) -> float:
-        """Fiddler's fetch(k, n): the expert's bytes to the GPU, then its compute there."""
-        return self._read_seconds(key, 0) + self.compute.expert_seconds(tokens, self.E)
-
-    def _compute_seconds(self, key: int, tokens: int) -> float:
-        """Fiddler's compute(k, n): the hidden states to the host and back, and the host's compute."""
-        return 2 * self._activation_seconds(tokens) + self._host_expert_seconds(key, tokens)
-
     def _start_host(self, layer: int, tokens: int) -> float:
         """Start the host's work on the layer's bypassed experts now: the hidden states of the iteration's
         ``tokens`` go over once, the experts run one after another on the CPU, the results come back once.
         Returns when it is done."""
         start = self.now
-        t = start + self._activation_seconds(tokens)
+        costs = self.costs
+        t = start + costs.activation_seconds(tokens)
         for key, routed in self.bypassed_now.items():
-            seconds = self._host_expert_seconds(key, routed)
+            seconds = costs.host_expert_seconds(key, routed)
             self.net.keep_in_host(key)
             self.events.append(("host", "expert", t, t + seconds, layer, key))
             self.host_seconds += seconds
             t += seconds
         self.bypassed_now = {}
-        return t + self._activation_seconds(tokens)
+        return t + costs.activation_seconds(tokens)
+
+    def _host_expert_on_compute_stream(self, layer: int, key: int, routed: int) -> None:
+        """A bypassed expert computed by the compute device itself (``[host] on_compute_device``)."""
+        seconds = self.costs.host_expert_seconds(key, routed)
+        self.net.keep_in_host(key)
+        self.host_seconds += seconds
+        self._compute(seconds, "host", layer, key)
 
     def _run_experts(self, layer: int, keys: list[int], counts: list[int], tokens: int) -> None:
         bypassed = self.bypassed_now  # they run on the host
-        host_done = self._start_host(layer, tokens) if bypassed else self.now
+        # A host that is the compute device runs them on the compute stream: after the resident experts, or
+        # while none is resident and a load is awaited (the runtime's order), not beside them.
+        on_stream = list(bypassed.items()) if bypassed and self.hardware.host.on_compute_device else []
+        if on_stream:
+            self.bypassed_now = {}
+        host_done = self._start_host(layer, tokens) if bypassed and not on_stream else self.now
         remaining = [[key, count, False] for key, count in zip(keys, counts)  # [key, tokens, top share run]
                      if key not in bypassed]
         expert_seconds, E, split = self.compute.expert_seconds, self.E, self.split
@@ -371,6 +362,9 @@ class TimedRun:
         while remaining:
             ready = next((i for i, (key, _, top_done) in enumerate(remaining) if self._part_ready(key, top_done)),
                          None)
+            if ready is None and on_stream:
+                self._host_expert_on_compute_stream(layer, *on_stream.pop(0))
+                continue
             if ready is None:
                 start = self.now
                 while not any(self._part_ready(key, top_done) for key, _, top_done in remaining):
@@ -393,6 +387,8 @@ class TimedRun:
             if split is not None:
                 split.consume(key)
             self.net.kick()
+        for key, routed in on_stream:
+            self._host_expert_on_compute_stream(layer, key, routed)
         if host_done > self.now:  # the layer is done when the host's share is
             start = self.now
             self._advance_to(host_done)
