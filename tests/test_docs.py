@@ -68,6 +68,18 @@ def test_readme_is_short():
     assert lines <= 250, f"README.md has {lines} lines; move the detail to docs/"
 
 
+def test_quoted_policy_counts_are_the_registry_s():
+    from moe_offload.policies import POLICIES
+    from moe_offload.prefetch import PREFETCHERS
+
+    quoted = [(page, match) for page in RUNNABLE_PAGES
+              for match in re.findall(r"(\d+) eviction policies and (\d+) prefetchers",
+                                      (ROOT / page).read_text(encoding="utf-8"))]
+    assert quoted, "the pages no longer quote the counts: drop this test"
+    for page, (policies, prefetchers) in quoted:
+        assert (int(policies), int(prefetchers)) == (len(POLICIES), len(PREFETCHERS)), page
+
+
 def test_readme_links_resolve():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
