@@ -185,6 +185,10 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         notes.append(f"MoEpic's configurator reran online every {reconfiguration.every} tokens: "
                      f"{len(sim.reconfigurations)} times, {spent * 1e3:.3f} ms in all waiting for the link and "
                      "loading grown top segments")
+    if sim.decisions.total:
+        notes.append(f"{policy}: {sim.decisions.count} eviction decisions took {sim.decisions.total * 1e3:.3f} ms "
+                     f"({sim.decisions.total / sim.decisions.count * 1e6:.1f} us each, decisions.py), each before its "
+                     "load")
     if sim.search_seconds:
         where = "on the inference path" if search_latency(instance)[1] else "on its own matcher timeline"
         notes.append(f"{instance.name}: {sim.search_seconds * 1e3:.1f} ms of history search in all, charged {where}")
@@ -217,6 +221,7 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         tpot_seconds=float(np.mean(tpot)) if tpot else None,
         prefetcher=instance.name if instance is not None else None, hardware=hardware.name, cache_bytes=cache_bytes,
         on_demand_loads=sim.on_demand, prefetch_search_seconds=sim.search_seconds if instance is not None else None,
+        policy_decisions=sim.decisions.count, policy_decision_seconds=sim.decisions.total,
         per_layer_stall_seconds=sim.per_layer_stall,
         bytes_per_link={q.link.name: q.bytes_moved for q in sim.net.queues.values()},
         ttft_percentiles=latency_summary(ttft), tpot_percentiles=latency_summary(tpot),
