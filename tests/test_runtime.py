@@ -97,6 +97,15 @@ def test_counters_without_prefetch_and_all_resident(checkpoint):
         assert stats.hit_rate == 1.0 and stats.on_demand_loads == 0 and not stats.bytes_per_link
 
 
+def test_the_policys_decisions_are_counted_and_timed(checkpoint):
+    # every eviction of the fast tier is one victim call, timed around the call (simulator/cache.py: Decisions)
+    with OffloadEngine(checkpoint["packed"], fast_budget="34%", policy="learned") as engine:
+        stats = engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS).stats
+        assert stats.policy_decisions == engine.tiers[0].cache.evictions > 0
+        assert 0 < stats.policy_decision_seconds < stats.total_seconds
+        assert engine.stats.policy_decisions == stats.policy_decisions
+
+
 def test_packing_layout_and_skeleton(checkpoint):
     manifest = read_manifest(checkpoint["packed"])
     assert (manifest.num_layers, manifest.num_experts, manifest.top_k) == (3, 6, 2)
