@@ -16,9 +16,11 @@ Both variants are trained by moe_offload.training.train_learned_eviction with th
 12.5%, 25%, 50% of the experts), target (log-distance), seed and thread count; only ``per_layer`` differs. On
 the held-out rows, at 12.5%, 25% and 50% of the experts:
 
-* target MSE and Belady agreement: Belady's OPT is replayed on the held-out rows (training.collect_belady_samples,
-  as for training) and every resident at each eviction is scored; MSE is against the log-distance target, and
-  agreement the share of evictions whose highest-scored resident is as far from reuse as Belady's victim;
+* the target's loss and accuracy: Belady's OPT is replayed on the held-out rows (training.collect_belady_samples,
+  as for training) and every resident at each eviction is scored. MSE is against the log-distance target; pairs
+  ordered is the share of resident pairs of one eviction, with different next uses, that the scores order as
+  those next uses (training.eviction_samples.pair_order_accuracy); victim = Belady's is the share of evictions
+  whose highest-scored resident is as far from reuse as Belady's victim;
 * hit rate of each learned model in the replay simulator, beside LRU and Belady.
 
 --full trains as the shipped model was (200 epochs at most, patience 20, 50,000 samples per size, no time limit)
@@ -42,7 +44,7 @@ from moe_offload.trace import read_trace
 from moe_offload.trace.format import Trace
 from moe_offload.trace.importers import import_routes_json
 from moe_offload.training import TrainingSource, collect_belady_samples, train_learned_eviction
-from moe_offload.training.eviction_samples import agreement
+from moe_offload.training.eviction_samples import agreement, pair_order_accuracy
 
 SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 QWEN_FOLDER = SHARED_TRACES / "qwen1.5-moe-a2.7b"
@@ -72,11 +74,13 @@ def workloads(with_qwen: bool) -> list[tuple[str, Trace, Trace]]:
     return out
 
 
-def held_out_scores(model, trace: Trace, cache_size: int) -> tuple[float, float]:
-    """(target MSE, Belady agreement) of ``model`` at Belady's evictions on all of ``trace``'s rows."""
+def held_out_scores(model, trace: Trace, cache_size: int) -> dict:
+    """The target's MSE, pairs ordered and victim agreement of ``model`` at Belady's evictions on all of
+    ``trace``'s rows."""
     samples = collect_belady_samples(TrainingSource(trace, (0, trace.num_tokens), [cache_size]))
     scores = model.forward(samples.inputs(), samples.layer).astype(np.float64)
-    return float(np.mean((scores - samples.targets("log-distance")) ** 2)), agreement(samples, scores)
+    return {"target_mse": float(np.mean((scores - samples.targets("log-distance")) ** 2)),
+            "pairs_ordered": pair_order_accuracy(samples, scores), "belady_agreement": agreement(samples, scores)}
 
 
 def run(full: bool, with_qwen: bool, threads: int) -> list[dict]:
@@ -98,9 +102,8 @@ def run(full: bool, with_qwen: bool, threads: int) -> list[dict]:
         for size in sizes(test, EVALUATION_FRACTIONS):
             row = {"workload": name, "cache_size": size, "share": size / test.meta.num_expert_slots}
             for variant, model in models.items():
-                mse, agree = held_out_scores(model, test, size)
                 result = replay(data, "learned", size, options={"model": model})
-                row[variant] = {"target_mse": mse, "belady_agreement": agree, "hit_rate": result.hits / result.accesses}
+                row[variant] = {**held_out_scores(model, test, size), "hit_rate": result.hits / result.accesses}
             for policy in ("lru", "belady"):
                 result = replay(data, policy, size)
                 row[policy] = {"hit_rate": result.hits / result.accesses}
@@ -110,12 +113,14 @@ def run(full: bool, with_qwen: bool, threads: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| held-out rows | cache | target MSE shared / per-layer | Belady agreement shared / per-layer "
-             "| hit rate shared | per-layer | LRU | Belady |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| held-out rows | cache | target MSE shared / per-layer | pairs ordered shared / per-layer "
+             "| victim = Belady's shared / per-layer | hit rate shared | per-layer | LRU | Belady |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         shared, per_layer = row["shared"], row["per-layer"]
         lines.append(f"| {row['workload']} | {row['cache_size']} ({row['share']:.1%}) "
                      f"| {shared['target_mse']:.3f} / {per_layer['target_mse']:.3f} "
+                     f"| {shared['pairs_ordered']:.1%} / {per_layer['pairs_ordered']:.1%} "
                      f"| {shared['belady_agreement']:.1%} / {per_layer['belady_agreement']:.1%} "
                      f"| {shared['hit_rate']:.1%} | {per_layer['hit_rate']:.1%} | {row['lru']['hit_rate']:.1%} "
                      f"| {row['belady']['hit_rate']:.1%} |")

@@ -245,6 +245,28 @@ def agreement(samples: BeladySamples, scores: np.ndarray) -> float:
     return float((far[first] == best_far).mean())
 
 
+def pair_order_accuracy(samples: BeladySamples, scores: np.ndarray, seed: int = 0) -> float:
+    """Fraction of resident pairs, at the same eviction moment and with different next uses, that ``scores``
+    order as their next uses (the later one scored higher; equal scores count half). One pair per sample: the
+    sample and a partner drawn uniformly from its moment (seeded), so a moment's weight is its residents."""
+    if len(samples) == 0:
+        return float("nan")
+    order = np.argsort(samples.moment, kind="stable")
+    moment = samples.moment[order]
+    starts = np.flatnonzero(np.r_[True, moment[1:] != moment[:-1]])
+    sizes = np.diff(np.r_[starts, moment.size])
+    group = np.repeat(np.arange(starts.size), sizes)
+    partner = starts[group] + (np.random.default_rng(seed).random(moment.size) * sizes[group]).astype(np.int64)
+    far = np.where(samples.distance < 0, np.iinfo(np.int64).max, samples.distance)[order]
+    score = np.asarray(scores, dtype=np.float64)[order]
+    later = np.sign(far - far[partner])
+    valid = later != 0
+    if not valid.any():
+        return float("nan")
+    agree = np.sign(score - score[partner])[valid] * later[valid]
+    return float(np.mean(np.where(agree == 0, 0.5, agree > 0)))
+
+
 def check_sources(sources: Sequence[TrainingSource], per_layer: bool) -> None:
     """ConfigError for rows, cache sizes or (per layer) model shapes that cannot be trained on."""
     if not sources:
