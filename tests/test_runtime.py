@@ -3,6 +3,7 @@ concurrency and the counters, on a tiny random Mixtral packed in a temporary dir
 
 import errno
 import os
+import re
 import threading
 
 import numpy as np
@@ -276,6 +277,7 @@ def test_pack_and_generate_commands(checkpoint, tmp_path, capsys):
                  "--prefetch", "topk", "--max-new-tokens", "4", "--json", str(tmp_path / "r.json"), PROMPTS[0]]) == 0
     out = capsys.readouterr().out
     assert out.startswith(PROMPTS[0]) and "tokens/s" in out and "prefetch precision" in out
+    assert re.search(r"eviction decisions +│ +\d+ in \d+\.\d\d ms", out)
     record_ = json.loads((tmp_path / "r.json").read_text())
     assert record_["policy"] == "lfu" and record_["prefetcher"] == "topk"
     tokens, _ = checkpoint["expected"][PROMPTS[0]]
