@@ -22,11 +22,13 @@ from moe_offload.trace.format import Trace, TraceMeta
 E = 100
 
 
-def profile(decision_s: dict | None = None, host_flops: float | None = None) -> HardwareProfile:
+def profile(decision_s: dict | None = None, host_flops: float | None = None, link_slowdown: float = 1.0
+            ) -> HardwareProfile:
     data = {
         "name": "test",
         "tiers": [{"name": "gpu", "capacity_bytes": 10**9}, {"name": "host", "capacity_bytes": 10**12}],
-        "links": [{"from": "host", "to": "gpu", "bandwidth_bytes_per_s": 100.0, "latency_s": 0.5}],
+        "links": [{"from": "host", "to": "gpu", "bandwidth_bytes_per_s": 100.0, "latency_s": 0.5,
+                   "slowdown_while_computing": link_slowdown}],
         "compute": {"attention": {"fixed_s": 1.0}, "router": {"fixed_s": 0.25}, "expert": {"fixed_s": 2.0},
                     "lm_head": {"fixed_s": 0.5}},
     }
@@ -132,3 +134,21 @@ def test_the_cache_times_each_decision_only_when_asked():
         ctx.clock = ctx.token = clock
         cache.request(key, ctx)
     assert cache.evictions == 3 and len(seen) == 2 and all(0 <= s < 1 for s in seen)
+
+
+
+def test_a_transfer_waiting_for_its_decision_is_slowed_only_once_its_bytes_move():
+    # The link runs 2x slower while compute runs. Top-2, a cache of two; token 0 needs 0 and 1 (no eviction),
+    # token 1 needs 0 (a hit) and 2 (a miss evicting 1). Token 0 is the same in both runs and ends at 7.75 (load
+    # 0: 1.25 -> 2.75; load 1 from 2.75, slowed while expert 0 computes 2.75 -> 4.75, lands 5.25; expert 1 ->
+    # 7.25; LM head). Token 1: router ends 9.0, expert 0 computes 9.0 -> 11.0.
+    #   without a cost: 2's bytes from 9.0, slowed until 11.0 (1.0 s of its 1.5 s done), land 11.5; expert 2
+    #                   -> 13.5, LM head -> 14.0
+    #   d = 0.4:        the decision 9.0 -> 9.4, the bytes from 9.4, slowed until 11.0 (0.8 s done), land 11.7;
+    #                   -> 14.2 (slowing the wait for the decision as well would land them at 11.9: 14.4)
+    trace = one_layer_trace([[[0, 1]], [[0, 2]]])
+    plain = simulate_timed(trace, profile(link_slowdown=2.0), "lru", 2 * E)
+    result = simulate_timed(trace, profile({"lru": 0.4}, link_slowdown=2.0), "lru", 2 * E, timeline_iteration=1)
+    assert plain.total_seconds == pytest.approx(14.0)
+    assert result.total_seconds == pytest.approx(14.2)
+    assert lanes(result, "host->gpu") == [("demand", 2, 1.65, 3.95)]  # from the iteration's start, 7.75
