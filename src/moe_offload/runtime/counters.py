@@ -68,11 +68,11 @@ class Counters:
         if prefetch_used:
             self.prefetches_used += 1
 
+    def moved(self, link: str, nbytes: int, seconds: float) -> None:
+        self.bytes_per_link[link] = self.bytes_per_link.get(link, 0) + nbytes
+        self.link_busy_seconds[link] = self.link_busy_seconds.get(link, 0.0) + seconds
+
     def decided(self, seconds: float) -> None:
         """The policy chose a victim in ``seconds`` (ExpertCache.on_decision; called under the data path's lock)."""
         self.policy_decisions += 1
         self.policy_decision_seconds += seconds
-
-    def moved(self, link: str, nbytes: int, seconds: float) -> None:
-        self.bytes_per_link[link] = self.bytes_per_link.get(link, 0) + nbytes
-        self.link_busy_seconds[link] = self.link_busy_seconds.get(link, 0.0) + seconds

@@ -185,13 +185,13 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         notes.append(f"MoEpic's configurator reran online every {reconfiguration.every} tokens: "
                      f"{len(sim.reconfigurations)} times, {spent * 1e3:.3f} ms in all waiting for the link and "
                      "loading grown top segments")
+    if sim.search_seconds:
+        where = "on the inference path" if search_latency(instance)[1] else "on its own matcher timeline"
+        notes.append(f"{instance.name}: {sim.search_seconds * 1e3:.1f} ms of history search in all, charged {where}")
     if sim.decisions.total:
         notes.append(f"{policy}: {sim.decisions.count} eviction decisions took {sim.decisions.total * 1e3:.3f} ms "
                      f"({sim.decisions.total / sim.decisions.count * 1e6:.1f} us each, decisions.py), each before its "
                      "load")
-    if sim.search_seconds:
-        where = "on the inference path" if search_latency(instance)[1] else "on its own matcher timeline"
-        notes.append(f"{instance.name}: {sim.search_seconds * 1e3:.1f} ms of history search in all, charged {where}")
     arrival, token_times = outcome["arrival"], outcome["token_times"]
     ttft = [token_times[r][0] - arrival[r] for r in arrival]
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
