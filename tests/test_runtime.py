@@ -3,6 +3,7 @@ concurrency and the counters, on a tiny random Mixtral packed in a temporary dir
 
 import errno
 import os
+import re
 import threading
 
 import numpy as np
@@ -95,6 +96,15 @@ def test_counters_without_prefetch_and_all_resident(checkpoint):
     with OffloadEngine(checkpoint["packed"], fast_budget="100%", preload=True) as engine:
         stats = engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS).stats
         assert stats.hit_rate == 1.0 and stats.on_demand_loads == 0 and not stats.bytes_per_link
+
+
+def test_the_policys_decisions_are_counted_and_timed(checkpoint):
+    # every eviction of the fast tier is one victim call, timed around the call (simulator/cache.py: Decisions)
+    with OffloadEngine(checkpoint["packed"], fast_budget="34%", policy="learned") as engine:
+        stats = engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS).stats
+        assert stats.policy_decisions == engine.tiers[0].cache.evictions > 0
+        assert 0 < stats.policy_decision_seconds < stats.total_seconds
+        assert engine.stats.policy_decisions == stats.policy_decisions
 
 
 def test_packing_layout_and_skeleton(checkpoint):
@@ -267,6 +277,7 @@ def test_pack_and_generate_commands(checkpoint, tmp_path, capsys):
                  "--prefetch", "topk", "--max-new-tokens", "4", "--json", str(tmp_path / "r.json"), PROMPTS[0]]) == 0
     out = capsys.readouterr().out
     assert out.startswith(PROMPTS[0]) and "tokens/s" in out and "prefetch precision" in out
+    assert re.search(r"eviction decisions +│ +\d+ in \d+\.\d\d ms", out)
     record_ = json.loads((tmp_path / "r.json").read_text())
     assert record_["policy"] == "lfu" and record_["prefetcher"] == "topk"
     tokens, _ = checkpoint["expected"][PROMPTS[0]]

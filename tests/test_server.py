@@ -177,6 +177,7 @@ def test_metrics_move_as_requests_run(client, server):
     asked = after[("moe_offload_expert_requests_total", (("tier", "fast"),))]
     assert after[("moe_offload_expert_hit_rate", (("tier", "fast"),))] == pytest.approx(hits / asked)
     assert after[("moe_offload_link_bytes_total", (("link", "ssd->fast"),))] > 0
+    assert grew("moe_offload_policy_decisions_total") >= 0 and ("moe_offload_policy_decision_seconds_total", ()) in after
     assert after[("moe_offload_requests_running", ())] == after[("moe_offload_requests_waiting", ())] == 0
 
 

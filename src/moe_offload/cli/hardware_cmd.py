@@ -140,6 +140,8 @@ def run_show(args) -> int:
         out.print("  no [host] compute: no expert can be computed on the host (static placements, fetch-or-compute)")
     if compute.slowdown_while_loading != 1:
         out.print(f"  compute runs {compute.slowdown_while_loading:.3g}x slower while a transfer runs")
+    for policy, seconds in profile.decision_s:
+        out.print(f"  one eviction decision of {policy}: {seconds * 1e6:.1f} us (measured, [decision_s])")
     if profile.sources:
         out.print("sources:")
         for source in profile.sources:

@@ -42,6 +42,10 @@ sheets)::
     on_compute_device = false      # optional: true when the host is the processor that computes the fast
                                    # tier's experts (no GPU): its experts then run after those, no link crossed
 
+    [decision_s]               # optional: one eviction decision of a policy, measured, in seconds
+    learned = 158e-6           # paper 003 section 3.1; a policy not named here costs what its FLOPs rule gives
+                               # (simulator/timed/decisions.py), 0 for the bookkeeping policies
+
 A bypassed expert (simulator/cache.py: Admission) costs ``host.expert_seconds(tokens)``; without ``[host]``
 no policy or rule may bypass a miss. ``hardware measure`` measures the host's expert on the CPU.
 
@@ -183,6 +187,7 @@ class HardwareProfile:
     compute: ComputeModel
     path: str = "<memory>"
     host: HostCompute | None = None  # the CPU computing bypassed experts; None: nothing can be bypassed
+    decision_s: tuple[tuple[str, float], ...] = ()  # (policy, seconds per eviction decision), measured
 
     def link_from(self, tier_index: int) -> Link:
         """The link that carries experts out of tier ``tier_index`` (>= 1) into the next faster tier."""
@@ -335,7 +340,18 @@ class _Reader:
                                                                 "compute.slowdown_while_loading", low=1.0,
                                                                 high=MAX_SLOWDOWN, default=1.0))
         return HardwareProfile(name=name, description=description, sources=tuple(sources), tiers=tuple(tiers),
-                               links=links, compute=model, path=self.path, host=host)
+                               links=links, compute=model, path=self.path, host=host,
+                               decision_s=self.decision_seconds(data))
+
+    def decision_seconds(self, data: dict) -> tuple[tuple[str, float], ...]:
+        """The optional ``[decision_s]`` table: policy name -> seconds of one eviction decision."""
+        from moe_offload.policies import POLICIES
+
+        table = self.table(data, "decision_s", "decision_s") if "decision_s" in data else {}
+        for policy in table:
+            if policy not in POLICIES:
+                self.fail(f"decision_s.{policy}", f"no policy of that name; choose from {', '.join(POLICIES)}")
+        return tuple((policy, self.seconds(table, policy, f"decision_s.{policy}")) for policy in sorted(table))
 
     def expert_cost(self, table: dict, where: str, default_bytes_per_param: float):
         """(linear cost, None) from ``where.expert``, or (None, roofline) from ``where``'s roofline keys."""

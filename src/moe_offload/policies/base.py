@@ -138,6 +138,12 @@ class EvictionPolicy:
         """The resident key to evict now; never one in ``ctx.pinned``."""
         raise NotImplementedError
 
+    def decision_flops(self, residents: int) -> float:
+        """Floating-point operations of one ``victim`` call among ``residents`` cached experts: the rule the
+        timed simulator charges a decision by when the hardware profile measured none
+        (simulator/timed/decisions.py). 0 for a policy whose choice is bookkeeping (a list, a heap, counters)."""
+        return 0.0
+
     def on_request_end(self, request) -> None:
         """Request ``request`` has run its last iteration: no access will carry it again."""
 

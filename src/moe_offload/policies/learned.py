@@ -157,6 +157,12 @@ class LearnedEviction(EvictionPolicy):
             raise NoEvictableExpert
         return self._keys[found]
 
+    def decision_flops(self, residents: int) -> float:
+        """Algorithm 1 scores every cached expert with the network, then takes the highest (MaxDist): one row
+        per resident through its network. (This implementation rescores lazily, so its own time per decision is
+        often less; the runtime measures that time.)"""
+        return float(residents * self.model.flops_per_row)
+
     # ------------------------------------------------------------------------------------- scoring
 
     def _evaluate(self, codes: list, max_freq: int) -> list:

@@ -142,7 +142,7 @@ def plot_latency_cdf(results: list[RunResult], path) -> Path:
 
 _COMPUTE_COLOURS = {"attention": "tab:green", "router": "tab:olive", "expert": "tab:blue", "lm_head": "tab:purple",
                     "search": "tab:brown"}
-_TRANSFER_COLOURS = {"demand": "tab:red", "prefetch": "tab:cyan", "search": "tab:brown"}
+_TRANSFER_COLOURS = {"demand": "tab:red", "prefetch": "tab:cyan", "search": "tab:brown", "decision": "tab:olive"}
 
 
 def cdf_label(result: RunResult) -> str:
@@ -200,6 +200,8 @@ def plot_timeline(results: list[RunResult], path) -> Path:
                Patch(color="tab:cyan", label="prefetch")]
     if any("host" in r.timeline["lanes"] for r in shown):
         legend.append(Patch(color="tab:purple", label="host expert"))
+    if any("policy" in r.timeline["lanes"] for r in shown):
+        legend.append(Patch(color="tab:olive", label="eviction decision"))
     fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=8)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     return _save(fig, path)

@@ -45,6 +45,8 @@ class RunResult:
     on_demand_loads: int | None = None
     prefetches_wasted: int | None = None     # issued and never requested before the run ended
     prefetch_search_seconds: float | None = None  # the prefetcher's history searches, on or off the inference path
+    policy_decisions: int | None = None  # evictions the policy chose (timed: every tier's; runtime: the fast tier's)
+    policy_decision_seconds: float | None = None  # their time: timed, charged (timed/decisions.py); runtime, measured
     per_layer_stall_seconds: list[float] | None = None
     bytes_per_link: dict[str, int] | None = None  # link name ("host->gpu") -> bytes put on the wire
     tier_requests: dict[str, int] | None = None  # runtime: tier -> expert accesses it served (host: fast misses)

@@ -226,6 +226,7 @@ def print_runtime_summary(generation, engine, console: Console | None = None) ->
         ("prefetch precision", _share(stats.prefetch_precision)),
         ("prefetch recall", _share(stats.prefetch_recall)),
         ("stall", f"{_ms(stats.stall_seconds)} ms"),
+        ("eviction decisions", f"{stats.policy_decisions} in {_ms(stats.policy_decision_seconds)} ms"),
         ("start-up", f"{engine.startup_seconds * 1e3:.0f} ms (non-expert weights)"),
     ]
     rows += [(f"moved {link}", binary_bytes(count)) for link, count in sorted((stats.bytes_per_link or {}).items())]

@@ -23,6 +23,8 @@ class Counters:
     per_layer_bypassed: list = field(default_factory=list)
     bytes_per_link: dict = field(default_factory=dict)
     link_busy_seconds: dict = field(default_factory=dict)  # link -> seconds a transfer was on it
+    policy_decisions: int = 0              # the fast tier's evictions: each a victim call of the policy
+    policy_decision_seconds: float = 0.0   # their time, measured around each call (simulator/cache.py)
 
     @classmethod
     def zero(cls, num_layers: int) -> "Counters":
@@ -69,3 +71,8 @@ class Counters:
     def moved(self, link: str, nbytes: int, seconds: float) -> None:
         self.bytes_per_link[link] = self.bytes_per_link.get(link, 0) + nbytes
         self.link_busy_seconds[link] = self.link_busy_seconds.get(link, 0.0) + seconds
+
+    def decided(self, seconds: float) -> None:
+        """The policy chose a victim in ``seconds`` (ExpertCache.on_decision; called under the data path's lock)."""
+        self.policy_decisions += 1
+        self.policy_decision_seconds += seconds

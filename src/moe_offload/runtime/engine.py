@@ -202,6 +202,8 @@ class OffloadEngine:
             if rule_profile is not None:
                 admit_by(self.tiers[0].cache, fetch_or_compute_rule(rule_profile, m, self.tiers[-1].cache))
             self.path = DataPath(self.tiers, self.store, self.counters, self.spec)
+            for cache in self.split.tops if self.split is not None else [self.tiers[0].cache]:
+                cache.on_decision = self.counters.decided  # the policy's own time (RunResult.policy_decision_seconds)
             if self.prefetcher is not None and split is None:  # a split run's prefetcher takes Y per layer
                 self.prefetcher.set_budget(link_budget(hardware, m))
             self.replay = None
@@ -411,6 +413,7 @@ class OffloadEngine:
             total_seconds=total, prefetcher=self.prefetch_name, hardware=f"runtime ({self.device.type})",
             cache_bytes=self.split.memory_bytes if self.split else self.tiers[0].cache.capacity,
             on_demand_loads=c.on_demand_loads,
+            policy_decisions=c.policy_decisions, policy_decision_seconds=c.policy_decision_seconds,
             bytes_per_link=dict(c.bytes_per_link),
             tier_requests={"fast": c.accesses, **({"host": c.on_demand_loads + c.bypassed} if self._has_host else {})},
             tier_hits={"fast": c.hits, **({"host": c.host_hits} if self._has_host else {})},

@@ -67,6 +67,10 @@ class EngineCollector:
         yield prefetches
         yield CounterMetricFamily("moe_offload_stall_seconds", "seconds the compute waited for experts",
                                   value=stats.stall_seconds)
+        yield CounterMetricFamily("moe_offload_policy_decisions", "evictions the cache's policy chose",
+                                  value=stats.policy_decisions)
+        yield CounterMetricFamily("moe_offload_policy_decision_seconds", "seconds the policy took to choose them",
+                                  value=stats.policy_decision_seconds)
         moved = CounterMetricFamily("moe_offload_link_bytes", "bytes moved per link", labels=["link"])
         for link, nbytes in (stats.bytes_per_link or {}).items():
             moved.add_metric([link], nbytes)

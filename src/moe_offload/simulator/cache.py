@@ -39,9 +39,16 @@ simulator's fetch-or-compute rule, which knows the costs); it counts the refusal
 replay serves a request with ``serve``, which says which of the three happened (HIT, LOADED, BYPASSED); the
 timed simulator and the runtime ``touch`` the key and, on a miss, ask ``admits`` before they reserve room.
 A static placement's experts are loaded before the first access by ``preload`` (not counted as misses).
+
+Decisions. Each eviction is one decision of the policy (``victim``), counted in ``evictions``. A driver that
+wants the policy's own time (the runtime) sets ``on_decision``: each ``victim`` call is then timed with
+``time.perf_counter`` and the callback gets its seconds; left None, nothing is timed (the replay's hot path).
+The timed simulator charges decisions from the hardware profile instead (simulator/timed/decisions.py).
 """
 
 from __future__ import annotations
+
+import time
 
 from moe_offload.errors import ConfigError
 from moe_offload.policies.base import AccessContext, EvictionPolicy
@@ -78,6 +85,7 @@ class ExpertCache:
         self.used = 0
         self.evictions = 0
         self.on_evict = None  # callback(key) after an eviction: the runtime frees the expert's memory
+        self.on_decision = None  # callback(seconds) after each timed victim call (module doc: Decisions)
 
     def __contains__(self, key) -> bool:
         return key in self.resident
@@ -180,7 +188,7 @@ class ExpertCache:
         ctx.pinned = pinned | self.held.keys()
         try:
             while self.used > capacity and any(key not in ctx.pinned for key in self.resident):
-                self.evict(self.policy.victim(ctx))
+                self.evict(self._victim(ctx))
         finally:
             ctx.pinned = pinned
 
@@ -203,12 +211,20 @@ class ExpertCache:
             if spared:  # the policy must not see a held or protected expert as a candidate
                 ctx.pinned = spared | pinned
         try:
-            policy = self.policy
             while self.used + size > self.capacity:
-                self.evict(policy.victim(ctx))
+                self.evict(self._victim(ctx))
         finally:
             ctx.pinned = pinned
         return True
+
+    def _victim(self, ctx: AccessContext):
+        """The policy's victim, its time given to ``on_decision`` when set."""
+        if self.on_decision is None:
+            return self.policy.victim(ctx)
+        began = time.perf_counter()
+        key = self.policy.victim(ctx)
+        self.on_decision(time.perf_counter() - began)
+        return key
 
     def _room_can_be_made(self, pinned, size, spared) -> bool:
         """Whether evicting every resident expert that is neither pinned nor ``spared`` would make room for
@@ -296,6 +312,15 @@ class PartitionedCache:
     def on_evict(self, callback) -> None:
         for part in self.parts:
             part.on_evict = callback
+
+    @property
+    def on_decision(self):
+        return self.parts[0].on_decision
+
+    @on_decision.setter
+    def on_decision(self, callback) -> None:
+        for part in self.parts:
+            part.on_decision = callback
 
     def cancel(self, key) -> None:
         self.parts[key // self.experts_per_layer].cancel(key)

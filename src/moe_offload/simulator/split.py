@@ -200,6 +200,11 @@ class SplitExperts:
     def _bottom_bytes(self, layer: int) -> int:
         return self.E - self.top_bytes[layer]
 
+    @property
+    def evictions(self) -> int:
+        """Tops evicted, over all layers (each one a decision of the layer's policy)."""
+        return sum(top.evictions for top in self.tops)
+
     def has_top(self, key: int) -> bool:
         return key in self.tops[key // self.J] or (key in self.whole and key in self.buffer.resident)
 

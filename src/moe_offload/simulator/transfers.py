@@ -179,11 +179,13 @@ class TransferQueue:
 
     def slow_down(self, factor: float, now: float) -> bool:
         """Run the wire ``factor`` times slower than the link's own speed from ``now`` on: the transfer on it
-        (if any) ends when its remaining time at the new speed has passed. True when its end moved."""
+        (if any) ends when its remaining time at the new speed has passed. True when its end moved. A transfer
+        whose bytes start later (it waits for its eviction decisions, timed/decisions.py) keeps its start."""
         previous, self.slowdown = self.slowdown, factor
         if self.on_wire is None or factor == previous:
             return False
-        self.on_wire.end_s = now + (self.on_wire.end_s - now) * factor / previous
+        moving_from = max(now, self.on_wire.start_s)
+        self.on_wire.end_s = moving_from + (self.on_wire.end_s - moving_from) * factor / previous
         return True
 
     def finish(self) -> Transfer:

@@ -41,6 +41,10 @@ How AccessContext maps onto the timed model (the replay fills the same fields, s
     pinned      the experts the current layer still has to compute.
     prefetch    True while a prefetch into the GPU is reserved or lands.
 
+The policy's own time: each eviction is a decision that costs the time decisions.py gives it (0 unless the
+policy has a FLOPs rule or the profile a measured cost), and a load's bytes wait for the decisions that made
+its room.
+
 Host compute. A miss the GPU's cache does not admit (simulator/cache.py: Admission; a static placement, or
 ``fetch_or_compute``: Fiddler's rule, policies/fetch_or_compute.py) is bypassed: nothing is loaded, and the
 host CPU computes the expert from its copy in host memory (read there first from a slower home, an SSD, at
@@ -80,6 +84,7 @@ from moe_offload.prefetch import Prefetcher, RoutingView, search_latency
 from moe_offload.prefetch.budget import budget_from_hardware
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
 from moe_offload.simulator.split import SplitConfig, SplitExperts
+from moe_offload.simulator.timed.decisions import tier_decisions
 from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.simulator.timed.schedule import Arrivals, make_schedule, trace_iterations
 from moe_offload.simulator.timed.needs import layer_needs, layer_needs_with_rounds, routed_by_request
@@ -135,9 +140,12 @@ class TimedRun:
         home = home_tier(hardware, total) or 0
         self.events: list = []         # (lane, kind, start, end, layer, key)
         middle = [cache(tier.capacity_bytes, middle=True) for tier in hardware.tiers[1:home]]
+        self.decisions = tier_decisions(hardware, spec, policy, make, info.policy.static,
+                                        [cache_bytes] + [tier.capacity_bytes for tier in hardware.tiers[1:home]],
+                                        expert_bytes, self.events)
         self.net = TierNetwork(hardware, [self.fast] + middle,
                                home, expert_bytes, self.L, self.J, ctx, self.pinned, self.events, self.split,
-                               self._next_use_after if self.offline else None)
+                               self._next_use_after if self.offline else None, self.decisions)
         self.reconfiguration = reconfiguration
         self.reconfigurations: list[dict] = []  # what each online reconfiguration chose, and its cost
         self.deliveries: list = []     # (time, order, iteration, proposals) of the asynchronous matcher

@@ -188,6 +188,10 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
     if sim.search_seconds:
         where = "on the inference path" if search_latency(instance)[1] else "on its own matcher timeline"
         notes.append(f"{instance.name}: {sim.search_seconds * 1e3:.1f} ms of history search in all, charged {where}")
+    if sim.decisions.total:
+        notes.append(f"{policy}: {sim.decisions.count} eviction decisions took {sim.decisions.total * 1e3:.3f} ms "
+                     f"({sim.decisions.total / sim.decisions.count * 1e6:.1f} us each, decisions.py), each before its "
+                     "load")
     arrival, token_times = outcome["arrival"], outcome["token_times"]
     ttft = [token_times[r][0] - arrival[r] for r in arrival]
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
@@ -217,6 +221,7 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         tpot_seconds=float(np.mean(tpot)) if tpot else None,
         prefetcher=instance.name if instance is not None else None, hardware=hardware.name, cache_bytes=cache_bytes,
         on_demand_loads=sim.on_demand, prefetch_search_seconds=sim.search_seconds if instance is not None else None,
+        policy_decisions=sim.decisions.count, policy_decision_seconds=sim.decisions.total,
         per_layer_stall_seconds=sim.per_layer_stall,
         bytes_per_link={q.link.name: q.bytes_moved for q in sim.net.queues.values()},
         ttft_percentiles=latency_summary(ttft), tpot_percentiles=latency_summary(tpot),

@@ -18,6 +18,9 @@ the cache holds (a long prefill) still makes progress. In a middle tier the expe
 or waiting to be read are pinned, except that a demand load may evict the copy of a waiting prefetch
 (which is then dropped). A prefetch into the GPU is held there until its layer uses it or is routed
 without it (simulator/cache.py), whatever the eviction policy's ranking.
+
+Decisions. The evictions that make room for a transfer are its policy's decisions; with ``decisions``
+(decisions.py) its bytes start only once they are made.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import math
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies.base import AccessContext
 from moe_offload.simulator.cache import predicted_no_later_than
+from moe_offload.simulator.timed.decisions import PolicyDecisions
 from moe_offload.simulator.transfers import TransferQueue
 
 
@@ -39,12 +43,13 @@ def home_tier(hardware: HardwareProfile, expert_bytes_in_all: int) -> int | None
 class _Load:
     """One expert's way to the GPU: the tier it is at (``at``, the source of its next hop), whether a demand
     is waiting for it, its prefetch priority, and ``stale`` once its layer was routed while it was on an
-    upstream wire (it then stops in the middle tier it reaches)."""
+    upstream wire (it then stops in the middle tier it reaches); ``known_at``: when it was asked for."""
 
-    __slots__ = ("key", "demand", "priority", "at", "stale")
+    __slots__ = ("key", "demand", "priority", "at", "stale", "known_at")
 
-    def __init__(self, key: int, demand: bool, priority: float, at: int):
+    def __init__(self, key: int, demand: bool, priority: float, at: int, known_at: float):
         self.key, self.demand, self.priority, self.at, self.stale = key, demand, priority, at, False
+        self.known_at = known_at
 
 
 class TierNetwork:
@@ -54,13 +59,15 @@ class TierNetwork:
     ``events`` as (lane, kind, start, end, layer, key)."""
 
     def __init__(self, hardware: HardwareProfile, caches: list, home: int, expert_bytes: int, num_layers: int,
-                 num_experts: int, ctx: AccessContext, pinned: set, events: list, split=None, next_use_after=None):
+                 num_experts: int, ctx: AccessContext, pinned: set, events: list, split=None, next_use_after=None,
+                 decisions: PolicyDecisions | None = None):
         self.caches, self.fast, self.home = caches, caches[0], home
         self.queues = {i: TransferQueue(hardware.link_from(i), caches[i - 1]) for i in range(1, home + 1)}
         self.E, self.J = expert_bytes, num_experts
         self.ctx, self.pinned, self.events = ctx, pinned, events
         self.split = split                    # the GPU tier of a split run (simulator/split.py), else None
         self.next_use_after = next_use_after  # offline policies: key -> clock of its next access
+        self.decisions = decisions            # the policies' time per decision (decisions.py), or None
         self.loads: dict[int, _Load] = {}
         self.prefetch_loads_of_layer = [set() for _ in range(num_layers)]
         self.pending_use: set = set()  # prefetched into the GPU, not requested since
@@ -157,11 +164,14 @@ class TierNetwork:
                     ctx.prefetch = i == 1 and not transfer.demand  # held in the GPU until used (cache.py)
                     protect = predicted_no_later_than(self.predicted, key, self.layer_now, self.J, self.L) \
                         if ctx.prefetch and self.predicted else ()
+                    evictions = self.caches[i - 1].evictions
                     room = self.caches[i - 1].reserve(key, ctx, transfer.nbytes, protect)
                     ctx.pinned, ctx.prefetch = self.pinned, False
                     if not room:  # the destination is full of pinned or incoming experts: wait for an event
                         break
                     queue.start(self.now)
+                    if self.decisions is not None:
+                        self._wait_for_decisions(transfer, i - 1, self.caches[i - 1].evictions - evictions, load)
                     moved = True
                     if load.demand and i > 1:  # its arrival downstream is now known exactly
                         self._announce(load)
@@ -171,6 +181,14 @@ class TierNetwork:
                     transfer.event = len(self.events)
                     self.events.append((queue.link.name, "demand" if transfer.demand else "prefetch",
                                         transfer.start_s, transfer.end_s, key // self.J, key))
+
+    def _wait_for_decisions(self, transfer, tier: int, decisions: int, load: _Load) -> None:
+        """The transfer just started into ``tier`` made ``decisions`` evictions: its bytes start when they are
+        made (decisions.py); its link waits for them."""
+        start = self.decisions.decide(tier, decisions, load.known_at, self.now, load.key // self.J, load.key)
+        if start > transfer.start_s:
+            transfer.end_s += start - transfer.start_s
+            transfer.start_s = start
 
     def arrive(self, link: int) -> None:
         """The transfer on ``link`` has arrived in tier ``link - 1``."""
@@ -226,7 +244,7 @@ class TierNetwork:
 
     def demand(self, key: int, load: _Load | None) -> None:
         if load is None:
-            self._route_from_nearest(self.loads.setdefault(key, _Load(key, True, math.inf, 0)))
+            self._route_from_nearest(self.loads.setdefault(key, _Load(key, True, math.inf, 0, self.now)))
             return
         self.prefetch_loads_of_layer[key // self.J].discard(key)
         load.demand, load.stale = True, False
@@ -246,7 +264,7 @@ class TierNetwork:
             load = loads.get(key)
             if load is None:
                 self.prefetch_loads_of_layer[key // J].add(key)
-                self._route_from_nearest(loads.setdefault(key, _Load(key, False, priority, 0)))
+                self._route_from_nearest(loads.setdefault(key, _Load(key, False, priority, 0, self.now)))
             elif not load.demand:
                 load.priority, load.stale = priority, False
                 self.queues[load.at].propose(key, priority, self._wire_bytes(load.at, key))

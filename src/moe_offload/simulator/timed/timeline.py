@@ -30,5 +30,7 @@ def iteration_timeline(run_events: list[tuple], link_names: list[str], spans: li
         lanes.append("host")
     if any(event[0] == "matcher" for event in run_events):
         lanes.append("matcher")
+    if any(event[0] == "policy" for event in run_events):
+        lanes.append("policy")
     return {"iteration": iteration, "duration_s": end - start, "lanes": lanes, "events": events}
 
