@@ -28,10 +28,12 @@ slot, and moves the bytes outside the lock:
 A miss the fast tier does not admit (a placing policy's bypass) goes no further than the host tier, which
 keeps it while the layer computes it there (``compute_on_host``, models/host_experts.py).
 
-A split run (MoEpic, runtime/split.py) runs on the same path: its fast tier is a
-:class:`~moe_offload.runtime.segment_tier.SegmentTier`, whose segments (whole experts, tops, bottoms) a
-:class:`SegmentWorker` moves over the link into it, from the files or the host tier, while the link workers
-before it fill the host tier as for any run (the two hops overlap).
+A split run (MoEpic, runtime/split.py) runs on the same path and the same workers: its fast tier is a
+:class:`~moe_offload.runtime.segment_tier.SegmentTier`, whose segments (whole experts, bottoms) the link worker
+into it moves from the files or the host tier, while the link workers before it fill the host tier as for any
+run (the two hops overlap). A worker asks its destination tier for a slot (``take``), the bytes (``write``,
+outside the lock), and tells it the arrival (``land``) or the failure (``drop``): runtime/tiers.py ``Tier`` for
+whole experts, SegmentTier for segments.
 
 All cache, queue and policy state is guarded by one condition variable (``DataPath.cond``); bytes move
 outside it.
@@ -85,8 +87,8 @@ class DataPath:
             tier.cache.on_evict = tier.vacate
         names = [tier.name for tier in tiers] + ["ssd"]
         links = [Link(names[i + 1], names[i], math.inf, 0.0) for i in range(len(tiers))]
-        self.workers = [(SegmentWorker if i == 0 and self.split is not None else LinkWorker)(
-            self, i + 1 if i + 1 < len(tiers) else None, i, link) for i, link in enumerate(links)]
+        self.workers = [LinkWorker(self, i + 1 if i + 1 < len(tiers) else None, i, link)
+                        for i, link in enumerate(links)]
         for worker in self.workers:
             worker.start()
 
@@ -109,14 +111,12 @@ class DataPath:
         return worker.queue.propose(key, priority, nbytes)
 
     def transfer_bytes(self, key: int, into_fast: bool) -> int:
-        """Bytes a transfer of ``key`` moves: what a split run's fast tier lacks of it, else the whole expert."""
-        if into_fast and self.split is not None:
-            return self.split.transfer_bytes(key)
-        return self.store.manifest.expert_bytes
+        """Bytes a transfer of ``key`` moves: what the fast tier lacks of it, else the whole expert."""
+        return self.tiers[0].transfer_bytes(key) if into_fast else self.store.manifest.expert_bytes
 
     def in_fast(self, key: int) -> bool:
-        """Whether the fast tier has all of ``key`` that its layer computes with (a split run: complete)."""
-        return self.split.complete(key) if self.split is not None else key in self.tiers[0].cache
+        """Whether the fast tier has all of ``key`` that its layer computes with."""
+        return self.tiers[0].complete(key)
 
     def compute_on_host(self, key: int) -> None:
         """The fast tier did not admit the missed ``key``: the layer computes it from the host tier's copy, read
@@ -155,8 +155,7 @@ class DataPath:
         if not proposals:
             return
         J = self.spec.num_experts
-        fast = self.tiers[0].cache if self.split is None else None
-        if fast is not None:  # a split run's moves on at routing alone: SegmentWorker drops prefetches landing behind it
+        if self.split is None:  # a split run's moves on at routing alone: SegmentTier drops prefetches landing behind it
             self.layer_now = routed_layer
         # once the last layer is routed every layer is ahead: proposals are for the next pass (prefetch/base.py),
         # MoEpic's layer 0 of the next token among them, as the timed simulator takes them
@@ -164,7 +163,7 @@ class DataPath:
         routed = False
         for key, priority in proposals:
             key = int(key)
-            if key // J <= passed or (fast is not None and key in fast.reserved):
+            if key // J <= passed or self.on_wire_to_fast(key):
                 continue
             if self.in_fast(key):  # predicted and resident: no prefetch for a later layer may evict it (cache.py)
                 self.predicted.add(key)
@@ -185,12 +184,7 @@ class DataPath:
                     self.forward.pop(waiting, None)
         # after the last layer every layer is ahead (-1: the same place modulo L for predicted_no_later_than)
         self.layer_now = -1 if layer == self.spec.num_layers - 1 else layer
-        if self.split is not None:
-            self.split.layer_routed(layer, keys)
-        elif self.tiers[0].cache.held:
-            fast = self.tiers[0].cache
-            for key in [key for key in fast.held if key // J == layer]:
-                fast.release(key)
+        self.tiers[0].layer_routed(layer, keys)
         if self.predicted:
             self.predicted = {key for key in self.predicted if key // J != layer}
 
@@ -203,7 +197,7 @@ class DataPath:
 
     def end_request(self, request: int) -> None:
         for tier in self.tiers:
-            (tier if tier is self.split else tier.cache).end_request(request)
+            tier.end_request(request)
 
     def room_freed(self) -> None:
         """Experts were unpinned or released (locked): wake the link workers only if a demand load waits for
@@ -239,17 +233,19 @@ class DataPath:
 
 
 class LinkWorker(threading.Thread):
-    """Serves one link's TransferQueue: picks the next transfer, makes room, moves the bytes outside the lock."""
+    """Serves one link's TransferQueue: picks the next transfer, takes a slot of the destination tier for it,
+    moves the bytes outside the lock, and hands them to the tier (module doc)."""
 
     def __init__(self, path: DataPath, source: int | None, destination: int, link: Link):
         super().__init__(name=f"moe-offload {link.name}", daemon=True)
         self.path, self.source, self.destination, self.link = path, source, destination, link
-        self.queue = TransferQueue(link, path.tiers[destination].cache)
+        self.queue = TransferQueue(link, path.tiers[destination].holding)
         self.mover = ExpertMover(path.store, path.spec.num_experts)
+        self.moving = False  # between taking a transfer and being done with it (a reconfiguration waits)
 
-    def _reserve(self, transfer, tier: Tier) -> bool:
-        """Room for the transfer in the destination (locked). The host tier keeps what is being read out of
-        it or waits to be."""
+    def reserve(self, transfer) -> bool:
+        """Room for the transfer in the destination's cache (locked). The host tier keeps what is being read out
+        of it or waits to be."""
         path, ctx = self.path, self.path.ctx
         if self.destination > 0:
             upstream = path.workers[self.destination - 1].queue
@@ -258,6 +254,7 @@ class LinkWorker(threading.Thread):
         ctx.prefetch = self.destination == 0 and not transfer.demand  # held until used (cache.py)
         protect = predicted_no_later_than(path.predicted, transfer.key, path.layer_now, path.spec.num_experts,
                                           path.spec.num_layers) if ctx.prefetch and path.predicted else ()
+        tier = path.tiers[self.destination]
         try:
             return tier.cache.reserve(transfer.key, ctx, tier.slot_bytes, protect)
         finally:
@@ -266,6 +263,7 @@ class LinkWorker(threading.Thread):
     def run(self) -> None:
         path, queue = self.path, self.queue
         tier = path.tiers[self.destination]
+        source_tier = path.tiers[self.source] if self.source is not None else None
         cond = path.cond
         with cond:
             while not path.stopping:
@@ -274,22 +272,23 @@ class LinkWorker(threading.Thread):
                     cond.wait()
                     continue
                 key = transfer.key
-                source_tier = path.tiers[self.source] if self.source is not None else None
                 if source_tier is not None and key not in source_tier.cache:
                     queue.withdraw(key)  # its host copy was evicted while it waited: from the files again
                     if transfer.demand:
                         path.route(key, True, math.inf)
                     cond.notify_all()
                     continue
-                if not self._reserve(transfer, tier):  # the rest of the tier is pinned, held or on its way in
-                    if transfer.demand:
-                        cond.wait(0.05)
+                slot = tier.take(self, transfer)
+                if slot is None:  # the rest of the tier is pinned, held or on its way in
+                    if transfer.demand or tier.prefetches_wait_for_room:
+                        cond.wait(tier.room_wait_s)
                     else:
                         queue.withdraw(key)
                         path.forward.pop(key, None)
                     continue
-                slot = tier.assign(key)
+                nbytes = path.transfer_bytes(key, self.destination == 0)
                 queue.start(time.perf_counter())
+                self.moving = True
                 if self.destination == 0 and not transfer.demand:
                     path.counters.prefetches_issued += 1
                     path.prefetched_unused.add(key)
@@ -301,19 +300,19 @@ class LinkWorker(threading.Thread):
                 error = None
                 started = time.perf_counter()
                 try:
-                    ready = self.mover.move(key, source_tier, source_slot, tier, slot)
+                    ready = tier.write(self, key, slot, source_tier, source_slot)
                 except BaseException as exc:  # reported to the compute thread, which raises it
                     error = exc
                 finally:
                     cond.acquire()
                 seconds = time.perf_counter() - started
                 queue.finish()
+                self.moving = False
                 if source_tier is not None:
                     path.reading_from[self.source].discard(key)
-                path.counters.moved(self.link.name, path.store.manifest.expert_bytes, seconds)  # as stored
+                path.counters.moved(self.link.name, nbytes, seconds)  # as stored
                 if error is not None:
-                    tier.cache.cancel(key)
-                    tier.vacate(key)
+                    tier.drop(key, slot)
                     path.prefetched_unused.discard(key)
                     path.forward.pop(key, None)
                     # A prefetch nobody waits for fails quietly: a later demand load meets the error itself.
@@ -321,96 +320,9 @@ class LinkWorker(threading.Thread):
                         path.failure, path.failed_key = error, key
                     cond.notify_all()
                     continue
-                if ready is not None:
-                    tier.ready[key] = ready
-                path.ctx.prefetch = not transfer.demand
-                try:
-                    tier.cache.complete(key, path.ctx)
-                finally:
-                    path.ctx.prefetch = False
+                tier.land(self, key, slot, ready, transfer.demand)
                 path.next_hop(key, self.destination, transfer.demand)
                 cond.notify_all()
-
-
-class SegmentWorker(threading.Thread):
-    """Serves the link into a split run's fast tier (runtime/segment_tier.py): picks the next transfer, takes a
-    buffer range of the segment's size when one is free (a demand load drops landed speculation for it), moves
-    the bottom, or the whole expert whose top is not cached, from the files or the host tier outside the lock,
-    and offers a whole expert's top to its layer's cache."""
-
-    def __init__(self, path: DataPath, source: int | None, destination: int, link: Link):
-        super().__init__(name=f"moe-offload {link.name}", daemon=True)
-        self.path, self.source, self.link = path, source, link
-        self.queue = TransferQueue(link, path.split.landed)
-        self.moving = False  # between taking a transfer and being done with it (a reconfiguration waits)
-
-    def run(self) -> None:
-        path, queue, split = self.path, self.queue, self.path.split
-        host = path.tiers[self.source] if self.source is not None else None
-        cond, J = path.cond, path.spec.num_experts
-        with cond:
-            while not path.stopping:
-                transfer = queue.next_transfer(0.0)
-                if transfer is None:
-                    cond.wait()
-                    continue
-                key, prefetch = transfer.key, not transfer.demand
-                if host is not None and key not in host.cache:
-                    queue.withdraw(key)  # its host copy was evicted while it waited: from the files again
-                    if transfer.demand:
-                        path.route(key, True, math.inf)
-                    cond.notify_all()
-                    continue
-                elements = split.segment_elements(key)
-                if not split.room(transfer.demand, elements, path.pinned):
-                    cond.wait()
-                    continue
-                queue.start(0.0)
-                self.moving = True
-                layer = key // J
-                whole = key not in split.tops[layer]
-                slot = split.buffer_slot[key] = split.buffer.take(elements)
-                if prefetch:
-                    path.counters.prefetches_issued += 1
-                    path.prefetched_unused.add(key)
-                if host is not None:
-                    path.reading_from[self.source].add(key)
-                cond.release()
-                started, error, event, nbytes = time.perf_counter(), None, None, 0
-                try:
-                    event, nbytes = split._load(key, slot, whole, host)
-                except BaseException as exc:  # reported to the compute thread, which raises it
-                    error = exc
-                finally:
-                    cond.acquire()
-                queue.finish()
-                self.moving = False
-                if host is not None:
-                    path.reading_from[self.source].discard(key)
-                if error is not None:
-                    split.buffer_slot.pop(key)
-                    split.buffer.give_back(slot)
-                    path.prefetched_unused.discard(key)
-                    # A prefetch nobody waits for fails quietly: a later demand load meets the error itself.
-                    if key in path.pinned and path.failure is None:
-                        path.failure, path.failed_key = error, key
-                    cond.notify_all()
-                    continue
-                path.counters.moved(self.link.name, nbytes, time.perf_counter() - started)
-                split.landed[key] = whole
-                if event is not None:
-                    split.ready[key] = event
-                if key not in path.pinned and not (prefetch and layer > path.layer_now):
-                    split.consume(key)  # its layer gave up on it (a failure) or was routed without it
-                    continue
-                cond.notify_all()
-                if whole:
-                    self.moving = True
-                    try:
-                        split.cache_top(key, slot, event, held=key not in path.pinned)
-                    finally:
-                        self.moving = False
-                    cond.notify_all()
 
 
 class ExpertMover:

@@ -5,10 +5,10 @@ of top-sized slots) and one buffer of K whole experts' bytes (the paper's U_b, K
 segment-sized ranges (tiers.SegmentPool): a range holds one expert's bottom, or its whole copy when its top is
 not cached, so the buffer holds as many bottoms as fit its bytes.
 
-It is the fast tier of the one data path (runtime/datapath.py): the link into it is served by a
-``SegmentWorker``, the links before it (files -> host tier) by the ordinary link workers, so with a host tier
-(``host_budget``, whole experts as stored) the two hops overlap; a bottom then is gathered from the host copy's
-byte ranges. The queue of the link into the fast tier orders its transfers as the timed simulator's
+It is the fast tier of the one data path (runtime/datapath.py): the link worker into it asks it for a buffer
+range (``take``), the segment's bytes (``write``) and hands it the arrival (``land``), as it does a whole-expert
+tier (runtime/tiers.py); with a host tier (``host_budget``, whole experts as stored) the two hops overlap, and a
+bottom then is gathered from the host copy's byte ranges. The queue of the link into the fast tier orders its transfers as the timed simulator's
 TransferQueue: demand loads first, then prefetches by priority, never one expert twice.
 
 Prefetching follows the timed simulator's split run (simulator/split.py, simulator/timed/tiers.py):
@@ -117,6 +117,50 @@ class SegmentTier:
     def propose(self, proposals, routed_layer: int) -> None:
         self.path.propose(proposals, routed_layer)
 
+    # ------------------------------------------------------------------- the link into the tier (locked)
+    prefetches_wait_for_room = True  # a prefetch starts only into a free range: it waits for one
+    room_wait_s = None               # until the buffer changes
+
+    @property
+    def holding(self):
+        return self.landed
+
+    def take(self, worker, transfer):
+        """(a buffer range of the segment's size, whether it is the whole expert) when one is free (``room``),
+        else None."""
+        key = transfer.key
+        elements = self.segment_elements(key)
+        if not self.room(transfer.demand, elements, self.path.pinned):
+            return None
+        self.buffer_slot[key] = taken = self.buffer.take(elements)
+        return taken, key not in self.tops[key // self.spec.num_experts]
+
+    def write(self, worker, key: int, slot, source, source_slot):
+        """Unlocked: the segment's bytes (``_load``); the CUDA event of the copy, or None."""
+        return self._load(key, slot[0], slot[1], source)[0]
+
+    def land(self, worker, key: int, slot, ready, demand: bool) -> None:
+        """The segment is in the buffer: computed with by its layer, kept for a layer ahead, or dropped when its
+        layer was routed without it (or gave up on it); a whole expert's top is offered to its layer's cache."""
+        path, (taken, whole) = self.path, slot
+        self.landed[key] = whole
+        if ready is not None:
+            self.ready[key] = ready
+        if key not in path.pinned and not (not demand and key // self.spec.num_experts > path.layer_now):
+            self.consume(key)
+            return
+        if whole:
+            path.cond.notify_all()
+            worker.moving = True  # a reconfiguration waits for the top's copy too
+            try:
+                self.cache_top(key, taken, ready, held=key not in path.pinned)
+            finally:
+                worker.moving = False
+
+    def drop(self, key: int, slot) -> None:
+        self.buffer_slot.pop(key)
+        self.buffer.give_back(slot[0])
+
     # --------------------------------------------------------------------------------------- state (locked)
     def parts(self, key: int) -> int:
         return 1 if self.rows[key // self.spec.num_experts] == self.intermediate else 2
@@ -193,7 +237,7 @@ class SegmentTier:
             self.path.prefetched_unused.discard(key)
             self.counters.prefetches_wasted += 1
         if slot is not None:
-            self._free_after_compute(self.buffer, slot[0])
+            self.buffer.free_after_compute(slot[0])
             self.buffer.give_back(slot)
         self.cond.notify_all()
 
@@ -214,16 +258,8 @@ class SegmentTier:
         pool = self.top_pools[key // self.spec.num_experts]
         slot = self.top_slot.pop(key)
         self.top_ready.pop(key, None)
-        self._free_after_compute(pool, slot)
+        pool.free_after_compute(slot)
         pool.give_back(slot)
-
-    def _free_after_compute(self, pool, slot: int) -> None:
-        if self.device.type == "cuda":  # kernels queued so far may still read the slot
-            import torch
-
-            event = torch.cuda.Event()
-            event.record(torch.cuda.default_stream(self.device))
-            pool.free_after[slot] = event
 
     def end_request(self, request) -> None:
         for top in self.tops:
