@@ -327,7 +327,8 @@ class LinkWorker(threading.Thread):
 
 class ExpertMover:
     """Moves one expert into a slot of a tier, by the routes of the module docstring (one per link worker;
-    ``hardware measure`` times the same object)."""
+    ``hardware measure`` times the same object). A split run's fast tier moves its segments with the same ring
+    (``staging``) and copy stream (``copy``)."""
 
     def __init__(self, store: ExpertStore, num_experts: int):
         self.store, self.num_experts = store, num_experts
@@ -346,9 +347,8 @@ class ExpertMover:
         layer, expert = divmod(key, self.num_experts)
         destination = tier.region(slot)
         if tier.is_cuda:
-            stream = self._copy_stream(tier)
             if source is None:
-                staged = self._ring_buffer()
+                staged = self.staging(pinned=True)
                 array = staged.numpy()
                 self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
                 # quantized experts' slots hold bytes (uint8), the others elements of the stored dtype
@@ -356,17 +356,9 @@ class ExpertMover:
                     staged.view(getattr(torch, self.store.manifest.dtype))
             else:
                 origin = source.region(source_slot)
-                staged = None
-            wait = tier.pool.free_after[slot]
-            event = torch.cuda.Event()
-            with torch.cuda.stream(stream):
-                if wait is not None:
-                    stream.wait_event(wait)  # kernels that read the slot's previous expert are done
-                destination.copy_(origin, non_blocking=True)
-                event.record(stream)
-            if staged is not None:
-                self._ring[self._ring_index][1] = event
-            elif source is not None:
+            # after the kernels that read the slot's previous expert
+            event = self.copy(destination, origin, tier.pool.free_after[slot])
+            if source is not None:
                 source.pool.free_after[source_slot] = event  # the host slot is read until then
             return event
         if source is not None:
@@ -404,20 +396,36 @@ class ExpertMover:
 
         store.read(layer, expert, into, convert)
 
-    def _copy_stream(self, tier: Tier):
+    def copy(self, destination, source, *after):
+        """``destination.copy_(source)``. Into a GPU: on this link's stream once the events ``after`` (None: none)
+        have completed, returning the copy's event, after which the ring buffer last handed out may be reused
+        (copies on one stream complete in order); else on this thread, returning None."""
+        if not destination.is_cuda:
+            copy_serially(destination, source)  # on this thread alone (runtime/cpu_threads.py)
+            return None
         import torch
 
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=tier.device)
-        return self._stream
+            self._stream = torch.cuda.Stream(device=destination.device)
+        event = torch.cuda.Event()
+        with torch.cuda.stream(self._stream):
+            for wait in after:
+                if wait is not None:
+                    self._stream.wait_event(wait)
+            destination.copy_(source, non_blocking=True)
+            event.record(self._stream)
+        if self._ring is not None:
+            self._ring[self._ring_index][1] = event
+        return event
 
-    def _ring_buffer(self):
-        """The next pinned buffer of the ring, once the copy that last read it has completed."""
+    def staging(self, pinned: bool):
+        """The next buffer of the ring (``pinned`` for copies into a GPU), once the copy that last read it has
+        completed."""
         import torch
 
         if self._ring is None:
             size = self.store.manifest.expert_bytes
-            self._ring = [[torch.empty(size, dtype=torch.uint8, pin_memory=True), None] for _ in range(RING_BUFFERS)]
+            self._ring = [[torch.empty(size, dtype=torch.uint8, pin_memory=pinned), None] for _ in range(RING_BUFFERS)]
             self.ring_allocations += RING_BUFFERS
         self._ring_index = (self._ring_index + 1) % len(self._ring)
         buffer, last_copy = self._ring[self._ring_index]

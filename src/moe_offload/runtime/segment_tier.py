@@ -86,8 +86,6 @@ class SegmentTier:
         self.bottom_digest: dict[int, str] = {}  # key -> xxHash3 of its bottom's stored bytes (verified read)
         self.reconfigurations: list[dict] = []  # online reconfiguration (runtime/split_online.py)
         self.path = None
-        self._stream = None  # CUDA: the copy stream
-        self._staging = None
 
     def _memory(self, config: SplitConfig, rows: list[int]) -> int:
         """Bytes of the tops of ``config`` at ``rows`` and of the buffer of K whole experts."""
@@ -104,6 +102,11 @@ class SegmentTier:
     def queue(self):
         """The queue of the link into this tier."""
         return self.path.workers[0].queue
+
+    @property
+    def mover(self):
+        """The link's mover (its staging ring and copy stream), which moves every byte into this tier."""
+        return self.path.workers[0].mover
 
     @property
     def host(self):
@@ -315,7 +318,7 @@ class SegmentTier:
             self.top_slot[key] = slot = pool.take()
             previous = self.top_ready.pop(key, None)
             if rows == old_rows:  # the same top: copied from the old pool
-                event = self._copy(pool.memory[slot], old_pool.memory[old_slot], None, previous)
+                event = self.mover.copy(pool.memory[slot], old_pool.memory[old_slot], previous)
             else:  # cut at another row: read the whole expert again (its bottom's checksum changes too)
                 started = time.perf_counter()
                 source = host if host is not None and key in host.cache else None
@@ -375,7 +378,7 @@ class SegmentTier:
 
         layer, expert = divmod(key, self.spec.num_experts)
         r, I, H = self.rows[layer], self.intermediate, self.hidden
-        staging = self._staging_buffer()
+        staging = self.mover.staging(pinned=self.device.type == "cuda")
         array = staging.numpy()
         host_copy = None if host is None else host.region(host.slot_of[key]).view(torch.uint8)
         if whole:
@@ -408,43 +411,10 @@ class SegmentTier:
                                       "the bytes read and verified before (the file is corrupt or was replaced)")
             compact = staging[:nbytes].view(self.stored)
         destination = self.buffer.region(slot)[:compact.numel()]
-        return self._copy(destination, compact, self.buffer.free_after[slot[0]]), nbytes
+        return self.mover.copy(destination, compact, self.buffer.free_after[slot[0]]), nbytes
 
     def _copy_top(self, layer: int, slot: tuple[int, int], top_slot: int, landed_event):
         """The top of the whole expert in buffer range ``slot`` into ``top_slot`` of the layer's cache."""
         pool = self.top_pools[layer]
         source = self.buffer.region(slot)[:pool.memory.shape[1]]
-        return self._copy(pool.memory[top_slot], source, pool.free_after[top_slot], landed_event)
-
-    def _copy(self, destination, source, free_after, after=None):
-        """``destination.copy_(source)``; on CUDA on the copy stream once the slot's readers are done (and
-        ``after``), returning the copy's event (the staging buffer is reused only after it)."""
-        if self.device.type != "cuda":
-            copy_serially(destination, source)  # on the worker's thread alone (runtime/cpu_threads.py)
-            return None
-        import torch
-
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
-        event = torch.cuda.Event()
-        with torch.cuda.stream(self._stream):
-            for wait in (free_after, after):
-                if wait is not None:
-                    self._stream.wait_event(wait)
-            destination.copy_(source, non_blocking=True)
-            event.record(self._stream)
-        self._staging_event = event
-        return event
-
-    def _staging_buffer(self):
-        """The worker's staging buffer (pinned with CUDA), once the copy that last read it has completed."""
-        import torch
-
-        if self._staging is None:
-            self._staging = torch.empty(self.manifest.expert_bytes, dtype=torch.uint8,
-                                        pin_memory=self.device.type == "cuda")
-            self._staging_event = None
-        if self._staging_event is not None:
-            self._staging_event.synchronize()
-            self._staging_event = None
-        return self._staging
+        return self.mover.copy(pool.memory[top_slot], source, pool.free_after[top_slot], landed_event)
