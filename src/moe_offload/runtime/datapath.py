@@ -155,7 +155,7 @@ class DataPath:
         if not proposals:
             return
         J = self.spec.num_experts
-        if self.split is None:  # a split run's moves on at routing alone: SegmentTier drops prefetches landing behind it
+        if self.split is None:  # a split run's moves on at routing alone (SegmentTier.land drops what lands behind)
             self.layer_now = routed_layer
         # once the last layer is routed every layer is ahead: proposals are for the next pass (prefetch/base.py),
         # MoEpic's layer 0 of the next token among them, as the timed simulator takes them

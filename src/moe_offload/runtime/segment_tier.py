@@ -269,11 +269,13 @@ class SegmentTier:
             top.end_request(request)
 
     # ---------------------------------------------------------------------------------------- reconfiguration
-    def reconfigure(self, config: SplitConfig, iteration: int, tokens: int) -> bool:
+    def reconfigure(self, config: SplitConfig, iteration: int, tokens: int, cached=None) -> bool:
         """Apply ``config`` between two passes (runtime/split_online.py): nothing moves into this tier, nothing is
-        buffered or held, each layer's tops are cut to C_i by the policy's victims and moved into a pool of the
-        new size, re-read where the ratio changed. False, with nothing changed, when it would not fit in the fast
-        budget. Locked; the caller's pass is over (nothing pinned)."""
+        buffered or held, each layer's tops are those of the experts ``cached[i]`` (its top-C_i by priority,
+        simulator/timed/reconfigure.py ``ranked_tops``; without it, the C_i the policy keeps) in a pool of the
+        new size: copied from the old pool, read whole where the top is new or the ratio changed. False, with
+        nothing changed, when it would not fit in the fast budget. Locked; the caller's pass is over (nothing
+        pinned)."""
         source = f"the online configuration after {tokens} tokens"
         rows = split_rows(config, self.intermediate, source)
         memory = self._memory(config, rows)
@@ -295,31 +297,36 @@ class SegmentTier:
                 top.release(key)
         path.predicted.clear()
         for layer, (plan, r) in enumerate(zip(config.layers, rows)):
-            record["bytes_loaded"] += self._resize_layer(layer, plan.cached_experts, r)
+            record["bytes_loaded"] += self._resize_layer(layer, plan.cached_experts, r,
+                                                         None if cached is None else cached[layer])
         self.cached_experts = [plan.cached_experts for plan in config.layers]
         self.memory_bytes, self.prefetches = memory, config.prefetches
         return True
 
-    def _resize_layer(self, layer: int, cached: int, rows: int) -> int:
-        """Layer ``layer`` caches ``cached`` tops of ``rows`` rows from now on; returns the bytes re-read."""
+    def _resize_layer(self, layer: int, cached: int, rows: int, keys=None) -> int:
+        """Layer ``layer`` caches ``cached`` tops of ``rows`` rows from now on, those of ``keys`` when given;
+        returns the bytes read."""
         top, old_pool, old_rows = self.tops[layer], self.top_pools[layer], self.rows[layer]
-        if cached == old_pool.slots and rows == old_rows:
+        if cached == old_pool.slots and rows == old_rows and (keys is None or set(keys) == top.resident.keys()):
             return 0
         import torch
 
-        top.resize(cached, self.path.ctx)  # nothing is pinned or held: exactly C_i stay
+        ctx = self.path.ctx
+        if keys is None:
+            top.resize(cached, ctx)  # nothing is pinned or held: exactly C_i stay
+        missing = [] if keys is None else top.keep_exactly(keys, cached, ctx)
         with torch.inference_mode(False):  # called under generate's inference mode; the worker writes the pool too
             pool = SlotPool(cached, 3 * rows * self.hidden, self.compute_dtype, self.device)
         kept = {key: self.top_slot.pop(key) for key in list(top.resident)}
         self.top_pools[layer], self.rows[layer] = pool, rows
         host = self.path.tiers[1] if len(self.path.tiers) > 1 else None
         moved = 0
-        for key, old_slot in kept.items():
+        for key in list(kept) + missing:
             self.top_slot[key] = slot = pool.take()
             previous = self.top_ready.pop(key, None)
-            if rows == old_rows:  # the same top: copied from the old pool
-                event = self.mover.copy(pool.memory[slot], old_pool.memory[old_slot], previous)
-            else:  # cut at another row: read the whole expert again (its bottom's checksum changes too)
+            if key in kept and rows == old_rows:  # the same top: copied from the old pool
+                event = self.mover.copy(pool.memory[slot], old_pool.memory[kept[key]], previous)
+            else:  # new, or cut at another row: read the whole expert (its bottom's checksum changes too)
                 started = time.perf_counter()
                 source = host if host is not None and key in host.cache else None
                 buffered = self.buffer.take()
@@ -333,6 +340,8 @@ class SegmentTier:
                 moved += nbytes
             if event is not None:
                 event.synchronize()  # CUDA: the old pool is freed on return
+            if key not in kept:
+                top.complete(key, ctx)
         return moved
 
     # ------------------------------------------------------------------------------------------ the bytes

@@ -126,7 +126,8 @@ class SplitRunner(ModelRunner):
         split = self.path.split
         with self.path.cond:
             tokens = self.online.configurator.statistics.tokens
-            if split.reconfigure(config, iteration, tokens) and self.prefetcher is not None:
+            cached = self.online.configurator.ranked_tops(config)  # Algorithm 1: each layer's top-C_i by priority
+            if split.reconfigure(config, iteration, tokens, cached) and self.prefetcher is not None:
                 self.prefetcher.set_budget(self._budget(config.prefetches))
 
     def end_request(self, request: int) -> None:

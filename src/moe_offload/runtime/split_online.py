@@ -13,8 +13,9 @@ prediction ranks of layer 0 (a trace's ``next_token_gate_prediction``), as for a
 
 A new configuration is applied between two passes (SegmentTier.reconfigure, runtime/segment_tier.py): the
 waiting prefetches are dropped and the one on the wire lands, every buffered segment and hold is dropped,
-each layer's cache of tops is resized to its C_i by the policy's victims, and its kept tops are moved into
-the new layer's pool, re-read from the files (whole, with the pack's checked reads) where the ratio changed.
+and each layer caches the tops of its C_i experts of highest cache priority (Algorithm 1, the timed
+simulator's ``ranked_tops``) in a pool of the new size: a kept top is copied from the old pool, a new one,
+or one whose ratio changed, read from the files (whole, with the pack's checked reads).
 The prefetcher gets the new configuration's Y_i. A configuration whose tops and buffer would not fit in the
 fast budget is fitted to it, one row at a time (``fit_rows``: the rows r_i = round(theta_i I) can round up
 past it); one that still would not fit is not applied, and the record says so.
