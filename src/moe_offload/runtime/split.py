@@ -154,8 +154,11 @@ class SplitRunner(ModelRunner):
             path.pinned.clear()
             path.pinned.update(keys)
             path.layer_routed(layer, keys)
-            for key, counts in zip(keys, tokens):
+            first_round = self.first_round[layer] if self.policy_needs_rounds else None
+            for expert, key, counts in zip(experts, keys, tokens):
                 ctx.clock += 1
+                if first_round is not None:  # the replay's round of its first request in the pass (runner.py)
+                    ctx.round = self.rounds + first_round[expert]
                 ctx.routed = {request: n for request, n in zip(self.segment_requests, counts) if n}
                 c.accesses += 1
                 c.per_layer_accesses[layer] += 1
