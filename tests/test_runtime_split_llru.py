@@ -64,8 +64,8 @@ def test_the_split_runners_llru_sees_the_replays_clocks_and_evicts_what_the_repl
     monkeypatch.setitem(POLICIES, "test-llru", PolicyInfo("test-llru", Spy))
     trace = sequence()
     root = make_checkpoint(tmp_path)
-    with OffloadEngine(root / "packed", fast_budget="100%", device="cpu", policy="test-llru", replay=trace, replay_weights="router",
-                       split_config=config([TOPS] * LAYERS, [0.5] * LAYERS)) as engine:
+    with OffloadEngine(root / "packed", fast_budget="100%", device="cpu", policy="test-llru", replay=trace,
+                       replay_weights="router", split_config=config([TOPS] * LAYERS, [0.5] * LAYERS)) as engine:
         engine.generate_replayed(0)
     flat = flatten(trace)
     # one token per pass: each expert's only request in its pass, at the replay's clock round * L + layer
