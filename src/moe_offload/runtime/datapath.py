@@ -177,23 +177,36 @@ class DataPath:
         """Layer ``layer`` is routed to ``keys``: its waiting prefetches are too late, and the experts that
         were prefetched for it and not chosen are no longer held (cache.py)."""
         J = self.spec.num_experts
-        for worker in self.workers:
-            for waiting in worker.queue.waiting_prefetches():
-                if waiting // J == layer and waiting not in keys:
-                    worker.queue.withdraw(waiting)
-                    self.forward.pop(waiting, None)
+        self.withdraw_prefetches(layer, keys)
         # after the last layer every layer is ahead (-1: the same place modulo L for predicted_no_later_than)
         self.layer_now = -1 if layer == self.spec.num_layers - 1 else layer
         self.tiers[0].layer_routed(layer, keys)
         if self.predicted:
             self.predicted = {key for key in self.predicted if key // J != layer}
 
-    def withdraw_prefetches(self) -> None:
-        """Every waiting prefetch on every link (a split run's reconfiguration; locked)."""
+    def withdraw_prefetches(self, layer: int | None = None, keys=()) -> None:
+        """The waiting prefetches on every link: all of them (a split run's reconfiguration), or those of
+        ``layer`` not in ``keys`` (locked)."""
+        J = self.spec.num_experts
         for worker in self.workers:
             for key in worker.queue.waiting_prefetches():
-                worker.queue.withdraw(key)
-                self.forward.pop(key, None)
+                if layer is None or (key // J == layer and key not in keys):
+                    worker.queue.withdraw(key)
+                    self.forward.pop(key, None)
+
+    def use(self, key: int) -> bool:
+        """``key`` is accessed: True when a prefetch of it is used now (counted)."""
+        if key in self.prefetched_unused:
+            self.prefetched_unused.discard(key)
+            self.counters.prefetches_used += 1
+            return True
+        return False
+
+    def gone_unused(self, key: int) -> None:
+        """``key`` left the fast tier: a prefetch of it that was never used is wasted (counted)."""
+        if key in self.prefetched_unused:
+            self.prefetched_unused.discard(key)
+            self.counters.prefetches_wasted += 1
 
     def end_request(self, request: int) -> None:
         for tier in self.tiers:
@@ -219,9 +232,7 @@ class DataPath:
 
     def _on_fast_evict(self, key: int) -> None:
         self.tiers[0].vacate(key)
-        if key in self.prefetched_unused:
-            self.prefetched_unused.discard(key)
-            self.counters.prefetches_wasted += 1
+        self.gone_unused(key)
 
     def close(self) -> None:
         with self.cond:

@@ -1,15 +1,14 @@
 """The fast tier of a split run: what it holds are segments (runtime/split.py says what a split run is).
 
 Per layer a cache of C_i expert tops (an ExpertCache of C_i entries with the run's eviction policy, over a pool
-of top-sized slots) and one buffer of K whole experts' bytes (the paper's U_b, K = top-k) handed out in
+of top-sized slots), and one buffer of K whole experts' bytes (the paper's U_b, K = top-k) handed out in
 segment-sized ranges (tiers.SegmentPool): a range holds one expert's bottom, or its whole copy when its top is
-not cached, so the buffer holds as many bottoms as fit its bytes.
+not cached. The buffer counts bytes as the simulator's does, slot by slot: a whole-expert slot holds
+floor(E / b) bottoms of b bytes, so with Y_i > K as many prefetched bottoms land ahead of a layer as fit.
 
-It is the fast tier of the one data path (runtime/datapath.py): the link worker into it asks it for a buffer
-range (``take``), the segment's bytes (``write``) and hands it the arrival (``land``), as it does a whole-expert
-tier (runtime/tiers.py); with a host tier (``host_budget``, whole experts as stored) the two hops overlap, and a
-bottom then is gathered from the host copy's byte ranges. The queue of the link into the fast tier orders its transfers as the timed simulator's
-TransferQueue: demand loads first, then prefetches by priority, never one expert twice.
+The link worker into it (runtime/datapath.py) asks it for a buffer range (``take``), the segment's bytes
+(``write``) and hands it the arrival (``land``), as it does a whole-expert tier (runtime/tiers.py); with a host
+tier the two hops overlap, and a bottom is gathered from the host copy's byte ranges.
 
 Prefetching follows the timed simulator's split run (simulator/split.py, simulator/timed/tiers.py):
 
@@ -27,10 +26,6 @@ Prefetching follows the timed simulator's split run (simulator/split.py, simulat
   demand loads), its landed segments that it does not need leave the buffer, its held tops that it does not
   need are released; a prefetch landing after its layer was routed without it leaves the buffer at once.
 
-The buffer counts bytes as the simulator's does (simulator/split.py: K experts' worth), slot by slot: a
-whole-expert slot holds floor(E / b) bottoms of b bytes, so with Y_i > K as many prefetched bottoms land ahead
-of a layer as fit, up to one bottom per slot fewer than the bytes alone would hold.
-
 Counters (the data path's): a prefetch is *issued* when it goes on the wire into the fast tier, *used* when its
 layer is routed to it (landed or still on the wire: no demand load then), *wasted* when its segment leaves the
 buffer unused. Everything here is guarded by the data path's ``cond``.
@@ -42,7 +37,7 @@ import time
 
 from moe_offload.errors import ConfigError
 from moe_offload.runtime.cpu_threads import copy_serially
-from moe_offload.runtime.split import bottom_ranges, split_rows
+from moe_offload.runtime.split import bottom_ranges, split_memory, split_rows
 from moe_offload.runtime.tiers import SegmentPool, SlotPool
 from moe_offload.simulator.cache import ExpertCache, predicted_no_later_than
 from moe_offload.simulator.split import SplitConfig
@@ -88,10 +83,8 @@ class SegmentTier:
         self.path = None
 
     def _memory(self, config: SplitConfig, rows: list[int]) -> int:
-        """Bytes of the tops of ``config`` at ``rows`` and of the buffer of K whole experts."""
-        H = self.hidden
-        return (sum(plan.cached_experts * 3 * r * H for plan, r in zip(config.layers, rows))
-                + self.spec.top_k * 3 * self.intermediate * H) * self.compute_dtype.itemsize
+        expert_bytes = 3 * self.intermediate * self.hidden * self.compute_dtype.itemsize  # in the fast tier
+        return split_memory(config, rows, self.intermediate, expert_bytes, self.spec.top_k)
 
     # ------------------------------------------------------------------------- the data path, seen from here
     @property
@@ -181,11 +174,8 @@ class SegmentTier:
         return key in self.landed or not self.needs_bytes(key)
 
     def transfer_bytes(self, key: int) -> int:
-        """Bytes a load of ``key`` reads now: its bottom when its top is cached, else the whole expert."""
-        layer = key // self.spec.num_experts
-        if key in self.tops[layer]:
-            return self.manifest.expert_bytes * (self.intermediate - self.rows[layer]) // self.intermediate
-        return self.manifest.expert_bytes
+        """Bytes a load of ``key`` reads now (``segment_elements``' share of the stored expert)."""
+        return self.manifest.expert_bytes * self.segment_elements(key) // self.buffer.elements
 
     def segment_elements(self, key: int) -> int:
         """Elements a load of ``key`` takes in the buffer now: its bottom when its top is cached, else the whole."""
@@ -202,14 +192,6 @@ class SegmentTier:
         top = self.tops[layer]
         for key in [key for key in top.held if key not in pinned]:
             top.release(key)
-
-    def use(self, key: int) -> bool:
-        """``key`` is accessed: True when a prefetch of it is used now."""
-        if key in self.path.prefetched_unused:
-            self.path.prefetched_unused.discard(key)
-            self.counters.prefetches_used += 1
-            return True
-        return False
 
     def part_tensors(self, key: int, part: int) -> tuple[dict, object]:
         """The part's tensors (views of its slot, the segment layout) and the CUDA event to wait for."""
@@ -236,9 +218,7 @@ class SegmentTier:
         slot = self.buffer_slot.pop(key, None)
         self.landed.pop(key, None)
         self.ready.pop(key, None)
-        if key in self.path.prefetched_unused:
-            self.path.prefetched_unused.discard(key)
-            self.counters.prefetches_wasted += 1
+        self.path.gone_unused(key)
         if slot is not None:
             self.buffer.free_after_compute(slot[0])
             self.buffer.give_back(slot)

@@ -59,14 +59,11 @@ def fit_rows(config: SplitConfig, intermediate: int, expert_bytes: int, top_k: i
     smallest shares hold less than a row), then one row fewer at a time where the tops and the buffer of K experts
     (``expert_bytes`` each, in the fast tier's dtype) would exceed the budget, as rounding up can: from the layer
     whose r_i most exceeds theta_i I (ties: the most tops)."""
+    from moe_offload.runtime.split import split_memory
+
     plans = config.layers
     rows = [max(1, min(intermediate, round(p.split_ratio * intermediate))) for p in plans]
-
-    def memory() -> int:
-        return expert_bytes * (sum(p.cached_experts * r for p, r in zip(plans, rows)) + top_k * intermediate) \
-            // intermediate
-
-    while memory() > budget_bytes and any(r > 1 for r in rows):
+    while split_memory(config, rows, intermediate, expert_bytes, top_k) > budget_bytes and any(r > 1 for r in rows):
         layer = max((layer for layer, r in enumerate(rows) if r > 1),
                     key=lambda layer: (rows[layer] - plans[layer].split_ratio * intermediate,
                                        plans[layer].cached_experts))
