@@ -38,7 +38,7 @@ import time
 from moe_offload.errors import ConfigError
 from moe_offload.runtime.cpu_threads import copy_serially
 from moe_offload.runtime.split import bottom_ranges, split_memory, split_rows
-from moe_offload.runtime.tiers import SegmentPool, SlotPool
+from moe_offload.runtime.tiers import SegmentPool, SlotPool, Tier
 from moe_offload.simulator.cache import ExpertCache, predicted_no_later_than
 from moe_offload.simulator.split import SplitConfig
 
@@ -68,19 +68,22 @@ class SegmentTier:
                               f"{format_bytes(budget_bytes)}")
         self.cached_experts = [plan.cached_experts for plan in config.layers]
         self.tops = [ExpertCache(plan.cached_experts, make_policy()) for plan in config.layers]
-        self.top_pools = [SlotPool(plan.cached_experts, 3 * r * self.hidden, compute_dtype, device)
-                          for plan, r in zip(config.layers, self.rows)]
-        for top in self.tops:
-            top.on_evict = self._vacate_top
-        self.top_slot: dict[int, int] = {}
+        self.top_tiers = [self._top_tier(top, plan.cached_experts, r)
+                          for top, plan, r in zip(self.tops, config.layers, self.rows)]
         self.buffer = SegmentPool(spec.top_k, 3 * self.intermediate * self.hidden, compute_dtype, device)
         self.buffer_slot: dict[int, tuple[int, int]] = {}  # key -> its range of the buffer
         self.landed: dict[int, bool] = {}    # key -> whether its buffered copy is the whole expert; landing order
         self.ready: dict[int, object] = {}   # CUDA: key -> event of its copy into the buffer
-        self.top_ready: dict[int, object] = {}
         self.bottom_digest: dict[int, str] = {}  # key -> xxHash3 of its bottom's stored bytes (verified read)
         self.reconfigurations: list[dict] = []  # online reconfiguration (runtime/split_online.py)
         self.path = None
+
+    def _top_tier(self, cache: ExpertCache, cached: int, rows: int) -> Tier:
+        """A layer's tops: its cache over ``cached`` slots of ``rows`` rows, with a tier's slot bookkeeping."""
+        pool = SlotPool(cached, 3 * rows * self.hidden, self.compute_dtype, self.device)
+        tier = Tier("tops", cache, pool, self.manifest, self.device, self.compute_dtype)
+        cache.on_evict = tier.vacate
+        return tier
 
     def _memory(self, config: SplitConfig, rows: list[int]) -> int:
         expert_bytes = 3 * self.intermediate * self.hidden * self.compute_dtype.itemsize  # in the fast tier
@@ -198,7 +201,8 @@ class SegmentTier:
         layer = key // self.spec.num_experts
         r = self.rows[layer]
         if part == 0 and key in self.tops[layer]:
-            region, event = self.top_pools[layer].memory[self.top_slot[key]], self.top_ready.get(key)
+            tops = self.top_tiers[layer]
+            region, event = tops.region(tops.slot_of[key]), tops.ready.get(key)
             first = 0
         else:
             region, event = self.buffer.region(self.buffer_slot[key]), self.ready.get(key)
@@ -236,13 +240,6 @@ class SegmentTier:
                 return False
             self.consume(droppable[-1])
         return True
-
-    def _vacate_top(self, key: int) -> None:
-        pool = self.top_pools[key // self.spec.num_experts]
-        slot = self.top_slot.pop(key)
-        self.top_ready.pop(key, None)
-        pool.free_after_compute(slot)
-        pool.give_back(slot)
 
     def end_request(self, request) -> None:
         for top in self.tops:
@@ -286,8 +283,8 @@ class SegmentTier:
     def _resize_layer(self, layer: int, cached: int, rows: int, keys=None) -> int:
         """Layer ``layer`` caches ``cached`` tops of ``rows`` rows from now on, those of ``keys`` when given;
         returns the bytes read."""
-        top, old_pool, old_rows = self.tops[layer], self.top_pools[layer], self.rows[layer]
-        if cached == old_pool.slots and rows == old_rows and (keys is None or set(keys) == top.resident.keys()):
+        top, old, old_rows = self.tops[layer], self.top_tiers[layer], self.rows[layer]
+        if cached == old.pool.slots and rows == old_rows and (keys is None or set(keys) == top.resident.keys()):
             return 0
         import torch
 
@@ -296,16 +293,15 @@ class SegmentTier:
             top.resize(cached, ctx)  # nothing is pinned or held: exactly C_i stay
         missing = [] if keys is None else top.keep_exactly(keys, cached, ctx)
         with torch.inference_mode(False):  # called under generate's inference mode; the worker writes the pool too
-            pool = SlotPool(cached, 3 * rows * self.hidden, self.compute_dtype, self.device)
-        kept = {key: self.top_slot.pop(key) for key in list(top.resident)}
-        self.top_pools[layer], self.rows[layer] = pool, rows
+            tier = self.top_tiers[layer] = self._top_tier(top, cached, rows)
+        kept = list(top.resident)
+        self.rows[layer] = rows
         host = self.path.tiers[1] if len(self.path.tiers) > 1 else None
         moved = 0
-        for key in list(kept) + missing:
-            self.top_slot[key] = slot = pool.take()
-            previous = self.top_ready.pop(key, None)
+        for key in kept + missing:
+            slot = tier.assign(key)
             if key in kept and rows == old_rows:  # the same top: copied from the old pool
-                event = self.mover.copy(pool.memory[slot], old_pool.memory[kept[key]], previous)
+                event = self.mover.copy(tier.region(slot), old.region(old.slot_of[key]), old.ready.get(key))
             else:  # new, or cut at another row: read the whole expert (its bottom's checksum changes too)
                 started = time.perf_counter()
                 source = host if host is not None and key in host.cache else None
@@ -341,14 +337,15 @@ class SegmentTier:
             ctx.pinned, ctx.prefetch = path.pinned, False
         if not admitted:
             return
-        self.top_slot[key] = top_slot = self.top_pools[layer].take()
+        tops = self.top_tiers[layer]
+        top_slot = tops.assign(key)
         path.cond.release()
         try:
             top_event = self._copy_top(layer, slot, top_slot, landed_event)
         finally:
             path.cond.acquire()
         if top_event is not None:
-            self.top_ready[key] = top_event
+            tops.ready[key] = top_event
         ctx.prefetch = held
         try:
             top.complete(key, ctx)
@@ -404,6 +401,6 @@ class SegmentTier:
 
     def _copy_top(self, layer: int, slot: tuple[int, int], top_slot: int, landed_event):
         """The top of the whole expert in buffer range ``slot`` into ``top_slot`` of the layer's cache."""
-        pool = self.top_pools[layer]
-        source = self.buffer.region(slot)[:pool.memory.shape[1]]
+        pool = self.top_tiers[layer].pool
+        source = self.buffer.region(slot)[:pool.elements]
         return self.mover.copy(pool.memory[top_slot], source, pool.free_after[top_slot], landed_event)
