@@ -105,18 +105,7 @@ class DataPath:
                 previous = self.forward.get(key)
                 if demand or previous is None or not previous[0]:
                     self.forward[key] = (demand, priority)
-        nbytes = self.transfer_bytes(key, worker is self.workers[0])
-        if demand:
-            return worker.queue.demand(key, nbytes)
-        return worker.queue.propose(key, priority, nbytes)
-
-    def transfer_bytes(self, key: int, into_fast: bool) -> int:
-        """Bytes a transfer of ``key`` moves: what the fast tier lacks of it, else the whole expert."""
-        return self.tiers[0].transfer_bytes(key) if into_fast else self.store.manifest.expert_bytes
-
-    def in_fast(self, key: int) -> bool:
-        """Whether the fast tier has all of ``key`` that its layer computes with."""
-        return self.tiers[0].complete(key)
+        return worker.queue_transfer(key, demand, priority)
 
     def compute_on_host(self, key: int) -> None:
         """The fast tier did not admit the missed ``key``: the layer computes it from the host tier's copy, read
@@ -137,14 +126,8 @@ class DataPath:
             self.forward.pop(key, None)
             return
         demand_next, priority = self.forward.pop(key, (demand, 0.0))
-        if self.in_fast(key):
-            return
-        queue = self.workers[landed_in - 1].queue
-        nbytes = self.transfer_bytes(key, landed_in == 1)
-        if demand_next:
-            queue.demand(key, nbytes)
-        else:
-            queue.propose(key, priority, nbytes)
+        if not self.tiers[0].complete(key):
+            self.workers[landed_in - 1].queue_transfer(key, demand_next, priority)
 
     def on_wire_to_fast(self, key: int) -> bool:
         wire = self.workers[0].queue.on_wire
@@ -165,7 +148,7 @@ class DataPath:
             key = int(key)
             if key // J <= passed or self.on_wire_to_fast(key):
                 continue
-            if self.in_fast(key):  # predicted and resident: no prefetch for a later layer may evict it (cache.py)
+            if self.tiers[0].complete(key):  # predicted and resident: no prefetch for a later layer may evict it (cache.py)
                 self.predicted.add(key)
                 continue
             self.route(key, demand=False, priority=float(priority))
@@ -254,6 +237,12 @@ class LinkWorker(threading.Thread):
         self.mover = ExpertMover(path.store, path.spec.num_experts)
         self.moving = False  # between taking a transfer and being done with it (a reconfiguration waits)
 
+    def queue_transfer(self, key: int, demand: bool, priority: float) -> bool:
+        """Queue ``key`` on this link, as a demand load or a prefetch of ``priority``, with the bytes its
+        destination lacks of it (locked); True if queued."""
+        nbytes = self.path.tiers[self.destination].transfer_bytes(key)
+        return self.queue.demand(key, nbytes) if demand else self.queue.propose(key, priority, nbytes)
+
     def reserve(self, transfer) -> bool:
         """Room for the transfer in the destination's cache (locked). The host tier keeps what is being read out
         of it or waits to be."""
@@ -297,7 +286,7 @@ class LinkWorker(threading.Thread):
                         queue.withdraw(key)
                         path.forward.pop(key, None)
                     continue
-                nbytes = path.transfer_bytes(key, self.destination == 0)
+                nbytes = tier.transfer_bytes(key)
                 queue.start(time.perf_counter())
                 self.moving = True
                 if self.destination == 0 and not transfer.demand:
