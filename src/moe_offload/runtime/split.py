@@ -180,19 +180,12 @@ class SplitRunner(ModelRunner):
             while remaining:
                 with cond:
                     waited = time.perf_counter()
-                    while True:
-                        path.raise_failure()
-                        ready = next((item for item in remaining if split.has_part(*item)), None)
-                        if ready is not None:
-                            break
-                        cond.wait()
+                    ready = cond.wait_for(lambda: path.raise_failure() or next(
+                        (item for item in remaining if split.has_part(*item)), None))
                     stalled = time.perf_counter() - waited
-                    c.stall_seconds += stalled
-                    c.per_layer_stall_seconds[layer] += stalled
-                    for counters in own:
+                    for counters in (c, *own):  # every request of the pass waits for the layer
                         if counters is not None:
-                            counters.stall_seconds += stalled
-                            counters.per_layer_stall_seconds[layer] += stalled
+                            counters.stalled(layer, stalled)
                     tensors, event = split.part_tensors(*ready)
                 remaining.remove(ready)
                 _wait(event)
