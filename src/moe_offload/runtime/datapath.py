@@ -177,6 +177,14 @@ class DataPath:
                     worker.queue.withdraw(key)
                     self.forward.pop(key, None)
 
+    def protected(self, key: int):
+        """What a prefetch of ``key`` into the fast tier must not evict: the predicted residents whose layers
+        come no later than its own (simulator/cache.py)."""
+        if not self.predicted:
+            return ()
+        return predicted_no_later_than(self.predicted, key, self.layer_now, self.spec.num_experts,
+                                       self.spec.num_layers)
+
     def use(self, key: int) -> bool:
         """``key`` is accessed: True when a prefetch of it is used now (counted)."""
         if key in self.prefetched_unused:
@@ -252,8 +260,7 @@ class LinkWorker(threading.Thread):
             ctx.pinned = path.reading_from[self.destination] | path.on_host | (
                 set(upstream.waiting_demands()) if transfer.demand else upstream.waiting())
         ctx.prefetch = self.destination == 0 and not transfer.demand  # held until used (cache.py)
-        protect = predicted_no_later_than(path.predicted, transfer.key, path.layer_now, path.spec.num_experts,
-                                          path.spec.num_layers) if ctx.prefetch and path.predicted else ()
+        protect = path.protected(transfer.key) if ctx.prefetch else ()
         tier = path.tiers[self.destination]
         try:
             return tier.cache.reserve(transfer.key, ctx, tier.slot_bytes, protect)

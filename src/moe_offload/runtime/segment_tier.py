@@ -39,7 +39,7 @@ from moe_offload.errors import ConfigError
 from moe_offload.runtime.cpu_threads import copy_serially
 from moe_offload.runtime.split import bottom_ranges, split_memory, split_rows
 from moe_offload.runtime.tiers import SegmentPool, SlotPool, Tier
-from moe_offload.simulator.cache import ExpertCache, predicted_no_later_than
+from moe_offload.simulator.cache import ExpertCache
 from moe_offload.simulator.split import SplitConfig
 
 
@@ -329,8 +329,7 @@ class SegmentTier:
         layer = key // self.spec.num_experts
         ctx, top = path.ctx, self.tops[layer]
         ctx.pinned, ctx.prefetch = path.pinned | self.buffer_slot.keys(), held
-        protect = predicted_no_later_than(path.predicted, key, path.layer_now, self.spec.num_experts,
-                                          self.spec.num_layers) if held and path.predicted else ()
+        protect = path.protected(key) if held else ()
         try:
             admitted = top.reserve(key, ctx, 1, protect)
         finally:
