@@ -148,7 +148,7 @@ class DataPath:
             key = int(key)
             if key // J <= passed or self.on_wire_to_fast(key):
                 continue
-            if self.tiers[0].complete(key):  # predicted and resident: no prefetch for a later layer may evict it (cache.py)
+            if self.tiers[0].complete(key):  # predicted, resident: no later prefetch may evict it (cache.py)
                 self.predicted.add(key)
                 continue
             self.route(key, demand=False, priority=float(priority))
