@@ -71,9 +71,9 @@ class SegmentTier:
         self.top_tiers = [self._top_tier(top, plan.cached_experts, r)
                           for top, plan, r in zip(self.tops, config.layers, self.rows)]
         self.buffer = SegmentPool(spec.top_k, 3 * self.intermediate * self.hidden, compute_dtype, device)
-        self.buffer_slot: dict[int, tuple[int, int]] = {}  # key -> its range of the buffer
         self.landed: dict[int, bool] = {}    # key -> whether its buffered copy is the whole expert; landing order
-        self.ready: dict[int, object] = {}   # CUDA: key -> event of its copy into the buffer
+        # its slot bookkeeping: key -> its range of the buffer, CUDA: key -> event of its copy into the buffer
+        self.buffered = Tier("buffer", None, self.buffer, manifest, device, compute_dtype)
         self.bottom_digest: dict[int, str] = {}  # key -> xxHash3 of its bottom's stored bytes (verified read)
         self.reconfigurations: list[dict] = []  # online reconfiguration (runtime/split_online.py)
         self.path = None
@@ -98,6 +98,11 @@ class SegmentTier:
     def queue(self):
         """The queue of the link into this tier."""
         return self.path.workers[0].queue
+
+    @property
+    def buffer_slot(self) -> dict:
+        """Key -> its range of the buffer."""
+        return self.buffered.slot_of
 
     @property
     def mover(self):
@@ -131,8 +136,7 @@ class SegmentTier:
         elements = self.segment_elements(key)
         if not self.room(transfer.demand, elements, self.path.pinned):
             return None
-        self.buffer_slot[key] = taken = self.buffer.take(elements)
-        return taken, key not in self.tops[key // self.spec.num_experts]
+        return self.buffered.assign(key, elements), key not in self.tops[key // self.spec.num_experts]
 
     def write(self, worker, key: int, slot, source, source_slot):
         """Unlocked: the segment's bytes (``_load``); the CUDA event of the copy, or None."""
@@ -144,7 +148,7 @@ class SegmentTier:
         path, (taken, whole) = self.path, slot
         self.landed[key] = whole
         if ready is not None:
-            self.ready[key] = ready
+            self.buffered.ready[key] = ready
         if key not in path.pinned and not (not demand and key // self.spec.num_experts > path.layer_now):
             self.consume(key)
             return
@@ -157,8 +161,7 @@ class SegmentTier:
                 worker.moving = False
 
     def drop(self, key: int, slot) -> None:
-        self.buffer_slot.pop(key)
-        self.buffer.give_back(slot[0])
+        self.buffered.vacate(key)
 
     # --------------------------------------------------------------------------------------- state (locked)
     def parts(self, key: int) -> int:
@@ -205,7 +208,7 @@ class SegmentTier:
             region, event = tops.region(tops.slot_of[key]), tops.ready.get(key)
             first = 0
         else:
-            region, event = self.buffer.region(self.buffer_slot[key]), self.ready.get(key)
+            region, event = self.buffer.region(self.buffered.slot_of[key]), self.buffered.ready.get(key)
             first = 3 * r * self.hidden if part == 1 and self.landed[key] else 0  # a bottom alone starts its range
         rows = r if part == 0 else self.intermediate - r
         H = self.hidden
@@ -219,13 +222,9 @@ class SegmentTier:
         A key still on the wire keeps its range: the worker frees it when it lands unpinned."""
         if self.path.on_wire_to_fast(key):
             return
-        slot = self.buffer_slot.pop(key, None)
         self.landed.pop(key, None)
-        self.ready.pop(key, None)
+        self.buffered.vacate(key)
         self.path.gone_unused(key)
-        if slot is not None:
-            self.buffer.free_after_compute(slot[0])
-            self.buffer.give_back(slot)
         self.cond.notify_all()
 
     def room(self, demand: bool, elements: int, pinned) -> bool:

@@ -61,7 +61,8 @@ class SlotPool:
 
 class Tier:
     """One tier: ``cache`` decides residency, ``pool`` holds the bytes; ``slot_of`` maps an expert (flat key)
-    that is reserved or resident to its slot."""
+    that is reserved or resident to its slot. A split run's buffer (runtime/segment_tier.py) is such a slot
+    bookkeeping over a SegmentPool, with no cache: the split tier decides what it holds."""
 
     def __init__(self, name: str, cache, pool: SlotPool, manifest: Manifest, device, dtype):
         self.name, self.cache, self.pool, self.manifest = name, cache, pool, manifest
@@ -75,9 +76,9 @@ class Tier:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def assign(self, key: int) -> int:
-        """A slot for ``key``, whose room the cache has just reserved."""
-        slot = self.pool.take()
+    def assign(self, key: int, *size) -> int:
+        """A slot for ``key``, whose room the cache has just reserved (of ``size`` elements: a SegmentPool's)."""
+        slot = self.pool.take(*size)
         self.slot_of[key] = slot
         return slot
 
@@ -188,6 +189,9 @@ class SegmentPool(SlotPool):
         if pieces > 1:
             self._carved[slot] = (elements, [n * elements for n in range(pieces - 1, 0, -1)])
         return slot, 0
+
+    def free_after_compute(self, taken: tuple[int, int]) -> None:
+        super().free_after_compute(taken[0])  # the event guards the whole slot
 
     def give_back(self, taken: tuple[int, int]) -> None:
         slot, offset = taken
