@@ -251,22 +251,6 @@ class LinkWorker(threading.Thread):
         nbytes = self.path.tiers[self.destination].transfer_bytes(key)
         return self.queue.demand(key, nbytes) if demand else self.queue.propose(key, priority, nbytes)
 
-    def reserve(self, transfer) -> bool:
-        """Room for the transfer in the destination's cache (locked). The host tier keeps what is being read out
-        of it or waits to be."""
-        path, ctx = self.path, self.path.ctx
-        if self.destination > 0:
-            upstream = path.workers[self.destination - 1].queue
-            ctx.pinned = path.reading_from[self.destination] | path.on_host | (
-                set(upstream.waiting_demands()) if transfer.demand else upstream.waiting())
-        ctx.prefetch = self.destination == 0 and not transfer.demand  # held until used (cache.py)
-        protect = path.protected(transfer.key) if ctx.prefetch else ()
-        tier = path.tiers[self.destination]
-        try:
-            return tier.cache.reserve(transfer.key, ctx, tier.slot_bytes, protect)
-        finally:
-            ctx.prefetch, ctx.pinned = False, path.pinned
-
     def run(self) -> None:
         path, queue = self.path, self.queue
         tier = path.tiers[self.destination]

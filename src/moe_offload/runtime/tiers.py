@@ -119,8 +119,20 @@ class Tier:
         self.cache.end_request(request)
 
     def take(self, worker, transfer):
-        """A slot for ``transfer`` once the cache has made room for it (the worker's reservation), else None."""
-        return self.assign(transfer.key) if worker.reserve(transfer) else None
+        """A slot for ``transfer`` once the cache has made room for it, else None. The host tier keeps what is
+        being read out of it or waits to be; a prefetch into the fast tier is held until used and spares the
+        predicted experts it must not evict (simulator/cache.py)."""
+        path, ctx, key = worker.path, worker.path.ctx, transfer.key
+        if worker.destination > 0:
+            upstream = path.workers[worker.destination - 1].queue
+            ctx.pinned = path.reading_from[worker.destination] | path.on_host | (
+                set(upstream.waiting_demands()) if transfer.demand else upstream.waiting())
+        ctx.prefetch = worker.destination == 0 and not transfer.demand
+        try:
+            admitted = self.cache.reserve(key, ctx, self.slot_bytes, path.protected(key) if ctx.prefetch else ())
+        finally:
+            ctx.prefetch, ctx.pinned = False, path.pinned
+        return self.assign(key) if admitted else None
 
     def write(self, worker, key: int, slot: int, source, source_slot) -> object:
         """Unlocked: the expert's bytes into ``slot``; the CUDA event of the copy, or None."""
