@@ -85,3 +85,21 @@ def test_the_runtime_caches_the_same_tops_and_computes_losslessly_with_them(tmp_
     tokens, logits = reference(root, (24, 24, 12))[PROMPTS[1]]
     assert result.token_ids == tokens
     assert all(torch.equal(a, b) for a, b in zip(result.logits, logits))
+
+
+def test_the_ranking_keeps_p_s_order_where_p_underflows():
+    """After some 65,000 unseen tokens P = mu rho^(nu/omega) is 0.0 in floating point for every such expert; the
+    ranking compares log P: log 5 - 99,996 d against log 1 - 99,990 d (d = ln 4 / 128), and log 5 > 6 d."""
+    from moe_offload.policies import ModelSpec
+    from moe_offload.policies.lcp import LCP
+
+    lcp, ctx = LCP(ModelSpec(1, 2, 1)), AccessContext()
+    for token in range(5):  # expert 1: mu 5, last activated at token 4
+        ctx.token = token
+        lcp.on_access(1, ctx)
+    ctx.token = 10  # expert 0: mu 1, at token 10
+    lcp.on_access(0, ctx)
+    now = 100_000
+    assert lcp.priority(0, now) == lcp.priority(1, now) == 0.0
+    assert lcp.log_priority(1, now) > lcp.log_priority(0, now)
+    assert lcp.log_priority(1, now) - lcp.log_priority(0, now) == pytest.approx(np.log(5) - 6 * np.log(4) / 128)

@@ -78,7 +78,7 @@ class OnlineConfigurator:
     def ranked_tops(self, config: SplitConfig) -> list[list[int]]:
         """Per layer i, the keys of the C_i experts of ``config`` with the highest cache priority now (module doc),
         the highest first; ties: the lower expert id."""
-        priority = self.statistics.priorities()
+        priority = self.statistics.log_priorities()  # P's order (policies/lcp.py)
         J = priority.shape[1]
         ranked = np.argsort(-priority, axis=1, kind="stable")
         return [[layer * J + int(expert) for expert in ranked[layer, :plan.cached_experts]]
