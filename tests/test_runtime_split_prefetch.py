@@ -1,4 +1,4 @@
-"""MoEpic's speculative prefetch in the split runtime (runtime/split_tier.py): a correct prediction turns a demand
+"""MoEpic's speculative prefetch in the split runtime (runtime/segment_tier.py): a correct prediction turns a demand
 load into a prefetch hit, a wrong one is wasted; runs stay lossless against the all-resident model computing with
 the same split over budgets, ratios and policies; every access that needs bytes is either a demand load or a used
 prefetch; the configuration's Y_i reaches the prefetcher."""

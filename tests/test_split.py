@@ -294,12 +294,17 @@ def test_online_reconfiguration_moves_vram_to_the_layer_whose_statistics_ask_for
     #   probe -0.5:     layer 1 loses nothing: it gives. Moved to (1.5, 0.5): total falls by 1/6 T_load.
     #   next step:      layer 1 cannot give its last 0.5, so VramAllocation stops.
     # Layer 0: C = 2, theta = 0.75; layer 1: C = 1 (m_1 = 0 whatever C: the smallest), theta = 0.5.
-    # Applying it: layer 0 keeps its two tops (experts 0, 1), each 25 B short: 2 transfers of 0.5 s latency and
-    # 50 B at 100 B/s, 1.5 s before token 6. Layer 1's cache shrinks to one top: LRU evicts one.
+    # Applying it: each layer caches its top-C_i experts by LCP priority P = mu rho^(nu/128) (Algorithm 1).
+    # Layer 0: experts 0 and 1 (mu 3 each, the rest never activated), its two tops, each 25 B short: 2 transfers
+    # of 0.5 s latency and 50 B at 100 B/s, 1.5 s before token 6. Layer 1 (one top): mu = 1 for 2..7, the most
+    # recent, 7, ranks first; it is cached already (as LRU would keep it).
     # After 12 tokens the statistics are symmetric (H_0(C >= 2) = H_1(C >= 2) = 4/12, H(1) = 0). VramAllocation
     # goes on from (1.5, 0.5): both layers would profit alike from more, layer 0 is probed first and layer 1
     # cannot give its last 0.5, so the budgets stay; but layer 1 now splits its 0.5 over C = 2 tops
-    # (m_1 = 4/12 x 0.25 = 1/12, against 0 with one), theta = 0.25: nothing grows, nothing loads.
+    # (m_1 = 4/12 x 0.25 = 1/12, against 0 with one), theta = 0.25. By priority after 12 tokens layer 0 caches
+    # experts 1 and 0 (mu 3 at nu 6 and 7: P = 3 x 0.25^(6/128) = 2.81, 2.79, above mu 1 of experts 2..7), not
+    # 6 and 7 that LRU holds: two new tops of 75 B; layer 1 caches 1 and 0 (mu 3, nu 0 and 1): 1 is cached
+    # (its ratio shrinks: nothing to load), 0 is a new top of 25 B. 175 B in all.
     from moe_offload.configurator import configure, measure_statistics, timings_from_profile
     from moe_offload.simulator.timed import Reconfiguration
 
@@ -311,7 +316,7 @@ def test_online_reconfiguration_moves_vram_to_the_layer_whose_statistics_ask_for
     assert [(layer["cache_size"], layer["split_ratio"]) for layer in first["layers"]] == [(2, 0.75), (1, 0.5)]
     assert (first["bytes_loaded"], first["seconds"]) == (50, pytest.approx(1.5))
     assert [(layer["cache_size"], layer["split_ratio"]) for layer in second["layers"]] == [(2, 0.75), (2, 0.25)]
-    assert second["bytes_loaded"] == 0
+    assert second["bytes_loaded"] == 175
     # the online loop read the statistics of the tokens so far: the offline configurator on the first six agrees
     offline = configure(measure_statistics(trace.select(slice(0, 6))), timings_from_profile(hardware, E, 1), 2.0,
                         0.25)

@@ -157,6 +157,15 @@ class OnlineStatistics:
         self.clock += len(keys)
         self.tokens += 1
 
+    def log_priorities(self) -> np.ndarray:
+        """[L, J] the log of every expert's cache priority P_ij = mu_ij rho^(nu_ij / omega) now (paper 004,
+        equation 4: mu its activations so far, nu the tokens since its last), as the shadow LCP caches count
+        them (each sees every token); -inf for an expert never activated."""
+        J = self.J
+        now = self.tokens - 1  # the last token observed: an expert it activated has nu = 0
+        return np.array([[part.policy.log_priority(layer * J + expert, now) for expert in range(J)]
+                         for layer, part in enumerate(self.caches[0].parts)])
+
     def statistics(self) -> MoepicStatistics:
         """H, P and PH of the tokens observed so far."""
         q = max(self.tokens, 1)

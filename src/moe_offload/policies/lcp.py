@@ -44,6 +44,12 @@ class LCP(EvictionPolicy):
             return 0.0
         return mu * self.rho ** ((token_now - self._last_token[key]) / self.omega)
 
+    def log_priority(self, key, token_now: int) -> float:
+        """log P (-inf for an expert never activated): P's order, without P's underflow to 0 once an expert has
+        gone unseen for some 65,000 tokens (rho^(nu/omega) < 1e-308 at the defaults)."""
+        mu = self._mu.get(key, 0)
+        return -math.inf if mu == 0 else math.log(mu) - (token_now - self._last_token[key]) * self._decay
+
     def _score(self, key):
         mu = self._mu.get(key, 0)
         return -math.inf if mu == 0 else math.log(mu) + self._last_token[key] * self._decay

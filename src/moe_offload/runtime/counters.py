@@ -68,6 +68,11 @@ class Counters:
         if prefetch_used:
             self.prefetches_used += 1
 
+    def stalled(self, layer: int, seconds: float) -> None:
+        """The compute thread waited ``seconds`` for layer ``layer``'s experts."""
+        self.stall_seconds += seconds
+        self.per_layer_stall_seconds[layer] += seconds
+
     def moved(self, link: str, nbytes: int, seconds: float) -> None:
         self.bytes_per_link[link] = self.bytes_per_link.get(link, 0) + nbytes
         self.link_busy_seconds[link] = self.link_busy_seconds.get(link, 0.0) + seconds

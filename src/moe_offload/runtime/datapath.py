@@ -28,10 +28,12 @@ slot, and moves the bytes outside the lock:
 A miss the fast tier does not admit (a placing policy's bypass) goes no further than the host tier, which
 keeps it while the layer computes it there (``compute_on_host``, models/host_experts.py).
 
-A split run (MoEpic, runtime/split.py) runs on the same path: its fast tier is a
-:class:`~moe_offload.runtime.segment_tier.SegmentTier`, whose segments (whole experts, tops, bottoms) a
-:class:`SegmentWorker` moves over the link into it, from the files or the host tier, while the link workers
-before it fill the host tier as for any run (the two hops overlap).
+A split run (MoEpic, runtime/split.py) runs on the same path and the same workers: its fast tier is a
+:class:`~moe_offload.runtime.segment_tier.SegmentTier`, whose segments (whole experts, bottoms) the link worker
+into it moves from the files or the host tier, while the link workers before it fill the host tier as for any
+run (the two hops overlap). A worker asks its destination tier for a slot (``take``), the bytes (``write``,
+outside the lock), and tells it the arrival (``land``) or the failure (``drop``): runtime/tiers.py ``Tier`` for
+whole experts, SegmentTier for segments.
 
 All cache, queue and policy state is guarded by one condition variable (``DataPath.cond``); bytes move
 outside it.
@@ -85,8 +87,8 @@ class DataPath:
             tier.cache.on_evict = tier.vacate
         names = [tier.name for tier in tiers] + ["ssd"]
         links = [Link(names[i + 1], names[i], math.inf, 0.0) for i in range(len(tiers))]
-        self.workers = [(SegmentWorker if i == 0 and self.split is not None else LinkWorker)(
-            self, i + 1 if i + 1 < len(tiers) else None, i, link) for i, link in enumerate(links)]
+        self.workers = [LinkWorker(self, i + 1 if i + 1 < len(tiers) else None, i, link)
+                        for i, link in enumerate(links)]
         for worker in self.workers:
             worker.start()
 
@@ -103,20 +105,7 @@ class DataPath:
                 previous = self.forward.get(key)
                 if demand or previous is None or not previous[0]:
                     self.forward[key] = (demand, priority)
-        nbytes = self.transfer_bytes(key, worker is self.workers[0])
-        if demand:
-            return worker.queue.demand(key, nbytes)
-        return worker.queue.propose(key, priority, nbytes)
-
-    def transfer_bytes(self, key: int, into_fast: bool) -> int:
-        """Bytes a transfer of ``key`` moves: what a split run's fast tier lacks of it, else the whole expert."""
-        if into_fast and self.split is not None:
-            return self.split.transfer_bytes(key)
-        return self.store.manifest.expert_bytes
-
-    def in_fast(self, key: int) -> bool:
-        """Whether the fast tier has all of ``key`` that its layer computes with (a split run: complete)."""
-        return self.split.complete(key) if self.split is not None else key in self.tiers[0].cache
+        return worker.queue_transfer(key, demand, priority)
 
     def compute_on_host(self, key: int) -> None:
         """The fast tier did not admit the missed ``key``: the layer computes it from the host tier's copy, read
@@ -137,14 +126,8 @@ class DataPath:
             self.forward.pop(key, None)
             return
         demand_next, priority = self.forward.pop(key, (demand, 0.0))
-        if self.in_fast(key):
-            return
-        queue = self.workers[landed_in - 1].queue
-        nbytes = self.transfer_bytes(key, landed_in == 1)
-        if demand_next:
-            queue.demand(key, nbytes)
-        else:
-            queue.propose(key, priority, nbytes)
+        if not self.tiers[0].complete(key):
+            self.workers[landed_in - 1].queue_transfer(key, demand_next, priority)
 
     def on_wire_to_fast(self, key: int) -> bool:
         wire = self.workers[0].queue.on_wire
@@ -155,8 +138,7 @@ class DataPath:
         if not proposals:
             return
         J = self.spec.num_experts
-        fast = self.tiers[0].cache if self.split is None else None
-        if fast is not None:  # a split run's moves on at routing alone: SegmentWorker drops prefetches landing behind it
+        if self.split is None:  # a split run's moves on at routing alone (SegmentTier.land drops what lands behind)
             self.layer_now = routed_layer
         # once the last layer is routed every layer is ahead: proposals are for the next pass (prefetch/base.py),
         # MoEpic's layer 0 of the next token among them, as the timed simulator takes them
@@ -164,9 +146,9 @@ class DataPath:
         routed = False
         for key, priority in proposals:
             key = int(key)
-            if key // J <= passed or (fast is not None and key in fast.reserved):
+            if key // J <= passed or self.on_wire_to_fast(key):
                 continue
-            if self.in_fast(key):  # predicted and resident: no prefetch for a later layer may evict it (cache.py)
+            if self.tiers[0].complete(key):  # predicted, resident: no later prefetch may evict it (cache.py)
                 self.predicted.add(key)
                 continue
             self.route(key, demand=False, priority=float(priority))
@@ -178,32 +160,48 @@ class DataPath:
         """Layer ``layer`` is routed to ``keys``: its waiting prefetches are too late, and the experts that
         were prefetched for it and not chosen are no longer held (cache.py)."""
         J = self.spec.num_experts
-        for worker in self.workers:
-            for waiting in worker.queue.waiting_prefetches():
-                if waiting // J == layer and waiting not in keys:
-                    worker.queue.withdraw(waiting)
-                    self.forward.pop(waiting, None)
+        self.withdraw_prefetches(layer, keys)
         # after the last layer every layer is ahead (-1: the same place modulo L for predicted_no_later_than)
         self.layer_now = -1 if layer == self.spec.num_layers - 1 else layer
-        if self.split is not None:
-            self.split.layer_routed(layer, keys)
-        elif self.tiers[0].cache.held:
-            fast = self.tiers[0].cache
-            for key in [key for key in fast.held if key // J == layer]:
-                fast.release(key)
+        self.tiers[0].layer_routed(layer, keys)
         if self.predicted:
             self.predicted = {key for key in self.predicted if key // J != layer}
 
-    def withdraw_prefetches(self) -> None:
-        """Every waiting prefetch on every link (a split run's reconfiguration; locked)."""
+    def withdraw_prefetches(self, layer: int | None = None, keys=()) -> None:
+        """The waiting prefetches on every link: all of them (a split run's reconfiguration), or those of
+        ``layer`` not in ``keys`` (locked)."""
+        J = self.spec.num_experts
         for worker in self.workers:
             for key in worker.queue.waiting_prefetches():
-                worker.queue.withdraw(key)
-                self.forward.pop(key, None)
+                if layer is None or (key // J == layer and key not in keys):
+                    worker.queue.withdraw(key)
+                    self.forward.pop(key, None)
+
+    def protected(self, key: int):
+        """What a prefetch of ``key`` into the fast tier must not evict: the predicted residents whose layers
+        come no later than its own (simulator/cache.py)."""
+        if not self.predicted:
+            return ()
+        return predicted_no_later_than(self.predicted, key, self.layer_now, self.spec.num_experts,
+                                       self.spec.num_layers)
+
+    def use(self, key: int) -> bool:
+        """``key`` is accessed: True when a prefetch of it is used now (counted)."""
+        if key in self.prefetched_unused:
+            self.prefetched_unused.discard(key)
+            self.counters.prefetches_used += 1
+            return True
+        return False
+
+    def gone_unused(self, key: int) -> None:
+        """``key`` left the fast tier: a prefetch of it that was never used is wasted (counted)."""
+        if key in self.prefetched_unused:
+            self.prefetched_unused.discard(key)
+            self.counters.prefetches_wasted += 1
 
     def end_request(self, request: int) -> None:
         for tier in self.tiers:
-            (tier if tier is self.split else tier.cache).end_request(request)
+            tier.end_request(request)
 
     def room_freed(self) -> None:
         """Experts were unpinned or released (locked): wake the link workers only if a demand load waits for
@@ -225,9 +223,7 @@ class DataPath:
 
     def _on_fast_evict(self, key: int) -> None:
         self.tiers[0].vacate(key)
-        if key in self.prefetched_unused:
-            self.prefetched_unused.discard(key)
-            self.counters.prefetches_wasted += 1
+        self.gone_unused(key)
 
     def close(self) -> None:
         with self.cond:
@@ -239,33 +235,26 @@ class DataPath:
 
 
 class LinkWorker(threading.Thread):
-    """Serves one link's TransferQueue: picks the next transfer, makes room, moves the bytes outside the lock."""
+    """Serves one link's TransferQueue: picks the next transfer, takes a slot of the destination tier for it,
+    moves the bytes outside the lock, and hands them to the tier (module doc)."""
 
     def __init__(self, path: DataPath, source: int | None, destination: int, link: Link):
         super().__init__(name=f"moe-offload {link.name}", daemon=True)
         self.path, self.source, self.destination, self.link = path, source, destination, link
-        self.queue = TransferQueue(link, path.tiers[destination].cache)
+        self.queue = TransferQueue(link, path.tiers[destination].holding)
         self.mover = ExpertMover(path.store, path.spec.num_experts)
+        self.moving = False  # between taking a transfer and being done with it (a reconfiguration waits)
 
-    def _reserve(self, transfer, tier: Tier) -> bool:
-        """Room for the transfer in the destination (locked). The host tier keeps what is being read out of
-        it or waits to be."""
-        path, ctx = self.path, self.path.ctx
-        if self.destination > 0:
-            upstream = path.workers[self.destination - 1].queue
-            ctx.pinned = path.reading_from[self.destination] | path.on_host | (
-                set(upstream.waiting_demands()) if transfer.demand else upstream.waiting())
-        ctx.prefetch = self.destination == 0 and not transfer.demand  # held until used (cache.py)
-        protect = predicted_no_later_than(path.predicted, transfer.key, path.layer_now, path.spec.num_experts,
-                                          path.spec.num_layers) if ctx.prefetch and path.predicted else ()
-        try:
-            return tier.cache.reserve(transfer.key, ctx, tier.slot_bytes, protect)
-        finally:
-            ctx.prefetch, ctx.pinned = False, path.pinned
+    def queue_transfer(self, key: int, demand: bool, priority: float) -> bool:
+        """Queue ``key`` on this link, as a demand load or a prefetch of ``priority``, with the bytes its
+        destination lacks of it (locked); True if queued."""
+        nbytes = self.path.tiers[self.destination].transfer_bytes(key)
+        return self.queue.demand(key, nbytes) if demand else self.queue.propose(key, priority, nbytes)
 
     def run(self) -> None:
         path, queue = self.path, self.queue
         tier = path.tiers[self.destination]
+        source_tier = path.tiers[self.source] if self.source is not None else None
         cond = path.cond
         with cond:
             while not path.stopping:
@@ -274,22 +263,23 @@ class LinkWorker(threading.Thread):
                     cond.wait()
                     continue
                 key = transfer.key
-                source_tier = path.tiers[self.source] if self.source is not None else None
                 if source_tier is not None and key not in source_tier.cache:
                     queue.withdraw(key)  # its host copy was evicted while it waited: from the files again
                     if transfer.demand:
                         path.route(key, True, math.inf)
                     cond.notify_all()
                     continue
-                if not self._reserve(transfer, tier):  # the rest of the tier is pinned, held or on its way in
-                    if transfer.demand:
-                        cond.wait(0.05)
+                slot = tier.take(self, transfer)
+                if slot is None:  # the rest of the tier is pinned, held or on its way in
+                    if transfer.demand or tier.prefetches_wait_for_room:
+                        cond.wait(tier.room_wait_s)
                     else:
                         queue.withdraw(key)
                         path.forward.pop(key, None)
                     continue
-                slot = tier.assign(key)
+                nbytes = tier.transfer_bytes(key)
                 queue.start(time.perf_counter())
+                self.moving = True
                 if self.destination == 0 and not transfer.demand:
                     path.counters.prefetches_issued += 1
                     path.prefetched_unused.add(key)
@@ -301,19 +291,19 @@ class LinkWorker(threading.Thread):
                 error = None
                 started = time.perf_counter()
                 try:
-                    ready = self.mover.move(key, source_tier, source_slot, tier, slot)
+                    ready = tier.write(self, key, slot, source_tier, source_slot)
                 except BaseException as exc:  # reported to the compute thread, which raises it
                     error = exc
                 finally:
                     cond.acquire()
                 seconds = time.perf_counter() - started
                 queue.finish()
+                self.moving = False
                 if source_tier is not None:
                     path.reading_from[self.source].discard(key)
-                path.counters.moved(self.link.name, path.store.manifest.expert_bytes, seconds)  # as stored
+                path.counters.moved(self.link.name, nbytes, seconds)  # as stored
                 if error is not None:
-                    tier.cache.cancel(key)
-                    tier.vacate(key)
+                    tier.drop(key, slot)
                     path.prefetched_unused.discard(key)
                     path.forward.pop(key, None)
                     # A prefetch nobody waits for fails quietly: a later demand load meets the error itself.
@@ -321,101 +311,15 @@ class LinkWorker(threading.Thread):
                         path.failure, path.failed_key = error, key
                     cond.notify_all()
                     continue
-                if ready is not None:
-                    tier.ready[key] = ready
-                path.ctx.prefetch = not transfer.demand
-                try:
-                    tier.cache.complete(key, path.ctx)
-                finally:
-                    path.ctx.prefetch = False
+                tier.land(self, key, slot, ready, transfer.demand)
                 path.next_hop(key, self.destination, transfer.demand)
                 cond.notify_all()
 
 
-class SegmentWorker(threading.Thread):
-    """Serves the link into a split run's fast tier (runtime/segment_tier.py): picks the next transfer, takes a
-    buffer range of the segment's size when one is free (a demand load drops landed speculation for it), moves
-    the bottom, or the whole expert whose top is not cached, from the files or the host tier outside the lock,
-    and offers a whole expert's top to its layer's cache."""
-
-    def __init__(self, path: DataPath, source: int | None, destination: int, link: Link):
-        super().__init__(name=f"moe-offload {link.name}", daemon=True)
-        self.path, self.source, self.link = path, source, link
-        self.queue = TransferQueue(link, path.split.landed)
-        self.moving = False  # between taking a transfer and being done with it (a reconfiguration waits)
-
-    def run(self) -> None:
-        path, queue, split = self.path, self.queue, self.path.split
-        host = path.tiers[self.source] if self.source is not None else None
-        cond, J = path.cond, path.spec.num_experts
-        with cond:
-            while not path.stopping:
-                transfer = queue.next_transfer(0.0)
-                if transfer is None:
-                    cond.wait()
-                    continue
-                key, prefetch = transfer.key, not transfer.demand
-                if host is not None and key not in host.cache:
-                    queue.withdraw(key)  # its host copy was evicted while it waited: from the files again
-                    if transfer.demand:
-                        path.route(key, True, math.inf)
-                    cond.notify_all()
-                    continue
-                elements = split.segment_elements(key)
-                if not split.room(transfer.demand, elements, path.pinned):
-                    cond.wait()
-                    continue
-                queue.start(0.0)
-                self.moving = True
-                layer = key // J
-                whole = key not in split.tops[layer]
-                slot = split.buffer_slot[key] = split.buffer.take(elements)
-                if prefetch:
-                    path.counters.prefetches_issued += 1
-                    path.prefetched_unused.add(key)
-                if host is not None:
-                    path.reading_from[self.source].add(key)
-                cond.release()
-                started, error, event, nbytes = time.perf_counter(), None, None, 0
-                try:
-                    event, nbytes = split._load(key, slot, whole, host)
-                except BaseException as exc:  # reported to the compute thread, which raises it
-                    error = exc
-                finally:
-                    cond.acquire()
-                queue.finish()
-                self.moving = False
-                if host is not None:
-                    path.reading_from[self.source].discard(key)
-                if error is not None:
-                    split.buffer_slot.pop(key)
-                    split.buffer.give_back(slot)
-                    path.prefetched_unused.discard(key)
-                    # A prefetch nobody waits for fails quietly: a later demand load meets the error itself.
-                    if key in path.pinned and path.failure is None:
-                        path.failure, path.failed_key = error, key
-                    cond.notify_all()
-                    continue
-                path.counters.moved(self.link.name, nbytes, time.perf_counter() - started)
-                split.landed[key] = whole
-                if event is not None:
-                    split.ready[key] = event
-                if key not in path.pinned and not (prefetch and layer > path.layer_now):
-                    split.consume(key)  # its layer gave up on it (a failure) or was routed without it
-                    continue
-                cond.notify_all()
-                if whole:
-                    self.moving = True
-                    try:
-                        split.cache_top(key, slot, event, held=key not in path.pinned)
-                    finally:
-                        self.moving = False
-                    cond.notify_all()
-
-
 class ExpertMover:
     """Moves one expert into a slot of a tier, by the routes of the module docstring (one per link worker;
-    ``hardware measure`` times the same object)."""
+    ``hardware measure`` times the same object). A split run's fast tier moves its segments with the same ring
+    (``staging``) and copy stream (``copy``)."""
 
     def __init__(self, store: ExpertStore, num_experts: int):
         self.store, self.num_experts = store, num_experts
@@ -434,9 +338,8 @@ class ExpertMover:
         layer, expert = divmod(key, self.num_experts)
         destination = tier.region(slot)
         if tier.is_cuda:
-            stream = self._copy_stream(tier)
             if source is None:
-                staged = self._ring_buffer()
+                staged = self.staging(pinned=True)
                 array = staged.numpy()
                 self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
                 # quantized experts' slots hold bytes (uint8), the others elements of the stored dtype
@@ -444,17 +347,9 @@ class ExpertMover:
                     staged.view(getattr(torch, self.store.manifest.dtype))
             else:
                 origin = source.region(source_slot)
-                staged = None
-            wait = tier.pool.free_after[slot]
-            event = torch.cuda.Event()
-            with torch.cuda.stream(stream):
-                if wait is not None:
-                    stream.wait_event(wait)  # kernels that read the slot's previous expert are done
-                destination.copy_(origin, non_blocking=True)
-                event.record(stream)
-            if staged is not None:
-                self._ring[self._ring_index][1] = event
-            elif source is not None:
+            # after the kernels that read the slot's previous expert
+            event = self.copy(destination, origin, tier.pool.free_after[slot])
+            if source is not None:
                 source.pool.free_after[source_slot] = event  # the host slot is read until then
             return event
         if source is not None:
@@ -492,20 +387,36 @@ class ExpertMover:
 
         store.read(layer, expert, into, convert)
 
-    def _copy_stream(self, tier: Tier):
+    def copy(self, destination, source, *after):
+        """``destination.copy_(source)``. Into a GPU: on this link's stream once the events ``after`` (None: none)
+        have completed, returning the copy's event, after which the ring buffer last handed out may be reused
+        (copies on one stream complete in order); else on this thread, returning None."""
+        if not destination.is_cuda:
+            copy_serially(destination, source)  # on this thread alone (runtime/cpu_threads.py)
+            return None
         import torch
 
         if self._stream is None:
-            self._stream = torch.cuda.Stream(device=tier.device)
-        return self._stream
+            self._stream = torch.cuda.Stream(device=destination.device)
+        event = torch.cuda.Event()
+        with torch.cuda.stream(self._stream):
+            for wait in after:
+                if wait is not None:
+                    self._stream.wait_event(wait)
+            destination.copy_(source, non_blocking=True)
+            event.record(self._stream)
+        if self._ring is not None:
+            self._ring[self._ring_index][1] = event
+        return event
 
-    def _ring_buffer(self):
-        """The next pinned buffer of the ring, once the copy that last read it has completed."""
+    def staging(self, pinned: bool):
+        """The next buffer of the ring (``pinned`` for copies into a GPU), once the copy that last read it has
+        completed."""
         import torch
 
         if self._ring is None:
             size = self.store.manifest.expert_bytes
-            self._ring = [[torch.empty(size, dtype=torch.uint8, pin_memory=True), None] for _ in range(RING_BUFFERS)]
+            self._ring = [[torch.empty(size, dtype=torch.uint8, pin_memory=pinned), None] for _ in range(RING_BUFFERS)]
             self.ring_allocations += RING_BUFFERS
         self._ring_index = (self._ring_index + 1) % len(self._ring)
         buffer, last_copy = self._ring[self._ring_index]

@@ -178,10 +178,7 @@ class ModelRunner:
                 ctx.routed = {request: n for request, n in zip(requests, counts) if n}
                 c.accesses += 1
                 c.per_layer_accesses[layer] += 1
-                used = key in path.prefetched_unused
-                if used:
-                    path.prefetched_unused.discard(key)
-                    c.prefetches_used += 1
+                used = path.use(key)
                 hit = fast.touch(key, ctx)
                 demand = not hit and not path.on_wire_to_fast(key)  # a prefetch on the last wire is no demand load
                 bypassed = demand and not fast.admits(key, ctx)

@@ -1,15 +1,14 @@
 """The fast tier of a split run: what it holds are segments (runtime/split.py says what a split run is).
 
 Per layer a cache of C_i expert tops (an ExpertCache of C_i entries with the run's eviction policy, over a pool
-of top-sized slots) and one buffer of K whole experts' bytes (the paper's U_b, K = top-k) handed out in
+of top-sized slots), and one buffer of K whole experts' bytes (the paper's U_b, K = top-k) handed out in
 segment-sized ranges (tiers.SegmentPool): a range holds one expert's bottom, or its whole copy when its top is
-not cached, so the buffer holds as many bottoms as fit its bytes.
+not cached. The buffer counts bytes as the simulator's does, slot by slot: a whole-expert slot holds
+floor(E / b) bottoms of b bytes, so with Y_i > K as many prefetched bottoms land ahead of a layer as fit.
 
-It is the fast tier of the one data path (runtime/datapath.py): the link into it is served by a
-``SegmentWorker``, the links before it (files -> host tier) by the ordinary link workers, so with a host tier
-(``host_budget``, whole experts as stored) the two hops overlap; a bottom then is gathered from the host copy's
-byte ranges. The queue of the link into the fast tier orders its transfers as the timed simulator's
-TransferQueue: demand loads first, then prefetches by priority, never one expert twice.
+The link worker into it (runtime/datapath.py) asks it for a buffer range (``take``), the segment's bytes
+(``write``) and hands it the arrival (``land``), as it does a whole-expert tier (runtime/tiers.py); with a host
+tier the two hops overlap, and a bottom is gathered from the host copy's byte ranges.
 
 Prefetching follows the timed simulator's split run (simulator/split.py, simulator/timed/tiers.py):
 
@@ -27,10 +26,6 @@ Prefetching follows the timed simulator's split run (simulator/split.py, simulat
   demand loads), its landed segments that it does not need leave the buffer, its held tops that it does not
   need are released; a prefetch landing after its layer was routed without it leaves the buffer at once.
 
-The buffer counts bytes as the simulator's does (simulator/split.py: K experts' worth), slot by slot: a
-whole-expert slot holds floor(E / b) bottoms of b bytes, so with Y_i > K as many prefetched bottoms land ahead
-of a layer as fit, up to one bottom per slot fewer than the bytes alone would hold.
-
 Counters (the data path's): a prefetch is *issued* when it goes on the wire into the fast tier, *used* when its
 layer is routed to it (landed or still on the wire: no demand load then), *wasted* when its segment leaves the
 buffer unused. Everything here is guarded by the data path's ``cond``.
@@ -42,9 +37,9 @@ import time
 
 from moe_offload.errors import ConfigError
 from moe_offload.runtime.cpu_threads import copy_serially
-from moe_offload.runtime.split import bottom_ranges, split_rows
-from moe_offload.runtime.tiers import SegmentPool, SlotPool
-from moe_offload.simulator.cache import ExpertCache, predicted_no_later_than
+from moe_offload.runtime.split import bottom_ranges, split_memory, split_rows
+from moe_offload.runtime.tiers import SegmentPool, SlotPool, Tier
+from moe_offload.simulator.cache import ExpertCache
 from moe_offload.simulator.split import SplitConfig
 
 
@@ -73,27 +68,26 @@ class SegmentTier:
                               f"{format_bytes(budget_bytes)}")
         self.cached_experts = [plan.cached_experts for plan in config.layers]
         self.tops = [ExpertCache(plan.cached_experts, make_policy()) for plan in config.layers]
-        self.top_pools = [SlotPool(plan.cached_experts, 3 * r * self.hidden, compute_dtype, device)
-                          for plan, r in zip(config.layers, self.rows)]
-        for top in self.tops:
-            top.on_evict = self._vacate_top
-        self.top_slot: dict[int, int] = {}
+        self.top_tiers = [self._top_tier(top, plan.cached_experts, r)
+                          for top, plan, r in zip(self.tops, config.layers, self.rows)]
         self.buffer = SegmentPool(spec.top_k, 3 * self.intermediate * self.hidden, compute_dtype, device)
-        self.buffer_slot: dict[int, tuple[int, int]] = {}  # key -> its range of the buffer
         self.landed: dict[int, bool] = {}    # key -> whether its buffered copy is the whole expert; landing order
-        self.ready: dict[int, object] = {}   # CUDA: key -> event of its copy into the buffer
-        self.top_ready: dict[int, object] = {}
+        # its slot bookkeeping: key -> its range of the buffer, CUDA: key -> event of its copy into the buffer
+        self.buffered = Tier("buffer", None, self.buffer, manifest, device, compute_dtype)
         self.bottom_digest: dict[int, str] = {}  # key -> xxHash3 of its bottom's stored bytes (verified read)
         self.reconfigurations: list[dict] = []  # online reconfiguration (runtime/split_online.py)
         self.path = None
-        self._stream = None  # CUDA: the copy stream
-        self._staging = None
+
+    def _top_tier(self, cache: ExpertCache, cached: int, rows: int) -> Tier:
+        """A layer's tops: its cache over ``cached`` slots of ``rows`` rows, with a tier's slot bookkeeping."""
+        pool = SlotPool(cached, 3 * rows * self.hidden, self.compute_dtype, self.device)
+        tier = Tier("tops", cache, pool, self.manifest, self.device, self.compute_dtype)
+        cache.on_evict = tier.vacate
+        return tier
 
     def _memory(self, config: SplitConfig, rows: list[int]) -> int:
-        """Bytes of the tops of ``config`` at ``rows`` and of the buffer of K whole experts."""
-        H = self.hidden
-        return (sum(plan.cached_experts * 3 * r * H for plan, r in zip(config.layers, rows))
-                + self.spec.top_k * 3 * self.intermediate * H) * self.compute_dtype.itemsize
+        expert_bytes = 3 * self.intermediate * self.hidden * self.compute_dtype.itemsize  # in the fast tier
+        return split_memory(config, rows, self.intermediate, expert_bytes, self.spec.top_k)
 
     # ------------------------------------------------------------------------- the data path, seen from here
     @property
@@ -106,6 +100,16 @@ class SegmentTier:
         return self.path.workers[0].queue
 
     @property
+    def buffer_slot(self) -> dict:
+        """Key -> its range of the buffer."""
+        return self.buffered.slot_of
+
+    @property
+    def mover(self):
+        """The link's mover (its staging ring and copy stream), which moves every byte into this tier."""
+        return self.path.workers[0].mover
+
+    @property
     def host(self):
         """The host tier's cache, or None without one."""
         return self.path.tiers[1].cache if len(self.path.tiers) > 1 else None
@@ -116,6 +120,48 @@ class SegmentTier:
 
     def propose(self, proposals, routed_layer: int) -> None:
         self.path.propose(proposals, routed_layer)
+
+    # ------------------------------------------------------------------- the link into the tier (locked)
+    prefetches_wait_for_room = True  # a prefetch starts only into a free range: it waits for one
+    room_wait_s = None               # until the buffer changes
+
+    @property
+    def holding(self):
+        return self.landed
+
+    def take(self, worker, transfer):
+        """(a buffer range of the segment's size, whether it is the whole expert) when one is free (``room``),
+        else None."""
+        key = transfer.key
+        elements = self.segment_elements(key)
+        if not self.room(transfer.demand, elements, self.path.pinned):
+            return None
+        return self.buffered.assign(key, elements), key not in self.tops[key // self.spec.num_experts]
+
+    def write(self, worker, key: int, slot, source, source_slot):
+        """Unlocked: the segment's bytes (``_load``); the CUDA event of the copy, or None."""
+        return self._load(key, slot[0], slot[1], source)[0]
+
+    def land(self, worker, key: int, slot, ready, demand: bool) -> None:
+        """The segment is in the buffer: computed with by its layer, kept for a layer ahead, or dropped when its
+        layer was routed without it (or gave up on it); a whole expert's top is offered to its layer's cache."""
+        path, (taken, whole) = self.path, slot
+        self.landed[key] = whole
+        if ready is not None:
+            self.buffered.ready[key] = ready
+        if key not in path.pinned and not (not demand and key // self.spec.num_experts > path.layer_now):
+            self.consume(key)
+            return
+        if whole:
+            path.cond.notify_all()
+            worker.moving = True  # a reconfiguration waits for the top's copy too
+            try:
+                self.cache_top(key, taken, ready, held=key not in path.pinned)
+            finally:
+                worker.moving = False
+
+    def drop(self, key: int, slot) -> None:
+        self.buffered.vacate(key)
 
     # --------------------------------------------------------------------------------------- state (locked)
     def parts(self, key: int) -> int:
@@ -134,11 +180,8 @@ class SegmentTier:
         return key in self.landed or not self.needs_bytes(key)
 
     def transfer_bytes(self, key: int) -> int:
-        """Bytes a load of ``key`` reads now: its bottom when its top is cached, else the whole expert."""
-        layer = key // self.spec.num_experts
-        if key in self.tops[layer]:
-            return self.manifest.expert_bytes * (self.intermediate - self.rows[layer]) // self.intermediate
-        return self.manifest.expert_bytes
+        """Bytes a load of ``key`` reads now (``segment_elements``' share of the stored expert)."""
+        return self.manifest.expert_bytes * self.segment_elements(key) // self.buffer.elements
 
     def segment_elements(self, key: int) -> int:
         """Elements a load of ``key`` takes in the buffer now: its bottom when its top is cached, else the whole."""
@@ -156,23 +199,16 @@ class SegmentTier:
         for key in [key for key in top.held if key not in pinned]:
             top.release(key)
 
-    def use(self, key: int) -> bool:
-        """``key`` is accessed: True when a prefetch of it is used now."""
-        if key in self.path.prefetched_unused:
-            self.path.prefetched_unused.discard(key)
-            self.counters.prefetches_used += 1
-            return True
-        return False
-
     def part_tensors(self, key: int, part: int) -> tuple[dict, object]:
         """The part's tensors (views of its slot, the segment layout) and the CUDA event to wait for."""
         layer = key // self.spec.num_experts
         r = self.rows[layer]
         if part == 0 and key in self.tops[layer]:
-            region, event = self.top_pools[layer].memory[self.top_slot[key]], self.top_ready.get(key)
+            tops = self.top_tiers[layer]
+            region, event = tops.region(tops.slot_of[key]), tops.ready.get(key)
             first = 0
         else:
-            region, event = self.buffer.region(self.buffer_slot[key]), self.ready.get(key)
+            region, event = self.buffer.region(self.buffered.slot_of[key]), self.buffered.ready.get(key)
             first = 3 * r * self.hidden if part == 1 and self.landed[key] else 0  # a bottom alone starts its range
         rows = r if part == 0 else self.intermediate - r
         H = self.hidden
@@ -186,15 +222,9 @@ class SegmentTier:
         A key still on the wire keeps its range: the worker frees it when it lands unpinned."""
         if self.path.on_wire_to_fast(key):
             return
-        slot = self.buffer_slot.pop(key, None)
         self.landed.pop(key, None)
-        self.ready.pop(key, None)
-        if key in self.path.prefetched_unused:
-            self.path.prefetched_unused.discard(key)
-            self.counters.prefetches_wasted += 1
-        if slot is not None:
-            self._free_after_compute(self.buffer, slot[0])
-            self.buffer.give_back(slot)
+        self.buffered.vacate(key)
+        self.path.gone_unused(key)
         self.cond.notify_all()
 
     def room(self, demand: bool, elements: int, pinned) -> bool:
@@ -210,31 +240,18 @@ class SegmentTier:
             self.consume(droppable[-1])
         return True
 
-    def _vacate_top(self, key: int) -> None:
-        pool = self.top_pools[key // self.spec.num_experts]
-        slot = self.top_slot.pop(key)
-        self.top_ready.pop(key, None)
-        self._free_after_compute(pool, slot)
-        pool.give_back(slot)
-
-    def _free_after_compute(self, pool, slot: int) -> None:
-        if self.device.type == "cuda":  # kernels queued so far may still read the slot
-            import torch
-
-            event = torch.cuda.Event()
-            event.record(torch.cuda.default_stream(self.device))
-            pool.free_after[slot] = event
-
     def end_request(self, request) -> None:
         for top in self.tops:
             top.end_request(request)
 
     # ---------------------------------------------------------------------------------------- reconfiguration
-    def reconfigure(self, config: SplitConfig, iteration: int, tokens: int) -> bool:
+    def reconfigure(self, config: SplitConfig, iteration: int, tokens: int, cached=None) -> bool:
         """Apply ``config`` between two passes (runtime/split_online.py): nothing moves into this tier, nothing is
-        buffered or held, each layer's tops are cut to C_i by the policy's victims and moved into a pool of the
-        new size, re-read where the ratio changed. False, with nothing changed, when it would not fit in the fast
-        budget. Locked; the caller's pass is over (nothing pinned)."""
+        buffered or held, each layer's tops are those of the experts ``cached[i]`` (its top-C_i by priority,
+        simulator/timed/reconfigure.py ``ranked_tops``; without it, the C_i the policy keeps) in a pool of the
+        new size: copied from the old pool, read whole where the top is new or the ratio changed. False, with
+        nothing changed, when it would not fit in the fast budget. Locked; the caller's pass is over (nothing
+        pinned)."""
         source = f"the online configuration after {tokens} tokens"
         rows = split_rows(config, self.intermediate, source)
         memory = self._memory(config, rows)
@@ -256,31 +273,35 @@ class SegmentTier:
                 top.release(key)
         path.predicted.clear()
         for layer, (plan, r) in enumerate(zip(config.layers, rows)):
-            record["bytes_loaded"] += self._resize_layer(layer, plan.cached_experts, r)
+            record["bytes_loaded"] += self._resize_layer(layer, plan.cached_experts, r,
+                                                         None if cached is None else cached[layer])
         self.cached_experts = [plan.cached_experts for plan in config.layers]
         self.memory_bytes, self.prefetches = memory, config.prefetches
         return True
 
-    def _resize_layer(self, layer: int, cached: int, rows: int) -> int:
-        """Layer ``layer`` caches ``cached`` tops of ``rows`` rows from now on; returns the bytes re-read."""
-        top, old_pool, old_rows = self.tops[layer], self.top_pools[layer], self.rows[layer]
-        if cached == old_pool.slots and rows == old_rows:
+    def _resize_layer(self, layer: int, cached: int, rows: int, keys=None) -> int:
+        """Layer ``layer`` caches ``cached`` tops of ``rows`` rows from now on, those of ``keys`` when given;
+        returns the bytes read."""
+        top, old, old_rows = self.tops[layer], self.top_tiers[layer], self.rows[layer]
+        if cached == old.pool.slots and rows == old_rows and (keys is None or set(keys) == top.resident.keys()):
             return 0
         import torch
 
-        top.resize(cached, self.path.ctx)  # nothing is pinned or held: exactly C_i stay
+        ctx = self.path.ctx
+        if keys is None:
+            top.resize(cached, ctx)  # nothing is pinned or held: exactly C_i stay
+        missing = [] if keys is None else top.keep_exactly(keys, cached, ctx)
         with torch.inference_mode(False):  # called under generate's inference mode; the worker writes the pool too
-            pool = SlotPool(cached, 3 * rows * self.hidden, self.compute_dtype, self.device)
-        kept = {key: self.top_slot.pop(key) for key in list(top.resident)}
-        self.top_pools[layer], self.rows[layer] = pool, rows
+            tier = self.top_tiers[layer] = self._top_tier(top, cached, rows)
+        kept = list(top.resident)
+        self.rows[layer] = rows
         host = self.path.tiers[1] if len(self.path.tiers) > 1 else None
         moved = 0
-        for key, old_slot in kept.items():
-            self.top_slot[key] = slot = pool.take()
-            previous = self.top_ready.pop(key, None)
-            if rows == old_rows:  # the same top: copied from the old pool
-                event = self._copy(pool.memory[slot], old_pool.memory[old_slot], None, previous)
-            else:  # cut at another row: read the whole expert again (its bottom's checksum changes too)
+        for key in kept + missing:
+            slot = tier.assign(key)
+            if key in kept and rows == old_rows:  # the same top: copied from the old pool
+                event = self.mover.copy(tier.region(slot), old.region(old.slot_of[key]), old.ready.get(key))
+            else:  # new, or cut at another row: read the whole expert (its bottom's checksum changes too)
                 started = time.perf_counter()
                 source = host if host is not None and key in host.cache else None
                 buffered = self.buffer.take()
@@ -294,6 +315,8 @@ class SegmentTier:
                 moved += nbytes
             if event is not None:
                 event.synchronize()  # CUDA: the old pool is freed on return
+            if key not in kept:
+                top.complete(key, ctx)
         return moved
 
     # ------------------------------------------------------------------------------------------ the bytes
@@ -305,22 +328,22 @@ class SegmentTier:
         layer = key // self.spec.num_experts
         ctx, top = path.ctx, self.tops[layer]
         ctx.pinned, ctx.prefetch = path.pinned | self.buffer_slot.keys(), held
-        protect = predicted_no_later_than(path.predicted, key, path.layer_now, self.spec.num_experts,
-                                          self.spec.num_layers) if held and path.predicted else ()
+        protect = path.protected(key) if held else ()
         try:
             admitted = top.reserve(key, ctx, 1, protect)
         finally:
             ctx.pinned, ctx.prefetch = path.pinned, False
         if not admitted:
             return
-        self.top_slot[key] = top_slot = self.top_pools[layer].take()
+        tops = self.top_tiers[layer]
+        top_slot = tops.assign(key)
         path.cond.release()
         try:
             top_event = self._copy_top(layer, slot, top_slot, landed_event)
         finally:
             path.cond.acquire()
         if top_event is not None:
-            self.top_ready[key] = top_event
+            tops.ready[key] = top_event
         ctx.prefetch = held
         try:
             top.complete(key, ctx)
@@ -339,7 +362,7 @@ class SegmentTier:
 
         layer, expert = divmod(key, self.spec.num_experts)
         r, I, H = self.rows[layer], self.intermediate, self.hidden
-        staging = self._staging_buffer()
+        staging = self.mover.staging(pinned=self.device.type == "cuda")
         array = staging.numpy()
         host_copy = None if host is None else host.region(host.slot_of[key]).view(torch.uint8)
         if whole:
@@ -372,43 +395,10 @@ class SegmentTier:
                                       "the bytes read and verified before (the file is corrupt or was replaced)")
             compact = staging[:nbytes].view(self.stored)
         destination = self.buffer.region(slot)[:compact.numel()]
-        return self._copy(destination, compact, self.buffer.free_after[slot[0]]), nbytes
+        return self.mover.copy(destination, compact, self.buffer.free_after[slot[0]]), nbytes
 
     def _copy_top(self, layer: int, slot: tuple[int, int], top_slot: int, landed_event):
         """The top of the whole expert in buffer range ``slot`` into ``top_slot`` of the layer's cache."""
-        pool = self.top_pools[layer]
-        source = self.buffer.region(slot)[:pool.memory.shape[1]]
-        return self._copy(pool.memory[top_slot], source, pool.free_after[top_slot], landed_event)
-
-    def _copy(self, destination, source, free_after, after=None):
-        """``destination.copy_(source)``; on CUDA on the copy stream once the slot's readers are done (and
-        ``after``), returning the copy's event (the staging buffer is reused only after it)."""
-        if self.device.type != "cuda":
-            copy_serially(destination, source)  # on the worker's thread alone (runtime/cpu_threads.py)
-            return None
-        import torch
-
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.device)
-        event = torch.cuda.Event()
-        with torch.cuda.stream(self._stream):
-            for wait in (free_after, after):
-                if wait is not None:
-                    self._stream.wait_event(wait)
-            destination.copy_(source, non_blocking=True)
-            event.record(self._stream)
-        self._staging_event = event
-        return event
-
-    def _staging_buffer(self):
-        """The worker's staging buffer (pinned with CUDA), once the copy that last read it has completed."""
-        import torch
-
-        if self._staging is None:
-            self._staging = torch.empty(self.manifest.expert_bytes, dtype=torch.uint8,
-                                        pin_memory=self.device.type == "cuda")
-            self._staging_event = None
-        if self._staging_event is not None:
-            self._staging_event.synchronize()
-            self._staging_event = None
-        return self._staging
+        pool = self.top_tiers[layer].pool
+        source = self.buffer.region(slot)[:pool.elements]
+        return self.mover.copy(pool.memory[top_slot], source, pool.free_after[top_slot], landed_event)

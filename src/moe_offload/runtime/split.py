@@ -4,40 +4,28 @@ The configuration is the one `moe-offload configure` writes and the timed simula
 (simulator/split.py: per layer i, C_i cached tops, the split ratio theta_i and the prefetch count Y_i). In the
 runtime an expert is split along its intermediate dimension: its *top* is intermediate rows [0, r_i) (gate
 rows, up rows and down columns [0, r_i)), r_i = round(theta_i I) of the I rows (at least one), its *bottom*
-the rest. The fast memory, the fast tier of the data path (runtime/segment_tier.py), holds
+the rest. The fast tier of the data path (runtime/segment_tier.py) holds per layer a cache of C_i tops and one
+buffer of K whole experts' bytes (the paper's U_b) in segment-sized ranges; what a split run and an unsplit
+one are compared at is that memory. An expert whose top is cached loads only its bottom, else the whole
+expert, whose top is then cached if the policy makes room. It computes its top part as soon as it has its
+top and its bottom part when the bottom lands (models/experts.py adds them in a fixed order), so the top's
+compute overlaps the bottom's transfer. A prefetcher (MoEpic's: Y_i from the configuration) fills free buffer
+ranges ahead of the router; the online loop (split_online.py) reconfigures the tops every tau tokens.
 
-- per layer, a cache of C_i tops (an ExpertCache of C_i entries with the run's eviction policy, over a pool of
-  C_i top-sized slots), and
-- one buffer of K whole experts' bytes (the paper's U_b, K = top-k) in segment-sized ranges: a range holds an
-  expert's bottom, or its whole copy when its top is not cached (runtime/tiers.py SegmentPool).
-
-A layer's expert whose top is cached loads only its bottom; otherwise the whole expert is loaded into the
-buffer and its top is copied into the layer's cache if the policy makes room (never evicting a top the
-layer computes with). The expert computes its top part as soon as it has its top, and its bottom part
-when the bottom lands (models/experts.py adds them in a fixed order): the top's compute overlaps the
-bottom's transfer. A buffer range is freed once its expert has computed. The memory of a split run is the
-tops and the buffer, which is what a split run and an unsplit one are compared at.
-
-A prefetcher (MoEpic's speculative one: its Y_i from the configuration) fills free buffer ranges ahead of the
-router with the predicted experts' bottoms, or whole experts when their top is not cached, as the timed
-simulator's split run does (segment_tier.py says how: never evicting what the current layer computes with,
-dropped when its layer is routed without it). MoEpic's online loop (split_online.py) reconfigures the tops
-every tau tokens between two passes.
-
-A slot holds a part in the *segment layout*: gate rows, up rows (together ``gate_up_proj`` [2r, H]), then
-the down columns as a row-major [H, r] block (``down_proj``); a whole copy in the buffer is [top | bottom] in that
-layout, a bottom alone its bottom. A whole expert is read with the checked chunk reads of the pack (runtime/storage.py) and rearranged;
-a bottom alone is read as the manifest's byte ranges (gate rows, up rows, one run per down row: ``H + 2``
-ranges, fewer when they touch), straight into the segment layout. The pack's chunk checksums cover whole
-chunks, so a bottom read alone is checked against an xxHash3 of the same bytes taken when the whole expert
-was read and verified: a top is cached only from a whole read, so every bottom-only read has one before it.
+A slot holds a part in the *segment layout*: gate rows, up rows (together ``gate_up_proj`` [2r, H]), then the
+down columns as a row-major [H, r] block (``down_proj``); a whole copy in the buffer is [top | bottom] in that
+layout. A whole expert is read with the checked chunk reads of the pack (runtime/storage.py) and rearranged; a
+bottom alone is read as the manifest's byte ranges (``bottom_ranges``: ``H + 2`` ranges, fewer when they
+touch) straight into the segment layout, and checked against an xxHash3 of the same bytes taken when the whole
+expert was read and verified (the pack's checksums cover whole chunks; a top is cached only from a whole read,
+so every bottom-only read has one before it).
 
 Lossless: the parts are the same contiguous tensors as the all-resident reference's
 (models/experts.py ``split_parts``) and are added in the same order, so a split run gives the tokens and
 logits of the all-resident model computing with the same split, whatever the budget, policy or prefetcher
 (with online reconfiguration: with the split in force in each pass, split_online.py). A host tier
-(``host_budget``) holds whole experts as stored between the files and the fast memory, filled by its own link
-worker (runtime/datapath.py). Preloading is not done here; the engine refuses it with a split configuration.
+(``host_budget``) holds whole experts as stored between the files and the fast tier. Preloading is not done
+here; the engine refuses it with a split configuration.
 
 Counters: an access is a *hit* when the expert's top is in fast memory when its layer is routed (cached, or in
 a prefetched whole copy; its bottom is loaded unless theta is 1 or a prefetch brought it), a miss loads the
@@ -66,6 +54,13 @@ def split_rows(config: SplitConfig, intermediate: int, source: str) -> list[int]
                               "rows holds no row")
         rows.append(r)
     return rows
+
+
+def split_memory(config: SplitConfig, rows: list[int], intermediate: int, expert_bytes: int, top_k: int) -> int:
+    """Bytes of the tops of ``config`` at ``rows`` of ``intermediate`` and of the buffer of K whole experts of
+    ``expert_bytes`` (the fast tier's)."""
+    return expert_bytes * (sum(p.cached_experts * r for p, r in zip(config.layers, rows)) + top_k * intermediate) \
+        // intermediate
 
 
 def load_split_config(split) -> tuple[SplitConfig, str]:
@@ -126,7 +121,8 @@ class SplitRunner(ModelRunner):
         split = self.path.split
         with self.path.cond:
             tokens = self.online.configurator.statistics.tokens
-            if split.reconfigure(config, iteration, tokens) and self.prefetcher is not None:
+            cached = self.online.configurator.ranked_tops(config)  # Algorithm 1: each layer's top-C_i by priority
+            if split.reconfigure(config, iteration, tokens, cached) and self.prefetcher is not None:
                 self.prefetcher.set_budget(self._budget(config.prefetches))
 
     def end_request(self, request: int) -> None:
@@ -153,12 +149,15 @@ class SplitRunner(ModelRunner):
             path.pinned.clear()
             path.pinned.update(keys)
             path.layer_routed(layer, keys)
-            for key, counts in zip(keys, tokens):
+            first_round = self.first_round[layer] if self.policy_needs_rounds else None
+            for expert, key, counts in zip(experts, keys, tokens):
                 ctx.clock += 1
+                if first_round is not None:  # the replay's round of its first request in the pass (runner.py)
+                    ctx.round = self.rounds + first_round[expert]
                 ctx.routed = {request: n for request, n in zip(self.segment_requests, counts) if n}
                 c.accesses += 1
                 c.per_layer_accesses[layer] += 1
-                used = split.use(key)
+                used = path.use(key)
                 hit = split.tops[layer].touch(key, ctx) or split.landed.get(key, False)
                 c.hits += hit
                 c.per_layer_hits[layer] += hit
@@ -181,19 +180,12 @@ class SplitRunner(ModelRunner):
             while remaining:
                 with cond:
                     waited = time.perf_counter()
-                    while True:
-                        path.raise_failure()
-                        ready = next((item for item in remaining if split.has_part(*item)), None)
-                        if ready is not None:
-                            break
-                        cond.wait()
+                    ready = cond.wait_for(lambda: path.raise_failure() or next(
+                        (item for item in remaining if split.has_part(*item)), None))
                     stalled = time.perf_counter() - waited
-                    c.stall_seconds += stalled
-                    c.per_layer_stall_seconds[layer] += stalled
-                    for counters in own:
+                    for counters in (c, *own):  # every request of the pass waits for the layer
                         if counters is not None:
-                            counters.stall_seconds += stalled
-                            counters.per_layer_stall_seconds[layer] += stalled
+                            counters.stalled(layer, stalled)
                     tensors, event = split.part_tensors(*ready)
                 remaining.remove(ready)
                 _wait(event)

@@ -13,8 +13,9 @@ prediction ranks of layer 0 (a trace's ``next_token_gate_prediction``), as for a
 
 A new configuration is applied between two passes (SegmentTier.reconfigure, runtime/segment_tier.py): the
 waiting prefetches are dropped and the one on the wire lands, every buffered segment and hold is dropped,
-each layer's cache of tops is resized to its C_i by the policy's victims, and its kept tops are moved into
-the new layer's pool, re-read from the files (whole, with the pack's checked reads) where the ratio changed.
+and each layer caches the tops of its C_i experts of highest cache priority (Algorithm 1, the timed
+simulator's ``ranked_tops``) in a pool of the new size: a kept top is copied from the old pool, a new one,
+or one whose ratio changed, read from the files (whole, with the pack's checked reads).
 The prefetcher gets the new configuration's Y_i. A configuration whose tops and buffer would not fit in the
 fast budget is fitted to it, one row at a time (``fit_rows``: the rows r_i = round(theta_i I) can round up
 past it); one that still would not fit is not applied, and the record says so.
@@ -58,14 +59,11 @@ def fit_rows(config: SplitConfig, intermediate: int, expert_bytes: int, top_k: i
     smallest shares hold less than a row), then one row fewer at a time where the tops and the buffer of K experts
     (``expert_bytes`` each, in the fast tier's dtype) would exceed the budget, as rounding up can: from the layer
     whose r_i most exceeds theta_i I (ties: the most tops)."""
+    from moe_offload.runtime.split import split_memory
+
     plans = config.layers
     rows = [max(1, min(intermediate, round(p.split_ratio * intermediate))) for p in plans]
-
-    def memory() -> int:
-        return expert_bytes * (sum(p.cached_experts * r for p, r in zip(plans, rows)) + top_k * intermediate) \
-            // intermediate
-
-    while memory() > budget_bytes and any(r > 1 for r in rows):
+    while split_memory(config, rows, intermediate, expert_bytes, top_k) > budget_bytes and any(r > 1 for r in rows):
         layer = max((layer for layer, r in enumerate(rows) if r > 1),
                     key=lambda layer: (rows[layer] - plans[layer].split_ratio * intermediate,
                                        plans[layer].cached_experts))

@@ -15,6 +15,10 @@ evicted from GPU memory may still be read by kernels already queued on the compu
 its successor into the slot waits for them on the GPU, not on the host. An expert copied into the GPU is
 usable once its copy's event (``ready``) has completed; the compute stream waits for that event, so the
 host never blocks on a copy.
+
+A tier answers the link worker that fills it (runtime/datapath.py ``LinkWorker``) through ``take``, ``write``,
+``land`` and ``drop``: a slot for a transfer, its bytes, its arrival, its failure. A split run's fast tier
+(runtime/segment_tier.py) answers the same calls with segments: a whole expert is one segment.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class SlotPool:
         import torch
 
         self.memory = torch.empty((slots, elements), dtype=dtype, device=device, pin_memory=pin)
+        self.elements = elements
         self.free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.free_after: list = [None] * slots       # CUDA: event after which the slot may be overwritten
 
@@ -43,10 +48,21 @@ class SlotPool:
     def give_back(self, slot: int) -> None:
         self.free.append(slot)
 
+    def free_after_compute(self, slot: int) -> None:
+        """On a GPU the slot may be overwritten once the compute stream has passed the kernels queued so far,
+        which may still read it."""
+        if self.memory.is_cuda:
+            import torch
+
+            event = torch.cuda.Event()
+            event.record(torch.cuda.default_stream(self.memory.device))
+            self.free_after[slot] = event
+
 
 class Tier:
     """One tier: ``cache`` decides residency, ``pool`` holds the bytes; ``slot_of`` maps an expert (flat key)
-    that is reserved or resident to its slot."""
+    that is reserved or resident to its slot. A split run's buffer (runtime/segment_tier.py) is such a slot
+    bookkeeping over a SegmentPool, with no cache: the split tier decides what it holds."""
 
     def __init__(self, name: str, cache, pool: SlotPool, manifest: Manifest, device, dtype):
         self.name, self.cache, self.pool, self.manifest = name, cache, pool, manifest
@@ -60,9 +76,9 @@ class Tier:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def assign(self, key: int) -> int:
-        """A slot for ``key``, whose room the cache has just reserved."""
-        slot = self.pool.take()
+    def assign(self, key: int, *size) -> int:
+        """A slot for ``key``, whose room the cache has just reserved (of ``size`` elements: a SegmentPool's)."""
+        slot = self.pool.take(*size)
         self.slot_of[key] = slot
         return slot
 
@@ -73,13 +89,69 @@ class Tier:
         self.ready.pop(key, None)
         if slot is None:
             return
-        if self.is_cuda:
-            import torch
-
-            event = torch.cuda.Event()
-            event.record(torch.cuda.default_stream(self.device))
-            self.pool.free_after[slot] = event
+        self.pool.free_after_compute(slot)
         self.pool.give_back(slot)
+
+    # ------------------------------------------------------------------------- the link into the tier (locked)
+    prefetches_wait_for_room = False  # a prefetch the cache finds no room for is dropped
+    room_wait_s = 0.05                # a demand load that finds none waits this long before it asks again
+
+    @property
+    def holding(self):
+        """What the link into the tier never brings again (its TransferQueue's destination)."""
+        return self.cache
+
+    def complete(self, key: int) -> bool:
+        return key in self.cache
+
+    def transfer_bytes(self, key: int) -> int:
+        return self.manifest.expert_bytes
+
+    def layer_routed(self, layer: int, keys) -> None:
+        """Its layer is routed: what was prefetched for it is no longer held (simulator/cache.py)."""
+        held = self.cache.held
+        if held:
+            J = self.manifest.num_experts
+            for key in [key for key in held if key // J == layer]:
+                self.cache.release(key)
+
+    def end_request(self, request: int) -> None:
+        self.cache.end_request(request)
+
+    def take(self, worker, transfer):
+        """A slot for ``transfer`` once the cache has made room for it, else None. The host tier keeps what is
+        being read out of it or waits to be; a prefetch into the fast tier is held until used and spares the
+        predicted experts it must not evict (simulator/cache.py)."""
+        path, ctx, key = worker.path, worker.path.ctx, transfer.key
+        if worker.destination > 0:
+            upstream = path.workers[worker.destination - 1].queue
+            ctx.pinned = path.reading_from[worker.destination] | path.on_host | (
+                set(upstream.waiting_demands()) if transfer.demand else upstream.waiting())
+        ctx.prefetch = worker.destination == 0 and not transfer.demand
+        try:
+            admitted = self.cache.reserve(key, ctx, self.slot_bytes, path.protected(key) if ctx.prefetch else ())
+        finally:
+            ctx.prefetch, ctx.pinned = False, path.pinned
+        return self.assign(key) if admitted else None
+
+    def write(self, worker, key: int, slot: int, source, source_slot) -> object:
+        """Unlocked: the expert's bytes into ``slot``; the CUDA event of the copy, or None."""
+        return worker.mover.move(key, source, source_slot, self, slot)
+
+    def land(self, worker, key: int, slot: int, ready, demand: bool) -> None:
+        if ready is not None:
+            self.ready[key] = ready
+        ctx = worker.path.ctx
+        ctx.prefetch = not demand
+        try:
+            self.cache.complete(key, ctx)
+        finally:
+            ctx.prefetch = False
+
+    def drop(self, key: int, slot: int) -> None:
+        """The transfer into ``slot`` failed."""
+        self.cache.cancel(key)
+        self.vacate(key)
 
     def region(self, slot: int):
         """The slot as a flat tensor of the tier's dtype (one expert's elements)."""
@@ -97,11 +169,7 @@ class Tier:
         return views
 
 
-def slots_for(budget_bytes: int, slot_bytes: int) -> int:
-    return budget_bytes // slot_bytes
-
-
-class SegmentPool:
+class SegmentPool(SlotPool):
     """A buffer of ``slots`` whole-expert slots (``elements`` each) in one allocation, handed out in ranges of
     segment size: a slot holds one whole expert, or is carved into ``elements // size`` equal ranges of one
     smaller segment size (a layer's bottoms) while any of them is taken, and is whole again once all are back.
@@ -113,12 +181,7 @@ class SegmentPool:
     whole slot."""
 
     def __init__(self, slots: int, elements: int, dtype, device):
-        import torch
-
-        self.memory = torch.empty((slots, elements), dtype=dtype, device=device)
-        self.elements = elements
-        self.free = list(range(slots - 1, -1, -1))  # whole slots, pop() hands out slot 0 first
-        self.free_after: list = [None] * slots       # CUDA: event after which any range of the slot may be overwritten
+        super().__init__(slots, elements, dtype, device)
         self._carved: dict[int, tuple[int, list[int]]] = {}  # slot -> (its segments' size, their free offsets)
 
     def fits(self, elements: int | None = None) -> bool:
@@ -138,6 +201,9 @@ class SegmentPool:
         if pieces > 1:
             self._carved[slot] = (elements, [n * elements for n in range(pieces - 1, 0, -1)])
         return slot, 0
+
+    def free_after_compute(self, taken: tuple[int, int]) -> None:
+        super().free_after_compute(taken[0])  # the event guards the whole slot
 
     def give_back(self, taken: tuple[int, int]) -> None:
         slot, offset = taken

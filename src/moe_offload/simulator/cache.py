@@ -192,6 +192,24 @@ class ExpertCache:
         finally:
             ctx.pinned = pinned
 
+    def keep_exactly(self, keys, capacity: int, ctx: AccessContext, entry_size: int | None = None) -> list:
+        """A new budget whose residents are ``keys`` (MoEpic's reconfiguration caches a layer's top-C_i experts by
+        priority, paper 004 Algorithm 1): the other residents are evicted, the budget set (``resize``, which
+        then evicts nothing), and the missing keys reserved, the last of ``keys`` first, so that a policy that
+        ranks by arrival keeps the first longest. Returns the missing keys, which the caller completes once they
+        are in. Nothing may be held or on its way in."""
+        if self.held or self.reserved:
+            raise RuntimeError("choosing the residents of a cache while experts are held or on their way in")
+        wanted = set(keys)
+        for key in [key for key in self.resident if key not in wanted]:
+            self.evict(key)
+        self.resize(capacity, ctx, entry_size)
+        missing = [key for key in keys if key not in self.resident]
+        for key in reversed(missing):
+            if not self.reserve(key, ctx, entry_size or 1):
+                raise ConfigError(f"{len(keys)} experts do not fit in a cache of {capacity} units")
+        return missing
+
     def _make_room(self, key, ctx, size, protect=()) -> bool:
         """Evict the policy's victims until ``size`` more units fit; False, with nothing evicted, when
         that cannot be done now (module doc: what pinned, reserved, held and protected experts allow)."""

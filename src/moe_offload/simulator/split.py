@@ -22,14 +22,13 @@ runs theta_i of an expert's compute as soon as it has its top, and the rest once
 top's compute overlaps the bottom's transfer (section 3.2).
 
 Online reconfiguration (Algorithm 1, lines 8-10): ``reconfigure`` applies a new configuration to the
-running caches between two passes, with nothing on its way in. Each layer's cache is resized to its C_i
-new tops of the new ratio: the policy's victims are evicted, never a pinned or held expert, until the
-rest fits (a held prefetch stays over the budget until its hold ends); buffered bottom segments of a layer
-whose ratio changed no longer fit their tops and are dropped. The paper then "vertically splits the
-top-C_i experts" by priority, loading the tops of experts not cached; here a layer whose cache grew fills
-on its next misses, since a policy ranks only the experts it holds. When the ratio grows, each kept top
-lacks (theta_new - theta_old) of an expert: ``reconfigure`` returns those bytes, which the simulator loads
-before the next pass.
+running caches between two passes, with nothing on its way in. The paper "ranks all N experts by their
+cache priorities, and vertically splits the top-C_i experts" (section 3.4): each layer's cache holds exactly
+the tops of its C_i given experts (simulator/timed/reconfigure.py ranks them) at the new ratio, the others
+evicted, holds released; buffered bottom segments whose top is gone, or of a layer whose ratio changed, no
+longer fit a top and are dropped. A new top lacks theta_new of an expert, a kept one (theta_new -
+theta_old) when the ratio grows: ``reconfigure`` returns those transfers and bytes, which the simulator
+loads before the next pass.
 """
 
 from __future__ import annotations
@@ -297,19 +296,27 @@ class SplitExperts:
         for key in [key for key in self.buffer.resident if key // J == layer and key not in needed]:
             self.consume(key)
 
-    def reconfigure(self, config: SplitConfig, ctx: AccessContext) -> list[int]:
-        """Apply ``config`` between two passes, with no transfer into the GPU on its way (module doc). Returns,
-        per layer, the bytes its kept tops lack under the new ratio (0 where it did not grow)."""
+    def reconfigure(self, config: SplitConfig, ctx: AccessContext, cached: list[list[int]]) -> tuple[int, int]:
+        """Apply ``config`` between two passes, with no transfer into the GPU on its way, layer i caching the tops
+        of the experts ``cached[i]`` (module doc). Returns (tops to load, their bytes): the new tops whole, the
+        kept ones what they lack under a grown ratio."""
         if self.buffer.reserved or any(top.reserved for top in self.tops):
             raise RuntimeError("reconfiguring split experts while a segment is on its way in")
-        grown = []
-        for layer, plan in enumerate(config.layers):
+        transfers = nbytes = 0
+        for layer, (plan, keys) in enumerate(zip(config.layers, cached)):
             old, new = self.top_bytes[layer], config.top_bytes(layer, self.E)
             top = self.tops[layer]
-            top.resize(plan.cached_experts * new, ctx, entry_size=new)
-            if new != old:
-                for key in [key for key in self.buffer.resident if key // self.J == layer and key not in self.whole]:
-                    self.consume(key)  # a bottom cut at the old ratio fits no top of the new one
+            for key in list(top.held):
+                top.release(key)
+            kept = len(set(keys) & top.resident.keys())
+            missing = top.keep_exactly(keys, plan.cached_experts * new, ctx, entry_size=new)
+            for key in missing:
+                top.complete(key, ctx)
+            for key in [key for key in self.buffer.resident if key // self.J == layer and key not in self.whole
+                        and (new != old or key not in top)]:
+                self.consume(key)  # a bottom cut at the old ratio, or of a top gone, completes no top
             self.top_bytes[layer], self.ratio[layer] = new, plan.split_ratio
-            grown.append(max(0, new - old) * len(top))
-        return grown
+            grown = kept if new > old else 0
+            transfers += len(missing) + grown
+            nbytes += len(missing) * new + grown * (new - old)
+        return transfers, nbytes

@@ -13,8 +13,11 @@ VramAllocation "using the latest state variables" and updates the expert cache o
   V_i with the timings of the run's hardware profile (configure --hardware's), keeping the total V_e;
 * the new configuration replaces the old between two passes. The paper waits until "the device is idle";
   a replayed trace has no idle time, so the run makes it: waiting prefetches are dropped, the transfer on
-  the GPU's wire lands, the caches are resized (simulator/split.py, SplitExperts.reconfigure), and the
-  top segments that grew are loaded before the next pass, one transfer per expert over each link from
+  the GPU's wire lands, and each layer i caches the tops of its C_i experts of highest cache priority
+  (``ranked_tops``: "MoEpic ranks all N experts by their cache priorities, and vertically splits the
+  top-C_i experts", section 3.4; the priority is LCP's, equation 4, over every expert, cached or not): the
+  others are evicted (simulator/split.py, SplitExperts.reconfigure), and the tops that are new or grew
+  are loaded before the next pass, one transfer per expert over each link from
   where the experts live. The compute stream waits for all of it ("reconfigure" in the timeline), so its
   cost is in the latencies, once every tau tokens (the paper's tau is 5,000);
 * the prefetcher gets the new configuration's Y per layer (Prefetcher.set_budget).
@@ -23,6 +26,8 @@ VramAllocation "using the latest state variables" and updates the expert cache o
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from moe_offload.configurator import OnlineStatistics, configure, timings_from_profile
 from moe_offload.errors import ConfigError
@@ -69,3 +74,12 @@ class OnlineConfigurator:
                                   start=self.allocation)
         self.allocation = [layer.budget for layer in configuration.layers]
         return SplitConfig.of(configuration.layers)
+
+    def ranked_tops(self, config: SplitConfig) -> list[list[int]]:
+        """Per layer i, the keys of the C_i experts of ``config`` with the highest cache priority now (module doc),
+        the highest first; ties: the lower expert id."""
+        priority = self.statistics.log_priorities()  # P's order (policies/lcp.py)
+        J = priority.shape[1]
+        ranked = np.argsort(-priority, axis=1, kind="stable")
+        return [[layer * J + int(expert) for expert in ranked[layer, :plan.cached_experts]]
+                for layer, plan in enumerate(config.layers)]

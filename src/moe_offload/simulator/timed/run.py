@@ -468,22 +468,22 @@ class TimedRun:
 
     def _reconfigure(self, plan: SplitConfig) -> None:
         """Apply MoEpic's new configuration between two passes (reconfigure.py): wait until nothing moves into
-        the GPU, resize the caches, load what the grown top segments lack, and give the prefetcher its Y."""
+        the GPU, cache each layer's top-C_i experts by priority, load what their tops lack, and give the
+        prefetcher its Y."""
         start, net = self.now, self.net
         while True:
             net.withdraw_prefetches()
             if not net.queues[1].busy:
                 break
             self._process_next_event()
-        grown = self.split.reconfigure(plan, self.ctx)
-        tops = sum(len(top) for layer, top in enumerate(self.split.tops) if grown[layer])
-        self._advance_to(self.now + net.direct_load_seconds(tops, sum(grown)))
+        transfers, loaded = self.split.reconfigure(plan, self.ctx, self.reconfiguration.ranked_tops(plan))
+        self._advance_to(self.now + net.direct_load_seconds(transfers, loaded))
         self.events.append(("compute", "reconfigure", start, self.now, -1, -1))
         if self.prefetcher is not None:
             self.prefetcher.set_budget(budget_from_hardware(self.hardware, self.E, self.L, self.spec.top_k,
                                                             plan.prefetches))
         self.reconfigurations.append({
             "iteration": self.iteration, "tokens": self.reconfiguration.statistics.tokens,
-            "seconds": self.now - start, "bytes_loaded": sum(grown),
+            "seconds": self.now - start, "bytes_loaded": loaded,
             "layers": [{"cache_size": p.cached_experts, "split_ratio": p.split_ratio, "prefetches": p.prefetches}
                        for p in plan.layers]})

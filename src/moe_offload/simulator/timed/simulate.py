@@ -184,7 +184,7 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         spent = sum(r["seconds"] for r in sim.reconfigurations)
         notes.append(f"MoEpic's configurator reran online every {reconfiguration.every} tokens: "
                      f"{len(sim.reconfigurations)} times, {spent * 1e3:.3f} ms in all waiting for the link and "
-                     "loading grown top segments")
+                     "loading each layer's top-C_i segments by priority")
     if sim.search_seconds:
         where = "on the inference path" if search_latency(instance)[1] else "on its own matcher timeline"
         notes.append(f"{instance.name}: {sim.search_seconds * 1e3:.1f} ms of history search in all, charged {where}")
