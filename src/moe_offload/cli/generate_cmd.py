@@ -58,6 +58,11 @@ def add_engine_arguments(parser) -> None:
     parser.add_argument("--dtype", default=None, metavar="float32|bfloat16|float16",
                         help="the fast tier's compute dtype (weights and activations); default: float32 on a CPU, "
                              "the stored dtype on a GPU")
+    parser.add_argument("--expert-compute", default=None, metavar="auto|per-use|on-arrival|kernel",
+                        help="how the fast tier holds and computes with int8/int4 experts: dequantized at every "
+                             "use, dequantized once on arrival into float slots (fewer fit in the budget), or "
+                             "PyTorch's weight-only int4 kernel on a CPU; default auto: the kernel for int4 "
+                             "computed in bfloat16/float16 on a CPU, else per-use")
     parser.add_argument("--fast-budget", default="50%", metavar="SIZE|P%",
                         help="fast-tier budget: a share of all expert bytes (30%%) or a size (64MiB); default 50%%")
     parser.add_argument("--host-budget", default=None, metavar="SIZE|P%",
@@ -198,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
                   policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
                   prefetch_history=args.prefetch_history, device=args.device, expert_dtype=args.expert_dtype, dtype=args.dtype,
+                  expert_compute=args.expert_compute,
                   bypass_page_cache=args.bypass_page_cache, matcher=args.matcher,
                   split_config=args.split_config, reconfiguration=reconfiguration, hardware=args.hardware)
     with engine:
@@ -232,14 +238,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_dtype(args: argparse.Namespace) -> None:
-    """--dtype and --expert-dtype, before the model is packed or loaded."""
+    """--dtype, --expert-dtype and --expert-compute, before the model is packed or loaded."""
     from moe_offload.errors import ConfigError
     from moe_offload.runtime.engine_setup import COMPUTE_DTYPES
+    from moe_offload.runtime.expert_forms import CHOICES as EXPERT_COMPUTE
     from moe_offload.runtime.packing import check_expert_dtype
 
     check_expert_dtype(args.expert_dtype)
     if args.dtype is not None and args.dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"--dtype {args.dtype!r}: choose from {', '.join(COMPUTE_DTYPES)}")
+    if args.expert_compute is not None and args.expert_compute not in EXPERT_COMPUTE:
+        raise ConfigError(f"--expert-compute {args.expert_compute!r}: choose from {', '.join(EXPERT_COMPUTE)}")
 
 
 def online_reconfiguration(args):

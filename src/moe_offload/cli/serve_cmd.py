@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
                   policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
                   prefetch_history=args.prefetch_history, device=device, expert_dtype=args.expert_dtype, dtype=args.dtype,
+                  expert_compute=args.expert_compute,
                   bypass_page_cache=args.bypass_page_cache,
                   matcher=args.matcher,
                   max_batch=max_batch, batch_math=args.batch_math)

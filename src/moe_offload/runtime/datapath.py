@@ -423,6 +423,7 @@ class ExpertMover:
         self._ring: list | None = None   # CUDA: pinned buffers and the events of their last copies
         self._ring_index = -1
         self._stream = None              # CUDA: this link's copy stream
+        self._stored = None              # quantized experts converted on arrival: their stored bytes
         self.ring_allocations = 0
 
     # ------------------------------------------------------------------------------------------- bytes
@@ -457,18 +458,35 @@ class ExpertMover:
             elif source is not None:
                 source.pool.free_after[source_slot] = event  # the host slot is read until then
             return event
+        converts = tier.form is not None and tier.form.converts  # quantized experts in another form
         if source is not None:
-            copy_serially(destination, source.region(source_slot))
+            if converts:
+                tier.form.convert(source.region(source_slot), destination)
+            else:
+                copy_serially(destination, source.region(source_slot))
             return None
         wait = tier.pool.free_after[slot]
         if wait is not None:  # a pinned host slot that a GPU copy may still read
             wait.synchronize()
-        if destination.dtype in (torch.uint8, getattr(torch, self.store.manifest.dtype)):
+        if converts:
+            stored = self._stored_scratch()
+            array = stored.numpy()
+            self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
+            tier.form.convert(stored, destination)
+        elif destination.dtype in (torch.uint8, getattr(torch, self.store.manifest.dtype)):
             array = destination.view(torch.uint8).numpy()
             self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
         else:
             self._read_converting(layer, expert, destination)
         return None
+
+    def _stored_scratch(self):
+        """This mover's buffer of one expert's stored bytes (quantized experts converted whole on arrival)."""
+        import torch
+
+        if self._stored is None:
+            self._stored = torch.empty(self.store.manifest.expert_bytes, dtype=torch.uint8)
+        return self._stored
 
     def _read_converting(self, layer: int, expert: int, destination) -> None:
         """Each reader reads its chunk into its own scratch buffer and converts it into the slot."""

@@ -55,6 +55,7 @@ from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.cpu_threads import single_threaded
 from moe_offload.runtime.engine_setup import (compute_dtype, engine_prefetcher, host_tier, link_budget, make_tiers,
                                               read_replay, read_split, resolve_device)
+from moe_offload.runtime.expert_forms import expert_form
 from moe_offload.runtime.packing import Manifest, load_skeleton, read_manifest
 from moe_offload.runtime.placement import host_keys, placement_keys, placing_host_budget
 from moe_offload.runtime.runner import ModelRunner
@@ -102,7 +103,9 @@ class OffloadEngine:
     (``Reconfiguration(every=tau)``, runtime/split_online.py) with the timings of ``hardware`` (a profile's
     name or file; default desktop-rtx4090), from ``split_config`` or the uniform start on ``fast_budget``.
     Without a split the prefetcher gets the budget of ``hardware``'s link into the fast tier, as the timed
-    simulator gives it (MoEpic's Y: the loads that fit in a layer's window)."""
+    simulator gives it (MoEpic's Y: the loads that fit in a layer's window). ``expert_compute``: how the fast
+    tier holds and computes with int8/int4 experts, ``"per-use"``, ``"on-arrival"``, ``"kernel"`` or
+    ``"auto"``/None (runtime/expert_forms.py)."""
 
     def __init__(self, packed_dir, *, fast_budget="50%", host_budget=None, policy: str = "lru",
                  policy_options: dict | None = None, prefetch: str | None = None,
@@ -111,7 +114,7 @@ class OffloadEngine:
                  store: ExpertStore | None = None, preload: bool = False, seed: int = 0,
                  readers: int | None = None, replay=None, replay_weights: str = "trace", max_batch: int = 16,
                  batch_math: str = "exact", matcher: str = "async", split_config=None, reconfiguration=None,
-                 hardware=None, dtype: str | None = None):
+                 hardware=None, dtype: str | None = None, expert_compute: str | None = None):
         with single_threaded():  # this thread loads the model without an OpenMP team (runtime/cpu_threads.py)
             import torch
 
@@ -135,9 +138,11 @@ class OffloadEngine:
             self.compute_dtype = compute_dtype(dtype, self.device, stored)
             elements = sum(math.prod(tensor.shape) for tensor in m.tensors)
             # A share of the budget is of all experts in the compute dtype whatever the stored dtype, so "25%" is
-            # the same memory for every pack of a model; quantized experts stay quantized in the fast tier
-            # (dequantized as each is computed with), so more of them fit in it.
-            self.compute_expert_bytes = m.expert_bytes if m.quantized else elements * self.compute_dtype.itemsize
+            # the same memory for every pack of a model; quantized experts take the bytes of their form in the
+            # fast tier (runtime/expert_forms.py: per use and the kernel about the stored bytes), so more fit in it.
+            self.expert_form = expert_form(expert_compute, m, self.device, self.compute_dtype)
+            self.compute_expert_bytes = self.expert_form.slot_bytes if self.expert_form is not None else \
+                elements * self.compute_dtype.itemsize
             self.total_expert_bytes = m.num_layers * m.num_experts * elements * self.compute_dtype.itemsize
             info = policy_info(policy)
             if info.offline:
@@ -145,6 +150,9 @@ class OffloadEngine:
                                   "engine does not know; use it in `moe-offload simulate`")
             fast_budget_bytes = values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget")
             fast_slots = self._slots(fast_budget_bytes, self.compute_expert_bytes)
+            if m.quantized and (split_config is not None or reconfiguration is not None):
+                raise ConfigError(f"{m.directory}: {m.expert_dtype} experts: MoEpic's split does not read quantized "
+                                  "experts yet (docs/guides/checkpoints.md says why)")
             split, online = read_split(split_config, preload, reconfiguration, hardware, fast_budget_bytes, m, self.spec,
                                        self.compute_expert_bytes)
             self.places = info.policy.places_or_bypasses  # computes bypassed experts on the host
@@ -155,9 +163,6 @@ class OffloadEngine:
                 raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
                                   f"({format_bytes(m.top_k * self.compute_expert_bytes)}, "
                                   f"{format_bytes(self.compute_expert_bytes)} each)")
-            if m.quantized and (host_budget is not None or split is not None):
-                raise ConfigError(f"{m.directory}: {m.expert_dtype} experts run with the fast tier alone: the host "
-                                  "tier and MoEpic's split do not read quantized experts yet")
             if info.partitioned and split is None and fast_slots < m.num_layers:  # a layer with no slot waits forever
                 raise ConfigError(f"policy {policy!r} splits the fast tier among the {m.num_layers} layers: "
                                   f"{fast_slots} experts leave a layer without one; give at least {m.num_layers} "
@@ -192,7 +197,7 @@ class OffloadEngine:
                 self.tiers = [self.split] + host_tier(m, self.spec, host_slots, self.device)
             else:
                 self.tiers = make_tiers(m, self.spec, info.partitioned, make, fast_slots, host_slots, self.device,
-                                        self.compute_dtype, self.compute_expert_bytes)
+                                        self.compute_dtype, self.compute_expert_bytes, self.expert_form)
             self.path = DataPath(self.tiers, self.store, self.counters, self.spec)
             if self.prefetcher is not None and split is None:  # a split run's prefetcher takes Y per layer
                 self.prefetcher.set_budget(link_budget(hardware, m))
