@@ -40,7 +40,8 @@ def register(subparsers) -> None:
     parser.add_argument("--hardware", metavar="PRESET|FILE",
                         help="the hardware profile whose timings the online configurator plans with and whose "
                              "link sets how many experts a prefetcher moves per layer (MoEpic's Y, as simulate "
-                             "--timed counts it; default desktop-rtx4090; `moe-offload hardware list`)")
+                             "--timed counts it; default desktop-rtx4090; `moe-offload hardware list`); a profile "
+                             "`hardware measure` wrote also gives --dtype and --expert-compute where they are not given")
     parser.add_argument("--json", metavar="FILE", default=None,
                         help="also write the run's result record, with the prompt, the text and the token ids, as JSON")
     parser.set_defaults(run=run)
@@ -56,13 +57,15 @@ def add_engine_arguments(parser) -> None:
                         help="the experts' stored dtype: a checkpoint is packed once per dtype (int8/int4: "
                              "group-wise with scales; the budget counts their bytes); default: the checkpoint's")
     parser.add_argument("--dtype", default=None, metavar="float32|bfloat16|float16",
-                        help="the fast tier's compute dtype (weights and activations); default: float32 on a CPU, "
+                        help="the fast tier's compute dtype (weights and activations); default: the measured "
+                             "profile's choice (--hardware FILE from `hardware measure`), else float32 on a CPU and "
                              "the stored dtype on a GPU")
     parser.add_argument("--expert-compute", default=None, metavar="auto|per-use|on-arrival|kernel",
                         help="how the fast tier holds and computes with int8/int4 experts: dequantized at every "
                              "use, dequantized once on arrival into float slots (fewer fit in the budget), or "
                              "PyTorch's weight-only int4 kernel on a CPU; default auto: the kernel for int4 "
-                             "computed in bfloat16/float16 on a CPU, else per-use")
+                             "computed in bfloat16/float16 on a CPU, else per-use; a measured --hardware "
+                             "profile's choice first")
     parser.add_argument("--fast-budget", default="50%", metavar="SIZE|P%",
                         help="fast-tier budget: a share of all expert bytes (30%%) or a size (64MiB); default 50%%")
     parser.add_argument("--host-budget", default=None, metavar="SIZE|P%",

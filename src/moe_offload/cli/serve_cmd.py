@@ -36,6 +36,10 @@ def register(subparsers) -> None:
                              "stay open). Also read from MOE_OFFLOAD_API_KEY")
     parser.add_argument("--max-body", default="4MiB", metavar="BYTES",
                         help="largest request body accepted (default 4MiB; larger: 413)")
+    parser.add_argument("--hardware", metavar="PRESET|FILE",
+                        help="a hardware profile: its link sets how many experts a prefetcher moves per layer, and "
+                             "a profile `hardware measure` wrote gives --dtype and --expert-compute where they are "
+                             "not given (default desktop-rtx4090, which gives neither)")
     parser.set_defaults(run=run)
 
 
@@ -63,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
     device = values.device(args.device) if args.device is not None else None
     apply_threads(args)
     check_dtype(args)
+    if args.hardware is not None:
+        from moe_offload.hardware import resolve_profile
+
+        resolve_profile(args.hardware)
     _check_listen(host, port)
     policy_options, prefetch_options = engine_policy_options(args)
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
@@ -71,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
                   expert_compute=args.expert_compute,
                   bypass_page_cache=args.bypass_page_cache,
                   matcher=args.matcher,
-                  max_batch=max_batch, batch_math=args.batch_math)
+                  max_batch=max_batch, batch_math=args.batch_math, hardware=args.hardware)
     print(f"moe-offload: serving {names[0]} on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics); "
           "Ctrl-C to stop", flush=True)
     serve(engine, names, host, port, api_key=api_key, max_body_bytes=max_body)

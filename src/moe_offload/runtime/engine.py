@@ -55,7 +55,7 @@ from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.cpu_threads import single_threaded
 from moe_offload.runtime.engine_setup import (compute_dtype, engine_prefetcher, host_tier, link_budget, make_tiers,
                                               read_replay, read_split, resolve_device)
-from moe_offload.runtime.expert_forms import expert_form
+from moe_offload.runtime.expert_forms import expert_form, profile_choices
 from moe_offload.runtime.packing import Manifest, load_skeleton, read_manifest
 from moe_offload.runtime.placement import host_keys, placement_keys, placing_host_budget
 from moe_offload.runtime.runner import ModelRunner
@@ -105,7 +105,8 @@ class OffloadEngine:
     Without a split the prefetcher gets the budget of ``hardware``'s link into the fast tier, as the timed
     simulator gives it (MoEpic's Y: the loads that fit in a layer's window). ``expert_compute``: how the fast
     tier holds and computes with int8/int4 experts, ``"per-use"``, ``"on-arrival"``, ``"kernel"`` or
-    ``"auto"``/None (runtime/expert_forms.py)."""
+    ``"auto"``/None (runtime/expert_forms.py). Where ``dtype`` or ``expert_compute`` is None, a ``hardware``
+    profile that ``hardware measure`` wrote gives them (its ``[runtime]`` choices for the pack's experts)."""
 
     def __init__(self, packed_dir, *, fast_budget="50%", host_budget=None, policy: str = "lru",
                  policy_options: dict | None = None, prefetch: str | None = None,
@@ -135,12 +136,13 @@ class OffloadEngine:
             m = self.manifest
             self.spec = ModelSpec(m.num_layers, m.num_experts, m.top_k)
             stored = getattr(torch, m.dtype)
-            self.compute_dtype = compute_dtype(dtype, self.device, stored)
+            measured_dtype, measured_form = profile_choices(hardware, m, self.device)  # what is not given
+            self.compute_dtype = compute_dtype(dtype or measured_dtype, self.device, stored)
             elements = sum(math.prod(tensor.shape) for tensor in m.tensors)
             # A share of the budget is of all experts in the compute dtype whatever the stored dtype, so "25%" is
             # the same memory for every pack of a model; quantized experts take the bytes of their form in the
             # fast tier (runtime/expert_forms.py: per use and the kernel about the stored bytes), so more fit in it.
-            self.expert_form = expert_form(expert_compute, m, self.device, self.compute_dtype)
+            self.expert_form = expert_form(expert_compute or measured_form, m, self.device, self.compute_dtype)
             self.compute_expert_bytes = self.expert_form.slot_bytes if self.expert_form is not None else \
                 elements * self.compute_dtype.itemsize
             self.total_expert_bytes = m.num_layers * m.num_experts * elements * self.compute_dtype.itemsize

@@ -219,3 +219,18 @@ def expert_form(choice: str | None, manifest, device, dtype) -> ExpertForm | Non
         raise ConfigError("--expert-compute on-arrival: dequantizing on arrival runs on a CPU fast tier here; "
                           "use per-use on CUDA")
     return FORM_CLASSES[choice](manifest, dtype)
+
+
+def profile_choices(hardware, manifest, device) -> tuple[str | None, str | None]:
+    """(compute dtype, form) that the measured profile ``hardware`` (a HardwareProfile, a preset's name or a
+    file; None: none) chose for ``manifest``'s experts on a ``device`` of the kind it was measured on
+    (hardware/profile.py RuntimeChoices); None for what it does not say."""
+    if hardware is None:
+        return None, None
+    from moe_offload.hardware import HardwareProfile, resolve_profile
+
+    profile = hardware if isinstance(hardware, HardwareProfile) else resolve_profile(hardware)
+    if profile.runtime is None or profile.runtime.device != device.type:
+        return None, None
+    stored = manifest.expert_dtype or manifest.dtype
+    return profile.runtime.dtype.get(stored), profile.runtime.expert_compute.get(stored)

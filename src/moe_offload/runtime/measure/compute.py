@@ -13,17 +13,23 @@ NO_EXPERTS = "moe_offload_measure_no_experts"
 
 
 def measure_expert_compute(experts_module, tensors: dict, device, dtype, repeats: int,
-                           token_counts=TOKEN_COUNTS) -> tuple[dict[int, float], dict[int, float]]:
+                           token_counts=TOKEN_COUNTS, weights=None) -> tuple[dict[int, float], dict[int, float]]:
     """Seconds of one expert's work on n tokens, n in ``token_counts``: the per-expert body of
     models/experts.py (select the expert's tokens, gate_up, the module's own activation, down, the routing
     weight, index_add) with the expert's real weights, so shapes, dtype and activation are the model's.
+    ``weights``: instead of ``tensors``, called at every step for the compute-ready weights, as a fast tier
+    of quantized experts gives them (runtime/expert_forms.py: dequantized at each use, or ready).
     Returns (n -> median over the repeats, n -> the repeats' largest deviation from it, timing.deviation)."""
     import torch
-    import torch.nn.functional as F
 
-    gate_up = tensors["gate_up_proj"].to(device, dtype=dtype)
-    down = tensors["down_proj"].to(device, dtype=dtype)
-    hidden = gate_up.shape[1]
+    from moe_offload.runtime.int4_kernel import linear
+
+    if weights is None:
+        ready = {name: tensors[name].to(device, dtype=dtype) for name in ("gate_up_proj", "down_proj")}
+
+        def weights():
+            return ready
+    hidden = tensors["gate_up_proj"].shape[1]
     generator = torch.Generator().manual_seed(0)
     results, deviations = {}, {}
     for n in token_counts:
@@ -34,8 +40,9 @@ def measure_expert_compute(experts_module, tensors: dict, device, dtype, repeats
 
         def one_expert():
             top_k_pos, token_idx = torch.where((top_k_index == 0).transpose(0, 1))
-            current = experts_module._apply_gate(F.linear(states[token_idx], gate_up))
-            current = F.linear(current, down) * top_k_weights[token_idx, top_k_pos, None]
+            expert = weights()
+            current = experts_module._apply_gate(linear(states[token_idx], expert["gate_up_proj"]))
+            current = linear(current, expert["down_proj"]) * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, current)
 
         with torch.inference_mode():
