@@ -3,9 +3,11 @@ moved into the fast tier per token, the hit rate and TPOT of the offloaded runti
 experts the held-out perplexity and the top-1 agreement.
 
     python benchmarks/quantization.py [--dtypes float16,int8,int4] [--budgets 25] [--tokens 24] [--prompts 2]
-        [--windows 8] [--device cpu|cuda] [--json FILE]
+        [--windows 8] [--computes float32,bfloat16] [--threads N] [--device cpu|cuda] [--json FILE]
 
-The full table of the docs page: ``--budgets 12.5,25,50 --tokens 64 --prompts 4 --windows 32``.
+The table of the docs page: ``--tokens 64 --prompts 4 --windows 32 --computes float32,bfloat16 --threads 1``.
+``--computes``: the fast tier's compute dtype, each optionally with the quantized experts' form
+(``bfloat16:per-use``; default auto, runtime/expert_forms.py), one engine per entry.
 
 - Runtime: a fresh engine per (dtype, budget), LRU, no prefetch, greedy, on ShareGPT first turns as chat
   prompts; bytes per token are the bytes put on the links into the fast tier over the generated tokens; TPOT
@@ -73,10 +75,12 @@ def top1_agreement(model, reference_sequences, prompt_lengths) -> float:
     return same / total
 
 
-def runtime_row(expert_dtype: str, budget: str, prompts, tokens: int, device: str) -> dict:
+def runtime_row(expert_dtype: str, budget: str, compute: str, prompts, tokens: int, device: str) -> dict:
     import moe_offload
 
-    with moe_offload.load("tiny", fast_budget=f"{budget}%", expert_dtype=expert_dtype, device=device) as engine:
+    dtype, _, form = compute.partition(":")
+    with moe_offload.load("tiny", fast_budget=f"{budget}%", expert_dtype=expert_dtype, device=device, dtype=dtype,
+                          expert_compute=form or None) as engine:
         moved = generated = 0
         tpots, hits, accesses = [], 0, 0
         for prompt in prompts:
@@ -86,7 +90,9 @@ def runtime_row(expert_dtype: str, budget: str, prompts, tokens: int, device: st
             generated += len(result.token_ids)
             tpots.append(stats.tpot_seconds)
             hits, accesses = hits + stats.hits, accesses + stats.accesses
-        return {"expert_dtype": expert_dtype, "budget": budget, "experts_held": engine.tiers[0].pool.slots,
+        form = engine.expert_form.name if engine.expert_form is not None else "float"
+        return {"expert_dtype": expert_dtype, "budget": budget, "compute": f"{dtype}, {form}",
+                "experts_held": engine.tiers[0].pool.slots,
                 "expert_bytes": engine.manifest.expert_bytes, "bytes_per_token": moved / generated,
                 "hit_rate": hits / accesses, "tpot_ms": 1000 * sum(tpots) / len(tpots)}
 
@@ -98,10 +104,17 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--windows", type=int, default=8, help="held-out windows of 256 tokens per kind")
+    parser.add_argument("--computes", default="float32",
+                        help="compute dtypes of the fast tier, each optionally :FORM (default float32)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default torch's; 1 steadies TPOT on a shared machine)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
     from moe_offload.bundled import TINY_MODEL_DIR
@@ -130,14 +143,16 @@ def main(argv=None) -> int:
         value = base if model is float16 else perplexity(model, batch)
         quality[expert_dtype] = {"perplexity": value, "perplexity_delta": value - base,
                                  "top1_agreement": top1_agreement(model, sequences, lengths)}
-    rows = [{**runtime_row(d, b, prompts, args.tokens, args.device), **quality[d]}
-            for b in args.budgets.split(",") for d in dtypes]
-    print(f"tiny Mixtral, {args.device}, {len(prompts)} prompts x {args.tokens} tokens, LRU; perplexity on "
+    rows = [{**runtime_row(d, b, c, prompts, args.tokens, args.device), **quality[d]}
+            for b in args.budgets.split(",") for c in args.computes.split(",") for d in dtypes]
+    print(f"tiny Mixtral, {args.device} ({torch.get_num_threads()} threads), {len(prompts)} prompts x {args.tokens} "
+          f"tokens, LRU; perplexity on "
           f"{len(batch)} held-out windows (float16: {base:.3f})")
-    print("| experts | budget | experts held | bytes/token | hit rate | TPOT | perplexity delta | top-1 agreement |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| experts | budget | compute | experts held | bytes/token | hit rate | TPOT | perplexity delta | "
+          "top-1 agreement |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['expert_dtype']} | {row['budget']}% | {row['experts_held']} | "
+        print(f"| {row['expert_dtype']} | {row['budget']}% | {row['compute']} | {row['experts_held']} | "
               f"{row['bytes_per_token'] / 2**20:.2f} MiB | {row['hit_rate']:.1%} | {row['tpot_ms']:.1f} ms | "
               f"{row['perplexity_delta']:+.4f} | {row['top1_agreement']:.1%} |")
     if args.json:

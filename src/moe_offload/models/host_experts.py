@@ -82,6 +82,6 @@ def host_expert_output(module, inputs: HostInputs, token_idx, weights: dict, pro
 def compute_ready(weight, dtype):
     """A float weight of the host copy in the compute ``dtype`` (quantized experts come compute-ready from the
     fast tier's form, runtime/expert_forms.py: the int4 kernel's weight as it is)."""
-    from moe_offload.runtime.int4_kernel import Int4Weight
+    import torch
 
-    return weight if isinstance(weight, Int4Weight) else weight.to(dtype)
+    return weight.to(dtype) if isinstance(weight, torch.Tensor) else weight

@@ -50,13 +50,14 @@ class Int4Weight:
 
 
 def linear(x, weight):
-    """``F.linear(x, weight)`` for a float weight, the int4 kernel for an :class:`Int4Weight`: the one product of
-    every expert (models/experts.py, models/host_experts.py, runtime/packed.py)."""
-    if isinstance(weight, Int4Weight):
-        return weight.linear(x)
-    import torch.nn.functional as F
+    """``F.linear(x, weight)`` for a float weight; a weight in a kernel's form (an :class:`Int4Weight`) computes
+    the product itself: the one product of every expert (models/experts.py, models/host_experts.py,
+    runtime/packed.py)."""
+    import torch
 
-    return F.linear(x, weight)
+    if isinstance(weight, torch.Tensor):
+        return torch.nn.functional.linear(x, weight)
+    return weight.linear(x)
 
 
 def kernel_takes(shapes) -> bool:
