@@ -4,6 +4,7 @@ given that profile uses them where --dtype / --expert-compute are not given."""
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 
 import pytest
@@ -92,3 +93,21 @@ def test_a_bad_runtime_table_is_one_line_naming_the_key(packs, tmp_path, capsys,
     assert main(["generate", "--model", str(packs["int4"]), "--hardware", str(path), "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(path) in err and problem in err
+
+
+def test_measuring_a_quantized_pack_computes_its_experts_as_the_runtime_holds_them(packs):  # noqa: F811
+    from moe_offload.runtime.measure.forms import quantized_weights
+    from moe_offload.runtime.packing import read_manifest
+    from moe_offload.runtime.storage import ExpertStore
+
+    manifest = read_manifest(packs["int4"])
+    cpu = torch.device("cpu")
+    per_use = quantized_weights(manifest, (1, 2), cpu, torch.float32)()  # float32 on a CPU: dequantized per use
+    store = ExpertStore(manifest)
+    stored = store.read_tensors(1, 2)  # the same stored values, dequantized to float16
+    store.close()
+    assert all(torch.equal(per_use[name].to(torch.float16), stored[name]) for name in stored)
+    kernel = quantized_weights(manifest, (1, 2), cpu, torch.bfloat16)()  # bfloat16: the int4 kernel's form
+    assert type(kernel["down_proj"]).__name__ == "Int4Weight"
+    float_pack = dataclasses.replace(manifest, expert_dtype=None)
+    assert quantized_weights(float_pack, (0, 0), cpu, torch.float32) is None  # measured from its float tensors

@@ -64,7 +64,7 @@ from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import MAX_SLOWDOWN
 from moe_offload.runtime.measure.compute import (DECODE_PROBE_TOKENS, TOKEN_COUNTS, measure_decode_step, measure_expert_compute,
                                                  measure_non_expert)
-from moe_offload.runtime.measure.forms import forms_source, measure_forms, runtime_choices
+from moe_offload.runtime.measure.forms import forms_source, measure_forms, quantized_weights, runtime_choices
 from moe_offload.runtime.measure.stability import load_average, peak_flops, stability_notes
 from moe_offload.runtime.measure.timing import _round, fit_linear_cost
 from moe_offload.runtime.measure.transfers import (COPY_PROBE_BYTES, MAX_SAMPLED_FILES, MEMORY_PROBE_BYTES,
@@ -245,7 +245,8 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
     model, adapter, _ = load_skeleton(manifest, device, compute_dtype, verify=False)
     tensors = ExpertStore(manifest).read_tensors(*keys[0])
     expert_seconds, expert_deviation = measure_expert_compute(adapter.experts(0), tensors, device, compute_dtype,
-                                                              repeats)
+                                                              repeats, weights=quantized_weights(manifest, keys[0],
+                                                                                                 device, compute_dtype))
     if device.type == "cpu":  # the fast tier is the host: its expert is the host's
         host_expert_seconds, host_memory_bandwidth = expert_seconds, memory_bandwidth
     else:

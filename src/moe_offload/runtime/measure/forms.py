@@ -120,3 +120,27 @@ def forms_source(forms: dict) -> str:
     tokens = "/".join(str(n) for n in FORM_TOKENS)
     return (f"runtime: one expert at {tokens} tokens (runtime/measure/forms.py): " + "; ".join(parts)
             + "; per expert dtype the least one-token time among float, per-use and kernel sets [runtime]")
+
+
+def quantized_weights(manifest, key, device, dtype):
+    """For a quantized pack, the expert ``key``'s weights as the runtime's fast tier gives them at each use (its
+    form, runtime/expert_forms.py: dequantized per use, or converted once); None for a float pack."""
+    if not manifest.quantized:
+        return None
+    import torch
+
+    from moe_offload.runtime.expert_forms import expert_form
+    from moe_offload.runtime.storage import ExpertStore
+
+    form = expert_form(None, manifest, device, dtype)
+    stored = torch.empty(manifest.expert_bytes, dtype=torch.uint8)
+    array = stored.numpy()
+    store = ExpertStore(manifest)
+    try:
+        store.read(*key, lambda start, end: memoryview(array[start:end]))
+    finally:
+        store.close()
+    slot = torch.empty(form.slot_elements, dtype=form.slot_dtype)
+    form.convert(stored, slot)
+    slot = slot.to(device)
+    return lambda: form.tensors(slot, 0)
