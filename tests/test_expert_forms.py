@@ -98,6 +98,7 @@ WEIGHTS, GROUPS = 2 * INTERMEDIATE * HIDDEN + HIDDEN * INTERMEDIATE, (2 * INTERM
     ("int8", "on-arrival", "float32", "on-arrival", WEIGHTS * 4),                 # float32 weights: 49152
     ("int4", None, "bfloat16", "kernel", WEIGHTS // 2 + GROUPS * 2 * 2),         # auto: the kernel in bf16
     ("int4", "auto", "float32", "per-use", WEIGHTS // 2 + GROUPS * 2),           # auto: not in float32
+    ("int4", "auto", "float16", "per-use", WEIGHTS // 2 + GROUPS * 2),           # nor float16 (scalar loops)
     ("int8", None, "bfloat16", "per-use", WEIGHTS + GROUPS * 2),                 # no int8 kernel here
 ])
 def test_each_form_takes_the_bytes_its_slot_holds(packs, expert_dtype, choice, dtype, form, slot_bytes):

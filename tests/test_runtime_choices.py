@@ -47,7 +47,7 @@ def test_a_measured_profile_holds_the_choices_and_the_times_behind_them(packs): 
     profile = HardwareProfile.from_dict(data)
     assert profile.runtime.device == "cpu"
     assert set(profile.runtime.dtype) == {"float16", "bfloat16", "int8", "int4"}
-    assert set(profile.runtime.dtype.values()) <= {"float32", "bfloat16"}
+    assert set(profile.runtime.dtype.values()) <= {"float32", "bfloat16", "float16"}
     assert profile.runtime.expert_compute["int8"] == "per-use"  # no int8 kernel: the only form that keeps bytes
     assert profile.runtime.expert_compute["int4"] in ("per-use", "kernel")
     text = next(source for source in profile.sources if source.startswith("runtime: one expert"))

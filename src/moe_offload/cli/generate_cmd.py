@@ -64,7 +64,7 @@ def add_engine_arguments(parser) -> None:
                         help="how the fast tier holds and computes with int8/int4 experts: dequantized at every "
                              "use, dequantized once on arrival into float slots (fewer fit in the budget), or "
                              "PyTorch's weight-only int4 kernel on a CPU; default auto: the kernel for int4 "
-                             "computed in bfloat16/float16 on a CPU, else per-use; a measured --hardware "
+                             "computed in bfloat16 on a CPU, else per-use; a measured --hardware "
                              "profile's choice first")
     parser.add_argument("--fast-budget", default="50%", metavar="SIZE|P%",
                         help="fast-tier budget: a share of all expert bytes (30%%) or a size (64MiB); default 50%%")

@@ -16,12 +16,12 @@ The links always move the stored bytes (runtime/quantize.py). What the fast tier
 The budget counts the slot's bytes, whatever the form: what the fast tier really holds.
 
 ``auto`` picks by the measurement of docs/guides/checkpoints.md (``benchmarks/expert_compute.py``): on a CPU
-the int4 kernel with bfloat16 or float16 activations takes less time than the same product on float weights
-(the codes are a quarter of the bytes read), while with float32 activations PyTorch runs a slow path (more than
-ten times the per-use time). So ``auto`` is ``kernel`` for int4 experts computed in bfloat16 or float16 on a
-CPU, when the kernel takes the expert's shapes, and ``per-use`` otherwise: ``on-arrival`` gives up the capacity
-that quantizing was for, so it is chosen only by name. On CUDA only ``per-use`` runs (the CUDA kernel has its
-own layout, not wired here).
+the int4 kernel with bfloat16 activations takes less time than the same product on float weights (the codes
+are a quarter of the bytes read, and ATen vectorizes it for bfloat16), while for float32 and float16
+activations ATen runs its scalar loop, slower than dequantizing at every use. So ``auto`` is ``kernel`` for
+int4 experts computed in bfloat16 on a CPU, when the kernel takes the expert's shapes, and ``per-use``
+otherwise: ``on-arrival`` gives up the capacity that quantizing was for, so it is chosen only by name. On CUDA
+only ``per-use`` runs (the CUDA kernel has its own layout, not wired here).
 
 The host tier (models/host_experts.py) holds the stored bytes; an expert the layer computes there is made
 compute-ready from them by the fast tier's form (:meth:`ExpertForm.from_stored`), so it gives the bits it would
@@ -31,6 +31,7 @@ give in the fast tier.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 
 from moe_offload.errors import ConfigError
 from moe_offload.runtime.cpu_threads import single_threaded
@@ -39,20 +40,17 @@ FORMS = ("per-use", "on-arrival", "kernel")
 CHOICES = ("auto",) + FORMS
 
 
-class ExpertForm:
+class ExpertForm(ABC):
     """One form of a quantized expert in the fast tier: the slot's dtype and element count, the conversion of
     the stored bytes into a slot, and the slot's compute-ready weights."""
 
     name = ""
     converts = True  # the data path converts the stored bytes into the slot (else it copies them)
 
-    def __init__(self, manifest, dtype):
+    def __init__(self, manifest, dtype, slot_dtype, slot_elements: int):
         self.manifest, self.dtype = manifest, dtype
-        self.shapes = {tensor.name: tuple(tensor.shape) for tensor in manifest.tensors}
+        self.slot_dtype, self.slot_elements = slot_dtype, slot_elements  # what one slot of the fast tier holds
         self._views: dict[int, dict] = {}  # slot -> its weights, for forms whose slot holds them as they are
-
-    slot_dtype = None
-    slot_elements = 0
 
     @property
     def slot_bytes(self) -> int:
@@ -69,8 +67,9 @@ class ExpertForm:
         with single_threaded():
             self._convert(stored, destination)
 
+    @abstractmethod
     def _convert(self, stored, destination) -> None:
-        raise NotImplementedError
+        """Write the slot ``destination`` from ``stored`` on the calling thread."""
 
     def tensors(self, region, slot: int) -> dict:
         """The weights of the expert in ``region``, the slot ``slot``, ready for models/experts.py."""
@@ -79,8 +78,9 @@ class ExpertForm:
             views = self._views[slot] = self._views_of(region)
         return views
 
+    @abstractmethod
     def _views_of(self, region) -> dict:
-        raise NotImplementedError
+        """The compute-ready weights of the slot ``region``."""
 
     def from_stored(self, stored) -> dict:
         """Compute-ready weights from the stored bytes (the host tier's copy), the bits of the fast tier's."""
@@ -97,8 +97,7 @@ class PerUse(ExpertForm):
     def __init__(self, manifest, dtype):
         import torch
 
-        super().__init__(manifest, dtype)
-        self.slot_dtype, self.slot_elements = torch.uint8, manifest.expert_bytes
+        super().__init__(manifest, dtype, torch.uint8, manifest.expert_bytes)
 
     def _convert(self, stored, destination) -> None:
         destination.copy_(stored)
@@ -120,8 +119,7 @@ class OnArrival(ExpertForm):
     name = "on-arrival"
 
     def __init__(self, manifest, dtype):
-        super().__init__(manifest, dtype)
-        self.slot_dtype, self.slot_elements = dtype, sum(math.prod(shape) for shape in self.shapes.values())
+        super().__init__(manifest, dtype, dtype, sum(math.prod(tensor.shape) for tensor in manifest.tensors))
 
     def _convert(self, stored, destination) -> None:
         from moe_offload.runtime.quantize import dequantize
@@ -132,9 +130,9 @@ class OnArrival(ExpertForm):
 
     def _views_of(self, region) -> dict:
         out, first = {}, 0
-        for name, shape in self.shapes.items():
-            count = math.prod(shape)
-            out[name] = region[first:first + count].view(shape)
+        for tensor in self.manifest.tensors:
+            count = math.prod(tensor.shape)
+            out[tensor.name] = region[first:first + count].view(tuple(tensor.shape))
             first += count
         return out
 
@@ -147,8 +145,8 @@ class Kernel(ExpertForm):
 
         from moe_offload.runtime.int4_kernel import kernel_nbytes
 
-        super().__init__(manifest, dtype)
-        self.slot_dtype, self.slot_elements = torch.uint8, kernel_nbytes(self.shapes.values(), dtype.itemsize)
+        shapes = [tuple(tensor.shape) for tensor in manifest.tensors]
+        super().__init__(manifest, dtype, torch.uint8, kernel_nbytes(shapes, dtype.itemsize))
 
     def _convert(self, stored, destination) -> None:
         from moe_offload.runtime.int4_kernel import convert
@@ -158,7 +156,8 @@ class Kernel(ExpertForm):
     def _views_of(self, region) -> dict:
         from moe_offload.runtime.int4_kernel import kernel_tensors
 
-        return kernel_tensors(region, self.shapes, self.dtype)
+        return kernel_tensors(region, {tensor.name: tuple(tensor.shape) for tensor in self.manifest.tensors},
+                              self.dtype)
 
 
 class StoredCopy:
@@ -209,7 +208,7 @@ def expert_form(choice: str | None, manifest, device, dtype) -> ExpertForm | Non
                               "the forms are for int8/int4 packs")
         return None
     if choice in (None, "auto"):
-        fast = dtype in (torch.bfloat16, torch.float16) and kernel_runs(manifest, device, dtype) is None
+        fast = dtype == torch.bfloat16 and kernel_runs(manifest, device, dtype) is None
         choice = "kernel" if fast else "per-use"
     elif choice == "kernel":
         why = kernel_runs(manifest, device, dtype)

@@ -2,7 +2,7 @@
 
 For one real expert of the packed model, stored as float16 and, quantized in memory as ``pack`` would store
 it, as int8 and int4 (runtime/quantize.py), in each compute dtype the device offers for the fast tier
-(float32 and bfloat16 on a CPU; the stored float dtype on a GPU), every form of runtime/expert_forms.py
+(float32, bfloat16 and float16 on a CPU; the stored float dtype on a GPU), every form of runtime/expert_forms.py
 that runs there is timed as the runtime runs it:
 
 - ``float``: a float pack's slot, the weights in the compute dtype (the float16 experts' only form);
@@ -49,9 +49,9 @@ def stored_expert(manifest, tensors: dict, expert_dtype: str):
 
 
 def compute_dtypes(device, stored_dtype: str) -> tuple[str, ...]:
-    """The fast tier's compute dtypes timed on ``device``: float32 and bfloat16 on a CPU, the stored dtype on a
-    GPU (the runtime's default there)."""
-    return ("float32", "bfloat16") if device.type == "cpu" else (stored_dtype,)
+    """The fast tier's compute dtypes timed on ``device``: each of float32, bfloat16 and float16 on a CPU, the
+    stored dtype on a GPU (the runtime's default there)."""
+    return ("float32", "bfloat16", "float16") if device.type == "cpu" else (stored_dtype,)
 
 
 def measure_forms(manifest, tensors: dict, experts_module, device, repeats: int,
