@@ -90,9 +90,11 @@ def test_a_bad_runtime_table_is_one_line_naming_the_key(packs, tmp_path, capsys,
     path = profile_with(tmp_path, runtime)
     with pytest.raises(ConfigError, match=problem.replace(".", r"\.")):
         load_profile(path)
-    assert main(["generate", "--model", str(packs["int4"]), "--hardware", str(path), "x"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and str(path) in err and problem in err
+    for command in (["generate", "--model", str(packs["int4"]), "--hardware", str(path), "x"],
+                    ["serve", "--model", str(packs["int4"]), "--hardware", str(path)]):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and str(path) in err and problem in err, command[0]
 
 
 def test_measuring_a_quantized_pack_computes_its_experts_as_the_runtime_holds_them(packs):  # noqa: F811

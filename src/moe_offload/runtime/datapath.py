@@ -17,6 +17,9 @@ slot, and moves the bytes outside the lock:
   pool (runtime/storage.py) reads every chunk of the expert straight into the slot;
 - **files -> CPU fast tier in another dtype** (float16 files, float32 compute): each reader reads its chunk
   into its own small scratch buffer, verifies it and converts it into the slot while it is in the cache;
+- **files -> CPU fast tier holding int8/int4 experts in another form** (dequantized, or tiled for the int4
+  kernel: runtime/expert_forms.py): the readers read the stored expert into the mover's buffer, then the
+  form converts it into the slot (the host tier's copy likewise);
 - **files -> GPU**: the readers fill one buffer of a ring of pinned buffers, then the worker queues one
   copy into the GPU slot on the link's own CUDA stream and moves on to the next transfer, reading it into
   the next ring buffer while the copy runs. A ring buffer is reused once its copy's event has completed;
