@@ -6,7 +6,7 @@ kernel, which the pack's group-wise int8 cannot feed. The measurement is `hardwa
 
     python benchmarks/expert_compute.py [--repeats 5] [--threads 1] [--json FILE]
 
-On the bundled tiny Mixtral's expert (layer 0, expert 0: gate_up [768, 192], down [192, 384]); a few seconds.
+On the bundled tiny Mixtral's expert (layer 0, expert 0: gate_up [768, 192], down [192, 384]); about 10 s.
 ``--threads 1`` by default: on a shared machine torch's thread pool stalls for milliseconds per operation.
 """
 
