@@ -63,6 +63,14 @@ def test_the_kernel_is_the_product_with_the_dequantized_weights_within_rounding(
     assert (got - expected).abs().max().item() <= tolerance * expected.abs().max().item()
 
 
+def test_the_kernel_takes_any_rows_as_f_linear_does():
+    packed, _ = kernel_weight(torch.randn(64, 64, generator=torch.Generator().manual_seed(1)), torch.bfloat16)
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    rows = x.t().contiguous()
+    assert torch.equal(linear(x.t(), packed), linear(rows, packed))  # a transposed view: copied, same bits
+    assert torch.equal(linear(rows.reshape(2, 3, 64), packed), linear(rows, packed).reshape(2, 3, 64))
+
+
 def test_the_kernel_takes_groups_of_32_to_256_and_rows_in_sixteens():
     assert kernel_takes([(768, 192), (192, 384)])      # the bundled model: groups of 64
     assert not kernel_takes([(96, 32), (32, 48)])      # the runtime tests' model: down's groups of 16

@@ -44,9 +44,12 @@ class Int4Weight:
         self.packed, self.scales_zeros, self.group, self.shape = packed, scales_zeros, group, tuple(shape)
 
     def linear(self, x):
+        """``x`` [..., K] times the weight transposed, as ``F.linear`` (the kernel takes one contiguous matrix)."""
         import torch
 
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_zeros)
+        return out.reshape(*x.shape[:-1], self.shape[0])
 
 
 def linear(x, weight):
