@@ -113,3 +113,12 @@ def test_measuring_a_quantized_pack_computes_its_experts_as_the_runtime_holds_th
     assert type(kernel["down_proj"]).__name__ == "Int4Weight"
     float_pack = dataclasses.replace(manifest, expert_dtype=None)
     assert quantized_weights(float_pack, (0, 0), cpu, torch.float32) is None  # measured from its float tensors
+
+
+def test_hardware_show_prints_the_runtime_choices(tmp_path, capsys):
+    path = profile_with(tmp_path, {"device": "cpu", "dtype": {"float16": "float32", "int4": "bfloat16"},
+                                   "expert_compute": {"int4": "kernel"}})
+    assert main(["hardware", "show", str(path), "--expert-bytes", "1MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "runtime choices on cpu" in out
+    assert "float16 experts: --dtype float32\n" in out and "int4 experts: --dtype bfloat16 --expert-compute kernel" in out
