@@ -71,7 +71,10 @@ def test_an_engine_takes_the_profiles_choices_where_none_are_given(packs, tmp_pa
     with OffloadEngine(packs["int4"], fast_budget="50%", hardware=str(path), device="cpu") as engine:
         assert (engine.compute_dtype, engine.expert_form.name) == (torch.bfloat16, "kernel")
     with OffloadEngine(packs["int4"], fast_budget="50%", hardware=str(path), device="cpu", dtype="float32",
-                       expert_compute="per-use") as engine:
+                       expert_compute="on-arrival") as engine:
+        assert (engine.compute_dtype, engine.expert_form.name) == (torch.float32, "on-arrival")
+    with OffloadEngine(packs["int4"], fast_budget="50%", hardware=str(path), device="cpu", dtype="float32") as engine:
+        # the kernel was chosen in bfloat16: in float32 the rule applies
         assert (engine.compute_dtype, engine.expert_form.name) == (torch.float32, "per-use")
     with OffloadEngine(packs["int8"], fast_budget="50%", hardware=str(path), device="cpu") as engine:
         assert (engine.compute_dtype, engine.expert_form.name) == (torch.float32, "per-use")  # int8: not said

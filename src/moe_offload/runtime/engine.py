@@ -137,6 +137,8 @@ class OffloadEngine:
             self.spec = ModelSpec(m.num_layers, m.num_experts, m.top_k)
             stored = getattr(torch, m.dtype)
             measured_dtype, measured_form = profile_choices(hardware, m, self.device)  # what is not given
+            if dtype is not None and dtype != measured_dtype:
+                measured_form = None  # the form was measured fastest in its own dtype, not in this one
             self.compute_dtype = compute_dtype(dtype or measured_dtype, self.device, stored)
             elements = sum(math.prod(tensor.shape) for tensor in m.tensors)
             # A share of the budget is of all experts in the compute dtype whatever the stored dtype, so "25%" is
