@@ -13,9 +13,12 @@ that runs there is timed as the runtime runs it:
 Each at 1 token (a decoding step gives an expert one token) and 32 (a prefill's share), medians over the
 repeats. :func:`runtime_choices` picks from them what ``generate`` and ``serve`` use when they are given the
 profile and no ``--dtype`` / ``--expert-compute``: per expert dtype, the (compute dtype, form) with the least
-one-token time among the forms that keep an expert's bytes near its stored size (``float`` for a float pack,
-``per-use`` and ``kernel`` for int8/int4; ``on-arrival`` holds float bytes, which gives up the capacity
-quantizing was for, so it is timed but never chosen).
+one-token time (a decode step's, which TPOT is made of) among the forms that keep an expert's bytes near its
+stored size (``float`` for a float pack, ``per-use`` and ``kernel`` for int8/int4; ``on-arrival`` holds float
+bytes, which gives up the capacity quantizing was for, so it is timed but never chosen) and whose 32-token
+time is within PREFILL_SLACK of the best: a dtype without a fast path for many rows (float16 on most CPUs, the
+int4 kernel's scalar loop) would make every prompt several times slower for a one-token time that is at best
+even with the others'.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import dataclasses
 FORM_TOKENS = (1, 32)
 EXPERT_DTYPES = ("float16", "int8", "int4")
 CHOOSABLE = ("float", "per-use", "kernel")
+PREFILL_SLACK = 4.0  # a choice's 32-token time may be at most this many times the best one's
 
 
 def stored_expert(manifest, tensors: dict, expert_dtype: str):
@@ -95,12 +99,15 @@ def measure_forms(manifest, tensors: dict, experts_module, device, repeats: int,
 def runtime_choices(forms: dict) -> dict:
     """{"dtype": {expert dtype: compute dtype}, "expert_compute": {expert dtype: form}} (int8/int4 only in the
     latter; the float16 expert's choice is also a bfloat16 pack's): per expert dtype the least one-token time
-    among the CHOOSABLE forms."""
+    among the CHOOSABLE forms whose most-token time is within PREFILL_SLACK of the best (module docstring)."""
     choices: dict = {"dtype": {}, "expert_compute": {}}
     for expert_dtype, by_dtype in forms.items():
-        candidates = [(timed["seconds"][min(timed["seconds"])], dtype, form)
-                      for dtype, by_form in by_dtype.items() for form, timed in by_form.items() if form in CHOOSABLE]
-        _, dtype, form = min(candidates)
+        candidates = [(timed["seconds"], dtype, form) for dtype, by_form in by_dtype.items()
+                      for form, timed in by_form.items() if form in CHOOSABLE]
+        fewest, most = min(candidates[0][0]), max(candidates[0][0])
+        best_many = min(seconds[most] for seconds, _, _ in candidates)
+        _, dtype, form = min((seconds[fewest], dtype, form) for seconds, dtype, form in candidates
+                             if seconds[most] <= PREFILL_SLACK * best_many)
         if form == "float":  # float weights compute alike whatever float dtype the pack stores
             choices["dtype"].update({"float16": dtype, "bfloat16": dtype})
         else:
@@ -119,7 +126,8 @@ def forms_source(forms: dict) -> str:
                 parts.append(f"{expert_dtype} {form} in {dtype} {times} us")
     tokens = "/".join(str(n) for n in FORM_TOKENS)
     return (f"runtime: one expert at {tokens} tokens (runtime/measure/forms.py): " + "; ".join(parts)
-            + "; per expert dtype the least one-token time among float, per-use and kernel sets [runtime]")
+            + "; per expert dtype the least one-token time among float, per-use and kernel, within "
+            + f"{PREFILL_SLACK:g}x of the best {FORM_TOKENS[-1]}-token time, sets [runtime]")
 
 
 def quantized_weights(manifest, key, device, dtype):
