@@ -13,7 +13,9 @@ once for the experts hit and once more per expert (``torch.where``). What it add
 when an :class:`ExpertSource` is attached to the module (the runtime's tiers), the weights come from the
 source, which yields the layer's experts in the order they become resident (an expert already in fast memory
 computes while another is still loading); the outputs are kept and accumulated in ascending order only
-after all of them are computed, so the order of arrival never changes a bit of the result.
+after all of them are computed, so the order of arrival never changes a bit of the result. Every product is
+runtime/int4_kernel.linear: ``F.linear`` for float weights, PyTorch's weight-only int4 matmul for int4
+experts the fast tier holds in that kernel's form (runtime/expert_forms.py).
 
 A packed forward pass (runtime/packed.py: several requests' tokens in one sequence, continuous batching)
 carries its segments, the token ranges of its requests. Then each expert computes each segment's tokens
