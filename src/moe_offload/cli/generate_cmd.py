@@ -52,8 +52,15 @@ def add_engine_arguments(parser) -> None:
                         help="the experts' stored dtype: a checkpoint is packed once per dtype (int8/int4: "
                              "group-wise with scales; the budget counts their bytes); default: the checkpoint's")
     parser.add_argument("--dtype", default=None, metavar="float32|bfloat16|float16",
-                        help="the fast tier's compute dtype (weights and activations); default: float32 on a CPU, "
+                        help="the fast tier's compute dtype (weights and activations); default: the measured "
+                             "profile's choice (--hardware FILE from `hardware measure`), else float32 on a CPU and "
                              "the stored dtype on a GPU")
+    parser.add_argument("--expert-compute", default=None, metavar="auto|per-use|on-arrival|kernel",
+                        help="how the fast tier holds and computes with int8/int4 experts: dequantized at every "
+                             "use, dequantized once on arrival into float slots (fewer fit in the budget), or "
+                             "PyTorch's weight-only int4 kernel on a CPU; default auto: the kernel for int4 "
+                             "computed in bfloat16 on a CPU, else per-use; a measured --hardware "
+                             "profile's choice first")
     parser.add_argument("--fast-budget", default="50%", metavar="SIZE|P%",
                         help="fast-tier budget: a share of all expert bytes (30%%) or a size (64MiB); default 50%%")
     parser.add_argument("--host-budget", default=None, metavar="SIZE|P%",
@@ -79,7 +86,8 @@ def add_engine_arguments(parser) -> None:
                         help="the hardware profile whose costs --fetch-or-compute decides with, whose timings the "
                              "online configurator plans with and whose link sets how many experts a prefetcher "
                              "moves per layer (MoEpic's Y, as simulate --timed counts it; default desktop-rtx4090; "
-                             "`moe-offload hardware list`, `moe-offload hardware measure`)")
+                             "`moe-offload hardware list`, `moe-offload hardware measure`); a profile `hardware "
+                             "measure` wrote also gives --dtype and --expert-compute where they are not given")
     parser.add_argument("--prefetch-option", action="append", default=[], metavar=PREFETCH_OPTION)
     parser.add_argument("--bypass-page-cache", action="store_true",
                         help="drop expert files from the page cache before each read (honest SSD timings)")
@@ -211,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
                   policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
                   prefetch_history=args.prefetch_history, device=args.device, expert_dtype=args.expert_dtype, dtype=args.dtype,
+                  expert_compute=args.expert_compute,
                   bypass_page_cache=args.bypass_page_cache, matcher=args.matcher,
                   split_config=args.split_config, reconfiguration=reconfiguration, hardware=args.hardware,
                   fetch_or_compute=args.fetch_or_compute)
@@ -246,14 +255,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_dtype(args: argparse.Namespace) -> None:
-    """--dtype and --expert-dtype, before the model is packed or loaded."""
+    """--dtype, --expert-dtype and --expert-compute, before the model is packed or loaded."""
     from moe_offload.errors import ConfigError
     from moe_offload.runtime.engine_setup import COMPUTE_DTYPES
+    from moe_offload.runtime.expert_forms import CHOICES as EXPERT_COMPUTE
     from moe_offload.runtime.packing import check_expert_dtype
 
     check_expert_dtype(args.expert_dtype)
     if args.dtype is not None and args.dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"--dtype {args.dtype!r}: choose from {', '.join(COMPUTE_DTYPES)}")
+    if args.expert_compute is not None and args.expert_compute not in EXPERT_COMPUTE:
+        raise ConfigError(f"--expert-compute {args.expert_compute!r}: choose from {', '.join(EXPERT_COMPUTE)}")
 
 
 def online_reconfiguration(args):

@@ -142,6 +142,13 @@ def run_show(args) -> int:
         out.print(f"  compute runs {compute.slowdown_while_loading:.3g}x slower while a transfer runs")
     for policy, seconds in profile.decision_s:
         out.print(f"  one eviction decision of {policy}: {seconds * 1e6:.1f} us (measured, [decision_s])")
+    if profile.runtime is not None:  # hardware/profile.py RuntimeChoices: what generate/serve --hardware take
+        choices = profile.runtime
+        out.print(f"runtime choices on {choices.device} (generate/serve --hardware, where --dtype and "
+                  "--expert-compute are not given):")
+        for expert_dtype, dtype in choices.dtype.items():
+            form = choices.expert_compute.get(expert_dtype)
+            out.print(f"  {expert_dtype} experts: --dtype {dtype}" + (f" --expert-compute {form}" if form else ""))
     if profile.sources:
         out.print("sources:")
         for source in profile.sources:

@@ -63,11 +63,16 @@ def run(args: argparse.Namespace) -> int:
     device = values.device(args.device) if args.device is not None else None
     apply_threads(args)
     check_dtype(args)
+    if args.hardware is not None:
+        from moe_offload.hardware import resolve_profile
+
+        resolve_profile(args.hardware)
     _check_listen(host, port)
     policy_options, prefetch_options = engine_policy_options(args)
     engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
                   policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
                   prefetch_history=args.prefetch_history, device=device, expert_dtype=args.expert_dtype, dtype=args.dtype,
+                  expert_compute=args.expert_compute,
                   bypass_page_cache=args.bypass_page_cache,
                   matcher=args.matcher, hardware=args.hardware, fetch_or_compute=args.fetch_or_compute,
                   max_batch=max_batch, batch_math=args.batch_math)

@@ -178,6 +178,18 @@ class HostCompute:
 
 
 @dataclass(frozen=True)
+class RuntimeChoices:
+    """What ``hardware measure`` found fastest for the runtime on this machine (runtime/measure/forms.py), per
+    expert dtype of a pack: the fast tier's compute dtype, and for int8/int4 experts the form the fast tier holds
+    them in (runtime/expert_forms.py). ``generate`` and ``serve`` given the profile use them where ``--dtype`` /
+    ``--expert-compute`` are not given."""
+
+    device: str  # "cpu" or "cuda": the device they were measured on, the only one they apply to
+    dtype: dict[str, str]
+    expert_compute: dict[str, str]
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     name: str
     description: str
@@ -188,6 +200,7 @@ class HardwareProfile:
     path: str = "<memory>"
     host: HostCompute | None = None  # the CPU computing bypassed experts; None: nothing can be bypassed
     decision_s: tuple[tuple[str, float], ...] = ()  # (policy, seconds per eviction decision), measured
+    runtime: RuntimeChoices | None = None  # a measured profile's choices for the runtime; None: its defaults
 
     def link_from(self, tier_index: int) -> Link:
         """The link that carries experts out of tier ``tier_index`` (>= 1) into the next faster tier."""
@@ -339,9 +352,10 @@ class _Reader:
                              slowdown_while_loading=self.number(compute, "slowdown_while_loading",
                                                                 "compute.slowdown_while_loading", low=1.0,
                                                                 high=MAX_SLOWDOWN, default=1.0))
+        runtime = self.runtime_choices(self.table(data, "runtime", "runtime")) if "runtime" in data else None
         return HardwareProfile(name=name, description=description, sources=tuple(sources), tiers=tuple(tiers),
                                links=links, compute=model, path=self.path, host=host,
-                               decision_s=self.decision_seconds(data))
+                               decision_s=self.decision_seconds(data), runtime=runtime)
 
     def decision_seconds(self, data: dict) -> tuple[tuple[str, float], ...]:
         """The optional ``[decision_s]`` table: policy name -> seconds of one eviction decision."""
@@ -352,6 +366,31 @@ class _Reader:
             if policy not in POLICIES:
                 self.fail(f"decision_s.{policy}", f"no policy of that name; choose from {', '.join(POLICIES)}")
         return tuple((policy, self.seconds(table, policy, f"decision_s.{policy}")) for policy in sorted(table))
+
+    def runtime_choices(self, table: dict) -> RuntimeChoices:
+        """``[runtime]``: ``device``, ``dtype`` (expert dtype -> compute dtype) and ``expert_compute`` (int8/int4 ->
+        form)."""
+        from moe_offload.runtime.engine_setup import COMPUTE_DTYPES
+        from moe_offload.runtime.expert_forms import FORMS
+        from moe_offload.runtime.quantize import EXPERT_DTYPES, QUANTIZED
+
+        unknown = set(table) - {"device", "dtype", "expert_compute"}
+        if unknown:
+            self.fail(f"runtime.{sorted(unknown)[0]}",
+                      "unknown key (the runtime table has device, dtype and expert_compute)")
+        device = self.text(table, "device", "runtime.device")
+        if device not in ("cpu", "cuda"):
+            self.fail("runtime.device", f"{device!r}: cpu or cuda")
+        choices = {"device": device}
+        for key, experts, allowed in (("dtype", EXPERT_DTYPES, COMPUTE_DTYPES), ("expert_compute", QUANTIZED, FORMS)):
+            chosen = self.table(table, key, f"runtime.{key}") if key in table else {}
+            for expert_dtype, value in chosen.items():
+                if expert_dtype not in experts:
+                    self.fail(f"runtime.{key}.{expert_dtype}", f"not an expert dtype ({', '.join(experts)})")
+                if value not in allowed:
+                    self.fail(f"runtime.{key}.{expert_dtype}", f"{value!r}: choose from {', '.join(allowed)}")
+            choices[key] = dict(chosen)
+        return RuntimeChoices(**choices)
 
     def expert_cost(self, table: dict, where: str, default_bytes_per_param: float):
         """(linear cost, None) from ``where.expert``, or (None, roofline) from ``where``'s roofline keys."""

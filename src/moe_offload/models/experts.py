@@ -13,7 +13,9 @@ once for the experts hit and once more per expert (``torch.where``). What it add
 when an :class:`ExpertSource` is attached to the module (the runtime's tiers), the weights come from the
 source, which yields the layer's experts in the order they become resident (an expert already in fast memory
 computes while another is still loading); the outputs are kept and accumulated in ascending order only
-after all of them are computed, so the order of arrival never changes a bit of the result.
+after all of them are computed, so the order of arrival never changes a bit of the result. Every product is
+runtime/int4_kernel.linear: ``F.linear`` for float weights, PyTorch's weight-only int4 matmul for int4
+experts the fast tier holds in that kernel's form (runtime/expert_forms.py).
 
 A packed forward pass (runtime/packed.py: several requests' tokens in one sequence, continuous batching)
 carries its segments, the token ranges of its requests. Then each expert computes each segment's tokens
@@ -41,6 +43,7 @@ from contextlib import closing
 from typing import Iterator, Protocol
 
 from moe_offload.models.host_experts import ON_HOST, HostInputs, host_expert_output
+from moe_offload.runtime.int4_kernel import linear
 
 IMPLEMENTATION = "moe_offload"
 
@@ -139,7 +142,6 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
         if final is not None:
             return final
     import torch
-    import torch.nn.functional as F
 
     packed = getattr(getattr(self, "expert_source", None), "packed", None)
     if packed is not None and not packed.longer:  # every request of the pass decodes one token
@@ -165,12 +167,12 @@ def experts_forward(self, hidden_states, top_k_index, top_k_weights):
                 token_idx = torch.cat([group[i][0] for i in order])
                 top_k_pos = torch.cat([group[i][1] for i in order])
                 rows = torch.cat([host_tokens[position[expert]][i] for i in order])
-                product = F.linear if len(group) == 1 else functools.partial(_blocks, packed, sizes)
+                product = linear if len(group) == 1 else functools.partial(_blocks, packed, sizes)
                 current = host_expert_output(self, inputs, rows, weights, product)
             elif len(group) == 1:
                 token_idx, top_k_pos = group[0]
-                current = self._apply_gate(F.linear(hidden_states[token_idx], weights["gate_up_proj"]))
-                current = F.linear(current, weights["down_proj"])
+                current = self._apply_gate(linear(hidden_states[token_idx], weights["gate_up_proj"]))
+                current = linear(current, weights["down_proj"])
             else:  # products per segment, those of one row in one product (packed.blocks), the element-wise
                 # activation over all of them at once. Segments of one row first: an expert serves a token once,
                 # so index_add_ adds one row to each token whatever their order.
@@ -200,7 +202,6 @@ def _one_token_forward(self, hidden_states, top_k_index, top_k_weights):
     (the same GEMMs on the same [1, H] row, the same products, the outputs added to zeros in ascending expert
     order, as ``index_add_`` adds them), hence the same bits, without the index tensors, their host-to-device
     copy and the gathers and scatters the general path launches for each expert. None when an expert repeats."""
-    import torch.nn.functional as F
 
     chosen = top_k_index[0].tolist()  # the layer's one synchronisation
     needed = sorted(chosen)
@@ -212,10 +213,10 @@ def _one_token_forward(self, hidden_states, top_k_index, top_k_weights):
     with closing(_arrivals(self, needed, [[1]] * len(needed))) as arrivals:
         for expert, weights in arrivals:
             if weights.get(ON_HOST):
-                current = host_expert_output(self, inputs, None, weights, F.linear)
+                current = host_expert_output(self, inputs, None, weights, linear)
             else:
-                current = self._apply_gate(F.linear(hidden_states, weights["gate_up_proj"]))
-                current = _whole(partials, expert, weights, F.linear(current, weights["down_proj"]))
+                current = self._apply_gate(linear(hidden_states, weights["gate_up_proj"]))
+                current = _whole(partials, expert, weights, linear(current, weights["down_proj"]))
             if current is None:
                 continue
             p = position[expert]
@@ -236,7 +237,6 @@ def _one_token_each_forward(self, packed, hidden_states, top_k_index, top_k_weig
     repeats an expert."""
     import numpy as np
     import torch
-    import torch.nn.functional as F
 
     routing = top_k_index.cpu().numpy()  # the layer's one synchronisation
     tokens, k = routing.shape
@@ -254,7 +254,7 @@ def _one_token_each_forward(self, packed, hidden_states, top_k_index, top_k_weig
     span = dict(zip(needed, zip(bounds[:-1].tolist(), bounds[1:].tolist())))
 
     def products(x, weight):
-        return packed.blocks(x, [1] * len(x), weight) if packed.exact else F.linear(x, weight)
+        return packed.blocks(x, [1] * len(x), weight) if packed.exact else linear(x, weight)
 
     outputs, partials = {}, {}
     inputs = HostInputs(self, hidden_states)

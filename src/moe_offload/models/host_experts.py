@@ -10,7 +10,9 @@ The arithmetic is the fast tier's: the weights are converted to the dtype of the
 same products run on the same rows, so on a machine without a GPU (where the fast tier is CPU memory in
 float32 and the host copy is float16) a bypassed expert gives exactly the bits of a resident one, and
 generation stays lossless against the all-resident model. Converting float16 or bfloat16 to float32 is
-exact, and ``F.linear`` on equal inputs gives equal outputs.
+exact, and ``F.linear`` on equal inputs gives equal outputs. Quantized experts (int8/int4) stay as stored
+bytes in the host tier; the fast tier's form (runtime/expert_forms.py) makes them compute-ready for the host
+(dequantized, or converted for the int4 kernel), so the host computes what the fast tier would, bit for bit.
 
 With CUDA the hidden states of the layer are copied to pinned host memory once, the first time a bypassed
 expert needs them, on a side stream that waits only for an event recorded when the layer's expert
@@ -72,7 +74,14 @@ def host_expert_output(module, inputs: HostInputs, token_idx, weights: dict, pro
     host copy ``weights`` with ``product(x, weight)`` (``F.linear``, or a packed pass's per-request products),
     on the device of the hidden states."""
     x = inputs.rows(token_idx)
-    gate_up = weights["gate_up_proj"].to(x.dtype)
-    down = weights["down_proj"].to(x.dtype)
+    gate_up, down = compute_ready(weights["gate_up_proj"], x.dtype), compute_ready(weights["down_proj"], x.dtype)
     current = product(module._apply_gate(product(x, gate_up)), down)
     return current.to(inputs.hidden_states.device, non_blocking=True)
+
+
+def compute_ready(weight, dtype):
+    """A float weight of the host copy in the compute ``dtype`` (quantized experts come compute-ready from the
+    fast tier's form, runtime/expert_forms.py: the int4 kernel's weight as it is)."""
+    import torch
+
+    return weight.to(dtype) if isinstance(weight, torch.Tensor) else weight

@@ -17,6 +17,9 @@ slot, and moves the bytes outside the lock:
   pool (runtime/storage.py) reads every chunk of the expert straight into the slot;
 - **files -> CPU fast tier in another dtype** (float16 files, float32 compute): each reader reads its chunk
   into its own small scratch buffer, verifies it and converts it into the slot while it is in the cache;
+- **files -> CPU fast tier holding int8/int4 experts in another form** (dequantized, or tiled for the int4
+  kernel: runtime/expert_forms.py): the readers read the stored expert into the mover's buffer, then the
+  form converts it into the slot (the host tier's copy likewise);
 - **files -> GPU**: the readers fill one buffer of a ring of pinned buffers, then the worker queues one
   copy into the GPU slot on the link's own CUDA stream and moves on to the next transfer, reading it into
   the next ring buffer while the copy runs. A ring buffer is reused once its copy's event has completed;
@@ -327,6 +330,7 @@ class ExpertMover:
         self._ring: list | None = None   # CUDA: pinned buffers and the events of their last copies
         self._ring_index = -1
         self._stream = None              # CUDA: this link's copy stream
+        self._stored = None              # quantized experts converted on arrival: their stored bytes
         self.ring_allocations = 0
 
     # ------------------------------------------------------------------------------------------- bytes
@@ -352,18 +356,35 @@ class ExpertMover:
             if source is not None:
                 source.pool.free_after[source_slot] = event  # the host slot is read until then
             return event
+        converts = tier.form is not None and tier.form.converts  # quantized experts in another form
         if source is not None:
-            copy_serially(destination, source.region(source_slot))
+            if converts:
+                tier.form.convert(source.region(source_slot), destination)
+            else:
+                copy_serially(destination, source.region(source_slot))
             return None
         wait = tier.pool.free_after[slot]
         if wait is not None:  # a pinned host slot that a GPU copy may still read
             wait.synchronize()
-        if destination.dtype in (torch.uint8, getattr(torch, self.store.manifest.dtype)):
+        if converts:
+            stored = self._stored_scratch()
+            array = stored.numpy()
+            self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
+            tier.form.convert(stored, destination)
+        elif destination.dtype in (torch.uint8, getattr(torch, self.store.manifest.dtype)):
             array = destination.view(torch.uint8).numpy()
             self.store.read(layer, expert, lambda a, b: memoryview(array[a:b]))
         else:
             self._read_converting(layer, expert, destination)
         return None
+
+    def _stored_scratch(self):
+        """This mover's buffer of one expert's stored bytes (quantized experts converted whole on arrival)."""
+        import torch
+
+        if self._stored is None:
+            self._stored = torch.empty(self.store.manifest.expert_bytes, dtype=torch.uint8)
+        return self._stored
 
     def _read_converting(self, layer: int, expert: int, destination) -> None:
         """Each reader reads its chunk into its own scratch buffer and converts it into the slot."""

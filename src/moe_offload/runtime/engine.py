@@ -55,6 +55,7 @@ from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.cpu_threads import single_threaded
 from moe_offload.runtime.engine_setup import (compute_dtype, engine_prefetcher, host_tier, link_budget, make_tiers,
                                               read_replay, read_split, resolve_device)
+from moe_offload.runtime.expert_forms import expert_form, profile_choices
 from moe_offload.runtime.packing import Manifest, load_skeleton, read_manifest
 from moe_offload.runtime.placement import (admit_by, fetch_or_compute_profile, fetch_or_compute_rule, host_keys,
                                            placement_keys, placing_host_budget)
@@ -105,7 +106,11 @@ class OffloadEngine:
     Without a split the prefetcher gets the budget of ``hardware``'s link into the fast tier, as the timed
     simulator gives it (MoEpic's Y: the loads that fit in a layer's window). ``fetch_or_compute``: a miss of
     the dynamic ``policy`` is computed on the host instead of loaded when ``hardware``'s costs say that is
-    faster (Fiddler's rule, as ``simulate --timed --fetch-or-compute`` decides; runtime/placement.py)."""
+    faster (Fiddler's rule, as ``simulate --timed --fetch-or-compute`` decides; runtime/placement.py).
+    ``expert_compute``: how the fast tier holds and computes with int8/int4 experts, ``"per-use"``,
+    ``"on-arrival"``, ``"kernel"`` or ``"auto"``/None (runtime/expert_forms.py). Where ``dtype`` or
+    ``expert_compute`` is None, a ``hardware`` profile that ``hardware measure`` wrote gives them (its
+    ``[runtime]`` choices for the pack's experts)."""
 
     def __init__(self, packed_dir, *, fast_budget="50%", host_budget=None, policy: str = "lru",
                  policy_options: dict | None = None, prefetch: str | None = None,
@@ -114,7 +119,8 @@ class OffloadEngine:
                  store: ExpertStore | None = None, preload: bool = False, seed: int = 0,
                  readers: int | None = None, replay=None, replay_weights: str = "trace", max_batch: int = 16,
                  batch_math: str = "exact", matcher: str = "async", split_config=None, reconfiguration=None,
-                 hardware=None, dtype: str | None = None, fetch_or_compute: bool = False):
+                 hardware=None, dtype: str | None = None, fetch_or_compute: bool = False,
+                 expert_compute: str | None = None):
         with single_threaded():  # this thread loads the model without an OpenMP team (runtime/cpu_threads.py)
             import torch
 
@@ -135,12 +141,17 @@ class OffloadEngine:
             m = self.manifest
             self.spec = ModelSpec(m.num_layers, m.num_experts, m.top_k)
             stored = getattr(torch, m.dtype)
-            self.compute_dtype = compute_dtype(dtype, self.device, stored)
+            measured_dtype, measured_form = profile_choices(hardware, m, self.device)  # what is not given
+            if dtype is not None and dtype != measured_dtype:
+                measured_form = None  # the form was measured fastest in its own dtype, not in this one
+            self.compute_dtype = compute_dtype(dtype or measured_dtype, self.device, stored)
             elements = sum(math.prod(tensor.shape) for tensor in m.tensors)
             # A share of the budget is of all experts in the compute dtype whatever the stored dtype, so "25%" is
-            # the same memory for every pack of a model; quantized experts stay quantized in the fast tier
-            # (dequantized as each is computed with), so more of them fit in it.
-            self.compute_expert_bytes = m.expert_bytes if m.quantized else elements * self.compute_dtype.itemsize
+            # the same memory for every pack of a model; quantized experts take the bytes of their form in the
+            # fast tier (runtime/expert_forms.py: per use and the kernel about the stored bytes), so more fit in it.
+            self.expert_form = expert_form(expert_compute or measured_form, m, self.device, self.compute_dtype)
+            self.compute_expert_bytes = self.expert_form.slot_bytes if self.expert_form is not None else \
+                elements * self.compute_dtype.itemsize
             self.total_expert_bytes = m.num_layers * m.num_experts * elements * self.compute_dtype.itemsize
             info = policy_info(policy)
             if info.offline:
@@ -148,6 +159,9 @@ class OffloadEngine:
                                   "engine does not know; use it in `moe-offload simulate`")
             fast_budget_bytes = values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget")
             fast_slots = self._slots(fast_budget_bytes, self.compute_expert_bytes)
+            if m.quantized and (split_config is not None or reconfiguration is not None):
+                raise ConfigError(f"{m.directory}: {m.expert_dtype} experts: MoEpic's split does not read quantized "
+                                  "experts yet (docs/guides/checkpoints.md says why)")
             split, online = read_split(split_config, preload, reconfiguration, hardware, fast_budget_bytes, m, self.spec,
                                        self.compute_expert_bytes)
             rule_profile = fetch_or_compute_profile(policy, hardware, split is not None) if fetch_or_compute else None
@@ -161,9 +175,6 @@ class OffloadEngine:
                 raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
                                   f"({format_bytes(m.top_k * self.compute_expert_bytes)}, "
                                   f"{format_bytes(self.compute_expert_bytes)} each)")
-            if m.quantized and (host_budget is not None or split is not None):
-                raise ConfigError(f"{m.directory}: {m.expert_dtype} experts run with the fast tier alone: the host "
-                                  "tier and MoEpic's split do not read quantized experts yet")
             if info.partitioned and split is None and fast_slots < m.num_layers:  # a layer with no slot waits forever
                 raise ConfigError(f"policy {policy!r} splits the fast tier among the {m.num_layers} layers: "
                                   f"{fast_slots} experts leave a layer without one; give at least {m.num_layers} "
@@ -198,7 +209,7 @@ class OffloadEngine:
                 self.tiers = [self.split] + host_tier(m, self.spec, host_slots, self.device)
             else:
                 self.tiers = make_tiers(m, self.spec, info.partitioned, make, fast_slots, host_slots, self.device,
-                                        self.compute_dtype, self.compute_expert_bytes)
+                                        self.compute_dtype, self.compute_expert_bytes, self.expert_form)
             if rule_profile is not None:
                 admit_by(self.tiers[0].cache, fetch_or_compute_rule(rule_profile, m, self.tiers[-1].cache))
             self.path = DataPath(self.tiers, self.store, self.counters, self.spec)

@@ -40,9 +40,10 @@ def resolve_device(device):
 
 
 def make_tiers(manifest, spec, partitioned: bool, make, fast_slots: int, host_slots: int, device, dtype,
-               compute_expert_bytes: int) -> list[Tier]:
+               compute_expert_bytes: int, form=None) -> list[Tier]:
     """The fast tier (and the host tier) of an unsplit run: ``fast_slots`` experts of ``compute_expert_bytes``
-    computing in ``dtype`` on ``device``, each partition's policy from ``make``."""
+    computing in ``dtype`` on ``device``, each partition's policy from ``make``; quantized experts in ``form``
+    (runtime/expert_forms.py)."""
     import torch
 
     m = manifest
@@ -51,23 +52,26 @@ def make_tiers(manifest, spec, partitioned: bool, make, fast_slots: int, host_sl
     fast_cache = (PartitionedCache(fast_bytes, m.num_layers, make, m.num_experts, slot_size=compute_expert_bytes)
                   if partitioned else ExpertCache(fast_bytes, make()))
     elements = m.expert_bytes // stored.itemsize
-    # quantized experts: the slots hold their stored bytes, the tier computes in compute_dtype
-    fast_pool = SlotPool(fast_slots, m.expert_bytes, torch.uint8, device) if m.quantized else \
+    fast_pool = SlotPool(fast_slots, form.slot_elements, form.slot_dtype, device) if form is not None else \
         SlotPool(fast_slots, elements, dtype, device)
-    return [Tier("fast", fast_cache, fast_pool, m, device, dtype)] + host_tier(manifest, spec, host_slots, device)
+    return [Tier("fast", fast_cache, fast_pool, m, device, dtype, form)] + host_tier(manifest, spec, host_slots,
+                                                                                    device, form)
 
 
-def host_tier(manifest, spec, host_slots: int, device) -> list[Tier]:
-    """The host tier of ``host_slots`` experts as stored (pinned when ``device`` is CUDA), LRU; none for 0."""
+def host_tier(manifest, spec, host_slots: int, device, form=None) -> list[Tier]:
+    """The host tier of ``host_slots`` experts as stored (pinned when ``device`` is CUDA), LRU; none for 0.
+    Quantized experts' slots hold their bytes; the host computes with them in the fast tier's ``form``."""
     import torch
+
+    from moe_offload.runtime.expert_forms import StoredCopy
 
     if not host_slots:
         return []
     m, cpu = manifest, torch.device("cpu")
-    stored = getattr(torch, m.dtype)
+    stored = torch.uint8 if m.quantized else getattr(torch, m.dtype)
     return [Tier("host", ExpertCache(host_slots * m.expert_bytes, policy_info("lru").policy(spec)),
                  SlotPool(host_slots, m.expert_bytes // stored.itemsize, stored, cpu,
-                          pin=device.type == "cuda"), m, cpu, stored)]
+                          pin=device.type == "cuda"), m, cpu, stored, form and StoredCopy(form))]
 
 
 def read_split(split_config, preload, reconfiguration, hardware, budget_bytes, manifest, spec,

@@ -157,15 +157,16 @@ class PackedPass:
         ``rows``, ``sizes[i]`` rows each, each block with the bits it has alone; the one-row blocks first (the
         caller orders them so), in one :func:`alone_rows` product where that keeps their bits."""
         import torch
-        import torch.nn.functional as F
+
+        from moe_offload.runtime.int4_kernel import linear
 
         ones = sizes.count(1)
-        if ones < 2 or not batches_alone(rows, weight):
-            ones = 0  # a product per block
+        if ones < 2 or not isinstance(weight, torch.Tensor) or not batches_alone(rows, weight):
+            ones = 0  # a product per block (the int4 kernel's weight too: runtime/int4_kernel.py)
         parts = [alone_rows(rows[:ones], weight)] if ones else []
         first = ones
         for size in sizes[ones:]:
-            parts.append(F.linear(rows[first:first + size], weight))
+            parts.append(linear(rows[first:first + size], weight))
             first += size
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 

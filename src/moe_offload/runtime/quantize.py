@@ -71,14 +71,16 @@ def dequantize(stored, shape, expert_dtype: str, dtype):
     rows, columns = math.prod(shape[:-1]), shape[-1]
     group = group_size(columns)
     count = rows * columns
-    if expert_dtype == "int4":
+    if expert_dtype == "int4":  # the nibbles straight into float32 (small integers: exact), then q = nibble - 8
         packed = stored[:-(-count // 2)]
-        nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(-1)[:count]
-        q = nibbles.to(torch.int16) - 8
+        pairs = torch.empty(packed.numel(), 2, dtype=torch.float32, device=stored.device)
+        pairs[:, 0] = packed & 0x0F  # the even column
+        pairs[:, 1] = packed >> 4
+        q = pairs.view(-1)[:count].sub_(8)
         values_bytes = packed.numel()
     else:
-        q = stored[:count].view(torch.int8)
+        q = stored[:count].view(torch.int8).to(torch.float32)
         values_bytes = count
     scales = stored[values_bytes:].view(torch.float16).to(torch.float32).reshape(rows, columns // group, 1)
-    weight = q.to(torch.float32).reshape(rows, columns // group, group) * scales
-    return weight.reshape(shape).to(dtype)
+    weight = q.view(rows, columns // group, group).mul_(scales)
+    return weight.view(shape).to(dtype)

@@ -64,9 +64,10 @@ class Tier:
     that is reserved or resident to its slot. A split run's buffer (runtime/segment_tier.py) is such a slot
     bookkeeping over a SegmentPool, with no cache: the split tier decides what it holds."""
 
-    def __init__(self, name: str, cache, pool: SlotPool, manifest: Manifest, device, dtype):
+    def __init__(self, name: str, cache, pool: SlotPool, manifest: Manifest, device, dtype, form=None):
         self.name, self.cache, self.pool, self.manifest = name, cache, pool, manifest
         self.device, self.dtype = device, dtype
+        self.form = form  # quantized experts: how the slots hold them (runtime/expert_forms.py)
         self.slot_of: dict[int, int] = {}
         self.ready: dict[int, object] = {}  # CUDA: key -> event of its copy into this tier
         self._views: dict[int, dict] = {}   # slot -> the expert's tensors as views of the slot
@@ -158,11 +159,11 @@ class Tier:
         return self.pool.memory[slot]
 
     def tensors(self, key: int) -> dict:
-        """The resident expert ``key``'s tensors (views of its slot, made once per slot; quantized experts
-        dequantized from the slot's bytes at each call, since a slot's next expert would leave a copy stale)."""
+        """The resident expert ``key``'s tensors (views of its slot, made once per slot; quantized experts as
+        their form gives them: runtime/expert_forms.py)."""
         slot = self.slot_of[key]
-        if self.manifest.quantized:
-            return expert_views(self.manifest, self.pool.memory[slot], self.dtype)
+        if self.form is not None:
+            return self.form.tensors(self.pool.memory[slot], slot)
         views = self._views.get(slot)
         if views is None:
             views = self._views[slot] = expert_views(self.manifest, self.pool.memory[slot])

@@ -11,6 +11,8 @@ What the runtime (runtime/engine.py) does with an expert, timed piece by piece o
   memory (parallel read), the conversion (CPU) or the pinned host -> GPU copy (CUDA);
 - one expert's computation (the per-expert work of models/experts.py: select tokens, gate_up, activation,
   down, routing weight, index_add) at 1, 2, 4, ..., 64 tokens, fitted to the profile's roofline;
+- the same expert stored as float16, int8 and int4, in each compute dtype and form the fast tier can hold it
+  in (forms.py): the profile's ``[runtime]`` choices of ``--dtype`` and ``--expert-compute`` per expert dtype;
 - the same expert on the host CPU as the runtime computes a bypassed one (models/host_experts.py: from the
   host tier's copy in the stored dtype, converted to float32 at every call), with the host memory's
   streaming read beside it: the profile's ``[host]`` roofline, what a bypassed expert costs (a static
@@ -66,6 +68,7 @@ from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import MAX_SLOWDOWN
 from moe_offload.runtime.measure.compute import (DECODE_PROBE_TOKENS, TOKEN_COUNTS, measure_decode_step, measure_expert_compute,
                                                  measure_non_expert)
+from moe_offload.runtime.measure.forms import forms_source, measure_forms, quantized_weights, runtime_choices
 from moe_offload.runtime.measure.stability import load_average, peak_flops, stability_notes
 from moe_offload.runtime.measure.timing import _round, fit_linear_cost
 from moe_offload.runtime.measure.transfers import (COPY_PROBE_BYTES, MAX_SAMPLED_FILES, MEMORY_PROBE_BYTES,
@@ -126,6 +129,7 @@ class Measurements:
     cores: int = 1
     peak_flops: float = float("inf")  # no FLOP rate above this is possible on the device (stability.py)
     peak_flops_how: str = "not known"
+    forms: dict | None = None  # expert dtype -> compute dtype -> form -> its times (forms.py)
     date: str = field(default_factory=lambda: datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
 
 
@@ -245,11 +249,15 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
     model, adapter, _ = load_skeleton(manifest, device, compute_dtype, verify=False)
     tensors = ExpertStore(manifest).read_tensors(*keys[0])
     expert_seconds, expert_deviation = measure_expert_compute(adapter.experts(0), tensors, device, compute_dtype,
-                                                              repeats)
+                                                              repeats, weights=quantized_weights(manifest, keys[0],
+                                                                                                 device, compute_dtype))
     cpu = torch.device("cpu")  # a bypassed expert: from the host tier's stored copy, converted at every call
     host_expert_seconds, _ = measure_expert_compute(adapter.experts(0), tensors, cpu, torch.float32, repeats,
+                                                    weights=quantized_weights(manifest, keys[0], cpu, torch.float32,
+                                                                              host=True),
                                                     host_copy=True)
     host_memory_bandwidth = memory_bandwidth if device.type == "cpu" else measure_memory_bandwidth(cpu, repeats)
+    forms = measure_forms(manifest, tensors, adapter.experts(0), device, repeats)
     non_expert = measure_non_expert(model, adapter, device, repeats)
     del model
     decode_step, decode_step_streaming, link_decoding = measure_decode_step(
@@ -274,7 +282,8 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
         decode_step_streaming_s=decode_step_streaming, link_seconds_decoding=link_decoding,
         host_expert_seconds=host_expert_seconds, host_memory_bandwidth=host_memory_bandwidth,
         elapsed_s=time.perf_counter() - started, expert_deviation=expert_deviation, link_deviation=link_deviation,
-        load_average=max(load, load_average()), cores=os.cpu_count() or 1, peak_flops=peak, peak_flops_how=peak_how)
+        load_average=max(load, load_average()), cores=os.cpu_count() or 1, peak_flops=peak, peak_flops_how=peak_how,
+        forms=forms)
 
 
 def framework_overhead(m: Measurements, compute: dict, top_k: int) -> float:
@@ -467,6 +476,9 @@ def profile_dict(m: Measurements, name: str = "measured") -> dict:
         if m.device == "cpu":  # the host's experts run on the cores that compute the fast tier's
             host["on_compute_device"] = True
         profile["host"] = host
+    if m.forms is not None:
+        profile["runtime"] = {"device": m.device, **runtime_choices(m.forms)}
+        sources.append(forms_source(m.forms))
     return profile
 
 

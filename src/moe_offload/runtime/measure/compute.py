@@ -13,25 +13,30 @@ NO_EXPERTS = "moe_offload_measure_no_experts"
 
 
 def measure_expert_compute(experts_module, tensors: dict, device, dtype, repeats: int,
-                           token_counts=TOKEN_COUNTS, host_copy: bool = False) -> tuple[dict[int, float],
-                                                                                      dict[int, float]]:
+                           token_counts=TOKEN_COUNTS, weights=None, host_copy: bool = False
+                           ) -> tuple[dict[int, float], dict[int, float]]:
     """Seconds of one expert's work on n tokens, n in ``token_counts``: the per-expert body of
     models/experts.py (select the expert's tokens, gate_up, the module's own activation, down, the routing
     weight, index_add) with the expert's real weights, so shapes, dtype and activation are the model's.
-    ``host_copy``: the expert as the runtime computes a bypassed one (models/host_experts.py), from the host
-    tier's copy in the stored dtype, converted to ``dtype`` at every call, on the host; otherwise from a
+    ``weights``: instead of ``tensors``, called at every step for the weights as the runtime's tier gives them
+    (runtime/expert_forms.py: a quantized expert dequantized at each use, or ready). ``host_copy``: the expert
+    as the runtime computes a bypassed one (models/host_experts.py), from the host tier's copy (``tensors`` in
+    the stored dtype, or ``weights``), converted to ``dtype`` at every call, on the host; otherwise from a
     compute-ready copy in ``dtype`` on ``device``, as a resident expert.
     Returns (n -> median over the repeats, n -> the repeats' largest deviation from it, timing.deviation)."""
     import torch
-    import torch.nn.functional as F
 
     from moe_offload.models.host_experts import HostInputs, host_expert_output
+    from moe_offload.runtime.int4_kernel import linear
 
-    if host_copy:
-        weights = {name: tensors[name].to(device) for name in ("gate_up_proj", "down_proj")}
-    gate_up = tensors["gate_up_proj"].to(device, dtype=dtype)
-    down = tensors["down_proj"].to(device, dtype=dtype)
-    hidden = gate_up.shape[1]
+    if weights is None:
+        # the host tier keeps the stored dtype (converted at every call); a resident expert is compute-ready
+        ready = {name: tensors[name].to(device) if host_copy else tensors[name].to(device, dtype=dtype)
+                 for name in ("gate_up_proj", "down_proj")}
+
+        def weights():
+            return ready
+    hidden = tensors["gate_up_proj"].shape[1]
     generator = torch.Generator().manual_seed(0)
     results, deviations = {}, {}
     for n in token_counts:
@@ -42,11 +47,13 @@ def measure_expert_compute(experts_module, tensors: dict, device, dtype, repeats
 
         def one_expert():
             top_k_pos, token_idx = torch.where((top_k_index == 0).transpose(0, 1))
+            expert = weights()
             if host_copy:
                 current = host_expert_output(experts_module, HostInputs(experts_module, states), token_idx.cpu(),
-                                             weights, F.linear)
+                                             expert, linear)
             else:
-                current = F.linear(experts_module._apply_gate(F.linear(states[token_idx], gate_up)), down)
+                current = linear(experts_module._apply_gate(linear(states[token_idx], expert["gate_up_proj"])),
+                                 expert["down_proj"])
             current = current * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, current)
 

@@ -74,9 +74,15 @@ def _data_path(manifest: Manifest, bypass_page_cache: bool, device, dtype, reade
     from moe_offload.runtime.storage import ExpertStore
     from moe_offload.runtime.tiers import SlotPool, Tier
 
+    from moe_offload.runtime.expert_forms import expert_form
+
     store = ExpertStore(manifest, bypass_page_cache=bypass_page_cache, readers=readers)
-    elements = manifest.expert_bytes // _itemsize(manifest.dtype)
-    tier = Tier("fast", None, SlotPool(2, elements, dtype, device, pin=pinned_host), manifest, device, dtype)
+    form = None if pinned_host else expert_form(None, manifest, device, dtype)  # quantized: the runtime's form
+    if form is not None:
+        pool = SlotPool(2, form.slot_elements, form.slot_dtype, device)
+    else:
+        pool = SlotPool(2, manifest.expert_bytes // _itemsize(manifest.dtype), dtype, device, pin=pinned_host)
+    tier = Tier("fast", None, pool, manifest, device, dtype, form)
     mover = ExpertMover(store, manifest.num_experts)
     try:
         yield lambda layer, expert, slot: mover.move(layer * manifest.num_experts + expert, None, None, tier, slot)
