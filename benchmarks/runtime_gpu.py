@@ -1,7 +1,8 @@
 """The offloaded runtime at real sizes under real access patterns: random weights, a real trace's routing.
 
     python benchmarks/runtime_gpu.py [--device cuda|cpu] [--model wide|small|olmoe|mixtral-8x7b] [--quick]
-        [--budgets 25,50] [--policies lru,lcp,fmoe] [--prefetchers none,moepic,oracle] [--tokens N] [--json FILE]
+        [--budgets 25,50] [--policies lru,lcp,fmoe] [--prefetchers none,moepic,oracle] [--tokens N]
+        [--expert-dtype float16|int8|int4] [--expert-compute auto|per-use|on-arrival|kernel] [--json FILE]
 
 A model of a real architecture and size is built from its transformers config with random weights (float16),
 saved and packed once into a folder under the pack cache. Its routers are forced to a trace's experts
@@ -32,6 +33,14 @@ the timed simulator's prediction on the profile `hardware measure` writes for th
 checked to produce the tokens of the all-resident engine on the same device and dtype (lossless), which must equal
 transformers' run with the project's experts function; the agreement of transformers' own implementations is
 reported (bit-identical in float32 on a CPU, not in float16 on a GPU, where their kernels round differently).
+
+``--expert-dtype int8|int4`` packs the same model's experts quantized (group-wise, `pack --expert-dtype`) and
+runs the configurations on that pack: a budget is the same share of the float16 experts' memory, so more
+quantized experts fit in it (as `generate --fast-budget` counts it), the data path moves the quantized bytes,
+and ``--expert-compute`` says how the fast tier computes with them (default: the engine's choice). Lossless is
+then against the all-resident engine on the quantized pack (the same stored experts); the agreement of its
+tokens with the float16 model's is reported beside the transformers implementations', and the profile and
+the simulator's predictions are measured on the quantized pack.
 """
 
 from __future__ import annotations
@@ -68,8 +77,9 @@ MODELS = {
 IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
 
 
-def build_packed(name: str) -> Path:
-    """The model's pack in the pack cache, built once (random weights, seed 0, float16)."""
+def build_packed(name: str, expert_dtype: str | None = None) -> Path:
+    """The model's pack in the pack cache, built once (random weights, seed 0, float16); its experts stored as
+    ``expert_dtype`` (None: float16) in a pack of their own beside it."""
     import torch
     import transformers
 
@@ -77,8 +87,12 @@ def build_packed(name: str) -> Path:
 
     config_class, kwargs, _, _ = MODELS[name]
     target = cache_root() / "benchmarks" / f"{name}-v{FORMAT_VERSION}"
-    if (target / "packed" / MANIFEST).is_file():
-        return target / "packed"
+    packed = target / ("packed" if expert_dtype in (None, "float16") else f"packed-{expert_dtype}")
+    if (packed / MANIFEST).is_file():
+        return packed
+    if (target / "model").is_dir():  # the float16 model is there: pack its experts in this dtype
+        pack_model(target / "model", packed, expert_dtype=expert_dtype)
+        return packed
     print(f"building {name} with random weights into {target} (once)", flush=True)
     config = getattr(transformers, config_class)(**kwargs, dtype="float16")
     torch.manual_seed(0)
@@ -88,8 +102,8 @@ def build_packed(name: str) -> Path:
     model.save_pretrained(target / "model")
     del model
     gc.collect()
-    pack_model(target / "model", target / "packed")
-    return target / "packed"
+    pack_model(target / "model", packed, expert_dtype=expert_dtype)
+    return packed
 
 
 def replay_trace(name: str):
@@ -100,7 +114,7 @@ def replay_trace(name: str):
 
 
 def resident_tpots(packed: Path, trace, weights: str, tokens: int, device, dtype, readers, rounds: int,
-                   implementations=IMPLEMENTATIONS) -> dict:
+                   implementations=IMPLEMENTATIONS, expert_compute: str | None = None) -> dict:
     """All-resident TPOT of the plain transformers model (every weight loaded) with each experts implementation
     it offers, of this project's experts function without an engine (``moe_offload``), and of the engine with
     every expert preloaded (``engine``), routing replayed. The runs alternate, ``rounds`` times, and each TPOT
@@ -119,7 +133,7 @@ def resident_tpots(packed: Path, trace, weights: str, tokens: int, device, dtype
     replay = RoutingReplay(trace, adapter, weights)
     replay.install()
     engine = OffloadEngine(packed, device=device, replay=trace, replay_weights=weights, fast_budget="100%",
-                           preload=True, readers=readers)
+                           preload=True, readers=readers, expert_compute=expert_compute)
     gaps: dict[str, list] = {}
     tokens_of: dict[str, list] = {}
     failed: set = set()
@@ -170,6 +184,7 @@ def engine_run(packed: Path, trace, weights: str, tokens: int, device, **options
         result = engine.generate_replayed(0, tokens)
         counters = engine.counters.copy()
         stats = result.stats
+        fast_slots = engine.tiers[0].pool.memory.shape[0]
     fast_link = next((link for link in counters.bytes_per_link if link.endswith("->fast")), None)
     moved = counters.bytes_per_link.get(fast_link, 0) if fast_link else 0
     busy = counters.link_busy_seconds.get(fast_link, 0.0) if fast_link else 0.0
@@ -178,7 +193,8 @@ def engine_run(packed: Path, trace, weights: str, tokens: int, device, **options
             "hit_rate": stats.hit_rate, "prefetch_precision": stats.prefetch_precision,
             "prefetch_recall": stats.prefetch_recall, "stall_s": stats.stall_seconds, "bytes_to_fast": moved,
             "link_busy_s": busy, "link_rate": moved / busy if busy else None,
-            "on_demand_loads": stats.on_demand_loads, "prefetches_issued": stats.prefetches_issued}
+            "on_demand_loads": stats.on_demand_loads, "prefetches_issued": stats.prefetches_issued,
+            "fast_slots": fast_slots}
 
 
 def profile_resident(packed: Path, trace, weights: str, tokens: int, device, readers) -> None:
@@ -227,6 +243,10 @@ def main(argv=None) -> int:
                         help="torch CPU threads (default: 1 on a CPU, leaving a core to the readers; as is on CUDA)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile the all-resident engine's decode with the PyTorch profiler: where the time goes")
+    parser.add_argument("--expert-dtype", default="float16", choices=("float16", "int8", "int4"),
+                        help="the experts' stored dtype (default float16; int8/int4: quantized, see the docstring)")
+    parser.add_argument("--expert-compute", default=None, choices=("auto", "per-use", "on-arrival", "kernel"),
+                        help="how the fast tier computes with int8/int4 experts (default: the engine's choice)")
     parser.add_argument("--json", default=None, metavar="FILE")
     args = parser.parse_args(argv)
 
@@ -254,14 +274,15 @@ def main(argv=None) -> int:
         tokens = tokens or 24
         budgets, policies, prefetchers = "25,50", "lru,lcp", "none,oracle"
     started = time.perf_counter()
-    packed = build_packed(name)
+    quantized = args.expert_dtype != "float16"
+    packed = build_packed(name, args.expert_dtype)
     manifest = read_manifest(packed)
     trace = replay_trace(name)
     weights = MODELS[name][3]
     stored = getattr(torch, manifest.dtype)
     dtype = torch.float32 if device.type == "cpu" else stored
     print(f"{name}: {manifest.num_layers} layers x {manifest.num_experts} experts, top-{manifest.top_k}, "
-          f"{manifest.expert_bytes / 2**20:.0f} MiB per expert ({manifest.dtype}); compute in "
+          f"{manifest.expert_bytes / 2**20:.1f} MiB per expert ({args.expert_dtype}); compute in "
           f"{str(dtype).removeprefix('torch.')} on {device}; replaying {trace.path} (request 0)", flush=True)
 
     # 1. raw rates and the data path's stream, then the profile `hardware measure` writes (page cache kept)
@@ -290,7 +311,7 @@ def main(argv=None) -> int:
 
     # 2. all-resident: transformers' implementations, this project's function, the engine (alternating)
     resident = resident_tpots(packed, trace, weights, tokens, device, dtype, args.readers, args.rounds,
-                              args.implementations.split(","))
+                              args.implementations.split(","), args.expert_compute)
     for name_, run in resident.items():
         print(f"  {name_:<12} all-resident TPOT {run['tpot_s'] * 1e3:8.2f} ms", flush=True)
     best_name = min((k for k in resident if k in IMPLEMENTATIONS), key=lambda k: resident[k]["tpot_s"])
@@ -299,8 +320,10 @@ def main(argv=None) -> int:
     # Lossless means: the offloaded engine computes exactly what the all-resident model computes with the same
     # experts function on the same device and dtype. transformers' own implementations agree bit for bit in
     # float32 on a CPU; in float16 on a GPU their kernels round differently, so their tokens are reported.
+    # Quantized experts: the reference is the all-resident engine on the same pack; transformers runs the
+    # float16 model, so its agreement is what quantizing costs, not a check.
     reference = engine_resident["tokens"]
-    if resident["moe_offload"]["tokens"] != reference:
+    if not quantized and resident["moe_offload"]["tokens"] != reference:
         raise SystemExit("LOSSLESS VIOLATION: the all-resident engine's tokens differ from transformers' run with "
                          "the project's experts function")
     agreement = {k: sum(a == b for a, b in zip(v["tokens"], reference)) / len(reference) for k, v in resident.items()}
@@ -315,19 +338,21 @@ def main(argv=None) -> int:
     sim_trace = trace.select(replay_rows(trace, 0, tokens))
     rows = []
     for budget in [int(b) for b in budgets.split(",")]:
-        slots = int(manifest.num_layers * manifest.num_experts * budget / 100)
         for policy in policies.split(","):
             for prefetch in prefetchers.split(","):
                 pf = None if prefetch == "none" else prefetch
                 options = {"distance": args.oracle_distance} if pf == "oracle" and args.oracle_distance else None
                 run = engine_run(packed, trace, weights, tokens, device, fast_budget=f"{budget}%", policy=policy,
-                                 prefetch=pf, prefetch_options=options, readers=args.readers)
+                                 prefetch=pf, prefetch_options=options, readers=args.readers,
+                                 expert_compute=args.expert_compute)
                 if run["tokens"] != reference:
                     raise SystemExit(f"LOSSLESS VIOLATION: {policy} + {prefetch} at {budget}% changed the tokens")
+                # the engine's slots in the budget (more for quantized experts), each moved as its stored bytes
+                slots = run.pop("fast_slots")
                 predicted = simulate_timed(sim_trace, profile, policy, cache_bytes=slots * manifest.expert_bytes,
                                            expert_bytes=manifest.expert_bytes, prefetcher=pf,
                                            prefetcher_options=options)
-                row = {"budget_pct": budget, "policy": policy, "prefetcher": prefetch,
+                row = {"budget_pct": budget, "policy": policy, "prefetcher": prefetch, "fast_slots": slots,
                        **{k: v for k, v in run.items() if k != "tokens"},
                        "tpot_vs_resident": run["tpot_s"] / engine_resident["tpot_s"],
                        "tpot_vs_transformers_best": run["tpot_s"] / best,
@@ -359,7 +384,8 @@ def main(argv=None) -> int:
                 print(f"{budget}% {policy}: oracle TPOT / no prefetch {by['oracle']['tpot_s'] / by['none']['tpot_s']:.2f}")
     if args.json:
         write_atomically(args.json, json.dumps({
-            "model": name, "device": str(device), "tokens": tokens, "load_average": load, "raw_rates": raw, "bound": bound, "serial_bound": serial,
+            "model": name, "expert_dtype": args.expert_dtype, "expert_compute": args.expert_compute,
+            "device": str(device), "tokens": tokens, "load_average": load, "raw_rates": raw, "bound": bound, "serial_bound": serial,
             "profile": measured,
             "resident": {k: v["tpot_s"] for k, v in resident.items()}, "transformers_best": best_name,
             "token_agreement_with_engine": agreement,
