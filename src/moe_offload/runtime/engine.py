@@ -38,7 +38,6 @@ union of its tokens' selections, fetched once, and each request's tokens are the
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 import time
@@ -211,16 +210,11 @@ class OffloadEngine:
                 from moe_offload.runtime.replay import RoutingReplay
 
                 self.replay = RoutingReplay(self.replay_trace, self.adapter, replay_weights)
-            runner = ModelRunner
-            if self.split is not None:
-                from moe_offload.runtime.split import SplitRunner
-
-                runner = functools.partial(SplitRunner, online=online)
-            self.runner = runner(self.model, self.adapter, self.spec, self.path, self.counters,
+            self.runner = ModelRunner(self.model, self.adapter, self.spec, self.path, self.counters,
                                       prefetcher=self.prefetcher, policy_needs_probs=info.policy.needs_probs,
                                       policy_needs_rounds=info.policy.needs_rounds,
                                       replay=self.replay, source=f"live generation with {m.directory}",
-                                      matcher=matcher)
+                                      matcher=matcher, online=online)
             self.runner.computes_on_host = self.places
             self.runner.install()
             self._generate_lock = threading.Lock()
