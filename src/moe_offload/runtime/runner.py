@@ -56,10 +56,12 @@ from moe_offload.runtime.split import SplitExperts
 class ModelRunner:
     def __init__(self, model, adapter, spec, path: DataPath, counters: Counters, *, prefetcher=None,
                  policy_needs_probs: bool = False, policy_needs_rounds: bool = False, replay=None,
-                 source: str = "live generation", matcher: str = "async", online=None):
+                 source: str = "live generation", matcher: str = "async", prefetch_budget=None, online=None):
         """``matcher``: ``async``, ``inline`` or ``lockstep`` (runtime/matcher.py), for a prefetcher whose
         search is off the inference path; the others always run on the decode thread.
         ``policy_needs_rounds``: give each access the replay's round (AccessContext.round), from the routing.
+        ``prefetch_budget``: what the link into the fast tier carries per layer (prefetch/budget.py, the timed
+        simulator's on the same profile), given to the prefetcher with a split configuration's Y when it has them.
         ``online``: a split run's online reconfiguration (runtime/split_online.py), or None."""
         self.model, self.adapter, self.spec, self.path, self.counters = model, adapter, spec, path, counters
         self.prefetcher, self.replay, self.source = prefetcher, replay, source
@@ -69,7 +71,12 @@ class ModelRunner:
         self.policy_needs_rounds = policy_needs_rounds
         self.needs_routing = prefetcher is not None or policy_needs_probs or policy_needs_rounds or online is not None
         self.online = online
-        self.fast = WholeExperts(path) if path.split is None else SplitExperts(path, prefetcher, spec, online)
+        if path.split is None:
+            self.fast = WholeExperts(path)
+            if prefetcher is not None and prefetch_budget is not None:
+                prefetcher.set_budget(prefetch_budget)
+        else:
+            self.fast = SplitExperts(path, prefetcher, prefetch_budget, online)
         # the replay's rounds before this pass (K per token fed) and, per layer of this pass, each routed
         # expert's first position in the [tokens, K] selections, row-major: its round counted from the pass's
         self.rounds = 0

@@ -37,10 +37,9 @@ expert complete when routed.)
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
 from moe_offload.errors import ConfigError
-from moe_offload.prefetch.budget import PrefetchBudget
 from moe_offload.simulator.split import SplitConfig, read_split_config
 
 
@@ -95,19 +94,18 @@ class SplitExperts:
     is in fast memory in parts (its top, its bottom; module doc), a hit is its top there, and MoEpic's online
     loop may reconfigure the tier between two passes. The runner's other fast tier is ``WholeExperts``."""
 
-    def __init__(self, path, prefetcher, spec, online=None):
-        """``online``: MoEpic's online reconfiguration (runtime/split_online.py), or None."""
-        self.path, self.tier, self.prefetcher, self.spec, self.online = path, path.split, prefetcher, spec, online
-        if prefetcher is not None and self.tier.prefetches is not None:
-            prefetcher.set_budget(self._budget(self.tier.prefetches))
+    def __init__(self, path, prefetcher, link_budget, online=None):
+        """``link_budget``: what the link into the fast tier carries per layer (prefetch/budget.py); ``online``:
+        MoEpic's online reconfiguration (runtime/split_online.py), or None."""
+        self.path, self.tier, self.prefetcher, self.online = path, path.split, prefetcher, online
+        self.spec, self.link_budget = path.spec, link_budget
+        self._give_budget(self.tier.prefetches)
 
-    def _budget(self, prefetches):
-        """MoEpic's Y_i: the configuration's count alone without a profile (the runtime derives no link timings of
-        its own), else with the online loop's profile."""
-        if self.online is not None:
-            return self.online.budget(prefetches)
-        return PrefetchBudget(expert_load_seconds=math.nan, window_seconds=(math.nan,) * self.spec.num_layers,
-                              prefetches=prefetches)
+    def _give_budget(self, prefetches) -> None:
+        """The prefetcher's budget: the link's, with MoEpic's Y_i of the configuration in force when it gives
+        them (else the loads that fit each layer's window), as the timed simulator gives it."""
+        if self.prefetcher is not None:
+            self.prefetcher.set_budget(dataclasses.replace(self.link_budget, prefetches=prefetches))
 
     # ---------------------------------------------------------------------- one access and its parts (locked)
     def access(self, key: int, ctx) -> tuple[bool, bool]:
@@ -154,6 +152,5 @@ class SplitExperts:
         with self.path.cond:
             configurator = self.online.configurator
             cached = configurator.ranked_tops(config)  # Algorithm 1: each layer's top-C_i by priority
-            if self.tier.reconfigure(config, iteration, configurator.statistics.tokens, cached) \
-                    and self.prefetcher is not None:
-                self.prefetcher.set_budget(self._budget(config.prefetches))
+            if self.tier.reconfigure(config, iteration, configurator.statistics.tokens, cached):
+                self._give_budget(config.prefetches)
