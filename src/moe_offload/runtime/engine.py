@@ -38,7 +38,6 @@ union of its tokens' selections, fetched once, and each request's tokens are the
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 import time
@@ -215,23 +214,17 @@ class OffloadEngine:
             self.path = DataPath(self.tiers, self.store, self.counters, self.spec)
             for cache in self.split.tops if self.split is not None else [self.tiers[0].cache]:
                 cache.on_decision = self.counters.decided  # the policy's own time (RunResult.policy_decision_seconds)
-            if self.prefetcher is not None and split is None:  # a split run's prefetcher takes Y per layer
-                self.prefetcher.set_budget(link_budget(hardware, m))
             self.replay = None
             if self.replay_trace is not None:
                 from moe_offload.runtime.replay import RoutingReplay
 
                 self.replay = RoutingReplay(self.replay_trace, self.adapter, replay_weights)
-            runner = ModelRunner
-            if self.split is not None:
-                from moe_offload.runtime.split import SplitRunner
-
-                runner = functools.partial(SplitRunner, online=online)
-            self.runner = runner(self.model, self.adapter, self.spec, self.path, self.counters,
+            self.runner = ModelRunner(self.model, self.adapter, self.spec, self.path, self.counters,
                                       prefetcher=self.prefetcher, policy_needs_probs=info.policy.needs_probs,
                                       policy_needs_rounds=info.policy.needs_rounds,
                                       replay=self.replay, source=f"live generation with {m.directory}",
-                                      matcher=matcher)
+                                      matcher=matcher, online=online,
+                                      prefetch_budget=None if self.prefetcher is None else link_budget(hardware, m))
             self.runner.computes_on_host = self.places
             self.runner.install()
             self._generate_lock = threading.Lock()

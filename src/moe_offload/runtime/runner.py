@@ -13,7 +13,10 @@ segments, one per request; a single-request pass has one:
   admit (``admits``: a placing policy's bypass, simulator/cache.py) is handed over from the host tier's copy
   instead, marked to be computed on the host (models/host_experts.py), after the resident ones. A batch's
   experts are the union of its tokens' selections: one access per expert and pass, whose ``routed`` carries
-  each request's tokens, one load; each request's own counters (``request_counters``) see the accesses of its experts;
+  each request's tokens, one load; each request's own counters (``request_counters``) see the accesses of its experts.
+  What a hit is and what the compute is handed is the fast tier's (``fast``): a whole expert
+  (:class:`WholeExperts`), or, in a split run (MoEpic, runtime/split.py ``SplitExperts``), its top and its
+  bottom, each handed over when it is in fast memory, the expert released once both are computed;
 - the **routing hooks**: a RoutingTap on every router feeds the prefetcher (the same objects as the timed
   simulator's) through a :class:`~moe_offload.runtime.live_view.LiveRoutingView` right after each layer's
   router ran, with each row's request (``RoutingView.requests``) and, when the prefetcher reads them
@@ -27,6 +30,7 @@ segments, one per request; a single-request pass has one:
   are called on the decode thread and their proposals applied at once;
 - **routing replay** (runtime/replay.py), when given: every router is forced to a trace's experts, and the
   oracle prefetcher may read the trace's future.
+- **online reconfiguration** (a split run's, runtime/split_online.py), when given: after each pass.
 
 With neither a prefetcher nor a policy that reads the router's distribution, the routing hooks are not
 installed at all: the decode path then does one host copy of each layer's routing (models/experts.py) and
@@ -46,21 +50,33 @@ from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.live_view import LiveRoutingView
 from moe_offload.runtime.matcher import AsyncMatcher, runs_off_the_decode_thread
 from moe_offload.runtime.routing_log import RoutingLog
+from moe_offload.runtime.split import SplitExperts
 
 
 class ModelRunner:
     def __init__(self, model, adapter, spec, path: DataPath, counters: Counters, *, prefetcher=None,
                  policy_needs_probs: bool = False, policy_needs_rounds: bool = False, replay=None,
-                 source: str = "live generation", matcher: str = "async"):
+                 source: str = "live generation", matcher: str = "async", prefetch_budget=None, online=None):
         """``matcher``: ``async``, ``inline`` or ``lockstep`` (runtime/matcher.py), for a prefetcher whose
         search is off the inference path; the others always run on the decode thread.
-        ``policy_needs_rounds``: give each access the replay's round (AccessContext.round), from the routing."""
+        ``policy_needs_rounds``: give each access the replay's round (AccessContext.round), from the routing.
+        ``prefetch_budget``: what the link into the fast tier carries per layer (prefetch/budget.py, the timed
+        simulator's on the same profile), given to the prefetcher with a split configuration's Y when it has them.
+        ``online``: a split run's online reconfiguration (runtime/split_online.py), or None."""
         self.model, self.adapter, self.spec, self.path, self.counters = model, adapter, spec, path, counters
         self.prefetcher, self.replay, self.source = prefetcher, replay, source
         self.policy_needs_probs = policy_needs_probs
-        self.needs_gate_prediction = "gate_prediction" in getattr(prefetcher, "requires", ())
+        # its statistics read every pass's routing and speculative gate predictions
+        self.needs_gate_prediction = "gate_prediction" in getattr(prefetcher, "requires", ()) or online is not None
         self.policy_needs_rounds = policy_needs_rounds
-        self.needs_routing = prefetcher is not None or policy_needs_probs or policy_needs_rounds
+        self.needs_routing = prefetcher is not None or policy_needs_probs or policy_needs_rounds or online is not None
+        self.online = online
+        if path.split is None:
+            self.fast = WholeExperts(path)
+            if prefetcher is not None and prefetch_budget is not None:
+                prefetcher.set_budget(prefetch_budget)
+        else:
+            self.fast = SplitExperts(path, prefetcher, prefetch_budget, online)
         # the replay's rounds before this pass (K per token fed) and, per layer of this pass, each routed
         # expert's first position in the [tokens, K] selections, row-major: its round counted from the pass's
         self.rounds = 0
@@ -140,6 +156,8 @@ class ModelRunner:
             self.matcher.submit("on_request_end", request, self.iteration)
         self.request_counters.pop(request, None)
         self.tokens_fed.pop(request, None)
+        if self.online is not None:
+            self.online.end_request(request)
 
     def wait_for_matcher(self) -> None:
         """Until the matcher has run every hook submitted so far (a hook's failure is raised here)."""
@@ -150,12 +168,10 @@ class ModelRunner:
     def layer_experts(self, layer: int, experts: list[int], tokens: list[list[int]]):
         J = self.spec.num_experts
         keys = [layer * J + e for e in experts]
-        c, path = self.counters, self.path
+        c, path, fast = self.counters, self.path, self.fast
         requests = self.segment_requests
         own = [self.request_counters.get(request) for request in requests]
         per_request = any(counters is not None for counters in own)
-        fast_tier = path.tiers[0]
-        fast = fast_tier.cache
         cond = path.cond
         with cond:
             path.raise_failure()
@@ -179,24 +195,22 @@ class ModelRunner:
                 c.accesses += 1
                 c.per_layer_accesses[layer] += 1
                 used = path.use(key)
-                hit = fast.touch(key, ctx)
-                demand = not hit and not path.on_wire_to_fast(key)  # a prefetch on the last wire is no demand load
+                hit, lacking = fast.access(key, ctx)
+                missing |= lacking
+                demand = lacking and not path.on_wire_to_fast(key)  # a transfer on the last wire is no demand load
                 bypassed = demand and not fast.admits(key, ctx)
                 from_host = demand and len(path.tiers) > 1 and key in path.tiers[1].cache
-                if hit:
-                    c.hits += 1
-                    c.per_layer_hits[layer] += 1
-                else:
-                    missing = True
-                    c.host_hits += from_host
-                    if bypassed:
-                        on_host.add(key)
-                        path.compute_on_host(key)
-                        c.bypassed += 1
-                        c.per_layer_bypassed[layer] += 1
-                    elif demand:
-                        path.route(key, demand=True, priority=math.inf)  # also on its way to the host: demand
-                        c.on_demand_loads += 1
+                c.hits += hit
+                c.per_layer_hits[layer] += hit
+                c.host_hits += from_host
+                if bypassed:
+                    on_host.add(key)
+                    path.compute_on_host(key)
+                    c.bypassed += 1
+                    c.per_layer_bypassed[layer] += 1
+                elif demand:
+                    path.route(key, demand=True, priority=math.inf)  # also on its way to the host: demand
+                    c.on_demand_loads += 1
                 if per_request:
                     for counters, n in zip(own, counts):
                         if counters is not None and n:
@@ -210,54 +224,56 @@ class ModelRunner:
                     cond.notify_all()
                 else:  # withdrawn prefetches and released holds may make room for a waiting load
                     path.room_freed()
+            parts = [(key, part) for key in keys for part in range(fast.parts(key))]
             if not missing:  # every expert resident: hand them all over at once
-                ready = [(key, fast_tier.tensors(key), fast_tier.ready.get(key)) for key in keys]
+                ready = [(key, *fast.part_tensors(key, part)) for key, part in parts]
         try:
             if not missing:
                 for key, tensors, event in ready:
                     _wait(event)
                     yield key - layer * J, tensors
                 return
-            remaining = list(keys)
-            host = path.tiers[-1].cache
+            remaining = parts
+            host = path.tiers[-1]
             while remaining:
                 with cond:
                     waited = time.perf_counter()
                     while True:
                         path.raise_failure()
                         # the fast tier's first: their kernels are queued before the host computes (CUDA)
-                        key = next((k for k in remaining if k not in on_host and k in fast), None)
-                        if key is None:
-                            key = next((k for k in remaining if k in on_host and k in host), None)
-                        if key is not None:
+                        item = next((item for item in remaining if item[0] not in on_host and fast.has_part(*item)),
+                                    None)
+                        if item is None:
+                            item = next((item for item in remaining if item[0] in on_host and item[0] in host.cache),
+                                        None)
+                        if item is not None:
                             break
                         cond.wait()
                     stalled = time.perf_counter() - waited
-                    c.stall_seconds += stalled
-                    c.per_layer_stall_seconds[layer] += stalled
-                    if per_request:  # every request of the pass waits for the layer
-                        for counters in own:
-                            if counters is not None:
-                                counters.stall_seconds += stalled
-                                counters.per_layer_stall_seconds[layer] += stalled
+                    for counters in (c, *own):  # every request of the pass waits for the layer
+                        if counters is not None:
+                            counters.stalled(layer, stalled)
+                    key = item[0]
                     if key in on_host:
-                        tensors, event = {**path.tiers[-1].tensors(key), ON_HOST: True}, None
+                        tensors, event = {**host.tensors(key), ON_HOST: True}, None
                     else:
-                        tensors, event = fast_tier.tensors(key), fast_tier.ready.get(key)
-                remaining.remove(key)
+                        tensors, event = fast.part_tensors(*item)
+                remaining.remove(item)
                 _wait(event)
                 computing = time.perf_counter()
                 yield key - layer * J, tensors
                 computed = time.perf_counter() - computing  # the consumer computed it on this thread meanwhile
+                if any(other == key for other, _ in remaining):  # a part of it is still to come
+                    continue
                 with cond:  # computed: it may be evicted from now on
-                    pinned.discard(key)
+                    fast.computed(key)
                     if key in on_host:
                         path.computed_on_host(key)
                         self._count_host_compute(computed, own)
                     path.room_freed()
         finally:
             with cond:
-                pinned.difference_update(keys)
+                fast.release(keys)
                 for key in on_host:
                     path.computed_on_host(key)
                 path.room_freed()
@@ -327,12 +343,15 @@ class ModelRunner:
     def _pass_end(self, module, args, output):
         self.routing_log.pass_end()
         self.rounds += self.tokens_in_pass * self.spec.top_k
-        if self.prefetcher is not None and self.view is not None:
+        view, iteration = self.view, self.iteration
+        if self.prefetcher is not None and view is not None:
             if self.matcher is not None:
-                self.matcher.submit("on_iteration_end", self.view, self.view.iteration)
+                self.matcher.submit("on_iteration_end", view, view.iteration)
             else:
-                self.prefetcher.on_iteration_end(self.view)
+                self.prefetcher.on_iteration_end(view)
         self.iteration += 1
+        if self.online is not None and view is not None:
+            self.fast.after_pass(view, iteration)
 
     # -------------------------------------------------------------------------------------- the matcher
     def _consult(self, hook: str, layer: int) -> None:
@@ -360,6 +379,38 @@ class ModelRunner:
             self.proposals_late += late
             if late < len(proposals):
                 self.path.propose(proposals, now)
+
+
+class WholeExperts:
+    """The fast tier of whole experts (runtime/tiers.py), as the runner's expert source sees it: an expert is
+    one part, a hit when resident; a miss the policy does not admit is computed on the host. A split run's fast
+    tier is runtime/split.py's ``SplitExperts``."""
+
+    def __init__(self, path: DataPath):
+        self.path, self.tier, self.cache = path, path.tiers[0], path.tiers[0].cache
+
+    def access(self, key: int, ctx) -> tuple[bool, bool]:
+        """(hit, whether it must still move in)."""
+        hit = self.cache.touch(key, ctx)
+        return hit, not hit
+
+    def admits(self, key: int, ctx) -> bool:
+        return self.cache.admits(key, ctx)
+
+    def parts(self, key: int) -> int:
+        return 1
+
+    def has_part(self, key: int, part: int) -> bool:
+        return key in self.cache
+
+    def part_tensors(self, key: int, part: int):
+        return self.tier.tensors(key), self.tier.ready.get(key)
+
+    def computed(self, key: int) -> None:
+        self.path.pinned.discard(key)
+
+    def release(self, keys) -> None:
+        self.path.pinned.difference_update(keys)
 
 
 def _wait(event) -> None:

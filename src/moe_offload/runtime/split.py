@@ -9,8 +9,10 @@ buffer of K whole experts' bytes (the paper's U_b) in segment-sized ranges; what
 one are compared at is that memory. An expert whose top is cached loads only its bottom, else the whole
 expert, whose top is then cached if the policy makes room. It computes its top part as soon as it has its
 top and its bottom part when the bottom lands (models/experts.py adds them in a fixed order), so the top's
-compute overlaps the bottom's transfer. A prefetcher (MoEpic's: Y_i from the configuration) fills free buffer
-ranges ahead of the router; the online loop (split_online.py) reconfigures the tops every tau tokens.
+compute overlaps the bottom's transfer: the model runner (runtime/runner.py) hands each part over as it is in
+fast memory (``SplitExperts`` below says what it does differently from a whole-expert run). A prefetcher
+(MoEpic's: Y_i from the configuration) fills free buffer ranges ahead of the router; the online loop
+(split_online.py) reconfigures the tops every tau tokens.
 
 A slot holds a part in the *segment layout*: gate rows, up rows (together ``gate_up_proj`` [2r, H]), then the
 down columns as a row-major [H, r] block (``down_proj``); a whole copy in the buffer is [top | bottom] in that
@@ -35,12 +37,9 @@ expert complete when routed.)
 
 from __future__ import annotations
 
-import math
-import time
+import dataclasses
 
 from moe_offload.errors import ConfigError
-from moe_offload.prefetch.budget import PrefetchBudget
-from moe_offload.runtime.runner import ModelRunner, _wait
 from moe_offload.simulator.split import SplitConfig, read_split_config
 
 
@@ -90,118 +89,68 @@ def bottom_ranges(manifest, rows: int) -> tuple[list[tuple[int, int]], int]:
     return merged, 3 * b * H * item
 
 
-class SplitRunner(ModelRunner):
-    """The model runner of a split run: its expert source yields each expert in parts (module doc)."""
+class SplitExperts:
+    """What the model runner (runtime/runner.py) does differently when the fast tier holds segments: an expert
+    is in fast memory in parts (its top, its bottom; module doc), a hit is its top there, and MoEpic's online
+    loop may reconfigure the tier between two passes. The runner's other fast tier is ``WholeExperts``."""
 
-    def __init__(self, model, adapter, spec, path, counters, *, online=None, **options):
-        """``online``: MoEpic's online reconfiguration (runtime/split_online.py), or None."""
-        super().__init__(model, adapter, spec, path, counters, **options)
-        self.online = online
-        if online is not None:  # its statistics read every pass's routing and speculative gate predictions
-            self.needs_routing = self.needs_gate_prediction = True
-        if self.prefetcher is not None and path.split.prefetches is not None:
-            self.prefetcher.set_budget(self._budget(path.split.prefetches))
+    def __init__(self, path, prefetcher, link_budget, online=None):
+        """``link_budget``: what the link into the fast tier carries per layer (prefetch/budget.py); ``online``:
+        MoEpic's online reconfiguration (runtime/split_online.py), or None."""
+        self.path, self.tier, self.prefetcher, self.online = path, path.split, prefetcher, online
+        self.spec, self.link_budget = path.spec, link_budget
+        self._give_budget(self.tier.prefetches)
 
-    def _budget(self, prefetches):
-        """MoEpic's Y_i: the configuration's count alone without a profile (the runtime derives no link timings of
-        its own), else with the online loop's profile."""
-        if self.online is not None:
-            return self.online.budget(prefetches)
-        return PrefetchBudget(expert_load_seconds=math.nan, window_seconds=(math.nan,) * self.spec.num_layers,
-                              prefetches=prefetches)
+    def _give_budget(self, prefetches) -> None:
+        """The prefetcher's budget: the link's, with MoEpic's Y_i of the configuration in force when it gives
+        them (else the loads that fit each layer's window), as the timed simulator gives it."""
+        if self.prefetcher is not None:
+            self.prefetcher.set_budget(dataclasses.replace(self.link_budget, prefetches=prefetches))
 
-    def _pass_end(self, module, args, output):
-        view, iteration = self.view, self.iteration
-        super()._pass_end(module, args, output)
-        if self.online is None or view is None:
-            return
+    # ---------------------------------------------------------------------- one access and its parts (locked)
+    def access(self, key: int, ctx) -> tuple[bool, bool]:
+        """(hit: its top is in fast memory, cached or in a landed whole copy; whether bytes of it must still move
+        in: its bottom, or the whole expert)."""
+        split = self.tier
+        hit = split.tops[key // self.spec.num_experts].touch(key, ctx) or split.landed.get(key, False)
+        return hit, split.needs_bytes(key) and key not in split.landed
+
+    def admits(self, key: int, ctx) -> bool:
+        """A split run computes every expert in fast memory: a miss is always loaded."""
+        return True
+
+    def parts(self, key: int) -> int:
+        return self.tier.parts(key)
+
+    def has_part(self, key: int, part: int) -> bool:
+        return self.tier.has_part(key, part)
+
+    def part_tensors(self, key: int, part: int):
+        return self.tier.part_tensors(key, part)
+
+    def computed(self, key: int) -> None:
+        """Every part of ``key`` computed: its buffer range is free, its top may be evicted."""
+        self.tier.consume(key)
+        self.path.pinned.discard(key)
+
+    def release(self, keys) -> None:
+        """The layer is over (or gave up): what is still queued for it is withdrawn, its buffer ranges freed."""
+        path = self.path
+        for key in keys:
+            for worker in path.workers:
+                worker.queue.withdraw(key)
+            path.forward.pop(key, None)
+            self.tier.consume(key)
+        path.pinned.difference_update(keys)
+
+    # ------------------------------------------------------------------------------ between passes
+    def after_pass(self, view, iteration: int) -> None:
+        """The pass ``view`` is over: the online loop's new configuration, if any, is applied (Algorithm 1)."""
         config = self.online.after_pass(view, iteration)
         if config is None:
             return
-        split = self.path.split
         with self.path.cond:
-            tokens = self.online.configurator.statistics.tokens
-            cached = self.online.configurator.ranked_tops(config)  # Algorithm 1: each layer's top-C_i by priority
-            if split.reconfigure(config, iteration, tokens, cached) and self.prefetcher is not None:
-                self.prefetcher.set_budget(self._budget(config.prefetches))
-
-    def end_request(self, request: int) -> None:
-        super().end_request(request)
-        if self.online is not None:
-            self.online.end_request(request)
-
-    def layer_experts(self, layer: int, experts: list[int], tokens: list[list[int]]):
-        J = self.spec.num_experts
-        keys = [layer * J + e for e in experts]
-        c, path, split = self.counters, self.path, self.path.split
-        host = path.tiers[1].cache if len(path.tiers) > 1 else None
-        own = [self.request_counters.get(request) for request in self.segment_requests]
-        cond = path.cond
-        with cond:
-            path.raise_failure()
-            ctx = path.ctx
-            ctx.layer, ctx.iteration, ctx.token = layer, self.iteration, self.iteration
-            ctx.request = self.segment_requests[0]
-            if self.policy_needs_probs:
-                ctx.probs = self.probs
-                ctx.predicted = (None if self.prefetcher is None else self.matcher.predicted
-                                 if self.matcher is not None else self.prefetcher.predicted_map())
-            path.pinned.clear()
-            path.pinned.update(keys)
-            path.layer_routed(layer, keys)
-            first_round = self.first_round[layer] if self.policy_needs_rounds else None
-            for expert, key, counts in zip(experts, keys, tokens):
-                ctx.clock += 1
-                if first_round is not None:  # the replay's round of its first request in the pass (runner.py)
-                    ctx.round = self.rounds + first_round[expert]
-                ctx.routed = {request: n for request, n in zip(self.segment_requests, counts) if n}
-                c.accesses += 1
-                c.per_layer_accesses[layer] += 1
-                used = path.use(key)
-                hit = split.tops[layer].touch(key, ctx) or split.landed.get(key, False)
-                c.hits += hit
-                c.per_layer_hits[layer] += hit
-                # a segment landed or on the last wire needs no demand load
-                demand = split.needs_bytes(key) and key not in split.landed and not path.on_wire_to_fast(key)
-                from_host = demand and host is not None and key in host
-                if demand:
-                    path.route(key, demand=True, priority=math.inf)
-                c.on_demand_loads += demand
-                c.host_hits += from_host
-                for counters, n in zip(own, counts):
-                    if counters is not None and n:
-                        counters.count_access(layer, hit, demand, used, from_host)
-                for request in ctx.routed:
-                    self.keys_of.setdefault(request, set()).add(key)
-            ctx.routed = None
-            cond.notify_all()
-        try:
-            remaining = [(key, part) for key in keys for part in range(split.parts(key))]
-            while remaining:
-                with cond:
-                    waited = time.perf_counter()
-                    ready = cond.wait_for(lambda: path.raise_failure() or next(
-                        (item for item in remaining if split.has_part(*item)), None))
-                    stalled = time.perf_counter() - waited
-                    for counters in (c, *own):  # every request of the pass waits for the layer
-                        if counters is not None:
-                            counters.stalled(layer, stalled)
-                    tensors, event = split.part_tensors(*ready)
-                remaining.remove(ready)
-                _wait(event)
-                key = ready[0]
-                yield key - layer * J, tensors
-                if not any(k == key for k, _ in remaining):
-                    with cond:  # computed: its buffer slot is free, its top may be evicted
-                        split.consume(key)
-                        path.pinned.discard(key)
-        finally:
-            with cond:
-                for key in keys:
-                    for worker in path.workers:
-                        worker.queue.withdraw(key)
-                    path.forward.pop(key, None)
-                    split.consume(key)
-                path.pinned.difference_update(keys)
-                cond.notify_all()
-
+            configurator = self.online.configurator
+            cached = configurator.ranked_tops(config)  # Algorithm 1: each layer's top-C_i by priority
+            if self.tier.reconfigure(config, iteration, configurator.statistics.tokens, cached):
+                self._give_budget(config.prefetches)

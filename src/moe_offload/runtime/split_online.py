@@ -126,7 +126,6 @@ class OnlineSplit:
         expert_bytes = manifest.expert_bytes
         self.configurator = OnlineConfigurator(options, start, hardware, spec.num_layers, spec.num_experts,
                                                spec.top_k, expert_bytes)
-        self.hardware, self.expert_bytes = hardware, expert_bytes
         self.intermediate = intermediate_rows(manifest)
         self.fast_expert_bytes, self.budget_bytes = fast_expert_bytes, budget_bytes
         self.positions: dict[int, int] = {}  # request -> tokens it has passed so far
@@ -150,10 +149,3 @@ class OnlineSplit:
 
     def end_request(self, request: int) -> None:
         self.positions.pop(request, None)
-
-    def budget(self, prefetches):
-        """The prefetcher's budget: a configuration's Y_i (or None), with this profile's timings (prefetch/budget.py)."""
-        from moe_offload.prefetch.budget import budget_from_hardware
-
-        return budget_from_hardware(self.hardware, self.expert_bytes, self.spec.num_layers, self.spec.top_k,
-                                    prefetches)
