@@ -36,11 +36,14 @@ def tiny_qwen3_moe(seed: int = 0):
     return model
 
 
-def save_checkpoint(model, directory: Path) -> Path:
-    """The model as a safetensors checkpoint with the bundled tokenizer."""
+def save_checkpoint(model, directory: Path, gguf_file: Path) -> Path:
+    """The model as a safetensors checkpoint with the tokenizer transformers reads from ``gguf_file``: the
+    bundled byte-level BPE comes back from GGUF as a Qwen2Tokenizer, whose own pre-tokenizer splits digits
+    apart, so the bundled tokenizer.json itself would tokenize some prompts differently."""
+    from transformers import AutoTokenizer
+
     model.save_pretrained(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (directory / name).write_bytes((TINY_MODEL_DIR / name).read_bytes())
+    AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).save_pretrained(directory)
     return directory
 
 

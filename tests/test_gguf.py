@@ -28,8 +28,8 @@ def files(tmp_path_factory):
     """One tiny Qwen3-MoE as a safetensors checkpoint, an F32 GGUF and a Q8_0 GGUF."""
     folder = tmp_path_factory.mktemp("gguf")
     model = tiny_qwen3_moe()
-    return {"checkpoint": save_checkpoint(model, folder / "checkpoint"),
-            "f32": write_gguf(model, folder / "tiny-F32.gguf"),
+    f32 = write_gguf(model, folder / "tiny-F32.gguf")
+    return {"checkpoint": save_checkpoint(model, folder / "checkpoint", f32), "f32": f32,
             "q8_0": write_gguf(model, folder / "tiny-Q8_0.gguf", quantization="Q8_0")}
 
 
@@ -113,6 +113,19 @@ def test_generate_from_the_gguf_gives_the_tokens_of_the_checkpoint_and_packs_onc
     packs = sorted(path.name for path in (tmp_path / "cache" / "packed").iterdir())
     assert [name for name in packs if name.startswith("tiny-F32-")] == [
         f"tiny-F32-{__import__('hashlib').sha256(files['f32'].read_bytes()).hexdigest()[:12]}-v3"]
+
+
+def test_record_from_the_gguf_writes_the_trace_of_the_checkpoint(files, tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    tables = []
+    for source in (files["f32"], files["checkpoint"]):
+        trace = tmp_path / f"{source.name}.parquet"
+        code, _, err = run(capsys, "record", "--model", source, "--limit", "2", "--max-new-tokens", "4",
+                           "-o", trace)
+        assert code == 0, err
+        tables.append(pq.read_table(trace, columns=["request", "position", "experts", "weights"]).to_pydict())
+    assert tables[0] == tables[1] and len(tables[0]["request"]) > 8
 
 
 def test_a_hub_gguf_file_is_read_from_the_offline_cache(files, tmp_path, capsys, monkeypatch):
