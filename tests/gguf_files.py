@@ -1,5 +1,5 @@
 """Small GGUF checkpoints written as llama.cpp's convert_hf_to_gguf.py writes them, for tests/test_gguf.py and
-benchmarks/gguf_pack.py: a random-weight Qwen3-MoE built with transformers, its tensors renamed by the ``gguf``
+benchmarks/gguf_pack.py: a random-weight Qwen3-MoE (or Qwen2-MoE) built with transformers, its tensors renamed by the ``gguf``
 package's own ``TensorNameMap`` (``blk.N.ffn_gate_exps`` ...), each layer's experts as the 3-D tensors
 convert_hf_to_gguf stacks them into ([E, I, H] gate and up, [E, H, I] down), the bundled tokenizer's byte-level
 BPE vocabulary and merges as the ``gpt2`` tokenizer model."""
@@ -22,13 +22,29 @@ SHAPE = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, moe_interme
 
 def tiny_qwen3_moe(seed: int = 0):
     """A random-weight Qwen3-MoE small enough to write in a test (float32, untied LM head)."""
-    import torch
     import transformers
 
-    torch.manual_seed(seed)
     config = transformers.Qwen3MoeConfig(**SHAPE, norm_topk_prob=True, tie_word_embeddings=False, rms_norm_eps=EPS,
                                          rope_theta=1e6, eos_token_id=0, pad_token_id=0)
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    return _random(transformers.Qwen3MoeForCausalLM, config, seed)
+
+
+def tiny_qwen2_moe(seed: int = 0):
+    """A random-weight Qwen2-MoE (shared expert, attention biases; no head_dim of its own, as GGUF has none)."""
+    import transformers
+
+    shape = {key: value for key, value in SHAPE.items() if key != "head_dim"}
+    config = transformers.Qwen2MoeConfig(**shape, shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                         tie_word_embeddings=False, rms_norm_eps=EPS, rope_theta=1e6,
+                                         eos_token_id=0, pad_token_id=0)
+    return _random(transformers.Qwen2MoeForCausalLM, config, seed)
+
+
+def _random(model_class, config, seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_class(config).eval()
     with torch.no_grad():  # transformers initialises norms to 1: random ones test that they travel
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -47,7 +63,7 @@ def save_checkpoint(model, directory: Path, gguf_file: Path) -> Path:
     return directory
 
 
-def write_gguf(model, path: Path, quantization: str | None = None, architecture: str = "qwen3moe",
+def write_gguf(model, path: Path, quantization: str | None = None, architecture: str | None = None,
                expert_count: int | None = None) -> Path:
     """``model`` as a GGUF file. ``quantization`` ``"Q8_0"``: every matrix whose rows are whole Q8_0 blocks is
     stored quantized by the gguf package's own quantizer (norms stay F32, as llama.cpp keeps them); else F32.
@@ -55,22 +71,26 @@ def write_gguf(model, path: Path, quantization: str | None = None, architecture:
     import gguf
 
     config = model.config
-    arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == "qwen3moe")
+    written = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}[config.model_type]
+    arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == written)
     names = gguf.TensorNameMap(arch, config.num_hidden_layers)
-    writer = gguf.GGUFWriter(path, architecture)
+    writer = gguf.GGUFWriter(path, architecture or written)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    if config.model_type == "qwen3_moe":  # Qwen2-MoE's head size is hidden / heads, and GGUF says nothing
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_expert_count(expert_count or config.num_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if config.model_type == "qwen2_moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     tokenizer = json.loads((TINY_MODEL_DIR / "tokenizer.json").read_text())
     vocabulary = sorted(tokenizer["model"]["vocab"], key=tokenizer["model"]["vocab"].get)
     writer.add_tokenizer_model("gpt2")
@@ -106,6 +126,8 @@ def gguf_tensors(model, names):
                 yield f"{names.get_name(f'{prefix}.{part}')}.weight", half.contiguous()
             continue
         base, suffix = name.rsplit(".", 1)
+        if base.endswith("shared_expert_gate"):  # [1, H] in transformers, a vector {H} in llama.cpp
+            tensor = tensor.reshape(-1)
         yield f"{names.get_name(base)}.{suffix}", tensor
 
 

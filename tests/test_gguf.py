@@ -16,7 +16,7 @@ pytest.importorskip("gguf", reason="the 'gguf' extra is not installed (pip insta
 pytest.importorskip("accelerate", reason="the 'gguf' extra is not installed (pip install 'moe-offload[gguf]')")
 
 from cli_driver import assert_refused, run  # noqa: E402
-from gguf_files import q8_0_values, save_checkpoint, tiny_qwen3_moe, write_gguf  # noqa: E402
+from gguf_files import q8_0_values, save_checkpoint, tiny_qwen2_moe, tiny_qwen3_moe, write_gguf  # noqa: E402
 
 from moe_offload.runtime.packing import read_manifest  # noqa: E402
 
@@ -60,6 +60,19 @@ def test_the_f32_gguf_packs_to_the_bytes_of_its_safetensors_save(files, tmp_path
         (tmp_path / "from-safetensors" / "non-experts.safetensors").read_bytes()
     leftovers = [path.name for path in tmp_path.iterdir()]
     assert sorted(leftovers) == ["from-gguf", "from-safetensors"]  # the float checkpoint is gone
+
+
+def test_a_qwen2_moe_gguf_with_its_shared_expert_packs_and_generates_as_its_checkpoint(tmp_path, capsys):
+    model = tiny_qwen2_moe()
+    gguf_file = write_gguf(model, tmp_path / "qwen2.gguf")
+    checkpoint = save_checkpoint(model, tmp_path / "checkpoint", gguf_file)
+    from_gguf = pack(capsys, gguf_file, tmp_path / "from-gguf")
+    pack(capsys, checkpoint, tmp_path / "from-safetensors")
+    assert from_gguf.model_type == "qwen2_moe"
+    for name in ("experts/layer000.bin", "experts/layer001.bin", "non-experts.safetensors"):  # shared expert too
+        assert (tmp_path / "from-gguf" / name).read_bytes() == (tmp_path / "from-safetensors" / name).read_bytes()
+    assert generated(capsys, tmp_path, tmp_path / "from-gguf")[0] == \
+        generated(capsys, tmp_path, tmp_path / "from-safetensors")[0]
 
 
 def test_expert_dtype_applies_to_a_gguf_as_to_any_checkpoint(files, tmp_path, capsys):
