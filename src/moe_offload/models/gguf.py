@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import re
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from moe_offload.errors import ConfigError
@@ -33,21 +32,13 @@ from moe_offload.errors import ConfigError
 SUFFIX = ".gguf"
 HUB_GGUF = re.compile(r"(?P<hub>[^:]+):(?P<file>[^:]+\.gguf)", re.IGNORECASE)
 GGUF_MODULES = ("gguf", "accelerate")  # the `gguf` extra: transformers needs both to read a GGUF file
-# The GGUF architectures (general.architecture) whose MoE layers transformers reads and our adapters know, and
-# the transformers model type they become.
-MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# The MoE GGUF architectures (general.architecture) transformers reads, and the model type each becomes; those
+# whose model type models/adapters.ARCHITECTURES knows run.
+MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
 # Expert sizes a GGUF stores but transformers' GGUF config mapping leaves at the config class's default (768 for
 # Qwen3-MoE: a file with other experts would load with mismatched shapes): GGUF key -> config field.
 EXPERT_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
-
-
-@dataclass(frozen=True)
-class GgufHeader:
-    path: Path
-    architecture: str    # general.architecture, as llama.cpp writes it
-    model_type: str      # what transformers builds from it
-    config_fixes: dict   # config fields to set after transformers' own GGUF config mapping (EXPERT_SIZES)
 
 
 def is_gguf(name: str) -> bool:
@@ -82,7 +73,7 @@ def require_gguf(what: str) -> None:
 
 def gguf_path(name: str) -> tuple[Path, str | None]:
     """(the GGUF file, the hub commit it came from or None for a local file) of ``--model NAME``; the file is
-    checked to be a GGUF checkpoint the project can run (:func:`read_header`) before it is returned."""
+    checked to be a GGUF checkpoint the project can run (:func:`check_header`) before it is returned."""
     from moe_offload.inputs import check_input
 
     require_gguf(f"--model {name}")
@@ -99,7 +90,7 @@ def gguf_path(name: str) -> tuple[Path, str | None]:
         if not path.exists():
             raise ConfigError(f"{path}: no such GGUF file")
         check_input(path, "GGUF file")
-    read_header(path)
+    check_header(path)
     return path, commit
 
 
@@ -114,10 +105,12 @@ def pack_key(name: str, path: Path, commit: str | None) -> str:
     return f"{path.stem}-{file_sha256(path)[:12]}"
 
 
-def read_header(path: Path) -> GgufHeader:
-    """The file's architecture from its metadata (no tensor is read); ConfigError in one line for every refusal
-    of the module docstring."""
+def check_header(path: Path) -> dict[str, int]:
+    """ConfigError in one line for every refusal of the module docstring, from the file's metadata (no tensor
+    is read); else the config fields to set over transformers' GGUF config mapping (EXPERT_SIZES)."""
     import gguf
+
+    from moe_offload.models.adapters import ARCHITECTURES
 
     try:
         reader = gguf.GGUFReader(path)
@@ -138,16 +131,15 @@ def read_header(path: Path) -> GgufHeader:
         raise ConfigError(f"{path}: declares architecture {architecture} with {architecture}.expert_count = "
                           f"{experts} (a Mixtral as llama.cpp converts it): transformers reads it as a dense "
                           "Llama and the experts would be lost; use the safetensors checkpoint instead")
-    model_type = MODEL_TYPES.get(architecture)
-    if model_type is None:
+    if MODEL_TYPES.get(architecture) not in ARCHITECTURES:
         readable = _transformers_reads(architecture)
         why = ("transformers reads it, as a model moe-offload's adapters do not know" if readable else
                "transformers cannot read this architecture from GGUF (no mapping)")
+        runs = sorted(name for name, model_type in MODEL_TYPES.items() if model_type in ARCHITECTURES)
         raise ConfigError(f"{path}: GGUF architecture {architecture!r}: {why}; GGUF architectures that run: "
-                          f"{', '.join(sorted(MODEL_TYPES))}")
-    fixes = {field: int(fields[f"{architecture}.{key}"]) for key, field in EXPERT_SIZES.items()
-             if f"{architecture}.{key}" in fields}
-    return GgufHeader(path, architecture, model_type, fixes)
+                          f"{', '.join(runs)}")
+    return {field: int(fields[f"{architecture}.{key}"]) for key, field in EXPERT_SIZES.items()
+            if f"{architecture}.{key}" in fields}
 
 
 def _transformers_reads(architecture: str) -> bool:
@@ -169,12 +161,12 @@ def write_checkpoint(path: Path, directory: Path) -> None:
 
     from moe_offload.models import quiet_transformers
 
-    header = read_header(path)
+    config_fixes = check_header(path)
     quiet_transformers()
     folder, name = str(path.parent), path.name
     try:
         config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
-        for field, value in header.config_fixes.items():
+        for field, value in config_fixes.items():
             setattr(config, field, value)
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config,
                                                                   dtype=torch.float32)
