@@ -1,8 +1,8 @@
 """Small GGUF checkpoints written as llama.cpp's convert_hf_to_gguf.py writes them, for tests/test_gguf.py and
-benchmarks/gguf_pack.py: a random-weight Qwen3-MoE (or Qwen2-MoE) built with transformers, its tensors renamed by the ``gguf``
-package's own ``TensorNameMap`` (``blk.N.ffn_gate_exps`` ...), each layer's experts as the 3-D tensors
-convert_hf_to_gguf stacks them into ([E, I, H] gate and up, [E, H, I] down), the bundled tokenizer's byte-level
-BPE vocabulary and merges as the ``gpt2`` tokenizer model."""
+benchmarks/gguf_pack.py: a random-weight Qwen3-MoE (or Qwen2-MoE) built with transformers, its tensors renamed
+by the ``gguf`` package's own ``TensorNameMap`` (``blk.N.ffn_gate_exps`` ...), each layer's experts as the 3-D
+tensors convert_hf_to_gguf stacks them into ([E, I, H] gate and up, [E, H, I] down), the bundled tokenizer's
+byte-level BPE vocabulary and merges as the ``gpt2`` tokenizer model."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ d * q, is packed once, and every refusal is one line before any tensor is read."
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -125,7 +126,7 @@ def test_generate_from_the_gguf_gives_the_tokens_of_the_checkpoint_and_packs_onc
     assert tokens == reference and "(once)" not in err
     packs = sorted(path.name for path in (tmp_path / "cache" / "packed").iterdir())
     assert [name for name in packs if name.startswith("tiny-F32-")] == [
-        f"tiny-F32-{__import__('hashlib').sha256(files['f32'].read_bytes()).hexdigest()[:12]}-v3"]
+        f"tiny-F32-{hashlib.sha256(files['f32'].read_bytes()).hexdigest()[:12]}-v3"]
 
 
 def test_record_from_the_gguf_writes_the_trace_of_the_checkpoint(files, tmp_path, capsys):
