@@ -64,10 +64,11 @@ def save_checkpoint(model, directory: Path, gguf_file: Path) -> Path:
 
 
 def write_gguf(model, path: Path, quantization: str | None = None, architecture: str | None = None,
-               expert_count: int | None = None) -> Path:
+               expert_count: int | None = None, split_count: int | None = None) -> Path:
     """``model`` as a GGUF file. ``quantization`` ``"Q8_0"``: every matrix whose rows are whole Q8_0 blocks is
     stored quantized by the gguf package's own quantizer (norms stay F32, as llama.cpp keeps them); else F32.
-    ``architecture`` and ``expert_count`` write other metadata over the same tensors (for the refusals)."""
+    ``architecture``, ``expert_count`` and ``split_count`` (the first shard of that many, as llama-gguf-split
+    marks it) write other metadata over the same tensors (for the refusals)."""
     import gguf
 
     config = model.config
@@ -75,6 +76,9 @@ def write_gguf(model, path: Path, quantization: str | None = None, architecture:
     arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == written)
     names = gguf.TensorNameMap(arch, config.num_hidden_layers)
     writer = gguf.GGUFWriter(path, architecture or written)
+    if split_count:
+        writer.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_NO, 0)
+        writer.add_uint16(gguf.Keys.Split.LLM_KV_SPLIT_COUNT, split_count)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_embedding_length(config.hidden_size)

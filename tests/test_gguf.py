@@ -181,6 +181,25 @@ def test_architectures_that_cannot_run_are_refused_saying_why(tmp_path, capsys, 
     assert_refused(code, err, other, repr(architecture), why, "qwen2moe, qwen3moe")
 
 
+def test_one_shard_of_a_split_gguf_is_refused_before_its_missing_tensors_become_random(tmp_path, capsys):
+    shard = write_gguf(tiny_qwen3_moe(), tmp_path / "model-00001-of-00003.gguf", split_count=3)
+    code, _, err = run(capsys, "pack", shard, "-o", tmp_path / "out")
+    assert_refused(code, err, shard, "shard 1 of a GGUF split into 3 files", "llama-gguf-split --merge")
+
+
+def test_a_gguf_lacking_tensors_is_refused_not_filled_with_random_weights(tmp_path, capsys, monkeypatch):
+    import gguf_files
+
+    every = gguf_files.gguf_tensors
+    monkeypatch.setattr(gguf_files, "gguf_tensors",
+                        lambda model, names: ((n, t) for n, t in every(model, names) if not n.startswith("blk.1.")))
+    partial = write_gguf(tiny_qwen3_moe(), tmp_path / "partial.gguf")
+    code, _, err = run(capsys, "pack", partial, "-o", tmp_path / "out")
+    # found once transformers has read the tensors, after its own progress bar: the refusal is the last line
+    assert_refused(code, err.splitlines()[-1] + "\n", partial, "lacks the tensor for model.layers.1.", "and 10 more")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["partial.gguf"]  # no float checkpoint left
+
+
 def test_a_truncated_or_foreign_file_is_refused_in_one_line(files, tmp_path, capsys):
     data = files["f32"].read_bytes()
     for name, content in (("half.gguf", data[:len(data) // 2]), ("header.gguf", data[:100]),

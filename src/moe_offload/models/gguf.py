@@ -14,6 +14,7 @@ Refused in one line, from the file's metadata alone and before any tensor is rea
   which transformers builds as a dense Llama, dropping the experts;
 * an architecture transformers reads but the project's adapters (models/adapters.py) do not know
   (``gpt-oss``, ``minimax-m2``, the dense ones);
+* one shard of a GGUF split into several files (``split.count``): transformers reads the one file only;
 * a file that is not GGUF, or is truncated (a tensor ending past the end of the file).
 
 A hub GGUF is named internally as ``ORG/NAME[@REVISION]:FILE.gguf`` (``--gguf-file`` builds it; llama.cpp's
@@ -123,6 +124,11 @@ def check_header(path: Path) -> dict[str, int]:
             raise ConfigError(f"{path}: truncated: tensor {tensor.name} ends at byte "
                               f"{tensor.data_offset + tensor.n_bytes}, the file has {size}")
     fields = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tokenizer.")}
+    shards = fields.get("split.count", 1)
+    if shards > 1:  # transformers reads one file: the tensors of the other shards would be random weights
+        raise ConfigError(f"{path}: shard {fields.get('split.no', 0) + 1} of a GGUF split into {shards} files; "
+                          "transformers reads single files: merge them first (`llama-gguf-split --merge "
+                          f"{path.name} merged.gguf`)")
     architecture = fields.get("general.architecture")
     if not isinstance(architecture, str):
         raise ConfigError(f"{path}: no general.architecture in the GGUF metadata")
@@ -168,12 +174,16 @@ def write_checkpoint(path: Path, directory: Path) -> None:
         config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name)
         for field, value in config_fixes.items():
             setattr(config, field, value)
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config,
-                                                                  dtype=torch.float32)
+        model, loading = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, config=config, dtype=torch.float32, output_loading_info=True)
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except (OSError, ValueError, RuntimeError, KeyError, NotImplementedError) as exc:
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         raise ConfigError(f"{path}: transformers cannot read this GGUF file: {lines[0]}") from None
+    missing = sorted(loading["missing_keys"])
+    if missing:  # transformers fills a tensor the file lacks with random values: another model
+        raise ConfigError(f"{path}: the GGUF file lacks the tensor for {missing[0]}"
+                          + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
     # transformers marks a model read from GGUF as quantized (its GgufHfQuantizer), and save_pretrained refuses it;
     # for these architectures every weight was dequantized on reading, so the float tensors are saved as they are
     blocks = [name for name, tensor in model.state_dict().items() if not tensor.is_floating_point()]
