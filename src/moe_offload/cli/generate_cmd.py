@@ -44,10 +44,11 @@ def register(subparsers) -> None:
 
 def add_engine_arguments(parser) -> None:
     """The options of the offloaded engine, shared by ``generate`` and ``serve``."""
-    parser.add_argument("--model", default="tiny", metavar="tiny|DIR|ORG/NAME[@REV]",
-                        help="model: tiny (the default), a checkpoint or packed directory, or a Hugging Face hub "
+    parser.add_argument("--model", default="tiny", metavar="tiny|DIR|ORG/NAME[@REV]|FILE.gguf",
+                        help="model: tiny (the default), a checkpoint or packed directory, a Hugging Face hub "
                              "id (from the hub cache, downloaded where the hub is reachable; HF_HOME, "
-                             "HF_HUB_OFFLINE hold)")
+                             "HF_HUB_OFFLINE hold) or a GGUF file (needs the 'gguf' extra)")
+    add_gguf_argument(parser)
     parser.add_argument("--expert-dtype", default=None, metavar="float16|bfloat16|int8|int4",
                         help="the experts' stored dtype: a checkpoint is packed once per dtype (int8/int4: "
                              "group-wise with scales; the budget counts their bytes); default: the checkpoint's")
@@ -99,6 +100,13 @@ def add_engine_arguments(parser) -> None:
                         help="where fMoE's matcher searches: on a thread of its own, its proposals applied when they "
                              "arrive (async, the paper's; default), on the decode thread (inline), or on its thread "
                              "with the decode thread waiting for each result (lockstep)")
+
+
+def add_gguf_argument(parser) -> None:
+    """``--gguf-file``: which GGUF file of a hub repository ``--model`` names (models/gguf.py)."""
+    parser.add_argument("--gguf-file", default=None, metavar="FILE.gguf",
+                        help="with a hub id: read this GGUF file of the repository (dequantized by transformers, "
+                             "then packed; needs the 'gguf' extra)")
 
 
 def engine_policy_options(args: argparse.Namespace) -> tuple[dict | None, dict | None]:
@@ -191,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
 
     check_prefetch(args)
     require_model_stack("generate")
+    from moe_offload.models.gguf import with_gguf_file
+
+    args.model = with_gguf_file(args.model, args.gguf_file)
     from moe_offload.api import load
     from moe_offload.reporting.tables import print_runtime_summary
     from moe_offload.text.sources import chat_prompt

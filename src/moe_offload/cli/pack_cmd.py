@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from moe_offload.cli.generate_cmd import add_gguf_argument
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -12,7 +14,9 @@ def register(subparsers) -> None:
                     "of raw tensors with a manifest of offsets and checksums, so that the runtime loads only the non-experts "
                     "at start-up and reads experts on demand (FlashMoE, paper 003). Reports the start-up time.")
     parser.add_argument("model", metavar="MODEL",
-                        help="tiny (the bundled model), a checkpoint directory or a hub id ORG/NAME[@REVISION]")
+                        help="tiny (the bundled model), a checkpoint directory, a hub id ORG/NAME[@REVISION] or a "
+                             "GGUF file (dequantized by transformers, then packed; needs the 'gguf' extra)")
+    add_gguf_argument(parser)
     parser.add_argument("-o", "--output", required=True, metavar="DIR",
                         help="new directory to write (missing or empty; written atomically)")
     parser.add_argument("--expert-dtype", default=None, metavar="float16|bfloat16|int8|int4",
@@ -26,6 +30,9 @@ def run(args: argparse.Namespace) -> int:
     from moe_offload.models import require_model_stack
 
     require_model_stack("pack")
+    from moe_offload.models.gguf import with_gguf_file
+
+    args.model = with_gguf_file(args.model, args.gguf_file)
     from moe_offload.models.tiny import model_directory
     from moe_offload.reporting.progress import progress_bar
     from moe_offload.runtime.packing import check_expert_dtype, load_skeleton, pack_model

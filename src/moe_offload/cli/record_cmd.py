@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from moe_offload.cli.generate_cmd import add_gguf_argument
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -15,8 +17,10 @@ def register(subparsers) -> None:
                     "the selected experts and weights, the full router distribution of every layer, the "
                     "token's input embedding and the next layer's gate prediction (for the last layer: layer 0 "
                     "of the next token).")
-    parser.add_argument("--model", default="tiny", metavar="tiny|DIR|ORG/NAME[@REV]",
-                        help="model: tiny (the bundled one, the default), a checkpoint directory or a hub id")
+    parser.add_argument("--model", default="tiny", metavar="tiny|DIR|ORG/NAME[@REV]|FILE.gguf",
+                        help="model: tiny (the bundled one, the default), a checkpoint directory, a hub id or a "
+                             "GGUF file")
+    add_gguf_argument(parser)
     parser.add_argument("--prompts", default="sharegpt", metavar="SOURCES",
                         help="comma-separated prompt sources: sharegpt, humaneval, or files with one prompt per "
                              "line (or .jsonl with 'prompt'); default: sharegpt")
@@ -41,7 +45,10 @@ def run(args: argparse.Namespace) -> int:
     from moe_offload.text.prompts import BUILTIN_SOURCES, load_prompts
     from moe_offload.trace.format import write_trace
 
+    from moe_offload.models.gguf import with_gguf_file
     from moe_offload.runtime.packing import model_files
+
+    args.model = with_gguf_file(args.model, args.gguf_file)
 
     prompt_files = [name.strip() for name in args.prompts.split(",") if name.strip() not in BUILTIN_SOURCES]
     prompt_files += model_files(args.model)  # inputs too: no output may overwrite the model

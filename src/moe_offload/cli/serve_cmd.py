@@ -44,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
 
     check_prefetch(args)
     require_model_stack("serve", serving=True)
+    from moe_offload.models.gguf import with_gguf_file
+
+    args.model = with_gguf_file(args.model, args.gguf_file)
     from moe_offload import values
     from moe_offload.api import load
     from moe_offload.server import model_name, serve

@@ -15,6 +15,7 @@ hub's form, one ``/`` between two names of letters, digits, ``-``, ``_`` and ``.
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,18 +50,50 @@ def hub_id(name: str) -> tuple[str, str | None] | None:
 def resolve(name: str) -> HubCheckpoint:
     """The snapshot of the hub checkpoint ``name`` (see the module docstring); ConfigError in one line naming
     ``name`` and what is missing when it is neither cached nor downloadable, or lacks the files a run needs."""
-    import huggingface_hub
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub import snapshot_download
 
     parsed = hub_id(name)
     if parsed is None:
         raise ConfigError(f"--model {name}: not a hub id (ORG/NAME[@REVISION])")
     repo_id, revision = parsed
+    with _hub_errors(name, repo_id, revision):
+        snapshot = Path(snapshot_download(repo_id, revision=revision, allow_patterns=CHECKPOINT_PATTERNS))
+    if not (snapshot / "config.json").is_file():
+        raise ConfigError(f"--model {name}: the snapshot {snapshot} has no config.json (not a transformers "
+                          "checkpoint, or an incomplete download)")
+    if not any(snapshot.glob("*.safetensors")):
+        raise ConfigError(f"--model {name}: the snapshot {snapshot} has no *.safetensors weights (only safetensors "
+                          "checkpoints are read)")
+    return HubCheckpoint(repo_id, revision, snapshot.name, snapshot)
+
+
+def resolve_file(name: str, repo_id: str, revision: str | None, filename: str) -> tuple[Path, str]:
+    """(path in the hub cache, commit) of the one file ``filename`` of a hub repository (a GGUF file, which
+    holds a whole checkpoint), cached or downloaded exactly as :func:`resolve` treats a snapshot; ``name`` is
+    what the user gave, for the error lines."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import RemoteEntryNotFoundError
+
+    with _hub_errors(name, repo_id, revision):
+        try:
+            path = Path(hf_hub_download(repo_id, filename, revision=revision))
+        except RemoteEntryNotFoundError:  # the hub answered; not in the cache offline is _hub_errors'
+            raise ConfigError(f"--model {name}: the hub repository {repo_id} has no file {filename}") from None
+    # the cache keeps a file at snapshots/<commit>/<filename>: the commit pins its content
+    return path, path.parents[len(Path(filename).parts) - 1].name
+
+
+@contextmanager
+def _hub_errors(name: str, repo_id: str, revision: str | None):
+    """The hub client's errors as one line each that names ``name`` and what is missing."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
     offline = huggingface_hub.is_offline_mode()
     try:
-        snapshot = Path(snapshot_download(repo_id, revision=revision, allow_patterns=CHECKPOINT_PATTERNS))
+        yield
     except RevisionNotFoundError:
         raise ConfigError(f"--model {name}: the hub repository {repo_id} has no revision {revision!r}") from None
     except GatedRepoError:
@@ -77,10 +110,3 @@ def resolve(name: str) -> HubCheckpoint:
                           f"(`hf download {repo_id}`)") from None
     except (HfHubHTTPError, OSError, ValueError) as exc:
         raise ConfigError(f"--model {name}: {repo_id}: {str(exc).strip().splitlines()[0]}") from None
-    if not (snapshot / "config.json").is_file():
-        raise ConfigError(f"--model {name}: the snapshot {snapshot} has no config.json (not a transformers "
-                          "checkpoint, or an incomplete download)")
-    if not any(snapshot.glob("*.safetensors")):
-        raise ConfigError(f"--model {name}: the snapshot {snapshot} has no *.safetensors weights (only safetensors "
-                          "checkpoints are read)")
-    return HubCheckpoint(repo_id, revision, snapshot.name, snapshot)

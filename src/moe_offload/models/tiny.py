@@ -1,4 +1,4 @@
-"""The bundled tiny Mixtral and the one way a command resolves ``--model tiny|DIR|ORG/NAME[@REVISION]``."""
+"""The bundled tiny Mixtral and the one way a command resolves ``--model tiny|DIR|ORG/NAME[@REVISION]|FILE.gguf``."""
 
 from __future__ import annotations
 
@@ -12,14 +12,18 @@ TINY = "tiny"
 
 def model_directory(name: str) -> Path:
     """``tiny`` is the bundled checkpoint; a hub id with no local path of that name is its snapshot in the hub
-    cache, downloaded first where the hub is reachable (models/hub.py); anything else is a local directory."""
+    cache, downloaded first where the hub is reachable (models/hub.py); a GGUF checkpoint (models/gguf.py) is its
+    file, checked; anything else is a local directory."""
     if name == TINY:
         if not (TINY_MODEL_DIR / "model.safetensors").is_file():
             raise ConfigError(f"{TINY_MODEL_DIR}: the bundled model is missing from this installation "
                               "(rebuild it with `moe-offload train-tiny -o DIR` and pass --model DIR)")
         return TINY_MODEL_DIR
+    from moe_offload.models.gguf import gguf_path, is_gguf
     from moe_offload.models.hub import hub_id, resolve
 
+    if is_gguf(name):
+        return gguf_path(name)[0]
     if hub_id(name) is not None:
         return resolve(name).directory
     return Path(name)
@@ -27,14 +31,25 @@ def model_directory(name: str) -> Path:
 
 def load(name: str, dtype=None):
     """(model, adapter, tokenizer) for ``--model NAME``; errors name the missing or broken file."""
-    from transformers import AutoTokenizer
-
     from moe_offload.models import quiet_transformers, require_model_stack
-    from moe_offload.models.adapters import load_model
 
     require_model_stack("loading a model")
     quiet_transformers()
     directory = model_directory(name)
+    if directory.is_file():  # a GGUF file: read through transformers into a float checkpoint first
+        from moe_offload.models.gguf import float_checkpoint
+        from moe_offload.runtime.packing import cache_root
+
+        with float_checkpoint(directory, beside=cache_root()) as checkpoint:
+            return _load(checkpoint, dtype)
+    return _load(directory, dtype)
+
+
+def _load(directory: Path, dtype):
+    from transformers import AutoTokenizer
+
+    from moe_offload.models.adapters import load_model
+
     model, adapter = load_model(directory, dtype=dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)

@@ -146,6 +146,11 @@ def pack_model(model_dir, out_dir, on_expert=None, expert_dtype: str | None = No
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_expert_dtype(expert_dtype)
     check_output(out_dir, inputs=[model_dir], directory=True, what="packed model")
+    if model_dir.is_file():  # a GGUF file: packed from the float checkpoint transformers reads it as
+        from moe_offload.models.gguf import float_checkpoint
+
+        with float_checkpoint(model_dir, beside=out_dir.resolve().parent) as checkpoint:
+            return pack_model(checkpoint, out_dir, on_expert, expert_dtype)
     raw = check_checkpoint_files(model_dir)  # before transformers reads a file (runtime/checkpoint_checks.py)
     config = read_config(model_dir)
     stored = raw.get("dtype") or raw.get("torch_dtype") or "float32"
@@ -398,6 +403,8 @@ def model_files(name: str) -> list[Path]:
     from moe_offload.models.tiny import model_directory
 
     directory = model_directory(name)
+    if directory.is_file():  # a GGUF file (models/gguf.py)
+        return [directory]
     if not directory.is_dir():
         return []
     folders = [directory]
@@ -419,10 +426,16 @@ def packed_directory(name: str, on_expert=None, expert_dtype: str | None = None)
     """``--model NAME`` for the runtime: a packed directory as is; ``tiny`` or a checkpoint directory packed
     once into the cache, in a directory named after its weights' checksum so that a retrained or replaced
     checkpoint is packed anew instead of serving a stale pack; a hub id (models/hub.py) packed once per
-    repository and commit. Each ``expert_dtype`` (None: the checkpoint's) has its own pack."""
+    repository and commit; a GGUF file (models/gguf.py) once per its SHA-256 or hub commit. Each ``expert_dtype``
+    (None: the checkpoint's) has its own pack."""
     check_expert_dtype(expert_dtype)
+    from moe_offload.models.gguf import gguf_path, is_gguf, pack_key
     from moe_offload.models.hub import hub_id, resolve
     from moe_offload.models.tiny import model_directory
+
+    if is_gguf(name):
+        path, commit = gguf_path(name)
+        return _packed_once(path, pack_key(name, path, commit), on_expert, expert_dtype)
 
     if hub_id(name) is not None:  # a hub snapshot: its commit pins its files, no need to hash them
         hub = resolve(name)
