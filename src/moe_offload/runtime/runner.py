@@ -71,6 +71,7 @@ class ModelRunner:
             self.matcher = AsyncMatcher(prefetcher, self._deliver, lockstep=matcher == "lockstep")
         self.proposals_arrived = 0  # proposals the matcher delivered (locked)
         self.proposals_late = 0     # ... for a pass that was over or a layer already routed: dropped
+        self.routed_proposals = None  # the decode thread's prefetcher's, at the router: applied in layer_experts
         self.iteration = 0
         self.request = -1          # the request of transformers' generate (one segment per pass)
         self.packed = None         # the running packed pass (runtime/packed.py), set by the batching scheduler
@@ -209,6 +210,9 @@ class ModelRunner:
             ctx.routed = None
             if missing or self.prefetcher is not None:
                 path.layer_routed(layer, keys)
+                if self.routed_proposals:
+                    path.propose(self.routed_proposals, layer)  # wakes the link workers when it queues one
+                self.routed_proposals = None
                 if missing:  # demand loads were queued
                     cond.notify_all()
                 else:  # withdrawn prefetches and released holds may make room for a waiting load
@@ -346,6 +350,12 @@ class ModelRunner:
             self.matcher.submit(hook, view.at(layer), view.iteration)
             return
         proposals = getattr(self.prefetcher, hook)(view)
+        if hook == "on_layer_routed":
+            # applied once the layer has pinned its experts and queued its demand loads (layer_experts), as the
+            # timed simulator orders them: applied now, from the router's hook, a prefetch for the next layer
+            # could evict an expert this layer is about to use, and go on the wire ahead of its demand loads
+            self.routed_proposals = proposals
+            return
         with self.path.cond:
             self.path.propose(proposals, layer)
 

@@ -1,0 +1,44 @@
+"""The runtime applies a prefetcher's proposals where the timed simulator does (simulator/timed/run.py): after the
+routed layer has counted its accesses, pinned its experts and queued its demand loads, so that a prefetch for
+a later layer never evicts an expert the routed layer is about to compute, nor goes on the wire ahead of its
+demand loads."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_offload.bundled import DEFAULT_TINY_TRACE
+from moe_offload.runtime.datapath import DataPath
+from moe_offload.runtime.engine import OffloadEngine
+from moe_offload.runtime.packing import packed_directory
+from moe_offload.trace.format import read_trace
+
+
+def test_proposals_after_a_router_wait_for_its_layer_to_pin_and_demand(monkeypatch):
+    calls = []  # ("routed", layer) and ("propose", routed layer, the pinned experts then)
+    propose, layer_routed = DataPath.propose, DataPath.layer_routed
+
+    def recording_propose(self, proposals, routed_layer):
+        if proposals:
+            calls.append(("propose", routed_layer, frozenset(self.pinned)))
+        return propose(self, proposals, routed_layer)
+
+    def recording_layer_routed(self, layer, keys):
+        calls.append(("routed", layer, frozenset(keys)))
+        return layer_routed(self, layer, keys)
+
+    monkeypatch.setattr(DataPath, "propose", recording_propose)
+    monkeypatch.setattr(DataPath, "layer_routed", recording_layer_routed)
+    torch.manual_seed(0)
+    with OffloadEngine(packed_directory("tiny"), replay=read_trace(DEFAULT_TINY_TRACE), replay_weights="trace",
+                       fast_budget="25%", policy="lru", prefetch="topk") as engine:
+        engine.generate_replayed(0, 3)
+    proposals = [call for call in calls if call[0] == "propose" and call[1] >= 0]
+    assert len(proposals) >= engine.spec.num_layers  # topk proposes after every router
+    for index, call in enumerate(calls):
+        if call[0] != "propose" or call[1] < 0:
+            continue
+        previous = calls[index - 1]
+        # right after its own layer was routed, with every expert that layer computes still pinned
+        assert previous[:2] == ("routed", call[1]), (index, previous, call)
+        assert call[2] == previous[2]
