@@ -320,9 +320,11 @@ class ModelRunner:
         selected = routing.experts.cpu().numpy()
         probs = self.adapter.probabilities(routing.logits).cpu().numpy()
         predicted = None
-        if self.needs_gate_prediction:  # after the last layer: router 0's, for the next token (adapters.py)
-            predicted = self.adapter.probabilities(
-                self.adapter.predict_next_router_logits(layer, routing.hidden)).cpu().numpy()
+        if self.needs_gate_prediction:  # under a replay the trace's (replay.py says why), else the next router's
+            predicted = self.replay.gate_prediction(layer) if self.replay is not None else None
+            if predicted is None:  # after the last layer: router 0's, for the next token (adapters.py)
+                predicted = self.adapter.probabilities(
+                    self.adapter.predict_next_router_logits(layer, routing.hidden)).cpu().numpy()
         view.routed(layer, selected, probs, predicted)
         self.probs[layer] = probs.mean(axis=0)
         if self.policy_needs_rounds:
