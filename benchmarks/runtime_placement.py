@@ -59,10 +59,13 @@ def replayed(packed, trace, requests: int, max_new_tokens: int, **options) -> di
     with OffloadEngine(packed, replay=trace, **options) as engine:
         runs = [engine.generate_replayed(request, max_new_tokens, return_logits=True) for request in range(requests)]
         total = engine.stats
+        moved = sum((total.bytes_per_link or {}).values()) // engine.manifest.expert_bytes
+        busy = sum(engine.link_busy_seconds().values())
     return {"tokens": [run.token_ids for run in runs], "logits": [run.logits for run in runs],
             "tpot_s": statistics.mean(run.stats.tpot_seconds for run in runs), "hit_rate": total.hit_rate,
             "bypassed": total.bypassed or 0, "accesses": total.accesses,
-            "host_compute_s": total.host_compute_seconds or 0.0, **counts(total)}
+            "host_compute_s": total.host_compute_seconds or 0.0, **counts(total),
+            "transfer_s": busy / moved if moved else None}  # each transfer's time on the link, on average
 
 
 COUNTED = ("on_demand_loads", "prefetches_issued", "prefetches_used", "stall_seconds")
@@ -183,7 +186,11 @@ def main(argv=None) -> int:
                "host_compute_measured_s": measured["host_compute_s"],
                "host_compute_predicted_s": predicted.host_compute_seconds or 0.0, "lossless": True,
                **{f"{name}_measured": measured[name] for name in COUNTED},
-               **{f"{name}_predicted": value for name, value in counts(predicted).items()}}
+               **{f"{name}_predicted": value for name, value in counts(predicted).items()},
+               # the profile's transfer of one expert on the link out of the files, idle (what the simulator
+               # charges before slowdown_while_computing) beside the runtime's mean
+               "transfer_measured_s": measured["transfer_s"],
+               "transfer_predicted_s": profile.links[-1].transfer_seconds(manifest.expert_bytes)}
         rows_out.append(row)
         baseline = baseline or (measured["tpot_s"], predicted.tpot_seconds)
         print(f"{name:<22} TPOT {row['tpot_measured_s'] * 1e3:7.2f} ms measured, {row['tpot_predicted_s'] * 1e3:7.2f} "
@@ -196,7 +203,8 @@ def main(argv=None) -> int:
                   f"{row['on_demand_loads_predicted']}, prefetches issued {row['prefetches_issued_measured']} / "
                   f"{row['prefetches_issued_predicted']}, used {row['prefetches_used_measured']} / "
                   f"{row['prefetches_used_predicted']}, stall {row['stall_seconds_measured'] * 1e3:.0f} / "
-                  f"{row['stall_seconds_predicted'] * 1e3:.0f} ms", flush=True)
+                  f"{row['stall_seconds_predicted'] * 1e3:.0f} ms, one transfer {row['transfer_measured_s'] * 1e3:.2f} / "
+                  f"{row['transfer_predicted_s'] * 1e3:.2f} ms (the profile's, idle)", flush=True)
     threads = torch.get_num_threads()
     print(f"\n{len(rows_out)} configurations x {reps} runs in {time.perf_counter() - started:.0f} s ({threads} "
           f"thread{'s' * (threads > 1)}); every run lossless against the all-resident replay")
