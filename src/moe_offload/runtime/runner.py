@@ -352,10 +352,11 @@ class ModelRunner:
             self.matcher.submit(hook, view.at(layer), view.iteration)
             return
         proposals = getattr(self.prefetcher, hook)(view)
-        if hook == "on_layer_routed":
+        if hook == "on_layer_routed" and self.path.split is None:
             # applied once the layer has pinned its experts and queued its demand loads (layer_experts), as the
             # timed simulator orders them: applied now, from the router's hook, a prefetch for the next layer
-            # could evict an expert this layer is about to use, and go on the wire ahead of its demand loads
+            # could evict an expert this layer is about to use, and go on the wire ahead of its demand loads.
+            # A split run's prefetches take its buffer, not the cache, and move on at routing (datapath.py)
             self.routed_proposals = proposals
             return
         with self.path.cond:
