@@ -143,7 +143,9 @@ def main(argv=None) -> int:
     slots = int(manifest.num_layers * manifest.num_experts * budget / 100)
     print(f"measured profile: host expert {profile.host.expert_seconds(1, manifest.expert_bytes) * 1e3:.3f} ms per "
           f"token-1 expert; replaying {requests} requests x {max_new_tokens} tokens of {DEFAULT_TINY_TRACE.name}; "
-          f"fast tier {slots} of {manifest.num_layers * manifest.num_experts} experts", flush=True)
+          f"fast tier {slots} of {manifest.num_layers * manifest.num_experts} experts; compute "
+          f"{profile.compute.slowdown_while_loading:.3g}x slower while loading, the link out of the files "
+          f"{profile.links[-1].slowdown_while_computing:.3g}x slower while computing", flush=True)
     history = read_trace(TINY_HISTORY_TRACE)
     static = [
         ("static-layers", {"policy": "static-layers"}, {}),
