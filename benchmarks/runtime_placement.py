@@ -2,7 +2,9 @@
 wider random-weight model, each beside the timed simulator's prediction for the same run.
 
     python benchmarks/runtime_placement.py [--model tiny|small|wide-quick|wide] [--budget 25] [--requests 2]
-        [--max-new-tokens 16] [--prefetch moepic] [--reps 3] [--repeats 3] [--threads N] [--json FILE]
+        [--max-new-tokens 16] [--prefetch moepic] [--dynamic-only] [--reps 3] [--repeats 3] [--threads N]
+        [--json FILE]
+    python benchmarks/runtime_placement.py --dynamic-only --prefetch none,topk,moepic   # LRU only, ~20 s
 
 The default (the bundled tiny model: hidden 192, 432 KiB experts) takes well under a minute on a CPU; its
 compute is so small that Python between the kernels is much of every step. ``--model wide-quick`` (Mixtral
@@ -17,11 +19,12 @@ random weights into the pack cache by benchmarks/runtime_gpu.py) makes expert co
    runtime/replay.py; a random-weight model is forced to the same experts): its first ``--requests``
    requests, at most ``--max-new-tokens`` tokens each, all-resident (the baseline: how far the measured
    profile is from this run before any expert is offloaded; the machine's load moves both), then with a fast
-   tier of ``--budget`` % of the experts four ways: ``static-layers`` (llama.cpp's --n-cpu-moe: as many whole layers as fit resident, the others
+   tier of ``--budget`` % of the experts several ways: ``static-layers`` (llama.cpp's --n-cpu-moe: as many whole layers as fit resident, the others
    computed on the host), ``static-freq`` (the most frequent experts of the bundled history trace resident,
-   the others computed on the host), ``lru`` with ``--prefetch`` (every miss loaded from the files) and
+   the others computed on the host), ``lru`` with each prefetcher of ``--prefetch`` (a comma list, ``none``:
+   no prefetcher; every miss loaded from the files) and
    ``lru`` with Fiddler's fetch-or-compute rule on the measured profile (a miss computed on the host when the
-   profile says that is faster), all five alternating ``--reps`` times (fresh engines, given the measured
+   profile says that is faster), all alternating ``--reps`` times (fresh engines, given the measured
    profile, as the simulator is): TPOT is the median over repetitions of the mean over requests. Each run's
    tokens and logits are checked against the first all-resident run (lossless).
 3. The timed simulator runs the same rows of the trace on the measured profile with the same policy, budget,
@@ -29,6 +32,10 @@ random weights into the pack cache by benchmarks/runtime_gpu.py) makes expert co
    the error of the slowdown over all-resident (predicted TPOT / predicted all-resident against measured TPOT
    / measured all-resident: on a shared machine the load moves between the measurement and the runs, and
    this ratio leaves out what it does to every configuration alike), the share of expert requests computed on the host, and the host's compute seconds.
+   For the rows that load experts, the run's counters beside the simulator's: demand loads, prefetches issued
+   and used, stall seconds (over the median run's requests, prefill included). Without a prefetcher LRU's
+   counts do not depend on timing and must be equal; with one they depend on when each transfer lands.
+   ``--dynamic-only`` runs all-resident and the LRU rows only.
 
 CPU threads: one by default without CUDA (as benchmarks/simulator_fidelity.py, which says why).
 """
@@ -52,10 +59,21 @@ def replayed(packed, trace, requests: int, max_new_tokens: int, **options) -> di
     with OffloadEngine(packed, replay=trace, **options) as engine:
         runs = [engine.generate_replayed(request, max_new_tokens, return_logits=True) for request in range(requests)]
         total = engine.stats
+        moved = sum((total.bytes_per_link or {}).values()) // engine.manifest.expert_bytes
+        busy = sum(engine.link_busy_seconds().values())
     return {"tokens": [run.token_ids for run in runs], "logits": [run.logits for run in runs],
             "tpot_s": statistics.mean(run.stats.tpot_seconds for run in runs), "hit_rate": total.hit_rate,
             "bypassed": total.bypassed or 0, "accesses": total.accesses,
-            "host_compute_s": total.host_compute_seconds or 0.0}
+            "host_compute_s": total.host_compute_seconds or 0.0, **counts(total),
+            "transfer_s": busy / moved if moved else None}  # each transfer's time on the link, on average
+
+
+COUNTED = ("on_demand_loads", "prefetches_issued", "prefetches_used", "stall_seconds")
+
+
+def counts(result) -> dict:
+    """The loading counters of a run's (or the simulator's) RunResult: None where nothing was prefetched."""
+    return {name: getattr(result, name) for name in COUNTED}
 
 
 def lossless(run: dict, reference: dict) -> bool:
@@ -72,7 +90,9 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", default="25", help="fast tier, %% of all experts (default 25)")
     parser.add_argument("--requests", default="2", help="requests of the bundled trace replayed (default 2)")
     parser.add_argument("--max-new-tokens", default="16", help="per request (default 16)")
-    parser.add_argument("--prefetch", default="moepic", help="the prefetcher beside LRU (default moepic)")
+    parser.add_argument("--prefetch", default="moepic",
+                        help="the prefetchers beside LRU, comma-separated, none for none (default moepic)")
+    parser.add_argument("--dynamic-only", action="store_true", help="all-resident and the LRU rows only")
     parser.add_argument("--reps", default="3", help="runs of each configuration (default 3)")
     parser.add_argument("--repeats", default="3", help="repeats of each hardware measurement (default 3)")
     parser.add_argument("--threads", default=None, help="torch CPU threads (default 1 without CUDA)")
@@ -98,7 +118,10 @@ def main(argv=None) -> int:
     max_new_tokens = values.integer(args.max_new_tokens, "--max-new-tokens", low=2)
     repeats = values.integer(args.repeats, "--repeats", low=1)
     reps = values.integer(args.reps, "--reps", low=1)
-    prefetcher_info(args.prefetch)
+    prefetchers = [name.strip() for name in args.prefetch.split(",")]
+    for name in prefetchers:
+        if name != "none":
+            prefetcher_info(name)
     if args.json:
         check_output(args.json, suffixes=(".json",), what="result record")
     if args.threads is not None or not torch.cuda.is_available():
@@ -120,18 +143,23 @@ def main(argv=None) -> int:
     slots = int(manifest.num_layers * manifest.num_experts * budget / 100)
     print(f"measured profile: host expert {profile.host.expert_seconds(1, manifest.expert_bytes) * 1e3:.3f} ms per "
           f"token-1 expert; replaying {requests} requests x {max_new_tokens} tokens of {DEFAULT_TINY_TRACE.name}; "
-          f"fast tier {slots} of {manifest.num_layers * manifest.num_experts} experts", flush=True)
-    configurations = [  # (name, the engine's options, the simulator's)
-        ("all-resident", {"fast_budget": "100%", "preload": True}, {"all_resident": True}),
+          f"fast tier {slots} of {manifest.num_layers * manifest.num_experts} experts; compute "
+          f"{profile.compute.slowdown_while_loading:.3g}x slower while loading, the link out of the files "
+          f"{profile.links[-1].slowdown_while_computing:.3g}x slower while computing", flush=True)
+    history = read_trace(TINY_HISTORY_TRACE)
+    static = [
         ("static-layers", {"policy": "static-layers"}, {}),
         ("static-freq", {"policy": "static-freq", "policy_options": {"profile": str(TINY_HISTORY_TRACE)}},
          {"policy_options": {"profile": str(TINY_HISTORY_TRACE)}}),
-        (f"lru + {args.prefetch}", {"policy": "lru", "prefetch": args.prefetch, "bypass_page_cache": True,
-                                    "prefetch_history": read_trace(TINY_HISTORY_TRACE)},
-         {"prefetcher": args.prefetch, "history": read_trace(TINY_HISTORY_TRACE)}),
-        ("lru + fetch-or-compute", {"policy": "lru", "fetch_or_compute": True, "bypass_page_cache": True},
-         {"fetch_or_compute": True}),
     ]
+    dynamic = [(f"lru + {name}" if name != "none" else "lru", {"policy": "lru", "bypass_page_cache": True,
+                **({"prefetch": name, "prefetch_history": history} if name != "none" else {})},
+                {"prefetcher": name, "history": history} if name != "none" else {}) for name in prefetchers]
+    fetch_or_compute = ("lru + fetch-or-compute", {"policy": "lru", "fetch_or_compute": True, "bypass_page_cache": True},
+                        {"fetch_or_compute": True})
+    configurations = [  # (name, the engine's options, the simulator's)
+        ("all-resident", {"fast_budget": "100%", "preload": True}, {"all_resident": True}),
+        *([] if args.dynamic_only else static), *dynamic, *([] if args.dynamic_only else [fetch_or_compute])]
     runs = {name: [] for name, _, _ in configurations}
     reference = None  # the first all-resident run
     for _ in range(reps):
@@ -158,7 +186,13 @@ def main(argv=None) -> int:
                "host_share_measured": measured["bypassed"] / measured["accesses"],
                "host_share_predicted": (predicted.bypassed or 0) / predicted.accesses,
                "host_compute_measured_s": measured["host_compute_s"],
-               "host_compute_predicted_s": predicted.host_compute_seconds or 0.0, "lossless": True}
+               "host_compute_predicted_s": predicted.host_compute_seconds or 0.0, "lossless": True,
+               **{f"{name}_measured": measured[name] for name in COUNTED},
+               **{f"{name}_predicted": value for name, value in counts(predicted).items()},
+               # the profile's transfer of one expert on the link out of the files, idle (what the simulator
+               # charges before slowdown_while_computing) beside the runtime's mean
+               "transfer_measured_s": measured["transfer_s"],
+               "transfer_predicted_s": profile.links[-1].transfer_seconds(manifest.expert_bytes)}
         rows_out.append(row)
         baseline = baseline or (measured["tpot_s"], predicted.tpot_seconds)
         print(f"{name:<22} TPOT {row['tpot_measured_s'] * 1e3:7.2f} ms measured, {row['tpot_predicted_s'] * 1e3:7.2f} "
@@ -166,6 +200,13 @@ def main(argv=None) -> int:
               f"{row['hit_rate_predicted']:.0%}; on the host {row['host_share_measured']:.0%} / "
               f"{row['host_share_predicted']:.0%} of requests, {row['host_compute_measured_s'] * 1e3:.0f} / "
               f"{row['host_compute_predicted_s'] * 1e3:.0f} ms; lossless", flush=True)
+        if row["on_demand_loads_measured"]:
+            print(f"{'':<22} measured / predicted: demand loads {row['on_demand_loads_measured']} / "
+                  f"{row['on_demand_loads_predicted']}, prefetches issued {row['prefetches_issued_measured']} / "
+                  f"{row['prefetches_issued_predicted']}, used {row['prefetches_used_measured']} / "
+                  f"{row['prefetches_used_predicted']}, stall {row['stall_seconds_measured'] * 1e3:.0f} / "
+                  f"{row['stall_seconds_predicted'] * 1e3:.0f} ms, one transfer {row['transfer_measured_s'] * 1e3:.2f} / "
+                  f"{row['transfer_predicted_s'] * 1e3:.2f} ms (the profile's, idle)", flush=True)
     threads = torch.get_num_threads()
     print(f"\n{len(rows_out)} configurations x {reps} runs in {time.perf_counter() - started:.0f} s ({threads} "
           f"thread{'s' * (threads > 1)}); every run lossless against the all-resident replay")

@@ -11,7 +11,8 @@ Forward passes map to trace rows by request: the first forward pass (the prompt)
 prefill rows, or its first row when the trace has no prefill (a decode-only trace: the prompt is one
 token), and each later forward pass takes the next row. :meth:`RoutingReplay.plan` tells the engine the
 prompt length and the number of new tokens that consume exactly the request's rows. Because the future is
-the trace, the oracle prefetcher can run in the runtime under a replay (``future``).
+the trace, the oracle prefetcher can run in the runtime under a replay (``future``); MoEpic's gate
+predictions are the trace's too, when it records them (``gate_prediction``).
 """
 
 from __future__ import annotations
@@ -81,6 +82,17 @@ class RoutingReplay:
     def future(self, layer: int) -> np.ndarray:
         """[tokens, K] experts the trace selects at ``layer`` in the current forward pass (the oracle's)."""
         return self.trace.experts[self.rows(), layer].astype(np.int64)
+
+    def gate_prediction(self, layer: int) -> np.ndarray | None:
+        """[tokens, J] the trace's MoEpic prediction after ``layer`` in the current forward pass (the next layer's,
+        or after the last layer the next token's layer 0: prefetch/base.py RoutingView.gate_prediction), or
+        None when the trace lacks it. A replayed model's own prediction would predict its own routers, which
+        the replay overrides, from hidden states that are not the recording's."""
+        last = layer == self.adapter.num_layers - 1
+        recorded = self.trace.next_token_gate_prediction if last else self.trace.gate_prediction
+        if recorded is None:
+            return None
+        return (recorded[self.rows()] if last else recorded[self.rows(), layer]).astype(np.float32)
 
     def install(self) -> None:
         """Hooks on the model: a pre-hook that starts each forward pass, one on every router that forces it.

@@ -87,6 +87,7 @@ class ModelRunner:
             self.matcher = AsyncMatcher(prefetcher, self._deliver, lockstep=matcher == "lockstep")
         self.proposals_arrived = 0  # proposals the matcher delivered (locked)
         self.proposals_late = 0     # ... for a pass that was over or a layer already routed: dropped
+        self.routed_proposals = None  # the decode thread's prefetcher's, at the router: applied in layer_experts
         self.iteration = 0
         self.request = -1          # the request of transformers' generate (one segment per pass)
         self.packed = None         # the running packed pass (runtime/packed.py), set by the batching scheduler
@@ -220,6 +221,9 @@ class ModelRunner:
             ctx.routed = None
             if missing or self.prefetcher is not None:
                 path.layer_routed(layer, keys)
+                if self.routed_proposals:
+                    path.propose(self.routed_proposals, layer)  # wakes the link workers when it queues one
+                self.routed_proposals = None
                 if missing:  # demand loads were queued
                     cond.notify_all()
                 else:  # withdrawn prefetches and released holds may make room for a waiting load
@@ -329,9 +333,11 @@ class ModelRunner:
         selected = routing.experts.cpu().numpy()
         probs = self.adapter.probabilities(routing.logits).cpu().numpy()
         predicted = None
-        if self.needs_gate_prediction:  # after the last layer: router 0's, for the next token (adapters.py)
-            predicted = self.adapter.probabilities(
-                self.adapter.predict_next_router_logits(layer, routing.hidden)).cpu().numpy()
+        if self.needs_gate_prediction:  # under a replay the trace's (replay.py says why), else the next router's
+            predicted = self.replay.gate_prediction(layer) if self.replay is not None else None
+            if predicted is None:  # after the last layer: router 0's, for the next token (adapters.py)
+                predicted = self.adapter.probabilities(
+                    self.adapter.predict_next_router_logits(layer, routing.hidden)).cpu().numpy()
         view.routed(layer, selected, probs, predicted)
         self.probs[layer] = probs.mean(axis=0)
         if self.policy_needs_rounds:
@@ -362,6 +368,13 @@ class ModelRunner:
             self.matcher.submit(hook, view.at(layer), view.iteration)
             return
         proposals = getattr(self.prefetcher, hook)(view)
+        if hook == "on_layer_routed" and self.path.split is None:
+            # applied once the layer has pinned its experts and queued its demand loads (layer_experts), as the
+            # timed simulator orders them: applied now, from the router's hook, a prefetch for the next layer
+            # could evict an expert this layer is about to use, and go on the wire ahead of its demand loads.
+            # A split run's prefetches take its buffer, not the cache, and move on at routing (datapath.py)
+            self.routed_proposals = proposals
+            return
         with self.path.cond:
             self.path.propose(proposals, layer)
 
