@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -125,3 +126,14 @@ def test_policies_command_lists_every_policy(capsys):
     out = capsys.readouterr().out
     for name in ("lru", "belady-dist", "moe-infinity", "fmoe", "lcp", "learned", "marking"):
         assert name in out
+
+
+def test_every_source_cites_what_a_user_can_read():
+    # a source names a paper or a project, never a tracker entry of this repository's development
+    from moe_offload.policies import POLICIES
+    from moe_offload.prefetch import PREFETCHERS
+
+    sources = {name: f"{info.policy.source} {info.partitioned_source}" for name, info in POLICIES.items()}
+    sources.update((name, prefetcher.source) for name, prefetcher in PREFETCHERS.items())
+    for name, source in sources.items():
+        assert not re.search(r"\bissue \d+", source), f"{name}: {source}"
