@@ -119,6 +119,16 @@ def test_default_trace_is_bundled_and_replays(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert {r["cache_size"] for r in rows} == {256}
     assert rows[0]["accesses"] == 299 * 16 * 8
+    assert {r["trace"] for r in rows} == {"olmoe"}  # the bundled name, as the README's table shows it
+
+
+def test_results_name_each_trace_as_the_command_line_does(trace_file, capsys):
+    # a bundled name stays the name, not the package's file path; a file stays the path given
+    assert main(["simulate", "tiny", trace_file, "--policy", "lru", "--cache-size", "4", "--json"]) == 0
+    assert {r["trace"] for r in json.loads(capsys.readouterr().out)} == {"tiny", trace_file}
+    assert main(["simulate", "tiny", "--timed", "--policy", "lru", "--prefetch", "none", "--cache-size", "25%",
+                 "--json"]) == 0
+    assert {r["trace"] for r in json.loads(capsys.readouterr().out)} == {"tiny"}
 
 
 def test_policies_command_lists_every_policy(capsys):
