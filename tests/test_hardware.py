@@ -151,6 +151,11 @@ def test_hardware_command_lists_and_shows(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "ssd->host" in out and "paper 003" in out and "7.4 GB/s" in out
     assert main(["hardware", "show", str(write(tmp_path, GOOD)), "--expert-bytes", "200B"]) == 0
-    assert "2500.000 ms" in capsys.readouterr().out  # 0.5 s latency + 200 B at 100 B/s
+    out = capsys.readouterr().out
+    assert "2500.000 ms" in out  # 0.5 s latency + 200 B at 100 B/s
+    assert "no [host] compute" in out  # the table's name, not a console style
+    assert main(["hardware", "show", "desktop-rtx4090"]) == 0
+    # the preset's own words, brackets and all, not read as console styles
+    assert "AMD Ryzen 9 7950X (the host assumed for [host])" in capsys.readouterr().out
     assert main(["hardware", "show", "laptop"]) == 2
     assert "unknown hardware preset" in capsys.readouterr().err

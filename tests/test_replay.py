@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -118,6 +119,16 @@ def test_default_trace_is_bundled_and_replays(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert {r["cache_size"] for r in rows} == {256}
     assert rows[0]["accesses"] == 299 * 16 * 8
+    assert {r["trace"] for r in rows} == {"olmoe"}  # the bundled name, as the README's table shows it
+
+
+def test_results_name_each_trace_as_the_command_line_does(trace_file, capsys):
+    # a bundled name stays the name, not the package's file path; a file stays the path given
+    assert main(["simulate", "tiny", trace_file, "--policy", "lru", "--cache-size", "4", "--json"]) == 0
+    assert {r["trace"] for r in json.loads(capsys.readouterr().out)} == {"tiny", trace_file}
+    assert main(["simulate", "tiny", "--timed", "--policy", "lru", "--prefetch", "none", "--cache-size", "25%",
+                 "--json"]) == 0
+    assert {r["trace"] for r in json.loads(capsys.readouterr().out)} == {"tiny"}
 
 
 def test_policies_command_lists_every_policy(capsys):
@@ -125,3 +136,14 @@ def test_policies_command_lists_every_policy(capsys):
     out = capsys.readouterr().out
     for name in ("lru", "belady-dist", "moe-infinity", "fmoe", "lcp", "learned", "marking"):
         assert name in out
+
+
+def test_every_source_cites_what_a_user_can_read():
+    # a source names a paper or a project, never a tracker entry of this repository's development
+    from moe_offload.policies import POLICIES
+    from moe_offload.prefetch import PREFETCHERS
+
+    sources = {name: f"{info.policy.source} {info.partitioned_source}" for name, info in POLICIES.items()}
+    sources.update((name, prefetcher.source) for name, prefetcher in PREFETCHERS.items())
+    for name, source in sources.items():
+        assert not re.search(r"\bissue \d+", source), f"{name}: {source}"

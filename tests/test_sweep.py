@@ -289,6 +289,12 @@ def test_an_output_that_is_not_a_sweeps_results_is_left_alone(sweep_file, capsys
     assert stranger.read_bytes() == before == other.read_bytes()
 
 
+def test_an_output_in_a_folder_not_yet_made_is_written_there(full_run, sweep_file):
+    output = sweep_file.parent / "results" / "sweep.parquet"  # as the sweep-file page's `output` shows
+    assert main(["sweep", str(sweep_file), "--jobs", "1", "-o", str(output)]) == 0
+    assert table(output).column("cell").to_pylist() == table(full_run).column("cell").to_pylist()
+
+
 def test_without_ray_the_command_says_how_to_get_it(sweep_file, capsys, monkeypatch):
     monkeypatch.setattr(sweep_run, "ray_available", lambda: False)
     assert main(["sweep", str(sweep_file), "--ray"]) == 2

@@ -25,7 +25,8 @@ DEFAULT_TINY_TRACE = DATA_DIR / "tiny-mixtral-sharegpt-humaneval.parquet"
 TINY_HISTORY_TRACE = DATA_DIR / "tiny-mixtral-history.parquet"
 
 # Names a command accepts in place of a trace file.
-BUNDLED_TRACES = {"olmoe": DEFAULT_TRACE, "tiny": DEFAULT_TINY_TRACE, "tiny-history": TINY_HISTORY_TRACE}
+DEFAULT_TRACE_NAME = "olmoe"  # what the commands call DEFAULT_TRACE
+BUNDLED_TRACES = {DEFAULT_TRACE_NAME: DEFAULT_TRACE, "tiny": DEFAULT_TINY_TRACE, "tiny-history": TINY_HISTORY_TRACE}
 
 
 def trace_path(name: str) -> Path:

@@ -115,7 +115,7 @@ def run_show(args) -> int:
     out = _console()
     out.print(f"[bold]{profile.name}[/]  ({profile.path})")
     if profile.description:
-        out.print(profile.description)
+        out.print(profile.description, markup=False)  # a profile's text is the user's: "[host]" is not a style
     out.print("tiers, fastest first:")
     for tier in profile.tiers:
         out.print(f"  {tier.name:<8} {format_bytes(tier.capacity_bytes):>10}")
@@ -137,11 +137,12 @@ def run_show(args) -> int:
         if profile.host.on_compute_device:
             out.print("  the host computes the fast tier's experts too: its experts run after those, no link crossed")
     else:
-        out.print("  no [host] compute: no expert can be computed on the host (static placements, fetch-or-compute)")
+        out.print("  no [host] compute: no expert can be computed on the host (static placements, fetch-or-compute)",
+                  markup=False)
     if compute.slowdown_while_loading != 1:
         out.print(f"  compute runs {compute.slowdown_while_loading:.3g}x slower while a transfer runs")
     for policy, seconds in profile.decision_s:
-        out.print(f"  one eviction decision of {policy}: {seconds * 1e6:.1f} us (measured, [decision_s])")
+        out.print(f"  one eviction decision of {policy}: {seconds * 1e6:.1f} us (measured, [decision_s])", markup=False)
     if profile.runtime is not None:  # hardware/profile.py RuntimeChoices: what generate/serve --hardware take
         choices = profile.runtime
         out.print(f"runtime choices on {choices.device} (generate/serve --hardware, where --dtype and "
@@ -152,7 +153,7 @@ def run_show(args) -> int:
     if profile.sources:
         out.print("sources:")
         for source in profile.sources:
-            out.print(f"  - {source}")
+            out.print(f"  - {source}", markup=False)
     return 0
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe_offload.bundled import DEFAULT_TRACE, trace_path
+from moe_offload.bundled import DEFAULT_TRACE, DEFAULT_TRACE_NAME, trace_path
 from moe_offload.errors import ConfigError
 from moe_offload.outputs import check_output, write_atomically
 from moe_offload.policies import POLICIES, policy_info
@@ -27,6 +27,13 @@ DEFAULT_TIMED_POLICIES = "lru"
 TIMED_DEFAULTS = {"hardware": None, "prefetch": "none", "prefetch_option": [], "history": None, "expert_bytes": None,
                   "arrivals": "trace", "max_batch": 8, "timed_json": None, "plot_cdf": None, "plot_timeline": None,
                   "timeline_iteration": None, "split_config": None, "reconfigure_every": None, "granularity": 0.01}
+
+
+
+def trace_labels(traces: list[str]) -> list[str]:
+    """The names the tables and results give the traces: as the command line wrote them (``tiny``, not the
+    bundled file's path), as a sweep file's names are kept; the bundled OLMoE trace when none is given."""
+    return list(traces) or [DEFAULT_TRACE_NAME]
 
 
 def register(subparsers) -> None:
@@ -216,13 +223,13 @@ def run(args) -> int:
     jobs(args.jobs)
     integer(args.seed, "--seed", low=0)
     inputs, plans = [], []
-    for path in paths:  # read and check everything before the first run
+    for path, label in zip(paths, trace_labels(args.traces)):  # read and check everything before the first run
         trace = read_trace(path)
         check_components(trace.meta, policies, options, args.seed)
         table_sizes = cache_sizes(args.cache_size, "--cache-size", trace.meta.num_expert_slots)
         check_some_run_possible(path, trace.meta, policies, table_sizes)
         sizes = sorted(set(table_sizes) | set(sweep_sizes(trace.meta, args.plot_points) if args.plot else ()))
-        inputs.append(ReplayInput.of(trace, name=path if args.traces else Path(path).name))
+        inputs.append(ReplayInput.of(trace, name=label))
         plans.append((table_sizes, sizes))
 
     stderr = Console(stderr=True)
@@ -325,7 +332,7 @@ def run_timed(args) -> int:
     reconfiguration = (Reconfiguration(args.reconfigure_every, args.granularity)
                        if args.reconfigure_every is not None else None)
     plans = []
-    for path in paths:  # read and check everything before the first run
+    for path, label in zip(paths, trace_labels(args.traces)):  # read and check everything before the first run
         trace = read_trace(path)
         check_components(trace.meta, policies, options, args.seed, running, prefetch_options)
         expert_bytes = (parse_bytes(args.expert_bytes, "--expert-bytes") if args.expert_bytes
@@ -347,7 +354,7 @@ def run_timed(args) -> int:
             for size in sizes:
                 check_timed_run(trace, hardware, policy, size, expert_bytes, arrivals, split, args.split_config,
                                 reconfiguration, fetch_or_compute=args.fetch_or_compute)
-        plans.append((path if args.traces else Path(path).name, trace, expert_bytes, sizes))
+        plans.append((label, trace, expert_bytes, sizes))
 
     stderr = Console(stderr=True)
     results = []

@@ -23,7 +23,7 @@ class OraclePrefetcher(Prefetcher):
     name = "oracle"
     reads_future = True
     summary = "knows the future: the true experts of the next `distance` layers, nearer layers first"
-    source = "the bound for every prefetcher (issue 3); paper 002, section 8, bounds its caching by an oracle"
+    source = "the bound for every prefetcher; paper 002, section 8, bounds its caching by an oracle"
 
     def __init__(self, spec, distance: int = DEFAULT_DISTANCE):
         super().__init__(spec)

@@ -271,6 +271,8 @@ def _lock(path: Path) -> int:
 
     lock = path.with_name(f".{path.name}.lock")
     try:
+        # the output's folder may not exist yet: check_output vouched it can be made, atomic_output makes it too
+        path.parent.mkdir(parents=True, exist_ok=True)
         descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as exc:
         raise ConfigError(f"{lock}: cannot create the lock of the sweep results: {exc.strerror or exc}") from None
