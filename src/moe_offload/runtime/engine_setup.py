@@ -86,7 +86,7 @@ def read_split(split_config, preload, reconfiguration, hardware, budget_bytes, m
                                           compute_expert_bytes, budget_bytes)
     if preload:
         raise ConfigError(f"{source}: the split runtime loads into the tops and the buffer as experts are needed; "
-                          "it does not preload yet")
+                          "it does not preload")
     return (config, source), online
 
 
