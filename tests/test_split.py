@@ -29,8 +29,9 @@ def test_one_layer_one_link_one_expert_split_in_halves_by_hand():
     # One layer, one expert needed by three tokens; its top half (50 B) is cached, the bottom half (50 B) is
     # fetched every time. The link carries 50 B/s: a whole expert takes 0.5 + 100/50 = 2.5 s, a bottom
     # segment 0.5 + 50/50 = 1.5 s. The top half computes in 0.5 x 2 = 1 s, the bottom half in 1 s.
-    #   token 0: attention 0 -> 1, router -> 1.25; nothing cached: the whole expert 1.25 -> 3.75 (stall 2.5),
-    #            its top is cached; top half 3.75 -> 4.75, bottom half -> 5.75, LM head -> 6.25   TTFT 6.25
+    #   token 0: attention 0 -> 1, router -> 1.25; nothing cached: the whole expert 1.25 -> 3.75 (stall 2.5)
+    #            into the empty buffer of K = 1 expert (100 B), its top cached as it lands; top half 3.75 -> 4.75,
+    #            bottom half -> 5.75 (then it leaves the buffer), LM head -> 6.25                 TTFT 6.25
     #   token 1: attention -> 7.25, router -> 7.5; the top is cached: the bottom loads 7.5 -> 9.0 while the
     #            top half computes 7.5 -> 8.5; stall 8.5 -> 9.0 (0.5); bottom half 9.0 -> 10.0, LM head -> 10.5
     #   token 2: the same 4.25 s later: 14.75                                  TPOT (14.75 - 6.25) / 2 = 4.25
@@ -57,7 +58,8 @@ def test_one_layer_one_link_one_expert_split_in_halves_by_hand():
 def test_a_prefetched_bottom_segment_lands_in_the_buffer_by_hand():
     # As above at 100 B/s (whole expert 1.5 s, bottom segment 1.0 s), with a prefetcher proposing layer 0's
     # expert before each iteration.
-    #   token 0: prefetch of the whole expert 0 -> 1.5; router ends 1.25, stall 0.25 (a late prefetch);
+    #   token 0: prefetch of the whole expert 0 -> 1.5 into the empty buffer (100 B: room for it), its top
+    #            cached as it lands; router ends 1.25, stall 0.25 (a late prefetch);
     #            top half 1.5 -> 2.5, bottom half -> 3.5, LM head -> 4.0                          TTFT 4.0
     #   token 1: the prefetch of the bottom 4.0 -> 5.0 lands in the buffer before the router ends at 5.25;
     #            both halves 5.25 -> 7.25, LM head -> 7.75: no stall                              TPOT 3.75
@@ -111,8 +113,10 @@ def test_theta_one_with_prefetches_waits_for_the_buffer_the_partitioned_run_does
 
 
 def test_theta_one_with_smaller_caches_is_the_partitioned_run():
-    # Top-1 decode, two cached experts per layer: the cache never has to refuse a top (nothing pinned but the
-    # expert being loaded), so the split run evicts as lru-dist does on a cache of 2 L experts.
+    # Top-1 decode, two cached experts per layer, no prefetching: a miss loads the whole expert into the buffer of
+    # K = 1 expert, alone there (the previous layer's expert has run and left it) and in time as in the unsplit
+    # run; its top is cached as it lands and the cache never has to refuse it (nothing pinned or buffered but the
+    # expert itself), so the split run evicts as lru-dist does on a cache of 2 L experts.
     trace = multi_request(zipf_trace(num_layers=4, num_experts=8, top_k=1, length=80, a=0.8, b=1.0, seed=3,
                                      shuffle=True), requests=2)
     split = simulate_timed(trace, profile(), "lru-dist", split=SplitConfig((LayerSplitPlan(2, 1.0),) * 4))
