@@ -330,6 +330,13 @@ def test_the_buffer_of_k_experts_is_shared_a_demand_drops_speculation_a_prefetch
     assert experts.buffer.used == 0 and experts.reserve(3, ctx, 100) and not experts.reserve(2, ctx, 50)
     experts.complete(3, ctx, layer_now=-1)  # its layer is ahead: the top is cached (evicting LRU's 0) and held
     assert 3 in experts.tops[0] and 0 not in experts.tops[0] and 3 in experts.held and experts.buffer.used == 100
+    experts.consume(3)
+    experts.release(3)  # layer 0 routed without it: the hold ends
+    # a whole copy of expert 0 that lands after its layer was routed without it (layer_now = 0, not pinned) caches
+    # no top: the tops stay 1, 2, 3 (the driver drops the copy from the buffer, tiers.py)
+    assert experts.transfer_bytes(0) == 100 and experts.reserve(0, ctx, 100)
+    experts.complete(0, ctx, layer_now=0)
+    assert sorted(experts.tops[0].resident) == [1, 2, 3] and experts.buffer.used == 100 and not experts.held
     with pytest.raises(ConfigError, match="buffer of 2 experts"):
         SplitConfig((LayerSplitPlan(4, 1.0),)).check(1, 4, 2, E, "gpu", 5 * E)  # 4 tops + 2 buffered > 5
 
