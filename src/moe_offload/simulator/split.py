@@ -14,7 +14,8 @@ consumed once its expert has run, and dropped when its layer is routed without i
 layer it was fetched for (a whole copy landing after its layer passed without it caches no top). The runtime
 does the same (runtime/segment_tier.py); the paper says only that a missed expert's top replaces the
 lowest-priority one, not when: both cache it as it lands, so that a prefetched expert's top is there for the
-next token. The copy from the buffer into the cache takes no time here (it stays inside the GPU).
+next token. The copy from the buffer into the cache takes no time here (it stays inside the GPU), and no
+transfer waits for the evictions it makes (timed/decisions.py times the evictions that make room for a transfer).
 
 The buffer is the paper's U_b, "the size of K complete experts" (section 4.1), one for the whole model as
 in equation 8's VRAM constraint U_n + sum V_i + U_b <= V, not one per layer: the segments of the layer
