@@ -258,7 +258,8 @@ class SplitExperts:
     def reserve(self, key: int, ctx: AccessContext, nbytes: int, protect=()) -> bool:
         """Make room in the buffer for a transfer of ``nbytes`` (``transfer_bytes(key)``): the bottom segment when
         the top is cached, else the whole expert, whose top is offered to the cache when it lands (``complete``).
-        False, with nothing changed, when the buffer has no room."""
+        False, with nothing changed, when the buffer has no room. ``protect``, what a prefetch into a cache of
+        whole experts spares, has no use here: making room in the buffer evicts no top."""
         if not self._buffer_room(nbytes, ctx):
             return False
         self.buffer.reserve(key, nbytes)
