@@ -29,8 +29,9 @@ def test_one_layer_one_link_one_expert_split_in_halves_by_hand():
     # One layer, one expert needed by three tokens; its top half (50 B) is cached, the bottom half (50 B) is
     # fetched every time. The link carries 50 B/s: a whole expert takes 0.5 + 100/50 = 2.5 s, a bottom
     # segment 0.5 + 50/50 = 1.5 s. The top half computes in 0.5 x 2 = 1 s, the bottom half in 1 s.
-    #   token 0: attention 0 -> 1, router -> 1.25; nothing cached: the whole expert 1.25 -> 3.75 (stall 2.5),
-    #            its top is cached; top half 3.75 -> 4.75, bottom half -> 5.75, LM head -> 6.25   TTFT 6.25
+    #   token 0: attention 0 -> 1, router -> 1.25; nothing cached: the whole expert 1.25 -> 3.75 (stall 2.5)
+    #            into the empty buffer of K = 1 expert (100 B), its top cached as it lands; top half 3.75 -> 4.75,
+    #            bottom half -> 5.75 (then it leaves the buffer), LM head -> 6.25                 TTFT 6.25
     #   token 1: attention -> 7.25, router -> 7.5; the top is cached: the bottom loads 7.5 -> 9.0 while the
     #            top half computes 7.5 -> 8.5; stall 8.5 -> 9.0 (0.5); bottom half 9.0 -> 10.0, LM head -> 10.5
     #   token 2: the same 4.25 s later: 14.75                                  TPOT (14.75 - 6.25) / 2 = 4.25
@@ -57,7 +58,8 @@ def test_one_layer_one_link_one_expert_split_in_halves_by_hand():
 def test_a_prefetched_bottom_segment_lands_in_the_buffer_by_hand():
     # As above at 100 B/s (whole expert 1.5 s, bottom segment 1.0 s), with a prefetcher proposing layer 0's
     # expert before each iteration.
-    #   token 0: prefetch of the whole expert 0 -> 1.5; router ends 1.25, stall 0.25 (a late prefetch);
+    #   token 0: prefetch of the whole expert 0 -> 1.5 into the empty buffer (100 B: room for it), its top
+    #            cached as it lands; router ends 1.25, stall 0.25 (a late prefetch);
     #            top half 1.5 -> 2.5, bottom half -> 3.5, LM head -> 4.0                          TTFT 4.0
     #   token 1: the prefetch of the bottom 4.0 -> 5.0 lands in the buffer before the router ends at 5.25;
     #            both halves 5.25 -> 7.25, LM head -> 7.75: no stall                              TPOT 3.75
@@ -70,26 +72,51 @@ def test_a_prefetched_bottom_segment_lands_in_the_buffer_by_hand():
     assert (result.prefetches_issued, result.prefetches_used, result.hits) == (2, 2, 1)
 
 
-@pytest.mark.parametrize("prefetcher", [None, "oracle"])
-def test_theta_one_with_every_expert_cached_is_the_partitioned_run(prefetcher):
-    # theta = 1 and C_i = J: the top segment is the whole expert, the buffer takes no bytes, and each layer's
-    # cache is the partition of lru-dist over a cache of all L x J experts. The memory reported counts the
-    # buffer of K = 2 experts all the same.
+def partitioned_pair(prefetcher):
+    """A split run with theta = 1 and C_i = J (three layers of 8 experts, top-2) and the unsplit run of lru-dist
+    over a cache of all L x J experts, whose partition each layer's cache of tops then is."""
     trace = multi_request(zipf_trace(num_layers=3, num_experts=8, top_k=2, length=60, a=1.0, b=1.0, seed=5,
                                      shuffle=True), requests=3)
     whole = SplitConfig(tuple(LayerSplitPlan(8, 1.0) for _ in range(3)))
-    split = simulate_timed(trace, profile(), "lru-dist", split=whole, prefetcher=prefetcher)
-    partitioned = simulate_timed(trace, profile(), "lru-dist", 3 * 8 * E, prefetcher=prefetcher)
-    same = ("ttft_seconds", "tpot_seconds", "stall_seconds", "per_layer_stall_seconds", "hits", "misses",
-            "on_demand_loads", "bytes_per_link", "prefetches_issued", "prefetches_used", "request_ttft_seconds",
-            "request_tpot_seconds", "token_latency_seconds", "total_seconds")
+    return (simulate_timed(trace, profile(), "lru-dist", split=whole, prefetcher=prefetcher),
+            simulate_timed(trace, profile(), "lru-dist", 3 * 8 * E, prefetcher=prefetcher))
+
+
+TIMINGS = ("ttft_seconds", "tpot_seconds", "stall_seconds", "per_layer_stall_seconds", "request_ttft_seconds",
+           "request_tpot_seconds", "token_latency_seconds", "total_seconds", "bytes_per_link", "on_demand_loads")
+
+
+def test_theta_one_with_every_expert_cached_is_the_partitioned_run():
+    # theta = 1 and C_i = J: the top segment is the whole expert and nothing is ever evicted. A miss loads the
+    # whole expert through the buffer of K = 2 experts, its top cached as it lands; the buffer holds at most one
+    # expert computing and one on the wire or landed. Each expert computes at least 2 s, longer than a load
+    # (1.5 s), so the next load has room before the link would have carried it: the unsplit run's timeline,
+    # the same hits. The memory reported counts the buffer of K = 2 experts all the same.
+    split, partitioned = partitioned_pair(None)
+    same = TIMINGS + ("hits", "misses")
     assert {name: getattr(split, name) for name in same} == {name: getattr(partitioned, name) for name in same}
     assert (split.cache_bytes, split.cache_size) == (partitioned.cache_bytes + 2 * E, 3 * 8 + 2)
 
 
+def test_theta_one_with_prefetches_waits_for_the_buffer_the_partitioned_run_does_not_have():
+    # With the oracle's prefetches the unsplit run reserves every prefetched expert its room in the cache at
+    # once; the split run puts each into the buffer of K = 2 whole experts, where it waits for room (the
+    # paper's U_b). The same experts are prefetched and used (the cache of tops never evicts), and the waits
+    # hide behind the compute (2 s per expert against 1.5 s per load, as above): the same timeline. But a
+    # prefetch that started later may still be on the wire when its layer is routed: used, not a hit (here 348
+    # hits against 352).
+    split, partitioned = partitioned_pair("oracle")
+    assert {name: getattr(split, name) for name in TIMINGS} == {name: getattr(partitioned, name) for name in TIMINGS}
+    assert (split.prefetches_issued, split.prefetches_used) == (partitioned.prefetches_issued,
+                                                                partitioned.prefetches_used)
+    assert split.hits <= partitioned.hits and split.hits + split.misses == partitioned.hits + partitioned.misses
+
+
 def test_theta_one_with_smaller_caches_is_the_partitioned_run():
-    # Top-1 decode, two cached experts per layer: the cache never has to refuse a top (nothing pinned but the
-    # expert being loaded), so the split run evicts as lru-dist does on a cache of 2 L experts.
+    # Top-1 decode, two cached experts per layer, no prefetching: a miss loads the whole expert into the buffer of
+    # K = 1 expert, alone there (the previous layer's expert has run and left it) and in time as in the unsplit
+    # run; its top is cached as it lands and the cache never has to refuse it (nothing pinned or buffered but the
+    # expert itself), so the split run evicts as lru-dist does on a cache of 2 L experts.
     trace = multi_request(zipf_trace(num_layers=4, num_experts=8, top_k=1, length=80, a=0.8, b=1.0, seed=3,
                                      shuffle=True), requests=2)
     split = simulate_timed(trace, profile(), "lru-dist", split=SplitConfig((LayerSplitPlan(2, 1.0),) * 4))
@@ -220,31 +247,42 @@ def gated_trace(layer_experts, gate, **columns) -> "Trace":
                        **columns)
 
 
-@pytest.mark.parametrize("prefetches, ttft, issued", [(3, 9.75, 3), (2, 10.0, 2), (1, 10.0, 1)])
-def test_moepic_prefetches_the_configurations_y_even_beyond_k(prefetches, ttft, issued):
-    # Paper 004, equation 11: the configuration's Y counts the predicted experts whose loads fit the window;
-    # the prefetcher takes it from the split configuration the run uses. Two layers of 4 experts, top-1, one
-    # token routed to expert 0 then expert 2, which layer 1's prediction ranks third (0.4, 0.3, 0.2, 0.1).
-    # theta = 1: a top segment is a whole expert (1.5 s over the link), layer 1 caches up to 4.
-    #   attention 0 -> 1, router -> 1.25; layer 0's expert loads on demand 1.25 -> 2.75 and computes -> 4.75;
-    #   the prefetches of layer 1 follow on the link: expert 0 2.75 -> 4.25, expert 1 -> 5.75, expert 2 -> 7.25
-    #   layer 1: attention 4.75 -> 5.75, router -> 6.0. With Y = 3 expert 2 is on the wire (a late prefetch):
-    #   it computes 7.25 -> 9.25, LM head -> 9.75. With Y <= 2 it loads on demand 6.0 -> 7.5: TTFT 10.0.
+@pytest.mark.parametrize("prefetches, ttft, issued", [(0, 10.0, 0), (1, 10.25, 1), (3, 10.25, 1)])
+def test_a_whole_expert_prefetch_waits_for_room_in_the_buffer_of_k_experts_by_hand(prefetches, ttft, issued):
+    # Paper 004: the configuration's Y counts the predicted experts whose loads fit the window (equation 11), and
+    # they are prefetched, "the bottom segments (or full-size experts)", into the buffer U_b of K complete
+    # experts (sections 3.1, 4.1): a whole expert in flight takes a whole expert of it, its top goes to the
+    # layer's cache when it lands. Two layers of 4 experts, top-1 (K = 1: a buffer of 100 B), one token routed
+    # to expert 0 then expert 2, which layer 1's prediction ranks third (0.4, 0.3, 0.2, 0.1). theta = 1: a top
+    # segment is the whole expert (1.5 s over the link), layer 1 caches up to 4 tops, none cached yet.
+    #   attention 0 -> 1, router -> 1.25; layer 0's expert 0 loads on demand into the buffer 1.25 -> 2.75 (its
+    #   top is cached as it lands), computes 2.75 -> 4.75 and then leaves the buffer.
+    #   Y = 0: layer 1's attention 4.75 -> 5.75, router -> 6.0; expert 2 loads on demand 6.0 -> 7.5, computes
+    #          -> 9.5, LM head -> 10.0.
+    #   Y >= 1: layer 1's first prediction, expert 0, is proposed at 1.25 but waits for the buffer until layer
+    #          0's expert has run: 4.75 -> 6.25 (the accounting that cached the top at once started it at 2.75,
+    #          when the link was free). At the router, 6.0, it is on the wire and not needed: the demand load of
+    #          expert 2 waits for the buffer too, until expert 0 lands at 6.25 and leaves it at once (its layer
+    #          passed without it; its top is not cached): 6.25 -> 7.75, computes -> 9.75, LM head -> 10.25.
+    #          Y = 3 issues no more: the second and third predictions never find room before the router, which
+    #          withdraws them.
     trace = gated_trace([[0, 2]], [[0.4, 0.3, 0.2, 0.1]])
     config = SplitConfig((LayerSplitPlan(1, 1.0, 0), LayerSplitPlan(4, 1.0, prefetches)))
-    result = simulate_timed(trace, profile(), "lru", split=config, prefetcher="moepic")
+    result = simulate_timed(trace, profile(), "lru", split=config, prefetcher="moepic", timeline_iteration=0)
     assert result.ttft_seconds == pytest.approx(ttft)
-    assert (result.prefetches_issued, result.prefetches_used) == (issued, 1 if prefetches == 3 else 0)
+    assert (result.prefetches_issued, result.prefetches_used) == (issued, 0)
+    later = [("prefetch", 4, 4.75, 6.25), ("demand", 6, 6.25, 7.75)] if prefetches else [("demand", 6, 6.0, 7.5)]
+    assert [event[1:] for event in transfers(result)] == [("demand", 0, 1.25, 2.75)] + later  # keys: layer x 4 + j
 
 
-def test_moepic_without_a_configuration_fills_the_layers_window():
+def test_moepic_without_a_configuration_fills_the_window_as_far_as_the_buffer_allows():
     # No Y given: the loads that complete before the router fires. The window of layer 1 is layer 0's expert
-    # (2 s), layer 1's attention (1 s) and router (0.25 s): 3.25 s, floor(3.25 / 1.5) = 2 loads, as Y = 2 above
-    # (the third would start at 5.75 and still be on the wire at the router, 6.0).
+    # (2 s), layer 1's attention (1 s) and router (0.25 s): 3.25 s, floor(3.25 / 1.5) = 2 loads; but the buffer of
+    # K = 1 whole expert takes one at a time, from 4.75 (layer 0's expert left it): the timeline of Y >= 1 above.
     trace = gated_trace([[0, 2]], [[0.4, 0.3, 0.2, 0.1]])
     config = SplitConfig((LayerSplitPlan(1, 1.0), LayerSplitPlan(4, 1.0)))
     result = simulate_timed(trace, profile(), "lru", split=config, prefetcher="moepic")
-    assert (result.ttft_seconds, result.prefetches_issued) == (pytest.approx(10.0), 2)
+    assert (result.ttft_seconds, result.prefetches_issued) == (pytest.approx(10.25), 1)
 
 
 def test_the_buffer_of_k_experts_is_shared_a_demand_drops_speculation_a_prefetch_waits():
@@ -270,6 +308,35 @@ def test_the_buffer_of_k_experts_is_shared_a_demand_drops_speculation_a_prefetch
     ctx.prefetch, ctx.pinned = False, {0}    # layer 0 needs expert 0 now: the demand drops the speculation
     assert experts.reserve(0, ctx, 80)
     assert 4 not in experts.buffer.resident and experts.buffer.used == 80
+
+    # theta = 0.5, C = 3 in one layer: bottoms of 50 B, so two prefetched bottoms fit in the buffer of K = 1 expert
+    # (Y beyond K), a third waits; a whole expert needs all 100 B: it waits while anything is buffered, and its top
+    # is cached only once it lands, the whole copy staying in the buffer until it has run.
+    experts = SplitExperts(SplitConfig((LayerSplitPlan(3, 0.5),)), num_experts=4, top_k=1, expert_bytes=E,
+                           make_policy=lambda: LRU(None))
+    ctx.prefetch, ctx.pinned = False, set()
+    for key in (0, 1, 2):
+        assert experts.reserve(key, ctx, E) and key not in experts.tops[0]
+        experts.complete(key, ctx)
+        assert key in experts.tops[0] and experts.buffer.used == E
+        experts.consume(key)
+    ctx.prefetch = True
+    assert [experts.transfer_bytes(key) for key in range(4)] == [50, 50, 50, 100]
+    assert experts.reserve(0, ctx, 50) and experts.reserve(1, ctx, 50) and not experts.reserve(2, ctx, 50)
+    assert not experts.reserve(3, ctx, 100)
+    for key in (0, 1):
+        experts.complete(key, ctx)
+        experts.consume(key)
+    assert experts.buffer.used == 0 and experts.reserve(3, ctx, 100) and not experts.reserve(2, ctx, 50)
+    experts.complete(3, ctx, layer_now=-1)  # its layer is ahead: the top is cached (evicting LRU's 0) and held
+    assert 3 in experts.tops[0] and 0 not in experts.tops[0] and 3 in experts.held and experts.buffer.used == 100
+    experts.consume(3)
+    experts.release(3)  # layer 0 routed without it: the hold ends
+    # a whole copy of expert 0 that lands after its layer was routed without it (layer_now = 0, not pinned) caches
+    # no top: the tops stay 1, 2, 3 (the driver drops the copy from the buffer, tiers.py)
+    assert experts.transfer_bytes(0) == 100 and experts.reserve(0, ctx, 100)
+    experts.complete(0, ctx, layer_now=0)
+    assert sorted(experts.tops[0].resident) == [1, 2, 3] and experts.buffer.used == 100 and not experts.held
     with pytest.raises(ConfigError, match="buffer of 2 experts"):
         SplitConfig((LayerSplitPlan(4, 1.0),)).check(1, 4, 2, E, "gpu", 5 * E)  # 4 tops + 2 buffered > 5
 

@@ -4,10 +4,18 @@ configuration of `moe-offload configure`.
 Layer i caches the *top segments*, theta_i of an expert's bytes each, of up to C_i experts, in a cache of
 its own (C_i top segments, V_i = theta_i C_i experts' worth of VRAM) managed by the run's eviction policy.
 The rest of an expert, its *bottom segment*, is fetched when needed into the prefetch buffer: only the
-bottom segment when the top is cached, else the whole expert, whose top segment is then cached if the
-policy makes room for it (else the whole copy waits in the buffer). A buffered segment is consumed once its
-expert has run, and dropped when its layer is routed without it: the buffer serves the layer it was
-fetched for.
+bottom segment when the top is cached, else the whole expert (paper 004 prefetches "the bottom segments (or
+full-size experts) of the next layer's predicted experts into VRAM's buffer", section 3.1). A whole expert
+takes a whole expert's bytes of the buffer from the start of its transfer until it has run; when it lands its
+top segment is copied into the layer's cache if the policy makes room for it ("once the cache miss, MoEpic
+evicts the lowest-priority expert from VRAM, and replaces it with the newly loaded expert", section 3.3),
+never evicting a top that the current layer computes with or whose expert is buffered. A buffered segment is
+consumed once its expert has run, and dropped when its layer is routed without it: the buffer serves the
+layer it was fetched for (a whole copy landing after its layer passed without it caches no top). The runtime
+does the same (runtime/segment_tier.py); the paper says only that a missed expert's top replaces the
+lowest-priority one, not when: both cache it as it lands, so that a prefetched expert's top is there for the
+next token. The copy from the buffer into the cache takes no time here (it stays inside the GPU), and no
+transfer waits for the evictions it makes (timed/decisions.py times the evictions that make room for a transfer).
 
 The buffer is the paper's U_b, "the size of K complete experts" (section 4.1), one for the whole model as
 in equation 8's VRAM constraint U_n + sum V_i + U_b <= V, not one per layer: the segments of the layer
@@ -39,7 +47,7 @@ from moe_offload.errors import ConfigError
 from moe_offload.inputs import parse_json, read_text
 from moe_offload.hardware.profile import format_bytes
 from moe_offload.policies.base import AccessContext
-from moe_offload.simulator.cache import ExpertCache
+from moe_offload.simulator.cache import ExpertCache, predicted_no_later_than
 from moe_offload.values import integer, number
 
 
@@ -248,41 +256,38 @@ class SplitExperts:
         return bool(dropped)
 
     def reserve(self, key: int, ctx: AccessContext, nbytes: int, protect=()) -> bool:
-        """Make room for a transfer of ``nbytes`` (``transfer_bytes(key)``): a bottom segment in the buffer, or a
-        whole expert's top in the cache (tops of pinned or buffered experts are never evicted) and its bottom in
-        the buffer, or, when the cache cannot make room, the whole expert in the buffer. False, with nothing
-        changed in the caches, when the buffer has no room."""
-        layer = key // self.J
-        buffer, bottom = self.buffer, self._bottom_bytes(layer)
-        if nbytes == bottom:
-            if not self._buffer_room(bottom, ctx):
-                return False
-            buffer.reserve(key, bottom)
-            return True
-        if not self._buffer_room(bottom, ctx):
+        """Make room in the buffer for a transfer of ``nbytes`` (``transfer_bytes(key)``): the bottom segment when
+        the top is cached, else the whole expert, whose top is offered to the cache when it lands (``complete``).
+        False, with nothing changed, when the buffer has no room. ``protect``, what a prefetch into a cache of
+        whole experts spares, has no use here: making room in the buffer evicts no top."""
+        if not self._buffer_room(nbytes, ctx):
             return False
-        pinned = ctx.pinned
-        ctx.pinned = pinned | buffer.reserved.keys() | buffer.resident.keys()
-        try:
-            admitted = self.tops[layer].reserve(key, ctx, self.top_bytes[layer], protect)
-        finally:
-            ctx.pinned = pinned
-        if admitted:
-            if bottom:
-                buffer.reserve(key, bottom)
-            return True
-        if not self._buffer_room(self.E, ctx):
-            return False
-        buffer.reserve(key, self.E)
-        self.whole.add(key)
+        self.buffer.reserve(key, nbytes)
+        if key not in self.tops[key // self.J]:
+            self.whole.add(key)
         return True
 
-    def complete(self, key: int, ctx: AccessContext) -> None:
-        top, buffer = self.tops[key // self.J], self.buffer
-        if key in top.reserved:
-            top.complete(key, ctx)
-        if key in buffer.reserved:
-            buffer.complete(key)
+    def complete(self, key: int, ctx: AccessContext, layer_now: int = -1, predicted=()) -> None:
+        """``key``'s segment has landed in the buffer. A whole copy's top is offered to its layer's cache unless
+        its layer was routed without it (``layer_now``: the layer routed last; the copy then leaves the buffer,
+        tiers.py), never evicting a top that the current layer computes with (``ctx.pinned``) or whose expert is
+        buffered; the top of a prefetch not needed yet is held, and spares the residents predicted
+        (``predicted``) for layers no later than its own (simulator/cache.py)."""
+        self.buffer.complete(key)
+        layer = key // self.J
+        top = self.tops[layer]
+        if key not in self.whole or key in top or (layer <= layer_now and key not in ctx.pinned):
+            return
+        held = ctx.prefetch and key not in ctx.pinned
+        protect = predicted_no_later_than(predicted, key, layer_now, self.J, len(self.tops)) \
+            if held and predicted else ()
+        pinned, prefetch = ctx.pinned, ctx.prefetch
+        ctx.pinned, ctx.prefetch = pinned | self.buffer.reserved.keys() | self.buffer.resident.keys(), held
+        try:
+            if top.reserve(key, ctx, self.top_bytes[layer], protect):
+                top.complete(key, ctx)
+        finally:
+            ctx.pinned, ctx.prefetch = pinned, prefetch
 
     def consume(self, key: int) -> None:
         """``key`` has run (or its layer passed without it): its buffered segment leaves the buffer."""

@@ -199,7 +199,10 @@ class TierNetwork:
         ctx.prefetch = not load.demand
         if self.next_use_after is not None:
             ctx.next_use = self.next_use_after(key)
-        self.caches[link - 1].complete(key, ctx)
+        if link == 1 and self.split is not None:  # a whole copy's top is offered to the cache as it lands
+            self.split.complete(key, ctx, self.layer_now, self.predicted)
+        else:
+            self.caches[link - 1].complete(key, ctx)
         ctx.prefetch = False
         if link == 1 and self.split is not None and key // self.J <= self.layer_now and key not in self.pinned:
             self.split.consume(key)  # its layer was routed without it: the buffer serves the layer ahead
