@@ -34,3 +34,17 @@ def test_a_weight_already_in_the_compute_dtype_is_the_weight_itself():
     assert compute_ready(weight, torch.bfloat16) is weight
     assert torch.equal(compute_ready(torch.tensor([1.5, -2.0], dtype=torch.float16), torch.float32),
                        torch.tensor([1.5, -2.0]))
+
+
+def test_each_role_converts_into_its_own_buffer_at_every_call():
+    """No allocation per call (a new tens-of-MiB tensor may page-fault in afresh every time): the same role,
+    shape and dtype land in the same memory, with the new weight's values; another role never overwrites it."""
+    first = compute_ready(torch.full((4, 3), 1.5, dtype=torch.float16), torch.float32, "gate_up_proj")
+    down = compute_ready(torch.full((4, 3), -2.0, dtype=torch.float16), torch.float32, "down_proj")
+    second = compute_ready(torch.full((4, 3), 3.0, dtype=torch.float16), torch.float32, "gate_up_proj")
+    assert second.data_ptr() == first.data_ptr() and down.data_ptr() != first.data_ptr()
+    assert torch.equal(second, torch.full((4, 3), 3.0)) and torch.equal(down, torch.full((4, 3), -2.0))
+    via_float32 = compute_ready(torch.full((4, 3), 0.1, dtype=torch.float16), torch.bfloat16, "gate_up_proj")
+    again = compute_ready(torch.full((4, 3), 0.2, dtype=torch.float16), torch.bfloat16, "gate_up_proj")
+    assert again.data_ptr() == via_float32.data_ptr()
+    assert torch.equal(again, torch.full((4, 3), 0.2, dtype=torch.float16).to(torch.bfloat16))
