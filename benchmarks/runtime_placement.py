@@ -141,8 +141,10 @@ def main(argv=None) -> int:
     profile = HardwareProfile.from_dict(measure_hardware(packed, repeats=repeats, model_name=args.model),
                                         path="<measured>")
     slots = int(manifest.num_layers * manifest.num_experts * budget / 100)
+    # the runtime computes in the profile's choice of dtype, and a bypassed expert in that dtype too
+    computed_in = profile.runtime.dtype.get(manifest.expert_dtype or manifest.dtype, "float32")
     print(f"measured profile: host expert {profile.host.expert_seconds(1, manifest.expert_bytes) * 1e3:.3f} ms per "
-          f"token-1 expert; replaying {requests} requests x {max_new_tokens} tokens of {DEFAULT_TINY_TRACE.name}; "
+          f"token-1 expert in {computed_in}; replaying {requests} requests x {max_new_tokens} tokens of {DEFAULT_TINY_TRACE.name}; "
           f"fast tier {slots} of {manifest.num_layers * manifest.num_experts} experts; compute "
           f"{profile.compute.slowdown_while_loading:.3g}x slower while loading, the link out of the files "
           f"{profile.links[-1].slowdown_while_computing:.3g}x slower while computing", flush=True)

@@ -13,7 +13,7 @@ import tomllib
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from model_configs import build, tiny_tokenizer  # noqa: E402
 
@@ -79,7 +79,34 @@ def test_the_measured_dict_is_a_profile_of_this_runtime(measured):
     # on a CPU the fast tier is the host: the host computes the fast tier's experts too, and its own expert is
     # measured as the runtime computes a bypassed one, from the stored copy
     assert profile.host is not None and profile.host.on_compute_device
-    assert "host: the same expert on the host CPU from the host tier's stored copy, converted to float32" in text
+    # in the dtype the runtime computes in with this profile (the hidden states'): its [runtime] choice
+    assert (f"host: the same expert on the host CPU from the host tier's stored copy, converted to "
+            f"{profile.runtime.dtype['float16']} at every call") in text
+
+
+def test_the_hosts_expert_is_timed_in_the_dtype_the_profile_makes_the_runtime_compute_in(packed, monkeypatch):
+    """The runtime given the profile computes in its [runtime] dtype, and a bypassed expert in the dtype of the
+    hidden states: where the forms find bfloat16 fastest, the host's expert is timed converted to bfloat16, its
+    roofline reads 2-byte weights, and the profile says so."""
+    def bfloat16_fastest(manifest, tensors, experts_module, device, repeats, token_counts=None):
+        fast, slow = {1: 1e-3, 64: 2e-3}, {1: 2e-3, 64: 4e-3}
+        return {"float16": {dtype: {"float": {"seconds": fast if dtype == "bfloat16" else slow, "arrival_s": 0.0,
+                                              "slot_bytes": 1}} for dtype in ("float32", "bfloat16", "float16")}}
+    timed = []
+    real = measure.measure_expert_compute
+
+    def recording(module, tensors, device, dtype, repeats, *args, host_copy=False, **kwargs):
+        timed.append((dtype, host_copy))
+        return real(module, tensors, device, dtype, repeats, *args, host_copy=host_copy, **kwargs)
+    monkeypatch.setattr(measure, "measure_forms", bfloat16_fastest)
+    monkeypatch.setattr(measure, "measure_expert_compute", recording)
+    m = measure.measure(packed / "packed", device="cpu", **FAST)
+    assert [dtype for dtype, host_copy in timed if host_copy] == [torch.bfloat16]
+    assert m.host_compute_dtype == "bfloat16"
+    profile = HardwareProfile.from_dict(measure.profile_dict(m))
+    assert profile.runtime.dtype["float16"] == "bfloat16"
+    assert profile.host.roofline.memory_bandwidth_bytes_per_s == pytest.approx(m.host_memory_bandwidth, rel=1e-3)
+    assert "stored copy, converted to bfloat16 at every call" in " ".join(profile.sources)
 
 
 def test_a_cuda_measurement_has_the_runtimes_tiers(packed):
@@ -87,6 +114,7 @@ def test_a_cuda_measurement_has_the_runtimes_tiers(packed):
     tier the data path carries the files straight into GPU memory; with one, both hops."""
     cpu = measure.measure(packed / "packed", device="cpu", **FAST)
     cuda = dataclasses.replace(cpu, device="cuda", device_name="a GPU", compute_dtype="float16",
+                               host_compute_dtype="float32",
                                host_to_gpu_latency_s=1e-5, host_to_gpu_bandwidth=25e9, convert_bandwidth=None,
                                link_seconds=9216 / 5e9, link_alone_s=9216 / 5e9 + 2e-5,
                                link_seconds_decoding=1.5 * 9216 / 5e9, decode_step_s=0.02,

@@ -14,7 +14,9 @@ What the runtime (runtime/engine.py) does with an expert, timed piece by piece o
 - the same expert stored as float16, int8 and int4, in each compute dtype and form the fast tier can hold it
   in (forms.py): the profile's ``[runtime]`` choices of ``--dtype`` and ``--expert-compute`` per expert dtype;
 - the same expert on the host CPU as the runtime computes a bypassed one (models/host_experts.py: from the
-  host tier's copy in the stored dtype, converted to float32 at every call), with the host memory's
+  host tier's copy in the stored dtype, converted at every call to the dtype the runtime computes in with
+  this profile: its ``[runtime]`` choice for the stored dtype, since the host computes in the dtype of the
+  hidden states; float16 to bfloat16 alone costs a float32 expert's whole time), with the host memory's
   streaming read beside it: the profile's ``[host]`` roofline, what a bypassed expert costs (a static
   placement's, or Fiddler's fetch-or-compute rule's). On a CPU machine the host is the processor that
   computes the fast tier's experts too: the profile says so (``[host] on_compute_device``), and the timed
@@ -120,8 +122,9 @@ class Measurements:
     decode_step_s: float | None = None          # one all-resident decode step of the runtime, end to end
     decode_step_streaming_s: float | None = None  # the same while experts stream through the data path
     link_seconds_decoding: float | None = None  # one expert of that stream, while the decode runs
-    host_expert_seconds: dict[int, float] | None = None  # tokens -> the expert on the host CPU (float32)
-    host_memory_bandwidth: float | None = None  # streaming read of the host's memory (float32)
+    host_expert_seconds: dict[int, float] | None = None  # tokens -> the expert on the host CPU (host_compute_dtype)
+    host_memory_bandwidth: float | None = None  # streaming read of the host's memory
+    host_compute_dtype: str = "float32"  # the runtime's compute dtype with this profile: the host's expert's
     elapsed_s: float = 0.0
     expert_deviation: dict[int, float] = field(default_factory=dict)  # tokens -> repeats' largest deviation
     link_deviation: float = 0.0     # the stream's repeats' largest deviation from their median
@@ -251,13 +254,17 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
     expert_seconds, expert_deviation = measure_expert_compute(adapter.experts(0), tensors, device, compute_dtype,
                                                               repeats, weights=quantized_weights(manifest, keys[0],
                                                                                                  device, compute_dtype))
-    cpu = torch.device("cpu")  # a bypassed expert: from the host tier's stored copy, converted at every call
-    host_expert_seconds, _ = measure_expert_compute(adapter.experts(0), tensors, cpu, torch.float32, repeats,
-                                                    weights=quantized_weights(manifest, keys[0], cpu, torch.float32,
+    forms = measure_forms(manifest, tensors, adapter.experts(0), device, repeats)
+    # a bypassed expert: from the host tier's stored copy, converted at every call to the dtype of the hidden
+    # states, which is the compute dtype the runtime takes from this profile's [runtime] choice
+    host_dtype = getattr(torch, runtime_choices(forms)["dtype"].get(manifest.expert_dtype or manifest.dtype,
+                                                                    str(compute_dtype).removeprefix("torch.")))
+    cpu = torch.device("cpu")
+    host_expert_seconds, _ = measure_expert_compute(adapter.experts(0), tensors, cpu, host_dtype, repeats,
+                                                    weights=quantized_weights(manifest, keys[0], cpu, host_dtype,
                                                                               host=True),
                                                     host_copy=True)
     host_memory_bandwidth = memory_bandwidth if device.type == "cpu" else measure_memory_bandwidth(cpu, repeats)
-    forms = measure_forms(manifest, tensors, adapter.experts(0), device, repeats)
     non_expert = measure_non_expert(model, adapter, device, repeats)
     del model
     decode_step, decode_step_streaming, link_decoding = measure_decode_step(
@@ -281,6 +288,7 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
         capacities=sizes, capacity_notes=notes, threads=torch.get_num_threads(), decode_step_s=decode_step,
         decode_step_streaming_s=decode_step_streaming, link_seconds_decoding=link_decoding,
         host_expert_seconds=host_expert_seconds, host_memory_bandwidth=host_memory_bandwidth,
+        host_compute_dtype=str(host_dtype).removeprefix("torch."),
         elapsed_s=time.perf_counter() - started, expert_deviation=expert_deviation, link_deviation=link_deviation,
         load_average=max(load, load_average()), cores=os.cpu_count() or 1, peak_flops=peak, peak_flops_how=peak_how,
         forms=forms)
@@ -348,10 +356,12 @@ def expert_roofline(m: Measurements, host: bool = False) -> dict:
     memory bandwidth is the one-token rate instead. A roofline rather than a linear cost so that the profile
     scales with the expert size of whatever trace it simulates; between one token and the compute-bound
     sizes it is a bound, not a fit (MKL's products of 4 to 16 rows on CPU take up to twice what it says).
-    ``host``: the same fit to the expert measured on the host CPU in float32 (the profile's ``[host]``)."""
+    ``host``: the same fit to the expert measured on the host CPU in its compute dtype (the profile's
+    ``[host]``)."""
     stored_itemsize = m.expert_bytes / m.expert_params
     if host:
-        expert_seconds, compute_itemsize, read = m.host_expert_seconds, 4, m.host_memory_bandwidth
+        expert_seconds, read = m.host_expert_seconds, m.host_memory_bandwidth
+        compute_itemsize = 4 if m.host_compute_dtype == "float32" else 2
     else:
         expert_seconds, read = m.expert_seconds, m.memory_bandwidth
         compute_itemsize = 4 if m.compute_dtype == "float32" else stored_itemsize
@@ -463,8 +473,8 @@ def profile_dict(m: Measurements, name: str = "measured") -> dict:
                        f"{m.link_seconds_decoding * 1e6:.1f} us an expert: the ssd link's slowdown_while_computing "
                        f"{link_slowdown:.3g} (ratios below 1 are noise, read as 1)")
     if host is not None:
-        sources.append("host: the same expert on the host CPU from the host tier's stored copy, converted to float32 "
-                       "at every call (as the runtime computes a bypassed expert), at "
+        sources.append("host: the same expert on the host CPU from the host tier's stored copy, converted to "
+                       f"{m.host_compute_dtype} at every call (as the runtime computes a bypassed expert), at "
                        + ", ".join(f"{n}: {s * 1e6:.1f} us" for n, s in sorted(m.host_expert_seconds.items()))
                        + f" tokens, host memory read {m.host_memory_bandwidth / 1e9:.3g} GB/s; the same roofline fit")
     profile = {"name": name,
