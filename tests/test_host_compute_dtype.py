@@ -17,16 +17,20 @@ def every_value(dtype):
 
 @pytest.mark.parametrize("stored, compute", [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.float16)])
 def test_every_16_bit_value_converts_to_the_fast_tiers_bits(stored, compute):
-    """compute_ready goes through float32 between the two 16-bit dtypes; the fast tier's slot is filled by a
-    direct copy_ (runtime/datapath.py). Both round the exact float32 value to nearest even: equal bits for every
-    value but NaN, whose payload is not arithmetic (NaN must stay NaN)."""
+    """compute_ready and the data path's copy_serially (a fast-tier slot) go through float32 between the two
+    16-bit dtypes; the direct copy_ is the reference. Both round the exact float32 value to nearest even:
+    equal bits for every value but NaN, whose payload is not arithmetic (NaN must stay NaN)."""
+    from moe_offload.runtime.cpu_threads import copy_serially
+
     values = every_value(stored)
-    ours = compute_ready(values, compute)
     theirs = torch.empty(values.shape, dtype=compute).copy_(values)
-    assert ours.dtype == compute
+    slot = torch.empty(values.shape, dtype=compute)
+    copy_serially(slot, values)  # how the data path fills a fast-tier slot (through float32 too)
     nan = torch.isnan(theirs)
-    assert torch.equal(torch.isnan(ours), nan)
-    assert torch.equal(ours[~nan].view(torch.int16), theirs[~nan].view(torch.int16))
+    for ours in (compute_ready(values, compute), slot):
+        assert ours.dtype == compute
+        assert torch.equal(torch.isnan(ours), nan)
+        assert torch.equal(ours[~nan].view(torch.int16), theirs[~nan].view(torch.int16))
 
 
 def test_a_weight_already_in_the_compute_dtype_is_the_weight_itself():
