@@ -84,10 +84,10 @@ def test_the_measured_dict_is_a_profile_of_this_runtime(measured):
             f"{profile.runtime.dtype['float16']} at every call") in text
 
 
-def test_the_hosts_expert_is_timed_in_the_dtype_the_profile_makes_the_runtime_compute_in(packed, monkeypatch):
+def test_the_experts_are_timed_in_the_dtype_the_profile_makes_the_runtime_compute_in(packed, monkeypatch):
     """The runtime given the profile computes in its [runtime] dtype, and a bypassed expert in the dtype of the
-    hidden states: where the forms find bfloat16 fastest, the host's expert is timed converted to bfloat16, its
-    roofline reads 2-byte weights, and the profile says so."""
+    hidden states: where the forms find bfloat16 fastest, the resident expert is timed in bfloat16 and the
+    host's converted to bfloat16, its roofline reads 2-byte weights, and the profile says so."""
     def bfloat16_fastest(manifest, tensors, experts_module, device, repeats, token_counts=None):
         fast, slow = {1: 1e-3, 64: 2e-3}, {1: 2e-3, 64: 4e-3}
         return {"float16": {dtype: {"float": {"seconds": fast if dtype == "bfloat16" else slow, "arrival_s": 0.0,
@@ -102,7 +102,8 @@ def test_the_hosts_expert_is_timed_in_the_dtype_the_profile_makes_the_runtime_co
     monkeypatch.setattr(measure, "measure_expert_compute", recording)
     m = measure.measure(packed / "packed", device="cpu", **FAST)
     assert [dtype for dtype, host_copy in timed if host_copy] == [torch.bfloat16]
-    assert m.host_compute_dtype == "bfloat16"
+    assert [dtype for dtype, host_copy in timed if not host_copy] == [torch.bfloat16]  # the resident expert too
+    assert m.compute_dtype == "bfloat16"
     profile = HardwareProfile.from_dict(measure.profile_dict(m))
     assert profile.runtime.dtype["float16"] == "bfloat16"
     assert profile.host.roofline.memory_bandwidth_bytes_per_s == pytest.approx(m.host_memory_bandwidth, rel=1e-3)
@@ -114,7 +115,6 @@ def test_a_cuda_measurement_has_the_runtimes_tiers(packed):
     tier the data path carries the files straight into GPU memory; with one, both hops."""
     cpu = measure.measure(packed / "packed", device="cpu", **FAST)
     cuda = dataclasses.replace(cpu, device="cuda", device_name="a GPU", compute_dtype="float16",
-                               host_compute_dtype="float32",
                                host_to_gpu_latency_s=1e-5, host_to_gpu_bandwidth=25e9, convert_bandwidth=None,
                                link_seconds=9216 / 5e9, link_alone_s=9216 / 5e9 + 2e-5,
                                link_seconds_decoding=1.5 * 9216 / 5e9, decode_step_s=0.02,
@@ -133,9 +133,9 @@ def test_a_cuda_measurement_has_the_runtimes_tiers(packed):
     assert profile.tiers[0].capacity_bytes == 24 * 2**30
     # computing in the stored dtype: the roofline's memory rate is the measured one, not halved
     assert profile.compute.roofline.memory_bandwidth_bytes_per_s == pytest.approx(cpu.memory_bandwidth, rel=1e-3)
-    # the host computes from float32 copies: reading one takes twice the bytes of the stored float16 expert,
-    # so its rate in stored bytes (the simulator's unit) is half the measured read
-    assert profile.host.roofline.memory_bandwidth_bytes_per_s == pytest.approx(cpu.host_memory_bandwidth / 2,
+    # the host computes in the dtype of the hidden states it is sent, the GPU's float16: its weights are read
+    # as 2-byte values, the stored bytes (the simulator's unit), so the rate is the measured read
+    assert profile.host.roofline.memory_bandwidth_bytes_per_s == pytest.approx(cpu.host_memory_bandwidth,
                                                                                rel=1e-3)
     hosted = dataclasses.replace(cuda, host_link_seconds=9216 / 4e9, host_budget_bytes=2**30,
                                  capacities={"gpu": 24 * 2**30, "host": 2**30, "ssd": 2 * 10**12},

@@ -122,9 +122,8 @@ class Measurements:
     decode_step_s: float | None = None          # one all-resident decode step of the runtime, end to end
     decode_step_streaming_s: float | None = None  # the same while experts stream through the data path
     link_seconds_decoding: float | None = None  # one expert of that stream, while the decode runs
-    host_expert_seconds: dict[int, float] | None = None  # tokens -> the expert on the host CPU (host_compute_dtype)
+    host_expert_seconds: dict[int, float] | None = None  # tokens -> the expert on the host CPU (compute_dtype)
     host_memory_bandwidth: float | None = None  # streaming read of the host's memory
-    host_compute_dtype: str = "float32"  # the runtime's compute dtype with this profile: the host's expert's
     elapsed_s: float = 0.0
     expert_deviation: dict[int, float] = field(default_factory=dict)  # tokens -> repeats' largest deviation
     link_deviation: float = 0.0     # the stream's repeats' largest deviation from their median
@@ -230,7 +229,6 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
     device = resolve_device(device)
     manifest = read_manifest(packed_dir)
     stored = getattr(torch, manifest.dtype)
-    compute_dtype = torch.float32 if device.type == "cpu" else stored  # as OffloadEngine computes
     keys = sample_experts(manifest, max_files)
     bypass = bypass_page_cache and hasattr(os, "posix_fadvise")
     host_bytes = None
@@ -239,6 +237,18 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
             raise ConfigError("a host tier is measured in front of a GPU only (on a CPU the fast tier is the RAM)")
         host_bytes = values.budget_bytes(host_budget, manifest.expert_bytes * len(manifest.experts), "--host-budget")
 
+    # The forms first: the runtime given this profile computes in its [runtime] dtype for this pack's experts
+    # (OffloadEngine's default without one: float32 on a CPU, the stored dtype on a GPU), so every time below
+    # is measured in that dtype, the host's expert included (a bypassed expert is computed in the dtype of the
+    # hidden states, from the host tier's stored copy converted at every call).
+    default_dtype = torch.float32 if device.type == "cpu" else stored
+    model, adapter, _ = load_skeleton(manifest, device, default_dtype, verify=False)
+    tensors = ExpertStore(manifest).read_tensors(*keys[0])
+    forms = measure_forms(manifest, tensors, adapter.experts(0), device, repeats)
+    compute_dtype = getattr(torch, runtime_choices(forms)["dtype"].get(manifest.expert_dtype or manifest.dtype,
+                                                                       str(default_dtype).removeprefix("torch.")))
+    if compute_dtype != default_dtype:
+        model, adapter, _ = load_skeleton(manifest, device, compute_dtype, verify=False)
     link_s, alone_s, link_deviation = measure_link(manifest, keys, repeats, bypass, device, compute_dtype, readers)
     parallel_read, convert = measure_raw_rates(manifest, keys, repeats, bypass, readers)
     host_link_s = h2d_latency = h2d_bandwidth = None
@@ -249,26 +259,19 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
                                           pinned_host=True)
     memory_bandwidth = measure_memory_bandwidth(device, repeats)
 
-    model, adapter, _ = load_skeleton(manifest, device, compute_dtype, verify=False)
-    tensors = ExpertStore(manifest).read_tensors(*keys[0])
     expert_seconds, expert_deviation = measure_expert_compute(adapter.experts(0), tensors, device, compute_dtype,
                                                               repeats, weights=quantized_weights(manifest, keys[0],
                                                                                                  device, compute_dtype))
-    forms = measure_forms(manifest, tensors, adapter.experts(0), device, repeats)
-    # a bypassed expert: from the host tier's stored copy, converted at every call to the dtype of the hidden
-    # states, which is the compute dtype the runtime takes from this profile's [runtime] choice
-    host_dtype = getattr(torch, runtime_choices(forms)["dtype"].get(manifest.expert_dtype or manifest.dtype,
-                                                                    str(compute_dtype).removeprefix("torch.")))
     cpu = torch.device("cpu")
-    host_expert_seconds, _ = measure_expert_compute(adapter.experts(0), tensors, cpu, host_dtype, repeats,
-                                                    weights=quantized_weights(manifest, keys[0], cpu, host_dtype,
+    host_expert_seconds, _ = measure_expert_compute(adapter.experts(0), tensors, cpu, compute_dtype, repeats,
+                                                    weights=quantized_weights(manifest, keys[0], cpu, compute_dtype,
                                                                               host=True),
                                                     host_copy=True)
     host_memory_bandwidth = memory_bandwidth if device.type == "cpu" else measure_memory_bandwidth(cpu, repeats)
     non_expert = measure_non_expert(model, adapter, device, repeats)
     del model
     decode_step, decode_step_streaming, link_decoding = measure_decode_step(
-        Path(packed_dir), device, repeats, stream=functools.partial(streaming, manifest, keys, bypass, device,
+        Path(packed_dir), device, repeats, dtype=compute_dtype, stream=functools.partial(streaming, manifest, keys, bypass, device,
                                                                     compute_dtype, readers))
     sizes, notes = capacities(Path(packed_dir), device, stored.itemsize, compute_dtype.itemsize, host_bytes)
 
@@ -288,7 +291,6 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
         capacities=sizes, capacity_notes=notes, threads=torch.get_num_threads(), decode_step_s=decode_step,
         decode_step_streaming_s=decode_step_streaming, link_seconds_decoding=link_decoding,
         host_expert_seconds=host_expert_seconds, host_memory_bandwidth=host_memory_bandwidth,
-        host_compute_dtype=str(host_dtype).removeprefix("torch."),
         elapsed_s=time.perf_counter() - started, expert_deviation=expert_deviation, link_deviation=link_deviation,
         load_average=max(load, load_average()), cores=os.cpu_count() or 1, peak_flops=peak, peak_flops_how=peak_how,
         forms=forms)
@@ -361,7 +363,7 @@ def expert_roofline(m: Measurements, host: bool = False) -> dict:
     stored_itemsize = m.expert_bytes / m.expert_params
     if host:
         expert_seconds, read = m.host_expert_seconds, m.host_memory_bandwidth
-        compute_itemsize = 4 if m.host_compute_dtype == "float32" else 2
+        compute_itemsize = 4 if m.compute_dtype == "float32" else 2
     else:
         expert_seconds, read = m.expert_seconds, m.memory_bandwidth
         compute_itemsize = 4 if m.compute_dtype == "float32" else stored_itemsize
@@ -474,7 +476,7 @@ def profile_dict(m: Measurements, name: str = "measured") -> dict:
                        f"{link_slowdown:.3g} (ratios below 1 are noise, read as 1)")
     if host is not None:
         sources.append("host: the same expert on the host CPU from the host tier's stored copy, converted to "
-                       f"{m.host_compute_dtype} at every call (as the runtime computes a bypassed expert), at "
+                       f"{m.compute_dtype} at every call (as the runtime computes a bypassed expert), at "
                        + ", ".join(f"{n}: {s * 1e6:.1f} us" for n, s in sorted(m.host_expert_seconds.items()))
                        + f" tokens, host memory read {m.host_memory_bandwidth / 1e9:.3g} GB/s; the same roofline fit")
     profile = {"name": name,

@@ -147,8 +147,8 @@ def measure_non_expert(model, adapter, device, repeats: int, token_counts=TOKEN_
 DECODE_PROBE_TOKENS = 16
 
 
-def measure_decode_step(packed_dir: Path, device, repeats: int, stream=None) -> tuple[float, float | None,
-                                                                                    float | None]:
+def measure_decode_step(packed_dir: Path, device, repeats: int, dtype=None, stream=None) -> tuple[
+        float, float | None, float | None]:
     """Median time between two output tokens of the runtime with every expert preloaded (greedy, a fixed
     16-token prompt, 16 new tokens, ``repeats`` times): the all-resident TPOT the simulator's costs must add up
     to. The median of the gaps, not their mean: a burst of other work on the machine moves a mean, not it.
@@ -157,7 +157,8 @@ def measure_decode_step(packed_dir: Path, device, repeats: int, stream=None) -> 
     streaming, seconds per streamed expert while decoding); the last two None without ``stream``."""
     from moe_offload.runtime.engine import OffloadEngine
 
-    with OffloadEngine(packed_dir, fast_budget="100%", preload=True, device=device) as engine:
+    dtype = None if dtype is None else str(dtype).removeprefix("torch.")  # ``dtype``: the compute dtype
+    with OffloadEngine(packed_dir, fast_budget="100%", preload=True, device=device, dtype=dtype) as engine:
         prompt = list(range(1, 1 + DECODE_PROBE_TOKENS))
 
         def gaps() -> list[float]:
