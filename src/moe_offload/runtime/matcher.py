@@ -21,7 +21,7 @@ Modes (engine option ``matcher``), for prefetchers whose search is off the infer
 (``search_on_inference_path`` False and a search to run: fMoE); the others always run on the decode thread:
 
 ``async``     the paper's matcher (default): results are applied whenever they arrive;
-``inline``    the searches run on the decode thread, before the pass goes on (the runtime before issue 9.3);
+``inline``    the searches run on the decode thread, before the pass goes on (the searches on the inference path);
 ``lockstep``  the worker thread, but the decode thread waits for each result before it goes on: the
               same proposals at the same points as ``inline``, through the asynchronous machinery (tests).
 

@@ -3,7 +3,7 @@
 A model with random weights at a real model's sizes then moves experts exactly as the real model did on
 the trace's prompt: same experts, same layers, same order, same batch of tokens per forward pass, so the
 runtime's data path, cache and prefetchers are measured under real access patterns without the real
-weights (issue 13). The top-k weights are the trace's (``weights="trace"``, when it has them) or the
+weights. The top-k weights are the trace's (``weights="trace"``, when it has them) or the
 router's own probabilities at the forced experts (``weights="router"``), renormalised when the
 architecture renormalises its top-k.
 
