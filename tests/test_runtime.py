@@ -358,36 +358,19 @@ def test_the_unsplit_runtime_gives_moepic_the_timed_simulators_y(checkpoint):
 
 
 def test_llru_counts_the_replays_rounds_in_the_runtime(checkpoint, monkeypatch):
-    """Issue 25: the clock LLRU reads for each runtime access, round * L + layer, is the replay's clock of the
-    first request of that expert in the pass (K rounds per token), as in the timed simulator."""
+    """The clock LLRU reads for each runtime access, round * L + layer, is the replay's clock of the first
+    request of that expert in the pass (K rounds per token), as in the timed simulator."""
+    from llru_clocks import first_request_clocks, spy_on_llru
     from moe_offload.models.adapters import load_model
-    from moe_offload.policies import PolicyInfo
-    from moe_offload.policies.llru import LLRU
-    from moe_offload.trace.flatten import flatten
 
-    seen = []
-
-    class Spy(LLRU):
-        name = "test-llru"
-
-        def on_access(self, key, ctx):
-            seen.append((ctx.iteration, key, self._clock(ctx)))
-            super().on_access(key, ctx)
-
-    monkeypatch.setitem(POLICIES, "test-llru", PolicyInfo("test-llru", Spy))
+    seen = spy_on_llru(monkeypatch)
     with OffloadEngine(checkpoint["packed"], fast_budget=str(6 * COMPUTE_EXPERT_BYTES), policy="test-llru") as engine:
         engine.generate(PROMPTS[1], max_new_tokens=3)
     reference, adapter = load_model(checkpoint["root"] / "model")
     trace = record(reference, adapter, tiny_tokenizer(), [Prompt(PROMPTS[1], "p")], model_name="tiny-random",
                    max_new_tokens=3, batch_size=1).trace
-    flat, L = flatten(trace), trace.meta.num_layers
-    expected = []
-    for iteration in np.unique(trace.iteration):
-        rows = np.flatnonzero(trace.iteration == iteration)
-        for layer in range(L):
-            in_pass = np.isin(flat.token, rows) & (flat.layer == layer)
-            keys, clocks = flat.expert_id[in_pass].tolist(), np.flatnonzero(in_pass).tolist()
-            expected += [(int(iteration), key, clocks[keys.index(key)]) for key in sorted(set(keys))]
+    expected = first_request_clocks(trace, [(iteration, np.flatnonzero(trace.iteration == iteration))
+                                            for iteration in np.unique(trace.iteration)])
     assert len(np.unique(trace.iteration)) == 3  # the prompt's pass, then two one-token passes
     assert seen == expected
 

@@ -8,9 +8,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
+from llru_clocks import spy_on_llru  # noqa: E402
 from test_runtime_split import EXPERTS, LAYERS, TOP_K, config, make_checkpoint  # noqa: E402
 
-from moe_offload.policies import POLICIES, AccessContext, ModelSpec, PolicyInfo  # noqa: E402
+from moe_offload.policies import AccessContext, ModelSpec  # noqa: E402
 from moe_offload.policies.llru import LLRU  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 from moe_offload.simulator.cache import ExpertCache  # noqa: E402
@@ -47,21 +48,8 @@ def replay_victims(trace: Trace) -> list[tuple[int, int]]:
 
 
 def test_the_split_runners_llru_sees_the_replays_clocks_and_evicts_what_the_replay_evicts(tmp_path, monkeypatch):
-    seen, victims = [], []
-
-    class Spy(LLRU):
-        name = "test-llru"
-
-        def on_access(self, key, ctx):
-            seen.append((ctx.iteration, key, self._clock(ctx)))
-            super().on_access(key, ctx)
-
-        def victim(self, ctx):
-            key = super().victim(ctx)
-            victims.append((ctx.iteration, key))
-            return key
-
-    monkeypatch.setitem(POLICIES, "test-llru", PolicyInfo("test-llru", Spy))
+    victims = []
+    seen = spy_on_llru(monkeypatch, victims)
     trace = sequence()
     root = make_checkpoint(tmp_path)
     with OffloadEngine(root / "packed", fast_budget="100%", device="cpu", policy="test-llru", replay=trace,

@@ -562,35 +562,17 @@ def test_the_access_order_and_context_the_policy_sees(monkeypatch):
 
 
 def test_llru_counts_the_replays_rounds_in_the_timed_simulator(monkeypatch):
-    # Issue 25: LLRU's R = floor((t - tau) / L) must count rounds (K requests per layer per token, batching
-    # included) as the replay does. The clock the policy sees for each timed access, round * L + layer, is the
-    # replay's clock (trace/flatten.py) of the first request of that key among the pass's tokens.
-    from moe_offload.policies.llru import LLRU
-    from moe_offload.trace.flatten import flatten
+    # LLRU's R = floor((t - tau) / L) must count rounds (K requests per layer per token, batching included) as
+    # the replay does. The clock the policy sees for each timed access, round * L + layer, is the replay's
+    # clock (trace/flatten.py) of the first request of that key among the pass's tokens.
+    from llru_clocks import first_request_clocks, spy_on_llru
 
-    seen = []
-
-    class Spy(LLRU):
-        name = "test-llru"
-
-        def on_access(self, key, ctx):
-            seen.append((ctx.iteration, key, self._clock(ctx)))
-            super().on_access(key, ctx)
-
-    monkeypatch.setitem(POLICIES, "test-llru", PolicyInfo("test-llru", Spy))
+    seen = spy_on_llru(monkeypatch)
     # a prefill of two tokens of request 0 (experts merge: 1 in layer 0), then a batch of requests 0 and 1
     trace = hand_trace([[[0, 1], [2, 3]], [[1, 2], [3, 0]], [[3, 2], [1, 0]], [[0, 2], [2, 1]]], layers=2,
                        request=[0, 0, 0, 1], phase=[PREFILL, PREFILL, DECODE, DECODE], iteration=[0, 0, 1, 1])
     simulate_timed(trace, profile(), "test-llru", 16 * E)
-    flat = flatten(trace)
-    passes = [[0, 1], [2, 3]]
-    expected = []
-    for iteration, rows in enumerate(passes):
-        for layer in range(2):
-            in_pass = np.isin(flat.token, rows) & (flat.layer == layer)
-            keys = flat.expert_id[in_pass].tolist()
-            clocks = np.flatnonzero(in_pass).tolist()
-            expected += [(iteration, key, clocks[keys.index(key)]) for key in dict.fromkeys(keys)]
+    expected = first_request_clocks(trace, enumerate([[0, 1], [2, 3]]))
     assert sorted(seen) == sorted(expected)
     # by hand for the prefill's layer 0: token 0's experts 0, 1 at clocks 0 and 2 (rounds 0, 1), token 1's
     # expert 2 at clock 6 (round 3); expert 1 of token 1 (clock 4) merged into the first request of 1
