@@ -58,7 +58,7 @@ def refused_pack(capsys, model_dir, *fragments) -> None:
 def test_a_checkpoint_missing_one_layers_experts_is_refused_naming_the_tensor(copy, capsys):
     layer_1_experts = "model.layers.1.block_sparse_moe.experts."
     edit_weights(copy, lambda w: [w.pop(name) for name in list(w) if name.startswith(layer_1_experts)])
-    refused_pack(capsys, copy, "the weight files lack model.layers.1.mlp.experts.down_proj")
+    refused_pack(capsys, copy, "the weight files lack the tensor for model.layers.1.mlp.experts.down_proj")
 
 
 def test_a_config_with_fewer_layers_than_the_weights_is_refused(copy, capsys):

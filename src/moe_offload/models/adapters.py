@@ -46,6 +46,16 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {spec.model_type: spec for spec in 
 )}
 
 
+def refuse_missing_tensors(loading: dict, lacking: str) -> None:
+    """ConfigError "``lacking`` the tensor for NAME [and N more]" when ``loading`` (from_pretrained's
+    output_loading_info) has missing keys: transformers fills a tensor its source lacks with random values,
+    which would be another model, not an error."""
+    missing = sorted(loading["missing_keys"])
+    if missing:
+        raise ConfigError(f"{lacking} the tensor for {missing[0]}"
+                          + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+
+
 def architecture_of(config) -> ArchitectureSpec:
     spec = ARCHITECTURES.get(getattr(config, "model_type", None))
     if spec is None:
@@ -202,10 +212,7 @@ def load_model(directory: str | Path, dtype=None, experts_implementation: str = 
     except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # a truncated file: SafetensorError
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         raise ConfigError(f"{directory}: the checkpoint cannot be loaded: {lines[0]}") from None
-    missing = sorted(loading["missing_keys"])
-    if missing:  # transformers fills a tensor the files lack with random values: another model
-        raise ConfigError(f"{directory}: the weight files lack {missing[0]}"
-                          + (f" and {len(missing) - 1} more tensor(s)" if len(missing) > 1 else ""))
+    refuse_missing_tensors(loading, f"{directory}: the weight files lack")
     model.eval()
     raw = json.loads((Path(directory) / "config.json").read_text())
     return model, MoeAdapter(model, stored_dtype=raw.get("dtype") or raw.get("torch_dtype"))

@@ -166,6 +166,7 @@ def write_checkpoint(path: Path, directory: Path) -> None:
     from safetensors.torch import save_model
 
     from moe_offload.models import quiet_transformers
+    from moe_offload.models.adapters import refuse_missing_tensors
 
     config_fixes = check_header(path)
     quiet_transformers()
@@ -180,10 +181,7 @@ def write_checkpoint(path: Path, directory: Path) -> None:
     except (OSError, ValueError, RuntimeError, KeyError, NotImplementedError) as exc:
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         raise ConfigError(f"{path}: transformers cannot read this GGUF file: {lines[0]}") from None
-    missing = sorted(loading["missing_keys"])
-    if missing:  # transformers fills a tensor the file lacks with random values: another model
-        raise ConfigError(f"{path}: the GGUF file lacks the tensor for {missing[0]}"
-                          + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+    refuse_missing_tensors(loading, f"{path}: the GGUF file lacks")
     # transformers marks a model read from GGUF as quantized (its GgufHfQuantizer), and save_pretrained refuses it;
     # for these architectures every weight was dequantized on reading, so the float tensors are saved as they are
     blocks = [name for name, tensor in model.state_dict().items() if not tensor.is_floating_point()]
