@@ -14,7 +14,8 @@ from moe_offload.prefetch import (PREFETCHERS, ModelSpec, Proposal, RoutingView,
                                   make_prefetcher, prefetcher_info, prefetcher_options, search_latency)
 from moe_offload.prefetch.eam import EAMCollection, build_eamc, eam_distance, sequence_eams
 from moe_offload.prefetch.expert_map_store import ExpertMapStore
-from moe_offload.prefetch.fmoe import FMoEPrefetcher, prefetch_sets
+from moe_offload.prefetch.fmoe import FMoEPrefetcher
+from moe_offload.prefetch.fmoe_sets import compiled_set_functions
 from moe_offload.trace.format import Trace, TraceMeta
 
 
@@ -376,6 +377,20 @@ def test_moe_infinity_rebuilds_the_eamc_when_the_dataset_switches(search):
 
 
 # ---------------------------------------------------------------------------------------------- fMoE
+
+
+def prefetch_sets(predicted: np.ndarray, scores, min_experts: int) -> np.ndarray:
+    """[..., J] mask of the similarity-aware prefetch set (fmoe_sets.similarity_aware_set, one request) of each
+    predicted distribution ``predicted`` [..., J] (as float32) searched with similarity ``scores`` [...]."""
+    similarity_aware_set = compiled_set_functions()[0]
+    rows = np.asarray(predicted, dtype=np.float32).reshape(-1, np.shape(predicted)[-1])
+    scores = np.broadcast_to(np.asarray(scores, dtype=np.float64), np.shape(predicted)[:-1]).reshape(-1)
+    mask = np.zeros(rows.shape, dtype=bool)
+    keys, wanted = np.empty(rows.shape[1], dtype=np.int64), np.empty(rows.shape[1])
+    for row, score, chosen in zip(rows, scores, mask):
+        count = similarity_aware_set(row[None], np.array([score]), min_experts, 0, keys, wanted)
+        chosen[keys[:count]] = True
+    return mask.reshape(np.shape(predicted))
 
 
 def test_similarity_aware_prefetch_set():

@@ -95,20 +95,6 @@ def default_capacity(num_layers: int, num_experts: int) -> int:
     return max(2 * experts, math.ceil(0.5 * experts * math.log(experts)))
 
 
-def prefetch_sets(predicted: np.ndarray, scores, min_experts: int) -> np.ndarray:
-    """[..., J] mask of the similarity-aware prefetch set (fmoe_sets.similarity_aware_set, one request) of each
-    predicted distribution ``predicted`` [..., J] (as float32) searched with similarity ``scores`` [...]."""
-    similarity_aware_set = compiled_set_functions()[0]
-    rows = np.asarray(predicted, dtype=np.float32).reshape(-1, np.shape(predicted)[-1])
-    scores = np.broadcast_to(np.asarray(scores, dtype=np.float64), np.shape(predicted)[:-1]).reshape(-1)
-    mask = np.zeros(rows.shape, dtype=bool)
-    keys, wanted = np.empty(rows.shape[1], dtype=np.int64), np.empty(rows.shape[1])
-    for row, score, chosen in zip(rows, scores, mask):
-        count = similarity_aware_set(row[None], np.array([score]), min_experts, 0, keys, wanted)
-        chosen[keys[:count]] = True
-    return mask.reshape(np.shape(predicted))
-
-
 class SemanticPooling:
     """The semantic embeddings of (iteration, request) groups from the sums of their tokens' embeddings
     (module doc); ``request`` pooling keeps each request's running sum, so groups must come in iteration
