@@ -85,10 +85,15 @@ def test_a_pass_fetches_an_expert_with_many_tokens_and_computes_one_with_few_on_
 
 
 @pytest.mark.parametrize("prefetch", ["topk", "oracle"])
-def test_a_prefetcher_beside_the_rule_stays_lossless(tiny, prefetch):
-    # the rule decides the demand misses; what the prefetcher brings in is used as any resident expert
+def test_a_prefetcher_beside_the_rule_stays_lossless(tiny, decisions, prefetch):
+    # the rule decides the demand misses; what the prefetcher brings in is used as any resident expert. How many
+    # misses remain depends on whether the link beats the compute on this machine (the oracle's prefetches can
+    # all land in time), so what is asserted holds under any timing: every miss left that is not already on the
+    # wire as a prefetch is the rule's to decide, and each bypass is one of its decisions to compute on the host
     stats = run(tiny, profile(gpu_expert=10e-3, host_fixed=0.5e-3, host_per_token=1e-3), prefetch=prefetch)
-    assert stats.bypassed > 0 and stats.prefetches_issued > 0
+    assert stats.prefetches_issued > 0
+    assert stats.bypassed == sum(not fetched for *_, fetched in decisions)
+    assert stats.misses >= sum(fetched for *_, fetched in decisions)  # the rest waited for a prefetch in flight
     assert stats.hits + stats.misses + stats.bypassed == stats.accesses
 
 
