@@ -76,11 +76,25 @@ def counts(result) -> dict:
     return {name: getattr(result, name) for name in COUNTED}
 
 
-def lossless(run: dict, reference: dict) -> bool:
+def agreement(run: dict, reference: dict) -> dict:
+    """The run against the reference: bit-identical, the share of tokens equal, the largest logit difference."""
     import torch
 
-    return run["tokens"] == reference["tokens"] and all(
-        torch.equal(a, b) for ours, theirs in zip(run["logits"], reference["logits"]) for a, b in zip(ours, theirs))
+    pairs = [(a, b) for ours, theirs in zip(run["logits"], reference["logits"]) for a, b in zip(ours, theirs)]
+    tokens = [(a, b) for ours, theirs in zip(run["tokens"], reference["tokens"]) for a, b in zip(ours, theirs)]
+    return {"lossless": run["tokens"] == reference["tokens"] and all(torch.equal(a, b) for a, b in pairs),
+            "token_agreement": sum(a == b for a, b in tokens) / max(len(tokens), 1),
+            "max_logit_difference": max((float((a.float() - b.float()).abs().max()) for a, b in pairs), default=0.0)}
+
+
+def check_lossless(name: str, run: dict, reference: dict, on_gpu: bool) -> dict:
+    """Bit equality with the all-resident run, which must hold on a CPU and, with CUDA, wherever no expert was
+    computed on the host: a CPU's kernels do not give a GPU's bits (models/host_experts.py), so there the
+    agreement is reported, not required."""
+    found = agreement(run, reference)
+    if not found["lossless"] and not (on_gpu and run["bypassed"]):
+        raise SystemExit(f"LOSSLESS VIOLATION: {name}")
+    return found
 
 
 def main(argv=None) -> int:
@@ -169,8 +183,7 @@ def main(argv=None) -> int:
             measured = replayed(packed, trace, requests, max_new_tokens, **{
                 "fast_budget": f"{budget}%", "hardware": profile, "replay_weights": weights, **engine_options})
             reference = reference or measured
-            if not lossless(measured, reference):
-                raise SystemExit(f"LOSSLESS VIOLATION: {name}")
+            measured.update(check_lossless(name, measured, reference, torch.cuda.is_available()))
             runs[name].append(measured)
     rows_out = []
     baseline = None  # (measured, predicted) TPOT all-resident
@@ -188,7 +201,8 @@ def main(argv=None) -> int:
                "host_share_measured": measured["bypassed"] / measured["accesses"],
                "host_share_predicted": (predicted.bypassed or 0) / predicted.accesses,
                "host_compute_measured_s": measured["host_compute_s"],
-               "host_compute_predicted_s": predicted.host_compute_seconds or 0.0, "lossless": True,
+               "host_compute_predicted_s": predicted.host_compute_seconds or 0.0,
+               **{key: measured[key] for key in ("lossless", "token_agreement", "max_logit_difference")},
                **{f"{name}_measured": measured[name] for name in COUNTED},
                **{f"{name}_predicted": value for name, value in counts(predicted).items()},
                # the profile's transfer of one expert on the link out of the files, idle (what the simulator
@@ -201,7 +215,9 @@ def main(argv=None) -> int:
               f"predicted ({row['tpot_error']:+.0%}; slowdown over all-resident {row['slowdown_error']:+.0%}); hit {row['hit_rate_measured']:.0%} / "
               f"{row['hit_rate_predicted']:.0%}; on the host {row['host_share_measured']:.0%} / "
               f"{row['host_share_predicted']:.0%} of requests, {row['host_compute_measured_s'] * 1e3:.0f} / "
-              f"{row['host_compute_predicted_s'] * 1e3:.0f} ms; lossless", flush=True)
+              f"{row['host_compute_predicted_s'] * 1e3:.0f} ms; " + ("lossless" if row["lossless"] else
+              f"tokens {row['token_agreement']:.0%} equal, logits within {row['max_logit_difference']:.3g} (host compute "
+              "on the CPU)"), flush=True)
         if row["on_demand_loads_measured"]:
             print(f"{'':<22} measured / predicted: demand loads {row['on_demand_loads_measured']} / "
                   f"{row['on_demand_loads_predicted']}, prefetches issued {row['prefetches_issued_measured']} / "
@@ -211,7 +227,8 @@ def main(argv=None) -> int:
                   f"{row['transfer_predicted_s'] * 1e3:.2f} ms (the profile's, idle)", flush=True)
     threads = torch.get_num_threads()
     print(f"\n{len(rows_out)} configurations x {reps} runs in {time.perf_counter() - started:.0f} s ({threads} "
-          f"thread{'s' * (threads > 1)}); every run lossless against the all-resident replay")
+          f"thread{'s' * (threads > 1)}); every run lossless against the all-resident replay"
+          + ("" if all(row["lossless"] for row in rows_out) else ", but where CUDA's experts were computed on the host"))
     if args.json:
         write_atomically(args.json, json.dumps({"model": args.model, "budget_pct": budget, "requests": requests, "reps": reps,
                                                 "max_new_tokens": max_new_tokens, "rows": rows_out}, indent=1))
