@@ -9,10 +9,11 @@ import numpy as np
 from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import format_bytes
 from moe_offload.outputs import check_output
+from moe_offload.values import parse_bytes
 from moe_offload.trace.flatten import flatten, write_csv, write_oracle_general
 from moe_offload.trace.format import DECODE, EMBEDDING_KINDS, PREFILL, Trace, read_trace, seal_trace, write_trace
 from moe_offload.trace.capture import ENGINES
-from moe_offload.trace.importers import IMPORTERS, TAKES_MODEL_CONFIG
+from moe_offload.trace.importers import IMPORTERS, TAKES_ARRAY_LIMIT, TAKES_MODEL_CONFIG, TAKES_PROMPT_CACHE
 from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
 
 OPTIONAL_COLUMNS = ("weights", "probs", "embedding", "gate_prediction", "next_token_gate_prediction")
@@ -55,6 +56,13 @@ def register(subparsers) -> None:
     importer.add_argument("--hidden-size", type=int, metavar="D", help="the model's hidden size")
     importer.add_argument("--source", metavar="TEXT", help="provenance to record (default: the file names)")
     importer.add_argument("--license", metavar="TEXT", help="license of the source data")
+    importer.add_argument("--keep-cached-prompt", action="store_true",
+                          help="vllm, sglang: keep the prompt tokens served from the prefix cache (the first "
+                               "usage.prompt_tokens_details.cached_tokens) where their ids are present; by default "
+                               "they are dropped and counted, as they ran no experts in their request")
+    importer.add_argument("--max-array-bytes", default="2GiB", metavar="BYTES",
+                          help="the largest routing array an import decodes (vllm, sglang, npy; default 2GiB): a "
+                               "declared size past it is refused before anything is allocated")
     importer.set_defaults(run=run_import)
 
     capture = actions.add_parser(
@@ -233,6 +241,8 @@ def format_summary(summary: dict) -> str:
          f"{expert_bytes:,} ({format_bytes(expert_bytes)}; all experts {format_bytes(expert_bytes * L * J)})"),
         ("hidden size", "unknown" if summary["hidden_size"] is None else str(summary["hidden_size"])),
         ("tokens", f"{summary['tokens']} (prefill {summary['prefill_tokens']}, decode {summary['decode_tokens']})"),
+        *([("prompt tokens", prompt_cache_line(summary["extra"]["prompt_tokens"]))]
+          if isinstance(summary["extra"].get("prompt_tokens"), dict) else []),
         ("requests", str(summary["requests"])),
         ("iterations", str(summary["iterations"])),
         ("columns", ", ".join(["experts", *present]) + (f" (absent: {', '.join(absent)})" if absent else "")),
@@ -251,6 +261,18 @@ def format_summary(summary: dict) -> str:
     return "\n".join(f"{label:<{width}}  {value}" for label, value in lines)
 
 
+def prompt_cache_line(account: dict) -> str:
+    """What an engine import did with the prompt tokens that ran no experts in their request (the metadata
+    engine_trace.PromptAccount writes)."""
+    total, cached = account.get("total", 0), account.get("from_prefix_cache", 0)
+    share = f" ({cached / total:.0%})" if total else ""
+    kept = "kept where their ids were present" if account.get("kept_cached") else "dropped: they ran no experts"
+    line = f"{total:,} in the responses; {cached:,}{share} came from the prefix cache ({kept})"
+    if account.get("not_returned"):
+        line += f"; {account['not_returned']:,} before the routing's start were not returned"
+    return line + f"; {account.get('dropped_rows', 0):,} rows left out"
+
+
 def _rounded(value: float | None) -> float | None:
     return None if value is None else round(value, 4)
 
@@ -260,6 +282,13 @@ def _rounded(value: float | None) -> float | None:
 def run_import(args) -> int:
     check_output(args.output, inputs=[*args.sources, args.model_config], what="trace")
     options = {}
+    if args.format in TAKES_ARRAY_LIMIT:
+        options["max_array_bytes"] = parse_bytes(args.max_array_bytes, "--max-array-bytes")
+    if args.keep_cached_prompt:
+        if args.format not in TAKES_PROMPT_CACHE:
+            raise ConfigError(f"--keep-cached-prompt is for the formats {', '.join(TAKES_PROMPT_CACHE)}, not "
+                              f"{args.format}")
+        options["keep_cached_prompt"] = True
     if args.model_config is not None:
         if args.format not in TAKES_MODEL_CONFIG:
             raise ConfigError(f"--model-config is for the formats {', '.join(TAKES_MODEL_CONFIG)}, not {args.format}")

@@ -32,6 +32,10 @@ IMPORTERS: dict[str, Importer] = {
 }
 # the importers that read a model config (--model-config) for the shape their format lacks
 TAKES_MODEL_CONFIG = ("vllm", "sglang", "npy")
+# the importers that drop prompt tokens served from the prefix cache (--keep-cached-prompt keeps them)
+TAKES_PROMPT_CACHE = ("vllm", "sglang")
+# the importers that decode binary arrays of a declared size (--max-array-bytes)
+TAKES_ARRAY_LIMIT = ("vllm", "sglang", "npy")
 
-__all__ = ["IMPORTERS", "TAKES_MODEL_CONFIG", "import_npy", "import_routes_json", "import_sglang", "import_topk_jsonl",
+__all__ = ["IMPORTERS", "TAKES_ARRAY_LIMIT", "TAKES_MODEL_CONFIG", "TAKES_PROMPT_CACHE", "import_npy", "import_routes_json", "import_sglang", "import_topk_jsonl",
            "import_vllm"]
