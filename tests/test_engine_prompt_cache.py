@@ -147,5 +147,5 @@ def test_trace_info_names_the_prefix_cache(tmp_path, three, capsys):
     assert main(["trace", "info", str(tmp_path / "t.parquet")]) == 0
     out = capsys.readouterr().out
     total = sum(len(p) for p, _ in requests_of(three))
-    assert f"{total:,} in the responses; 9 ({9 / total:.0%}) came from the prefix cache" in out
+    assert f"{9 / total:.0%} of the {total:,} prompt tokens came from the prefix cache (9; dropped" in out
     assert read_trace(tmp_path / "t.parquet").meta.extra["prompt_tokens"]["from_prefix_cache"] == 9

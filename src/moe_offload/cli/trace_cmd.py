@@ -14,6 +14,7 @@ from moe_offload.trace.flatten import flatten, write_csv, write_oracle_general
 from moe_offload.trace.format import DECODE, EMBEDDING_KINDS, PREFILL, Trace, read_trace, seal_trace, write_trace
 from moe_offload.trace.capture import ENGINES
 from moe_offload.trace.importers import IMPORTERS, TAKES_ARRAY_LIMIT, TAKES_MODEL_CONFIG, TAKES_PROMPT_CACHE
+from moe_offload.trace.importers.engine_trace import prompt_tokens_text
 from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
 
 OPTIONAL_COLUMNS = ("weights", "probs", "embedding", "gate_prediction", "next_token_gate_prediction")
@@ -241,8 +242,7 @@ def format_summary(summary: dict) -> str:
          f"{expert_bytes:,} ({format_bytes(expert_bytes)}; all experts {format_bytes(expert_bytes * L * J)})"),
         ("hidden size", "unknown" if summary["hidden_size"] is None else str(summary["hidden_size"])),
         ("tokens", f"{summary['tokens']} (prefill {summary['prefill_tokens']}, decode {summary['decode_tokens']})"),
-        *([("prompt tokens", prompt_cache_line(summary["extra"]["prompt_tokens"]))]
-          if isinstance(summary["extra"].get("prompt_tokens"), dict) else []),
+        *([("prompt tokens", prompt_tokens_text(summary["extra"]))] if prompt_tokens_text(summary["extra"]) else []),
         ("requests", str(summary["requests"])),
         ("iterations", str(summary["iterations"])),
         ("columns", ", ".join(["experts", *present]) + (f" (absent: {', '.join(absent)})" if absent else "")),
@@ -259,18 +259,6 @@ def format_summary(summary: dict) -> str:
     ]
     width = max(len(label) for label, _ in lines)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in lines)
-
-
-def prompt_cache_line(account: dict) -> str:
-    """What an engine import did with the prompt tokens that ran no experts in their request (the metadata
-    engine_trace.PromptAccount writes)."""
-    total, cached = account.get("total", 0), account.get("from_prefix_cache", 0)
-    share = f" ({cached / total:.0%})" if total else ""
-    kept = "kept where their ids were present" if account.get("kept_cached") else "dropped: they ran no experts"
-    line = f"{total:,} in the responses; {cached:,}{share} came from the prefix cache ({kept})"
-    if account.get("not_returned"):
-        line += f"; {account['not_returned']:,} before the routing's start were not returned"
-    return line + f"; {account.get('dropped_rows', 0):,} rows left out"
 
 
 def _rounded(value: float | None) -> float | None:

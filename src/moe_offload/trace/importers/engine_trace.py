@@ -73,6 +73,23 @@ class PromptAccount:
                 "dropped_rows": self.dropped_rows, "kept_cached": self.kept_cached}
 
 
+def prompt_tokens_text(extra: dict) -> str | None:
+    """What an engine import did with the prompt tokens that ran no experts in their request, from a trace's
+    metadata (``trace info`` and ``report`` print it); None when the trace records no such account."""
+    account = extra.get("prompt_tokens") if isinstance(extra, dict) else None
+    if not isinstance(account, dict) or not all(isinstance(account.get(key), int) and not isinstance(
+            account.get(key), bool) for key in ("total", "from_prefix_cache", "dropped_rows")):
+        return None
+    total, cached = account["total"], account["from_prefix_cache"]
+    share = f"{cached / total:.0%} of" if total else "none of"
+    kept = "kept where their ids were present" if account.get("kept_cached") is True else \
+        "dropped from the trace: they ran no experts in their request"
+    text = f"{share} the {total:,} prompt tokens came from the prefix cache ({cached:,}; {kept})"
+    if isinstance(account.get("not_returned"), int) and account["not_returned"]:
+        text += f"; {account['not_returned']:,} before the routing's start were not returned"
+    return text + f"; {account['dropped_rows']:,} rows left out"
+
+
 def build_trace(format_name: str, routed: list[Routed], paths: list[Path], *, num_experts=None, model=None,
                 expert_bytes=None, hidden_size=None, source=None, license=None, extra=None,
                 model_config: ModelShape | None = None, keep_cached_prompt: bool = False) -> Trace:
