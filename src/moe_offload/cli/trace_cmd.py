@@ -39,19 +39,21 @@ def register(subparsers) -> None:
 
     importer = actions.add_parser(
         "import", help="convert a public trace format into a trace file",
-        description="Convert traces recorded by other projects, or the routing vLLM and SGLang return with their "
-                    "responses (see docs/guides/your-traffic.md). Several SRC files become several requests "
-                    "(request id = order on the command line).")
+        description="Convert traces recorded by other projects, the routing vLLM and SGLang return with their "
+                    "responses (see docs/guides/your-traffic.md), llama.cpp's llama-moe-trace and Megatron's "
+                    "RouterTracer logs, or the generic request,token,layer,expert CSV (docs/traces.md lists every "
+                    "source and what it can answer).")
     importer.add_argument("format", choices=sorted(IMPORTERS), metavar="FORMAT",
                           help=f"source format: {', '.join(sorted(IMPORTERS))}")
     importer.add_argument("sources", nargs="+", metavar="SRC", help="source file(s)")
     importer.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write")
     importer.add_argument("--experts", type=int, metavar="J",
-                          help="experts per layer (required for topk-jsonl, vllm and npy unless --model-config "
-                               "gives it: their files do not say it)")
+                          help="experts per layer (required for every format but routes-json and sglang unless "
+                               "--model-config gives it: their files do not say it)")
     importer.add_argument("--model-config", metavar="CONFIG",
-                          help="the model's Hugging Face config.json, for L, J, K and the expert size (vllm, sglang "
-                               "and npy; required for sglang)")
+                          help="the model's Hugging Face config.json, for L, J, K and the expert size (every format "
+                               f"but {', '.join(sorted(set(IMPORTERS) - set(TAKES_MODEL_CONFIG)))}; required for "
+                               "sglang and llama-moe-trace's layer,expert rows)")
     importer.add_argument("--model", metavar="NAME", help="model name to record")
     importer.add_argument("--expert-bytes", type=int, metavar="N", help="bytes of one expert's weights")
     importer.add_argument("--hidden-size", type=int, metavar="D", help="the model's hidden size")

@@ -83,7 +83,7 @@ def read_npz(path: Path, max_bytes: int = DEFAULT_MAX_ARRAY_BYTES) -> dict[str, 
     try:
         with zipfile.ZipFile(path) as archive:
             for info in archive.infolist():
-                name = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
+                name = (info.filename[:-4] if info.filename.endswith(".npy") else info.filename)[:100]
                 if info.file_size > max_bytes + 2**16:
                     raise TraceError(path, f"array {name!r}: {info.file_size:,} bytes inflated, more than the "
                                            f"{max_bytes:,} an import decodes (--max-array-bytes raises the limit)")
