@@ -12,8 +12,9 @@ import pytest
 
 from moe_offload.cli.main import main
 from moe_offload.errors import TraceError
+from moe_offload.simulator.replay import ReplayInput, replay
 from moe_offload.trace.flatten import flatten
-from moe_offload.trace.format import PREFILL, read_trace
+from moe_offload.trace.format import PREFILL, Trace, read_trace
 from moe_offload.trace.importers import import_sglang, import_vllm
 from moe_offload.trace.importers.model_config import read_model_config
 
@@ -93,6 +94,10 @@ def test_prefix_cached_prompt_rows_are_dropped_and_counted(tmp_path, three):
     assert trace.meta.extra["prompt_tokens"] == {"total": prompt_total, "from_prefix_cache": 9, "not_returned": 0,
                                                  "dropped_rows": 9, "kept_cached": False}
     assert trace.num_tokens == three.num_tokens - 9
+    kept = without_cached_rows(three)
+    hand_built = Trace.build(kept.meta, kept.experts[interleaved_order(kept)])  # the same rows, one request
+    for policy in ("lru", "belady"):
+        assert replay(ReplayInput.of(trace), policy, 16).hits == replay(ReplayInput.of(hand_built), policy, 16).hits
 
 
 def test_keep_cached_prompt_keeps_the_rows_whose_ids_are_present(tmp_path, three):
