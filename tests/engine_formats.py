@@ -25,9 +25,16 @@ def requests_of(trace: Trace) -> list[tuple[np.ndarray, np.ndarray]]:
     return result
 
 
-def vllm_responses(trace: Trace, model: str = "m", encoding: str = "lists") -> list[dict]:
+def npy_base64(array: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def vllm_responses(trace: Trace, model: str = "m", encoding: str = "lists", dtype: str = "int16") -> list[dict]:
     """``lists``: prompt_routed_experts + choices[0].routed_experts as nested lists (vLLM 0.21);
-    ``npy``: the whole sequence in choices[0].routed_experts as base64 of a .npy (later releases)."""
+    ``npy``: the whole sequence in choices[0].routed_experts as base64 of a .npy of ``dtype`` (the current
+    releases: uint8, uint16 or int32); ``envelope``: the same as {encoding, dtype, shape, data}."""
     responses = []
     for prompt, generated in requests_of(trace):
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(generated) + 1}
@@ -36,18 +43,21 @@ def vllm_responses(trace: Trace, model: str = "m", encoding: str = "lists") -> l
         if encoding == "lists":
             response["prompt_routed_experts"] = prompt.tolist()
             choice["routed_experts"] = generated.tolist()
+        elif encoding == "npy":
+            choice["routed_experts"] = npy_base64(np.concatenate([prompt, generated]).astype(dtype))
         else:
-            buffer = io.BytesIO()
-            np.save(buffer, np.concatenate([prompt, generated]).astype(np.int16))
-            choice["routed_experts"] = base64.b64encode(buffer.getvalue()).decode()
+            ids = np.concatenate([prompt, generated]).astype(np.dtype(dtype).newbyteorder("<"))
+            choice["routed_experts"] = {"encoding": "base64", "dtype": dtype, "shape": list(ids.shape),
+                                        "data": base64.b64encode(ids.tobytes()).decode()}
         responses.append(response)
     return responses
 
 
-def sglang_responses(trace: Trace, model: str = "m") -> list[dict]:
+def sglang_responses(trace: Trace, model: str = "m", dtype: str = "<i4") -> list[dict]:
+    """SGLang's encoding: base64 of raw little-endian ids (int32 released; uint16, uint8 proposed)."""
     responses = []
     for prompt, generated in requests_of(trace):
-        ids = np.concatenate([prompt, generated]).astype("<i4")
+        ids = np.concatenate([prompt, generated]).astype(dtype)
         choice = {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length",
                   "sgl_ext": {"routed_experts": base64.b64encode(ids.tobytes()).decode()}}
         responses.append({"id": "chatcmpl", "object": "chat.completion", "model": model, "choices": [choice],

@@ -19,7 +19,7 @@ from conftest import QWEN_FILES
 
 
 def test_registry_names_every_format():
-    assert set(IMPORTERS) == {"topk-jsonl", "routes-json", "vllm", "sglang", "npy"}
+    assert set(IMPORTERS) == {"topk-jsonl", "routes-json", "vllm", "sglang", "npy", "csv", "llamacpp", "megatron"}
 
 
 # ------------------------------------------------------------------------------------------ real traces

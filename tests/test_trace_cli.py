@@ -115,7 +115,7 @@ def test_import_of_a_malformed_file_names_the_line(capsys, tmp_path):
 
 def test_import_unknown_format_is_an_argparse_error(capsys, tmp_path):
     with pytest.raises(SystemExit) as caught:
-        main(["trace", "import", "csv", str(tmp_path / "a"), "-o", str(tmp_path / "b")])
+        main(["trace", "import", "tsv", str(tmp_path / "a"), "-o", str(tmp_path / "b")])
     assert caught.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
 

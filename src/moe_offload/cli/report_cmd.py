@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from moe_offload.errors import ConfigError
+from moe_offload.trace.counts import is_counts_file
 
 HTML_SUFFIXES = (".html", ".htm")
 # rows of the trace the timed simulator runs (reporting/latency.py): about 20 s of its runs for 32 layers
@@ -28,7 +29,8 @@ def register(subparsers) -> None:
                     "the trace's columns allow, and MoEpic's split; and the `generate`/`serve` options to run. "
                     "Printed, and with -o written as a self-contained HTML page.")
     parser.add_argument("trace", metavar="TRACE",
-                        help="trace file, or 'olmoe' / 'tiny' for the bundled traces")
+                        help="trace file, or 'olmoe' / 'tiny' for the bundled traces; or a table of expert counts "
+                             "(.csv, .json, .npy, SGLang's .pt dump) for the static answers only")
     parser.add_argument("--fast-memory", required=True, metavar="SIZE",
                         help="the fast tier's room for experts: a number of experts (64), a percentage (25%%) or "
                              "fraction (0.25) of all L*J experts, or bytes with a unit (4GiB)")
@@ -80,6 +82,8 @@ def run(args) -> int:
     from moe_offload.trace.format import read_trace
     from moe_offload.values import integer, jobs, parse_bytes
 
+    if is_counts_file(args.trace):
+        return run_counts(args)
     path = trace_path(args.trace)
     if args.output:
         check_output(args.output, inputs=[path], suffixes=HTML_SUFFIXES, what="report")
@@ -112,4 +116,25 @@ def run(args) -> int:
 
         write_atomically(args.output, render_html(report))
         out.print(f"report written to {args.output}")
+    return 0
+
+
+def run_counts(args) -> int:
+    """The report of a counts-only table: its static answers (reporting/counts_report.py)."""
+    from rich.console import Console
+
+    from moe_offload.reporting.counts_report import print_counts_report
+    from moe_offload.trace.counts import read_counts
+    from moe_offload.values import parse_bytes
+
+    if args.output:
+        raise ConfigError(f"-o {args.output}: the HTML page is of a full trace's report; a table of expert counts "
+                          "prints its static answers only")
+    counts = read_counts(args.trace)
+    expert_bytes = parse_bytes(args.expert_bytes, "--expert-bytes") if args.expert_bytes else None
+    cache_size = fast_memory_experts(args.fast_memory, counts.num_expert_slots, 1, expert_bytes)
+    out = Console()
+    if not out.is_terminal:
+        out.width = 120
+    print_counts_report(counts, args.trace, cache_size, out)
     return 0

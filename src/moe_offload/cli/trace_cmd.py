@@ -9,10 +9,12 @@ import numpy as np
 from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import format_bytes
 from moe_offload.outputs import check_output
+from moe_offload.values import parse_bytes
 from moe_offload.trace.flatten import flatten, write_csv, write_oracle_general
 from moe_offload.trace.format import DECODE, EMBEDDING_KINDS, PREFILL, Trace, read_trace, seal_trace, write_trace
 from moe_offload.trace.capture import ENGINES
-from moe_offload.trace.importers import IMPORTERS, TAKES_MODEL_CONFIG
+from moe_offload.trace.importers import IMPORTERS, TAKES_ARRAY_LIMIT, TAKES_MODEL_CONFIG, TAKES_PROMPT_CACHE
+from moe_offload.trace.importers.engine_trace import prompt_tokens_text
 from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
 
 OPTIONAL_COLUMNS = ("weights", "probs", "embedding", "gate_prediction", "next_token_gate_prediction")
@@ -37,24 +39,33 @@ def register(subparsers) -> None:
 
     importer = actions.add_parser(
         "import", help="convert a public trace format into a trace file",
-        description="Convert traces recorded by other projects, or the routing vLLM and SGLang return with their "
-                    "responses (see docs/guides/your-traffic.md). Several SRC files become several requests "
-                    "(request id = order on the command line).")
+        description="Convert traces recorded by other projects, the routing vLLM and SGLang return with their "
+                    "responses (see docs/guides/your-traffic.md), llama.cpp's llama-moe-trace and Megatron's "
+                    "RouterTracer logs, or the generic request,token,layer,expert CSV (docs/traces.md lists every "
+                    "source and what it can answer).")
     importer.add_argument("format", choices=sorted(IMPORTERS), metavar="FORMAT",
                           help=f"source format: {', '.join(sorted(IMPORTERS))}")
     importer.add_argument("sources", nargs="+", metavar="SRC", help="source file(s)")
     importer.add_argument("-o", "--output", required=True, metavar="FILE", help="trace file to write")
     importer.add_argument("--experts", type=int, metavar="J",
-                          help="experts per layer (required for topk-jsonl, vllm and npy unless --model-config "
-                               "gives it: their files do not say it)")
+                          help="experts per layer (required for every format but routes-json and sglang unless "
+                               "--model-config gives it: their files do not say it)")
     importer.add_argument("--model-config", metavar="CONFIG",
-                          help="the model's Hugging Face config.json, for L, J, K and the expert size (vllm, sglang "
-                               "and npy; required for sglang)")
+                          help="the model's Hugging Face config.json, for L, J, K and the expert size (every format "
+                               f"but {', '.join(sorted(set(IMPORTERS) - set(TAKES_MODEL_CONFIG)))}; required for "
+                               "sglang and llama-moe-trace's layer,expert rows)")
     importer.add_argument("--model", metavar="NAME", help="model name to record")
     importer.add_argument("--expert-bytes", type=int, metavar="N", help="bytes of one expert's weights")
     importer.add_argument("--hidden-size", type=int, metavar="D", help="the model's hidden size")
     importer.add_argument("--source", metavar="TEXT", help="provenance to record (default: the file names)")
     importer.add_argument("--license", metavar="TEXT", help="license of the source data")
+    importer.add_argument("--keep-cached-prompt", action="store_true",
+                          help="vllm, sglang: keep the prompt tokens served from the prefix cache (the first "
+                               "usage.prompt_tokens_details.cached_tokens) where their ids are present; by default "
+                               "they are dropped and counted, as they ran no experts in their request")
+    importer.add_argument("--max-array-bytes", default="2GiB", metavar="BYTES",
+                          help="the largest routing array an import decodes (vllm, sglang, npy; default 2GiB): a "
+                               "declared size past it is refused before anything is allocated")
     importer.set_defaults(run=run_import)
 
     capture = actions.add_parser(
@@ -233,6 +244,7 @@ def format_summary(summary: dict) -> str:
          f"{expert_bytes:,} ({format_bytes(expert_bytes)}; all experts {format_bytes(expert_bytes * L * J)})"),
         ("hidden size", "unknown" if summary["hidden_size"] is None else str(summary["hidden_size"])),
         ("tokens", f"{summary['tokens']} (prefill {summary['prefill_tokens']}, decode {summary['decode_tokens']})"),
+        *([("prompt tokens", prompt_tokens_text(summary["extra"]))] if prompt_tokens_text(summary["extra"]) else []),
         ("requests", str(summary["requests"])),
         ("iterations", str(summary["iterations"])),
         ("columns", ", ".join(["experts", *present]) + (f" (absent: {', '.join(absent)})" if absent else "")),
@@ -260,6 +272,13 @@ def _rounded(value: float | None) -> float | None:
 def run_import(args) -> int:
     check_output(args.output, inputs=[*args.sources, args.model_config], what="trace")
     options = {}
+    if args.format in TAKES_ARRAY_LIMIT:
+        options["max_array_bytes"] = parse_bytes(args.max_array_bytes, "--max-array-bytes")
+    if args.keep_cached_prompt:
+        if args.format not in TAKES_PROMPT_CACHE:
+            raise ConfigError(f"--keep-cached-prompt is for the formats {', '.join(TAKES_PROMPT_CACHE)}, not "
+                              f"{args.format}")
+        options["keep_cached_prompt"] = True
     if args.model_config is not None:
         if args.format not in TAKES_MODEL_CONFIG:
             raise ConfigError(f"--model-config is for the formats {', '.join(TAKES_MODEL_CONFIG)}, not {args.format}")

@@ -17,6 +17,7 @@ from moe_offload.reporting.tables import run_label
 from moe_offload.reporting.working_set import WorkingSet, measure_working_set
 from moe_offload.simulator.replay import ReplayInput
 from moe_offload.trace.format import TraceMeta
+from moe_offload.trace.importers.engine_trace import prompt_tokens_text
 
 
 @dataclass
@@ -67,6 +68,8 @@ def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: 
     step("the bound: Belady and every online policy at the budget")
     bound = measure_bound(data, cache_size, working_set, seed=seed, jobs=jobs, engine=engine)
     notes = [f"{policy} did not run: {why}" for policy, why in bound.skipped]
+    if prompt_tokens_text(trace.meta.extra):
+        notes.append(prompt_tokens_text(trace.meta.extra))
     latency = None
     if expert_bytes:
         step(f"latency on {hardware.name}: timed simulator")

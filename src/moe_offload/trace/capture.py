@@ -27,7 +27,8 @@ from typing import Callable
 from moe_offload.errors import ConfigError
 from moe_offload.text.prompts import Prompt
 from moe_offload.trace.format import Trace
-from moe_offload.trace.importers.engines import Routed, build_trace, sglang_rows, vllm_rows
+from moe_offload.trace.importers.engine_trace import Routed, build_trace
+from moe_offload.trace.importers.engines import sglang_rows, vllm_rows
 from moe_offload.trace.importers.model_config import ModelShape
 from moe_offload.trace.importers.responses import ResponseError
 from moe_offload.values import integer, number
@@ -61,7 +62,7 @@ def capture(url: str, prompts: list[Prompt], *, engine: str = "moe-offload", mod
         response = _post(f"{base}/v1/completions", body, timeout, f"prompt {index} ({prompt.source})")
         answered = clock()
         if engine == "vllm":
-            rows = vllm_rows(response, base, index)
+            rows = vllm_rows(response, base, index, shape=model_config)
         else:
             rows = sglang_rows(response, base, index, shape=model_config)
         if on_answer is not None:
@@ -70,8 +71,7 @@ def capture(url: str, prompts: list[Prompt], *, engine: str = "moe-offload", mod
         if passes is not None and not (isinstance(passes, list)
                                        and all(isinstance(p, int) and not isinstance(p, bool) for p in passes)):
             raise ResponseError(base, index, f"moe_offload.passes must be a list of pass numbers, not {passes!r}")
-        return [Routed(response.get("model"), base, index, prompt_rows, generated, sent, answered, passes)
-                for prompt_rows, generated in rows]
+        return [Routed(response.get("model"), base, index, choice, sent, answered, passes) for choice in rows]
 
     with ThreadPoolExecutor(concurrency, thread_name_prefix="capture") as pool:
         futures = [pool.submit(one, index, prompt) for index, prompt in enumerate(prompts)]

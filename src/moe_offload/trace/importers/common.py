@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -11,6 +12,11 @@ import numpy as np
 from moe_offload.errors import ConfigError, TraceError
 from moe_offload.trace.format import MAX_EXPERT_SLOTS, Trace, TraceMeta
 from moe_offload.values import integer
+
+
+_SHORT_REPR = reprlib.Repr()  # Python 3.11's Repr takes its limits as attributes
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxlist, _SHORT_REPR.maxdict = 4, 16, 8
+_SHORT_REPR.maxstring, _SHORT_REPR.maxlong, _SHORT_REPR.maxother = 120, 60, 120
 
 
 @dataclass
@@ -115,6 +121,16 @@ def _are_ids(values: list) -> bool:
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def quote(value, limit: int = 200) -> str:
+    """``repr(value)`` cut to ``limit`` characters: an error message quotes what it received, never all of a
+    hostile megabyte (an int of more digits than Python prints is named, not printed)."""
+    try:
+        text = _SHORT_REPR.repr(value)
+    except (ValueError, RecursionError):
+        text = f"({type(value).__name__} too large or too deep to print)"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _is_number(value) -> bool:

@@ -19,8 +19,13 @@ from dataclasses import dataclass
 
 from moe_offload.errors import ConfigError
 from moe_offload.inputs import parse_json, read_text
+from moe_offload.trace.format import MAX_EXPERT_BYTES, MAX_EXPERT_SLOTS, MAX_HIDDEN_SIZE
+from moe_offload.trace.importers.common import quote
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+# Bounds checked before anything is built from a config: DeepSeek-V3 has 61 decoder layers, so 65,536 is
+# a thousand times any model's; the experts of a layer and of the model share the trace's bound.
+MAX_DECODER_LAYERS = 2**16
 
 
 @dataclass(frozen=True)
@@ -46,40 +51,48 @@ def read_model_config(path) -> ModelShape:
     if not isinstance(config, dict):
         raise ConfigError(f"{path}: a model config is a JSON object, not {type(config).__name__}")
 
-    def field(*names: str, required: bool = True) -> int | None:
+    def field(*names: str, required: bool = True, low: int = 1, high: int = MAX_EXPERT_SLOTS) -> int | None:
         for name in names:
             value = config.get(name)
             if value is not None:
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ConfigError(f"{path}: {name} must be a positive integer, not {value!r}")
+                if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                    raise ConfigError(f"{path}: {name} must be an integer from {low} to {high:,}, not {quote(value)}")
                 return value
         if required:
             raise ConfigError(f"{path}: no {' or '.join(names)}: is this the config.json of an MoE model?")
         return None
 
-    layers = field("num_hidden_layers")
+    layers = field("num_hidden_layers", high=MAX_DECODER_LAYERS)
     num_experts = field("num_local_experts", "num_experts", "n_routed_experts")
     top_k = field("num_experts_per_tok")
     if top_k > num_experts:
         raise ConfigError(f"{path}: num_experts_per_tok={top_k} exceeds the {num_experts} experts per layer")
-    hidden = field("hidden_size", required=False)
-    intermediate = field("moe_intermediate_size", "intermediate_size", required=False)
-    dtype_bytes = DTYPE_BYTES.get(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    hidden = field("hidden_size", required=False, high=MAX_HIDDEN_SIZE)
+    intermediate = field("moe_intermediate_size", "intermediate_size", required=False, high=2**24)
+    dtype_name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    if not isinstance(dtype_name, str):
+        raise ConfigError(f"{path}: torch_dtype must be a type name such as 'bfloat16', not {quote(dtype_name)}")
+    dtype_bytes = DTYPE_BYTES.get(dtype_name)
     expert_bytes = 3 * hidden * intermediate * dtype_bytes if hidden and intermediate and dtype_bytes else None
-    moe_layers = tuple(layer for layer in range(layers) if _is_moe_layer(config, layer))
+    if expert_bytes is not None and expert_bytes > MAX_EXPERT_BYTES:
+        raise ConfigError(f"{path}: hidden_size x intermediate size gives experts of {expert_bytes:,} bytes, more "
+                          f"than the {MAX_EXPERT_BYTES:,} this release handles")
+    first_dense = field("first_k_dense_replace", required=False, low=0, high=layers)  # DeepSeek
+    frequency = field("moe_layer_freq", required=False, high=layers) or 1
+    step = field("decoder_sparse_step", required=False, high=layers) or 1  # Qwen-MoE
+    dense = config.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in dense):
+        raise ConfigError(f"{path}: mlp_only_layers must be a list of layer numbers, not {quote(dense)}")
+    if first_dense is not None:
+        moe_layers = tuple(layer for layer in range(first_dense, layers) if layer % frequency == 0)
+    else:
+        dense = set(dense)
+        moe_layers = tuple(layer for layer in range(layers) if layer not in dense and (layer + 1) % step == 0)
     if not moe_layers:
         raise ConfigError(f"{path}: no decoder layer of this config is an MoE layer")
+    if len(moe_layers) * num_experts > MAX_EXPERT_SLOTS:
+        raise ConfigError(f"{path}: {len(moe_layers)} MoE layers x {num_experts} experts is more than the "
+                          f"{MAX_EXPERT_SLOTS:,} experts this release handles")
     name = config.get("_name_or_path") or config.get("model_type") or "unknown"
-    return ModelShape(name=str(name), num_hidden_layers=layers, moe_layers=moe_layers, num_experts=num_experts,
-                      top_k=top_k, hidden_size=hidden, expert_bytes=expert_bytes)
-
-
-def _is_moe_layer(config: dict, layer: int) -> bool:
-    first_dense = config.get("first_k_dense_replace")  # DeepSeek
-    if isinstance(first_dense, int):
-        frequency = config.get("moe_layer_freq") or 1
-        return layer >= first_dense and layer % frequency == 0
-    if layer in (config.get("mlp_only_layers") or ()):  # Qwen-MoE
-        return False
-    step = config.get("decoder_sparse_step") or 1
-    return (layer + 1) % step == 0
+    return ModelShape(name=str(name)[:200], num_hidden_layers=layers, moe_layers=moe_layers,
+                      num_experts=num_experts, top_k=top_k, hidden_size=hidden, expert_bytes=expert_bytes)

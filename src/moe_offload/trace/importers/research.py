@@ -29,7 +29,8 @@ from moe_offload.errors import ConfigError, TraceError
 from moe_offload.inputs import parse_json, read_text
 from moe_offload.trace.format import DECODE, PHASES, PREFILL, Trace
 from moe_offload.trace.importers.common import (_are_ids, _as_paths, _assemble, _check_expert_ids, _check_requests_ids,
-                                                _check_num_experts, _failer, _is_int, _is_number, _Request)
+                                                _check_num_experts, _failer, _is_int, _is_number, _Request,
+                                                quote)
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
@@ -78,7 +79,7 @@ def _read_topk_jsonl(path: Path, shape: tuple[int, int] | None = None, shape_ori
             fail(f"missing key(s) {', '.join(map(repr, missing))}")
         token, layers = record["tok"], record["layers"]
         if not _is_int(token) or token < 0:
-            fail(f"'tok' must be a non-negative integer, not {token!r}")
+            fail(f"'tok' must be a non-negative integer, not {quote(token)}")
         if not isinstance(layers, list) or not layers:
             fail("'layers' must be a non-empty list of per-layer expert lists")
         if shape is None:
@@ -91,11 +92,11 @@ def _read_topk_jsonl(path: Path, shape: tuple[int, int] | None = None, shape_ori
             fail(f"{len(layers)} layers, but {shape_origin} has {num_layers}")
         for layer, ids in enumerate(layers):
             if not isinstance(ids, list):
-                fail(f"layer {layer} must be a list of expert ids, not {ids!r}")
+                fail(f"layer {layer} must be a list of expert ids, not {quote(ids)}")
             if len(ids) != top_k:
                 fail(f"layer {layer} lists {len(ids)} experts, but {shape_origin} lists {top_k} per layer (top-k)")
             if not _are_ids(ids):
-                fail(f"layer {layer} has an expert id that is not an integer: {ids!r}")
+                fail(f"layer {layer} has an expert id that is not an integer: {quote(ids)}")
         rows.append(layers)
         positions.append(token)
         numbers.append(number)
@@ -158,7 +159,7 @@ def _load_routes_document(path: Path) -> dict:
         raise TraceError(path, f"'meta' must be an object, not {type(meta).__name__}")
     for name in ("num_experts", "top_k", "num_moe_layers"):
         if name in meta and (not _is_int(meta[name]) or meta[name] < 1):
-            raise TraceError(path, f"meta {name} must be a positive integer, not {meta[name]!r}")
+            raise TraceError(path, f"meta {name} must be a positive integer, not {quote(meta[name])}")
     return document
 
 
@@ -182,16 +183,16 @@ def _read_routes(path: Path, document: dict, layer_keys: list[str] | None,
             fail(f"missing key(s) {', '.join(map(repr, missing))}")
         position, phase, layers = route["token_pos"], route["phase"], route["layers"]
         if not _is_int(position) or position < 0:
-            fail(f"'token_pos' must be a non-negative integer, not {position!r}")
+            fail(f"'token_pos' must be a non-negative integer, not {quote(position)}")
         if phase not in PHASES:
-            fail(f"'phase' must be 'prefill' or 'decode', not {phase!r}")
+            fail(f"'phase' must be 'prefill' or 'decode', not {quote(phase)}")
         if phase == "prefill" and decode_seen:
             fail("a prefill route after a decode route: the prompt's tokens must come first")
         if not isinstance(layers, dict) or not layers:
             fail("'layers' must be a non-empty object {layer: {experts, weights}}")
         if layer_keys is None:
             if not all(key.isascii() and key.isdigit() for key in layers):
-                fail(f"layer keys must be layer numbers, found {sorted(layers)!r}")
+                fail(f"layer keys must be layer numbers, found {quote(sorted(layers))}")
             layer_keys = sorted(layers, key=int)
         if set(layers) != set(layer_keys):
             fail(f"{len(layers)} layers {sorted(layers)} differ from the {len(layer_keys)} layers {layer_keys} "
@@ -206,7 +207,7 @@ def _read_routes(path: Path, document: dict, layer_keys: list[str] | None,
                 fail(f"layer {key} lacks {', '.join(map(repr, missing))}")
             ids, values = entry["experts"], entry["weights"]
             if not isinstance(ids, list) or not ids or not _are_ids(ids):
-                fail(f"layer {key}: 'experts' must be a non-empty list of integer ids, not {ids!r}")
+                fail(f"layer {key}: 'experts' must be a non-empty list of integer ids, not {quote(ids)}")
             if top_k is None:
                 top_k = len(ids)
             if len(ids) != top_k:
@@ -216,7 +217,7 @@ def _read_routes(path: Path, document: dict, layer_keys: list[str] | None,
                 fail(f"layer {key} has {count} weights for {len(ids)} experts")
             for value in values:
                 if not _is_number(value) or not math.isfinite(value) or not 0 <= value <= FLOAT16_MAX:
-                    fail(f"layer {key} has weight {value!r}: router weights must be finite numbers in "
+                    fail(f"layer {key} has weight {quote(value)}: router weights must be finite numbers in "
                          f"[0, {FLOAT16_MAX:g}] (float16)")
             row_experts.append(ids)
             row_weights.append(values)
