@@ -72,49 +72,49 @@ class CoActivation(EvictionPolicy):
         self._last_token = np.full(num_keys, -1, np.int64)
         self._cooccur = np.zeros((num_keys, spec.num_experts))  # c(a, b): a's row, b's index in its layer
         self._routed = np.zeros(num_keys)                        # c(a)
-        self._seen: list[list[int]] = [[] for _ in range(spec.num_layers)]  # this token's experts per layer
+        # this token's experts per layer, in request order (a runtime pass may route more than K per layer)
+        self._seen = np.zeros((spec.num_layers, spec.top_k), np.int64)
+        self._seen_count = np.zeros(spec.num_layers, np.int64)
         self._token = None
-        self._heap = heap_new(num_keys, num_keys)
+        # the kernel's heap (policies/_ranked.py) and _search's scratch, as Python lists: the same functions run
+        # on them several times faster than on NumPy arrays, whose scalar reads box every value
+        self._heap = tuple(array.tolist() for array in heap_new(num_keys, num_keys))
         self._size = 0
-        self._scratch = (np.empty(num_keys, np.int64), np.empty(num_keys), np.empty(num_keys, np.int64))  # _search's
+        self._scratch = ([0] * num_keys, [0.0] * num_keys, [0] * num_keys)
 
     def kernel_arguments(self):
         return np.array([self.decay], np.float64), np.array([self.spec.top_k], np.int64)
 
     def value(self, key, token) -> float:
         """V_e at ``token`` (module doc), for reports and tests."""
-        return (math.exp(self._rank[key] - self.decay * token)
-                + _predicted(key, token, self._last_token, self._cooccur, self._routed, self._seen_array(),
-                             self._seen_count(), self.spec.num_experts, self.spec.top_k))
+        return math.exp(self._rank[key] - self.decay * token) + self._predicted(key, token)
 
-    def _seen_array(self):
-        width = max([len(seen) for seen in self._seen] + [1])
-        table = np.zeros((self.spec.num_layers, width), np.int64)
-        for layer, seen in enumerate(self._seen):
-            table[layer, :len(seen)] = seen
-        return table
-
-    def _seen_count(self):
-        return np.array([len(seen) for seen in self._seen], np.int64)
+    def _predicted(self, key, token) -> float:
+        return _predicted(key, token, self._last_token, self._cooccur, self._routed, self._seen, self._seen_count,
+                          self.spec.num_experts, self.spec.top_k)
 
     def on_access(self, key, ctx):
         token = ctx.token
         if token != self._token:
             if self._token is not None:
-                _learn(self._cooccur, self._routed, self._seen_array(), self._seen_count(), self.spec.num_experts)
-            self._seen = [[] for _ in range(self.spec.num_layers)]
+                _learn(self._cooccur, self._routed, self._seen, self._seen_count, self.spec.num_experts)
+            self._seen_count[:] = 0
             self._token = token
         if self._last_token[key] != token:
             self._rank[key] = _activated(self._rank[key], token, self.decay)
             self._last_token[key] = token
-            self._seen[key // self.spec.num_experts].append(key)
+            layer = key // self.spec.num_experts
+            if self._seen_count[layer] == self._seen.shape[1]:
+                self._seen = np.concatenate([self._seen, np.zeros_like(self._seen)], axis=1)
+            self._seen[layer, self._seen_count[layer]] = key
+            self._seen_count[layer] += 1
         order, scores, stamps, position = self._heap
         if position[key] >= 0:
-            heap_update(order, scores, stamps, position, self._size, key, self._rank[key], ctx.clock)
+            heap_update(order, scores, stamps, position, self._size, key, float(self._rank[key]), ctx.clock)
 
     def on_insert(self, key, ctx):
         order, scores, stamps, position = self._heap
-        heap_push(order, scores, stamps, position, self._size, key, self._rank[key], ctx.clock)
+        heap_push(order, scores, stamps, position, self._size, key, float(self._rank[key]), ctx.clock)
         self._size += 1
 
     def on_evict(self, key):
@@ -125,9 +125,8 @@ class CoActivation(EvictionPolicy):
     def victim(self, ctx):
         order, scores, stamps, position = self._heap
         victim = _search(order, scores, stamps, position, self._size, ctx.token, self.decay, self._last_token,
-                         self._cooccur, self._routed, self._seen_array(), self._seen_count(),
-                         self.spec.num_experts, self.spec.top_k, np.array(sorted(ctx.pinned), np.int64),
-                         *self._scratch)
+                         self._cooccur, self._routed, self._seen, self._seen_count, self.spec.num_experts,
+                         self.spec.top_k, np.array(sorted(ctx.pinned), np.int64), *self._scratch)
         if victim < 0:
             raise NoEvictableExpert
         return int(victim)
