@@ -35,8 +35,8 @@ Why it is cheap. F decays by the same factor for every expert between two tokens
 changes when an expert is activated: the ranking key a_e = ln F_e(n_e) + lambda * n_e (n_e its last token,
 lambda = ln 2 / h) is fixed between e's activations, and F_e(n) = exp(a_e - lambda * n) (the same trick as
 ``lcp.py`` and ``decayed_lfu.py``). The residents sit in a keyed heap by a_e. P only raises a value (P >= 0),
-so the victim is found by popping the heap while the popped F is below the best V found so far: the first
-expert with P = 0 ends the search, and the popped experts go back with their keys and stamps. Learning a
+so the search walks the heap from its root and skips every subtree whose root's F already exceeds the best V
+found so far: it reads a few experts and changes nothing, and the victim leaves the heap in O(log n). Learning a
 token costs K^2 additions per layer (L K^2 per token, K per request); a decision costs K multiply-adds per
 expert examined.
 
@@ -50,7 +50,7 @@ import math
 
 import numpy as np
 
-from moe_offload.policies._ranked import heap_new, heap_pop, heap_push, heap_update
+from moe_offload.policies._ranked import heap_new, heap_push, heap_update
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 from moe_offload.values import number
 
@@ -76,11 +76,11 @@ class CoActivation(EvictionPolicy):
         self._seen = np.zeros((spec.num_layers, spec.top_k), np.int64)
         self._seen_count = np.zeros(spec.num_layers, np.int64)
         self._token = None
-        # the kernel's heap (policies/_ranked.py) and _search's scratch, as Python lists: the same functions run
+        # the kernel's heap (policies/_ranked.py) and _search's stack, as Python lists: the same functions run
         # on them several times faster than on NumPy arrays, whose scalar reads box every value
         self._heap = tuple(array.tolist() for array in heap_new(num_keys, num_keys))
         self._size = 0
-        self._scratch = ([0] * num_keys, [0.0] * num_keys, [0] * num_keys)
+        self._stack = [0] * num_keys
 
     def kernel_arguments(self):
         return np.array([self.decay], np.float64), np.array([self.spec.top_k], np.int64)
@@ -126,7 +126,7 @@ class CoActivation(EvictionPolicy):
         order, scores, stamps, position = self._heap
         victim = _search(order, scores, stamps, position, self._size, ctx.token, self.decay, self._last_token,
                          self._cooccur, self._routed, self._seen, self._seen_count, self.spec.num_experts,
-                         self.spec.top_k, np.array(sorted(ctx.pinned), np.int64), *self._scratch)
+                         self.spec.top_k, np.array(sorted(ctx.pinned), np.int64), self._stack)
         if victim < 0:
             raise NoEvictableExpert
         return int(victim)
@@ -151,9 +151,7 @@ class CoActivation(EvictionPolicy):
         seen = np.zeros((num_layers, top_k), np.int64)
         seen_count = np.zeros(num_layers, np.int64)
         no_pins = np.zeros(0, np.int64)
-        popped = np.empty(max(capacity, 1), np.int64)
-        popped_scores = np.empty(max(capacity, 1))
-        popped_stamps = np.empty(max(capacity, 1), np.int64)
+        stack = np.empty(max(capacity, 1), np.int64)
         current = -1
         resident = np.zeros(num_keys, np.bool_)
         size = 0
@@ -178,7 +176,7 @@ class CoActivation(EvictionPolicy):
                 continue
             if size == capacity:
                 victim = _search(order, scores, stamps, position, size, token, decay, last_token, cooccur, routed,
-                                 seen, seen_count, num_experts, top_k, no_pins, popped, popped_scores, popped_stamps)
+                                 seen, seen_count, num_experts, top_k, no_pins, stack)
                 _heap_remove(order, scores, stamps, position, size, victim)
                 resident[victim] = False
                 size -= 1
@@ -230,33 +228,33 @@ def _heap_remove(order, scores, stamps, position, size, key):
 
 
 def _search(order, scores, stamps, position, size, token, decay, last_token, cooccur, routed, seen, seen_count,
-            num_experts, top_k, pinned, popped, popped_scores, popped_stamps):
-    """The resident of lowest V (module doc), ties to the earliest stamp, none of ``pinned`` (sorted); -1 if
-    every resident is pinned. The heap is popped while the popped F is below the best V so far (V >= F), into
-    the scratch arrays ``popped*``, and everything popped goes back: the heap is as it was."""
-    count = 0
+             num_experts, top_k, pinned, stack):
+    """The resident of lowest V (module doc), ties to the lowest (key a_e, stamp), none of ``pinned`` (sorted);
+    -1 if every resident is pinned. V >= F, and F grows down every path of the heap, so a subtree whose root's
+    F exceeds the best V so far holds no better victim: the search walks the heap from its root (``stack``:
+    scratch room for ``size`` positions) and skips those subtrees, changing nothing."""
     best = -1
     best_value = math.inf
-    remaining = size
-    while remaining > 0:
-        base = math.exp(scores[0] - decay * token)
-        if best >= 0 and base >= best_value:
-            break
-        key = order[0]
-        popped[count] = key
-        popped_scores[count] = scores[0]
-        popped_stamps[count] = stamps[0]
-        count += 1
-        heap_pop(order, scores, stamps, position, remaining)
-        remaining -= 1
-        if pinned.shape[0] > 0 and _contains(pinned, key):
+    best_score = math.inf
+    best_stamp = 0
+    stack[0] = 0
+    depth = 1 if size > 0 else 0
+    while depth > 0:
+        depth -= 1
+        i = stack[depth]
+        base = math.exp(scores[i] - decay * token)
+        if base > best_value:
             continue
-        value = base + _predicted(key, token, last_token, cooccur, routed, seen, seen_count, num_experts, top_k)
-        if value < best_value:
-            best, best_value = key, value
-    for i in range(count):
-        heap_push(order, scores, stamps, position, remaining, popped[i], popped_scores[i], popped_stamps[i])
-        remaining += 1
+        key = order[i]
+        if not (pinned.shape[0] > 0 and _contains(pinned, key)):
+            value = base + _predicted(key, token, last_token, cooccur, routed, seen, seen_count, num_experts, top_k)
+            if (value < best_value or (value == best_value and (scores[i] < best_score or (
+                    scores[i] == best_score and stamps[i] < best_stamp)))):
+                best, best_value, best_score, best_stamp = key, value, scores[i], stamps[i]
+        for child in (2 * i + 1, 2 * i + 2):
+            if child < size:
+                stack[depth] = child
+                depth += 1
     return best
 
 
