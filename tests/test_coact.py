@@ -172,3 +172,13 @@ def test_the_kernel_runs_uncompiled_with_the_same_misses():
                                    ints.copy(), hits)
         assert hits.tolist() == replay(data, "coact", size, engine="python").per_layer_hits
     assert math.isclose(floats[0], math.log(2) / 8)
+
+
+def test_the_timed_simulator_charges_its_decisions():
+    from moe_offload.hardware import resolve_profile
+    from moe_offload.simulator.timed.decisions import decision_seconds
+
+    spec = ModelSpec(16, 64, 8)
+    hardware = resolve_profile("edge-flashmoe")  # no measured time for coact: its FLOPs at the host's rate
+    seconds = decision_seconds(hardware, "coact", make_policy("coact", spec), 512)
+    assert seconds == pytest.approx(512 * (3 * 8 + 3) / hardware.host.roofline.flops_per_s) and seconds > 0
