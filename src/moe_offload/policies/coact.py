@@ -75,6 +75,7 @@ class CoActivation(EvictionPolicy):
         # this token's experts per layer, in request order (a runtime pass may route more than K per layer)
         self._seen = np.zeros((spec.num_layers, spec.top_k), np.int64)
         self._seen_count = np.zeros(spec.num_layers, np.int64)
+        self._predicted_sum = np.zeros(num_keys)  # sum over a in S_{l-1} of c(a, b) / c(a), for each b
         self._token = None
         # the kernel's heap (policies/_ranked.py) and _search's stack, as Python lists: the same functions run
         # on them several times faster than on NumPy arrays, whose scalar reads box every value
@@ -87,11 +88,8 @@ class CoActivation(EvictionPolicy):
 
     def value(self, key, token) -> float:
         """V_e at ``token`` (module doc), for reports and tests."""
-        return math.exp(self._rank[key] - self.decay * token) + self._predicted(key, token)
-
-    def _predicted(self, key, token) -> float:
-        return _predicted(key, token, self._last_token, self._cooccur, self._routed, self._seen, self._seen_count,
-                          self.spec.num_experts, self.spec.top_k)
+        return (math.exp(self._rank[key] - self.decay * token)
+                + _predicted(key, token, self._last_token, self._predicted_sum, self.spec.num_experts, self.spec.top_k))
 
     def on_access(self, key, ctx):
         token = ctx.token
@@ -99,6 +97,7 @@ class CoActivation(EvictionPolicy):
             if self._token is not None:
                 _learn(self._cooccur, self._routed, self._seen, self._seen_count, self.spec.num_experts)
             self._seen_count[:] = 0
+            self._predicted_sum[:] = 0.0
             self._token = token
         if self._last_token[key] != token:
             self._rank[key] = _activated(self._rank[key], token, self.decay)
@@ -108,6 +107,9 @@ class CoActivation(EvictionPolicy):
                 self._seen = np.concatenate([self._seen, np.zeros_like(self._seen)], axis=1)
             self._seen[layer, self._seen_count[layer]] = key
             self._seen_count[layer] += 1
+            if layer + 1 < self.spec.num_layers and self._routed[key] > 0:  # _predict_next, vectorised alike
+                J = self.spec.num_experts
+                self._predicted_sum[(layer + 1) * J:(layer + 2) * J] += self._cooccur[key] / self._routed[key]
         order, scores, stamps, position = self._heap
         if position[key] >= 0:
             heap_update(order, scores, stamps, position, self._size, key, float(self._rank[key]), ctx.clock)
@@ -125,8 +127,8 @@ class CoActivation(EvictionPolicy):
     def victim(self, ctx):
         order, scores, stamps, position = self._heap
         victim = _search(order, scores, stamps, position, self._size, ctx.token, self.decay, self._last_token,
-                         self._cooccur, self._routed, self._seen, self._seen_count, self.spec.num_experts,
-                         self.spec.top_k, np.array(sorted(ctx.pinned), np.int64), self._stack)
+                         self._predicted_sum, self.spec.num_experts, self.spec.top_k,
+                         np.array(sorted(ctx.pinned), np.int64), self._stack)
         if victim < 0:
             raise NoEvictableExpert
         return int(victim)
@@ -150,6 +152,7 @@ class CoActivation(EvictionPolicy):
         routed = np.zeros(num_keys)
         seen = np.zeros((num_layers, top_k), np.int64)
         seen_count = np.zeros(num_layers, np.int64)
+        predicted_sum = np.zeros(num_keys)
         no_pins = np.zeros(0, np.int64)
         stack = np.empty(max(capacity, 1), np.int64)
         current = -1
@@ -162,6 +165,7 @@ class CoActivation(EvictionPolicy):
                 if current >= 0:
                     _learn(cooccur, routed, seen, seen_count, num_experts)
                 seen_count[:] = 0
+                predicted_sum[:] = 0.0
                 current = token
             if last_token[key] != token:
                 rank[key] = _activated(rank[key], token, decay)
@@ -170,13 +174,15 @@ class CoActivation(EvictionPolicy):
                 if seen_count[layer] < top_k:
                     seen[layer, seen_count[layer]] = key
                     seen_count[layer] += 1
+                    if layer + 1 < num_layers and routed[key] > 0:
+                        _predict_next(predicted_sum, cooccur, routed, key, layer, num_experts)
             if resident[key]:
                 layer_hits[key // num_experts] += 1
                 heap_update(order, scores, stamps, position, size, key, rank[key], t)
                 continue
             if size == capacity:
-                victim = _search(order, scores, stamps, position, size, token, decay, last_token, cooccur, routed,
-                                 seen, seen_count, num_experts, top_k, no_pins, stack)
+                victim = _search(order, scores, stamps, position, size, token, decay, last_token, predicted_sum,
+                                 num_experts, top_k, no_pins, stack)
                 _heap_remove(order, scores, stamps, position, size, victim)
                 resident[victim] = False
                 size -= 1
@@ -202,17 +208,18 @@ def _learn(cooccur, routed, seen, seen_count, num_experts):
                     cooccur[a, seen[layer + 1, j] % num_experts] += 1.0
 
 
-def _predicted(key, token, last_token, cooccur, routed, seen, seen_count, num_experts, top_k):
+def _predict_next(predicted_sum, cooccur, routed, key, layer, num_experts):
+    """Layer ``layer`` routed ``key`` in this token: add c(key, b) / c(key) to every b of the next layer."""
+    first = (layer + 1) * num_experts
+    for j in range(num_experts):
+        predicted_sum[first + j] += cooccur[key, j] / routed[key]
+
+
+def _predicted(key, token, last_token, predicted_sum, num_experts, top_k):
     """P(key | S_{l-1}) of the module doc: 0 for layer 0 and for an expert ``token`` has already routed."""
-    layer = key // num_experts
-    if layer == 0 or last_token[key] == token:
+    if key < num_experts or last_token[key] == token:
         return 0.0
-    total = 0.0
-    for i in range(seen_count[layer - 1]):
-        a = seen[layer - 1, i]
-        if routed[a] > 0:
-            total += cooccur[a, key % num_experts] / routed[a]
-    return total / top_k
+    return predicted_sum[key] / top_k
 
 
 def _heap_remove(order, scores, stamps, position, size, key):
@@ -227,8 +234,8 @@ def _heap_remove(order, scores, stamps, position, size, key):
         heap_update(order, scores, stamps, position, last, moved, scores[last], stamps[last])
 
 
-def _search(order, scores, stamps, position, size, token, decay, last_token, cooccur, routed, seen, seen_count,
-             num_experts, top_k, pinned, stack):
+def _search(order, scores, stamps, position, size, token, decay, last_token, predicted_sum, num_experts, top_k,
+            pinned, stack):
     """The resident of lowest V (module doc), ties to the lowest (key a_e, stamp), none of ``pinned`` (sorted);
     -1 if every resident is pinned. V >= F, and F grows down every path of the heap, so a subtree whose root's
     F exceeds the best V so far holds no better victim: the search walks the heap from its root (``stack``:
@@ -237,20 +244,25 @@ def _search(order, scores, stamps, position, size, token, decay, last_token, coo
     best_value = math.inf
     best_score = math.inf
     best_stamp = 0
+    best_log = math.inf
     stack[0] = 0
     depth = 1 if size > 0 else 0
     while depth > 0:
         depth -= 1
         i = stack[depth]
-        base = math.exp(scores[i] - decay * token)
+        exponent = scores[i] - decay * token
+        if exponent > best_log + 1e-9:  # F > best V, without an exp (1e-9: well above log's rounding)
+            continue
+        base = math.exp(exponent)
         if base > best_value:
             continue
         key = order[i]
         if not (pinned.shape[0] > 0 and _contains(pinned, key)):
-            value = base + _predicted(key, token, last_token, cooccur, routed, seen, seen_count, num_experts, top_k)
+            value = base + _predicted(key, token, last_token, predicted_sum, num_experts, top_k)
             if (value < best_value or (value == best_value and (scores[i] < best_score or (
                     scores[i] == best_score and stamps[i] < best_stamp)))):
                 best, best_value, best_score, best_stamp = key, value, scores[i], stamps[i]
+                best_log = math.log(value) if value > 0 else -math.inf
         for child in (2 * i + 1, 2 * i + 2):
             if child < size:
                 stack[depth] = child
