@@ -44,6 +44,7 @@ from rich.console import Console
 from rich.table import Table
 
 from moe_offload.bundled import DEFAULT_TRACE
+from moe_offload.errors import ConfigError
 from moe_offload.policies import POLICIES, make_policy
 from moe_offload.simulator.replay import ReplayInput, replay
 from moe_offload.trace.flatten import write_oracle_general
@@ -144,7 +145,12 @@ def main() -> None:
     policies = args.policies.split(",") if args.policies else online_policies()
     for policy in policies:
         make_policy(policy, ReplayInput.of(read_trace(DEFAULT_TRACE)).spec)  # unknown names fail before any work
-    half_lives = [float(h) for h in args.half_lives.split(",")]
+    try:
+        half_lives = [float(h) for h in args.half_lives.split(",")]
+        for h in half_lives:
+            make_policy("coact", ReplayInput.of(read_trace(DEFAULT_TRACE)).spec, options={"half_life": h})
+    except (ValueError, ConfigError) as exc:
+        parser.error(f"--half-lives {args.half_lives!r}: {exc}")
 
     console = Console(width=250)
     say = console.print
@@ -178,8 +184,9 @@ def main() -> None:
             notes.append("libcachesim is not installed (pip install libcachesim): no libCacheSim rows")
     best_libcachesim = {cell: min(row[cell] for row in libcachesim.values()) for cell in cells} if libcachesim else {}
 
-    fractions = {size: fraction for name, data in traces.items() for fraction, size in zip(FRACTIONS, cache_sizes(data))}
-    headers = [f"{name} {fractions[size] * 100:g}%" for name, size in cells]
+    fractions = {(name, size): fraction for name, data in traces.items()
+                 for fraction, size in zip(FRACTIONS, cache_sizes(data))}
+    headers = [f"{cell[0]} {fractions[cell] * 100:g}%" for cell in cells]
     table = Table(title="misses / OPT on each trace's flattened sequence (cache: % of the trace's experts)",
                   title_justify="left")
     for column in ["policy", *headers, "median", "worst", "cells <= best libCacheSim"]:

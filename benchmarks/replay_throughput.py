@@ -136,8 +136,8 @@ def main() -> None:
         if policy in compiled:
             info = POLICIES[policy]
             shared = f"{info.policy.name}'s" if info.partitioned else None  # a -dist policy runs its policy's kernel
-            row += [rate(fast_rate), f"{python_s / seconds:.0f}x" if python_s else "-", shared or f"{compile_s[policy]:.2f}",
-                    shared or f"{load_s[policy]:.3f}"]
+            row += [rate(fast_rate), f"{python_s / seconds:.0f}x" if python_s else "-",
+                    shared or f"{compile_s[policy]:.2f}", shared or f"{load_s[policy]:.3f}"]
             if fast_rate < MIN_COMPILED_RATE:
                 slow.append(policy)
         else:

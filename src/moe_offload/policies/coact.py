@@ -36,9 +36,10 @@ changes when an expert is activated: the ranking key a_e = ln F_e(n_e) + lambda 
 lambda = ln 2 / h) is fixed between e's activations, and F_e(n) = exp(a_e - lambda * n) (the same trick as
 ``lcp.py`` and ``decayed_lfu.py``). The residents sit in a keyed heap by a_e. P only raises a value (P >= 0),
 so the search walks the heap from its root and skips every subtree whose root's F already exceeds the best V
-found so far: it reads a few experts and changes nothing, and the victim leaves the heap in O(log n). Learning a
-token costs K^2 additions per layer (L K^2 per token, K per request); a decision costs K multiply-adds per
-expert examined.
+found so far: it reads the residents whose F is below the lowest V (few while the counts are young, more once
+the predictions are of the size of the decayed counts), changes nothing, and the victim leaves the heap in
+O(log n). The sums of P are kept as the layer routes: J additions per activation (the next layer's experts),
+so an expert examined costs an exp and a division. Learning a finished token costs K^2 additions per layer.
 
 Beyond the replay. A prefetched expert that no token has routed enters with F = 0. The runtime and the timed
 simulator serve a whole pass per access; ``ctx.token`` then names its token and the counts learn per pass.
@@ -134,9 +135,9 @@ class CoActivation(EvictionPolicy):
         return int(victim)
 
     def decision_flops(self, residents: int) -> float:
-        """At most every resident is examined: exp of its key (counted as 1) and K multiply-adds and
-        divisions of its prediction. An upper bound: the search usually stops after a few."""
-        return float(residents * (3 * self.spec.top_k + 3))
+        """At most every resident is examined: the exp of its key (counted as 1), the division of its
+        prediction by K and the sum: 3 each. An upper bound: the search skips most of the heap."""
+        return float(residents * 3)
 
     @staticmethod
     def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
