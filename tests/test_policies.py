@@ -534,7 +534,7 @@ def test_every_policy_is_listed_with_its_source():
     baselines = {"lifo", "lcp-dist", "neighbor-aware"}  # issue 25
     expected = {"lru", "lfu", "fifo", "random", "marking", "lru-dist", "marking-dist", "belady", "belady-dist",
                 "llru", "arc", "lecar", "moe-infinity", "fmoe", "lcp", "learned", "lfu-decay", "pinned-lru",
-                "static-freq", "static-layers"}
+                "static-freq", "static-layers", "coact"}
     assert set(POLICIES) == expected | baselines
     for info in POLICIES.values():
         assert info.summary and info.source

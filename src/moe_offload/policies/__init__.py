@@ -13,6 +13,7 @@ from moe_offload.errors import ConfigError
 from moe_offload.policies.arc import ARC
 from moe_offload.policies.base import AccessContext, EvictionPolicy, ModelSpec, NoEvictableExpert
 from moe_offload.policies.belady import Belady
+from moe_offload.policies.coact import CoActivation
 from moe_offload.policies.decayed_lfu import DecayedLFU
 from moe_offload.policies.fifo import FIFO
 from moe_offload.policies.fmoe import FMoE
@@ -82,6 +83,7 @@ POLICIES: dict[str, PolicyInfo] = {
         PolicyInfo("pinned-lru", PinnedLRU),
         PolicyInfo("static-freq", StaticFrequency),
         PolicyInfo("static-layers", StaticLayers),
+        PolicyInfo("coact", CoActivation),
     )
 }
 

@@ -1,0 +1,184 @@
+"""coact (policies/coact.py): its evictions on a hand-worked sequence, its victim against the formula recomputed
+from scratch, its kernel against its Python form on the real traces, its options and decision cost."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from conftest import QWEN_FILES
+from moe_offload.errors import ConfigError
+from moe_offload.policies import AccessContext, ModelSpec, make_policy
+from moe_offload.simulator import kernels
+from moe_offload.simulator.cache import ExpertCache
+from moe_offload.simulator.replay import ReplayInput, replay
+from moe_offload.trace.importers import import_routes_json, import_topk_jsonl
+from policy_driver import drive
+
+TWO_LAYERS = ModelSpec(num_layers=2, num_experts=3, top_k=1)
+
+
+def test_evictions_by_hand():
+    # K = 1, half-life 1 token (each past activation counts half as much per token). Keys: layer 0 = 0, 1, 2;
+    # layer 1 = 3, 4, 5. Tokens: 0 routes (0, 3), 1 routes (1, 4), 2 routes (0, 3); a cache of 3.
+    requests = [(0, 0), (1, 0), (0, 1), (1, 1), (0, 0), (1, 0)]
+    tokens = [0, 0, 1, 1, 2, 2]
+    _, evicted = drive("coact", requests, 3, TWO_LAYERS, tokens=tokens, options={"half_life": 1})
+    # t=3 (token 1, key 4 misses): F(0) = F(3) = 1/2, F(1) = 1. After token 0 the counts are c(0) = 1,
+    # c(0 -> 3) = 1; the layer-0 expert routed so far in token 1 is 1, never counted: P(3) = 0. V(0) = V(3) = 1/2:
+    # the tie goes to 0, scored first.
+    assert evicted[3] == [0]
+    # t=4 (token 2, key 0 misses): F(3) = 1/4, F(1) = F(4) = 1/2. Layer 0 has routed 0 in token 2, and
+    # c(0 -> 3) / c(0) = 1, so P(3) = 1 and V(3) = 5/4; P(4) = 0. 1 and 4 tie at 1/2: 1 (scored first) goes,
+    # where LRU, blind to the co-activation, evicts 3, the expert token 2 needs next.
+    assert evicted[4] == [1]
+    assert drive("lru", requests, 3, TWO_LAYERS, tokens=tokens)[1][4] == [3]
+    assert evicted[5] == []  # 3 is a hit
+
+
+def test_values_by_hand():
+    policy = make_policy("coact", TWO_LAYERS, options={"half_life": 2})
+    cache, ctx = ExpertCache(6, policy), AccessContext()
+    for clock, (key, token) in enumerate([(0, 0), (3, 0), (0, 1), (4, 1), (0, 3)]):
+        ctx.clock, ctx.token = clock, token
+        cache.request(key, ctx)
+    # F(0) at token 3: activations at 0, 1, 3 -> 2^(-3/2) + 2^(-2/2) + 1; F(3): 2^(-3/2); F(4): 2^(-2/2).
+    # Counts after tokens 0 and 1: c(0) = 2, c(0 -> 3) = c(0 -> 4) = 1; token 3 routed 0 at layer 0.
+    assert policy.value(0, 3) == pytest.approx(2 ** -1.5 + 0.5 + 1)
+    assert policy.value(3, 3) == pytest.approx(2 ** -1.5 + 1 / 2)
+    assert policy.value(4, 3) == pytest.approx(0.5 + 1 / 2)
+    assert policy.value(5, 3) == 0.0  # never routed, never predicted
+
+
+def reference_values(history, token, num_experts, top_k, half_life):
+    """V of every key at ``token`` recomputed from the whole request history [(token, key), ...]: F summed
+    over each key's activations, P from the co-activations counted over the finished tokens."""
+    activations, by_token = {}, {}
+    for t, key in history:
+        activations.setdefault(key, set()).add(t)
+        by_token.setdefault(t, [])
+        if key not in by_token[t]:
+            by_token[t].append(key)
+    routed, pairs = {}, {}
+    for t, keys in by_token.items():
+        if t == token:
+            continue
+        for a in keys:
+            routed[a] = routed.get(a, 0) + 1
+            for b in keys:
+                if b // num_experts == a // num_experts + 1:
+                    pairs[a, b] = pairs.get((a, b), 0) + 1
+    now = by_token.get(token, [])
+    values = {}
+    for key, tokens in activations.items():
+        value = sum(2 ** (-(token - t) / half_life) for t in tokens)
+        layer = key // num_experts
+        if layer and token not in tokens:
+            value += sum(pairs.get((a, key), 0) / routed[a] for a in now
+                         if a // num_experts == layer - 1 and routed.get(a)) / top_k
+        values[key] = value
+    return values
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_victim_has_the_lowest_value_of_the_formula(seed):
+    rng = random.Random(seed)
+    spec = ModelSpec(num_layers=3, num_experts=4, top_k=2)
+    policy = make_policy("coact", spec, options={"half_life": 3})
+    cache, ctx = ExpertCache(7, policy), AccessContext()
+    history, clock = [], 0
+    for token in range(60):
+        routing = [rng.sample(range(4), 2) if rng.random() < 0.5 else [token % 4, (token + 1) % 4] for _ in range(3)]
+        for rank in range(2):
+            for layer in range(3):
+                key = layer * 4 + routing[layer][rank]
+                ctx.clock, ctx.token = clock, token
+                history.append((token, key))
+                before = set(cache.resident)
+                cache.request(key, ctx)
+                gone = before - set(cache.resident)
+                if gone:
+                    values = reference_values(history, token, 4, 2, 3)
+                    lowest = min(values[k] for k in before)
+                    assert values[gone.pop()] == pytest.approx(lowest, rel=1e-9, abs=1e-12), (token, key)
+                clock += 1
+
+
+def test_pinned_experts_are_never_victims():
+    policy = make_policy("coact", TWO_LAYERS)
+    cache, ctx = ExpertCache(2, policy), AccessContext()
+    for clock, key in enumerate([0, 1]):
+        ctx.clock = ctx.token = clock
+        cache.request(key, ctx)
+    ctx.clock = ctx.token = 2
+    ctx.pinned = frozenset({0})  # 0 has the lowest value, but is pinned: 1 goes
+    cache.request(2, ctx)
+    assert set(cache.resident) == {0, 2}
+    ctx.pinned = frozenset({0, 2})
+    from moe_offload.policies import NoEvictableExpert
+    with pytest.raises(NoEvictableExpert):
+        policy.victim(ctx)
+
+
+def test_options_and_decision_cost():
+    with pytest.raises(ConfigError, match="coact.half_life"):
+        make_policy("coact", TWO_LAYERS, options={"half_life": 0})
+    with pytest.raises(ConfigError, match="half_lives"):
+        make_policy("coact", TWO_LAYERS, options={"half_lives": 2})
+    spec = ModelSpec(16, 64, 8)
+    assert make_policy("coact", spec).decision_flops(100) == 100 * 3  # every resident, the bound
+
+
+needs_numba = pytest.mark.skipif(not kernels.numba_available(), reason="Numba is not installed")
+
+
+def assert_kernel_is_the_policy(data, fractions=(0.125, 0.5)):
+    spec = data.spec
+    for fraction in fractions:
+        size = round(fraction * spec.num_layers * spec.num_experts)
+        reference = replay(data, "coact", size, engine="python")
+        assert replay(data, "coact", size, engine="compiled").to_dict() == reference.to_dict(), size
+
+
+@needs_numba
+def test_kernel_is_the_policy_on_the_granite_and_gpt_oss_traces(shared_traces):
+    assert_kernel_is_the_policy(ReplayInput.of(import_topk_jsonl(
+        shared_traces / "gpt-oss-120b" / "chat_149_tokens.jsonl", num_experts=128)))
+    granite = import_topk_jsonl(shared_traces / "granite-3.0-1b-a400m" / "sglang_8_requests.jsonl", num_experts=32)
+    assert_kernel_is_the_policy(ReplayInput.of(granite.select(slice(0, 80))))
+
+
+@needs_numba
+def test_kernel_is_the_policy_on_a_qwen_request(qwen_folder):
+    trace = import_routes_json([qwen_folder / f"{QWEN_FILES[0]}.json"], num_experts=60)
+    assert_kernel_is_the_policy(ReplayInput.of(trace), fractions=(0.25,))
+
+
+def test_the_kernel_runs_uncompiled_with_the_same_misses():
+    from moe_offload.policies.coact import CoActivation
+    from moe_offload.trace.synthetic import zipf_trace
+
+    data = ReplayInput.of(zipf_trace(4, 8, 2, 120, a=1.0, b=1.0, seed=3, shuffle=True))
+    policy = CoActivation(data.spec)
+    floats, ints = policy.kernel_arguments()
+    seq = data.sequence
+    for size in (4, 12):
+        hits = np.zeros(4, np.int64)
+        CoActivation.replay_kernel(seq.expert_id.astype(np.int64), np.arange(len(seq), dtype=np.int64),
+                                   seq.token.astype(np.int64), seq.next_use.astype(np.int64), size, 4, 8, floats,
+                                   ints.copy(), hits)
+        assert hits.tolist() == replay(data, "coact", size, engine="python").per_layer_hits
+    assert math.isclose(floats[0], math.log(2) / 8)
+
+
+def test_the_timed_simulator_charges_its_decisions():
+    from moe_offload.hardware import resolve_profile
+    from moe_offload.simulator.timed.decisions import decision_seconds
+
+    spec = ModelSpec(16, 64, 8)
+    hardware = resolve_profile("edge-flashmoe")  # no measured time for coact: its FLOPs at the host's rate
+    seconds = decision_seconds(hardware, "coact", make_policy("coact", spec), 512)
+    assert seconds == pytest.approx(512 * 3 / hardware.host.roofline.flops_per_s) and seconds > 0
