@@ -179,3 +179,39 @@ def make_schedule(trace: Trace, arrivals: Arrivals):
     """The iterations of ``trace`` as ``arrivals`` orders them (``next_batch``, ``arrival``, ``batch_done``:
     the requests that end with the batch)."""
     return TraceOrder(trace) if arrivals.kind == "trace" else Serving(trace, arrivals)
+
+
+def leading_iterations(trace: Trace, tokens: int) -> Trace:
+    """The trace's first whole iterations holding at least ``tokens`` rows (the whole trace when it has no more),
+    batches as recorded, extended where needed so that decoding is in it: until some request has run two
+    iterations (TPOT is defined) when the trace has one that does. A prompt longer than ``tokens`` would
+    otherwise make the sample a prefill alone."""
+    if trace.num_tokens <= tokens:
+        return trace
+    starts = np.flatnonzero(np.diff(trace.iteration)) + 1  # first row of every iteration after the first
+    ends = np.append(starts, trace.num_tokens)               # one past the last row of each iteration
+    cut = int(ends[np.searchsorted(ends, tokens)])
+    steps = {}
+    for i, end in enumerate(ends):  # the iterations of each request, until one has two
+        begin = 0 if i == 0 else int(ends[i - 1])
+        if end > cut and any(count >= 2 for count in steps.values()):
+            break
+        for request in np.unique(trace.request[begin:end]).tolist():
+            steps[request] = steps.get(request, 0) + 1
+        if end >= cut and any(count >= 2 for count in steps.values()):
+            cut = max(cut, int(end))
+            break
+    else:
+        return trace
+    return trace.select(slice(0, cut))
+
+
+def describe_sample(sample: Trace, whole: Trace) -> str:
+    """What part of ``whole`` the timed runs replay: its iterations, prefill and decode tokens, batch sizes."""
+    iterations = trace_iterations(sample)
+    sizes = [rows.size for rows in iterations]
+    decode = int((sample.phase != 0).sum())
+    part = "all" if sample.num_tokens == whole.num_tokens else "the first"
+    return (f"{part} {len(iterations):,} iterations of {len(trace_iterations(whole)):,} "
+            f"({sample.num_tokens - decode:,} prefill and {decode:,} decode tokens; "
+            f"{min(sizes):,} to {max(sizes):,} tokens a pass)")
