@@ -52,6 +52,7 @@ class Setting:
     options: dict = field(default_factory=dict)
     resident: list[int] = field(default_factory=list)
     from_traffic: bool = False
+    kind: str = ""  # which rule chose it (``frequency``, ``ot``): the same rule on other traffic is its twin
     note: str = ""
     export: Callable[[str], None] | None = None
     export_name: str | None = None  # the file name ``flags`` refer to

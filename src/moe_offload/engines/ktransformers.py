@@ -93,7 +93,7 @@ def settings(context: PlacementContext) -> list[Setting]:
            Setting("ktransformers", "front-loading", common + ["front-loading"], "static-experts",
                    resident=front_loading_mask(L, J, total)),
            Setting("ktransformers", "frequency", common + ["frequency", "--init-expert-location", STATISTICS_FILE],
-                   "static-experts", resident=frequency_mask(counts, total), from_traffic=True,
+                   "static-experts", resident=frequency_mask(counts, total), from_traffic=True, kind="frequency",
                    note=f"the {total} most routed experts of the profile over all layers",
                    export=lambda path: write_statistics(counts, path), export_name=STATISTICS_FILE)]
     chosen = random_mask(L, J, total)

@@ -48,6 +48,8 @@ from moe_offload.simulator.timed import simulate_timed
 from moe_offload.simulator.timed.schedule import leading_iterations
 
 EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # common/common.h LLM_FFN_EXPS_REGEX
+# rows of the profile the L + 1 gain runs replay (its leading iterations): L + 1 timed runs of that many rows
+GAIN_TOKENS = 256
 ALL_GPU = ["--n-gpu-layers", "999"]
 
 
@@ -68,10 +70,10 @@ def layers_matched(pattern: str, num_layers: int) -> set[int]:
 
 
 def layer_gains(context: PlacementContext) -> tuple[np.ndarray, str]:
-    """g_l of the module doc on the profile's leading iterations: TPOT (TTFT where the profile decodes no
+    """g_l of the module doc on the profile's leading iterations (GAIN_TOKENS rows at most): TPOT (TTFT where the profile decodes no
     second token) of every layer on the host less that with layer l on the GPU; and which of the two."""
     spec = context.spec
-    sample = leading_iterations(context.profile, context.timed_tokens)
+    sample = leading_iterations(context.profile, min(GAIN_TOKENS, context.timed_tokens))
     cache_bytes = context.slots * context.expert_bytes
 
     def run(cpu_layers):
@@ -113,13 +115,12 @@ def settings(context: PlacementContext) -> list[Setting]:
         gains, measure = layer_gains(context)
         gpu = best_gpu_layers(gains, fit)
         cpu = [layer for layer in every if layer not in gpu]
-        if cpu != list(range(host)):
-            pattern = cpu_layers_regex(cpu)
-            out.append(Setting("llama.cpp", f"-ot (layers {','.join(map(str, cpu))} on the CPU)",
-                               ALL_GPU + ["-ot", f"{pattern}=CPU"], "static-layers", {"cpu_layers": cpu},
-                               layer_keys(gpu, J), from_traffic=True,
-                               note=f"the {host} layers whose experts gain least {measure} in VRAM on the profile "
-                                    f"(the best of all {host}-layer sets: per-layer costs add up)"))
+        pattern = cpu_layers_regex(cpu)
+        out.append(Setting("llama.cpp", f"-ot (layers {','.join(map(str, cpu))} on the CPU)",
+                           ALL_GPU + ["-ot", f"{pattern}=CPU"], "static-layers", {"cpu_layers": cpu},
+                           layer_keys(gpu, J), from_traffic=True, kind="ot",
+                           note=f"the {host} layers whose experts gain least {measure} in VRAM on the profile "
+                                f"(the best of all {host}-layer sets: per-layer costs add up)"))
     if host > 0:
         out.append(Setting("llama.cpp", "--cpu-moe", ALL_GPU + ["--cpu-moe"], "static-layers", {"cpu_layers": every},
                            [], note="every layer's experts on the CPU"))

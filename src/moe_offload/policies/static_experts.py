@@ -22,8 +22,11 @@ class StaticExperts(EvictionPolicy):
     places_or_bypasses = True
     static = True
 
-    def __init__(self, spec, seed=0, experts=()):
+    def __init__(self, spec, seed=0, experts=None):
         super().__init__(spec, seed)
+        if experts is None:
+            raise ConfigError("static-experts needs its resident set (static-experts.experts=K1,K2,..., flat ids "
+                              "layer * J + expert): it replays a given placement, such as an engine's")
         keys = integer_list(experts, "static-experts.experts", low=0, high=spec.num_layers * spec.num_experts - 1)
         self.experts = sorted(set(keys))
 
