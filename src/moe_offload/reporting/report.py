@@ -187,9 +187,8 @@ def print_report(report: Report, console: Console) -> None:
 
     latency = report.latency
     if latency is not None:
-        sample = f"its first {latency.tokens:,} tokens" if latency.sampled else f"all {latency.tokens:,} tokens"
         table = Table(title=f"latency on {latency.hardware}, {format_bytes(latency.cache_bytes)} of experts in the "
-                            f"GPU (timed simulator, {sample}; ms)", title_justify="left")
+                            f"GPU (timed simulator, {latency.replayed}; ms)", title_justify="left")
         for column in ("run", "TTFT", "TPOT", "hit rate", "stall ms"):
             table.add_column(column, justify="left" if column == "run" else "right")
         for row in latency_rows(latency):

@@ -182,27 +182,23 @@ def make_schedule(trace: Trace, arrivals: Arrivals):
 
 
 def leading_iterations(trace: Trace, tokens: int) -> Trace:
-    """The trace's first whole iterations holding at least ``tokens`` rows (the whole trace when it has no more),
-    batches as recorded, extended where needed so that decoding is in it: until some request has run two
-    iterations (TPOT is defined) when the trace has one that does. A prompt longer than ``tokens`` would
-    otherwise make the sample a prefill alone."""
+    """The trace's first whole iterations up to ``tokens`` rows (at least its first iteration; the whole trace when
+    it has no more), batches as recorded, extended where needed so that decoding is in it: up to the first
+    iteration in which some request runs its second step (TPOT is then defined), when there is one. A prompt
+    longer than ``tokens`` would otherwise make the sample a prefill alone."""
     if trace.num_tokens <= tokens:
         return trace
-    starts = np.flatnonzero(np.diff(trace.iteration)) + 1  # first row of every iteration after the first
-    ends = np.append(starts, trace.num_tokens)               # one past the last row of each iteration
-    cut = int(ends[np.searchsorted(ends, tokens)])
-    steps = {}
-    for i, end in enumerate(ends):  # the iterations of each request, until one has two
-        begin = 0 if i == 0 else int(ends[i - 1])
-        if end > cut and any(count >= 2 for count in steps.values()):
+    ends = np.append(np.flatnonzero(np.diff(trace.iteration)) + 1, trace.num_tokens)  # one past each iteration
+    cut = int(ends[max(0, np.searchsorted(ends, tokens, side="right") - 1)])
+    seen: set = set()
+    begin = 0
+    for end in ends.tolist():  # the first iteration that repeats a request of an earlier one
+        requests = set(np.unique(trace.request[begin:end]).tolist())
+        if requests & seen:
+            cut = max(cut, end)
             break
-        for request in np.unique(trace.request[begin:end]).tolist():
-            steps[request] = steps.get(request, 0) + 1
-        if end >= cut and any(count >= 2 for count in steps.values()):
-            cut = max(cut, int(end))
-            break
-    else:
-        return trace
+        seen |= requests
+        begin = end
     return trace.select(slice(0, cut))
 
 
