@@ -91,8 +91,13 @@ def layer_gains(context: PlacementContext) -> tuple[np.ndarray, str]:
 
 
 def best_gpu_layers(gains: np.ndarray, count: int) -> list[int]:
-    """The ``count`` layers of largest gain (ties: the lower layer)."""
-    return sorted(np.argsort(-gains, kind="stable")[:count].tolist())
+    """The ``count`` layers of largest gain; gains equal to 1e-9 of the largest (sums of the same float terms
+    in another order) are ties, won by the later layer, so that where every layer costs the same (batch-1
+    decoding routes K experts in each) the choice is ``--n-cpu-moe``'s."""
+    scale = float(np.abs(gains).max()) or 1.0
+    rounded = np.round(gains / scale, 9)
+    order = sorted(range(gains.size), key=lambda layer: (-rounded[layer], -layer))
+    return sorted(order[:count])
 
 
 def settings(context: PlacementContext) -> list[Setting]:

@@ -16,12 +16,15 @@ part shows the drift. The hindsight figure is never a setting the section recomm
 
 from __future__ import annotations
 
+import re
+import shlex
 from dataclasses import dataclass, field, replace
 
 from moe_offload.engines import ENGINES, PlacementContext, Setting, run_setting, served_share, split_trace
 from moe_offload.engines.heldout import window_hit_rates
 from moe_offload.engines.vllm import streamed_bytes_per_token
 from moe_offload.hardware.profile import HardwareProfile
+from moe_offload.models.hub import HUB_ID
 from moe_offload.policies import ModelSpec
 from moe_offload.reporting.results import RunResult
 from moe_offload.simulator.timed import simulate_timed
@@ -29,6 +32,12 @@ from moe_offload.simulator.timed.schedule import describe_sample, leading_iterat
 from moe_offload.trace.format import Trace
 
 DRIFT_WINDOWS = 8
+
+
+def model_name(model: str) -> str:
+    """The trace's model as the engines' ``--model`` takes it: its hub id when it names one, else MODEL (the
+    user's checkpoint); a GGUF file is always the user's (MODEL.gguf)."""
+    return model if HUB_ID.fullmatch(model) else "MODEL"
 
 
 @dataclass
@@ -132,7 +141,8 @@ def measure_on_engine(trace: Trace, hardware: HardwareProfile, cache_size: int, 
         engine = ENGINES[name]
         scores = [score(setting, sample, split.scored, context, runs) for setting in engine.settings(context)]
         add_hindsight(scores, engine, context, split.scored)
-        sections.append(EngineScores(name, engine.command, engine.source, engine.limits, scores))
+        command = re.sub(r" MODEL(?= |$)", f" {model_name(meta.model)}", engine.command)
+        sections.append(EngineScores(name, command, engine.source, engine.limits, scores))
     return OnEngine(split=split.how, replayed=describe_sample(sample, split.scored), hardware=hardware.name,
                     cache_size=cache_size, dynamic=dynamic, belady=belady, engines=sections)
 
@@ -159,8 +169,6 @@ def setting_rows(section: EngineScores) -> list[tuple[str, ...]]:
 
 
 def command_line(section: EngineScores, entry: SettingScore) -> str:
-    import shlex
-
     return f"{section.command} {shlex.join(entry.setting.flags)}"
 
 
