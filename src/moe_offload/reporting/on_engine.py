@@ -196,7 +196,7 @@ def section_lines(on_engine: OnEngine, trace_name: str, fast_memory: str) -> dic
             if entry.hindsight_served is None:
                 continue
             gap = entry.hindsight_served - entry.heldout_served
-            verdict = (f"the profile's choice serves {gap:.1%} points less than hindsight: the hot set drifts"
+            verdict = (f"the profile's choice serves {gap * 100:.1f} points less than hindsight: the hot set drifts"
                        if gap > 0 else "the profile's choice loses nothing to hindsight")
             lines.append(f"{entry.setting.label}: of all the scored traffic it serves {entry.heldout_served:.2%} "
                          f"held-out, {entry.hindsight_served:.2%} chosen in hindsight (never recommended): "
