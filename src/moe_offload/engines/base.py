@@ -72,7 +72,8 @@ class EngineModel:
 
 
 def run_setting(setting: Setting, trace: Trace, context: PlacementContext, name: str | None = None):
-    """The timed simulator's run (a RunResult) of ``setting`` on ``trace`` (the scored part's sample) at the context's budget."""
+    """The timed simulator's run (a RunResult) of ``setting`` on ``trace`` (the scored part's sample) at the
+    context's budget."""
     return simulate_timed(trace, context.hardware, setting.policy, context.slots * context.expert_bytes,
                           expert_bytes=context.expert_bytes, policy_options=setting.options, seed=context.seed,
                           name=name)

@@ -70,17 +70,17 @@ def layers_matched(pattern: str, num_layers: int) -> set[int]:
 
 
 def layer_gains(context: PlacementContext) -> tuple[np.ndarray, str]:
-    """g_l of the module doc on the profile's leading iterations (GAIN_TOKENS rows at most): TPOT (TTFT where the profile decodes no
-    second token) of every layer on the host less that with layer l on the GPU; and which of the two."""
+    """g_l of the module doc on the profile's leading iterations (GAIN_TOKENS rows at most): TPOT (TTFT where
+    the profile decodes no second token) of every layer on the host less that with layer l on the GPU; and
+    which of the two."""
     spec = context.spec
     sample = leading_iterations(context.profile, min(GAIN_TOKENS, context.timed_tokens))
     cache_bytes = context.slots * context.expert_bytes
 
     def run(cpu_layers):
-        result = simulate_timed(sample, context.hardware, "static-layers", cache_bytes,
-                                expert_bytes=context.expert_bytes, policy_options={"cpu_layers": cpu_layers},
-                                seed=context.seed)
-        return result
+        return simulate_timed(sample, context.hardware, "static-layers", cache_bytes,
+                              expert_bytes=context.expert_bytes, policy_options={"cpu_layers": cpu_layers},
+                              seed=context.seed)
 
     every = list(range(spec.num_layers))
     base = run(every)
