@@ -78,7 +78,9 @@ def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: 
     latency = None
     if expert_bytes:
         step(f"latency on {hardware.name}: timed simulator")
-        latency = measure_latency(trace, hardware, cache_size, expert_bytes, [r.policy for r in bound.online],
+        # a placement chosen from this very trace is a bound, never what to run (it would need the trace itself)
+        latency = measure_latency(trace, hardware, cache_size, expert_bytes,
+                                  [r.policy for r in bound.online if not r.in_hindsight],
                                   tokens=timed_tokens, seed=seed, jobs=jobs)
     else:
         notes.append("no latency: the trace does not give the size of an expert (give --expert-bytes)")
