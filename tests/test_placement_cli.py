@@ -93,3 +93,12 @@ def test_every_command_under_what_to_run_runs_as_printed(tmp_path):
             done = subprocess.run(moe_offload + argv[1:], cwd=tmp_path, env=environment, stdout=sink,
                                   stderr=subprocess.PIPE, text=True, timeout=300)
         assert done.returncode == 0, f"{command}: {done.stderr}"
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--engine", "tgi"], "--engine 'tgi': choose one of llama.cpp"),
+    (["--profile", "olmoe"], "--profile olmoe: a trace of 16 layers x 64 experts cannot profile a model of 8 x 8"),
+])
+def test_bad_engine_options_of_report_are_refused_before_any_work(argv, problem):
+    code, out, err = run_cli(["report", "tiny", "--fast-memory", "25%", *argv])
+    assert code == 2 and problem in err and out == ""

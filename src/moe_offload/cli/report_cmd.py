@@ -81,6 +81,7 @@ def run(args) -> int:
     from moe_offload.bundled import trace_path
     from moe_offload.cli.simulate_cmd import learned_training_note
     from moe_offload.engines import engine_names
+    from moe_offload.engines.heldout import check_profile
     from moe_offload.hardware import resolve_profile
     from moe_offload.outputs import check_output, write_atomically
     from moe_offload.reporting.report import build_report, print_report
@@ -101,6 +102,8 @@ def run(args) -> int:
     engines = engine_names(args.engine)
     profile = read_trace(trace_path(args.profile)) if args.profile else None
     trace = read_trace(path)
+    if profile is not None:
+        check_profile(trace, profile, args.profile)
     meta = trace.meta
     expert_bytes = parse_bytes(args.expert_bytes, "--expert-bytes") if args.expert_bytes else meta.expert_bytes
     cache_size = fast_memory_experts(args.fast_memory, meta.num_expert_slots, meta.top_k, expert_bytes)

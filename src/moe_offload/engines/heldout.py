@@ -29,14 +29,19 @@ class Split:
     how: str         # the split in words, for the report
 
 
+def check_profile(trace: Trace, profile: Trace, profile_name: str | None) -> None:
+    """ConfigError unless ``profile`` routes the same model shape as ``trace``."""
+    meta = trace.meta
+    if (profile.meta.num_layers, profile.meta.num_experts) != (meta.num_layers, meta.num_experts):
+        raise ConfigError(f"--profile {profile_name}: a trace of {profile.meta.num_layers} layers x "
+                          f"{profile.meta.num_experts} experts cannot profile a model of {meta.num_layers} x "
+                          f"{meta.num_experts}")
+
+
 def split_trace(trace: Trace, profile: Trace | None = None, profile_name: str | None = None) -> Split:
     """The profile and the scored part of ``trace`` (module doc); ``profile`` is a separate profile trace."""
-    meta = trace.meta
     if profile is not None:
-        if (profile.meta.num_layers, profile.meta.num_experts) != (meta.num_layers, meta.num_experts):
-            raise ConfigError(f"--profile {profile_name}: a trace of {profile.meta.num_layers} layers x "
-                              f"{profile.meta.num_experts} experts cannot profile a model of {meta.num_layers} x "
-                              f"{meta.num_experts}")
+        check_profile(trace, profile, profile_name)
         return Split(profile, trace, f"placements are chosen on {profile_name} and scored on the whole trace")
     ids = list(dict.fromkeys(trace.request.tolist()))
     if len(ids) >= 2:
