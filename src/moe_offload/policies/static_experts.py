@@ -5,7 +5,8 @@ KTransformers' GPU-experts mask (its ``uniform``, ``front-loading`` and ``random
 
 The rule. With ``experts`` the flat ids k = layer * J + expert of the resident set R and room for C >= |R|
 experts, R is loaded before the first access and nothing is loaded after it: a request of k is a hit when
-k is in R, otherwise it is bypassed (computed on the host). The replay's hits are sum_{k in R} n_k.
+k is in R, otherwise it is bypassed (computed on the host). The replay's hits are sum_{k in R} n_k. Without
+``experts`` R is empty: every expert is computed on the host (llama.cpp's ``--cpu-moe``).
 """
 
 from __future__ import annotations
@@ -22,11 +23,8 @@ class StaticExperts(EvictionPolicy):
     places_or_bypasses = True
     static = True
 
-    def __init__(self, spec, seed=0, experts=None):
+    def __init__(self, spec, seed=0, experts=()):
         super().__init__(spec, seed)
-        if experts is None:
-            raise ConfigError("static-experts needs its resident set (static-experts.experts=K1,K2,..., flat ids "
-                              "layer * J + expert): it replays a given placement, such as an engine's")
         keys = integer_list(experts, "static-experts.experts", low=0, high=spec.num_layers * spec.num_experts - 1)
         self.experts = sorted(set(keys))
 
