@@ -60,9 +60,8 @@ def test_the_chosen_layers_are_the_best_of_every_set_on_the_tiny_trace(tiny_trac
     """Exhaustive: all C(8, 2) = 28 ways to keep 2 of 8 layers in VRAM, each run by the timed simulator."""
     sample = leading_iterations(tiny_trace, 48)
     context = context_of(sample, 16, 48)
-    gains, measure = layer_gains(context)
-    assert measure == "TPOT"
-    chosen = best_gpu_layers(gains, 2)
+    gains, ttft_gains = layer_gains(context)
+    chosen = best_gpu_layers(gains, 2, ttft_gains)
     every = {gpu: tpot_of(sample, context, [l for l in range(8) if l not in gpu])
              for gpu in itertools.combinations(range(8), 2)}
     assert every[tuple(chosen)] == pytest.approx(min(every.values()), rel=1e-12)
@@ -76,8 +75,8 @@ def check_additive_and_best(trace: Trace, slots: int, expert_bytes: int, seed: i
     context = context_of(sample, slots, 24, expert_bytes)
     L = trace.meta.num_layers
     fit = slots // trace.meta.num_experts
-    gains, _ = layer_gains(context)
-    chosen = best_gpu_layers(gains, fit)
+    gains, ttft_gains = layer_gains(context)
+    chosen = best_gpu_layers(gains, fit, ttft_gains)
     base = tpot_of(sample, context, range(L))
     best = tpot_of(sample, context, [l for l in range(L) if l not in chosen])
     assert best == pytest.approx(base - gains[chosen].sum(), rel=1e-9)

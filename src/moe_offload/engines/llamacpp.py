@@ -24,7 +24,8 @@ only on where that layer's experts are, and TTFT and TPOT, means of sums of pass
 
     T(host set H) = T(every layer on the host) - sum_{l not in H} g_l,   g_l = T(all host) - T(all host but l)
 
-The best H of size N keeps on the GPU the F layers of largest gain g_l. The L + 1 runs that measure the gains
+The best H of size N keeps on the GPU the F layers of largest gain g_l (TPOT's; where TPOT's tie, as at
+batch-1 decoding, which routes K experts in every layer, TTFT's decide). The L + 1 runs that measure the gains
 (on the profile, never on the scored traffic) give the optimum of all C(L, N) sets; the tests check the identity
 on random sets and against an exhaustive search.
 
@@ -69,34 +70,41 @@ def layers_matched(pattern: str, num_layers: int) -> set[int]:
     return {int(name.split(".")[1]) for name in expert_tensor_names(num_layers) if compiled.search(name)}
 
 
-def layer_gains(context: PlacementContext) -> tuple[np.ndarray, str]:
-    """g_l of the module doc on the profile's leading iterations (GAIN_TOKENS rows at most): TPOT (TTFT where
-    the profile decodes no second token) of every layer on the host less that with layer l on the GPU; and
-    which of the two."""
+def layer_gains(context: PlacementContext) -> tuple[np.ndarray, np.ndarray]:
+    """g_l of the module doc on the profile's leading iterations (GAIN_TOKENS rows at most), for TPOT and for
+    TTFT: each of every layer on the host less that with layer l on the GPU. The TPOT gains are the TTFT ones
+    where the profile decodes no second token."""
     spec = context.spec
     sample = leading_iterations(context.profile, min(GAIN_TOKENS, context.timed_tokens))
     cache_bytes = context.slots * context.expert_bytes
 
     def run(cpu_layers):
-        return simulate_timed(sample, context.hardware, "static-layers", cache_bytes,
-                              expert_bytes=context.expert_bytes, policy_options={"cpu_layers": cpu_layers},
-                              seed=context.seed)
+        result = simulate_timed(sample, context.hardware, "static-layers", cache_bytes,
+                                expert_bytes=context.expert_bytes, policy_options={"cpu_layers": cpu_layers},
+                                seed=context.seed)
+        return result.tpot_seconds, result.ttft_seconds
 
     every = list(range(spec.num_layers))
-    base = run(every)
-    measure = "tpot_seconds" if base.tpot_seconds is not None else "ttft_seconds"
-    gains = np.array([getattr(base, measure) - getattr(run([l for l in every if l != layer]), measure)
-                      for layer in every])
-    return gains, measure.split("_")[0].upper()
+    base_tpot, base_ttft = run(every)
+    runs = [run([l for l in every if l != layer]) for layer in every]
+    ttft = np.array([base_ttft - ttft for _, ttft in runs])
+    if base_tpot is None:
+        return ttft, ttft
+    return np.array([base_tpot - tpot for tpot, _ in runs]), ttft
 
 
-def best_gpu_layers(gains: np.ndarray, count: int) -> list[int]:
+def best_gpu_layers(gains: np.ndarray, count: int, then: np.ndarray | None = None) -> list[int]:
     """The ``count`` layers of largest gain; gains equal to 1e-9 of the largest (sums of the same float terms
-    in another order) are ties, won by the later layer, so that where every layer costs the same (batch-1
-    decoding routes K experts in each) the choice is ``--n-cpu-moe``'s."""
-    scale = float(np.abs(gains).max()) or 1.0
-    rounded = np.round(gains / scale, 9)
-    order = sorted(range(gains.size), key=lambda layer: (-rounded[layer], -layer))
+    in another order) are ties, broken by the ``then`` gains (TTFT's, where TPOT's tie: batch-1 decoding routes
+    K experts in every layer, so every layer costs it the same), then won by the later layer, so that where
+    every layer costs the same the choice is ``--n-cpu-moe``'s."""
+    def rounded(values):
+        scale = float(np.abs(values).max()) or 1.0
+        return np.round(values / scale, 9)
+
+    first = rounded(gains)
+    second = rounded(then) if then is not None else np.zeros_like(first)
+    order = sorted(range(gains.size), key=lambda layer: (-first[layer], -second[layer], -layer))
     return sorted(order[:count])
 
 
@@ -117,15 +125,15 @@ def settings(context: PlacementContext) -> list[Setting]:
         out.append(Setting("llama.cpp", label, ALL_GPU + flags, "static-layers", {"cpu_layers": first},
                            layer_keys(range(host, L), J), note=f"the first {host} layers' experts on the CPU"))
     if 0 < host < L and context.expert_bytes:
-        gains, measure = layer_gains(context)
-        gpu = best_gpu_layers(gains, fit)
+        tpot_gains, ttft_gains = layer_gains(context)
+        gpu = best_gpu_layers(tpot_gains, fit, ttft_gains)
         cpu = [layer for layer in every if layer not in gpu]
         pattern = cpu_layers_regex(cpu)
         out.append(Setting("llama.cpp", f"-ot (layers {','.join(map(str, cpu))} on the CPU)",
                            ALL_GPU + ["-ot", f"{pattern}=CPU"], "static-layers", {"cpu_layers": cpu},
                            layer_keys(gpu, J), from_traffic=True, kind="ot",
-                           note=f"the {host} layers whose experts gain least {measure} in VRAM on the profile "
-                                f"(the best of all {host}-layer sets: per-layer costs add up)"))
+                           note=f"the {host} layers whose experts gain least TPOT (then TTFT) in VRAM on the "
+                                f"profile (the best of all {host}-layer sets: per-layer costs add up)"))
     if host > 0:
         out.append(Setting("llama.cpp", "--cpu-moe", ALL_GPU + ["--cpu-moe"], "static-layers", {"cpu_layers": every},
                            [], note="every layer's experts on the CPU"))
