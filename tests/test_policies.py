@@ -532,10 +532,11 @@ def test_belady_dist_is_optimal_per_layer():
 
 def test_every_policy_is_listed_with_its_source():
     baselines = {"lifo", "lcp-dist", "neighbor-aware"}  # issue 25
+    engines = {"lfru", "lfru-dist", "static-experts"}  # issue 31
     expected = {"lru", "lfu", "fifo", "random", "marking", "lru-dist", "marking-dist", "belady", "belady-dist",
                 "llru", "arc", "lecar", "moe-infinity", "fmoe", "lcp", "learned", "lfu-decay", "pinned-lru",
                 "static-freq", "static-layers", "coact"}
-    assert set(POLICIES) == expected | baselines
+    assert set(POLICIES) == expected | baselines | engines
     for info in POLICIES.values():
         assert info.summary and info.source
 

@@ -18,9 +18,10 @@ import pytest
 from moe_offload.cli.main import build_parser, main
 from moe_offload.errors import ConfigError
 from moe_offload.hardware import resolve_profile
-from moe_offload.reporting.latency import measure_latency, timed_sample
+from moe_offload.reporting.latency import measure_latency
 from moe_offload.reporting.recommend import command_lines, commands
 from moe_offload.simulator.timed import simulate_timed
+from moe_offload.simulator.timed.schedule import leading_iterations
 
 
 def run_cli(argv) -> tuple[int, str, str]:
@@ -118,7 +119,7 @@ def test_latency_is_the_timed_simulators_and_the_commands_parse(tiny_trace):
     hardware = resolve_profile("desktop-rtx4090")
     meta = tiny_trace.meta
     latency = measure_latency(tiny_trace, hardware, 16, meta.expert_bytes, ["lecar", "lru"], tokens=64)
-    sample = timed_sample(tiny_trace, 64)
+    sample = leading_iterations(tiny_trace, 64)
     assert latency.tokens == sample.num_tokens <= 64 and latency.sampled
     assert tiny_trace.iteration[sample.num_tokens] != sample.iteration[-1]  # whole iterations only
     reference = simulate_timed(sample, hardware, "lecar", 16 * meta.expert_bytes, prefetcher="topk")

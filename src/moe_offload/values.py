@@ -118,6 +118,16 @@ def integer(value, what: str, *, low: int | None = None, high: int | None = None
     return parsed
 
 
+def integer_list(value, what: str, *, low: int | None = None, high: int | None = None) -> list[int]:
+    """Whole numbers in [low, high]: a list or tuple of them, or their text separated by commas (``0,3,5``, as
+    ``--policy-option NAME.KEY=0,3,5`` gives it); an empty text is the empty list."""
+    if isinstance(value, str):
+        value = [part for part in value.split(",") if part.strip()]
+    elif not isinstance(value, (list, tuple)):
+        refuse(what, value, "must be a list of whole numbers (or their text separated by commas)")
+    return [integer(item, what, low=low, high=high) for item in value]
+
+
 def text(value, what: str) -> str:
     """A non-empty string (a name, a path)."""
     if isinstance(value, os.PathLike):

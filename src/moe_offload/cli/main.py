@@ -7,13 +7,13 @@ import os
 import sys
 
 from moe_offload import __version__
-from moe_offload.cli import (configure_cmd, generate_cmd, hardware_cmd, pack_cmd, policies_cmd, record_cmd,
-                              report_cmd, serve_cmd, simulate_cmd, sweep_cmd, trace_cmd, train_cmd, train_tiny_cmd)
+from moe_offload.cli import (configure_cmd, generate_cmd, hardware_cmd, pack_cmd, placement_cmd, policies_cmd,
+                              record_cmd, report_cmd, serve_cmd, simulate_cmd, sweep_cmd, trace_cmd, train_cmd, train_tiny_cmd)
 from moe_offload.errors import MoeOffloadError
 from moe_offload.outputs import checked_stdout
 
 COMMANDS = (simulate_cmd, sweep_cmd, generate_cmd, serve_cmd, pack_cmd, record_cmd, trace_cmd, policies_cmd, train_cmd,
-            train_tiny_cmd, configure_cmd, hardware_cmd, report_cmd)
+            train_tiny_cmd, configure_cmd, hardware_cmd, report_cmd, placement_cmd)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -47,8 +47,14 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", default="0", help="seed of the randomized policies (default 0)")
     parser.add_argument("--jobs", default=str(min(2, os.cpu_count() or 1)),
                         help="worker processes (default: up to 2)")
-    parser.add_argument("--engine", choices=ENGINES, default="auto",
+    parser.add_argument("--replay-engine", choices=ENGINES, default="auto",
                         help="how the replay runs (as `simulate --engine`); never what it finds")
+    parser.add_argument("--engine", default="all", metavar="ENGINE",
+                        help="the serving engine whose settings to score on the held-out traffic: llama.cpp, "
+                             "ktransformers, vllm, sglang or all (default all)")
+    parser.add_argument("--profile", metavar="TRACE",
+                        help="the traffic that chooses the engines' placements (default: the trace's first half of "
+                             "requests chooses and the second half scores)")
     parser.set_defaults(run=run)
 
 
@@ -74,6 +80,8 @@ def run(args) -> int:
 
     from moe_offload.bundled import trace_path
     from moe_offload.cli.simulate_cmd import learned_training_note
+    from moe_offload.engines import engine_names
+    from moe_offload.engines.heldout import check_profile
     from moe_offload.hardware import resolve_profile
     from moe_offload.outputs import check_output, write_atomically
     from moe_offload.reporting.report import build_report, print_report
@@ -91,7 +99,11 @@ def run(args) -> int:
     workers = jobs(args.jobs)
     timed_tokens = integer(args.timed_tokens, "--timed-tokens", low=1)
     hardware = resolve_profile(args.hardware)
+    engines = engine_names(args.engine)
+    profile = read_trace(trace_path(args.profile)) if args.profile else None
     trace = read_trace(path)
+    if profile is not None:
+        check_profile(trace, profile, args.profile)
     meta = trace.meta
     expert_bytes = parse_bytes(args.expert_bytes, "--expert-bytes") if args.expert_bytes else meta.expert_bytes
     cache_size = fast_memory_experts(args.fast_memory, meta.num_expert_slots, meta.top_k, expert_bytes)
@@ -102,7 +114,8 @@ def run(args) -> int:
     step = (lambda text: stderr.print(f"[dim]{text}...[/]")) if stderr.is_terminal else None
     name = args.trace if Path(args.trace) == path else path.name
     report = build_report(ReplayInput.of(trace, name=name), args.trace, cache_size, hardware, expert_bytes,
-                          seed=seed, jobs=workers, engine=args.engine, timed_tokens=timed_tokens, step=step)
+                          seed=seed, jobs=workers, engine=args.replay_engine, timed_tokens=timed_tokens, step=step,
+                          engines=engines, profile=profile, profile_name=args.profile, fast_memory=args.fast_memory)
     if report.bound.result("learned") is not None:
         note = learned_training_note(str(path), {})
         if note:

@@ -20,6 +20,7 @@ from moe_offload.policies.fmoe import FMoE
 from moe_offload.policies.lcp import LCP
 from moe_offload.policies.learned import LearnedEviction
 from moe_offload.policies.lecar import LeCaR
+from moe_offload.policies.lfru import LFRU
 from moe_offload.policies.lfu import LFU
 from moe_offload.policies.lifo import LIFO
 from moe_offload.policies.llru import LLRU
@@ -29,6 +30,7 @@ from moe_offload.policies.moe_infinity import MoEInfinity
 from moe_offload.policies.neighbor_aware import NeighborAware
 from moe_offload.policies.pinned_lru import PinnedLRU
 from moe_offload.policies.random import RandomEviction
+from moe_offload.policies.static_experts import StaticExperts
 from moe_offload.policies.static_freq import StaticFrequency
 from moe_offload.policies.static_layers import StaticLayers
 from moe_offload.values import check_option_names, integer
@@ -84,6 +86,10 @@ POLICIES: dict[str, PolicyInfo] = {
         PolicyInfo("static-freq", StaticFrequency),
         PolicyInfo("static-layers", StaticLayers),
         PolicyInfo("coact", CoActivation),
+        PolicyInfo("static-experts", StaticExperts),
+        PolicyInfo("lfru", LFRU),
+        PolicyInfo("lfru-dist", LFRU, partitioned=True,
+                   partitioned_source="vLLM PR #37190: a cache of N slots per MoE layer, LFRU in each"),
     )
 }
 

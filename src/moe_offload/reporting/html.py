@@ -10,6 +10,7 @@ import numpy as np
 
 from moe_offload import __version__
 from moe_offload.reporting.bound import TARGET_HIT_RATES
+from moe_offload.reporting.on_engine import HEADER as ENGINE_HEADER, section_lines, setting_rows
 from moe_offload.reporting.report import Report, latency_rows, plural, policy_rows, working_set_rows
 from moe_offload.reporting.tables import run_label
 
@@ -159,10 +160,8 @@ def render_html(report: Report) -> str:
         + f". No cache hits more than {bound.max_hit_rate:.2%} (first requests always miss).</p>",
     ]
     if latency is not None:
-        sample = (f"its first {latency.tokens:,} tokens" if latency.sampled
-                  else f"all {latency.tokens:,} tokens")
         parts += [f"<h2>Latency on {e(latency.hardware)}</h2>",
-                  f"<p>Timed simulator on {sample}, trace iterations as recorded.</p>",
+                  f"<p>Timed simulator on {e(latency.replayed)}, trace iterations as recorded.</p>",
                   f"<figure>{latency_figure(report)}</figure>",
                   _table(("run", "TTFT ms", "TPOT ms", "hit rate", "stall ms"), latency_rows(latency))]
         if latency.moepic_config is not None:
@@ -172,6 +171,15 @@ def render_html(report: Report) -> str:
             parts += [f"<p>MoEpic's split of {config['budget_experts']:,} experts (plus its prefetch buffer of "
                       f"{meta.top_k}):</p>",
                       _table(("layer", "budget (experts)", "cached", "split ratio", "prefetch", "LCP hit rate"), rows)]
+    if report.on_engine is not None:
+        on_engine = report.on_engine
+        lines = section_lines(on_engine, report.trace, report.fast_memory)
+        parts += ["<h2>On your engine</h2>",
+                  f"<p>{e(on_engine.split)}; the runs replay {e(on_engine.replayed)} on {e(on_engine.hardware)}.</p>"]
+        for section in on_engine.engines:
+            parts += [f"<h3>{e(section.name)}</h3>", f'<p class="note">{e(section.source)}</p>',
+                      _table(ENGINE_HEADER, setting_rows(section)),
+                      "<pre>" + e("\n".join(lines[section.name])) + "</pre>"]
     parts += ["<h2>What to run</h2>", "<pre>" + e("\n".join(report.commands)) + "</pre>"]
     notes = report.notes + (latency.notes if latency is not None else [])
     parts += [f'<p class="note">note: {e(note)}</p>' for note in notes]

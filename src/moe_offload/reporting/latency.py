@@ -15,7 +15,8 @@ with LCP and MoEpic's prefetcher.
 
 The timed simulator runs every layer of every iteration in Python (about 50,000 token-layers a second), so
 a trace of more than ``tokens`` rows (`report --timed-tokens`) runs its first whole iterations up to that many
-rows, and the report says so.
+rows, batches as recorded and decoding included (simulator/timed/schedule.py ``leading_iterations``: a prompt
+longer than that is followed by decode passes), and the report says which part it replayed.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from moe_offload.prefetch import PREFETCHERS
 from moe_offload.prefetch.requirements import has_column
 from moe_offload.reporting.results import RunResult
 from moe_offload.simulator.timed import ALL_RESIDENT, ORACLE, Arrivals, check_timed_run, simulate_timed, timed_grid
+from moe_offload.simulator.timed.schedule import describe_sample, leading_iterations
 from moe_offload.trace.format import Trace
 
 CANDIDATE_POLICIES = 1  # the best online policies by replay hits, besides LRU
@@ -48,6 +50,7 @@ class Latency:
     moepic: RunResult | None = None
     moepic_config: dict | None = None  # configure --json's document
     notes: list[str] = field(default_factory=list)
+    replayed: str = ""               # which iterations the runs replayed, prefill and decode tokens, batch sizes
 
     @property
     def all_resident(self) -> RunResult:
@@ -64,16 +67,6 @@ class Latency:
     def best(self) -> RunResult | None:
         candidates = self.candidates()
         return candidates[0] if candidates else None
-
-
-def timed_sample(trace: Trace, tokens: int) -> Trace:
-    """The trace, or its first whole iterations up to ``tokens`` rows (rows are sorted by iteration)."""
-    if trace.num_tokens <= tokens:
-        return trace
-    cut = int(np.searchsorted(trace.iteration, trace.iteration[tokens], side="left"))
-    if cut == 0:  # one iteration of more rows than that: it is kept whole
-        cut = int(np.searchsorted(trace.iteration, trace.iteration[0], side="right"))
-    return trace.select(slice(0, cut))
 
 
 def usable_prefetchers(trace: Trace) -> tuple[list[str], list[str]]:
@@ -119,13 +112,14 @@ def measure_latency(trace: Trace, hardware: HardwareProfile, cache_size: int, ex
                     progress=None) -> Latency:
     """The timed runs of the module docstring on ``cache_size`` experts of ``expert_bytes`` each."""
     cache_bytes = cache_size * expert_bytes
-    sample = timed_sample(trace, tokens)
+    sample = leading_iterations(trace, tokens)
     policies = candidate_policies(ranked_policies, sample, hardware, cache_bytes, expert_bytes)
     prefetchers, notes = usable_prefetchers(sample)
     runs = timed_grid(sample, hardware, policies, [None] + prefetchers, [cache_bytes], expert_bytes=expert_bytes,
                       seed=seed, jobs=jobs, progress=progress, name=trace.path)
     latency = Latency(hardware=hardware.name, cache_bytes=cache_bytes, tokens=sample.num_tokens,
-                      sampled=sample.num_tokens < trace.num_tokens, runs=runs, notes=notes)
+                      sampled=sample.num_tokens < trace.num_tokens, runs=runs, notes=notes,
+                      replayed=describe_sample(sample, trace))
     if sample.gate_prediction is None:
         latency.notes.append("MoEpic's split experts need the trace's gate_prediction column (next-layer router "
                              "predictions, which `moe-offload record` writes); this trace has none")

@@ -12,6 +12,7 @@ from rich.table import Table
 from moe_offload.hardware.profile import HardwareProfile, format_bytes
 from moe_offload.reporting.bound import TARGET_HIT_RATES, Bound, measure_bound, verdict
 from moe_offload.reporting.latency import Latency, measure_latency
+from moe_offload.reporting.on_engine import OnEngine, measure_on_engine, print_on_engine
 from moe_offload.reporting.recommend import command_lines, commands
 from moe_offload.reporting.tables import run_label
 from moe_offload.reporting.working_set import WorkingSet, measure_working_set
@@ -35,6 +36,8 @@ class Report:
     latency: Latency | None
     commands: list[str]
     notes: list[str] = field(default_factory=list)
+    on_engine: OnEngine | None = None
+    fast_memory: str = ""            # the budget as given (--fast-memory), for the commands printed
 
     @property
     def total_experts(self) -> int:
@@ -58,9 +61,11 @@ class Report:
 
 def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: HardwareProfile,
                  expert_bytes: int | None, *, timed_tokens: int, seed: int = 0, jobs: int = 1, engine: str = "auto",
-                 step=None) -> Report:
-    """Measure everything, the timed runs on the first ``timed_tokens`` rows (latency.py); ``step(text)`` is
-    told what runs next (a progress line)."""
+                 step=None, engines: tuple[str, ...] = (), profile=None, profile_name: str | None = None,
+                 fast_memory: str = "") -> Report:
+    """Measure everything, the timed runs on the first ``timed_tokens`` rows (latency.py) and the settings of
+    ``engines`` on the held-out traffic (on_engine.py; ``profile``, a trace, chooses their placements instead
+    of the trace's first half); ``step(text)`` is told what runs next (a progress line)."""
     step = step or (lambda text: None)
     trace = data.trace
     step("working set: sliding windows and reuse distances")
@@ -73,11 +78,21 @@ def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: 
     latency = None
     if expert_bytes:
         step(f"latency on {hardware.name}: timed simulator")
-        latency = measure_latency(trace, hardware, cache_size, expert_bytes, [r.policy for r in bound.online],
+        # a placement chosen from this very trace is a bound, never what to run (it would need the trace itself)
+        latency = measure_latency(trace, hardware, cache_size, expert_bytes,
+                                  [r.policy for r in bound.online if not r.in_hindsight],
                                   tokens=timed_tokens, seed=seed, jobs=jobs)
     else:
         notes.append("no latency: the trace does not give the size of an expert (give --expert-bytes)")
     best_policy = bound.best.policy if bound.best is not None else "lru"
+    on_engine = None
+    if engines and expert_bytes:
+        step("on your engine: each setting on the held-out traffic")
+        on_engine = measure_on_engine(trace, hardware, cache_size, expert_bytes, list(engines),
+                                      bound.best.policy if bound.best is not None else None, profile=profile,
+                                      profile_name=profile_name, timed_tokens=timed_tokens, seed=seed)
+    elif engines:
+        notes.append("no engine settings: their latency needs the size of an expert (give --expert-bytes)")
     lines = command_lines(commands(trace.meta, trace_name, hardware.name, cache_size, expert_bytes, latency,
                                    best_policy))
     if lines and "MODEL_DIR" in lines[-1]:
@@ -85,7 +100,7 @@ def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: 
     return Report(trace=trace_name, meta=trace.meta, tokens=trace.num_tokens, requests=trace.num_requests,
                   cache_size=cache_size, expert_bytes=expert_bytes, hardware=hardware.name,
                   working_set=working_set, bound=bound, verdict=verdict(bound, trace.meta.num_expert_slots),
-                  latency=latency, commands=lines, notes=notes)
+                  latency=latency, commands=lines, notes=notes, on_engine=on_engine, fast_memory=fast_memory)
 
 
 def plural(count: int, noun: str) -> str:
@@ -174,9 +189,8 @@ def print_report(report: Report, console: Console) -> None:
 
     latency = report.latency
     if latency is not None:
-        sample = f"its first {latency.tokens:,} tokens" if latency.sampled else f"all {latency.tokens:,} tokens"
         table = Table(title=f"latency on {latency.hardware}, {format_bytes(latency.cache_bytes)} of experts in the "
-                            f"GPU (timed simulator, {sample}; ms)", title_justify="left")
+                            f"GPU (timed simulator, {latency.replayed}; ms)", title_justify="left")
         for column in ("run", "TTFT", "TPOT", "hit rate", "stall ms"):
             table.add_column(column, justify="left" if column == "run" else "right")
         for row in latency_rows(latency):
@@ -188,6 +202,8 @@ def print_report(report: Report, console: Console) -> None:
                           + ", ".join(f"L{i} {layer['cache_size']}x{layer['split_ratio']:.2f}"
                                       for i, layer in enumerate(config["layers"]))
                           + " (cached experts x split ratio per layer)")
+    if report.on_engine is not None:
+        print_on_engine(report.on_engine, console, report.trace, report.fast_memory)
     console.print("\n[bold]what to run[/]:")
     for line in report.commands:
         console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)

@@ -179,3 +179,35 @@ def make_schedule(trace: Trace, arrivals: Arrivals):
     """The iterations of ``trace`` as ``arrivals`` orders them (``next_batch``, ``arrival``, ``batch_done``:
     the requests that end with the batch)."""
     return TraceOrder(trace) if arrivals.kind == "trace" else Serving(trace, arrivals)
+
+
+def leading_iterations(trace: Trace, tokens: int) -> Trace:
+    """The trace's first whole iterations up to ``tokens`` rows (at least its first iteration; the whole trace when
+    it has no more), batches as recorded, extended where needed so that decoding is in it: up to the first
+    iteration in which some request runs its second step (TPOT is then defined), when there is one. A prompt
+    longer than ``tokens`` would otherwise make the sample a prefill alone."""
+    if trace.num_tokens <= tokens:
+        return trace
+    ends = np.append(np.flatnonzero(np.diff(trace.iteration)) + 1, trace.num_tokens)  # one past each iteration
+    cut = int(ends[max(0, np.searchsorted(ends, tokens, side="right") - 1)])
+    seen: set = set()
+    begin = 0
+    for end in ends.tolist():  # the first iteration that repeats a request of an earlier one
+        requests = set(np.unique(trace.request[begin:end]).tolist())
+        if requests & seen:
+            cut = max(cut, end)
+            break
+        seen |= requests
+        begin = end
+    return trace.select(slice(0, cut))
+
+
+def describe_sample(sample: Trace, whole: Trace) -> str:
+    """What part of ``whole`` the timed runs replay: its iterations, prefill and decode tokens, batch sizes."""
+    iterations = trace_iterations(sample)
+    sizes = [rows.size for rows in iterations]
+    decode = int((sample.phase != 0).sum())
+    part = "all" if sample.num_tokens == whole.num_tokens else "the first"
+    return (f"{part} {len(iterations):,} iterations of {len(trace_iterations(whole)):,} "
+            f"({sample.num_tokens - decode:,} prefill and {decode:,} decode tokens; "
+            f"{min(sizes):,} to {max(sizes):,} tokens a pass)")

@@ -1,0 +1,84 @@
+"""What every engine model shares: a setting (the flags a user passes to the engine, and the placement they
+make, expressed with this project's own mechanisms), what a model is asked with, and how a setting is scored.
+
+A setting is run by the one timed simulator (simulator/timed) with the one expert cache: its placement is a
+policy of the registry (static-layers, static-experts, lfru-dist, lru-dist) with its options, its misses are
+loaded or computed on the host by the cache's admission (simulator/cache.py). A setting the simulator cannot
+run as the engine does (``policy`` None) is reported by what is exact about it (its bytes) and says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from moe_offload.hardware.profile import HardwareProfile
+from moe_offload.policies.base import ModelSpec
+from moe_offload.simulator.timed import simulate_timed
+from moe_offload.trace.format import Trace
+
+
+@dataclass(frozen=True)
+class PlacementContext:
+    """What an engine model enumerates its settings from: the model's shape, the room in fast memory (whole
+    experts), the traffic a placement may be chosen from (never the traffic it is scored on), the hardware
+    and the size of an expert (None: unknown, and nothing timed)."""
+
+    spec: ModelSpec
+    slots: int
+    profile: Trace
+    hardware: HardwareProfile
+    expert_bytes: int | None
+    seed: int = 0
+    timed_tokens: int = 1024
+
+    @property
+    def total(self) -> int:
+        return self.spec.num_layers * self.spec.num_experts
+
+
+@dataclass
+class Setting:
+    """One way to run the engine at the budget. ``flags`` are the engine's own arguments, exactly as typed;
+    ``resident`` the experts it keeps in fast memory from the start (flat ids layer * J + expert); ``policy``
+    and ``options`` how the timed simulator runs it (None: not simulated, ``note`` says why);
+    ``from_traffic``: its placement is chosen from the profile; ``export`` writes the file the engine reads
+    (path -> None), when it reads one."""
+
+    engine: str
+    label: str
+    flags: list[str]
+    policy: str | None
+    options: dict = field(default_factory=dict)
+    resident: list[int] = field(default_factory=list)
+    from_traffic: bool = False
+    kind: str = ""  # which rule chose it (``frequency``, ``ot``): the same rule on other traffic is its twin
+    note: str = ""
+    export: Callable[[str], None] | None = None
+    export_name: str | None = None  # the file name ``flags`` refer to
+    streamed_layers: list[int] | None = None  # layers whose experts cross the link in every pass, never kept
+
+
+@dataclass
+class EngineModel:
+    """An engine: its name, the command its flags go to, where its semantics come from, and its settings at a
+    budget (``settings(context)``); ``limits`` says what it cannot express."""
+
+    name: str
+    command: str
+    source: str
+    settings: Callable[[PlacementContext], list[Setting]]
+    limits: str = ""
+
+
+def run_setting(setting: Setting, trace: Trace, context: PlacementContext, name: str | None = None):
+    """The timed simulator's run (a RunResult) of ``setting`` on ``trace`` (the scored part's sample) at the
+    context's budget."""
+    return simulate_timed(trace, context.hardware, setting.policy, context.slots * context.expert_bytes,
+                          expert_bytes=context.expert_bytes, policy_options=setting.options, seed=context.seed,
+                          name=name)
+
+
+def layer_keys(layers, num_experts: int) -> list[int]:
+    """Every expert of ``layers``, as flat ids."""
+    return [layer * num_experts + expert for layer in sorted(layers) for expert in range(num_experts)]

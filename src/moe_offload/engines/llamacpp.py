@@ -1,0 +1,155 @@
+"""llama.cpp and ik_llama.cpp: which layers' experts stay in host memory, computed there by the CPU.
+
+What the engines express (ggml-org/llama.cpp common/arg.cpp and common/common.h; ik_llama.cpp takes the same
+``-ot``, ``--cpu-moe`` and ``--n-cpu-moe``). A layer's routed experts are three stacked tensors,
+``blk.N.ffn_{gate,up,down}_exps.weight`` (``ffn_gate_up_exps`` where gate and up are fused), so the unit of
+placement is a layer: its experts are all in VRAM or all in host memory, where the CPU computes them.
+
+* ``--cpu-moe``: every layer's experts on the CPU (the override ``LLM_FFN_EXPS_REGEX`` =
+  ``\\.ffn_(up|down|gate|gate_up)_(ch|)exps`` to the CPU buffer type).
+* ``--n-cpu-moe N``: for i = 0 .. N-1, one override ``llm_ffn_exps_block_regex(i)`` = ``blk\\.i`` +
+  LLM_FFN_EXPS_REGEX to the CPU: the experts of the *first* N layers stay on the CPU.
+* ``-ot REGEX=CPU`` (``--override-tensor``): every tensor whose name the regex finds (``std::regex_search``)
+  goes to the CPU buffer: any set of layers, written here as one ``blk\\.(a|b|...)\\.ffn_...`` pattern.
+
+With room for C experts of J per layer, F = floor(C / J) layers fit, so at least N = L - F layers stay on the
+host. Which N is the question ik_llama.cpp's PR #672 asked: llama.cpp's flag always takes the first ones.
+
+Why the best set of N layers is found exactly without trying all C(L, N). Nothing is loaded after the start in
+a static placement, so nothing moves over the link, and the timed simulator's layers share only the clock: a
+layer's time in a pass is its attention, its router, then the GPU's experts and the host's in parallel (the
+hidden states over, the bypassed experts on the CPU, the results back), and the pass waits for both
+(simulator/timed/run.py, Host compute). So the time of a pass is a sum over its layers of a term that depends
+only on where that layer's experts are, and TTFT and TPOT, means of sums of passes, are additive too:
+
+    T(host set H) = T(every layer on the host) - sum_{l not in H} g_l,   g_l = T(all host) - T(all host but l)
+
+The best H of size N keeps on the GPU the F layers of largest gain g_l (TPOT's; where TPOT's tie, as at
+batch-1 decoding, which routes K experts in every layer, TTFT's decide). The L + 1 runs that measure the gains
+(on the profile, never on the scored traffic) give the optimum of all C(L, N) sets; the tests check the identity
+on random sets and against an exhaustive search.
+
+The GPU LRU cache of host-resident experts of llama.cpp PR #27861 (open, ``--moe-expert-cache S``: S slots per
+host-resident expert layer, decode only, ``--moe-expert-cache-inserts`` uploads per layer per step, default
+2) is modelled as a per-layer LRU of S slots over every layer (``--cpu-moe``), ``lru-dist``. Where the model
+differs from the PR: a miss is fetched on demand (the GPU waits for it) where the PR computes it on the CPU and
+publishes the upload at a later step, at most 2 per layer per step, and the PR serves no hit in a pass of more
+than one token; so the hit rate is an upper bound on the PR's, and its TPOT charges a transfer where the PR
+charges the CPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from moe_offload.engines.base import EngineModel, PlacementContext, Setting, layer_keys
+from moe_offload.simulator.timed import simulate_timed
+from moe_offload.simulator.timed.schedule import leading_iterations
+
+EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # common/common.h LLM_FFN_EXPS_REGEX
+# rows of the profile the L + 1 gain runs replay (its leading iterations): L + 1 timed runs of that many rows
+GAIN_TOKENS = 256
+ALL_GPU = ["--n-gpu-layers", "999"]
+
+
+def cpu_layers_regex(layers) -> str:
+    """The ``-ot`` pattern that sends the experts of ``layers`` (and nothing else) to the CPU."""
+    return r"blk\.(" + "|".join(str(layer) for layer in sorted(layers)) + ")" + EXPS_REGEX
+
+
+def expert_tensor_names(num_layers: int) -> list[str]:
+    """The stacked expert tensors of a GGUF model of ``num_layers`` MoE layers."""
+    return [f"blk.{layer}.ffn_{part}_exps.weight" for layer in range(num_layers) for part in ("gate", "up", "down")]
+
+
+def layers_matched(pattern: str, num_layers: int) -> set[int]:
+    """The layers whose expert tensors ``pattern`` finds, as llama.cpp's ``std::regex_search`` does."""
+    compiled = re.compile(pattern)
+    return {int(name.split(".")[1]) for name in expert_tensor_names(num_layers) if compiled.search(name)}
+
+
+def layer_gains(context: PlacementContext) -> tuple[np.ndarray, np.ndarray]:
+    """g_l of the module doc on the profile's leading iterations (GAIN_TOKENS rows at most), for TPOT and for
+    TTFT: each of every layer on the host less that with layer l on the GPU. The TPOT gains are the TTFT ones
+    where the profile decodes no second token."""
+    spec = context.spec
+    sample = leading_iterations(context.profile, min(GAIN_TOKENS, context.timed_tokens))
+    cache_bytes = context.slots * context.expert_bytes
+
+    def run(cpu_layers):
+        result = simulate_timed(sample, context.hardware, "static-layers", cache_bytes,
+                                expert_bytes=context.expert_bytes, policy_options={"cpu_layers": cpu_layers},
+                                seed=context.seed)
+        return result.tpot_seconds, result.ttft_seconds
+
+    every = list(range(spec.num_layers))
+    base_tpot, base_ttft = run(every)
+    runs = [run([l for l in every if l != layer]) for layer in every]
+    ttft = np.array([base_ttft - ttft for _, ttft in runs])
+    if base_tpot is None:
+        return ttft, ttft
+    return np.array([base_tpot - tpot for tpot, _ in runs]), ttft
+
+
+def best_gpu_layers(gains: np.ndarray, count: int, then: np.ndarray | None = None) -> list[int]:
+    """The ``count`` layers of largest gain; gains equal to 1e-9 of the largest (sums of the same float terms
+    in another order) are ties, broken by the ``then`` gains (TTFT's, where TPOT's tie: batch-1 decoding routes
+    K experts in every layer, so every layer costs it the same), then won by the later layer, so that where
+    every layer costs the same the choice is ``--n-cpu-moe``'s."""
+    def rounded(values):
+        scale = float(np.abs(values).max()) or 1.0
+        return np.round(values / scale, 9)
+
+    first = rounded(gains)
+    second = rounded(then) if then is not None else np.zeros_like(first)
+    order = sorted(range(gains.size), key=lambda layer: (-first[layer], -second[layer], -layer))
+    return sorted(order[:count])
+
+
+def settings(context: PlacementContext) -> list[Setting]:
+    spec = context.spec
+    L, J = spec.num_layers, spec.num_experts
+    fit = min(L, context.slots // J)
+    host = L - fit
+    every = list(range(L))
+    out = []
+    if host == 0:
+        out.append(Setting("llama.cpp", "every layer's experts in VRAM", list(ALL_GPU), "static-layers",
+                           {"cpu_layers": []}, layer_keys(every, J)))
+    else:
+        first = list(range(host))
+        label = "--cpu-moe" if host == L else f"--n-cpu-moe {host}"
+        flags = ["--cpu-moe"] if host == L else ["--n-cpu-moe", str(host)]
+        out.append(Setting("llama.cpp", label, ALL_GPU + flags, "static-layers", {"cpu_layers": first},
+                           layer_keys(range(host, L), J), note=f"the first {host} layers' experts on the CPU"))
+    if 0 < host < L and context.expert_bytes:
+        tpot_gains, ttft_gains = layer_gains(context)
+        gpu = best_gpu_layers(tpot_gains, fit, ttft_gains)
+        cpu = [layer for layer in every if layer not in gpu]
+        pattern = cpu_layers_regex(cpu)
+        out.append(Setting("llama.cpp", f"-ot (layers {','.join(map(str, cpu))} on the CPU)",
+                           ALL_GPU + ["-ot", f"{pattern}=CPU"], "static-layers", {"cpu_layers": cpu},
+                           layer_keys(gpu, J), from_traffic=True, kind="ot",
+                           note=f"the {host} layers whose experts gain least TPOT (then TTFT) in VRAM on the "
+                                f"profile (the best of all {host}-layer sets: per-layer costs add up)"))
+    if host > 0:
+        out.append(Setting("llama.cpp", "--cpu-moe", ALL_GPU + ["--cpu-moe"], "static-layers", {"cpu_layers": every},
+                           [], note="every layer's experts on the CPU"))
+    slots = context.slots // L
+    if slots >= 1 and host > 0:
+        out.append(Setting("llama.cpp", f"--cpu-moe --moe-expert-cache {slots} (PR #27861)",
+                           ALL_GPU + ["--cpu-moe", "--moe-expert-cache", str(slots)], "lru-dist",
+                           note="ggml-org/llama.cpp PR #27861 (open, not in a release): a per-layer LRU of "
+                                f"{slots} VRAM slots; modelled with misses fetched on demand (an upper bound on "
+                                "its hit rate)"))
+    return [setting for i, setting in enumerate(out) if setting.label not in {s.label for s in out[:i]}]
+
+
+ENGINE = EngineModel(
+    name="llama.cpp", command="llama-server -m MODEL.gguf",
+    source="ggml-org/llama.cpp common/arg.cpp (--cpu-moe, --n-cpu-moe), common/common.h (LLM_FFN_EXPS_REGEX); "
+           "ik_llama.cpp takes the same flags; PR #27861 (--moe-expert-cache)",
+    settings=settings,
+    limits="whole layers only: a layer's experts are one tensor, all in VRAM or all on the CPU")

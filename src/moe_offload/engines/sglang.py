@@ -1,0 +1,31 @@
+"""SGLang: what its expert-location options express on one GPU.
+
+``--init-expert-location`` (``trivial``, or a file of a recorded expert distribution) and EPLB
+(``--enable-eplb``, ``--ep-num-redundant-experts``) choose which *GPU* (expert-parallel rank) holds each
+expert and how many replicas it has (sgl-project/sglang python/sglang/srt/eplb/expert_location.py and
+eplb_manager.py). On one GPU there is one rank: every expert is on it, so below the memory of all experts
+these options express nothing, and SGLang alone has no setting to list. What SGLang runs with less memory is
+its ``kt`` backend (``--kt-weight-path``, ``--kt-num-gpu-experts``, ``--kt-expert-placement-strategy``): those
+are KTransformers' settings (moe_offload.engines.ktransformers), where ``--init-expert-location FILE.pt`` is
+the activation counts of the ``frequency`` strategy.
+"""
+
+from __future__ import annotations
+
+from moe_offload.engines import ktransformers
+from moe_offload.engines.base import EngineModel, PlacementContext, Setting
+
+
+def settings(context: PlacementContext) -> list[Setting]:
+    out = ktransformers.settings(context)
+    for setting in out:
+        setting.engine = "sglang"
+    return out
+
+
+ENGINE = EngineModel(
+    name="sglang", command="python -m sglang.launch_server --model MODEL --kt-weight-path WEIGHTS",
+    source="sgl-project/sglang python/sglang/srt/eplb (expert location, EPLB); the kt backend's flags",
+    settings=settings,
+    limits="--init-expert-location and EPLB place experts across GPUs: on one GPU they express nothing below "
+           "all experts; the settings listed are its kt backend's (KTransformers)")

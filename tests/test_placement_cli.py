@@ -1,0 +1,104 @@
+"""`moe-offload placement` prints the best setting's command line or writes its file; bad input is one line, exit 2;
+and every command `report tiny` prints under "what to run" runs as printed."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_offload.cli.main import main
+from moe_offload.simulator.timed.schedule import leading_iterations
+from moe_offload.trace.format import PREFILL, Trace, TraceMeta
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def run_cli(argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_placement_prints_flags_and_writes_the_neutral_json(tmp_path):
+    output = tmp_path / "olmoe-llama.json"
+    code, out, err = run_cli(["placement", "olmoe", "--engine", "llama.cpp", "--fast-memory", "50%",
+                              "--timed-tokens", "16", "-o", str(output)])
+    assert code == 0, err
+    command = out.splitlines()[1]
+    assert command.startswith("llama-server -m MODEL.gguf --n-gpu-layers 999 ")
+    document = json.loads(output.read_text())
+    assert document["command"] == command and len(document["resident_experts_per_layer"]) == 16
+    assert sum(map(len, document["resident_experts_per_layer"])) in (0, 512)  # whole layers, or none from the start
+
+
+def test_placement_writes_ktransformers_counts(tmp_path):
+    torch = pytest.importorskip("torch")
+    output = tmp_path / "kt.pt"
+    code, out, err = run_cli(["placement", "tiny", "--engine", "ktransformers", "--fast-memory", "25%",
+                              "--timed-tokens", "32", "-o", str(output)])
+    assert code == 0, err
+    assert "--kt-expert-placement-strategy frequency --init-expert-location kt-expert-frequency.pt" in out
+    counts = torch.load(output, weights_only=True)["logical_count"]
+    assert tuple(counts.shape) == (1, 8, 8) and int(counts.sum()) > 0
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--engine", "all"], "name one of"),
+    (["--engine", "tgi"], "--engine 'tgi'"),
+    (["--engine", "vllm", "-o", "out.txt"], "out.txt"),
+    (["--engine", "vllm", "--profile", "missing.parquet"], "missing.parquet"),
+])
+def test_bad_placement_input_is_one_line(tmp_path, argv, problem):
+    argv = [a if a != "out.txt" else str(tmp_path / a) for a in argv]
+    code, out, err = run_cli(["placement", "tiny", "--fast-memory", "25%", *argv])
+    assert code == 2 and problem in err and len(err.strip().splitlines()) == 1 and out == ""
+
+
+def test_a_long_prompt_is_followed_by_decoding_in_the_timed_sample():
+    """A prompt of 200 tokens and 10 decode steps, sampled at 129 rows: the sample decodes (TPOT defined)."""
+    experts = np.zeros((210, 1, 1), np.int64)
+    meta = TraceMeta(model="m", num_layers=1, num_experts=2, top_k=1)
+    trace = Trace.build(meta, experts, request=np.zeros(210), position=np.arange(210),
+                        iteration=np.r_[np.zeros(200), np.arange(1, 11)],
+                        phase=np.r_[np.full(200, PREFILL), np.ones(10)])
+    sample = leading_iterations(trace, 129)
+    assert sample.num_tokens == 201 and (sample.phase != PREFILL).sum() == 1
+
+
+def test_every_command_under_what_to_run_runs_as_printed(tmp_path):
+    code, out, err = run_cli(["report", "tiny", "--fast-memory", "25%", "--timed-tokens", "32", "--jobs", "1",
+                              "--engine", "vllm"])
+    assert code == 0, err
+    lines = out.splitlines()
+    commands = [line.strip() for line in lines[lines.index("what to run:") + 1:] if line.startswith("  moe-offload")]
+    assert commands
+    environment = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    moe_offload = [sys.executable, "-m", "moe_offload.cli.main"]
+    for command in commands:
+        argv = shlex.split(command.replace(" > split.json", ""))
+        with open(tmp_path / "split.json", "w") if command.endswith("> split.json") else open(os.devnull, "w") as sink:
+            done = subprocess.run(moe_offload + argv[1:], cwd=tmp_path, env=environment, stdout=sink,
+                                  stderr=subprocess.PIPE, text=True, timeout=300)
+        assert done.returncode == 0, f"{command}: {done.stderr}"
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--engine", "tgi"], "--engine 'tgi': choose one of llama.cpp"),
+    (["--profile", "olmoe"], "--profile olmoe: a trace of 16 layers x 64 experts cannot profile a model of 8 x 8"),
+])
+def test_bad_engine_options_of_report_are_refused_before_any_work(argv, problem):
+    code, out, err = run_cli(["report", "tiny", "--fast-memory", "25%", *argv])
+    assert code == 2 and problem in err and out == ""
