@@ -8,7 +8,9 @@ engine), ``text`` (offline corpora and prompts), ``reporting`` (result record, t
 ``moe_offload.load(...)`` starts the runtime (see moe_offload.api).
 """
 
-__version__ = "0.1.0"
+from moe_offload.version import __version__
+
+__all__ = ["__version__", "load"]
 
 
 def load(*args, **kwargs):

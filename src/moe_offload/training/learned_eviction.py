@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from moe_offload import __version__
+from moe_offload.version import __version__
 from moe_offload.errors import ConfigError
 from moe_offload.models import require_model_stack
 from moe_offload.policies import policy_info

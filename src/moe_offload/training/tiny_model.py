@@ -39,7 +39,7 @@ from typing import Callable
 
 import numpy as np
 
-from moe_offload import __version__
+from moe_offload.version import __version__
 from moe_offload.errors import ConfigError
 from moe_offload.text.sources import (Document, is_held_out, sharegpt_documents, sharegpt_recovery,
                                       stdlib_documents)
