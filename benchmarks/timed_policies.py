@@ -46,7 +46,7 @@ from rich.table import Table
 
 from moe_offload.bundled import DEFAULT_LEARNED_MODEL, DEFAULT_TRACE
 from moe_offload.errors import ConfigError
-from moe_offload.hardware import format_bytes, resolve_profile
+from moe_offload.hardware import resolve_profile
 from moe_offload.policies import policy_info
 from moe_offload.policies.learned_model import load_model
 from moe_offload.prefetch import PREFETCHERS, check_trace_columns, prefetcher_info, prefetcher_options
@@ -54,6 +54,7 @@ from moe_offload.simulator.timed import ALL_RESIDENT, ORACLE, Arrivals, check_ti
 from moe_offload.trace import read_trace
 from moe_offload.trace.format import Trace
 from moe_offload.trace.importers import import_routes_json
+from moe_offload.values import format_bytes
 
 SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 QWEN_FOLDER = SHARED_TRACES / "qwen1.5-moe-a2.7b"

@@ -6,8 +6,7 @@ import json
 import sys
 
 from moe_offload.errors import ConfigError
-from moe_offload.hardware.profile import format_bytes
-from moe_offload.values import expert_amount, integer
+from moe_offload.values import expert_amount, format_bytes, integer
 
 
 def register(subparsers) -> None:

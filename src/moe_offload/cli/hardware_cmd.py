@@ -8,8 +8,8 @@ import sys
 
 from moe_offload.bundled import DEFAULT_TRACE
 from moe_offload.errors import ConfigError
-from moe_offload.hardware import DEFAULT_PRESET, format_bytes, preset_names, resolve_profile
-from moe_offload.values import parse_bytes
+from moe_offload.hardware import DEFAULT_PRESET, preset_names, resolve_profile
+from moe_offload.values import format_bytes, parse_bytes
 
 DEFAULT_MEASURED = "measured.toml"
 

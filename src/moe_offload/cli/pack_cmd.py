@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from moe_offload.cli.generate_cmd import add_gguf_argument
+from moe_offload.values import format_bytes
 
 
 def register(subparsers) -> None:
@@ -26,7 +27,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_offload.hardware.profile import format_bytes
     from moe_offload.models import require_model_stack
 
     require_model_stack("pack")

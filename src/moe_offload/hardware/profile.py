@@ -82,18 +82,6 @@ MIN_RATE = 1.0
 BYTES_PER_PARAM = (1 / 64, 64.0)
 MAX_SLOWDOWN = 100.0  # compute or a link 100 times slower while the other runs: no machine shares that badly
 
-def format_bytes(count: float) -> str:
-    """Binary units for a whole number of them (capacities such as 24 GiB), decimal ones otherwise."""
-    if float(count).is_integer():
-        for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-            if size <= count < 1024 * size and count % size == 0:
-                return f"{int(count) // size} {unit}"
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if count >= size:
-            return f"{count / size:.3g} {unit}"
-    return f"{count:.0f} B"
-
-
 @dataclass(frozen=True)
 class Tier:
     name: str

@@ -46,7 +46,6 @@ from typing import Callable
 
 from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload import values
-from moe_offload.hardware.profile import format_bytes
 from moe_offload.policies import ModelSpec, policy_factory, policy_info
 from moe_offload.reporting.results import RunResult
 from moe_offload.runtime.counters import Counters
@@ -61,6 +60,7 @@ from moe_offload.runtime.placement import (admit_by, fetch_or_compute_profile, f
 from moe_offload.runtime.runner import ModelRunner
 from moe_offload.runtime.storage import ExpertStore
 from moe_offload.runtime.streaming import TimingStreamer
+from moe_offload.values import format_bytes
 
 
 class EngineBusyError(MoeOffloadError):

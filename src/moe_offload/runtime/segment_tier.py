@@ -41,6 +41,7 @@ from moe_offload.runtime.split import bottom_ranges, split_memory, split_rows
 from moe_offload.runtime.tiers import SegmentPool, SlotPool, Tier
 from moe_offload.simulator.cache import ExpertCache
 from moe_offload.simulator.split import SplitConfig
+from moe_offload.values import format_bytes
 
 
 class SegmentTier:
@@ -61,8 +62,6 @@ class SegmentTier:
         self.compute_dtype, self.budget_bytes = compute_dtype, budget_bytes
         self.memory_bytes = self._memory(config, self.rows)
         if self.memory_bytes > budget_bytes:
-            from moe_offload.hardware.profile import format_bytes
-
             raise ConfigError(f"{source}: the cached tops and the buffer of {spec.top_k} experts need "
                               f"{format_bytes(self.memory_bytes)}, more than the fast budget of "
                               f"{format_bytes(budget_bytes)}")

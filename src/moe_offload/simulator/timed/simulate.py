@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from moe_offload.errors import ConfigError
-from moe_offload.hardware.profile import HardwareProfile, format_bytes
+from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies import ModelSpec, policy_info
 from moe_offload.prefetch import Prefetcher, check_trace_columns, make_prefetcher, prefetcher_info, search_latency
 from moe_offload.prefetch.budget import budget_from_hardware
@@ -18,7 +18,7 @@ from moe_offload.simulator.timed.schedule import Arrivals
 from moe_offload.simulator.timed.tiers import home_tier
 from moe_offload.simulator.timed.timeline import iteration_timeline
 from moe_offload.trace.format import Trace
-from moe_offload.values import worker_count
+from moe_offload.values import format_bytes, worker_count
 
 ALL_RESIDENT = "all-resident"
 ORACLE = "oracle"
