@@ -29,7 +29,7 @@ from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.prefetch import PREFETCHERS
 from moe_offload.prefetch.requirements import has_column
-from moe_offload.reporting.results import RunResult
+from moe_offload.results import RunResult
 from moe_offload.simulator.timed import ALL_RESIDENT, ORACLE, Arrivals, check_timed_run, simulate_timed, timed_grid
 from moe_offload.simulator.timed.schedule import describe_sample, leading_iterations
 from moe_offload.trace.format import Trace

@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from moe_offload.outputs import atomic_output
-from moe_offload.reporting.results import RunResult
+from moe_offload.results import RunResult
 
 # The formats a plot may be written in, by its file's extension (commands check it before they run).
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")

@@ -47,7 +47,7 @@ from typing import Callable
 from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload import values
 from moe_offload.policies import ModelSpec, policy_factory, policy_info
-from moe_offload.reporting.results import RunResult
+from moe_offload.results import RunResult
 from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.cpu_threads import single_threaded

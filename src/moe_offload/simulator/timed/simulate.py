@@ -9,7 +9,7 @@ from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies import ModelSpec, policy_info
 from moe_offload.prefetch import Prefetcher, check_trace_columns, make_prefetcher, prefetcher_info, search_latency
 from moe_offload.prefetch.budget import budget_from_hardware
-from moe_offload.reporting.results import RunResult
+from moe_offload.results import RunResult
 from moe_offload.simulator.replay import check_cache_size
 from moe_offload.simulator.split import SplitConfig
 from moe_offload.simulator.timed.reconfigure import OnlineConfigurator, Reconfiguration
