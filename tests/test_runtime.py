@@ -607,7 +607,8 @@ def expert_dtype_packs(checkpoint):
     from model_configs import tiny_tokenizer as tokenizer_of
 
     from moe_offload.models.adapters import load_model
-    from moe_offload.runtime.quantize import QUANTIZED, dequantize, quantize
+    from moe_offload.hardware.choices import QUANTIZED
+    from moe_offload.runtime.quantize import dequantize, quantize
 
     tokenizer = tokenizer_of()
     packs = {}

@@ -268,8 +268,7 @@ def run(args: argparse.Namespace) -> int:
 def check_dtype(args: argparse.Namespace) -> None:
     """--dtype, --expert-dtype and --expert-compute, before the model is packed or loaded."""
     from moe_offload.errors import ConfigError
-    from moe_offload.runtime.engine_setup import COMPUTE_DTYPES
-    from moe_offload.runtime.expert_forms import CHOICES as EXPERT_COMPUTE
+    from moe_offload.hardware.choices import COMPUTE_DTYPES, EXPERT_COMPUTE
     from moe_offload.runtime.packing import check_expert_dtype
 
     check_expert_dtype(args.expert_dtype)

@@ -69,7 +69,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_offload.errors import ConfigError
+from moe_offload.hardware.choices import COMPUTE_DTYPES, EXPERT_DTYPES, EXPERT_FORMS, QUANTIZED
 from moe_offload.inputs import missing, parse_toml, read_text
+from moe_offload.policies import POLICIES
 from moe_offload.values import number, parse_bytes
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -347,8 +349,6 @@ class _Reader:
 
     def decision_seconds(self, data: dict) -> tuple[tuple[str, float], ...]:
         """The optional ``[decision_s]`` table: policy name -> seconds of one eviction decision."""
-        from moe_offload.policies import POLICIES
-
         table = self.table(data, "decision_s", "decision_s") if "decision_s" in data else {}
         for policy in table:
             if policy not in POLICIES:
@@ -358,10 +358,6 @@ class _Reader:
     def runtime_choices(self, table: dict) -> RuntimeChoices:
         """``[runtime]``: ``device``, ``dtype`` (expert dtype -> compute dtype) and ``expert_compute`` (int8/int4 ->
         form)."""
-        from moe_offload.runtime.engine_setup import COMPUTE_DTYPES
-        from moe_offload.runtime.expert_forms import FORMS
-        from moe_offload.runtime.quantize import EXPERT_DTYPES, QUANTIZED
-
         unknown = set(table) - {"device", "dtype", "expert_compute"}
         if unknown:
             self.fail(f"runtime.{sorted(unknown)[0]}",
@@ -370,7 +366,7 @@ class _Reader:
         if device not in ("cpu", "cuda"):
             self.fail("runtime.device", f"{device!r}: cpu or cuda")
         choices = {"device": device}
-        for key, experts, allowed in (("dtype", EXPERT_DTYPES, COMPUTE_DTYPES), ("expert_compute", QUANTIZED, FORMS)):
+        for key, experts, allowed in (("dtype", EXPERT_DTYPES, COMPUTE_DTYPES), ("expert_compute", QUANTIZED, EXPERT_FORMS)):
             chosen = self.table(table, key, f"runtime.{key}") if key in table else {}
             for expert_dtype, value in chosen.items():
                 if expert_dtype not in experts:

@@ -34,10 +34,8 @@ import math
 from abc import ABC, abstractmethod
 
 from moe_offload.errors import ConfigError
+from moe_offload.hardware.choices import EXPERT_COMPUTE
 from moe_offload.runtime.cpu_threads import single_threaded
-
-FORMS = ("per-use", "on-arrival", "kernel")
-CHOICES = ("auto",) + FORMS
 
 
 class ExpertForm(ABC):
@@ -200,8 +198,8 @@ def expert_form(choice: str | None, manifest, device, dtype) -> ExpertForm | Non
     A form that cannot run there is refused in one line."""
     import torch
 
-    if choice is not None and choice not in CHOICES:
-        raise ConfigError(f"--expert-compute {choice!r}: choose from {', '.join(CHOICES)}")
+    if choice is not None and choice not in EXPERT_COMPUTE:
+        raise ConfigError(f"--expert-compute {choice!r}: choose from {', '.join(EXPERT_COMPUTE)}")
     if not manifest.quantized:
         if choice not in (None, "auto"):
             raise ConfigError(f"--expert-compute {choice}: {manifest.directory} holds {manifest.dtype} experts; "

@@ -38,9 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_offload.errors import ConfigError, MoeOffloadError
+from moe_offload.hardware.choices import EXPERT_DTYPES, QUANTIZED
 from moe_offload.inputs import check_input, missing, parse_json, read_text
 from moe_offload.runtime.pack_seal import (ALIGNMENT, FILES_KEY, SEAL_KEY, check_copied_files, check_inside,
                                            check_layout, check_seal, file_sha256, layer_file, seal_of)
+from moe_offload.runtime.quantize import quantize, quantized_nbytes
 
 MANIFEST = "moe-offload-pack.json"
 NON_EXPERTS = "non-experts.safetensors"
@@ -134,7 +136,7 @@ def expert_parameter_names(adapter) -> set[str]:
 
 def pack_model(model_dir, out_dir, on_expert=None, expert_dtype: str | None = None) -> Manifest:
     """Split the checkpoint in ``model_dir`` into ``out_dir`` (see the module docstring), its experts stored as
-    ``expert_dtype`` (runtime/quantize.EXPERT_DTYPES; None: as the checkpoint stores them). ``out_dir`` is checked
+    ``expert_dtype`` (hardware/choices.py EXPERT_DTYPES; None: as the checkpoint stores them). ``out_dir`` is checked
     before any work (it must not exist, or be an empty directory, in a writable folder) and written atomically:
     an interrupted or failed pack leaves nothing behind."""
     import torch
@@ -165,8 +167,6 @@ def pack_model(model_dir, out_dir, on_expert=None, expert_dtype: str | None = No
 
 
 def check_expert_dtype(expert_dtype: str | None) -> None:
-    from moe_offload.runtime.quantize import EXPERT_DTYPES
-
     if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
         raise ConfigError(f"--expert-dtype {expert_dtype!r}: choose from {', '.join(EXPERT_DTYPES)}")
 
@@ -193,8 +193,6 @@ def _write_pack(model, adapter, config, stored: str, model_dir: Path, out_dir: P
         save_file(non_experts, out_dir / NON_EXPERTS, metadata={"format": "pt"})
     except SafetensorError as exc:  # its error for a failed write (a full disk): an OSError for atomic_directory
         raise OSError(str(exc)) from None
-
-    from moe_offload.runtime.quantize import QUANTIZED, quantize, quantized_nbytes
 
     quantized = expert_dtype in QUANTIZED
     dtype = stored if quantized else expert_dtype  # the float dtype the experts' bytes stand for
