@@ -31,7 +31,7 @@ def per_channel_int8(tensors: dict, experts_module, repeats: int) -> dict:
             self.q = torch.round(weight.float() / scales[:, None]).clamp(-127, 127).to(torch.int8)
             self.scales = scales.to(dtype)
 
-        def linear(self, x):  # runtime/int4_kernel.linear hands a weight that is no tensor its own product
+        def linear(self, x):  # models/experts.linear hands a weight that is no tensor its own product
             return torch._weight_int8pack_mm(x, self.q, self.scales)
 
     out = {}

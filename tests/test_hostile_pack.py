@@ -135,7 +135,8 @@ def pack_copy(packed, tmp_path):
 
 def reseal(directory, change) -> None:
     """What a hostile user can do: edit the manifest (and files) and compute every digest and the seal anew."""
-    from moe_offload.runtime.pack_seal import file_sha256, seal_of
+    from moe_offload.inputs import file_sha256
+    from moe_offload.runtime.pack_seal import seal_of
     from moe_offload.runtime.packing import MANIFEST
 
     path = directory / MANIFEST

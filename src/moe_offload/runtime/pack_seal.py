@@ -25,7 +25,7 @@ import math
 from pathlib import Path
 
 from moe_offload.hardware.choices import QUANTIZED
-from moe_offload.inputs import check_input
+from moe_offload.inputs import check_input, file_sha256
 from moe_offload.runtime.quantize import quantized_nbytes
 
 SEAL_KEY = "seal"
@@ -47,14 +47,6 @@ def seal_of(document: dict) -> str:
     body = {key: value for key, value in document.items() if key != SEAL_KEY}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def check_seal(document: dict, path, error: type) -> None:

@@ -158,7 +158,7 @@ class PackedPass:
         caller orders them so), in one :func:`alone_rows` product where that keeps their bits."""
         import torch
 
-        from moe_offload.runtime.int4_kernel import linear
+        from moe_offload.models.experts import linear
 
         ones = sizes.count(1)
         if ones < 2 or not isinstance(weight, torch.Tensor) or not batches_alone(rows, weight):

@@ -39,9 +39,16 @@ from pathlib import Path
 
 from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload.hardware.choices import EXPERT_DTYPES, QUANTIZED
-from moe_offload.inputs import check_input, missing, parse_json, read_text
+from moe_offload.inputs import check_input, file_sha256, missing, parse_json, read_text
+from moe_offload.models.adapters import MoeAdapter, architecture_of, load_model, read_config
+from moe_offload.models.gguf import float_checkpoint, gguf_path, is_gguf, pack_key
+from moe_offload.models.hub import hub_id, resolve
+from moe_offload.models.tiny import cache_root, model_directory
+from moe_offload.outputs import atomic_directory, check_output
+from moe_offload.runtime.checkpoint_checks import check_checkpoint_files, check_loaded_weights
+from moe_offload.runtime.cpu_threads import single_threaded
 from moe_offload.runtime.pack_seal import (ALIGNMENT, FILES_KEY, SEAL_KEY, check_copied_files, check_inside,
-                                           check_layout, check_seal, file_sha256, layer_file, seal_of)
+                                           check_layout, check_seal, layer_file, seal_of)
 from moe_offload.runtime.quantize import quantize, quantized_nbytes
 
 MANIFEST = "moe-offload-pack.json"
@@ -141,16 +148,10 @@ def pack_model(model_dir, out_dir, on_expert=None, expert_dtype: str | None = No
     an interrupted or failed pack leaves nothing behind."""
     import torch
 
-    from moe_offload.models.adapters import load_model, read_config
-    from moe_offload.outputs import atomic_directory, check_output
-    from moe_offload.runtime.checkpoint_checks import check_checkpoint_files, check_loaded_weights
-
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_expert_dtype(expert_dtype)
     check_output(out_dir, inputs=[model_dir], directory=True, what="packed model")
     if model_dir.is_file():  # a GGUF file: packed from the float checkpoint transformers reads it as
-        from moe_offload.models.gguf import float_checkpoint
-
         with float_checkpoint(model_dir, beside=out_dir.resolve().parent) as checkpoint:
             return pack_model(checkpoint, out_dir, on_expert, expert_dtype)
     raw = check_checkpoint_files(model_dir)  # before transformers reads a file (runtime/checkpoint_checks.py)
@@ -324,8 +325,6 @@ def load_skeleton(manifest: Manifest, device="cpu", dtype=None, verify: bool = T
     import transformers
     from safetensors.torch import load_file
 
-    from moe_offload.models.adapters import MoeAdapter, architecture_of, read_config
-
     started = time.perf_counter()
     config = read_config(manifest.directory)
     spec = architecture_of(config)
@@ -398,8 +397,6 @@ def model_files(name: str) -> list[Path]:
     """Every file of the model ``--model NAME`` names (a packed directory, or a checkpoint and its packed
     copies in the cache): inputs of the command that runs it, which none of its outputs may overwrite
     (outputs.check_output)."""
-    from moe_offload.models.tiny import model_directory
-
     directory = model_directory(name)
     if directory.is_file():  # a GGUF file (models/gguf.py)
         return [directory]
@@ -411,15 +408,6 @@ def model_files(name: str) -> list[Path]:
     return [path for folder in folders for path in folder.rglob("*") if path.is_file()]
 
 
-def cache_root() -> Path:
-    """Where packed copies of models are kept: $MOE_OFFLOAD_CACHE, else $XDG_CACHE_HOME/moe-offload."""
-    import os
-
-    if os.environ.get("MOE_OFFLOAD_CACHE"):
-        return Path(os.environ["MOE_OFFLOAD_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-offload"
-
-
 def packed_directory(name: str, on_expert=None, expert_dtype: str | None = None) -> Path:
     """``--model NAME`` for the runtime: a packed directory as is; ``tiny`` or a checkpoint directory packed
     once into the cache, in a directory named after its weights' checksum so that a retrained or replaced
@@ -427,10 +415,6 @@ def packed_directory(name: str, on_expert=None, expert_dtype: str | None = None)
     repository and commit; a GGUF file (models/gguf.py) once per its SHA-256 or hub commit. Each ``expert_dtype``
     (None: the checkpoint's) has its own pack."""
     check_expert_dtype(expert_dtype)
-    from moe_offload.models.gguf import gguf_path, is_gguf, pack_key
-    from moe_offload.models.hub import hub_id, resolve
-    from moe_offload.models.tiny import model_directory
-
     if is_gguf(name):
         path, commit = gguf_path(name)
         return _packed_once(path, pack_key(name, path, commit), on_expert, expert_dtype)
@@ -466,8 +450,6 @@ def _packed_once(directory: Path, key: str, on_expert, expert_dtype: str | None)
     identifies its weights), written there the first time."""
     import sys
     import tempfile
-
-    from moe_offload.runtime.cpu_threads import single_threaded
 
     # the format version in the name: a pack written by another release is never served
     target = cache_root() / "packed" / f"{key}{'-' + expert_dtype if expert_dtype else ''}-v{FORMAT_VERSION}"
