@@ -50,7 +50,8 @@ from moe_offload.hardware import resolve_profile
 from moe_offload.policies import policy_info
 from moe_offload.policies.learned_model import load_model
 from moe_offload.prefetch import PREFETCHERS, check_trace_columns, prefetcher_info, prefetcher_options
-from moe_offload.simulator.timed import ALL_RESIDENT, ORACLE, Arrivals, check_timed_run, home_tier, timed_grid
+from moe_offload.simulator.timed import ALL_RESIDENT, ORACLE, Arrivals, check_timed_run, timed_grid
+from moe_offload.simulator.transfers import home_tier
 from moe_offload.trace import read_trace
 from moe_offload.trace.format import Trace
 from moe_offload.trace.importers import import_routes_json

@@ -29,6 +29,7 @@ from __future__ import annotations
 from moe_offload.errors import ConfigError
 from moe_offload.policies.fetch_or_compute import FetchOrCompute, ProfileCosts
 from moe_offload.simulator.cache import PartitionedCache
+from moe_offload.simulator.transfers import home_tier
 from moe_offload.values import option_defaults
 
 
@@ -87,8 +88,6 @@ def fetch_or_compute_profile(policy: str, hardware, split: bool):
 def fetch_or_compute_rule(profile, manifest, host_cache) -> FetchOrCompute:
     """Fiddler's rule on ``profile`` for the experts of ``manifest`` (their stored bytes, as the simulator charges
     them), the runtime's host tier ``host_cache`` standing for the profile's tier 1 (module doc)."""
-    from moe_offload.simulator.timed.tiers import home_tier
-
     m = manifest
     home = home_tier(profile, m.num_layers * m.num_experts * m.expert_bytes) or len(profile.tiers) - 1
 

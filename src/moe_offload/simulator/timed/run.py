@@ -88,7 +88,8 @@ from moe_offload.simulator.timed.decisions import tier_decisions
 from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.simulator.timed.schedule import Arrivals, make_schedule, trace_iterations
 from moe_offload.simulator.timed.needs import layer_needs, layer_needs_with_rounds, routed_by_request
-from moe_offload.simulator.timed.tiers import TierNetwork, home_tier
+from moe_offload.simulator.timed.tiers import TierNetwork
+from moe_offload.simulator.transfers import home_tier
 from moe_offload.trace.flatten import NEVER, next_use_times
 from moe_offload.trace.format import PREFILL, Trace
 

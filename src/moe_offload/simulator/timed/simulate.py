@@ -15,8 +15,8 @@ from moe_offload.simulator.split import SplitConfig
 from moe_offload.simulator.timed.reconfigure import OnlineConfigurator, Reconfiguration
 from moe_offload.simulator.timed.run import TimedRun
 from moe_offload.simulator.timed.schedule import Arrivals
-from moe_offload.simulator.timed.tiers import home_tier
 from moe_offload.simulator.timed.timeline import iteration_timeline
+from moe_offload.simulator.transfers import home_tier
 from moe_offload.trace.format import Trace
 from moe_offload.values import format_bytes, worker_count
 
