@@ -72,7 +72,7 @@ def check_timed_run(trace: Trace, hardware: HardwareProfile, policy: str, cache_
     total = meta.num_expert_slots * expert_bytes
     gpu = hardware.tiers[0]
     if reconfiguration is not None:
-        from moe_offload.configurator import require_gate_prediction, timings_from_profile
+        from moe_offload.simulator.configurator import require_gate_prediction, timings_from_profile
 
         reconfiguration.check()
         require_gate_prediction(trace)
