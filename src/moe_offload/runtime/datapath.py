@@ -54,6 +54,7 @@ from moe_offload.hardware.profile import Link
 from moe_offload.policies import AccessContext
 from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.cpu_threads import copy_serially
+from moe_offload.runtime.segment_tier import SegmentTier
 from moe_offload.runtime.storage import ExpertStore
 from moe_offload.runtime.tiers import Tier
 from moe_offload.simulator.cache import predicted_no_later_than
@@ -79,7 +80,6 @@ class DataPath:
         self.layer_now = -1                # the last routed layer of the running forward pass
         self.reading_from: list[set] = [set() for _ in tiers]  # keys being copied out of each tier now
         self.on_host: set[int] = set()  # bypassed experts the layer computes from the host tier's copy
-        from moe_offload.runtime.segment_tier import SegmentTier
 
         self.split = tiers[0] if isinstance(tiers[0], SegmentTier) else None  # a split run's fast tier
         if self.split is not None:

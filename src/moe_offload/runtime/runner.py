@@ -44,11 +44,14 @@ import time
 
 import numpy as np
 
+from moe_offload.models.experts import use_project_experts
 from moe_offload.models.host_experts import ON_HOST
+from moe_offload.models.routing_tap import RoutingTap
 from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.live_view import LiveRoutingView
 from moe_offload.runtime.matcher import AsyncMatcher, runs_off_the_decode_thread
+from moe_offload.runtime.packed import register_attention, segment_rows, unsegment_rows
 from moe_offload.runtime.routing_log import RoutingLog
 from moe_offload.runtime.split import SplitExperts
 
@@ -106,10 +109,6 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------ set-up
     def install(self) -> None:
-        from moe_offload.models.experts import use_project_experts
-        from moe_offload.models.routing_tap import RoutingTap
-        from moe_offload.runtime.packed import register_attention, segment_rows
-
         use_project_experts(self.adapter, self)
         register_attention(self.model)  # sdpa, and per request in a packed pass (runtime/packed.py)
         self._segmented = segment_rows(self.model, self.adapter, lambda: self.packed)
@@ -124,8 +123,6 @@ class ModelRunner:
             self._tap.__enter__()
 
     def remove(self) -> None:
-        from moe_offload.runtime.packed import unsegment_rows
-
         unsegment_rows(self._segmented)
         self.routing_log.remove()
         for handle in self._hooks:

@@ -38,6 +38,7 @@ import time
 from moe_offload.errors import ConfigError
 from moe_offload.runtime.cpu_threads import copy_serially
 from moe_offload.runtime.split import bottom_ranges, split_memory, split_rows
+from moe_offload.runtime.storage import ExpertReadError, expert_views
 from moe_offload.runtime.tiers import SegmentPool, SlotPool, Tier
 from moe_offload.simulator.cache import ExpertCache
 from moe_offload.simulator.split import SplitConfig
@@ -356,8 +357,6 @@ class SegmentTier:
         or None, bytes read)."""
         import torch
         import xxhash
-
-        from moe_offload.runtime.storage import ExpertReadError, expert_views
 
         layer, expert = divmod(key, self.spec.num_experts)
         r, I, H = self.rows[layer], self.intermediate, self.hidden

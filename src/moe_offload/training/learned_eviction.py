@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from moe_offload.simulator.replay import ReplayInput, replay
 from moe_offload.version import __version__
 from moe_offload import inputs
 from moe_offload.errors import ConfigError
@@ -205,8 +206,6 @@ def train_learned_eviction(sources: Sequence[TrainingSource], *, target: str = "
 def evaluate_policies(trace: Trace, cache_sizes: Sequence[int], model: LearnedModel,
                       policies: Sequence[str] = ("learned", "lru", "belady")) -> dict[int, dict[str, int]]:
     """Misses of each policy at each cache size on ``trace`` (the held-out rows), learned with ``model``."""
-    from moe_offload.simulator.replay import ReplayInput, replay
-
     data = ReplayInput.of(trace)
     out: dict[int, dict[str, int]] = {}
     for size in cache_sizes:
