@@ -366,7 +366,8 @@ class _Reader:
         if device not in ("cpu", "cuda"):
             self.fail("runtime.device", f"{device!r}: cpu or cuda")
         choices = {"device": device}
-        for key, experts, allowed in (("dtype", EXPERT_DTYPES, COMPUTE_DTYPES), ("expert_compute", QUANTIZED, EXPERT_FORMS)):
+        for key, experts, allowed in (("dtype", EXPERT_DTYPES, COMPUTE_DTYPES),
+                                      ("expert_compute", QUANTIZED, EXPERT_FORMS)):
             chosen = self.table(table, key, f"runtime.{key}") if key in table else {}
             for expert_dtype, value in chosen.items():
                 if expert_dtype not in experts:

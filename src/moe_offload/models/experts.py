@@ -49,8 +49,8 @@ IMPLEMENTATION = "moe_offload"
 
 
 def linear(x, weight):
-    """``F.linear(x, weight)`` for a float weight; a weight in a kernel's form (runtime/int4_kernel.py Int4Weight) computes
-    the product itself: the one product of every expert (this module, models/host_experts.py,
+    """``F.linear(x, weight)`` for a float weight; a weight in a kernel's form (runtime/int4_kernel.py Int4Weight)
+    computes the product itself: the one product of every expert (this module, models/host_experts.py,
     runtime/packed.py)."""
     import torch
 

@@ -39,7 +39,7 @@ import functools
 import hashlib
 import types
 
-from moe_offload.compiled import INSTALL_HINT, njit_cached, numba_available
+from moe_offload.compiled import INSTALL_HINT, njit_cached, numba_available  # noqa: F401  (kernels.INSTALL_HINT)
 
 SIGNATURE = ("void(int64[::1], int64[::1], int64[::1], int64[::1], int64, int64, int64, float64[::1], int64[::1], "
              "int64[::1])")
