@@ -55,7 +55,9 @@ def main(argv=None) -> int:
     import torch
 
     from moe_offload.runtime.measure.forms import FORM_TOKENS, measure_forms, runtime_choices
-    from moe_offload.runtime.packing import load_skeleton, packed_directory, read_manifest
+    from moe_offload.runtime.pack_cache import packed_directory
+    from moe_offload.runtime.packing import read_manifest
+    from moe_offload.runtime.skeleton import load_skeleton
     from moe_offload.runtime.storage import ExpertStore
 
     torch.set_num_threads(args.threads)

@@ -267,7 +267,8 @@ def test_hardware_measure_never_writes_over_the_model(pack_copy, tmp_path, capsy
 
 
 def test_generate_json_never_writes_over_the_cached_pack_of_a_checkpoint(checkpoint, tmp_path, capsys, monkeypatch):
-    from moe_offload.runtime.packing import MANIFEST, packed_directory
+    from moe_offload.runtime.pack_cache import packed_directory
+    from moe_offload.runtime.packing import MANIFEST
 
     monkeypatch.setenv("MOE_OFFLOAD_CACHE", str(tmp_path / "cache"))
     cached = packed_directory(str(checkpoint))

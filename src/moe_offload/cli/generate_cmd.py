@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_offload import values
 
     if args.json:
-        from moe_offload.runtime.packing import model_files
+        from moe_offload.runtime.pack_cache import model_files
 
         check_output(args.json, suffixes=(".json",), what="result record",
                      inputs=[*model_files(args.model), args.split_config, args.prefetch_history])

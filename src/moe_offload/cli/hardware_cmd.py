@@ -222,7 +222,7 @@ def run_measure(args) -> int:
 
     require_model_stack("hardware measure")  # it runs the packed model: before anything imports PyTorch
     from moe_offload.runtime import measure
-    from moe_offload.runtime.packing import model_files, packed_directory
+    from moe_offload.runtime.pack_cache import model_files, packed_directory
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, not {args.repeats}")

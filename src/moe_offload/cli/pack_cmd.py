@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     args.model = with_gguf_file(args.model, args.gguf_file)
     from moe_offload.models.tiny import model_directory
     from moe_offload.reporting.progress import progress_bar
-    from moe_offload.runtime.packing import check_expert_dtype, load_skeleton, pack_model
+    from moe_offload.runtime.packing import check_expert_dtype, pack_model
+    from moe_offload.runtime.skeleton import load_skeleton
 
     from moe_offload.outputs import check_output
 

@@ -78,7 +78,8 @@ from moe_offload.runtime.measure.timing import fit_linear_cost
 from moe_offload.runtime.measure.transfers import (MAX_SAMPLED_FILES, MIN_SAMPLED_FILES, fit_latency_bandwidth,
                                                    measure_host_to_gpu, measure_link, measure_memory_bandwidth,
                                                    measure_pinned_copy, measure_raw_rates, sample_experts, streaming)
-from moe_offload.runtime.packing import load_skeleton, read_manifest
+from moe_offload.runtime.packing import read_manifest
+from moe_offload.runtime.skeleton import load_skeleton
 from moe_offload.runtime.storage import ExpertStore, default_readers
 
 __all__ = ["Measurements", "measure", "measure_hardware", "profile_dict", "expert_roofline", "measurement_notes",
