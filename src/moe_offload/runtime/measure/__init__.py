@@ -3,7 +3,7 @@
 What the runtime (runtime/engine.py) does with an expert, timed piece by piece on the real files and shapes:
 
 - the link from the packed files into the fast tier, timed through the runtime's own data path
-  (runtime/datapath.py ``ExpertMover``: the reader pool's chunked reads, the checksums, the conversion to
+  (runtime/mover.py ``ExpertMover``: the reader pool's chunked reads, the checksums, the conversion to
   float32 on a CPU, the pinned ring and the copy stream with CUDA), experts moved one after another as a
   link worker moves them, optionally with the files dropped from the page cache first, so the numbers are
   the device's, not RAM's. Its throughput is the link's bandwidth, one expert moved alone its latency;

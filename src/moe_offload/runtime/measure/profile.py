@@ -113,7 +113,7 @@ def _sources(m: Measurements, link_latency: float, link_bandwidth: float) -> lis
         f"{m.link_deviation:.0%}; peak {m.peak_flops / 1e9:,.4g} GFLOP/s ({m.peak_flops_how}) bounds the roofline",
         f"model: {m.model_name} ({m.model_type}, {m.num_layers} MoE layers, experts of {m.expert_params:,} "
         f"parameters, {m.expert_bytes:,} bytes in {m.stored_dtype}); compute in {m.compute_dtype} on {m.device}",
-        f"the data path (runtime/datapath.py ExpertMover, {m.readers} reader threads, chunked reads, SHA-256 on "
+        f"the data path (runtime/mover.py ExpertMover, {m.readers} reader threads, chunked reads, SHA-256 on "
         f"the first read then xxHash3, " + ("pinned ring + copy stream" if m.device == "cuda" else
                                            f"conversion to {m.compute_dtype}") + f"), {cache}: {m.files_sampled} of "
         f"{m.files_total} experts moved back to back {m.repeats}x, median {m.link_seconds * 1e6:.1f} us an "
