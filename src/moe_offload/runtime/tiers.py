@@ -18,7 +18,8 @@ host never blocks on a copy.
 
 A tier answers the link worker that fills it (runtime/datapath.py ``LinkWorker``) through ``take``, ``write``,
 ``land`` and ``drop``: a slot for a transfer, its bytes, its arrival, its failure. A split run's fast tier
-(runtime/segment_tier.py) answers the same calls with segments: a whole expert is one segment.
+(runtime/segment_tier.py) answers the same calls with segments: a whole expert is one segment. The model runner
+(runtime/runner.py) sees a fast tier of whole experts through :class:`WholeExperts`.
 """
 
 from __future__ import annotations
