@@ -8,6 +8,7 @@ Discrete events over virtual time, no threads. One file per role:
                   resident, stalls; the prefetcher's hooks; the AccessContext the policies see
     needs.py      what a layer needs in a pass: its experts in the timed access order, tokens routed to each
     tiers.py      the experts' way to the GPU: tiers, links and their transfer queues, pinning, holds
+    host.py       the host CPU's share of a layer: the experts the GPU's cache does not admit
     simulate.py   one run checked and turned into a RunResult; a grid of runs over processes
     timeline.py   one iteration's events, lane by lane (``--timeline``)
     reconfigure.py MoEpic's online configurator: the split configuration rerun every tau tokens
