@@ -6,7 +6,8 @@ Discrete events over virtual time, no threads. One file per role:
                   arriving (Poisson, replayed times) and served with continuous batching
     run.py        the compute stream: per layer attention, router, the layer's experts as they become
                   resident, stalls; the prefetcher's hooks; the AccessContext the policies see
-    needs.py      what a layer needs in a pass: its experts in the timed access order, tokens routed to each
+    needs.py      what a layer needs in a pass: its experts in the timed access order, tokens routed to each;
+                  each key's next access in that order (offline policies)
     tiers.py      the experts' way to the GPU: tiers, links and their transfer queues, pinning, holds
     host.py       the host CPU's share of a layer: the experts the GPU's cache does not admit
     simulate.py   one run checked and turned into a RunResult; a grid of runs over processes

@@ -59,7 +59,6 @@ split configuration changes every tau tokens, between two passes, as MoEpic's on
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import math
@@ -76,11 +75,10 @@ from moe_offload.simulator.split import SplitConfig, SplitExperts
 from moe_offload.simulator.timed.decisions import tier_decisions
 from moe_offload.simulator.timed.host import HostWork
 from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
-from moe_offload.simulator.timed.schedule import Arrivals, make_schedule, trace_iterations
-from moe_offload.simulator.timed.needs import layer_needs, layer_needs_with_rounds, routed_by_request
+from moe_offload.simulator.timed.schedule import Arrivals, make_schedule
+from moe_offload.simulator.timed.needs import NextUses, layer_needs_with_rounds, routed_by_request
 from moe_offload.simulator.timed.tiers import TierNetwork
 from moe_offload.simulator.transfers import home_tier
-from moe_offload.trace.flatten import NEVER, next_use_times
 from moe_offload.trace.format import PREFILL, Trace
 
 
@@ -154,8 +152,8 @@ class TimedRun:
         self.per_layer_stall = [0.0] * self.L
         self.search_seconds = 0.0
         self.schedule = make_schedule(trace, arrivals)
-        if self.offline:
-            self._plan_next_uses()
+        # offline policies: each key's next access in the timed access order (needs.py)
+        self.next_uses = NextUses(trace, self.L, self.J) if self.offline else None
 
     @property
     def host_seconds(self) -> float:
@@ -179,24 +177,8 @@ class TimedRun:
     def layer_now(self, value: int) -> None:
         self.net.layer_now = value
 
-    # ------------------------------------------------------------------------------------------ the future
-
-    def _plan_next_uses(self) -> None:
-        """The timed access order of the whole run (fixed with the trace's order) and each key's positions."""
-        keys = []
-        for rows in trace_iterations(self.trace):
-            for layer in range(self.L):
-                keys += layer_needs(self.trace.experts, rows, layer, self.J)[0]
-        keys = np.asarray(keys, dtype=np.int64)
-        self.next_use_at = next_use_times(keys).tolist()
-        order = np.argsort(keys, kind="stable")
-        cuts = np.flatnonzero(np.diff(keys[order])) + 1
-        self.positions = {int(keys[group[0]]): group.tolist() for group in np.split(order, cuts)}
-
     def _next_use_after(self, key: int) -> int:
-        positions = self.positions.get(key, ())
-        i = bisect.bisect_right(positions, self.clock)
-        return positions[i] if i < len(positions) else NEVER
+        return self.next_uses.after(key, self.clock)
 
     # ------------------------------------------------------------------------------------------ events
 
@@ -281,7 +263,7 @@ class TimedRun:
             ctx.clock = self.clock
             ctx.round = self.rounds + round_in_pass
             if self.offline:
-                ctx.next_use = self.next_use_at[self.clock]
+                ctx.next_use = self.next_uses.at[self.clock]
             ctx.routed = routed[key]
             hit = fast.touch(key, ctx)
             prefetched = key in net.pending_use
