@@ -44,8 +44,11 @@ def test_the_package_keeps_its_import_contracts():
                                                      "moe_offload.prefetch"),
     # a cycle inside one package: trace/validate.py imported by trace/format.py at its top
     ("trace/validate.py", "import moe_offload.trace.format", "No cycles are allowed in moe_offload.trace"),
+    # the runtime reaching into the timed simulator's own tiers instead of the shared transfer queue
+    ("runtime/placement.py", "import moe_offload.simulator.timed.tiers",
+     "moe_offload.runtime is not allowed to import moe_offload.simulator.timed.tiers"),
 ])
-def test_the_contracts_refuse_an_upward_import_or_a_cycle(tmp_path, module, line, broken):
+def test_the_contracts_refuse_an_import_that_breaks_them(tmp_path, module, line, broken):
     shutil.copytree(SOURCE / "moe_offload", tmp_path / "moe_offload",
                     ignore=shutil.ignore_patterns("__pycache__", "data"))
     with open(tmp_path / "moe_offload" / module, "a") as source:
