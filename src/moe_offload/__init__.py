@@ -2,11 +2,12 @@
 
 Layers, highest first (docs/architecture.md; ``lint-imports`` checks them): ``cli``; ``api``; ``server`` and
 ``sweep``; ``runtime`` (packed checkpoints, tiers, engine); ``reporting`` (tables, plots, the report) and
-``training``; ``simulator`` (cache, transfer queue, replay, split, configurator, timed); ``hardware``
-(profiles), ``models`` (transformers adapters, the experts function, the recorder) and ``prefetch`` (one
-prefetcher per file); ``policies`` (one eviction policy per file); ``trace`` (format, importers, generators);
-``text`` (offline corpora and prompts); the base modules (``results``: the one result record, ``values``,
-``inputs``, ``outputs``, ``bundled``, ``compiled``, ``version``); ``errors``.
+``training``; ``engines`` (the engines users run and their placements); ``simulator`` (cache, transfer queue,
+replay, split, configurator, timed); ``hardware`` (profiles), ``models`` (transformers adapters, the experts
+function, the recorder) and ``prefetch`` (one prefetcher per file); ``policies`` (one eviction policy per file);
+``trace`` (format, importers, generators); ``text`` (offline corpora and prompts); the base modules
+(``results``: the one result record, ``values``, ``inputs``, ``outputs``, ``bundled``, ``compiled``,
+``version``); ``errors``.
 
 ``moe_offload.load(...)`` starts the runtime (see moe_offload.api).
 """
