@@ -31,7 +31,7 @@ def per_channel_int8(tensors: dict, experts_module, repeats: int) -> dict:
             self.q = torch.round(weight.float() / scales[:, None]).clamp(-127, 127).to(torch.int8)
             self.scales = scales.to(dtype)
 
-        def linear(self, x):  # runtime/int4_kernel.linear hands a weight that is no tensor its own product
+        def linear(self, x):  # models/experts.linear hands a weight that is no tensor its own product
             return torch._weight_int8pack_mm(x, self.q, self.scales)
 
     out = {}
@@ -55,7 +55,9 @@ def main(argv=None) -> int:
     import torch
 
     from moe_offload.runtime.measure.forms import FORM_TOKENS, measure_forms, runtime_choices
-    from moe_offload.runtime.packing import load_skeleton, packed_directory, read_manifest
+    from moe_offload.runtime.pack_cache import packed_directory
+    from moe_offload.runtime.packing import read_manifest
+    from moe_offload.runtime.skeleton import load_skeleton
     from moe_offload.runtime.storage import ExpertStore
 
     torch.set_num_threads(args.threads)

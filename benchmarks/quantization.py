@@ -72,7 +72,7 @@ def resident_model(reference, adapter_class, expert_dtype: str, compute: str):
     import torch
 
     from moe_offload.models.experts import use_project_experts
-    from moe_offload.runtime.packing import packed_directory
+    from moe_offload.runtime.pack_cache import packed_directory
 
     experts = ResidentExperts(packed_directory("tiny", expert_dtype=expert_dtype), compute)
     model = copy.deepcopy(reference).to(getattr(torch, compute.partition(":")[0]))

@@ -83,7 +83,8 @@ def build_packed(name: str, expert_dtype: str | None = None) -> Path:
     import torch
     import transformers
 
-    from moe_offload.runtime.packing import FORMAT_VERSION, MANIFEST, cache_root, pack_model
+    from moe_offload.models.tiny import cache_root
+    from moe_offload.runtime.packing import FORMAT_VERSION, MANIFEST, pack_model
 
     config_class, kwargs, _, _ = MODELS[name]
     target = cache_root() / "benchmarks" / f"{name}-v{FORMAT_VERSION}"

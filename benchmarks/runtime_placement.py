@@ -122,7 +122,8 @@ def main(argv=None) -> int:
     from moe_offload.outputs import check_output, write_atomically
     from moe_offload.prefetch import prefetcher_info
     from moe_offload.runtime.measure import measure_hardware
-    from moe_offload.runtime.packing import packed_directory, read_manifest
+    from moe_offload.runtime.pack_cache import packed_directory
+    from moe_offload.runtime.packing import read_manifest
     from moe_offload.runtime.replay import replay_rows
     from moe_offload.simulator.timed import simulate_timed
     from moe_offload.trace.format import read_trace

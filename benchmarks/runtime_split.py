@@ -169,7 +169,8 @@ def main(argv=None) -> int:
     from moe_offload.bundled import TINY_MODEL_DIR
     from moe_offload.models import quiet_transformers
     from moe_offload.models.adapters import load_model
-    from moe_offload.runtime.packing import packed_directory, read_manifest
+    from moe_offload.runtime.pack_cache import packed_directory
+    from moe_offload.runtime.packing import read_manifest
     from moe_offload.runtime.split import split_rows
     from transformers import AutoTokenizer
 

@@ -73,7 +73,7 @@ def main(argv=None) -> int:
 
     from moe_offload.bundled import TINY_HISTORY_TRACE
     from moe_offload.models import quiet_transformers
-    from moe_offload.runtime.packing import packed_directory
+    from moe_offload.runtime.pack_cache import packed_directory
     from moe_offload.trace.format import read_trace
 
     quiet_transformers()

@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     from moe_offload.models.recorder import record
     from moe_offload.models.tiny import load
     from moe_offload.runtime.measure import measure_hardware
-    from moe_offload.runtime.packing import packed_directory, read_manifest
+    from moe_offload.runtime.pack_cache import packed_directory
+    from moe_offload.runtime.packing import read_manifest
     from moe_offload.simulator.timed import simulate_timed
     from moe_offload.text.prompts import Prompt
     from moe_offload.trace.format import read_trace

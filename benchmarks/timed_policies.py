@@ -46,14 +46,16 @@ from rich.table import Table
 
 from moe_offload.bundled import DEFAULT_LEARNED_MODEL, DEFAULT_TRACE
 from moe_offload.errors import ConfigError
-from moe_offload.hardware import format_bytes, resolve_profile
+from moe_offload.hardware import resolve_profile
 from moe_offload.policies import policy_info
 from moe_offload.policies.learned_model import load_model
 from moe_offload.prefetch import PREFETCHERS, check_trace_columns, prefetcher_info, prefetcher_options
-from moe_offload.simulator.timed import ALL_RESIDENT, ORACLE, Arrivals, check_timed_run, home_tier, timed_grid
+from moe_offload.simulator.timed import ALL_RESIDENT, ORACLE, Arrivals, check_timed_run, timed_grid
+from moe_offload.simulator.transfers import home_tier
 from moe_offload.trace import read_trace
 from moe_offload.trace.format import Trace
 from moe_offload.trace.importers import import_routes_json
+from moe_offload.values import format_bytes
 
 SHARED_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 QWEN_FOLDER = SHARED_TRACES / "qwen1.5-moe-a2.7b"

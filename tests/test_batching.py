@@ -18,7 +18,8 @@ pytest.importorskip("transformers")
 from moe_offload.api import load  # noqa: E402
 from moe_offload.errors import ConfigError, MoeOffloadError  # noqa: E402
 from moe_offload.runtime.requests import SamplingParams  # noqa: E402
-from moe_offload.runtime.packing import packed_directory, read_manifest  # noqa: E402
+from moe_offload.runtime.pack_cache import packed_directory  # noqa: E402
+from moe_offload.runtime.packing import read_manifest  # noqa: E402
 from moe_offload.runtime.storage import ExpertReadError  # noqa: E402
 
 PROMPTS = ["User: what is a cache?\nAssistant:", "User: hi\nAssistant:",

@@ -15,7 +15,7 @@ import pytest
 
 from moe_offload.bundled import DEFAULT_TRACE
 from moe_offload.cli.main import main
-from moe_offload.configurator import (MoepicStatistics, Timings, configure, expert_split, layer_latency,
+from moe_offload.simulator.configurator import (MoepicStatistics, Timings, configure, expert_split, layer_latency,
                                       measure_statistics, solve_layer, timings_from_hardware)
 from moe_offload.errors import ConfigError
 from moe_offload.trace.format import Trace, TraceMeta, write_trace

@@ -19,7 +19,8 @@ from moe_offload.errors import ConfigError  # noqa: E402
 from moe_offload.policies import POLICIES, PolicyInfo  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 from moe_offload.runtime.expert_forms import expert_form  # noqa: E402
-from moe_offload.runtime.int4_kernel import convert, kernel_nbytes, kernel_tensors, kernel_takes, linear  # noqa: E402
+from moe_offload.models.experts import linear  # noqa: E402
+from moe_offload.runtime.int4_kernel import convert, kernel_nbytes, kernel_tensors, kernel_takes  # noqa: E402
 from moe_offload.runtime.packing import pack_model, read_manifest  # noqa: E402
 from moe_offload.runtime.quantize import dequantize, quantize  # noqa: E402
 

@@ -211,10 +211,10 @@ def test_a_truncated_or_foreign_file_is_refused_in_one_line(files, tmp_path, cap
 
 
 def test_without_the_gguf_package_one_line_names_the_extra(files, tmp_path, capsys, monkeypatch):
-    import moe_offload.models as models
+    import moe_offload.models.gguf as gguf_checkpoints
 
-    importable = models._importable
-    monkeypatch.setattr(models, "_importable", lambda module: module != "gguf" and importable(module))
+    importable = gguf_checkpoints._importable
+    monkeypatch.setattr(gguf_checkpoints, "_importable", lambda module: module != "gguf" and importable(module))
     code, _, err = run(capsys, "pack", files["f32"], "-o", tmp_path / "out")
     assert_refused(code, err, "needs gguf", "pip install 'moe-offload[gguf]'")
 

@@ -8,8 +8,8 @@ import pytest
 
 from moe_offload.cli.main import main
 from moe_offload.errors import ConfigError
-from moe_offload.hardware import DEFAULT_PRESET, format_bytes, load_profile, preset_names, resolve_profile
-from moe_offload.values import parse_bytes
+from moe_offload.hardware import DEFAULT_PRESET, load_profile, preset_names, resolve_profile
+from moe_offload.values import format_bytes, parse_bytes
 
 PRESETS = ("desktop-rtx4090", "server-a100-pcie4", "server-h100-pcie5", "edge-flashmoe")
 

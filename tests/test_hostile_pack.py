@@ -135,7 +135,8 @@ def pack_copy(packed, tmp_path):
 
 def reseal(directory, change) -> None:
     """What a hostile user can do: edit the manifest (and files) and compute every digest and the seal anew."""
-    from moe_offload.runtime.pack_seal import file_sha256, seal_of
+    from moe_offload.inputs import file_sha256
+    from moe_offload.runtime.pack_seal import seal_of
     from moe_offload.runtime.packing import MANIFEST
 
     path = directory / MANIFEST
@@ -266,7 +267,8 @@ def test_hardware_measure_never_writes_over_the_model(pack_copy, tmp_path, capsy
 
 
 def test_generate_json_never_writes_over_the_cached_pack_of_a_checkpoint(checkpoint, tmp_path, capsys, monkeypatch):
-    from moe_offload.runtime.packing import MANIFEST, packed_directory
+    from moe_offload.runtime.pack_cache import packed_directory
+    from moe_offload.runtime.packing import MANIFEST
 
     monkeypatch.setenv("MOE_OFFLOAD_CACHE", str(tmp_path / "cache"))
     cached = packed_directory(str(checkpoint))

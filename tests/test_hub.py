@@ -139,7 +139,8 @@ def test_the_server_lists_a_hub_id_as_given():
 
 
 def test_each_expert_dtype_of_a_commit_is_packed_once(hub_home, tmp_path):
-    from moe_offload.runtime.packing import packed_directory, read_manifest
+    from moe_offload.runtime.pack_cache import packed_directory
+    from moe_offload.runtime.packing import read_manifest
 
     packed = packed_directory(REPO, expert_dtype="int4")
     assert packed.name == f"test-org--tiny-moe-{COMMIT[:12]}-int4-v3"

@@ -12,6 +12,7 @@ import pytest
 from fmoe_reference import ReferenceFMoE
 
 from moe_offload.bundled import TINY_HISTORY_TRACE
+from moe_offload.compiled import numba_available
 from moe_offload.errors import ConfigError
 from moe_offload.policies.base import ModelSpec
 from moe_offload.prefetch.base import RoutingView
@@ -20,10 +21,10 @@ from moe_offload.prefetch.eam import EAMCollection, sequence_eams
 from moe_offload.prefetch.expert_map_store import ExpertMapStore
 from moe_offload.prefetch.fmoe import FMoEPrefetcher
 from moe_offload.prefetch.fmoe_sets import compiled_set_functions, ranked_proposals, similarity_aware_set
+from moe_offload.prefetch import map_ranking
 from moe_offload.prefetch.map_ranking import (compiled_half_gather, compiled_trajectory_step, gather_half_maps,
                                              gather_half_maps_numpy, trajectory_step, trajectory_step_numpy)
 from moe_offload.prefetch.moe_infinity import MoEInfinityPrefetcher
-from moe_offload.simulator import kernels
 from moe_offload.trace import read_trace
 from moe_offload.trace.format import PREFILL, Trace
 
@@ -227,7 +228,7 @@ def test_pruned_trajectory_step_compiled_and_numpy_agree_bit_for_bit():
     operations: the same dot products, norms, best columns and cosines, bit for bit, over 40 steps of random
     batches, with ties made on purpose (duplicated candidate maps) and a zero map."""
     compiled = trajectory_step
-    if kernels.numba_available():
+    if numba_available():
         import numba
 
         compiled = numba.njit(trajectory_step)
@@ -340,7 +341,7 @@ def test_the_float16_gather_converts_every_half_exactly(form):
 
 
 def test_without_numba_a_pruned_store_takes_the_numpy_step(monkeypatch):
-    monkeypatch.setattr(kernels, "numba_available", lambda: False)
+    monkeypatch.setattr(map_ranking, "numba_available", lambda: False)
     compiled_trajectory_step.cache_clear()
     try:
         assert ExpertMapStore(4, 6, capacity=10, distance=1, candidates=3)._trajectory_step is trajectory_step_numpy

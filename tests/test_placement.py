@@ -123,7 +123,7 @@ def test_a_sweep_file_keeps_the_placement_columns_under_its_seal(tmp_path):
     # sealed is refused, not read with defaults
     import pyarrow.parquet as pq
 
-    from moe_offload.reporting.results import RunResult
+    from moe_offload.results import RunResult
     from moe_offload.sweep.spec import Cell
     from moe_offload.sweep.store import Row, read_results, to_table
 

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from moe_offload.reporting import plots  # noqa: E402
-from moe_offload.reporting.results import RunResult  # noqa: E402
+from moe_offload.results import RunResult  # noqa: E402
 
 
 def legend_texts(monkeypatch, draw, results, tmp_path) -> list[list[str]]:

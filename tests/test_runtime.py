@@ -20,7 +20,8 @@ from moe_offload.errors import ConfigError  # noqa: E402
 from moe_offload.models.recorder import record  # noqa: E402
 from moe_offload.policies import POLICIES  # noqa: E402
 from moe_offload.runtime.engine import EngineBusyError, OffloadEngine  # noqa: E402
-from moe_offload.runtime.packing import PackError, load_skeleton, pack_model, read_manifest  # noqa: E402
+from moe_offload.runtime.packing import PackError, pack_model, read_manifest  # noqa: E402
+from moe_offload.runtime.skeleton import load_skeleton  # noqa: E402
 from moe_offload.runtime.storage import ExpertReadError, ExpertStore  # noqa: E402
 from moe_offload.text.prompts import Prompt  # noqa: E402
 
@@ -607,7 +608,8 @@ def expert_dtype_packs(checkpoint):
     from model_configs import tiny_tokenizer as tokenizer_of
 
     from moe_offload.models.adapters import load_model
-    from moe_offload.runtime.quantize import QUANTIZED, dequantize, quantize
+    from moe_offload.hardware.choices import QUANTIZED
+    from moe_offload.runtime.quantize import dequantize, quantize
 
     tokenizer = tokenizer_of()
     packs = {}

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 from model_configs import build, tiny_tokenizer  # noqa: E402
 
 from moe_offload.models.recorder import record  # noqa: E402
-from moe_offload.runtime.datapath import RING_BUFFERS  # noqa: E402
+from moe_offload.runtime.mover import RING_BUFFERS  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 from moe_offload.runtime.packing import pack_model  # noqa: E402
 from moe_offload.text.prompts import Prompt  # noqa: E402

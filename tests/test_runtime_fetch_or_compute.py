@@ -17,7 +17,8 @@ from moe_offload.errors import ConfigError  # noqa: E402
 from moe_offload.hardware import HardwareProfile  # noqa: E402
 from moe_offload.policies.fetch_or_compute import FetchOrCompute  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
-from moe_offload.runtime.packing import packed_directory, read_manifest  # noqa: E402
+from moe_offload.runtime.pack_cache import packed_directory  # noqa: E402
+from moe_offload.runtime.packing import read_manifest  # noqa: E402
 from moe_offload.runtime.replay import replay_rows  # noqa: E402
 from moe_offload.simulator.timed import simulate_timed  # noqa: E402
 from moe_offload.trace.format import read_trace  # noqa: E402

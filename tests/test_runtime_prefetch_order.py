@@ -10,7 +10,7 @@ import torch
 from moe_offload.bundled import DEFAULT_TINY_TRACE
 from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.engine import OffloadEngine
-from moe_offload.runtime.packing import packed_directory
+from moe_offload.runtime.pack_cache import packed_directory
 from moe_offload.trace.format import read_trace
 
 

@@ -28,7 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from moe_offload.api import load  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
-from moe_offload.runtime.packing import packed_directory, read_manifest  # noqa: E402
+from moe_offload.runtime.pack_cache import packed_directory  # noqa: E402
+from moe_offload.runtime.packing import read_manifest  # noqa: E402
 from moe_offload.server import ServerThread  # noqa: E402
 from moe_offload.text.sources import chat_prompt  # noqa: E402
 

@@ -372,7 +372,7 @@ def test_online_reconfiguration_moves_vram_to_the_layer_whose_statistics_ask_for
     # experts 1 and 0 (mu 3 at nu 6 and 7: P = 3 x 0.25^(6/128) = 2.81, 2.79, above mu 1 of experts 2..7), not
     # 6 and 7 that LRU holds: two new tops of 75 B; layer 1 caches 1 and 0 (mu 3, nu 0 and 1): 1 is cached
     # (its ratio shrinks: nothing to load), 0 is a new top of 25 B. 175 B in all.
-    from moe_offload.configurator import configure, measure_statistics, timings_from_profile
+    from moe_offload.simulator.configurator import configure, measure_statistics, timings_from_profile
     from moe_offload.simulator.timed import Reconfiguration
 
     trace = reconfiguration_trace()

@@ -23,7 +23,7 @@ def load(model: str = "tiny", *, fast_budget="50%", policy: str = "lru", prefetc
     from moe_offload.bundled import TINY_HISTORY_TRACE
     from moe_offload.prefetch import Prefetcher, prefetcher_info
     from moe_offload.runtime.engine import OffloadEngine
-    from moe_offload.runtime.packing import packed_directory
+    from moe_offload.runtime.pack_cache import packed_directory
 
     if prefetch is not None and prefetch_history is None and model == "tiny" \
             and prefetcher_info(prefetch).fit is not Prefetcher.fit:

@@ -22,6 +22,7 @@ split configurations, prompt files, models) :class:`~moe_offload.errors.ConfigEr
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import stat
@@ -80,6 +81,15 @@ def read_text(path, what: str = "file", error: type = ConfigError) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         fail(path, f"not UTF-8 text (byte {exc.start}); is this really a {what}?", error)
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes, read a megabyte at a time (a pack's files, a GGUF checkpoint, a trace)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def parse_json(text: str | bytes, path, what: str = "file", error: type = ConfigError, row: int | None = None,

@@ -139,6 +139,18 @@ def text(value, what: str) -> str:
 
 # ------------------------------------------------------------------------------------- sizes and shares
 
+def format_bytes(count: float) -> str:
+    """Binary units for a whole number of them (capacities such as 24 GiB), decimal ones otherwise."""
+    if float(count).is_integer():
+        for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if size <= count < 1024 * size and count % size == 0:
+                return f"{int(count) // size} {unit}"
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= size:
+            return f"{count / size:.3g} {unit}"
+    return f"{count:.0f} B"
+
+
 def parse_bytes(value, what: str) -> int:
     """A byte count from an integer, a float or a string with a unit (``24 GiB``, ``12.5MB``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
@@ -300,8 +312,6 @@ def memory(nbytes: int, what: str) -> None:
     except (ValueError, OSError, AttributeError):
         return
     if nbytes > physical:
-        from moe_offload.hardware.profile import format_bytes
-
         raise ConfigError(f"{what} needs {format_bytes(nbytes)} of memory, more than this machine's "
                           f"{format_bytes(physical)}")
 

@@ -6,8 +6,7 @@ import json
 import sys
 
 from moe_offload.errors import ConfigError
-from moe_offload.hardware.profile import format_bytes
-from moe_offload.values import expert_amount, integer
+from moe_offload.values import expert_amount, format_bytes, integer
 
 
 def register(subparsers) -> None:
@@ -58,7 +57,7 @@ def register(subparsers) -> None:
 def timings_from_args(args, top_k: int, expert_bytes: int | None):
     """The timings given in milliseconds; those not given come from --hardware: one token's expert, attention
     and LM head times and the GPU link's transfer time of one expert (timings_from_profile)."""
-    from moe_offload.configurator import Timings, timings_from_profile
+    from moe_offload.simulator.configurator import Timings, timings_from_profile
 
     given = {"expert_load": args.expert_load_ms, "expert_compute": args.expert_compute_ms,
              "attention": args.attention_ms, "moe": args.moe_ms, "head": args.head_ms}
@@ -89,7 +88,7 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from moe_offload.configurator import check_inputs, configure, measure_statistics, require_gate_prediction
+    from moe_offload.simulator.configurator import check_inputs, configure, measure_statistics, require_gate_prediction
     from moe_offload.trace.format import read_trace
 
     trace = read_trace(args.trace, columns=("gate_prediction", "next_token_gate_prediction"))

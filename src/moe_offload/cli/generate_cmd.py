@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_offload import values
 
     if args.json:
-        from moe_offload.runtime.packing import model_files
+        from moe_offload.runtime.pack_cache import model_files
 
         check_output(args.json, suffixes=(".json",), what="result record",
                      inputs=[*model_files(args.model), args.split_config, args.prefetch_history])
@@ -268,8 +268,7 @@ def run(args: argparse.Namespace) -> int:
 def check_dtype(args: argparse.Namespace) -> None:
     """--dtype, --expert-dtype and --expert-compute, before the model is packed or loaded."""
     from moe_offload.errors import ConfigError
-    from moe_offload.runtime.engine_setup import COMPUTE_DTYPES
-    from moe_offload.runtime.expert_forms import CHOICES as EXPERT_COMPUTE
+    from moe_offload.hardware.choices import COMPUTE_DTYPES, EXPERT_COMPUTE
     from moe_offload.runtime.packing import check_expert_dtype
 
     check_expert_dtype(args.expert_dtype)

@@ -8,8 +8,8 @@ import sys
 
 from moe_offload.bundled import DEFAULT_TRACE
 from moe_offload.errors import ConfigError
-from moe_offload.hardware import DEFAULT_PRESET, format_bytes, preset_names, resolve_profile
-from moe_offload.values import parse_bytes
+from moe_offload.hardware import DEFAULT_PRESET, preset_names, resolve_profile
+from moe_offload.values import format_bytes, parse_bytes
 
 DEFAULT_MEASURED = "measured.toml"
 
@@ -222,7 +222,7 @@ def run_measure(args) -> int:
 
     require_model_stack("hardware measure")  # it runs the packed model: before anything imports PyTorch
     from moe_offload.runtime import measure
-    from moe_offload.runtime.packing import model_files, packed_directory
+    from moe_offload.runtime.pack_cache import model_files, packed_directory
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, not {args.repeats}")

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from moe_offload import __version__
+from moe_offload.version import __version__
 from moe_offload.cli import (configure_cmd, generate_cmd, hardware_cmd, pack_cmd, placement_cmd, policies_cmd,
                               record_cmd, report_cmd, serve_cmd, simulate_cmd, sweep_cmd, trace_cmd, train_cmd, train_tiny_cmd)
 from moe_offload.errors import MoeOffloadError

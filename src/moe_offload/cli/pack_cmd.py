@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from moe_offload.cli.generate_cmd import add_gguf_argument
+from moe_offload.values import format_bytes
 
 
 def register(subparsers) -> None:
@@ -26,7 +27,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_offload.hardware.profile import format_bytes
     from moe_offload.models import require_model_stack
 
     require_model_stack("pack")
@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     args.model = with_gguf_file(args.model, args.gguf_file)
     from moe_offload.models.tiny import model_directory
     from moe_offload.reporting.progress import progress_bar
-    from moe_offload.runtime.packing import check_expert_dtype, load_skeleton, pack_model
+    from moe_offload.runtime.packing import check_expert_dtype, pack_model
+    from moe_offload.runtime.skeleton import load_skeleton
 
     from moe_offload.outputs import check_output
 

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_offload.trace.format import write_trace
 
     from moe_offload.models.gguf import with_gguf_file
-    from moe_offload.runtime.packing import model_files
+    from moe_offload.runtime.pack_cache import model_files
 
     args.model = with_gguf_file(args.model, args.gguf_file)
 

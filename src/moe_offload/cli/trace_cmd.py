@@ -7,7 +7,6 @@ import json
 import numpy as np
 
 from moe_offload.errors import ConfigError
-from moe_offload.hardware.profile import format_bytes
 from moe_offload.outputs import check_output
 from moe_offload.values import parse_bytes
 from moe_offload.trace.flatten import flatten, write_csv, write_oracle_general
@@ -16,6 +15,7 @@ from moe_offload.trace.capture import ENGINES
 from moe_offload.trace.importers import IMPORTERS, TAKES_ARRAY_LIMIT, TAKES_MODEL_CONFIG, TAKES_PROMPT_CACHE
 from moe_offload.trace.importers.engine_trace import prompt_tokens_text
 from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
+from moe_offload.values import format_bytes
 
 OPTIONAL_COLUMNS = ("weights", "probs", "embedding", "gate_prediction", "next_token_gate_prediction")
 FLATTEN_WRITERS = {"csv": write_csv, "oracle-general": write_oracle_general}

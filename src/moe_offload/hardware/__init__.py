@@ -1,7 +1,7 @@
 """Hardware profiles for the timed simulator: memory tiers, links between them, compute costs; presets."""
 
 from moe_offload.hardware.profile import (DEFAULT_PRESET, ComputeModel, HardwareProfile, LinearCost, Link, Roofline,
-                                          Tier, format_bytes, load_profile, preset_names, resolve_profile)
+                                          Tier, load_profile, preset_names, resolve_profile)
 
 __all__ = ["DEFAULT_PRESET", "ComputeModel", "HardwareProfile", "LinearCost", "Link", "Roofline", "Tier",
-           "format_bytes", "load_profile", "preset_names", "resolve_profile"]
+           "load_profile", "preset_names", "resolve_profile"]

@@ -69,7 +69,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_offload.errors import ConfigError
+from moe_offload.hardware.choices import COMPUTE_DTYPES, EXPERT_DTYPES, EXPERT_FORMS, QUANTIZED
 from moe_offload.inputs import missing, parse_toml, read_text
+from moe_offload.policies import POLICIES
 from moe_offload.values import number, parse_bytes
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -81,18 +83,6 @@ MAX_SECONDS = 3600.0
 MIN_RATE = 1.0
 BYTES_PER_PARAM = (1 / 64, 64.0)
 MAX_SLOWDOWN = 100.0  # compute or a link 100 times slower while the other runs: no machine shares that badly
-
-def format_bytes(count: float) -> str:
-    """Binary units for a whole number of them (capacities such as 24 GiB), decimal ones otherwise."""
-    if float(count).is_integer():
-        for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-            if size <= count < 1024 * size and count % size == 0:
-                return f"{int(count) // size} {unit}"
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if count >= size:
-            return f"{count / size:.3g} {unit}"
-    return f"{count:.0f} B"
-
 
 @dataclass(frozen=True)
 class Tier:
@@ -359,8 +349,6 @@ class _Reader:
 
     def decision_seconds(self, data: dict) -> tuple[tuple[str, float], ...]:
         """The optional ``[decision_s]`` table: policy name -> seconds of one eviction decision."""
-        from moe_offload.policies import POLICIES
-
         table = self.table(data, "decision_s", "decision_s") if "decision_s" in data else {}
         for policy in table:
             if policy not in POLICIES:
@@ -370,10 +358,6 @@ class _Reader:
     def runtime_choices(self, table: dict) -> RuntimeChoices:
         """``[runtime]``: ``device``, ``dtype`` (expert dtype -> compute dtype) and ``expert_compute`` (int8/int4 ->
         form)."""
-        from moe_offload.runtime.engine_setup import COMPUTE_DTYPES
-        from moe_offload.runtime.expert_forms import FORMS
-        from moe_offload.runtime.quantize import EXPERT_DTYPES, QUANTIZED
-
         unknown = set(table) - {"device", "dtype", "expert_compute"}
         if unknown:
             self.fail(f"runtime.{sorted(unknown)[0]}",
@@ -382,7 +366,8 @@ class _Reader:
         if device not in ("cpu", "cuda"):
             self.fail("runtime.device", f"{device!r}: cpu or cuda")
         choices = {"device": device}
-        for key, experts, allowed in (("dtype", EXPERT_DTYPES, COMPUTE_DTYPES), ("expert_compute", QUANTIZED, FORMS)):
+        for key, experts, allowed in (("dtype", EXPERT_DTYPES, COMPUTE_DTYPES),
+                                      ("expert_compute", QUANTIZED, EXPERT_FORMS)):
             chosen = self.table(table, key, f"runtime.{key}") if key in table else {}
             for expert_dtype, value in chosen.items():
                 if expert_dtype not in experts:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from moe_offload.outputs import write_atomically
+
 
 def _toml_string(text: str) -> str:
     escaped = []
@@ -68,6 +70,4 @@ def profile_toml(profile: dict, header: str = "") -> str:
 
 def write_profile(profile: dict, path, header: str = "") -> Path:
     """Write the profile's TOML atomically (a failed write leaves an existing file as it was)."""
-    from moe_offload.outputs import write_atomically
-
     return write_atomically(path, profile_toml(profile, header))

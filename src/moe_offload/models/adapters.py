@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_offload.errors import ConfigError
+from moe_offload.models import quiet_transformers
 from moe_offload.policies.base import ModelSpec
 
 
@@ -193,8 +194,6 @@ def load_model(directory: str | Path, dtype=None, experts_implementation: str = 
     """Load a local checkpoint with transformers and return (model, adapter); errors name the file."""
     import torch
     import transformers
-
-    from moe_offload.models import quiet_transformers
 
     quiet_transformers()
     config = read_config(directory)

@@ -14,8 +14,9 @@ when an :class:`ExpertSource` is attached to the module (the runtime's tiers), t
 source, which yields the layer's experts in the order they become resident (an expert already in fast memory
 computes while another is still loading); the outputs are kept and accumulated in ascending order only
 after all of them are computed, so the order of arrival never changes a bit of the result. Every product is
-runtime/int4_kernel.linear: ``F.linear`` for float weights, PyTorch's weight-only int4 matmul for int4
-experts the fast tier holds in that kernel's form (runtime/expert_forms.py).
+:func:`linear`: ``F.linear`` for float weights; a weight in a kernel's form computes its own product (PyTorch's
+weight-only int4 matmul for int4 experts the fast tier holds in that kernel's form: runtime/int4_kernel.py,
+runtime/expert_forms.py).
 
 A packed forward pass (runtime/packed.py: several requests' tokens in one sequence, continuous batching)
 carries its segments, the token ranges of its requests. Then each expert computes each segment's tokens
@@ -43,9 +44,19 @@ from contextlib import closing
 from typing import Iterator, Protocol
 
 from moe_offload.models.host_experts import ON_HOST, HostInputs, host_expert_output
-from moe_offload.runtime.int4_kernel import linear
 
 IMPLEMENTATION = "moe_offload"
+
+
+def linear(x, weight):
+    """``F.linear(x, weight)`` for a float weight; a weight in a kernel's form (runtime/int4_kernel.py Int4Weight)
+    computes the product itself: the one product of every expert (this module, models/host_experts.py,
+    runtime/packed.py)."""
+    import torch
+
+    if isinstance(weight, torch.Tensor):
+        return torch.nn.functional.linear(x, weight)
+    return weight.linear(x)
 
 
 class ExpertSource(Protocol):

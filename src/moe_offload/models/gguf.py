@@ -29,6 +29,10 @@ import tempfile
 from pathlib import Path
 
 from moe_offload.errors import ConfigError
+from moe_offload.inputs import check_input, file_sha256
+from moe_offload.models import _importable, quiet_transformers
+from moe_offload.models.adapters import ARCHITECTURES, refuse_missing_tensors
+from moe_offload.models.hub import hub_id, resolve_file
 
 SUFFIX = ".gguf"
 HUB_GGUF = re.compile(r"(?P<hub>[^:]+):(?P<file>[^:]+\.gguf)", re.IGNORECASE)
@@ -49,8 +53,6 @@ def is_gguf(name: str) -> bool:
 
 def with_gguf_file(model: str, gguf_file: str | None) -> str:
     """``--model`` as the rest of the project reads it, given ``--gguf-file`` (None: ``model`` unchanged)."""
-    from moe_offload.models.hub import hub_id
-
     if gguf_file is None:
         return model
     if not gguf_file.lower().endswith(SUFFIX) or ":" in gguf_file:
@@ -64,8 +66,6 @@ def with_gguf_file(model: str, gguf_file: str | None) -> str:
 
 def require_gguf(what: str) -> None:
     """One line naming the extra to install when the packages transformers reads GGUF with are missing."""
-    from moe_offload.models import _importable
-
     missing = [module for module in GGUF_MODULES if not _importable(module)]
     if missing:
         raise ConfigError(f"{what} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
@@ -75,13 +75,9 @@ def require_gguf(what: str) -> None:
 def gguf_path(name: str) -> tuple[Path, str | None]:
     """(the GGUF file, the hub commit it came from or None for a local file) of ``--model NAME``; the file is
     checked to be a GGUF checkpoint the project can run (:func:`check_header`) before it is returned."""
-    from moe_offload.inputs import check_input
-
     require_gguf(f"--model {name}")
     hub = HUB_GGUF.fullmatch(name)
     if hub is not None and not Path(name).exists():
-        from moe_offload.models.hub import hub_id, resolve_file
-
         parsed = hub_id(hub["hub"])
         if parsed is None:
             raise ConfigError(f"--model {name}: {hub['hub']} is not a hub id (ORG/NAME[@REVISION])")
@@ -98,8 +94,6 @@ def gguf_path(name: str) -> tuple[Path, str | None]:
 def pack_key(name: str, path: Path, commit: str | None) -> str:
     """What the pack of a GGUF checkpoint is cached under: the hub repository, commit and file, or the local
     file's name and SHA-256 (a replaced file is packed anew)."""
-    from moe_offload.runtime.pack_seal import file_sha256
-
     if commit is not None:
         repo = HUB_GGUF.fullmatch(name)["hub"].split("@")[0]
         return f"{repo.replace('/', '--')}-{commit[:12]}-{path.stem}"
@@ -110,8 +104,6 @@ def check_header(path: Path) -> dict[str, int]:
     """ConfigError in one line for every refusal of the module docstring, from the file's metadata (no tensor
     is read); else the config fields to set over transformers' GGUF config mapping (EXPERT_SIZES)."""
     import gguf
-
-    from moe_offload.models.adapters import ARCHITECTURES
 
     try:
         reader = gguf.GGUFReader(path)
@@ -164,9 +156,6 @@ def write_checkpoint(path: Path, directory: Path) -> None:
     import torch
     import transformers
     from safetensors.torch import save_model
-
-    from moe_offload.models import quiet_transformers
-    from moe_offload.models.adapters import refuse_missing_tensors
 
     config_fixes = check_header(path)
     quiet_transformers()

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from moe_offload.bundled import TINY_MODEL_DIR
 from moe_offload.errors import ConfigError
+from moe_offload.models import quiet_transformers, require_model_stack
+from moe_offload.models.adapters import load_model
+from moe_offload.models.gguf import float_checkpoint, gguf_path, is_gguf
+from moe_offload.models.hub import hub_id, resolve
 
 TINY = "tiny"
 
@@ -19,9 +24,6 @@ def model_directory(name: str) -> Path:
             raise ConfigError(f"{TINY_MODEL_DIR}: the bundled model is missing from this installation "
                               "(rebuild it with `moe-offload train-tiny -o DIR` and pass --model DIR)")
         return TINY_MODEL_DIR
-    from moe_offload.models.gguf import gguf_path, is_gguf
-    from moe_offload.models.hub import hub_id, resolve
-
     if is_gguf(name):
         return gguf_path(name)[0]
     if hub_id(name) is not None:
@@ -29,17 +31,20 @@ def model_directory(name: str) -> Path:
     return Path(name)
 
 
+def cache_root() -> Path:
+    """Where packed copies of models and the float checkpoints of GGUF files are kept: $MOE_OFFLOAD_CACHE, else
+    $XDG_CACHE_HOME/moe-offload."""
+    if os.environ.get("MOE_OFFLOAD_CACHE"):
+        return Path(os.environ["MOE_OFFLOAD_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-offload"
+
+
 def load(name: str, dtype=None):
     """(model, adapter, tokenizer) for ``--model NAME``; errors name the missing or broken file."""
-    from moe_offload.models import quiet_transformers, require_model_stack
-
     require_model_stack("loading a model")
     quiet_transformers()
     directory = model_directory(name)
     if directory.is_file():  # a GGUF file: read through transformers into a float checkpoint first
-        from moe_offload.models.gguf import float_checkpoint
-        from moe_offload.runtime.packing import cache_root
-
         with float_checkpoint(directory, beside=cache_root()) as checkpoint:
             return _load(checkpoint, dtype)
     return _load(directory, dtype)
@@ -47,8 +52,6 @@ def load(name: str, dtype=None):
 
 def _load(directory: Path, dtype):
     from transformers import AutoTokenizer
-
-    from moe_offload.models.adapters import load_model
 
     model, adapter = load_model(directory, dtype=dtype)
     try:

@@ -7,14 +7,13 @@ import numpy as np
 
 from moe_offload.errors import ConfigError, TraceError
 from moe_offload.policies.base import ModelSpec
+from moe_offload.trace.format import Trace, read_trace
 from moe_offload.values import text
 
 
 def load_profile_trace(path, spec: ModelSpec, what: str):
     """The trace at ``path``, or ``path`` itself when it is a Trace already (from Python), refused unless its
     model has ``spec``'s layers and experts; ``what`` names the option in errors."""
-    from moe_offload.trace.format import Trace, read_trace
-
     if isinstance(path, Trace):
         trace = path
     else:

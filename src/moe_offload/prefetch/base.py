@@ -30,6 +30,7 @@ import numpy as np
 
 from moe_offload.policies.base import ModelSpec
 from moe_offload.prefetch.budget import PrefetchBudget
+from moe_offload.prefetch.requirements import check_trace_columns
 from moe_offload.trace.format import Trace
 
 
@@ -65,8 +66,6 @@ class RoutingView:
 
     def require(self, prefetcher: type["Prefetcher"]) -> None:
         """Raise ConfigError when the routing lacks a column the prefetcher cannot work without."""
-        from moe_offload.prefetch.requirements import check_trace_columns
-
         check_trace_columns(prefetcher, self.trace)
 
     @property

@@ -30,6 +30,8 @@ import functools
 
 import numpy as np
 
+from moe_offload.compiled import njit_cached, numba_available
+
 SET_SIGNATURE = "int64(float32[:, ::1], float64[::1], int64, int64, int64[::1], float64[::1])"
 PROPOSALS_SIGNATURE = "int64(int64[:, ::1], float64[:, ::1], int64[::1], int64, int64, int64[::1], float64[::1])"
 
@@ -82,8 +84,6 @@ def ranked_proposals(set_keys, set_wanted, set_sizes, now, last, keys, prioritie
 def compiled_set_functions():
     """(similarity_aware_set, ranked_proposals), compiled (or loaded from Numba's cache), or the plain
     functions without Numba."""
-    from moe_offload.simulator.kernels import njit_cached, numba_available
-
     if not numba_available():
         return similarity_aware_set, ranked_proposals
     return njit_cached(similarity_aware_set, SET_SIGNATURE), njit_cached(ranked_proposals, PROPOSALS_SIGNATURE)

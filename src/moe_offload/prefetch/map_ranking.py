@@ -35,6 +35,8 @@ import functools
 
 import numpy as np
 
+from moe_offload.compiled import njit_cached, numba_available
+
 TIE_TOLERANCE = 1e-6  # float32 cosines this close are a tie
 TINY = np.float32(1e-30)  # the smallest norm divided by: a zero vector has cosine 0 with anything
 SIGNATURE = ("void(float32[:, :, ::1], float32[:, ::1], float32[:, ::1], float32[::1], float32[:, ::1], "
@@ -105,8 +107,6 @@ def trajectory_step_numpy(maps, probs, dots, query_sq, inverse_norms, stamps, be
 @functools.cache
 def compiled_trajectory_step():
     """``trajectory_step`` compiled (or loaded from Numba's cache), or the NumPy form without Numba."""
-    from moe_offload.simulator.kernels import njit_cached, numba_available
-
     if not numba_available():
         return trajectory_step_numpy
     return njit_cached(trajectory_step, SIGNATURE)
@@ -148,8 +148,6 @@ def gather_half_maps_numpy(bits, candidates, out):
 @functools.cache
 def compiled_half_gather():
     """``gather_half_maps`` compiled (or loaded from Numba's cache), or the NumPy form without Numba."""
-    from moe_offload.simulator.kernels import njit_cached, numba_available
-
     if not numba_available():
         return gather_half_maps_numpy
     return njit_cached(gather_half_maps, HALF_GATHER_SIGNATURE)

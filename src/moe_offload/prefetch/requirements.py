@@ -1,9 +1,11 @@
-"""Whether a trace has the columns a prefetcher cannot work without, and how to get them when it has not."""
+"""Whether a trace has the columns a prefetcher cannot work without, and how to get them when it has not.
+
+Below prefetch/base.py, which checks a routing view with it: it reads a prefetcher class's ``name`` and
+``requires`` and imports nothing of the prefetchers."""
 
 from __future__ import annotations
 
 from moe_offload.errors import ConfigError
-from moe_offload.prefetch.base import Prefetcher
 from moe_offload.trace.format import EMBEDDING_TOKEN, Trace
 
 # column -> (what it holds, how to get a trace that has it)
@@ -28,8 +30,9 @@ def has_column(trace: Trace, column: str) -> bool:
     return getattr(trace, column) is not None
 
 
-def check_trace_columns(prefetcher: type[Prefetcher], trace: Trace) -> None:
-    """Raise ConfigError naming the prefetcher, every missing column and how to get it."""
+def check_trace_columns(prefetcher: type, trace: Trace) -> None:
+    """Raise ConfigError naming the prefetcher (a Prefetcher class: its ``name`` and the columns it ``requires``),
+    every missing column and how to get it."""
     missing = [column for column in prefetcher.requires if not has_column(trace, column)]
     if not missing:
         return

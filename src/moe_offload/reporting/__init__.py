@@ -1,1 +1,1 @@
-"""Result records and what turns them into tables, JSON and plots."""
+"""What turns the result record (moe_offload/results.py) into tables, JSON, plots and the report."""

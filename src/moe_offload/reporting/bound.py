@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from moe_offload.errors import ConfigError
 from moe_offload.policies import POLICIES, make_policy
-from moe_offload.reporting.results import RunResult
+from moe_offload.results import RunResult
 from moe_offload.reporting.working_set import WorkingSet
 from moe_offload.simulator.replay import ReplayInput, replay, replay_grid, replay_kernel
 

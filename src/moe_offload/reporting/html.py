@@ -8,7 +8,7 @@ import io
 
 import numpy as np
 
-from moe_offload import __version__
+from moe_offload.version import __version__
 from moe_offload.reporting.bound import TARGET_HIT_RATES
 from moe_offload.reporting.on_engine import HEADER as ENGINE_HEADER, section_lines, setting_rows
 from moe_offload.reporting.report import Report, latency_rows, plural, policy_rows, working_set_rows

@@ -9,7 +9,7 @@ own future). The timed grid adds its bounds:
 all experts resident, and the oracle prefetcher with each policy (simulator/timed/simulate.py).
 
 When the trace has next-layer gate predictions, MoEpic's configurator (paper 004, Algorithm 1:
-configurator/moepic.py) splits the budget less its prefetch buffer of top-k experts into per-layer top
+simulator/configurator/moepic.py) splits the budget less its prefetch buffer of top-k experts into per-layer top
 segments from the trace's LCP statistics and the hardware's timings, and the timed simulator runs that split
 with LCP and MoEpic's prefetcher.
 
@@ -29,7 +29,9 @@ from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.prefetch import PREFETCHERS
 from moe_offload.prefetch.requirements import has_column
-from moe_offload.reporting.results import RunResult
+from moe_offload.results import RunResult
+from moe_offload.simulator.configurator import check_inputs, configure, measure_statistics, timings_from_profile
+from moe_offload.simulator.split import SplitConfig
 from moe_offload.simulator.timed import ALL_RESIDENT, ORACLE, Arrivals, check_timed_run, simulate_timed, timed_grid
 from moe_offload.simulator.timed.schedule import describe_sample, leading_iterations
 from moe_offload.trace.format import Trace
@@ -134,9 +136,6 @@ def measure_latency(trace: Trace, hardware: HardwareProfile, cache_size: int, ex
 def moepic_split(latency: Latency, trace: Trace, hardware: HardwareProfile, cache_size: int, expert_bytes: int,
                  seed: int) -> None:
     """MoEpic's configuration of ``cache_size`` experts less its buffer, and its timed run, into ``latency``."""
-    from moe_offload.configurator import check_inputs, configure, measure_statistics, timings_from_profile
-    from moe_offload.simulator.split import SplitConfig
-
     meta = trace.meta
     budget = cache_size - meta.top_k  # the prefetch buffer holds top-k whole experts
     timings = timings_from_profile(hardware, expert_bytes, meta.top_k)

@@ -26,7 +26,7 @@ from moe_offload.engines.vllm import streamed_bytes_per_token
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.models.hub import HUB_ID
 from moe_offload.policies import ModelSpec
-from moe_offload.reporting.results import RunResult
+from moe_offload.results import RunResult
 from moe_offload.simulator.timed import simulate_timed
 from moe_offload.simulator.timed.schedule import describe_sample, leading_iterations
 from moe_offload.trace.format import Trace

@@ -6,7 +6,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from moe_offload.outputs import atomic_output
-from moe_offload.reporting.results import RunResult
+from moe_offload.reporting.tables import binary_bytes, run_label
+from moe_offload.results import RunResult
 
 # The formats a plot may be written in, by its file's extension (commands check it before they run).
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
@@ -148,8 +149,6 @@ _TRANSFER_COLOURS = {"demand": "tab:red", "prefetch": "tab:cyan", "search": "tab
 def cdf_label(result: RunResult) -> str:
     """A timed run's name with its cache (several cache sizes share a plot): "lru, no prefetch, 32 experts
     (1.5 GiB)"; the all-resident bound has none."""
-    from moe_offload.reporting.tables import binary_bytes, run_label
-
     if result.policy == "all-resident" or result.cache_bytes is None:
         return run_label(result)
     return f"{run_label(result)}, {result.cache_size} experts ({binary_bytes(result.cache_bytes)})"
@@ -160,8 +159,6 @@ def plot_timeline(results: list[RunResult], path) -> Path:
     each link's demand loads and prefetches, the host's experts, the prefetcher's matcher), with the start of
     every layer."""
     from matplotlib.patches import Patch
-
-    from moe_offload.reporting.tables import run_label
 
     plt = _pyplot()
     shown = [r for r in results if r.timeline]

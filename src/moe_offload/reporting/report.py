@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from rich.console import Console
 from rich.table import Table
 
-from moe_offload.hardware.profile import HardwareProfile, format_bytes
+from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.reporting.bound import TARGET_HIT_RATES, Bound, measure_bound, verdict
 from moe_offload.reporting.latency import Latency, measure_latency
 from moe_offload.reporting.on_engine import OnEngine, measure_on_engine, print_on_engine
@@ -19,6 +19,7 @@ from moe_offload.reporting.working_set import WorkingSet, measure_working_set
 from moe_offload.simulator.replay import ReplayInput
 from moe_offload.trace.format import TraceMeta
 from moe_offload.trace.importers.engine_trace import prompt_tokens_text
+from moe_offload.values import format_bytes
 
 
 @dataclass

@@ -9,7 +9,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from moe_offload.reporting.results import RunResult
+from moe_offload.results import RunResult
 
 
 def _ratio(value: float | None) -> str:

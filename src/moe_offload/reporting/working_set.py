@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moe_offload.compiled import njit_cached, numba_available
 from moe_offload.trace.flatten import AccessSequence
 from moe_offload.trace.format import Trace
 
@@ -126,8 +127,6 @@ def reuse_distance_kernel(keys, num_keys, histogram):
 @functools.cache
 def _kernels():
     """(sliding_distinct, reuse_distance): compiled by Numba when it is installed, else the plain functions."""
-    from moe_offload.simulator.kernels import njit_cached, numba_available
-
     if not numba_available():
         return sliding_distinct_kernel, reuse_distance_kernel
     import numba

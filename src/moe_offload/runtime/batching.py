@@ -5,8 +5,8 @@ requests (up to ``max_batch`` running), drops cancelled ones, and runs **one for
 batch: each new request's prompt and every running request's last token, packed into one sequence
 (runtime/packed.py). The experts the pass needs are the union of its tokens' selections, fetched once (the
 runner's expert source, one access per expert with ``routed`` = each request's tokens). Then each request
-samples its next token from its own logits, with its own generator, and the finished ones leave: their
-per-sequence state ends (``on_request_end`` of the caches' policies and the prefetcher).
+samples its next token from its own logits, with its own generator (runtime/request_step.py), and the finished
+ones leave: their per-sequence state ends (``on_request_end`` of the caches' policies and the prefetcher).
 
 Why a loop of our own and not transformers' ``ContinuousBatchingManager`` (``generate_batch``). It does
 run the project's experts function and router hooks (its forward is the model's, over a packed
@@ -45,14 +45,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.kv_pool import KVPool
 from moe_offload.runtime.packed import PackedPass, Segment
-from moe_offload.runtime.requests import Completion, RequestHandle, SamplingParams, TextDelta
-from moe_offload.runtime.sampling import sample, token_logprobs
+from moe_offload.runtime.request_step import RunningRequest
+from moe_offload.runtime.requests import Completion, RequestHandle, SamplingParams
 
 
 class _Job:
@@ -75,32 +74,6 @@ class _Job:
         self.done.set()
 
 
-@dataclass
-class _Request:
-    """A request's state inside the scheduler."""
-
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    handle: RequestHandle
-    generator: object
-    counters: Counters
-    arrived: float
-    tokens: list[int] = field(default_factory=list)
-    token_times: list[float] = field(default_factory=list)
-    logits: list = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    joined: float | None = None  # when it joined the batch
-    sent: int = 0   # characters of text already emitted
-    text: str = ""
-    slot: int | None = None  # its rows in the KV pool, while it runs
-    passes: list[int] = field(default_factory=list)  # numbers of the scheduler's passes it ran in
-
-    @property
-    def prefilled(self) -> bool:
-        return bool(self.tokens)
-
-
 class BatchScheduler:
     """Continuous batching over an engine's runner (see the module docstring); made by the engine."""
 
@@ -113,9 +86,9 @@ class BatchScheduler:
         self.engine, self.max_batch = engine, max_batch
         self.runner, self.model = engine.runner, engine.model
         self.cond = threading.Condition()
-        self.waiting: deque[_Request] = deque()
-        self.running: list[_Request] = []
-        self._leaving: list[_Request] = []
+        self.waiting: deque[RunningRequest] = deque()
+        self.running: list[RunningRequest] = []
+        self._leaving: list[RunningRequest] = []
         self.jobs: deque[_Job] = deque()
         self.kv = KVPool(max_batch)
         self.stopping = False
@@ -181,8 +154,8 @@ class BatchScheduler:
             if params.return_routed_experts:
                 self.runner.routing_log.keep(request)
             handle = RequestHandle(request, self.cond, on_event)
-            self.waiting.append(_Request(request, ids, params, handle, generator,
-                                         Counters.zero(self.engine.spec.num_layers), time.perf_counter()))
+            self.waiting.append(RunningRequest(request, ids, params, handle, generator,
+                                               Counters.zero(self.engine.spec.num_layers), time.perf_counter()))
             self._start()
             self.cond.notify_all()
         return handle
@@ -316,7 +289,7 @@ class BatchScheduler:
         for job in jobs:
             job.fail(MoeOffloadError(f"the engine's scheduler stopped: {exc}"))
 
-    def _iteration(self, batch: list[_Request]) -> None:
+    def _iteration(self, batch: list[RunningRequest]) -> None:
         import torch
 
         engine, runner = self.engine, self.runner
@@ -383,47 +356,18 @@ class BatchScheduler:
             self._finish(request, "error", exc)
 
     # ------------------------------------------------------------------------------------ per request
-    def _advance(self, request: _Request, logits, now: float) -> None:
-        params = request.params
-        token = sample(logits, params, request.generator, request.tokens)
-        request.tokens.append(token)
-        request.token_times.append(now)
-        if params.return_logits:
-            request.logits.append(logits.cpu())
-        new_logprobs = None
-        if params.logprobs is not None:
-            new_logprobs = [token_logprobs(logits, token, params.logprobs)]
-            request.logprobs.extend(new_logprobs)
-        finish = None
-        eos = self.model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if token in eos and not params.ignore_eos:
-            finish = "stop"
-        tokenizer = self.tokenizer
-        if tokenizer is not None:
-            decoded = tokenizer.decode(request.tokens, skip_special_tokens=True)
-            cut = min((i for i in (decoded.find(s) for s in params.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                decoded, finish = decoded[:cut], "stop"
-            request.text = decoded
-        if finish is None and len(request.tokens) >= params.max_tokens:
-            finish = "length"
-        if finish is None:
-            stable = _stable_prefix(request.text, params.stop)
-            if len(stable) > request.sent:
-                request.handle._emit(TextDelta(stable[request.sent:], [token], new_logprobs))
-                request.sent = len(stable)
-            else:
-                request.handle._emit(TextDelta("", [token], new_logprobs))
-            return
-        if len(request.text) > request.sent or new_logprobs:
-            request.handle._emit(TextDelta(request.text[request.sent:], [token], new_logprobs))
-            request.sent = len(request.text)
-        with self.cond:
-            self.running.remove(request)
-        self._finish(request, finish)
+    def _advance(self, request: RunningRequest, logits, now: float) -> None:
+        finish = request.step(logits, now, self._eos(), self.tokenizer)
+        if finish is not None:
+            with self.cond:
+                self.running.remove(request)
+            self._finish(request, finish)
 
-    def _finish(self, request: _Request, reason: str, error: BaseException | None = None) -> None:
+    def _eos(self) -> set[int]:
+        eos = self.model.generation_config.eos_token_id
+        return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+    def _finish(self, request: RunningRequest, reason: str, error: BaseException | None = None) -> None:
         routed_experts = self.runner.routing_log.take(request.id)
         self.runner.end_request(request.id)
         if request.slot is not None:
@@ -444,16 +388,3 @@ class BatchScheduler:
         for observer in self.observers:
             observer.on_finish(completion)
         request.handle._emit(completion)
-
-
-def _stable_prefix(text: str, stop: tuple[str, ...]) -> str:
-    """The text that can be sent now: not a trailing incomplete character, nor a trailing piece that may
-    become a stop sequence."""
-    text = text.rstrip("\ufffd")
-    hold = 0
-    for s in stop:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                hold = max(hold, n)
-                break
-    return text[:len(text) - hold]

@@ -2,7 +2,7 @@
 
 The engine puts the parts together and runs the single-prompt generation loop::
 
-    runtime/packing.py   the packed files and the skeleton model (non-expert weights only)
+    runtime/skeleton.py  the skeleton model (non-expert weights only) of the packed files (runtime/packing.py)
     runtime/engine_setup.py  the device and compute dtype, the tiers and the prefetcher, made from the arguments
     runtime/tiers.py     the tiers: the simulators' ExpertCache with your policy, over a pool of slots
     runtime/datapath.py  link workers, reader pool, pinned ring and copy streams: files -> [host] -> fast
@@ -46,21 +46,22 @@ from typing import Callable
 
 from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload import values
-from moe_offload.hardware.profile import format_bytes
 from moe_offload.policies import ModelSpec, policy_factory, policy_info
-from moe_offload.reporting.results import RunResult
+from moe_offload.results import RunResult
 from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.cpu_threads import single_threaded
 from moe_offload.runtime.engine_setup import (compute_dtype, engine_prefetcher, host_tier, link_budget, make_tiers,
                                               read_replay, read_split, resolve_device)
 from moe_offload.runtime.expert_forms import expert_form, profile_choices
-from moe_offload.runtime.packing import Manifest, load_skeleton, read_manifest
+from moe_offload.runtime.packing import Manifest, read_manifest
+from moe_offload.runtime.skeleton import load_skeleton
 from moe_offload.runtime.placement import (admit_by, fetch_or_compute_profile, fetch_or_compute_rule, host_keys,
                                            placement_keys, placing_host_budget)
 from moe_offload.runtime.runner import ModelRunner
 from moe_offload.runtime.storage import ExpertStore
 from moe_offload.runtime.streaming import TimingStreamer
+from moe_offload.values import format_bytes
 
 
 class EngineBusyError(MoeOffloadError):

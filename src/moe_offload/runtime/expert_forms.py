@@ -34,10 +34,11 @@ import math
 from abc import ABC, abstractmethod
 
 from moe_offload.errors import ConfigError
+from moe_offload.hardware import HardwareProfile, resolve_profile
+from moe_offload.hardware.choices import EXPERT_COMPUTE
 from moe_offload.runtime.cpu_threads import single_threaded
-
-FORMS = ("per-use", "on-arrival", "kernel")
-CHOICES = ("auto",) + FORMS
+from moe_offload.runtime.int4_kernel import convert, kernel_nbytes, kernel_takes, kernel_tensors
+from moe_offload.runtime.quantize import dequantize
 
 
 class ExpertForm(ABC):
@@ -106,8 +107,6 @@ class PerUse(ExpertForm):
         return self._views_of(region)  # at each call: a copy kept per slot would be stale once it holds another
 
     def _views_of(self, region) -> dict:
-        from moe_offload.runtime.quantize import dequantize
-
         return {name: dequantize(stored, shape, self.manifest.expert_dtype, self.dtype)
                 for name, (stored, shape) in self.stored_tensors(region).items()}
 
@@ -122,8 +121,6 @@ class OnArrival(ExpertForm):
         super().__init__(manifest, dtype, dtype, sum(math.prod(tensor.shape) for tensor in manifest.tensors))
 
     def _convert(self, stored, destination) -> None:
-        from moe_offload.runtime.quantize import dequantize
-
         views = self._views_of(destination)
         for name, (region, shape) in self.stored_tensors(stored).items():
             views[name].copy_(dequantize(region, shape, self.manifest.expert_dtype, self.dtype))
@@ -143,19 +140,13 @@ class Kernel(ExpertForm):
     def __init__(self, manifest, dtype):
         import torch
 
-        from moe_offload.runtime.int4_kernel import kernel_nbytes
-
         shapes = [tuple(tensor.shape) for tensor in manifest.tensors]
         super().__init__(manifest, dtype, torch.uint8, kernel_nbytes(shapes, dtype.itemsize))
 
     def _convert(self, stored, destination) -> None:
-        from moe_offload.runtime.int4_kernel import convert
-
         convert(self.stored_tensors(stored), destination, self.dtype)
 
     def _views_of(self, region) -> dict:
-        from moe_offload.runtime.int4_kernel import kernel_tensors
-
         return kernel_tensors(region, {tensor.name: tuple(tensor.shape) for tensor in self.manifest.tensors},
                               self.dtype)
 
@@ -180,8 +171,6 @@ def kernel_runs(manifest, device, dtype) -> str | None:
     """Why the int4 kernel cannot compute ``manifest``'s experts on ``device`` in ``dtype``; None when it can."""
     import torch
 
-    from moe_offload.runtime.int4_kernel import kernel_takes
-
     if manifest.expert_dtype != "int4":
         return f"the weight-only kernel takes int4 experts, not {manifest.expert_dtype}"
     if device.type != "cpu":
@@ -200,8 +189,8 @@ def expert_form(choice: str | None, manifest, device, dtype) -> ExpertForm | Non
     A form that cannot run there is refused in one line."""
     import torch
 
-    if choice is not None and choice not in CHOICES:
-        raise ConfigError(f"--expert-compute {choice!r}: choose from {', '.join(CHOICES)}")
+    if choice is not None and choice not in EXPERT_COMPUTE:
+        raise ConfigError(f"--expert-compute {choice!r}: choose from {', '.join(EXPERT_COMPUTE)}")
     if not manifest.quantized:
         if choice not in (None, "auto"):
             raise ConfigError(f"--expert-compute {choice}: {manifest.directory} holds {manifest.dtype} experts; "
@@ -226,8 +215,6 @@ def profile_choices(hardware, manifest, device) -> tuple[str | None, str | None]
     (hardware/profile.py RuntimeChoices); None for what it does not say."""
     if hardware is None:
         return None, None
-    from moe_offload.hardware import HardwareProfile, resolve_profile
-
     profile = hardware if isinstance(hardware, HardwareProfile) else resolve_profile(hardware)
     if profile.runtime is None or profile.runtime.device != device.type:
         return None, None

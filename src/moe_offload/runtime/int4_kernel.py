@@ -52,17 +52,6 @@ class Int4Weight:
         return out.reshape(*x.shape[:-1], self.shape[0])
 
 
-def linear(x, weight):
-    """``F.linear(x, weight)`` for a float weight; a weight in a kernel's form (an :class:`Int4Weight`) computes
-    the product itself: the one product of every expert (models/experts.py, models/host_experts.py,
-    runtime/packed.py)."""
-    import torch
-
-    if isinstance(weight, torch.Tensor):
-        return torch.nn.functional.linear(x, weight)
-    return weight.linear(x)
-
-
 def kernel_takes(shapes) -> bool:
     """Whether the kernel takes every weight of ``shapes`` ([N, K] each) in the pack's groups."""
     return all(len(shape) == 2 and group_size(shape[1]) in KERNEL_GROUPS and shape[0] % ROW_TILE == 0

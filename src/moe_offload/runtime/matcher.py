@@ -35,13 +35,13 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from moe_offload.prefetch.search_cost import TimedSearch
+
 MATCHERS = ("async", "inline", "lockstep")
 
 
 def runs_off_the_decode_thread(prefetcher) -> bool:
     """Whether ``prefetcher`` has a search that paper and simulator put off the inference path."""
-    from moe_offload.prefetch.search_cost import TimedSearch
-
     return isinstance(prefetcher, TimedSearch) and not prefetcher.search_on_inference_path
 
 

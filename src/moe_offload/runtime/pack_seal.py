@@ -24,6 +24,10 @@ import json
 import math
 from pathlib import Path
 
+from moe_offload.hardware.choices import QUANTIZED
+from moe_offload.inputs import check_input, file_sha256
+from moe_offload.runtime.quantize import quantized_nbytes
+
 SEAL_KEY = "seal"
 FILES_KEY = "files"
 ALIGNMENT = 4096  # expert regions start on page boundaries (O_DIRECT-ready, whole pages per read)
@@ -45,14 +49,6 @@ def seal_of(document: dict) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def check_seal(document: dict, path, error: type) -> None:
     """``error`` unless the manifest ``document`` carries its own seal."""
     if document.get(SEAL_KEY) != seal_of(document):
@@ -71,8 +67,6 @@ def check_layout(manifest, path, error: type) -> None:
     if not 0 < manifest.expert_bytes <= MAX_EXPERT_BYTES or manifest.chunk_bytes <= 0:
         raise error(f"{path}: expert_bytes {manifest.expert_bytes} and chunk_bytes {manifest.chunk_bytes} must be "
                     f"positive, an expert at most {MAX_EXPERT_BYTES:,} bytes")
-    from moe_offload.runtime.quantize import QUANTIZED, quantized_nbytes
-
     if manifest.expert_dtype is not None and manifest.expert_dtype not in QUANTIZED:
         raise error(f"{path}: expert_dtype {manifest.expert_dtype!r} is not one of {', '.join(QUANTIZED)}")
     offset = 0
@@ -107,8 +101,6 @@ def check_inside(directory: Path, name: str, path, error: type) -> Path:
 
 def check_copied_files(document: dict, directory: Path, path, error: type) -> None:
     """``error`` unless every file the manifest's ``files`` lists is in the pack with its SHA-256."""
-    from moe_offload.inputs import check_input
-
     files = document.get(FILES_KEY)
     if not isinstance(files, dict) or "config.json" not in files:
         raise error(f"{path}: lists no digest of config.json; pack the model again")

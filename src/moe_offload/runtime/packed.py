@@ -47,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache, cached_property
 
+from moe_offload.models.experts import linear
 from moe_offload.runtime.kv_pool import KVPool
 
 ATTENTION = "moe_offload_segments"
@@ -157,8 +158,6 @@ class PackedPass:
         ``rows``, ``sizes[i]`` rows each, each block with the bits it has alone; the one-row blocks first (the
         caller orders them so), in one :func:`alone_rows` product where that keeps their bits."""
         import torch
-
-        from moe_offload.runtime.int4_kernel import linear
 
         ones = sizes.count(1)
         if ones < 2 or not isinstance(weight, torch.Tensor) or not batches_alone(rows, weight):

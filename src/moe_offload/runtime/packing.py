@@ -24,23 +24,27 @@ that does not match its seal, or describes another layout than this one, is refu
 Before packing, the checkpoint itself is checked (runtime/checkpoint_checks.py).
 
 Versions 1 (one safetensors file per expert) and 2 (no seal) are not read any more; the pack cache's directory
-names carry the format version, so a stale pack is never served (``packed_directory``).
+names carry the format version, so a stale pack is never served (runtime/pack_cache.py).
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from moe_offload.errors import ConfigError, MoeOffloadError
-from moe_offload.inputs import check_input, missing, parse_json, read_text
+from moe_offload.hardware.choices import EXPERT_DTYPES, QUANTIZED
+from moe_offload.inputs import check_input, file_sha256, missing, parse_json, read_text
+from moe_offload.models.adapters import load_model, read_config
+from moe_offload.models.gguf import float_checkpoint
+from moe_offload.outputs import atomic_directory, check_output
+from moe_offload.runtime.checkpoint_checks import check_checkpoint_files, check_loaded_weights
 from moe_offload.runtime.pack_seal import (ALIGNMENT, FILES_KEY, SEAL_KEY, check_copied_files, check_inside,
-                                           check_layout, check_seal, file_sha256, layer_file, seal_of)
+                                           check_layout, check_seal, layer_file, seal_of)
+from moe_offload.runtime.quantize import quantize, quantized_nbytes
 
 MANIFEST = "moe-offload-pack.json"
 NON_EXPERTS = "non-experts.safetensors"
@@ -134,21 +138,15 @@ def expert_parameter_names(adapter) -> set[str]:
 
 def pack_model(model_dir, out_dir, on_expert=None, expert_dtype: str | None = None) -> Manifest:
     """Split the checkpoint in ``model_dir`` into ``out_dir`` (see the module docstring), its experts stored as
-    ``expert_dtype`` (runtime/quantize.EXPERT_DTYPES; None: as the checkpoint stores them). ``out_dir`` is checked
+    ``expert_dtype`` (hardware/choices.py EXPERT_DTYPES; None: as the checkpoint stores them). ``out_dir`` is checked
     before any work (it must not exist, or be an empty directory, in a writable folder) and written atomically:
     an interrupted or failed pack leaves nothing behind."""
     import torch
-
-    from moe_offload.models.adapters import load_model, read_config
-    from moe_offload.outputs import atomic_directory, check_output
-    from moe_offload.runtime.checkpoint_checks import check_checkpoint_files, check_loaded_weights
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     check_expert_dtype(expert_dtype)
     check_output(out_dir, inputs=[model_dir], directory=True, what="packed model")
     if model_dir.is_file():  # a GGUF file: packed from the float checkpoint transformers reads it as
-        from moe_offload.models.gguf import float_checkpoint
-
         with float_checkpoint(model_dir, beside=out_dir.resolve().parent) as checkpoint:
             return pack_model(checkpoint, out_dir, on_expert, expert_dtype)
     raw = check_checkpoint_files(model_dir)  # before transformers reads a file (runtime/checkpoint_checks.py)
@@ -165,8 +163,6 @@ def pack_model(model_dir, out_dir, on_expert=None, expert_dtype: str | None = No
 
 
 def check_expert_dtype(expert_dtype: str | None) -> None:
-    from moe_offload.runtime.quantize import EXPERT_DTYPES
-
     if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
         raise ConfigError(f"--expert-dtype {expert_dtype!r}: choose from {', '.join(EXPERT_DTYPES)}")
 
@@ -193,8 +189,6 @@ def _write_pack(model, adapter, config, stored: str, model_dir: Path, out_dir: P
         save_file(non_experts, out_dir / NON_EXPERTS, metadata={"format": "pt"})
     except SafetensorError as exc:  # its error for a failed write (a full disk): an OSError for atomic_directory
         raise OSError(str(exc)) from None
-
-    from moe_offload.runtime.quantize import QUANTIZED, quantize, quantized_nbytes
 
     quantized = expert_dtype in QUANTIZED
     dtype = stored if quantized else expert_dtype  # the float dtype the experts' bytes stand for
@@ -317,178 +311,3 @@ def _manifest(data: dict, directory: Path, path: Path) -> Manifest:
     if any(len(e.sha256) != chunks or len(e.xxh3) != chunks for e in experts.values()):
         raise PackError(f"{path}: the chunk checksums do not cover the {manifest.expert_bytes} bytes of each expert")
     return manifest
-
-
-def load_skeleton(manifest: Manifest, device="cpu", dtype=None, verify: bool = True):
-    """The model with every non-expert weight loaded and no expert weight at all (the fused expert tensors
-    are empty): (model, adapter, seconds). Expert weights come from an ExpertSource at run time."""
-    import torch
-    import transformers
-    from safetensors.torch import load_file
-
-    from moe_offload.models.adapters import MoeAdapter, architecture_of, read_config
-
-    started = time.perf_counter()
-    config = read_config(manifest.directory)
-    spec = architecture_of(config)
-    config._experts_implementation = "eager"
-    with torch.device("meta"):
-        model = getattr(transformers, spec.causal_lm)(config)
-    adapter = MoeAdapter(model, stored_dtype=manifest.dtype)
-    if adapter.decoder_layers != manifest.decoder_layers or adapter.num_experts != manifest.num_experts:
-        raise PackError(f"{manifest.directory}: config.json and the manifest disagree on the MoE layers")
-    file = manifest.directory / NON_EXPERTS
-    _check_shapes(model, adapter, manifest, file)  # before any memory is allocated for them
-    for layer in range(adapter.num_layers):
-        module = adapter.experts(layer)
-        for name in adapter.EXPERT_TENSORS:  # no storage: the weights live in the tiers
-            setattr(module, name, torch.nn.Parameter(torch.empty(0, device=device), requires_grad=False))
-    model.to_empty(device=device)
-    if verify and file_sha256(file) != manifest.non_experts_sha256:
-        raise PackError(f"{file}: checksum mismatch with the manifest (corrupt or replaced)")
-    try:
-        state = load_file(file, device=str(device))
-    except Exception as exc:  # safetensors raises its own SafetensorError for a corrupt header
-        raise PackError(f"{file}: cannot be read: {exc}") from None
-    expert_names = expert_parameter_names(adapter)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = set(missing) - expert_names - set(manifest.tied)
-    if missing or unexpected:
-        problem = f"lacks {sorted(missing)[0]}" if missing else f"has unexpected {sorted(unexpected)[0]}"
-        raise PackError(f"{file}: {problem}")
-    # Non-persistent buffers (rotary frequencies) are in no file: computed again as from_pretrained computes
-    # them, in the dtype the model's code gives them (float32 for rotary frequencies, whatever the weights'
-    # dtype); casting them with the weights would change the float16 model's rotations, and its tokens.
-    with_buffers = [(module, {name: module._buffers[name].dtype for name in module._non_persistent_buffers_set})
-                    for module in model.modules() if getattr(module, "_non_persistent_buffers_set", None)]
-    model.to(dtype=dtype or getattr(torch, manifest.dtype))
-    with torch.no_grad():
-        for name, target in manifest.tied.items():
-            model.get_parameter(name).copy_(model.get_parameter(target))
-        for module, dtypes in with_buffers:
-            for name, buffer_dtype in dtypes.items():
-                module._buffers[name] = module._buffers[name].to(buffer_dtype)
-            model._init_weights(module)
-    return model.eval(), adapter, time.perf_counter() - started
-
-
-def _check_shapes(model, adapter, manifest: Manifest, file: Path) -> None:
-    """PackError unless the model that config.json describes (``model``, on the meta device) has the shapes of
-    the manifest's expert tensors and of every tensor in the non-expert file: a hand-edited ``vocab_size`` or
-    tensor shape is refused naming the tensor, instead of failing deep in PyTorch (or allocating a vocabulary
-    of 10^12 rows)."""
-    from safetensors import SafetensorError, safe_open
-
-    expected = {name: tuple(getattr(adapter.experts(0), name).shape[1:]) for name in adapter.EXPERT_TENSORS}
-    for tensor in manifest.tensors:
-        if expected.get(tensor.name) != tensor.shape:
-            raise PackError(f"{manifest.directory / MANIFEST}: expert tensor {tensor.name} has shape "
-                            f"{list(tensor.shape)}, config.json gives the model {list(expected.get(tensor.name, ()))}")
-    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    try:
-        with safe_open(file, "pt") as handle:
-            for name in handle.keys():
-                stored = tuple(handle.get_slice(name).get_shape())
-                if name in shapes and stored != shapes[name]:
-                    raise PackError(f"{file}: {name} has shape {list(stored)}, config.json gives the model "
-                                    f"{list(shapes[name])}")
-    except (SafetensorError, OSError) as exc:
-        raise PackError(f"{file}: cannot be read: {exc}") from None
-
-
-def model_files(name: str) -> list[Path]:
-    """Every file of the model ``--model NAME`` names (a packed directory, or a checkpoint and its packed
-    copies in the cache): inputs of the command that runs it, which none of its outputs may overwrite
-    (outputs.check_output)."""
-    from moe_offload.models.tiny import model_directory
-
-    directory = model_directory(name)
-    if directory.is_file():  # a GGUF file (models/gguf.py)
-        return [directory]
-    if not directory.is_dir():
-        return []
-    folders = [directory]
-    if missing(directory / MANIFEST):  # a checkpoint: its packs in the cache too (packed_directory's names)
-        folders += sorted((cache_root() / "packed").glob(f"{glob.escape(directory.resolve().name)}-*"))
-    return [path for folder in folders for path in folder.rglob("*") if path.is_file()]
-
-
-def cache_root() -> Path:
-    """Where packed copies of models are kept: $MOE_OFFLOAD_CACHE, else $XDG_CACHE_HOME/moe-offload."""
-    import os
-
-    if os.environ.get("MOE_OFFLOAD_CACHE"):
-        return Path(os.environ["MOE_OFFLOAD_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe-offload"
-
-
-def packed_directory(name: str, on_expert=None, expert_dtype: str | None = None) -> Path:
-    """``--model NAME`` for the runtime: a packed directory as is; ``tiny`` or a checkpoint directory packed
-    once into the cache, in a directory named after its weights' checksum so that a retrained or replaced
-    checkpoint is packed anew instead of serving a stale pack; a hub id (models/hub.py) packed once per
-    repository and commit; a GGUF file (models/gguf.py) once per its SHA-256 or hub commit. Each ``expert_dtype``
-    (None: the checkpoint's) has its own pack."""
-    check_expert_dtype(expert_dtype)
-    from moe_offload.models.gguf import gguf_path, is_gguf, pack_key
-    from moe_offload.models.hub import hub_id, resolve
-    from moe_offload.models.tiny import model_directory
-
-    if is_gguf(name):
-        path, commit = gguf_path(name)
-        return _packed_once(path, pack_key(name, path, commit), on_expert, expert_dtype)
-
-    if hub_id(name) is not None:  # a hub snapshot: its commit pins its files, no need to hash them
-        hub = resolve(name)
-        return _packed_once(hub.directory, f"{hub.repo_id.replace('/', '--')}-{hub.commit[:12]}", on_expert,
-                            expert_dtype)
-    directory = model_directory(name)
-    if not directory.exists():
-        raise ConfigError(f"{directory}: no such model directory")
-    if not directory.is_dir():
-        raise ConfigError(f"{directory}: not a directory (give a packed model or a checkpoint directory)")
-    if not missing(directory / MANIFEST):  # a pack, even one that cannot be read: read_manifest says why
-        if expert_dtype is not None:
-            packed = read_manifest(directory, check_files=False)
-            if expert_dtype != (packed.expert_dtype or packed.dtype):
-                raise ConfigError(f"{directory}: packed with {packed.expert_dtype or packed.dtype} experts, not "
-                                  f"{expert_dtype}: pack the checkpoint with --expert-dtype {expert_dtype}")
-        return directory
-    if missing(directory / "config.json"):
-        raise ConfigError(f"{directory}: not a model: neither a packed model ({MANIFEST}) nor a checkpoint "
-                          "(config.json)")
-    weights = [check_input(file, "weight file") for file in sorted(directory.glob("*.safetensors"))]
-    if not weights:
-        raise ConfigError(f"{directory}: no weight file (*.safetensors) in the model directory")
-    digest = hashlib.sha256("".join(file_sha256(file) for file in weights).encode()).hexdigest()[:12]
-    return _packed_once(directory, f"{directory.resolve().name}-{digest}", on_expert, expert_dtype)
-
-
-def _packed_once(directory: Path, key: str, on_expert, expert_dtype: str | None) -> Path:
-    """The pack of the checkpoint ``directory`` with ``expert_dtype`` experts in the cache under ``key`` (what
-    identifies its weights), written there the first time."""
-    import sys
-    import tempfile
-
-    from moe_offload.runtime.cpu_threads import single_threaded
-
-    # the format version in the name: a pack written by another release is never served
-    target = cache_root() / "packed" / f"{key}{'-' + expert_dtype if expert_dtype else ''}-v{FORMAT_VERSION}"
-    if (target / MANIFEST).is_file():
-        return target
-    print(f"packing {directory} into {target} (once)", file=sys.stderr)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f"{target.name}-", dir=target.parent))
-    except OSError as exc:
-        raise ConfigError(f"{target.parent}: cannot create the pack cache: {exc.strerror or exc}") from None
-    try:  # pack aside, then rename: an interrupted pack never looks finished
-        with single_threaded():  # no OpenMP team left behind in the caller's thread (runtime/cpu_threads.py)
-            pack_model(directory, staging / "packed", on_expert=on_expert, expert_dtype=expert_dtype)
-        try:
-            (staging / "packed").rename(target)
-        except OSError:
-            if not (target / MANIFEST).is_file():  # not just another process that finished first
-                raise ConfigError(f"{target}: cannot install the packed model") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target

@@ -27,8 +27,11 @@ host that holds every expert), every expert is read from there, as in the simula
 from __future__ import annotations
 
 from moe_offload.errors import ConfigError
+from moe_offload.hardware import HardwareProfile, resolve_profile
+from moe_offload.policies import policy_info
 from moe_offload.policies.fetch_or_compute import FetchOrCompute, ProfileCosts
 from moe_offload.simulator.cache import PartitionedCache
+from moe_offload.simulator.transfers import home_tier
 from moe_offload.values import option_defaults
 
 
@@ -66,9 +69,6 @@ def fetch_or_compute_profile(policy: str, hardware, split: bool):
     """The hardware profile (a HardwareProfile, a preset's name or a file; None: the default preset) whose costs
     a run of ``policy`` with the fetch-or-compute rule decides with, checked: a dynamic policy, an unsplit run,
     and a profile with a host tier and the host's time per expert. A ConfigError names the problem."""
-    from moe_offload.hardware import HardwareProfile, resolve_profile
-    from moe_offload.policies import policy_info
-
     if policy_info(policy).policy.static:
         raise ConfigError(f"--fetch-or-compute decides whether a miss is loaded; policy {policy!r} is a static "
                           "placement that loads none: drop one of them")
@@ -87,8 +87,6 @@ def fetch_or_compute_profile(policy: str, hardware, split: bool):
 def fetch_or_compute_rule(profile, manifest, host_cache) -> FetchOrCompute:
     """Fiddler's rule on ``profile`` for the experts of ``manifest`` (their stored bytes, as the simulator charges
     them), the runtime's host tier ``host_cache`` standing for the profile's tier 1 (module doc)."""
-    from moe_offload.simulator.timed.tiers import home_tier
-
     m = manifest
     home = home_tier(profile, m.num_layers * m.num_experts * m.expert_bytes) or len(profile.tiers) - 1
 

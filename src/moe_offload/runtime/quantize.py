@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 
-QUANTIZED = {"int8": 127, "int4": 7}  # expert dtype -> the largest |q|
-EXPERT_DTYPES = ("float16", "bfloat16", "int8", "int4")
+from moe_offload.hardware.choices import QUANTIZED
+
 SCALE_BYTES = 2  # float16
 
 

@@ -12,7 +12,7 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from moe_offload.reporting.results import RunResult
+from moe_offload.results import RunResult
 from moe_offload.values import integer, number, text
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")

@@ -15,8 +15,8 @@ segments, one per request; a single-request pass has one:
   experts are the union of its tokens' selections: one access per expert and pass, whose ``routed`` carries
   each request's tokens, one load; each request's own counters (``request_counters``) see the accesses of its experts.
   What a hit is and what the compute is handed is the fast tier's (``fast``): a whole expert
-  (:class:`WholeExperts`), or, in a split run (MoEpic, runtime/split.py ``SplitExperts``), its top and its
-  bottom, each handed over when it is in fast memory, the expert released once both are computed;
+  (runtime/tiers.py ``WholeExperts``), or, in a split run (MoEpic, runtime/split.py ``SplitExperts``), its top
+  and its bottom, each handed over when it is in fast memory, the expert released once both are computed;
 - the **routing hooks**: a RoutingTap on every router feeds the prefetcher (the same objects as the timed
   simulator's) through a :class:`~moe_offload.runtime.live_view.LiveRoutingView` right after each layer's
   router ran, with each row's request (``RoutingView.requests``) and, when the prefetcher reads them
@@ -44,13 +44,17 @@ import time
 
 import numpy as np
 
+from moe_offload.models.experts import use_project_experts
 from moe_offload.models.host_experts import ON_HOST
+from moe_offload.models.routing_tap import RoutingTap
 from moe_offload.runtime.counters import Counters
 from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.live_view import LiveRoutingView
 from moe_offload.runtime.matcher import AsyncMatcher, runs_off_the_decode_thread
+from moe_offload.runtime.packed import register_attention, segment_rows, unsegment_rows
 from moe_offload.runtime.routing_log import RoutingLog
 from moe_offload.runtime.split import SplitExperts
+from moe_offload.runtime.tiers import WholeExperts
 
 
 class ModelRunner:
@@ -106,10 +110,6 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------ set-up
     def install(self) -> None:
-        from moe_offload.models.experts import use_project_experts
-        from moe_offload.models.routing_tap import RoutingTap
-        from moe_offload.runtime.packed import register_attention, segment_rows
-
         use_project_experts(self.adapter, self)
         register_attention(self.model)  # sdpa, and per request in a packed pass (runtime/packed.py)
         self._segmented = segment_rows(self.model, self.adapter, lambda: self.packed)
@@ -124,8 +124,6 @@ class ModelRunner:
             self._tap.__enter__()
 
     def remove(self) -> None:
-        from moe_offload.runtime.packed import unsegment_rows
-
         unsegment_rows(self._segmented)
         self.routing_log.remove()
         for handle in self._hooks:
@@ -392,38 +390,6 @@ class ModelRunner:
             self.proposals_late += late
             if late < len(proposals):
                 self.path.propose(proposals, now)
-
-
-class WholeExperts:
-    """The fast tier of whole experts (runtime/tiers.py), as the runner's expert source sees it: an expert is
-    one part, a hit when resident; a miss the policy does not admit is computed on the host. A split run's fast
-    tier is runtime/split.py's ``SplitExperts``."""
-
-    def __init__(self, path: DataPath):
-        self.path, self.tier, self.cache = path, path.tiers[0], path.tiers[0].cache
-
-    def access(self, key: int, ctx) -> tuple[bool, bool]:
-        """(hit, whether it must still move in)."""
-        hit = self.cache.touch(key, ctx)
-        return hit, not hit
-
-    def admits(self, key: int, ctx) -> bool:
-        return self.cache.admits(key, ctx)
-
-    def parts(self, key: int) -> int:
-        return 1
-
-    def has_part(self, key: int, part: int) -> bool:
-        return key in self.cache
-
-    def part_tensors(self, key: int, part: int):
-        return self.tier.tensors(key), self.tier.ready.get(key)
-
-    def computed(self, key: int) -> None:
-        self.path.pinned.discard(key)
-
-    def release(self, keys) -> None:
-        self.path.pinned.difference_update(keys)
 
 
 def _wait(event) -> None:

@@ -38,9 +38,11 @@ import time
 from moe_offload.errors import ConfigError
 from moe_offload.runtime.cpu_threads import copy_serially
 from moe_offload.runtime.split import bottom_ranges, split_memory, split_rows
+from moe_offload.runtime.storage import ExpertReadError, expert_views
 from moe_offload.runtime.tiers import SegmentPool, SlotPool, Tier
 from moe_offload.simulator.cache import ExpertCache
 from moe_offload.simulator.split import SplitConfig
+from moe_offload.values import format_bytes
 
 
 class SegmentTier:
@@ -61,8 +63,6 @@ class SegmentTier:
         self.compute_dtype, self.budget_bytes = compute_dtype, budget_bytes
         self.memory_bytes = self._memory(config, self.rows)
         if self.memory_bytes > budget_bytes:
-            from moe_offload.hardware.profile import format_bytes
-
             raise ConfigError(f"{source}: the cached tops and the buffer of {spec.top_k} experts need "
                               f"{format_bytes(self.memory_bytes)}, more than the fast budget of "
                               f"{format_bytes(budget_bytes)}")
@@ -357,8 +357,6 @@ class SegmentTier:
         or None, bytes read)."""
         import torch
         import xxhash
-
-        from moe_offload.runtime.storage import ExpertReadError, expert_views
 
         layer, expert = divmod(key, self.spec.num_experts)
         r, I, H = self.rows[layer], self.intermediate, self.hidden

@@ -92,7 +92,8 @@ def bottom_ranges(manifest, rows: int) -> tuple[list[tuple[int, int]], int]:
 class SplitExperts:
     """What the model runner (runtime/runner.py) does differently when the fast tier holds segments: an expert
     is in fast memory in parts (its top, its bottom; module doc), a hit is its top there, and MoEpic's online
-    loop may reconfigure the tier between two passes. The runner's other fast tier is ``WholeExperts``."""
+    loop may reconfigure the tier between two passes. The runner's other fast tier is runtime/tiers.py
+    ``WholeExperts``."""
 
     def __init__(self, path, prefetcher, link_budget, online=None):
         """``link_budget``: what the link into the fast tier carries per layer (prefetch/budget.py); ``online``:

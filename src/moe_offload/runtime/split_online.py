@@ -34,9 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_offload.errors import ConfigError
-from moe_offload.hardware.profile import format_bytes
+from moe_offload.hardware import HardwareProfile, resolve_profile
+from moe_offload.runtime.split import load_split_config, split_memory
 from moe_offload.simulator.split import LayerSplitPlan, SplitConfig
 from moe_offload.simulator.timed.reconfigure import OnlineConfigurator, Reconfiguration
+from moe_offload.values import format_bytes
 
 
 @dataclass
@@ -59,8 +61,6 @@ def fit_rows(config: SplitConfig, intermediate: int, expert_bytes: int, top_k: i
     smallest shares hold less than a row), then one row fewer at a time where the tops and the buffer of K experts
     (``expert_bytes`` each, in the fast tier's dtype) would exceed the budget, as rounding up can: from the layer
     whose r_i most exceeds theta_i I (ties: the most tops)."""
-    from moe_offload.runtime.split import split_memory
-
     plans = config.layers
     rows = [max(1, min(intermediate, round(p.split_ratio * intermediate))) for p in plans]
     while split_memory(config, rows, intermediate, expert_bytes, top_k) > budget_bytes and any(r > 1 for r in rows):
@@ -90,9 +90,6 @@ def split_plan(split_config, reconfiguration, hardware, manifest, spec, fast_exp
     SplitConfig) or, with ``reconfiguration`` alone, the uniform start; checked against the model (the memory is
     SegmentTier's to check). ``hardware``: a profile, its name or file, for the online loop (default: the
     timed simulator's default profile)."""
-    from moe_offload.hardware import HardwareProfile, resolve_profile
-    from moe_offload.runtime.split import load_split_config
-
     if split_config is None:
         config, source = uniform_start(budget_bytes, fast_expert_bytes, intermediate_rows(manifest), spec)
     else:

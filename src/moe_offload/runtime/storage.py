@@ -32,6 +32,7 @@ from typing import Callable
 
 from moe_offload.errors import MoeOffloadError
 from moe_offload.runtime.packing import Manifest
+from moe_offload.runtime.quantize import dequantize
 
 TRANSIENT = {errno.EINTR, errno.EAGAIN, errno.EIO, errno.EBUSY}
 
@@ -212,8 +213,6 @@ def expert_views(manifest: Manifest, region, dtype=None) -> dict:
     import torch
 
     if manifest.quantized:
-        from moe_offload.runtime.quantize import dequantize
-
         return {tensor.name: dequantize(region[tensor.offset:tensor.offset + tensor.nbytes], tensor.shape,
                                         manifest.expert_dtype, dtype or getattr(torch, manifest.dtype))
                 for tensor in manifest.tensors}

@@ -18,7 +18,8 @@ host never blocks on a copy.
 
 A tier answers the link worker that fills it (runtime/datapath.py ``LinkWorker``) through ``take``, ``write``,
 ``land`` and ``drop``: a slot for a transfer, its bytes, its arrival, its failure. A split run's fast tier
-(runtime/segment_tier.py) answers the same calls with segments: a whole expert is one segment.
+(runtime/segment_tier.py) answers the same calls with segments: a whole expert is one segment. The model runner
+(runtime/runner.py) sees a fast tier of whole experts through :class:`WholeExperts`.
 """
 
 from __future__ import annotations
@@ -221,3 +222,36 @@ class SegmentPool(SlotPool):
         """The range's slot from its offset on, as a flat tensor (the segment is its first elements)."""
         slot, offset = taken
         return self.memory[slot][offset:]
+
+
+class WholeExperts:
+    """The fast tier of whole experts (a :class:`Tier`), as the runner's expert source (runtime/runner.py) sees
+    it: an expert is one part, a hit when resident; a miss the policy does not admit is computed on the host. A
+    split run's fast tier is runtime/split.py's ``SplitExperts``."""
+
+    def __init__(self, path):
+        """``path``: the runtime/datapath.py DataPath whose fast tier (``tiers[0]``) this is."""
+        self.path, self.tier, self.cache = path, path.tiers[0], path.tiers[0].cache
+
+    def access(self, key: int, ctx) -> tuple[bool, bool]:
+        """(hit, whether it must still move in)."""
+        hit = self.cache.touch(key, ctx)
+        return hit, not hit
+
+    def admits(self, key: int, ctx) -> bool:
+        return self.cache.admits(key, ctx)
+
+    def parts(self, key: int) -> int:
+        return 1
+
+    def has_part(self, key: int, part: int) -> bool:
+        return key in self.cache
+
+    def part_tensors(self, key: int, part: int):
+        return self.tier.tensors(key), self.tier.ready.get(key)
+
+    def computed(self, key: int) -> None:
+        self.path.pinned.discard(key)
+
+    def release(self, keys) -> None:
+        self.path.pinned.difference_update(keys)

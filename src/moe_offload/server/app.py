@@ -44,6 +44,7 @@ from starlette.requests import ClientDisconnect
 
 from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload.inputs import parse_json
+from moe_offload.models.hub import hub_id
 from moe_offload.runtime.requests import Completion, SamplingParams, TextDelta
 from moe_offload.server.metrics import ServerMetrics
 from moe_offload.server.protocol import (CHAT_MAX_TOKENS, COMPLETION_MAX_TOKENS, MAX_CHOICES, APIError, ChatRequest,
@@ -61,8 +62,6 @@ LOG = logging.getLogger("moe_offload.server")
 def model_name(model: str) -> str:
     """The id /v1/models lists for ``--model tiny|DIR|ORG/NAME[@REVISION]``: a hub id as given, as vLLM serves
     its ``--model``; a directory by its name."""
-    from moe_offload.models.hub import hub_id
-
     return model if model == "tiny" or hub_id(model) is not None else Path(model).name
 
 

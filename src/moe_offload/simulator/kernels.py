@@ -8,7 +8,8 @@ written in the subset of Python that Numba compiles (NumPy arrays indexed by fla
 they also run as plain Python, slowly: that is how the tests check them where Numba is missing. The data
 structures several kernels share sit beside their Python twins: the keyed heap in policies/_ranked.py, the
 linked lists in policies/_linked.py, the Mersenne Twister in policies/_seeded.py. This module is the only one
-that imports Numba, and only when a kernel is first asked for: the package imports and replays without it.
+that compiles the policies' kernels, with the helpers of compiled.py (the only module that imports Numba), and
+only when a kernel is first asked for: the package imports and replays without Numba.
 
 The contract. ``replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
 layer_hits)`` serves, in order, the requests at the positions ``clocks`` of a flattened sequence (its arrays
@@ -38,19 +39,11 @@ import functools
 import hashlib
 import types
 
+from moe_offload.compiled import INSTALL_HINT, njit_cached, numba_available  # noqa: F401  (kernels.INSTALL_HINT)
+
 SIGNATURE = ("void(int64[::1], int64[::1], int64[::1], int64[::1], int64, int64, int64, float64[::1], int64[::1], "
              "int64[::1])")
 HELPER_OPTIONS = {"inline": "always"}  # no call, hence no reference counting of array arguments, per helper use
-INSTALL_HINT = "install Numba for the compiled replay: pip install 'moe-offload[fast]'"
-
-
-@functools.cache
-def numba_available() -> bool:
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @functools.cache
@@ -60,24 +53,12 @@ def compiled_kernel(policy_class):
     function = policy_class.replay_kernel  # a static method: the plain function
     if function is None or not numba_available():
         return None
-    import numba
+    import numba  # an optional dependency (compiled.py)
 
     helpers: dict = {}
     linked = _link(function, numba, helpers)
     linked.__qualname__ = f"{function.__qualname__}_{_digest(function, helpers)}"
     return njit_cached(linked, SIGNATURE)
-
-
-def njit_cached(function, signature):
-    """``function`` compiled for ``signature`` by Numba, kept in Numba's on-disk cache where it can be."""
-    import numba
-
-    try:
-        return numba.njit(signature, cache=True)(function)
-    except RuntimeError as exc:  # no folder to cache in (read-only install, no writable home)
-        if "cannot cache" not in str(exc):
-            raise
-        return numba.njit(signature)(function)
 
 
 def _link(function, numba, helpers: dict):

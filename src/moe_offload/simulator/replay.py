@@ -21,7 +21,7 @@ import numpy as np
 
 from moe_offload.errors import ConfigError
 from moe_offload.policies import AccessContext, ModelSpec, make_policy, policy_factory, policy_info
-from moe_offload.reporting.results import RunResult
+from moe_offload.results import RunResult
 from moe_offload.simulator import kernels
 from moe_offload.simulator.cache import BYPASSED, HIT, LOADED, ExpertCache, PartitionedCache
 from moe_offload.trace.flatten import AccessSequence, flatten, last_row_of_each_request

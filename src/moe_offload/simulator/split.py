@@ -45,10 +45,9 @@ from dataclasses import dataclass
 
 from moe_offload.errors import ConfigError
 from moe_offload.inputs import parse_json, read_text
-from moe_offload.hardware.profile import format_bytes
 from moe_offload.policies.base import AccessContext
 from moe_offload.simulator.cache import ExpertCache, predicted_no_later_than
-from moe_offload.values import integer, number
+from moe_offload.values import format_bytes, integer, number
 
 
 @dataclass(frozen=True)

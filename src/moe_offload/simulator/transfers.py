@@ -29,7 +29,14 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from moe_offload.hardware.profile import Link
+from moe_offload.hardware.profile import HardwareProfile, Link
+
+
+def home_tier(hardware: HardwareProfile, expert_bytes_in_all: int) -> int | None:
+    """The index of the fastest tier after the GPU that holds every expert, or None: where every expert's route
+    to the GPU starts (the timed simulator's tiers and the runtime's fetch-or-compute rule read it here)."""
+    return next((i for i, tier in enumerate(hardware.tiers) if i > 0 and tier.capacity_bytes >= expert_bytes_in_all),
+                None)
 
 
 @dataclass

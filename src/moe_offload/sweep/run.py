@@ -24,7 +24,7 @@ from typing import Callable
 
 from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload.hardware.profile import HardwareProfile
-from moe_offload.reporting.results import RunResult
+from moe_offload.results import RunResult
 from moe_offload.simulator.replay import ReplayInput, replay, replay_kernel
 from moe_offload.simulator.timed import ALL_RESIDENT, Arrivals, simulate_timed
 from moe_offload.sweep.spec import Cell, Sweep

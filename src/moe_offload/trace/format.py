@@ -44,6 +44,8 @@ from moe_offload.errors import TraceError
 from moe_offload.inputs import check_input, parse_json
 from moe_offload.outputs import atomic_output
 from moe_offload.trace import integrity
+from moe_offload.trace.phases import DECODE, PHASES, PREFILL  # noqa: F401  (part of the format's vocabulary)
+from moe_offload.trace.validate import validate_trace
 
 FORMAT_VERSION = 2
 # What the ``embedding`` column holds (TraceMeta.embedding_kind): each row's own token's input embedding
@@ -65,8 +67,6 @@ METADATA_KEY = b"moe_offload.trace"
 MAX_EXPERT_SLOTS = 2**24
 MAX_EXPERT_BYTES = 2**36
 MAX_HIDDEN_SIZE = 2**20
-PHASES = ("prefill", "decode")
-PREFILL, DECODE = 0, 1
 
 
 def expert_dtype(num_experts: int) -> np.dtype:
@@ -243,8 +243,6 @@ class Trace:
     def validate(self) -> None:
         """Raise TraceError naming the first offending row, or return when the trace is consistent
         (trace/validate.py)."""
-        from moe_offload.trace.validate import validate_trace
-
         validate_trace(self)
 
 

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from moe_offload.errors import TraceError
-from moe_offload.trace.format import DECODE
+from moe_offload.trace.phases import DECODE
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the annotation only: format.py imports this module to check every trace it builds
     from moe_offload.trace.format import Trace
 
 

@@ -9,7 +9,6 @@ rows with the trained policy beside LRU and Belady (``evaluate_policies``).
 
 from __future__ import annotations
 
-import hashlib
 import math
 import platform
 import time
@@ -19,7 +18,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from moe_offload import __version__
+from moe_offload.simulator.replay import ReplayInput, replay
+from moe_offload.version import __version__
+from moe_offload import inputs
 from moe_offload.errors import ConfigError
 from moe_offload.models import require_model_stack
 from moe_offload.policies import policy_info
@@ -47,12 +48,9 @@ class TrainingResult:
 
 
 def file_sha256(path) -> str | None:
+    """The SHA-256 of a training trace, None where it cannot be read (the model records it when it can)."""
     try:
-        digest = hashlib.sha256()
-        with open(path, "rb") as source:
-            for block in iter(lambda: source.read(1 << 20), b""):
-                digest.update(block)
-        return digest.hexdigest()
+        return inputs.file_sha256(path)
     except OSError:
         return None
 
@@ -208,8 +206,6 @@ def train_learned_eviction(sources: Sequence[TrainingSource], *, target: str = "
 def evaluate_policies(trace: Trace, cache_sizes: Sequence[int], model: LearnedModel,
                       policies: Sequence[str] = ("learned", "lru", "belady")) -> dict[int, dict[str, int]]:
     """Misses of each policy at each cache size on ``trace`` (the held-out rows), learned with ``model``."""
-    from moe_offload.simulator.replay import ReplayInput, replay
-
     data = ReplayInput.of(trace)
     out: dict[int, dict[str, int]] = {}
     for size in cache_sizes:

@@ -39,7 +39,8 @@ from typing import Callable
 
 import numpy as np
 
-from moe_offload import __version__
+from moe_offload.outputs import atomic_directory, check_output
+from moe_offload.version import __version__
 from moe_offload.errors import ConfigError
 from moe_offload.text.sources import (Document, is_held_out, sharegpt_documents, sharegpt_recovery,
                                       stdlib_documents)
@@ -256,8 +257,6 @@ def train_tiny(out_dir: Path, recipe: TinyRecipe = TinyRecipe(),
     written atomically: a failed or interrupted run leaves no partial model); the training report."""
     import torch
     from transformers import MixtralForCausalLM
-
-    from moe_offload.outputs import atomic_directory, check_output
 
     # checked before the 40 minutes of work: a new or empty directory in a writable folder
     out_dir = check_output(out_dir, directory=True, what="trained model")

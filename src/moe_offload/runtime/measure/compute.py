@@ -27,7 +27,7 @@ def measure_expert_compute(experts_module, tensors: dict, device, dtype, repeats
     import torch
 
     from moe_offload.models.host_experts import HostInputs, host_expert_output
-    from moe_offload.runtime.int4_kernel import linear
+    from moe_offload.models.experts import linear
 
     if weights is None:
         # the host tier keeps the stored dtype (converted at every call); a resident expert is compute-ready

@@ -70,7 +70,7 @@ def _data_path(manifest: Manifest, bypass_page_cache: bool, device, dtype, reade
                pinned_host: bool = False):
     """``move(layer, expert, slot)``: one expert through the runtime's data path (ExpertMover) into a slot of a
     two-slot tier on ``device`` in ``dtype``."""
-    from moe_offload.runtime.datapath import ExpertMover
+    from moe_offload.runtime.mover import ExpertMover
     from moe_offload.runtime.storage import ExpertStore
     from moe_offload.runtime.tiers import SlotPool, Tier
 

@@ -1,5 +1,6 @@
 """What a layer needs in one forward pass: the experts its tokens selected, in the timed access order, and
-the tokens routed to each (by request).
+the tokens routed to each (by request); and, for the offline policies, each key's next access in that order
+over the whole run (:class:`NextUses`).
 
 The timed access order (the ``clock`` of AccessContext in run.py) is iteration by iteration, layer by layer,
 the layer's needed experts in order of first appearance over the iteration's tokens (row order, then router
@@ -11,7 +12,13 @@ the replay's (trace/flatten.py: token, rank, layer) and every policy makes exact
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
+
+from moe_offload.simulator.timed.schedule import trace_iterations
+from moe_offload.trace.flatten import NEVER, next_use_times
+from moe_offload.trace.format import Trace
 
 
 def layer_needs(experts: np.ndarray, rows: np.ndarray, layer: int, num_experts: int) -> tuple[list[int], list[int]]:
@@ -51,3 +58,25 @@ def routed_by_request(experts: np.ndarray, requests: np.ndarray, rows: np.ndarra
     for key, request, count in zip(pairs[0].tolist(), pairs[1].tolist(), counts.tolist()):
         routed.setdefault(key, {})[request] = count
     return routed
+
+
+class NextUses:
+    """The timed access order of a whole run (fixed with the trace's order: offline policies are refused when
+    arrivals make it depend on the timing) and, for the offline policies, each key's next access in it:
+    ``at[clock]`` for the access at ``clock``, ``after(key, clock)`` for a key that is not being accessed."""
+
+    def __init__(self, trace: Trace, num_layers: int, num_experts: int):
+        keys = []
+        for rows in trace_iterations(trace):
+            for layer in range(num_layers):
+                keys += layer_needs(trace.experts, rows, layer, num_experts)[0]
+        keys = np.asarray(keys, dtype=np.int64)
+        self.at = next_use_times(keys).tolist()
+        order = np.argsort(keys, kind="stable")
+        cuts = np.flatnonzero(np.diff(keys[order])) + 1
+        self.positions = {int(keys[group[0]]): group.tolist() for group in np.split(order, cuts)}
+
+    def after(self, key: int, clock: int) -> int:
+        positions = self.positions.get(key, ())
+        i = bisect.bisect_right(positions, clock)
+        return positions[i] if i < len(positions) else NEVER

@@ -45,19 +45,8 @@ The policy's own time: each eviction is a decision that costs the time decisions
 policy has a FLOPs rule or the profile a measured cost), and a load's bytes wait for the decisions that made
 its room.
 
-Host compute. A miss the GPU's cache does not admit (simulator/cache.py: Admission; a static placement, or
-``fetch_or_compute``: Fiddler's rule, policies/fetch_or_compute.py) is bypassed: nothing is loaded, and the
-host CPU computes the expert from its copy in host memory (read there first from a slower home, an SSD, at
-that link's speed, and kept in the host tier when that is a cache: tiers.py ``keep_in_host``),
-``hardware.host.expert_seconds(tokens routed to it)``, as ktransformers and HybriMoE schedule it. When the
-layer is routed the host starts: the hidden states of the iteration's tokens cross the host link, the layer's
-bypassed experts run one after another, the results cross back. Meanwhile the GPU computes the resident and
-loaded experts; the layer is done when both are (the GPU's wait for the host counts as stall). On a machine
-without a GPU (``[host] on_compute_device``) the host *is* the compute device: no hidden states cross a link,
-and its experts run on the compute stream after the layer's resident ones (or while none is resident and a
-load is awaited), as the runtime orders them there. A prefill
-routes many tokens to an expert, so its host compute is many tokens of the CPU's FLOPs: TTFT grows with the
-prompt.
+Host compute (host.py): a miss the GPU's cache does not admit is computed on the host CPU from its copy
+there, beside the GPU's experts or, on a machine without a GPU, on the compute stream after them.
 
 Split experts (``split``, MoEpic, paper 004). The GPU is then not one cache of whole experts but, per layer,
 a cache of top segments and a buffer for the missing segments (simulator/split.py): a transfer into the
@@ -70,7 +59,6 @@ split configuration changes every tau tokens, between two passes, as MoEpic's on
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import math
@@ -79,17 +67,18 @@ import numpy as np
 
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies import AccessContext, ModelSpec, policy_factory, policy_info
-from moe_offload.policies.fetch_or_compute import FetchOrCompute, ProfileCosts
+from moe_offload.policies.fetch_or_compute import FetchOrCompute
 from moe_offload.prefetch import Prefetcher, RoutingView, search_latency
 from moe_offload.prefetch.budget import budget_from_hardware
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
 from moe_offload.simulator.split import SplitConfig, SplitExperts
 from moe_offload.simulator.timed.decisions import tier_decisions
+from moe_offload.simulator.timed.host import HostWork
 from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
-from moe_offload.simulator.timed.schedule import Arrivals, make_schedule, trace_iterations
-from moe_offload.simulator.timed.needs import layer_needs, layer_needs_with_rounds, routed_by_request
-from moe_offload.simulator.timed.tiers import TierNetwork, home_tier
-from moe_offload.trace.flatten import NEVER, next_use_times
+from moe_offload.simulator.timed.schedule import Arrivals, make_schedule
+from moe_offload.simulator.timed.needs import NextUses, layer_needs_with_rounds, routed_by_request
+from moe_offload.simulator.timed.tiers import TierNetwork
+from moe_offload.simulator.transfers import home_tier
 from moe_offload.trace.format import PREFILL, Trace
 
 
@@ -106,8 +95,8 @@ class TimedRun:
         self.L, self.J, self.E = spec.num_layers, spec.num_experts, expert_bytes
         self.prefetcher = prefetcher
         self.compute = hardware.compute
-        # what the host's work costs, and Fiddler's fetch(k, n) and compute(k, n) (the runtime's too)
-        self.costs = ProfileCosts(hardware, expert_bytes, meta.hidden_size, self._where) if hardware.host else None
+        self.events: list = []         # (lane, kind, start, end, layer, key)
+        self.host = HostWork(hardware, expert_bytes, meta.hidden_size, self.events)  # bypassed experts (host.py)
         info = policy_info(policy)
         self.offline = info.offline and not all_resident
         make = policy_factory(policy, spec, seed=seed, options=policy_options)  # every tier's policy
@@ -132,13 +121,12 @@ class TimedRun:
         elif split is not None:
             self.fast = self.split = SplitExperts(split, self.J, spec.top_k, expert_bytes, make)
         else:
-            rule = FetchOrCompute.on_profile(self.costs) if fetch_or_compute else None
+            rule = FetchOrCompute.on_profile(self.host.costs) if fetch_or_compute else None
             self.fast = cache(cache_bytes, rule)
             self.fast.preload(trace, ctx, expert_bytes)  # a static placement's experts, before the first pass
         # The home tier holds every expert from the start; the tiers between it and the GPU are caches.
         # every expert in the GPU (all-resident, no home found): no other tier and no link is used
         home = home_tier(hardware, total) or 0
-        self.events: list = []         # (lane, kind, start, end, layer, key)
         middle = [cache(tier.capacity_bytes, middle=True) for tier in hardware.tiers[1:home]]
         self.decisions = tier_decisions(hardware, spec, policy, make, info.policy.static,
                                         [cache_bytes] + [tier.capacity_bytes for tier in hardware.tiers[1:home]],
@@ -146,6 +134,7 @@ class TimedRun:
         self.net = TierNetwork(hardware, [self.fast] + middle,
                                home, expert_bytes, self.L, self.J, ctx, self.pinned, self.events, self.split,
                                self._next_use_after if self.offline else None, self.decisions)
+        self.host.net = self.net
         self.reconfiguration = reconfiguration
         self.reconfigurations: list[dict] = []  # what each online reconfiguration chose, and its cost
         self.deliveries: list = []     # (time, order, iteration, proposals) of the asynchronous matcher
@@ -157,16 +146,19 @@ class TimedRun:
         self.passed_last_router = False  # the current pass has routed its last layer
         # counters
         self.accesses = self.hits = self.on_demand = self.used = self.bypassed = 0
-        self.host_seconds = 0.0
-        self.bypassed_now: dict[int, int] = {}  # the current layer's bypassed experts -> tokens routed to each
         self.per_layer_bypassed = [0] * self.L
         self.per_layer_accesses = [0] * self.L
         self.per_layer_hits = [0] * self.L
         self.per_layer_stall = [0.0] * self.L
         self.search_seconds = 0.0
         self.schedule = make_schedule(trace, arrivals)
-        if self.offline:
-            self._plan_next_uses()
+        # offline policies: each key's next access in the timed access order (needs.py)
+        self.next_uses = NextUses(trace, self.L, self.J) if self.offline else None
+
+    @property
+    def host_seconds(self) -> float:
+        """The host CPU's time on bypassed experts in this run."""
+        return self.host.seconds
 
     # The tier network keeps the time and the routed layer: its transfers start and land by them.
     @property
@@ -185,24 +177,8 @@ class TimedRun:
     def layer_now(self, value: int) -> None:
         self.net.layer_now = value
 
-    # ------------------------------------------------------------------------------------------ the future
-
-    def _plan_next_uses(self) -> None:
-        """The timed access order of the whole run (fixed with the trace's order) and each key's positions."""
-        keys = []
-        for rows in trace_iterations(self.trace):
-            for layer in range(self.L):
-                keys += layer_needs(self.trace.experts, rows, layer, self.J)[0]
-        keys = np.asarray(keys, dtype=np.int64)
-        self.next_use_at = next_use_times(keys).tolist()
-        order = np.argsort(keys, kind="stable")
-        cuts = np.flatnonzero(np.diff(keys[order])) + 1
-        self.positions = {int(keys[group[0]]): group.tolist() for group in np.split(order, cuts)}
-
     def _next_use_after(self, key: int) -> int:
-        positions = self.positions.get(key, ())
-        i = bisect.bisect_right(positions, self.clock)
-        return positions[i] if i < len(positions) else NEVER
+        return self.next_uses.after(key, self.clock)
 
     # ------------------------------------------------------------------------------------------ events
 
@@ -287,7 +263,7 @@ class TimedRun:
             ctx.clock = self.clock
             ctx.round = self.rounds + round_in_pass
             if self.offline:
-                ctx.next_use = self.next_use_at[self.clock]
+                ctx.next_use = self.next_uses.at[self.clock]
             ctx.routed = routed[key]
             hit = fast.touch(key, ctx)
             prefetched = key in net.pending_use
@@ -305,7 +281,7 @@ class TimedRun:
             if load is None and self.split is None and not fast.admits(key, ctx):
                 self.bypassed += 1
                 self.per_layer_bypassed[layer] += 1
-                self.bypassed_now[key] = sum(ctx.routed.values())
+                self.host.bypassed[key] = sum(ctx.routed.values())
                 self.pinned.discard(key)
                 continue
             if load is not None and not load.demand and net.on_last_wire(key):
@@ -326,43 +302,15 @@ class TimedRun:
             return key in self.fast
         return self.split.has_top(key)
 
-    # ------------------------------------------------------------------------------------------ the host
-
-    def _where(self, key: int) -> int:
-        """The fastest tier after the GPU that holds ``key``: a middle cache's copy, else the home."""
-        return next((i for i in range(1, self.net.home) if key in self.net.caches[i]), self.net.home)
-
-    def _start_host(self, layer: int, tokens: int) -> float:
-        """Start the host's work on the layer's bypassed experts now: the hidden states of the iteration's
-        ``tokens`` go over once, the experts run one after another on the CPU, the results come back once.
-        Returns when it is done."""
-        start = self.now
-        costs = self.costs
-        t = start + costs.activation_seconds(tokens)
-        for key, routed in self.bypassed_now.items():
-            seconds = costs.host_expert_seconds(key, routed)
-            self.net.keep_in_host(key)
-            self.events.append(("host", "expert", t, t + seconds, layer, key))
-            self.host_seconds += seconds
-            t += seconds
-        self.bypassed_now = {}
-        return t + costs.activation_seconds(tokens)
-
-    def _host_expert_on_compute_stream(self, layer: int, key: int, routed: int) -> None:
-        """A bypassed expert computed by the compute device itself (``[host] on_compute_device``)."""
-        seconds = self.costs.host_expert_seconds(key, routed)
-        self.net.keep_in_host(key)
-        self.host_seconds += seconds
-        self._compute(seconds, "host", layer, key)
-
     def _run_experts(self, layer: int, keys: list[int], counts: list[int], tokens: int) -> None:
-        bypassed = self.bypassed_now  # they run on the host
+        host = self.host
+        bypassed = host.bypassed  # they run on the host
         # A host that is the compute device runs them on the compute stream: after the resident experts, or
         # while none is resident and a load is awaited (the runtime's order), not beside them.
         on_stream = list(bypassed.items()) if bypassed and self.hardware.host.on_compute_device else []
         if on_stream:
-            self.bypassed_now = {}
-        host_done = self._start_host(layer, tokens) if bypassed and not on_stream else self.now
+            host.bypassed = {}
+        host_done = host.run_beside(layer, tokens, self.now) if bypassed and not on_stream else self.now
         remaining = [[key, count, False] for key, count in zip(keys, counts)  # [key, tokens, top share run]
                      if key not in bypassed]
         expert_seconds, E, split = self.compute.expert_seconds, self.E, self.split
@@ -371,7 +319,8 @@ class TimedRun:
             ready = next((i for i, (key, _, top_done) in enumerate(remaining) if self._part_ready(key, top_done)),
                          None)
             if ready is None and on_stream:
-                self._host_expert_on_compute_stream(layer, *on_stream.pop(0))
+                key, routed = on_stream.pop(0)
+                self._compute(host.on_stream_seconds(key, routed), "host", layer, key)
                 continue
             if ready is None:
                 start = self.now
@@ -396,7 +345,7 @@ class TimedRun:
                 split.consume(key)
             self.net.kick()
         for key, routed in on_stream:
-            self._host_expert_on_compute_stream(layer, key, routed)
+            self._compute(host.on_stream_seconds(key, routed), "host", layer, key)
         if host_done > self.now:  # the layer is done when the host's share is
             start = self.now
             self._advance_to(host_done)

@@ -5,20 +5,20 @@ from __future__ import annotations
 import numpy as np
 
 from moe_offload.errors import ConfigError
-from moe_offload.hardware.profile import HardwareProfile, format_bytes
+from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies import ModelSpec, policy_info
 from moe_offload.prefetch import Prefetcher, check_trace_columns, make_prefetcher, prefetcher_info, search_latency
 from moe_offload.prefetch.budget import budget_from_hardware
-from moe_offload.reporting.results import RunResult
+from moe_offload.results import RunResult
 from moe_offload.simulator.replay import check_cache_size
 from moe_offload.simulator.split import SplitConfig
 from moe_offload.simulator.timed.reconfigure import OnlineConfigurator, Reconfiguration
 from moe_offload.simulator.timed.run import TimedRun
 from moe_offload.simulator.timed.schedule import Arrivals
-from moe_offload.simulator.timed.tiers import home_tier
 from moe_offload.simulator.timed.timeline import iteration_timeline
+from moe_offload.simulator.transfers import home_tier
 from moe_offload.trace.format import Trace
-from moe_offload.values import worker_count
+from moe_offload.values import format_bytes, worker_count
 
 ALL_RESIDENT = "all-resident"
 ORACLE = "oracle"
@@ -72,7 +72,7 @@ def check_timed_run(trace: Trace, hardware: HardwareProfile, policy: str, cache_
     total = meta.num_expert_slots * expert_bytes
     gpu = hardware.tiers[0]
     if reconfiguration is not None:
-        from moe_offload.configurator import require_gate_prediction, timings_from_profile
+        from moe_offload.simulator.configurator import require_gate_prediction, timings_from_profile
 
         reconfiguration.check()
         require_gate_prediction(trace)

@@ -34,12 +34,6 @@ from moe_offload.simulator.timed.decisions import PolicyDecisions
 from moe_offload.simulator.transfers import TransferQueue
 
 
-def home_tier(hardware: HardwareProfile, expert_bytes_in_all: int) -> int | None:
-    """The index of the fastest tier after the GPU that holds every expert, or None."""
-    return next((i for i, tier in enumerate(hardware.tiers) if i > 0 and tier.capacity_bytes >= expert_bytes_in_all),
-                None)
-
-
 class _Load:
     """One expert's way to the GPU: the tier it is at (``at``, the source of its next hop), whether a demand
     is waiting for it, its prefetch priority, and ``stale`` once its layer was routed while it was on an

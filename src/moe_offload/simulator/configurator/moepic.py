@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from moe_offload.configurator.statistics import MoepicStatistics
+from moe_offload.simulator.configurator.statistics import MoepicStatistics
 from moe_offload.errors import ConfigError
 
 

@@ -1,0 +1,35 @@
+"""Numba, when it is installed: whether it is, and a function compiled with Numba's on-disk cache.
+
+This module is the only one that imports Numba, and only inside its functions, when a compiled function is
+first asked for: the package imports and runs without it (``pip install 'moe-offload[fast]'`` adds it). It
+sits at the bottom of the package, beside ``values`` and ``inputs``, because the layers that compile code
+(the prefetchers' searches, the replay's policy kernels in simulator/kernels.py, the report's working-set
+scan) sit at different heights and all use it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+INSTALL_HINT = "install Numba for the compiled replay: pip install 'moe-offload[fast]'"
+
+
+@functools.cache
+def numba_available() -> bool:
+    try:
+        import numba  # noqa: F401  (an optional dependency: imported only to ask whether it is there)
+    except ImportError:
+        return False
+    return True
+
+
+def njit_cached(function, signature):
+    """``function`` compiled for ``signature`` by Numba, kept in Numba's on-disk cache where it can be."""
+    import numba  # an optional dependency (module docstring)
+
+    try:
+        return numba.njit(signature, cache=True)(function)
+    except RuntimeError as exc:  # no folder to cache in (read-only install, no writable home)
+        if "cannot cache" not in str(exc):
+            raise
+        return numba.njit(signature)(function)
