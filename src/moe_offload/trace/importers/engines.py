@@ -6,7 +6,7 @@
     shape ``[prompt + completion - 1 - S, layers, top_k]``, S the request's ``routed_experts_prompt_start``
     (``vllm/entrypoints/openai/completion/protocol.py``); v0.21 returned nested int16 lists, the prompt's
     rows as ``prompt_routed_experts`` on the response and each choice's generated rows in its
-    ``routed_experts`` (``docs/training/routed_experts_replay.md``). Both are read, and any encoding
+    ``routed_experts`` (vLLM's routed-experts replay guide, under docs/training in its repository). Both are read, and any encoding
     of :mod:`.responses` in either field. Offline outputs saved with NumPy are ``.npz`` files, one request
     each: ``routed_experts`` with either ``prompt_routed_experts`` or ``num_prompt_tokens`` (where the
     prompt's rows end), and optionally ``num_cached_tokens`` (``RequestOutput.num_cached_tokens``).
