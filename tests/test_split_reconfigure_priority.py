@@ -10,7 +10,8 @@ from moe_offload.hardware import resolve_profile
 from moe_offload.policies import AccessContext
 from moe_offload.policies.lru import LRU
 from moe_offload.simulator.split import LayerSplitPlan, SplitConfig, SplitExperts
-from moe_offload.simulator.timed.reconfigure import OnlineConfigurator, Reconfiguration
+from moe_offload.plan import Reconfiguration
+from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.trace.format import Trace, TraceMeta
 
 LAYERS, EXPERTS, TOP_K = 3, 6, 2  # the runtime tests' tiny Mixtral (tests/model_configs.py)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from moe_offload import values
 from moe_offload.errors import ConfigError
+from moe_offload.plan.choices import COMPUTE_DTYPES
 from moe_offload.policies import policy_info
 from moe_offload.prefetch import make_prefetcher, prefetcher_info
 from moe_offload.runtime.tiers import SlotPool, Tier
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
 
-COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def compute_dtype(name: str | None, device, stored):

@@ -34,10 +34,9 @@ import math
 from abc import ABC, abstractmethod
 
 from moe_offload.errors import ConfigError
+from moe_offload.plan.choices import EXPERT_COMPUTE as CHOICES, EXPERT_FORMS as FORMS
 from moe_offload.runtime.cpu_threads import single_threaded
 
-FORMS = ("per-use", "on-arrival", "kernel")
-CHOICES = ("auto",) + FORMS
 
 
 class ExpertForm(ABC):

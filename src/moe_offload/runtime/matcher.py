@@ -35,7 +35,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-MATCHERS = ("async", "inline", "lockstep")
+from moe_offload.plan.choices import MATCHERS
+
 
 
 def runs_off_the_decode_thread(prefetcher) -> bool:

@@ -165,7 +165,7 @@ def pack_model(model_dir, out_dir, on_expert=None, expert_dtype: str | None = No
 
 
 def check_expert_dtype(expert_dtype: str | None) -> None:
-    from moe_offload.runtime.quantize import EXPERT_DTYPES
+    from moe_offload.plan.choices import EXPERT_DTYPES
 
     if expert_dtype is not None and expert_dtype not in EXPERT_DTYPES:
         raise ConfigError(f"--expert-dtype {expert_dtype!r}: choose from {', '.join(EXPERT_DTYPES)}")

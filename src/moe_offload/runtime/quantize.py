@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import math
 
+from moe_offload.plan.choices import EXPERT_DTYPES  # noqa: F401 (hardware/profile.py reads it here)
+
 QUANTIZED = {"int8": 127, "int4": 7}  # expert dtype -> the largest |q|
-EXPERT_DTYPES = ("float16", "bfloat16", "int8", "int4")
 SCALE_BYTES = 2  # float16
 
 

@@ -36,7 +36,8 @@ import numpy as np
 from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import format_bytes
 from moe_offload.simulator.split import LayerSplitPlan, SplitConfig
-from moe_offload.simulator.timed.reconfigure import OnlineConfigurator, Reconfiguration
+from moe_offload.plan import Reconfiguration
+from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 
 
 @dataclass

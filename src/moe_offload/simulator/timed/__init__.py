@@ -13,7 +13,7 @@ Discrete events over virtual time, no threads. One file per role:
     reconfigure.py MoEpic's online configurator: the split configuration rerun every tau tokens
 """
 
-from moe_offload.simulator.timed.reconfigure import PAPER_TAU, Reconfiguration
+from moe_offload.plan import PAPER_TAU, Reconfiguration
 from moe_offload.simulator.timed.needs import layer_needs, routed_by_request
 from moe_offload.simulator.timed.schedule import Arrivals, request_steps, trace_iterations
 from moe_offload.simulator.timed.simulate import (ALL_RESIDENT, ORACLE, check_timed_run, latency_summary,

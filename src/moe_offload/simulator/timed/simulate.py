@@ -12,7 +12,8 @@ from moe_offload.prefetch.budget import budget_from_hardware
 from moe_offload.reporting.results import RunResult
 from moe_offload.simulator.replay import check_cache_size
 from moe_offload.simulator.split import SplitConfig
-from moe_offload.simulator.timed.reconfigure import OnlineConfigurator, Reconfiguration
+from moe_offload.plan import Reconfiguration
+from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.simulator.timed.run import TimedRun
 from moe_offload.simulator.timed.schedule import Arrivals
 from moe_offload.simulator.timed.tiers import home_tier
