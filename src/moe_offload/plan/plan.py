@@ -113,13 +113,14 @@ class Plan:
         return self.split_config is not None or self.reconfiguration is not None
 
     # ------------------------------------------------------------------------------------------- budgets
-    def fast_budget_bytes(self, expert_bytes: int, experts: int) -> int:
-        """The fast budget in bytes for ``experts`` experts of ``expert_bytes`` each (the fast tier's own copies)."""
-        return values.budget_bytes(self.fast_budget, experts * expert_bytes, "--fast-budget")
+    def fast_budget_bytes(self, total_bytes: int) -> int:
+        """The fast budget in bytes, a share being of ``total_bytes`` (all experts as the fast tier holds them).
+        The budgets are read here and nowhere else (values.budget_bytes)."""
+        return values.budget_bytes(self.fast_budget, total_bytes, "--fast-budget")
 
     def fast_experts(self, expert_bytes: int, experts: int) -> int:
         """The whole experts of ``expert_bytes`` the fast budget holds, at most all ``experts``."""
-        return min(self.fast_budget_bytes(expert_bytes, experts) // expert_bytes, experts)
+        return min(self.fast_budget_bytes(experts * expert_bytes) // expert_bytes, experts)
 
     def host_experts(self, expert_bytes: int, experts: int) -> int:
         """The whole experts (as stored, ``expert_bytes`` each) the host budget holds; 0 without a host tier."""
