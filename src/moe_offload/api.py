@@ -17,19 +17,12 @@ def load(model: str = "tiny", *, store=None, **options):
     packed once into the cache, or a packed directory; a hub id ORG/NAME[@REVISION]; a GGUF file), made from the
     Plan of ``options`` (:func:`moe_offload.plan.make_plan`'s keywords: fast_budget, host_budget, policy,
     policy_options, prefetch, prefetch_options, prefetch_history, expert_dtype, dtype, expert_compute, device,
-    hardware, fetch_or_compute, split_config, reconfiguration, max_batch, batch_math, ...). The bundled tiny
-    model brings the history its learning prefetchers fit. ``store``: the slow tier's reader, when not the
-    plan's own (runtime/storage.py)."""
+    hardware, fetch_or_compute, split_config, reconfiguration, max_batch, batch_math, ...). ``store``: the slow
+    tier's reader, when not the plan's own (runtime/storage.py)."""
     from moe_offload.models import require_model_stack
 
     require_model_stack("the runtime")
-    from moe_offload.bundled import TINY_HISTORY_TRACE
     from moe_offload.plan import make_plan
-    from moe_offload.prefetch import Prefetcher, prefetcher_info
     from moe_offload.runtime.engine import OffloadEngine
 
-    prefetch = options.get("prefetch")
-    if prefetch not in (None, "none") and options.get("prefetch_history") is None and model == "tiny" \
-            and prefetcher_info(prefetch).fit is not Prefetcher.fit:
-        options["prefetch_history"] = TINY_HISTORY_TRACE  # the same model on other prompts: MoE-Infinity, fMoE
     return OffloadEngine(make_plan(model, **options), store=store)

@@ -30,7 +30,8 @@ def make_plan(model="tiny", *, fast_budget="50%", host_budget=None, policy: str 
               bypass_page_cache: bool = False, retries: int = 3, preload: bool = False, replay=None,
               replay_weights: str = "trace") -> Plan:
     """The checked Plan of these options (plan.py says what each decides). ``prefetch`` ``"none"`` is None;
-    ``reconfigure_every`` and ``granularity`` (the CLI's) are another way to give ``reconfiguration``; ``hardware`` is a preset's name, a profile file or a HardwareProfile."""
+    ``reconfigure_every`` and ``granularity`` (the CLI's) are another way to give ``reconfiguration``;
+    ``hardware`` is a preset's name, a profile file or a HardwareProfile."""
     _choice(dtype, COMPUTE_DTYPES, "--dtype")
     _choice(expert_compute, EXPERT_COMPUTE, "--expert-compute")
     _choice(expert_dtype, EXPERT_DTYPES, "--expert-dtype")
@@ -60,7 +61,7 @@ def make_plan(model="tiny", *, fast_budget="50%", host_budget=None, policy: str 
     if split and preload:
         raise ConfigError(f"{split_config or 'the online configuration'}: the split runtime loads into the tops "
                           "and the buffer as experts are needed; it does not preload")
-    profile = hardware if isinstance(hardware, HardwareProfile) else resolve_profile(hardware)  # read once
+    profile = hardware if isinstance(hardware, HardwareProfile) else resolve_profile(hardware)  # refused now if bad
     if fetch_or_compute:
         check_fetch_or_compute(policy, profile, split)
     if info.policy.places_or_bypasses:

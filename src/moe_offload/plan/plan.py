@@ -22,7 +22,8 @@ The fields, by what they decide:
   (static-freq: KTransformers' placement and llama.cpp's ``-ot`` by expert, from ``profile``);
   ``pinned`` pins a profile's share and streams the rest (pinned-lru). ``fetch_or_compute`` adds Fiddler's
   admission rule to a streamed placement: a miss the host computes faster than it loads is not admitted.
-- **Policy and prefetcher**, with their options; ``prefetch_history`` the trace a learning prefetcher fits.
+- **Policy and prefetcher**, with their options; ``prefetch_history`` the trace a learning prefetcher fits
+  (``history``: the bundled one for the bundled model).
 - **Split.** MoEpic's split experts: ``split_config`` (a `configure --json` file or a SplitConfig) and its
   online loop (``reconfiguration``: every tau tokens, Algorithm 1's granularity).
 - **Forms and dtypes.** ``expert_dtype`` (how the experts are packed), ``dtype`` (the fast tier's compute
@@ -38,7 +39,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from moe_offload import values
+from moe_offload.bundled import TINY_HISTORY_TRACE
 from moe_offload.errors import ConfigError
+from moe_offload.hardware import HardwareProfile, resolve_profile
+from moe_offload.prefetch import Prefetcher, prefetcher_info
 
 PAPER_TAU = 5000  # MoEpic's tokens between two online configurations (paper 004)
 
@@ -111,6 +115,20 @@ class Plan:
     def split(self) -> bool:
         """Whether the fast tier is MoEpic's split experts (a configuration, or its online loop alone)."""
         return self.split_config is not None or self.reconfiguration is not None
+
+    def profile(self) -> HardwareProfile:
+        """The hardware profile: ``hardware`` itself, the preset it names or the file it is; the default preset
+        for None."""
+        return self.hardware if isinstance(self.hardware, HardwareProfile) else resolve_profile(self.hardware)
+
+    @property
+    def history(self):
+        """The trace the prefetcher fits: ``prefetch_history``, else, for the bundled ``tiny`` model and a prefetcher
+        that learns (MoE-Infinity, fMoE), the bundled recording of the same model on other prompts; or None."""
+        if self.prefetch is None or self.prefetch_history is not None:
+            return self.prefetch_history
+        learns = prefetcher_info(self.prefetch).fit is not Prefetcher.fit
+        return TINY_HISTORY_TRACE if learns and str(self.model) == "tiny" else None
 
     # ------------------------------------------------------------------------------------------- budgets
     def fast_budget_bytes(self, total_bytes: int) -> int:

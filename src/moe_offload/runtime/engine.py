@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from moe_offload.errors import ConfigError, MoeOffloadError
-from moe_offload.hardware import resolve_profile
 from moe_offload.plan import Plan
 from moe_offload.policies import ModelSpec, policy_factory, policy_info
 from moe_offload.reporting.results import RunResult
@@ -112,7 +111,7 @@ class OffloadEngine:
             info = policy_info(plan.policy)
             self.places = info.policy.places_or_bypasses or plan.fetch_or_compute  # computes bypassed experts
             self.replay_trace = read_replay(plan.replay)
-            self.prefetcher = engine_prefetcher(plan.prefetch, plan.prefetch_options, plan.prefetch_history,
+            self.prefetcher = engine_prefetcher(plan.prefetch, plan.prefetch_options, plan.history,
                                                 self.spec, self.replay_trace)
             self.model, self.adapter, self.startup_seconds = load_skeleton(m, self.device, self.compute_dtype,
                                                                            verify=plan.verify_checksums)
@@ -131,7 +130,7 @@ class OffloadEngine:
                 self.tiers = make_tiers(m, self.spec, info.partitioned, make, sizing.fast_slots, sizing.host_slots,
                                         self.device, self.compute_dtype, self.compute_expert_bytes, self.expert_form)
             if plan.fetch_or_compute:
-                admit_by(self.tiers[0].cache, fetch_or_compute_rule(resolve_profile(plan.hardware), m,
+                admit_by(self.tiers[0].cache, fetch_or_compute_rule(plan.profile(), m,
                                                                     self.tiers[-1].cache))
             self.path = DataPath(self.tiers, self.store, self.counters, self.spec)
             for cache in self.split.tops if self.split is not None else [self.tiers[0].cache]:
@@ -146,7 +145,7 @@ class OffloadEngine:
                                       policy_needs_rounds=info.policy.needs_rounds,
                                       replay=self.replay, source=f"live generation with {m.directory}",
                                       matcher=plan.matcher, online=online,
-                                      prefetch_budget=None if self.prefetcher is None else link_budget(plan.hardware, m))
+                                      prefetch_budget=None if self.prefetcher is None else link_budget(plan.profile(), m))
             self.runner.computes_on_host = self.places
             self.runner.install()
             self._generate_lock = threading.Lock()

@@ -152,14 +152,12 @@ def read_split(plan, sizing: Sizing, manifest, spec):
                       sizing.fast_budget_bytes)
 
 
-def link_budget(hardware, manifest):
-    """What the link into the fast tier carries per layer on ``hardware`` (a profile, its name or file; default
-    the timed simulator's), for the stored experts the link moves: the budget ``simulate --timed`` gives the
-    prefetcher on the same profile (prefetch/budget.py), so MoEpic's Y is the same in both."""
-    from moe_offload.hardware import HardwareProfile, resolve_profile
+def link_budget(profile, manifest):
+    """What the link into the fast tier carries per layer on the hardware ``profile`` (the plan's), for the stored
+    experts the link moves: the budget ``simulate --timed`` gives the prefetcher on the same profile
+    (prefetch/budget.py), so MoEpic's Y is the same in both."""
     from moe_offload.prefetch.budget import budget_from_hardware
 
-    profile = hardware if isinstance(hardware, HardwareProfile) else resolve_profile(hardware)
     m = manifest
     return budget_from_hardware(profile, m.expert_bytes, m.num_layers, m.top_k)
 
