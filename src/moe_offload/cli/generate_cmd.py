@@ -42,11 +42,12 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from moe_offload.models import require_model_stack
-
-    require_model_stack("generate")
     from moe_offload.models.gguf import with_gguf_file
 
     args.model = with_gguf_file(args.model, args.gguf_file)
+    plan = plan_from_args(args, split_config=args.split_config, reconfigure_every=args.reconfigure_every,
+                          granularity=args.granularity)
+    require_model_stack("generate")
     from moe_offload.reporting.tables import print_runtime_summary
     from moe_offload.runtime.engine import OffloadEngine
     from moe_offload.text.sources import chat_prompt
@@ -56,8 +57,6 @@ def run(args: argparse.Namespace) -> int:
 
     from moe_offload import values
 
-    plan = plan_from_args(args, split_config=args.split_config, reconfigure_every=args.reconfigure_every,
-                          granularity=args.granularity)
     if args.json:
         from moe_offload.runtime.packing import model_files
 

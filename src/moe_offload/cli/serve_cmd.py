@@ -39,13 +39,14 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moe_offload import values
     from moe_offload.models import require_model_stack
-
-    require_model_stack("serve", serving=True)
     from moe_offload.models.gguf import with_gguf_file
 
     args.model = with_gguf_file(args.model, args.gguf_file)
-    from moe_offload import values
+    max_batch = values.integer(args.max_batch, "--max-batch", low=1, high=4096)
+    plan = plan_from_args(args, max_batch=max_batch, batch_math=args.batch_math)  # before the model stack, as generate
+    require_model_stack("serve", serving=True)
     from moe_offload.runtime.engine import OffloadEngine
     from moe_offload.server import model_name, serve
 
@@ -59,12 +60,10 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("MOE_OFFLOAD_API_KEY")
     if api_key is not None and (not api_key.strip() or not api_key.isascii() or not api_key.isprintable()):
         raise ConfigError("--api-key: printable ASCII characters, not empty")
-    max_batch = values.integer(args.max_batch, "--max-batch", low=1, high=4096)
     host = values.text(args.host, "--host")
     if args.device is not None:
         values.device(args.device)
     apply_threads(args)
-    plan = plan_from_args(args, max_batch=max_batch, batch_math=args.batch_math)
     _check_listen(host, port)
     engine = OffloadEngine(plan)
     print(f"moe-offload: serving {names[0]} on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics); "
