@@ -64,7 +64,7 @@ def make_plan(model="tiny", *, fast_budget="50%", host_budget=None, policy: str 
     profile = hardware if isinstance(hardware, HardwareProfile) else resolve_profile(hardware)  # refused now if bad
     if fetch_or_compute:
         check_fetch_or_compute(policy, profile, split)
-    if info.policy.places_or_bypasses:
+    if info.policy.places_or_bypasses or fetch_or_compute:  # a refused miss computes from the host tier's copy
         host_budget = _placing_host_budget(info, policy_options, host_budget, replay is not None, split, prefetch)
     return Plan(model=model, expert_dtype=expert_dtype, fast_budget=fast_budget, host_budget=host_budget,
                 dtype=dtype, expert_compute=expert_compute, device=device, hardware=hardware, policy=policy,
