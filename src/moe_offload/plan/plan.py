@@ -167,12 +167,14 @@ class Plan:
         """The plan as the options of `moe-offload generate` (``serve`` takes the same but ``--split-config``,
         ``--reconfigure-every`` and ``--granularity``), defaults left out; ``--model`` first."""
         words = ["--model", _text(self.model)]
+        online = self.reconfiguration
         flags = (("--expert-dtype", self.expert_dtype), ("--dtype", self.dtype),
                  ("--expert-compute", self.expert_compute), ("--fast-budget", self.fast_budget),
                  ("--host-budget", self.host_budget), ("--hardware", getattr(self.hardware, "name", self.hardware)),
-                 ("--policy", self.policy), ("--prefetch", self.prefetch), ("--prefetch-history", self.prefetch_history),
-                 ("--split-config", self.split_config), ("--reconfigure-every", getattr(self.reconfiguration, "every", None)),
-                 ("--granularity", getattr(self.reconfiguration, "granularity", None)), ("--device", self.device))
+                 ("--policy", self.policy), ("--prefetch", self.prefetch),
+                 ("--prefetch-history", self.prefetch_history), ("--split-config", self.split_config),
+                 ("--reconfigure-every", online and online.every), ("--granularity", online and online.granularity),
+                 ("--device", self.device))
         for flag, value in flags:
             if value is not None:
                 words += [flag, str(value)]

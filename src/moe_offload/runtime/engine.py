@@ -145,7 +145,8 @@ class OffloadEngine:
                                       policy_needs_rounds=info.policy.needs_rounds,
                                       replay=self.replay, source=f"live generation with {m.directory}",
                                       matcher=plan.matcher, online=online,
-                                      prefetch_budget=None if self.prefetcher is None else link_budget(plan.profile(), m))
+                                      prefetch_budget=None if self.prefetcher is None
+                                      else link_budget(plan.profile(), m))
             self.runner.computes_on_host = self.places
             self.runner.install()
             self._generate_lock = threading.Lock()

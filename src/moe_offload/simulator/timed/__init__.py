@@ -21,5 +21,5 @@ from moe_offload.simulator.timed.simulate import (ALL_RESIDENT, ORACLE, check_ti
 from moe_offload.simulator.timed.tiers import home_tier
 
 __all__ = ["ALL_RESIDENT", "ORACLE", "PAPER_TAU", "Arrivals", "Reconfiguration", "check_timed_run", "home_tier",
-           "latency_summary", "layer_needs", "request_steps", "routed_by_request", "simulate_plan", "simulate_timed", "timed_grid",
-           "trace_iterations"]
+           "latency_summary", "layer_needs", "request_steps", "routed_by_request", "simulate_plan", "simulate_timed",
+           "timed_grid", "trace_iterations"]
