@@ -511,7 +511,7 @@ def test_pack_refuses_a_bad_output_before_any_work(checkpoint, tmp_path, capsys,
 
 
 def test_generate_json_is_checked_first_and_written_atomically(checkpoint, tmp_path, capsys):
-    import moe_offload.api as api
+    import moe_offload.runtime.engine as engines
 
     target = tmp_path / "r.json"
     target.write_text("old")
@@ -520,18 +520,18 @@ def test_generate_json_is_checked_first_and_written_atomically(checkpoint, tmp_p
     assert "is a directory" in one_line_error(capsys)
     assert main(["generate", "--model", str(checkpoint["packed"]), "--json", str(tmp_path / "r.txt"), "x"]) == 2
     assert "must end in .json" in one_line_error(capsys)
-    original = api.load
+    original = engines.OffloadEngine
 
-    def failing_load(*args, **kwargs):
+    def failing_engine(*args, **kwargs):
         engine = original(*args, **kwargs)
         engine.generate = lambda *a, **k: (_ for _ in ()).throw(ConfigError("injected failure"))
         return engine
 
-    api.load, saved = failing_load, api.load
+    engines.OffloadEngine = failing_engine
     try:
         assert main(["generate", "--model", str(checkpoint["packed"]), "--json", str(target), "x"]) == 2
     finally:
-        api.load = saved
+        engines.OffloadEngine = original
     capsys.readouterr()
     assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["dir.json", "r.json"]
 

@@ -150,13 +150,13 @@ def add_granularity(parser, default: float | None = 0.01) -> None:
 def add_replay_runs(parser, engines: tuple[str, ...], engine_help: str, engine_flag: str = "--engine") -> None:
     """``--seed``, ``--jobs`` and how the replay runs (``--engine``; report: ``--replay-engine``) of the commands
     that replay (simulate, report)."""
-    parser.add_argument("--seed", default="0", help="seed of the randomized policies (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the randomized policies (default 0)")
     add_jobs(parser)
     parser.add_argument(engine_flag, choices=engines, default="auto", help=engine_help)
 
 
 def add_jobs(parser) -> None:
-    parser.add_argument("--jobs", default=str(DEFAULT_JOBS), help="worker processes (default: up to 2)")
+    parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help="worker processes (default: up to 2)")
 
 
 # -------------------------------------------------------------------------------------- the runtime's plan
