@@ -24,10 +24,11 @@ MODES = ("none", "inline", "async")  # none: no prefetcher, for scale
 
 
 def run_mode(packed, prompts, max_new_tokens, budget, mode, history) -> dict:
+    from moe_offload.plan import make_plan
     from moe_offload.runtime.engine import OffloadEngine
 
     options = {} if mode == "none" else {"prefetch": "fmoe", "prefetch_history": history, "matcher": mode}
-    with OffloadEngine(packed, fast_budget=f"{budget}%", **options) as engine:
+    with OffloadEngine(make_plan(packed, fast_budget=f"{budget}%", **options)) as engine:
         results = [engine.generate(prompt, max_new_tokens=max_new_tokens) for prompt in prompts]
         total = engine.stats
         late, arrived = engine.late_proposals

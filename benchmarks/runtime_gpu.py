@@ -126,6 +126,7 @@ def resident_tpots(packed: Path, trace, weights: str, tokens: int, device, dtype
 
     from moe_offload.models.adapters import load_model
     from moe_offload.models.experts import use_project_experts
+    from moe_offload.plan import make_plan
     from moe_offload.runtime.engine import OffloadEngine, TimingStreamer
     from moe_offload.runtime.replay import RoutingReplay
 
@@ -133,8 +134,8 @@ def resident_tpots(packed: Path, trace, weights: str, tokens: int, device, dtype
     model.to(device)
     replay = RoutingReplay(trace, adapter, weights)
     replay.install()
-    engine = OffloadEngine(packed, device=device, replay=trace, replay_weights=weights, fast_budget="100%",
-                           preload=True, readers=readers, expert_compute=expert_compute)
+    engine = OffloadEngine(make_plan(packed, device=device, replay=trace, replay_weights=weights, fast_budget="100%",
+                                     preload=True, readers=readers, expert_compute=expert_compute))
     gaps: dict[str, list] = {}
     tokens_of: dict[str, list] = {}
     failed: set = set()
@@ -181,7 +182,7 @@ def resident_tpots(packed: Path, trace, weights: str, tokens: int, device, dtype
 def engine_run(packed: Path, trace, weights: str, tokens: int, device, **options) -> dict:
     from moe_offload.runtime.engine import OffloadEngine
 
-    with OffloadEngine(packed, device=device, replay=trace, replay_weights=weights, **options) as engine:
+    with OffloadEngine(make_plan(packed, device=device, replay=trace, replay_weights=weights, **options)) as engine:
         result = engine.generate_replayed(0, tokens)
         counters = engine.counters.copy()
         stats = result.stats
@@ -206,8 +207,8 @@ def profile_resident(packed: Path, trace, weights: str, tokens: int, device, rea
     from moe_offload.runtime.engine import OffloadEngine
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with OffloadEngine(packed, device=device, replay=trace, replay_weights=weights, fast_budget="100%",
-                       preload=True, readers=readers) as engine:
+    with OffloadEngine(make_plan(packed, device=device, replay=trace, replay_weights=weights, fast_budget="100%",
+                                 preload=True, readers=readers)) as engine:
         engine.generate_replayed(0, tokens)  # warm-up
         started = time.perf_counter()
         with profile(activities=activities) as prof:

@@ -108,9 +108,10 @@ def read_costs(manifest, theta: float, repeats: int = 100) -> tuple[float, float
 
 
 def timed(packed, prompts, max_new_tokens, device, **options):
+    from moe_offload.plan import make_plan
     from moe_offload.runtime.engine import OffloadEngine
 
-    with OffloadEngine(packed, device=device, policy="lru", **options) as engine:
+    with OffloadEngine(make_plan(packed, device=device, policy="lru", **options)) as engine:
         results = [engine.generate(prompt, max_new_tokens=max_new_tokens) for prompt in prompts]
         stats = engine.stats
         memory = engine.split.memory_bytes if engine.split else stats.cache_bytes

@@ -39,9 +39,10 @@ def benchmark_prompts(count: int) -> list[str]:
 
 
 def run_config(packed, prompts, max_new_tokens, *, device=None, **engine_options) -> dict:
+    from moe_offload.plan import make_plan
     from moe_offload.runtime.engine import OffloadEngine
 
-    with OffloadEngine(packed, device=device, **engine_options) as engine:
+    with OffloadEngine(make_plan(packed, device=device, **engine_options)) as engine:
         results = [engine.generate(prompt, max_new_tokens=max_new_tokens) for prompt in prompts]
         total = engine.stats
     tpots = [r.stats.tpot_seconds for r in results if r.stats.tpot_seconds is not None]

@@ -278,9 +278,10 @@ def test_a_failing_expert_fails_only_the_requests_that_need_it(alone, tmp_path):
     data = bytearray(layer_file.read_bytes())
     data[(victim - 3 * J) * manifest.expert_bytes + 5] ^= 0xFF
     layer_file.write_bytes(bytes(data))
+    from moe_offload.plan import make_plan
     from moe_offload.runtime.engine import OffloadEngine
 
-    with OffloadEngine(packed, fast_budget="100%", max_batch=len(PROMPTS)) as engine:
+    with OffloadEngine(make_plan(packed, fast_budget="100%", max_batch=len(PROMPTS))) as engine:
         handles = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True))
                    for p, n in zip(PROMPTS, NEW_TOKENS)]
         completions = [handle.result(timeout=60) for handle in handles]

@@ -17,6 +17,7 @@ from test_runtime_bypass import OddLayersOnHost  # noqa: E402
 from moe_offload.cli.main import main  # noqa: E402
 from moe_offload.errors import ConfigError  # noqa: E402
 from moe_offload.policies import POLICIES, PolicyInfo  # noqa: E402
+from moe_offload.plan import make_plan  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 from moe_offload.runtime.expert_forms import expert_form  # noqa: E402
 from moe_offload.models.experts import linear  # noqa: E402
@@ -114,16 +115,16 @@ def test_each_form_takes_the_bytes_its_slot_holds(packs, expert_dtype, choice, d
     manifest = read_manifest(packs[expert_dtype])
     chosen = expert_form(choice, manifest, torch.device("cpu"), getattr(torch, dtype))
     assert (chosen.name, chosen.slot_bytes) == (form, slot_bytes)
-    with OffloadEngine(packs[expert_dtype], fast_budget=str(3 * slot_bytes), dtype=dtype, expert_compute=choice,
-                       device="cpu") as engine:
+    with OffloadEngine(make_plan(packs[expert_dtype], fast_budget=str(3 * slot_bytes), dtype=dtype, expert_compute=choice,
+                                 device="cpu")) as engine:
         assert engine.tiers[0].pool.slots == 3 and engine.tiers[0].slot_bytes == slot_bytes
 
 
 def test_a_form_that_cannot_run_is_one_line_before_any_work(packs, checkpoint_packed, capsys):
     with pytest.raises(ConfigError, match="the weight-only kernel takes int4 experts, not int8"):
-        OffloadEngine(packs["int8"], expert_compute="kernel", device="cpu")
+        OffloadEngine(make_plan(packs["int8"], expert_compute="kernel", device="cpu"))
     with pytest.raises(ConfigError, match=r"groups of 32 to 256 columns .* \(32, 48\)"):
-        OffloadEngine(checkpoint_packed["int4"], expert_compute="kernel", device="cpu")
+        OffloadEngine(make_plan(checkpoint_packed["int4"], expert_compute="kernel", device="cpu"))
     assert main(["generate", "--model", str(packs["int4"]), "--expert-compute", "fused", "x"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--expert-compute 'fused': choose from auto, per-use, on-arrival, kernel" in err
@@ -160,8 +161,8 @@ def all_resident(packs):
 
     def of(expert_dtype, form, dtype):
         if (expert_dtype, form, dtype) not in cache:
-            with OffloadEngine(packs[expert_dtype], fast_budget="100%", preload=True, dtype=dtype,
-                               expert_compute=form, device="cpu") as engine:
+            with OffloadEngine(make_plan(packs[expert_dtype], fast_budget="100%", preload=True, dtype=dtype,
+                                         expert_compute=form, device="cpu")) as engine:
                 cache[expert_dtype, form, dtype] = generations(engine)
         return cache[expert_dtype, form, dtype]
     return of
@@ -176,8 +177,8 @@ def test_every_form_is_lossless_against_the_all_resident_engine_in_that_form(pac
                                                                              form, dtype, prefetch):
     manifest = read_manifest(packs[expert_dtype])
     slot = expert_form(form, manifest, torch.device("cpu"), getattr(torch, dtype)).slot_bytes
-    with OffloadEngine(packs[expert_dtype], fast_budget=str(3 * slot), dtype=dtype, expert_compute=form,
-                       prefetch=prefetch, device="cpu") as engine:
+    with OffloadEngine(make_plan(packs[expert_dtype], fast_budget=str(3 * slot), dtype=dtype, expert_compute=form,
+                                 prefetch=prefetch, device="cpu")) as engine:
         assert engine.tiers[0].pool.slots == 3  # of 18 experts: most uses are loads
         assert_same(generations(engine), all_resident(expert_dtype, form, dtype))
         assert engine.stats.misses > 0
@@ -192,8 +193,8 @@ def test_quantized_experts_computed_on_the_host_are_lossless(packs, all_resident
     monkeypatch.setitem(POLICIES, OddLayersOnHost.name, PolicyInfo(OddLayersOnHost.name, OddLayersOnHost))
     manifest = read_manifest(packs["int4"])
     slot = expert_form(form, manifest, torch.device("cpu"), getattr(torch, dtype)).slot_bytes
-    with OffloadEngine(packs["int4"], fast_budget=str(4 * slot), host_budget="40%", policy=OddLayersOnHost.name,
-                       dtype=dtype, expert_compute=form, device="cpu") as engine:
+    with OffloadEngine(make_plan(packs["int4"], fast_budget=str(4 * slot), host_budget="40%", policy=OddLayersOnHost.name,
+                                 dtype=dtype, expert_compute=form, device="cpu")) as engine:
         assert engine.tiers[1].pool.memory.dtype == torch.uint8  # the host tier holds the stored bytes
         assert_same(generations(engine), all_resident("int4", form, dtype))
         assert engine.stats.bypassed > 0 and engine.stats.host_compute_seconds > 0
@@ -203,8 +204,8 @@ def test_a_batch_computed_with_the_kernel_equals_each_request_alone(packs):
     from moe_offload.runtime.requests import SamplingParams
 
     tokens = [6, 3]
-    with OffloadEngine(packs["int4"], fast_budget="40%", dtype="bfloat16", expert_compute="kernel", device="cpu",
-                       max_batch=3) as engine:
+    with OffloadEngine(make_plan(packs["int4"], fast_budget="40%", dtype="bfloat16", expert_compute="kernel", device="cpu",
+                                 max_batch=3)) as engine:
         assert engine.expert_form.name == "kernel"
         alone = [engine.generate(p, max_new_tokens=n, return_logits=True) for p, n in zip(PROMPTS, tokens)]
         handles = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True)) for p, n in zip(PROMPTS, tokens)]

@@ -19,6 +19,7 @@ from moe_offload.cli.main import main  # noqa: E402
 from moe_offload.errors import ConfigError  # noqa: E402
 from moe_offload.models.recorder import record  # noqa: E402
 from moe_offload.policies import POLICIES  # noqa: E402
+from moe_offload.plan import make_plan  # noqa: E402
 from moe_offload.runtime.engine import EngineBusyError, OffloadEngine  # noqa: E402
 from moe_offload.runtime.packing import PackError, pack_model, read_manifest  # noqa: E402
 from moe_offload.runtime.skeleton import load_skeleton  # noqa: E402
@@ -81,27 +82,27 @@ def test_generation_is_lossless_for_every_policy_prefetcher_and_budget(checkpoin
     assume(budget >= 3 or not POLICIES[policy].partitioned)  # a -dist cache gives each of the 3 layers a slot
     history = checkpoint["history"] if prefetch in ("moe-infinity", "fmoe") else None
     fast = str(budget * COMPUTE_EXPERT_BYTES)  # 18 experts in all (3 layers x 6); top-2 is the least that works
-    with OffloadEngine(checkpoint["packed"], fast_budget=fast, policy=policy, prefetch=prefetch,
-                       prefetch_history=history, host_budget=host) as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=fast, policy=policy, prefetch=prefetch,
+                                 prefetch_history=history, host_budget=host)) as engine:
         assert_lossless(engine, checkpoint)
 
 
 def test_counters_without_prefetch_and_all_resident(checkpoint):
-    with OffloadEngine(checkpoint["packed"], fast_budget="34%", policy="lru") as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget="34%", policy="lru")) as engine:
         result = engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
         stats = result.stats
         assert stats.on_demand_loads == stats.misses > 0
         assert stats.bytes_per_link == {"ssd->fast": stats.misses * engine.manifest.expert_bytes}
         assert stats.prefetches_issued is None and stats.stall_seconds >= 0
         assert engine.stats.accesses == stats.accesses
-    with OffloadEngine(checkpoint["packed"], fast_budget="100%", preload=True) as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget="100%", preload=True)) as engine:
         stats = engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS).stats
         assert stats.hit_rate == 1.0 and stats.on_demand_loads == 0 and not stats.bytes_per_link
 
 
 def test_the_policys_decisions_are_counted_and_timed(checkpoint):
     # every eviction of the fast tier is one victim call, timed around the call (simulator/cache.py: Decisions)
-    with OffloadEngine(checkpoint["packed"], fast_budget="34%", policy="learned") as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget="34%", policy="learned")) as engine:
         stats = engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS).stats
         assert stats.policy_decisions == engine.tiers[0].cache.evictions > 0
         assert 0 < stats.policy_decision_seconds < stats.total_seconds
@@ -111,8 +112,8 @@ def test_the_policys_decisions_are_counted_and_timed(checkpoint):
 @pytest.mark.parametrize("budget, prefetch", [(2, None), (5, "topk"), (9, None)])
 def test_coact_is_lossless_and_its_decisions_are_counted(checkpoint, budget, prefetch):
     # the project's own policy (policies/coact.py) as a user runs it: the tokens and logits of all-resident
-    with OffloadEngine(checkpoint["packed"], fast_budget=str(budget * COMPUTE_EXPERT_BYTES), policy="coact",
-                       prefetch=prefetch) as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=str(budget * COMPUTE_EXPERT_BYTES), policy="coact",
+                                 prefetch=prefetch)) as engine:
         assert_lossless(engine, checkpoint)
         assert engine.stats.policy_decisions == engine.tiers[0].cache.evictions > 0
 
@@ -152,19 +153,19 @@ def test_the_skeleton_in_float16_has_from_pretrained_s_buffers_and_weights(check
 def test_refusals(checkpoint):
     packed = checkpoint["packed"]
     with pytest.raises(ConfigError, match="cannot hold one layer's top-2 experts"):
-        OffloadEngine(packed, fast_budget="5%")
+        OffloadEngine(make_plan(packed, fast_budget="5%"))
     with pytest.raises(ConfigError, match="leave a layer without one"):
-        OffloadEngine(packed, fast_budget=str(2 * COMPUTE_EXPERT_BYTES), policy="lru-dist")
+        OffloadEngine(make_plan(packed, fast_budget=str(2 * COMPUTE_EXPERT_BYTES), policy="lru-dist"))
     with pytest.raises(ConfigError, match="needs the future"):
-        OffloadEngine(packed, policy="belady")
+        OffloadEngine(make_plan(packed, policy="belady"))
     with pytest.raises(ConfigError, match="chooses its experts from a profile"):
-        OffloadEngine(packed, policy="static-freq")
+        OffloadEngine(make_plan(packed, policy="static-freq"))
     with pytest.raises(ConfigError, match="nothing for the prefetcher 'topk' to prefetch"):
-        OffloadEngine(packed, policy="static-layers", prefetch="topk")
+        OffloadEngine(make_plan(packed, policy="static-layers", prefetch="topk"))
     with pytest.raises(ConfigError, match="reads the future"):
-        OffloadEngine(packed, prefetch="oracle")
+        OffloadEngine(make_plan(packed, prefetch="oracle"))
     with pytest.raises(ConfigError, match="give it a history"):
-        OffloadEngine(packed, prefetch="moe-infinity")
+        OffloadEngine(make_plan(packed, prefetch="moe-infinity"))
 
 
 def copy_pack(checkpoint, tmp_path):
@@ -181,10 +182,10 @@ def test_missing_and_truncated_layer_files_are_named_at_start(checkpoint, tmp_pa
     data = victim.read_bytes()
     victim.write_bytes(data[:-10])
     with pytest.raises(PackError, match=r"experts of layer 1: .*layer001.bin: \d+ bytes, the manifest says"):
-        OffloadEngine(packed)
+        OffloadEngine(make_plan(packed))
     victim.unlink()
     with pytest.raises(PackError, match=r"experts of layer 1: .*layer001.bin: missing"):
-        OffloadEngine(packed)
+        OffloadEngine(make_plan(packed))
 
 
 def test_checksum_mismatch_stops_generation_before_a_wrong_token(checkpoint, tmp_path):
@@ -194,7 +195,7 @@ def test_checksum_mismatch_stops_generation_before_a_wrong_token(checkpoint, tmp
     data[manifest.expert_bytes - 3] ^= 0xFF  # same size, one weight byte of expert 0 flipped
     victim.write_bytes(bytes(data))
     streamed = []
-    with OffloadEngine(packed, fast_budget="100%", policy="lru") as engine:
+    with OffloadEngine(make_plan(packed, fast_budget="100%", policy="lru")) as engine:
         with pytest.raises(ExpertReadError, match=r"expert 0 of layer 0: .*layer000.bin \(bytes 0..9216\): checksum "
                                                   "mismatch"):
             for prompt in PROMPTS * 3:  # some prompt routes to expert 0 of layer 0
@@ -234,7 +235,7 @@ class FlakyReader:
 def test_transient_read_errors_are_retried(checkpoint):
     manifest = read_manifest(checkpoint["packed"])
     store = ExpertStore(manifest, read_into=FlakyReader(2), backoff_s=0.0)
-    with OffloadEngine(checkpoint["packed"], fast_budget="50%", store=store) as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget="50%"), store=store) as engine:
         assert_lossless(engine, checkpoint)
     assert store.retried == 2
 
@@ -242,7 +243,7 @@ def test_transient_read_errors_are_retried(checkpoint):
 def test_persistent_read_errors_name_the_expert_and_file(checkpoint):
     manifest = read_manifest(checkpoint["packed"])
     store = ExpertStore(manifest, read_into=FlakyReader(10 ** 6), retries=2, backoff_s=0.0)
-    with OffloadEngine(checkpoint["packed"], fast_budget="50%", store=store) as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget="50%"), store=store) as engine:
         with pytest.raises(ExpertReadError, match=r"expert \d+ of layer \d+: .*\.bin \(bytes \d+..\d+\): read failed "
                                                   "after 3"):
             engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
@@ -251,7 +252,7 @@ def test_persistent_read_errors_name_the_expert_and_file(checkpoint):
 def test_short_reads_are_continued(checkpoint):
     manifest = read_manifest(checkpoint["packed"])
     store = ExpertStore(manifest, read_into=lambda fd, view, offset: os.preadv(fd, [view[:1000]], offset))
-    with OffloadEngine(checkpoint["packed"], fast_budget="50%", store=store) as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget="50%"), store=store) as engine:
         assert_lossless(engine, checkpoint)
 
 
@@ -266,7 +267,7 @@ def test_concurrent_generate_is_refused(checkpoint):
         return os.preadv(fd, [view], offset)
 
     store = ExpertStore(manifest, read_into=blocking_read)
-    with OffloadEngine(checkpoint["packed"], fast_budget="50%", store=store) as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget="50%"), store=store) as engine:
         first = threading.Thread(target=engine.generate, args=(PROMPTS[0],), kwargs={"max_new_tokens": 2})
         first.start()
         assert reading.wait(10)
@@ -345,7 +346,7 @@ def test_the_unsplit_runtime_gives_moepic_the_timed_simulators_y(checkpoint):
     expert_bytes = manifest.expert_bytes
     simulated = make_prefetcher("moepic", ModelSpec(manifest.num_layers, manifest.num_experts, manifest.top_k))
     simulate_timed(trace, hardware, "lru", 6 * expert_bytes, expert_bytes=expert_bytes, prefetcher=simulated)
-    with OffloadEngine(checkpoint["packed"], fast_budget="50%", prefetch="moepic", hardware=hardware) as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget="50%", prefetch="moepic", hardware=hardware)) as engine:
         running = engine.prefetcher
         L = engine.spec.num_layers
         # by hand: window / load on this profile, at most J = 6; layer 0's window has the LM head in it
@@ -363,7 +364,7 @@ def test_the_unsplit_runtime_gives_moepic_the_timed_simulators_y(checkpoint):
                 assert proposed == simulated.on_layer_routed(view)
                 most = max(most, len(proposed))
         assert most > manifest.top_k  # Y, not top-k, reached the proposals
-    with OffloadEngine(checkpoint["packed"], fast_budget="50%", prefetch="moepic") as engine:  # the default profile
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget="50%", prefetch="moepic")) as engine:  # the default profile
         assert engine.prefetcher.budget == budget_from_hardware(resolve_profile(None), expert_bytes, L, manifest.top_k)
 
 
@@ -374,7 +375,7 @@ def test_llru_counts_the_replays_rounds_in_the_runtime(checkpoint, monkeypatch):
     from moe_offload.models.adapters import load_model
 
     seen = spy_on_llru(monkeypatch)
-    with OffloadEngine(checkpoint["packed"], fast_budget=str(6 * COMPUTE_EXPERT_BYTES), policy="test-llru") as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=str(6 * COMPUTE_EXPERT_BYTES), policy="test-llru")) as engine:
         engine.generate(PROMPTS[1], max_new_tokens=3)
     reference, adapter = load_model(checkpoint["root"] / "model")
     trace = record(reference, adapter, tiny_tokenizer(), [Prompt(PROMPTS[1], "p")], model_name="tiny-random",
@@ -423,7 +424,7 @@ def test_unknown_or_unavailable_devices_are_one_line_errors(checkpoint, capsys, 
 
 def test_prompts_and_generations_longer_than_the_context_are_refused(checkpoint, capsys):
     context = read_manifest(checkpoint["packed"]).max_position_embeddings  # 256 in the test model
-    with OffloadEngine(checkpoint["packed"], fast_budget="100%") as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget="100%")) as engine:
         with pytest.raises(ConfigError, match=f"the prompt has {context + 1} tokens, more than the model's context"):
             engine.generate(list(range(1, context + 2)), max_new_tokens=1)
         with pytest.raises(ConfigError, match=f"exceed the model's context of {context}: ask for at most 6"):
@@ -472,10 +473,10 @@ def test_the_engine_loads_on_one_thread_and_leaves_the_thread_count_as_it_was(ch
         return load_skeleton(*args, **kwargs)
 
     monkeypatch.setattr(engine_module, "load_skeleton", counting)
-    OffloadEngine(checkpoint["packed"], fast_budget="100%").close()
+    OffloadEngine(make_plan(checkpoint["packed"], fast_budget="100%")).close()
     assert seen == [1] and torch.get_num_threads() == before
     with pytest.raises(ConfigError):
-        OffloadEngine(checkpoint["packed"], fast_budget="100%", policy="belady")
+        OffloadEngine(make_plan(checkpoint["packed"], fast_budget="100%", policy="belady"))
     assert torch.get_num_threads() == before
     source = torch.arange(100_000, dtype=torch.float16) / 7
     destination = torch.empty(100_000)
@@ -511,7 +512,7 @@ def test_pack_refuses_a_bad_output_before_any_work(checkpoint, tmp_path, capsys,
 
 
 def test_generate_json_is_checked_first_and_written_atomically(checkpoint, tmp_path, capsys):
-    import moe_offload.api as api
+    import moe_offload.runtime.engine as engines
 
     target = tmp_path / "r.json"
     target.write_text("old")
@@ -520,18 +521,18 @@ def test_generate_json_is_checked_first_and_written_atomically(checkpoint, tmp_p
     assert "is a directory" in one_line_error(capsys)
     assert main(["generate", "--model", str(checkpoint["packed"]), "--json", str(tmp_path / "r.txt"), "x"]) == 2
     assert "must end in .json" in one_line_error(capsys)
-    original = api.load
+    original = engines.OffloadEngine
 
-    def failing_load(*args, **kwargs):
+    def failing_engine(*args, **kwargs):
         engine = original(*args, **kwargs)
         engine.generate = lambda *a, **k: (_ for _ in ()).throw(ConfigError("injected failure"))
         return engine
 
-    api.load, saved = failing_load, api.load
+    engines.OffloadEngine = failing_engine
     try:
         assert main(["generate", "--model", str(checkpoint["packed"]), "--json", str(target), "x"]) == 2
     finally:
-        api.load = saved
+        engines.OffloadEngine = original
     capsys.readouterr()
     assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["dir.json", "r.json"]
 
@@ -549,7 +550,7 @@ def test_replay_forces_every_router_to_the_traces_experts(checkpoint):
     from moe_offload.runtime.replay import replay_rows
 
     trace = checkpoint["history"]
-    with OffloadEngine(checkpoint["packed"], fast_budget="100%", replay=trace, replay_weights="router") as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget="100%", replay=trace, replay_weights="router")) as engine:
         seen = {layer: [] for layer in range(3)}
         with RoutingTap(engine.adapter, lambda layer, routing: seen[layer].append(routing.experts.cpu().numpy())):
             result = engine.generate_replayed(1)
@@ -567,12 +568,12 @@ def test_the_oracle_runs_under_replay_and_every_prefetch_is_used_whatever_the_po
     than that, and a demand load may then release holds (simulator/cache.py)."""
     history = checkpoint["history"]
     decode = history.select(np.flatnonzero((history.request == history.request[0]) & (history.phase == 1)))
-    with OffloadEngine(checkpoint["packed"], fast_budget="100%", preload=True, replay=decode,
-                       replay_weights="router") as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget="100%", preload=True, replay=decode,
+                                 replay_weights="router")) as engine:
         expected = engine.generate_replayed(0, return_logits=True)
     for policy in ("lru", "lcp", "fmoe"):
-        with OffloadEngine(checkpoint["packed"], fast_budget=str(8 * COMPUTE_EXPERT_BYTES), policy=policy,
-                           prefetch="oracle", replay=decode, replay_weights="router") as engine:
+        with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=str(8 * COMPUTE_EXPERT_BYTES), policy=policy,
+                                     prefetch="oracle", replay=decode, replay_weights="router")) as engine:
             result = engine.generate_replayed(0, return_logits=True)
         stats = result.stats
         assert result.token_ids == expected.token_ids
@@ -590,7 +591,7 @@ def test_the_policy_sees_the_tokens_each_access_carries(checkpoint):
             seen.append((ctx.layer, dict(ctx.routed)))
             super().on_access(key, ctx)
 
-    with OffloadEngine(checkpoint["packed"], fast_budget="100%") as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget="100%")) as engine:
         engine.tiers[0].cache.policy = Spy(engine.spec)
         prompt_tokens = len(engine.tokenizer(PROMPTS[1])["input_ids"])
         engine.generate(PROMPTS[1], max_new_tokens=2)
@@ -644,9 +645,9 @@ def test_generation_is_lossless_for_every_expert_dtype(checkpoint, expert_dtype_
                                                        prefetch, budget):
     packed, expected = expert_dtype_packs[expert_dtype]
     manifest = read_manifest(packed)
-    with OffloadEngine(packed, fast_budget=str(budget * manifest.expert_bytes if manifest.quantized
-                                               else budget * COMPUTE_EXPERT_BYTES),
-                       policy=policy, prefetch=prefetch) as engine:
+    with OffloadEngine(make_plan(packed, fast_budget=str(budget * manifest.expert_bytes if manifest.quantized
+                                                         else budget * COMPUTE_EXPERT_BYTES),
+                                 policy=policy, prefetch=prefetch)) as engine:
         assert engine.tiers[0].pool.slots == budget  # quantized: the budget counts the stored bytes
         assert_lossless(engine, Checkpoint(expected=expected))
 
@@ -656,16 +657,16 @@ def test_a_budget_share_is_the_same_memory_and_holds_more_quantized_experts(chec
     int4_expert = (96 * 32 // 2 + 96 * 1 * 2) + (32 * 48 // 2 + 32 * 3 * 2)
     assert read_manifest(expert_dtype_packs["int4"][0]).expert_bytes == int4_expert == 2688
     budget = 18 * COMPUTE_EXPERT_BYTES // 8  # 12.5% of the 18 experts in float32: 41472 bytes
-    with OffloadEngine(checkpoint["packed"], fast_budget="12.5%") as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget="12.5%")) as engine:
         assert engine.tiers[0].pool.slots == budget // COMPUTE_EXPERT_BYTES == 2
-    with OffloadEngine(expert_dtype_packs["int4"][0], fast_budget="12.5%") as engine:
+    with OffloadEngine(make_plan(expert_dtype_packs["int4"][0], fast_budget="12.5%")) as engine:
         assert engine.tiers[0].pool.slots == budget // int4_expert == 15
 
 
 def test_quantized_packs_refuse_what_does_not_read_them_in_one_line(checkpoint, expert_dtype_packs, tmp_path, capsys):
     packed = str(expert_dtype_packs["int8"][0])
     with pytest.raises(ConfigError, match="int8 experts: MoEpic's split does not read quantized experts yet"):
-        OffloadEngine(packed, fast_budget="50%", split_config=str(tmp_path / "never-read.json"))
+        OffloadEngine(make_plan(packed, fast_budget="50%", split_config=str(tmp_path / "never-read.json")))
     assert main(["generate", "--model", packed, "--expert-dtype", "int4", "x"]) == 2
     assert "packed with int8 experts, not int4" in capsys.readouterr().err
     assert main(["pack", str(checkpoint["root"] / "model"), "-o", str(tmp_path / "q"), "--expert-dtype", "int3"]) == 2
@@ -676,14 +677,14 @@ def test_quantized_packs_refuse_what_does_not_read_them_in_one_line(checkpoint, 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_a_compute_dtype_is_lossless_against_the_all_resident_engine_in_that_dtype(checkpoint, dtype):
-    with OffloadEngine(checkpoint["packed"], fast_budget="100%", preload=True, dtype=dtype, device="cpu") as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget="100%", preload=True, dtype=dtype, device="cpu")) as engine:
         assert engine.compute_dtype == getattr(torch, dtype) and engine.tiers[0].pool.memory.dtype == engine.compute_dtype
         expected = {}
         for prompt in PROMPTS:
             result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
             expected[prompt] = (result.token_ids, result.logits)
-    with OffloadEngine(checkpoint["packed"], fast_budget=str(3 * COMPUTE_EXPERT_BYTES // 2), dtype=dtype,
-                       prefetch="topk", device="cpu") as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=str(3 * COMPUTE_EXPERT_BYTES // 2), dtype=dtype,
+                                 prefetch="topk", device="cpu")) as engine:
         assert engine.tiers[0].pool.slots == 3  # half the bytes of a float32 expert each
         assert_lossless(engine, Checkpoint(expected=expected))
 
@@ -696,10 +697,10 @@ def test_an_unknown_compute_dtype_is_one_line_before_any_work(checkpoint, capsys
 
 def test_quantized_experts_computed_in_bfloat16_are_lossless(expert_dtype_packs):
     packed = expert_dtype_packs["int4"][0]
-    with OffloadEngine(packed, fast_budget="100%", preload=True, dtype="bfloat16", device="cpu") as engine:
+    with OffloadEngine(make_plan(packed, fast_budget="100%", preload=True, dtype="bfloat16", device="cpu")) as engine:
         expected = {prompt: (result.token_ids, result.logits) for prompt in PROMPTS
                     for result in [engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)]}
         assert next(engine.model.parameters()).dtype == torch.bfloat16
-    with OffloadEngine(packed, fast_budget=str(2 * read_manifest(packed).expert_bytes), dtype="bfloat16",
-                       prefetch="topk", device="cpu") as engine:
+    with OffloadEngine(make_plan(packed, fast_budget=str(2 * read_manifest(packed).expert_bytes), dtype="bfloat16",
+                                 prefetch="topk", device="cpu")) as engine:
         assert_lossless(engine, Checkpoint(expected=expected))

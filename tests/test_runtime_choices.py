@@ -20,6 +20,7 @@ from moe_offload.hardware import HardwareProfile, load_profile  # noqa: E402
 from moe_offload.hardware.profile import PRESET_DIR  # noqa: E402
 from moe_offload.hardware.toml_writer import write_profile  # noqa: E402
 from moe_offload.runtime import measure  # noqa: E402
+from moe_offload.plan import make_plan  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 from moe_offload.runtime.measure.forms import runtime_choices  # noqa: E402
 
@@ -72,18 +73,18 @@ def test_an_engine_takes_the_profiles_choices_where_none_are_given(packs, tmp_pa
     path = profile_with(tmp_path, {"device": "cpu", "dtype": {"int4": "bfloat16"},
                                    "expert_compute": {"int4": "kernel"}})
     assert load_profile(path).runtime.expert_compute == {"int4": "kernel"}
-    with OffloadEngine(packs["int4"], fast_budget="50%", hardware=str(path), device="cpu") as engine:
+    with OffloadEngine(make_plan(packs["int4"], fast_budget="50%", hardware=str(path), device="cpu")) as engine:
         assert (engine.compute_dtype, engine.expert_form.name) == (torch.bfloat16, "kernel")
-    with OffloadEngine(packs["int4"], fast_budget="50%", hardware=str(path), device="cpu", dtype="float32",
-                       expert_compute="on-arrival") as engine:
+    with OffloadEngine(make_plan(packs["int4"], fast_budget="50%", hardware=str(path), device="cpu", dtype="float32",
+                                 expert_compute="on-arrival")) as engine:
         assert (engine.compute_dtype, engine.expert_form.name) == (torch.float32, "on-arrival")
-    with OffloadEngine(packs["int4"], fast_budget="50%", hardware=str(path), device="cpu", dtype="float32") as engine:
+    with OffloadEngine(make_plan(packs["int4"], fast_budget="50%", hardware=str(path), device="cpu", dtype="float32")) as engine:
         # the kernel was chosen in bfloat16: in float32 the rule applies
         assert (engine.compute_dtype, engine.expert_form.name) == (torch.float32, "per-use")
-    with OffloadEngine(packs["int8"], fast_budget="50%", hardware=str(path), device="cpu") as engine:
+    with OffloadEngine(make_plan(packs["int8"], fast_budget="50%", hardware=str(path), device="cpu")) as engine:
         assert (engine.compute_dtype, engine.expert_form.name) == (torch.float32, "per-use")  # int8: not said
     cuda_measured = profile_with(tmp_path, {"device": "cuda", "dtype": {"int4": "bfloat16"}})
-    with OffloadEngine(packs["int4"], fast_budget="50%", hardware=str(cuda_measured), device="cpu") as engine:
+    with OffloadEngine(make_plan(packs["int4"], fast_budget="50%", hardware=str(cuda_measured), device="cpu")) as engine:
         assert engine.compute_dtype == torch.float32  # measured on another kind of device: not applied
 
 

@@ -14,6 +14,7 @@ from model_configs import build, tiny_tokenizer  # noqa: E402
 
 from moe_offload.models.recorder import record  # noqa: E402
 from moe_offload.runtime.mover import RING_BUFFERS  # noqa: E402
+from moe_offload.plan import make_plan  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 from moe_offload.runtime.packing import pack_model  # noqa: E402
 from moe_offload.text.prompts import Prompt  # noqa: E402
@@ -32,7 +33,7 @@ def packed(tmp_path_factory):
     pack_model(root / "model", root / "packed")
     trace = record(model, adapter, tokenizer, [Prompt(p, f"p:{i}") for i, p in enumerate(PROMPTS)],
                    model_name="tiny-random", max_new_tokens=NEW_TOKENS, batch_size=1).trace
-    with OffloadEngine(root / "packed", fast_budget="100%", preload=True, device="cuda") as engine:
+    with OffloadEngine(make_plan(root / "packed", fast_budget="100%", preload=True, device="cuda")) as engine:
         expected = {p: engine.generate(p, max_new_tokens=NEW_TOKENS, return_logits=True) for p in PROMPTS}
     return root / "packed", expected, trace
 
@@ -41,8 +42,8 @@ def packed(tmp_path_factory):
                                                             ("fmoe", "topk", "40%", "50%"), ("lru", None, "12%", "100%")])
 def test_lossless_against_the_all_resident_engine_on_the_same_gpu(packed, policy, prefetch, budget, host):
     directory, expected, _ = packed
-    with OffloadEngine(directory, fast_budget=budget, host_budget=host, policy=policy, prefetch=prefetch,
-                       device="cuda") as engine:
+    with OffloadEngine(make_plan(directory, fast_budget=budget, host_budget=host, policy=policy, prefetch=prefetch,
+                                 device="cuda")) as engine:
         assert engine.compute_dtype == torch.float16
         for prompt, reference in expected.items():
             result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
@@ -52,7 +53,7 @@ def test_lossless_against_the_all_resident_engine_on_the_same_gpu(packed, policy
 
 def test_the_pinned_ring_is_reused_and_gpu_memory_does_not_grow(packed):
     directory, _, _ = packed
-    with OffloadEngine(directory, fast_budget="25%", device="cuda") as engine:
+    with OffloadEngine(make_plan(directory, fast_budget="25%", device="cuda")) as engine:
         engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
         torch.cuda.synchronize()
         allocated = torch.cuda.memory_allocated()
@@ -69,8 +70,8 @@ def test_transfers_overlap_compute(packed):
     """Under routing replay the oracle prefetches the next layers while this one computes: the time the link
     spent copying exceeds the time the compute waited for it."""
     directory, _, trace = packed
-    with OffloadEngine(directory, fast_budget="30%", policy="lru", prefetch="oracle", replay=trace,
-                       device="cuda") as engine:
+    with OffloadEngine(make_plan(directory, fast_budget="30%", policy="lru", prefetch="oracle", replay=trace,
+                                 device="cuda")) as engine:
         result = engine.generate_replayed(0)
         busy = sum(engine.counters.link_busy_seconds.values())
     assert result.stats.prefetches_used > 0
@@ -88,7 +89,7 @@ def test_bypassed_experts_computed_on_the_host_agree_with_the_gpu(packed, tmp_pa
     options = {}
     if policy == "static-freq":
         options = {"profile": str(write_trace(trace, tmp_path / "profile.parquet"))}
-    with OffloadEngine(directory, fast_budget=budget, policy=policy, policy_options=options, device="cuda") as engine:
+    with OffloadEngine(make_plan(directory, fast_budget=budget, policy=policy, policy_options=options, device="cuda")) as engine:
         assert engine.tiers[-1].pool.memory.is_pinned()
         for prompt, reference in expected.items():
             result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
@@ -105,8 +106,8 @@ def test_fetch_or_compute_computes_the_misses_on_the_host_and_agrees_with_the_gp
 
     directory, expected, _ = packed
     cheap_host = profile(gpu_expert=1e-3, host_fixed=1e-6, latency=1e-6, bandwidth=1e9)
-    with OffloadEngine(directory, fast_budget="25%", policy="lru", fetch_or_compute=True, hardware=cheap_host,
-                       device="cuda") as engine:
+    with OffloadEngine(make_plan(directory, fast_budget="25%", policy="lru", fetch_or_compute=True, hardware=cheap_host,
+                                 device="cuda")) as engine:
         for prompt, reference in expected.items():
             result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
             assert result.token_ids == reference.token_ids

@@ -16,6 +16,7 @@ from moe_offload.bundled import DEFAULT_TINY_TRACE  # noqa: E402
 from moe_offload.errors import ConfigError  # noqa: E402
 from moe_offload.hardware import HardwareProfile  # noqa: E402
 from moe_offload.policies.fetch_or_compute import FetchOrCompute  # noqa: E402
+from moe_offload.plan import make_plan  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 from moe_offload.runtime.pack_cache import packed_directory  # noqa: E402
 from moe_offload.runtime.packing import read_manifest  # noqa: E402
@@ -41,7 +42,7 @@ def profile(*, gpu_expert, host_fixed, host_per_token=0.0, latency=0.0, bandwidt
 def tiny():
     packed = packed_directory("tiny")
     trace = read_trace(DEFAULT_TINY_TRACE)
-    with OffloadEngine(packed, replay=trace, fast_budget="100%", preload=True) as engine:
+    with OffloadEngine(make_plan(packed, replay=trace, fast_budget="100%", preload=True)) as engine:
         reference = engine.generate_replayed(REQUEST, NEW_TOKENS, return_logits=True)
     return packed, trace, reference
 
@@ -63,8 +64,8 @@ def decisions(monkeypatch):
 
 def run(tiny, hardware, fast_budget="25%", **options):
     packed, trace, reference = tiny
-    with OffloadEngine(packed, replay=trace, fast_budget=fast_budget, policy="lru", fetch_or_compute=True,
-                       hardware=hardware, **options) as engine:
+    with OffloadEngine(make_plan(packed, replay=trace, fast_budget=fast_budget, policy="lru", fetch_or_compute=True,
+                                 hardware=hardware, **options)) as engine:
         result = engine.generate_replayed(REQUEST, NEW_TOKENS, return_logits=True)
     assert result.token_ids == reference.token_ids  # lossless against the all-resident engine
     assert all(torch.equal(a, b) for a, b in zip(result.logits, reference.logits))
@@ -151,7 +152,7 @@ def test_fetch_or_compute_is_refused_where_it_cannot_run(tiny):
     for options, problem in (({"hardware": no_host}, "has no [host] compute"),
                              ({"policy": "static-layers"}, "is a static placement that loads none")):
         with pytest.raises(ConfigError, match=problem.replace("[", r"\[").replace("]", r"\]")):
-            OffloadEngine(packed, **{"fast_budget": "25%", "fetch_or_compute": True, **options})
+            OffloadEngine(make_plan(packed, **{"fast_budget": "25%", "fetch_or_compute": True, **options}))
 
 
 def test_generate_and_serve_take_fetch_or_compute_and_refuse_bad_input_in_one_line(tmp_path, capsys):

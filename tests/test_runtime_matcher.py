@@ -18,6 +18,7 @@ from moe_offload.errors import ConfigError  # noqa: E402
 from moe_offload.models.recorder import record  # noqa: E402
 from moe_offload.prefetch import RoutingView, make_prefetcher  # noqa: E402
 from moe_offload.prefetch.base import Proposal  # noqa: E402
+from moe_offload.plan import make_plan  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 from moe_offload.runtime.live_view import LiveRoutingView  # noqa: E402
 from moe_offload.runtime.matcher import MATCHERS  # noqa: E402
@@ -50,8 +51,8 @@ def setup(tmp_path_factory):
 
 
 def engine_of(setup, matcher="async", **options):
-    return OffloadEngine(setup["packed"], fast_budget=FAST, prefetch="fmoe", prefetch_history=setup["history"],
-                         prefetch_options=options or None, matcher=matcher)
+    return OffloadEngine(make_plan(setup["packed"], fast_budget=FAST, prefetch="fmoe", prefetch_history=setup["history"],
+                                   prefetch_options=options or None, matcher=matcher))
 
 
 def spy(prefetcher, seen: list, blocked: threading.Event | None = None):
@@ -148,7 +149,7 @@ def test_the_matcher_runs_off_the_decode_thread_which_never_waits_for_it(setup):
     seen, release = [], threading.Event()
     with engine_of(setup, "async") as engine:
         spy(engine.prefetcher, seen, blocked=release)
-        with OffloadEngine(setup["packed"], fast_budget=FAST) as plain:
+        with OffloadEngine(make_plan(setup["packed"], fast_budget=FAST)) as plain:
             expected = plain.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS).token_ids
         completion = engine.generate_batch([PROMPTS[0]], max_new_tokens=NEW_TOKENS)[0]
         assert seen == [] and completion.token_ids == expected
@@ -192,7 +193,7 @@ def test_a_matcher_failure_is_raised_on_the_decode_thread_and_the_engine_goes_on
 
 
 def test_generation_is_lossless_whatever_the_matcher(setup):
-    with OffloadEngine(setup["packed"], fast_budget="100%", preload=True) as resident:
+    with OffloadEngine(make_plan(setup["packed"], fast_budget="100%", preload=True)) as resident:
         expected = [resident.generate(p, max_new_tokens=NEW_TOKENS, return_logits=True) for p in PROMPTS]
         batched = [c.token_ids for c in resident.generate_batch(PROMPTS, max_new_tokens=NEW_TOKENS)]
     for matcher in MATCHERS:

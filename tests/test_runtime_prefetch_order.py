@@ -9,6 +9,7 @@ import torch
 
 from moe_offload.bundled import DEFAULT_TINY_TRACE
 from moe_offload.runtime.datapath import DataPath
+from moe_offload.plan import make_plan
 from moe_offload.runtime.engine import OffloadEngine
 from moe_offload.runtime.pack_cache import packed_directory
 from moe_offload.trace.format import read_trace
@@ -30,8 +31,8 @@ def test_proposals_after_a_router_wait_for_its_layer_to_pin_and_demand(monkeypat
     monkeypatch.setattr(DataPath, "propose", recording_propose)
     monkeypatch.setattr(DataPath, "layer_routed", recording_layer_routed)
     torch.manual_seed(0)
-    with OffloadEngine(packed_directory("tiny"), replay=read_trace(DEFAULT_TINY_TRACE), replay_weights="trace",
-                       fast_budget="25%", policy="lru", prefetch="topk") as engine:
+    with OffloadEngine(make_plan(packed_directory("tiny"), replay=read_trace(DEFAULT_TINY_TRACE), replay_weights="trace",
+                                 fast_budget="25%", policy="lru", prefetch="topk")) as engine:
         engine.generate_replayed(0, 3)
     proposals = [call for call in calls if call[0] == "propose" and call[1] >= 0]
     assert len(proposals) >= engine.spec.num_layers  # topk proposes after every router
@@ -71,8 +72,8 @@ def test_under_a_replay_moepic_proposes_what_the_timed_simulator_proposes(monkey
     monkeypatch.setattr(DataPath, "propose", recording_propose)
     monkeypatch.setattr(TierNetwork, "propose", recording_network_propose)
     new_tokens = 4
-    with OffloadEngine(packed, replay=trace, replay_weights="trace", fast_budget="25%", policy="lru",
-                       prefetch="moepic", hardware=hardware) as engine:
+    with OffloadEngine(make_plan(packed, replay=trace, replay_weights="trace", fast_budget="25%", policy="lru",
+                                 prefetch="moepic", hardware=hardware)) as engine:
         engine.generate_replayed(0, new_tokens)
     simulate_timed(trace.select(replay_rows(trace, 0, new_tokens)), hardware, "lru", 16 * manifest.expert_bytes,
                    expert_bytes=manifest.expert_bytes, prefetcher="moepic")

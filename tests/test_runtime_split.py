@@ -16,6 +16,7 @@ from moe_offload.cli.main import main  # noqa: E402
 from moe_offload.errors import ConfigError  # noqa: E402
 from moe_offload.models.adapters import load_model  # noqa: E402
 from moe_offload.models.experts import use_project_experts  # noqa: E402
+from moe_offload.plan import make_plan  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 from moe_offload.runtime.packing import pack_model, read_manifest  # noqa: E402
 from moe_offload.runtime.storage import ExpertReadError  # noqa: E402
@@ -87,8 +88,8 @@ def test_the_split_runtime_is_lossless_over_budgets_and_split_ratios(split_check
     rows = tuple(round(theta * INTERMEDIATE) for theta in ratios)
     expected = reference(split_checkpoint, rows)
     need = memory_bytes(cached, rows)
-    with OffloadEngine(split_checkpoint / "packed", fast_budget=str(need + slack), policy=policy, device="cpu",
-                       split_config=config(cached, ratios)) as engine:
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget=str(need + slack), policy=policy, device="cpu",
+                                 split_config=config(cached, ratios))) as engine:
         assert engine.split.memory_bytes == need
         for prompt, (tokens, logits) in expected.items():
             result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
@@ -104,8 +105,8 @@ def test_bottoms_alone_move_their_share_of_an_expert_and_batches_stay_lossless(s
     A batch needs more experts per layer than the buffer holds: they pass through it in turn."""
     manifest = read_manifest(split_checkpoint / "packed")
     expected = reference(split_checkpoint, (12,) * LAYERS)
-    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu",
-                       split_config=config([4] * LAYERS, [0.25] * LAYERS)) as engine:
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget="100%", device="cpu",
+                                 split_config=config([4] * LAYERS, [0.25] * LAYERS))) as engine:
         result = engine.generate(PROMPTS[1], max_new_tokens=NEW_TOKENS)
         stats = result.stats
         assert stats.hits > 0 and stats.misses > 0
@@ -131,8 +132,8 @@ def test_a_bottom_changed_after_its_verified_read_is_caught(split_checkpoint, tm
 
     packed = tmp_path / "packed"
     shutil.copytree(split_checkpoint / "packed", packed)
-    with OffloadEngine(packed, fast_budget="100%", device="cpu",
-                       split_config=config([EXPERTS] * LAYERS, [0.5] * LAYERS)) as engine:
+    with OffloadEngine(make_plan(packed, fast_budget="100%", device="cpu",
+                                 split_config=config([EXPERTS] * LAYERS, [0.5] * LAYERS))) as engine:
         engine.generate(PROMPTS[0], max_new_tokens=2)
         split = engine.split
         key = next(iter(split.tops[0].resident))
@@ -161,8 +162,8 @@ def test_a_bottom_changed_after_its_verified_read_is_caught(split_checkpoint, tm
 ])
 def test_a_split_config_the_model_or_budget_cannot_run_is_refused(split_checkpoint, cached, ratios, problem):
     with pytest.raises(ConfigError, match=problem):
-        OffloadEngine(split_checkpoint / "packed", fast_budget="50%", device="cpu",
-                      split_config=config(cached, ratios))
+        OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget="50%", device="cpu",
+                                split_config=config(cached, ratios)))
 
 
 def test_generate_split_config_errors_are_one_line(split_checkpoint, tmp_path, capsys):
@@ -176,8 +177,8 @@ def test_generate_split_config_errors_are_one_line(split_checkpoint, tmp_path, c
         err = capsys.readouterr().err
         assert code == 2 and problem in err and str(path) in err and len(err.strip().splitlines()) == 1
     with pytest.raises(ConfigError, match="does not preload"):
-        OffloadEngine(packed, fast_budget="100%", device="cpu", preload=True,
-                      split_config=config([2] * LAYERS, [0.5] * LAYERS))
+        OffloadEngine(make_plan(packed, fast_budget="100%", device="cpu", preload=True,
+                                split_config=config([2] * LAYERS, [0.5] * LAYERS)))
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"layers": [{"cache_size": 3, "split_ratio": 0.5}] * LAYERS}))
     assert main(["generate", "def", "--model", packed, "--device", "cpu", "--split-config", str(good),
@@ -190,8 +191,8 @@ def test_a_cached_top_computes_while_its_bottom_is_read(split_checkpoint):
     import threading
     import time
 
-    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu",
-                       split_config=config([EXPERTS] * LAYERS, [0.5] * LAYERS)) as engine:
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget="100%", device="cpu",
+                                 split_config=config([EXPERTS] * LAYERS, [0.5] * LAYERS))) as engine:
         engine.generate(PROMPTS[0], max_new_tokens=3)  # the first reads are whole: every routed top is cached
         split, store = engine.split, engine.store
         events, lock = [], threading.Lock()
@@ -237,8 +238,8 @@ def test_bottom_reads_retry_transient_errors_continue_short_reads_and_name_a_fai
 
     store = ExpertStore(manifest, read_into=flaky_short, backoff_s=0.0)
     expected = reference(split_checkpoint, (24,) * LAYERS)
-    with OffloadEngine(packed, fast_budget="100%", device="cpu", store=store,
-                       split_config=config([4] * LAYERS, [0.5] * LAYERS)) as engine:
+    with OffloadEngine(make_plan(packed, fast_budget="100%", device="cpu",
+                                 split_config=config([4] * LAYERS, [0.5] * LAYERS)), store=store) as engine:
         for prompt in PROMPTS:
             assert engine.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids == expected[prompt][0]
         assert engine.stats.hits > 0 and store.retried > 0  # bottoms read alone (hits), reads retried
@@ -247,8 +248,8 @@ def test_bottom_reads_retry_transient_errors_continue_short_reads_and_name_a_fai
         raise OSError(errno.EPERM, os.strerror(errno.EPERM))
 
     store = ExpertStore(manifest, read_into=failing, retries=1, backoff_s=0.0)
-    with OffloadEngine(packed, fast_budget="100%", device="cpu", store=store,
-                       split_config=config([4] * LAYERS, [0.5] * LAYERS)) as engine:
+    with OffloadEngine(make_plan(packed, fast_budget="100%", device="cpu",
+                                 split_config=config([4] * LAYERS, [0.5] * LAYERS)), store=store) as engine:
         with pytest.raises(ExpertReadError, match=r"expert \d+ of layer \d+: .*\.bin \(bytes \d+..\d+\): read failed"):
             engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
         split = engine.split
@@ -263,12 +264,12 @@ def test_a_host_tier_between_the_files_and_the_split_stays_lossless(split_checkp
     least); loads come through it, lossless with and without prefetching, batches included."""
     if host_budget == "1":
         with pytest.raises(ConfigError, match="cannot hold one expert"):
-            OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu", host_budget=host_budget,
-                          split_config=config([2] * LAYERS, [0.5] * LAYERS))
+            OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget="100%", device="cpu", host_budget=host_budget,
+                                    split_config=config([2] * LAYERS, [0.5] * LAYERS)))
         host_budget = str(read_manifest(split_checkpoint / "packed").expert_bytes)
     expected = reference(split_checkpoint, (24, 12, 36))
-    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu", host_budget=host_budget,
-                       prefetch=prefetch, split_config=config([2, 4, 3], [0.5, 0.25, 0.75])) as engine:
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget="100%", device="cpu", host_budget=host_budget,
+                                 prefetch=prefetch, split_config=config([2, 4, 3], [0.5, 0.25, 0.75]))) as engine:
         for prompt, (tokens, logits) in expected.items():
             result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
             assert result.token_ids == tokens
@@ -283,8 +284,8 @@ def test_the_host_tier_reads_each_expert_from_the_files_once_and_the_fast_memory
     gives the fast memory what the split loads (host->fast: a whole expert per miss, 24 of 48 rows per hit), and
     every demand load after an expert's first is a host hit."""
     manifest = read_manifest(split_checkpoint / "packed")
-    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu", host_budget="100%",
-                       split_config=config([2] * LAYERS, [0.5] * LAYERS)) as engine:
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget="100%", device="cpu", host_budget="100%",
+                                 split_config=config([2] * LAYERS, [0.5] * LAYERS))) as engine:
         for _ in range(2):
             engine.generate(PROMPTS[1], max_new_tokens=NEW_TOKENS)
         stats, host = engine.stats, engine.split.host

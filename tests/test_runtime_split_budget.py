@@ -15,6 +15,7 @@ from moe_offload.models.adapters import load_model  # noqa: E402
 from moe_offload.models.recorder import record  # noqa: E402
 from moe_offload.policies import ModelSpec  # noqa: E402
 from moe_offload.prefetch import RoutingView, make_prefetcher  # noqa: E402
+from moe_offload.plan import make_plan  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 from moe_offload.runtime.packing import read_manifest  # noqa: E402
 from moe_offload.simulator.split import LayerSplitPlan, SplitConfig  # noqa: E402
@@ -40,8 +41,8 @@ def test_a_split_runs_moepic_proposals_are_the_timed_simulators(split_run, prefe
                               for y in prefetches or [None] * LAYERS))
     simulated = make_prefetcher("moepic", ModelSpec(manifest.num_layers, manifest.num_experts, manifest.top_k))
     simulate_timed(trace, hardware, "lru", expert_bytes=manifest.expert_bytes, prefetcher=simulated, split=split)
-    with OffloadEngine(packed, fast_budget="100%", device="cpu", prefetch="moepic", hardware=hardware,
-                       split_config=split) as engine:
+    with OffloadEngine(make_plan(packed, fast_budget="100%", device="cpu", prefetch="moepic", hardware=hardware,
+                                 split_config=split)) as engine:
         running = engine.prefetcher
         budget = running.budget
         assert budget == simulated.budget

@@ -9,6 +9,7 @@ pytest.importorskip("transformers")
 from test_runtime_split import EXPERTS, LAYERS, NEW_TOKENS, PROMPTS, TOP_K, config, make_checkpoint, reference  # noqa: E402
 from test_runtime_split_prefetch import route  # noqa: E402
 
+from moe_offload.plan import make_plan  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 from moe_offload.runtime.packing import read_manifest  # noqa: E402
 from moe_offload.runtime.tiers import SegmentPool  # noqa: E402
@@ -44,8 +45,8 @@ def test_with_y_above_k_four_bottoms_land_ahead_of_two_layers_and_none_is_loaded
     prefetched bottoms, two for layer 1 and two for layer 2, all land before layer 1 is routed; each layer then
     computes with its two without a demand load, and 4 bottoms' bytes moved."""
     bottom = read_manifest(split_checkpoint / "packed").expert_bytes // 2
-    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu",
-                       split_config=config([EXPERTS] * LAYERS, [0.5] * LAYERS)) as engine:
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget="100%", device="cpu",
+                                 split_config=config([EXPERTS] * LAYERS, [0.5] * LAYERS))) as engine:
         split = engine.split
         for layer in (1, 2):
             for expert in (0, 1):
@@ -74,8 +75,8 @@ def test_moepic_with_y_above_k_is_lossless_and_lands_more_bottoms_than_k(split_c
     rows = (24,) * LAYERS
     expected = reference(split_checkpoint, rows)
     split = SplitConfig(tuple(LayerSplitPlan(EXPERTS, 0.5, 4) for _ in range(LAYERS)))
-    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu", prefetch="moepic",
-                       split_config=split) as engine:
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget="100%", device="cpu", prefetch="moepic",
+                                 split_config=split)) as engine:
         assert [engine.prefetcher.prefetches_for(layer) for layer in range(LAYERS)] == [4] * LAYERS
         for prompt in PROMPTS:
             tokens, logits = expected[prompt]
@@ -89,8 +90,8 @@ def test_moepic_with_y_above_k_is_lossless_and_lands_more_bottoms_than_k(split_c
 def test_a_split_run_with_a_host_tier_has_a_worker_per_link(split_checkpoint):
     """One data path: the link into the split's fast tier and the link into the host tier each have their worker,
     and the engine's data path is the one the split tier belongs to."""
-    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu", host_budget="100%",
-                       split_config=config([2] * LAYERS, [0.5] * LAYERS)) as engine:
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget="100%", device="cpu", host_budget="100%",
+                                 split_config=config([2] * LAYERS, [0.5] * LAYERS))) as engine:
         assert [worker.link.name for worker in engine.path.workers] == ["host->fast", "ssd->host"]
         assert engine.path.tiers[0] is engine.split and engine.split.path is engine.path
         assert all(worker.is_alive() for worker in engine.path.workers)

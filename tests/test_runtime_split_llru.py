@@ -13,6 +13,7 @@ from test_runtime_split import EXPERTS, LAYERS, TOP_K, config, make_checkpoint  
 
 from moe_offload.policies import AccessContext, ModelSpec  # noqa: E402
 from moe_offload.policies.llru import LLRU  # noqa: E402
+from moe_offload.plan import make_plan  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 from moe_offload.simulator.cache import ExpertCache  # noqa: E402
 from moe_offload.trace.flatten import flatten  # noqa: E402
@@ -52,8 +53,8 @@ def test_the_split_runners_llru_sees_the_replays_clocks_and_evicts_what_the_repl
     seen = spy_on_llru(monkeypatch, victims)
     trace = sequence()
     root = make_checkpoint(tmp_path)
-    with OffloadEngine(root / "packed", fast_budget="100%", device="cpu", policy="test-llru", replay=trace,
-                       replay_weights="router", split_config=config([TOPS] * LAYERS, [0.5] * LAYERS)) as engine:
+    with OffloadEngine(make_plan(root / "packed", fast_budget="100%", device="cpu", policy="test-llru", replay=trace,
+                                 replay_weights="router", split_config=config([TOPS] * LAYERS, [0.5] * LAYERS))) as engine:
         engine.generate_replayed(0)
     flat = flatten(trace)
     # one token per pass: each expert's only request in its pass, at the replay's clock round * L + layer

@@ -13,6 +13,7 @@ from test_runtime_split import (HIDDEN, INTERMEDIATE, LAYERS, NEW_TOKENS, PROMPT
 from moe_offload.cli.main import main  # noqa: E402
 from moe_offload.models.adapters import load_model  # noqa: E402
 from moe_offload.models.experts import use_project_experts  # noqa: E402
+from moe_offload.plan import make_plan  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 from moe_offload.runtime.packing import read_manifest  # noqa: E402
 from moe_offload.runtime.split_online import fit_rows  # noqa: E402
@@ -51,9 +52,9 @@ def test_online_reconfiguration_is_lossless_per_pass(split_checkpoint, start, pr
     """Every tau = 2 tokens the configurator reallocates; each pass computes in the split in force, so the run
     equals, bit for bit, the all-resident model switching split at the same passes (and it does switch)."""
     unsplit = reference(split_checkpoint, None)
-    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%" if start else "40%", device="cpu",
-                       prefetch=prefetch, split_config=config(*start) if start else None,
-                       reconfiguration=Reconfiguration(every=2)) as engine:
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget="100%" if start else "40%", device="cpu",
+                                 prefetch=prefetch, split_config=config(*start) if start else None,
+                                 reconfiguration=Reconfiguration(every=2))) as engine:
         split, seen = engine.split, set()
         for prompt in PROMPTS:
             rows_of_pass = []
@@ -76,8 +77,8 @@ def test_online_reconfiguration_is_lossless_per_pass(split_checkpoint, start, pr
 
 def test_a_changed_ratio_rereads_the_kept_tops_whole_and_a_kept_one_moves_nothing(split_checkpoint):
     manifest = read_manifest(split_checkpoint / "packed")
-    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu",
-                       split_config=config([3] * LAYERS, [0.5] * LAYERS)) as engine:
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget="100%", device="cpu",
+                                 split_config=config([3] * LAYERS, [0.5] * LAYERS))) as engine:
         engine.generate(PROMPTS[1], max_new_tokens=2)
         split = engine.split
         kept = [len(top) for top in split.tops]

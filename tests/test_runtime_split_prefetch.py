@@ -16,6 +16,7 @@ from test_runtime_split import (EXPERTS, INTERMEDIATE, LAYERS, NEW_TOKENS, PROMP
 
 from moe_offload.models.adapters import load_model  # noqa: E402
 from moe_offload.models.recorder import record  # noqa: E402
+from moe_offload.plan import make_plan  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 from moe_offload.runtime.packing import read_manifest  # noqa: E402
 from moe_offload.simulator.split import LayerSplitPlan, SplitConfig  # noqa: E402
@@ -54,8 +55,8 @@ def predict(engine, layer: int, expert: int):
 def test_a_correct_prediction_turns_a_demand_load_into_a_prefetch_hit_and_a_wrong_one_is_wasted(split_checkpoint):
     manifest = read_manifest(split_checkpoint / "packed")
     whole, bottom = manifest.expert_bytes, manifest.expert_bytes * 24 // 48  # theta = 0.5: 24 of 48 rows
-    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu",
-                       split_config=config([2] * LAYERS, [0.5] * LAYERS)) as engine:
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget="100%", device="cpu",
+                                 split_config=config([2] * LAYERS, [0.5] * LAYERS))) as engine:
         route(engine, 0, 0)
         unpredicted = route(engine, 1, 3)  # its top was not cached: a miss, the whole expert on demand
         assert (unpredicted.hits, unpredicted.on_demand_loads, unpredicted.prefetches_issued) == (0, 1, 0)
@@ -88,8 +89,8 @@ def test_a_prefetch_never_takes_a_slot_the_current_layer_needs_and_a_demand_load
     """Two buffer slots (top-2): two prefetches for layer 1 fill them; layer 1 is then routed to two other experts,
     whose demand loads find the speculation dropped at routing. Layer 0's experts fill the buffer: a prefetch
     proposed meanwhile waits for a slot and lands once they have computed."""
-    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu",
-                       split_config=config([2] * LAYERS, [0.5] * LAYERS)) as engine:
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget="100%", device="cpu",
+                                 split_config=config([2] * LAYERS, [0.5] * LAYERS))) as engine:
         split = engine.split
         route(engine, 0, 0)
         predict(engine, 1, 1)
@@ -113,11 +114,11 @@ def test_a_prefetch_never_takes_a_slot_the_current_layer_needs_and_a_demand_load
 
 def test_the_configurations_prefetch_counts_are_the_moepic_prefetchers_y(split_checkpoint):
     split = SplitConfig(tuple(LayerSplitPlan(2, 0.5, y) for y in (3, 1, 4)))
-    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu", prefetch="moepic",
-                       split_config=split) as engine:
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget="100%", device="cpu", prefetch="moepic",
+                                 split_config=split)) as engine:
         assert [engine.prefetcher.prefetches_for(layer) for layer in range(LAYERS)] == [3, 1, 4]
-    with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu", prefetch="moepic",
-                       split_config=config([2] * LAYERS, [0.5] * LAYERS)) as engine:  # no Y: the link's window
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget="100%", device="cpu", prefetch="moepic",
+                                 split_config=config([2] * LAYERS, [0.5] * LAYERS))) as engine:  # no Y: the link's window
         budget = engine.prefetcher.budget
         assert [engine.prefetcher.prefetches_for(layer) for layer in range(LAYERS)] == [
             min(EXPERTS, int(window // budget.expert_load_seconds)) for window in budget.window_seconds]
@@ -146,8 +147,8 @@ def test_moepic_prefetching_split_runs_are_lossless_over_budgets_ratios_and_poli
     rows = tuple(round(theta * INTERMEDIATE) for theta in ratios)
     expected = reference(split_checkpoint, rows)
     split = SplitConfig(tuple(LayerSplitPlan(c, theta, prefetches) for c, theta in zip(cached, ratios)))
-    with OffloadEngine(split_checkpoint / "packed", fast_budget=str(memory_bytes(cached, rows)), policy=policy,
-                       device="cpu", prefetch="moepic", split_config=split) as engine:
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget=str(memory_bytes(cached, rows)), policy=policy,
+                                 device="cpu", prefetch="moepic", split_config=split)) as engine:
         for prompt, (tokens, logits) in expected.items():
             result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
             assert result.token_ids == tokens
@@ -167,8 +168,8 @@ def test_the_oracle_under_replay_prefetches_and_stays_lossless(split_checkpoint)
     split = config([EXPERTS] * LAYERS, [0.5] * LAYERS)
     runs = {}
     for prefetch in (None, "oracle"):
-        with OffloadEngine(split_checkpoint / "packed", fast_budget="100%", device="cpu", prefetch=prefetch,
-                           replay=decode, replay_weights="router", split_config=split) as engine:
+        with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget="100%", device="cpu", prefetch=prefetch,
+                                     replay=decode, replay_weights="router", split_config=split)) as engine:
             runs[prefetch] = engine.generate_replayed(0, return_logits=True)
             check_counts(engine, runs[prefetch], True)
     plain, oracle = runs[None], runs["oracle"]

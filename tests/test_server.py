@@ -27,6 +27,7 @@ openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from moe_offload.api import load  # noqa: E402
+from moe_offload.plan import make_plan  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 from moe_offload.runtime.pack_cache import packed_directory  # noqa: E402
 from moe_offload.runtime.packing import read_manifest  # noqa: E402
@@ -271,7 +272,7 @@ def test_an_engine_failure_is_a_5xx_naming_it_and_the_server_serves_on(tmp_path)
     broken = bytearray(intact)
     for i in range(0, len(broken), 4096):  # every expert of layer 0: every request needs one
         broken[i] ^= 0xFF
-    with OffloadEngine(packed, fast_budget="30%") as engine, ServerThread(engine, "packed") as server:
+    with OffloadEngine(make_plan(packed, fast_budget="30%")) as engine, ServerThread(engine, "packed") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         layer_file.write_bytes(bytes(broken))
         with pytest.raises(openai.InternalServerError, match=r"layer000\.bin.*checksum mismatch"):

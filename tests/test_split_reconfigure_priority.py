@@ -10,7 +10,8 @@ from moe_offload.hardware import resolve_profile
 from moe_offload.policies import AccessContext
 from moe_offload.policies.lru import LRU
 from moe_offload.simulator.split import LayerSplitPlan, SplitConfig, SplitExperts
-from moe_offload.simulator.timed.reconfigure import OnlineConfigurator, Reconfiguration
+from moe_offload.plan import Reconfiguration
+from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.trace.format import Trace, TraceMeta
 
 LAYERS, EXPERTS, TOP_K = 3, 6, 2  # the runtime tests' tiny Mixtral (tests/model_configs.py)
@@ -66,12 +67,13 @@ def test_the_runtime_caches_the_same_tops_and_computes_losslessly_with_them(tmp_
     import torch
     from test_runtime_split import NEW_TOKENS, PROMPTS, make_checkpoint, reference
 
+    from moe_offload.plan import make_plan
     from moe_offload.runtime.engine import OffloadEngine
     from moe_offload.runtime.packing import read_manifest
 
     root = make_checkpoint(tmp_path)
     expert_bytes = read_manifest(root / "packed").expert_bytes
-    with OffloadEngine(root / "packed", fast_budget="100%", device="cpu", policy="lru", split_config=START) as engine:
+    with OffloadEngine(make_plan(root / "packed", fast_budget="100%", device="cpu", policy="lru", split_config=START)) as engine:
         split = engine.split
         engine.generate(PROMPTS[0], max_new_tokens=2)
         before = [set(top.resident) for top in split.tops]

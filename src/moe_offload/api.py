@@ -5,28 +5,24 @@
     result = engine.generate("User: what is a cache?\\nAssistant:", max_new_tokens=32)
     print(result.text, result.tokens_per_second, result.stats.hit_rate)
     engine.stats      # everything since load, the same RunResult record the simulators fill
+    engine.plan       # what decides the run (plan/plan.py); engine.stats.configuration reports it back
     engine.close()
 """
 
 from __future__ import annotations
 
 
-def load(model: str = "tiny", *, fast_budget="50%", policy: str = "lru", prefetch: str | None = None,
-         prefetch_history=None, expert_dtype: str | None = None, **options):
+def load(model: str = "tiny", *, store=None, **options):
     """An :class:`~moe_offload.runtime.engine.OffloadEngine` for ``model`` (``tiny``, a checkpoint directory,
-    packed once into the cache, or a packed directory; a hub id ORG/NAME[@REVISION]), its experts stored as
-    ``expert_dtype`` (float16, bfloat16, int8, int4; None: as the checkpoint stores them). ``options`` go to the engine (host_budget, device,
-    policy_options, prefetch_options, bypass_page_cache, verify_checksums, preload, split_config, ...)."""
+    packed once into the cache, or a packed directory; a hub id ORG/NAME[@REVISION]; a GGUF file), made from the
+    Plan of ``options`` (:func:`moe_offload.plan.make_plan`'s keywords: fast_budget, host_budget, policy,
+    policy_options, prefetch, prefetch_options, prefetch_history, expert_dtype, dtype, expert_compute, device,
+    hardware, fetch_or_compute, split_config, reconfiguration, max_batch, batch_math, ...). ``store``: the slow
+    tier's reader, when not the plan's own (runtime/storage.py)."""
     from moe_offload.models import require_model_stack
 
     require_model_stack("the runtime")
-    from moe_offload.bundled import TINY_HISTORY_TRACE
-    from moe_offload.prefetch import Prefetcher, prefetcher_info
+    from moe_offload.plan import make_plan
     from moe_offload.runtime.engine import OffloadEngine
-    from moe_offload.runtime.pack_cache import packed_directory
 
-    if prefetch is not None and prefetch_history is None and model == "tiny" \
-            and prefetcher_info(prefetch).fit is not Prefetcher.fit:
-        prefetch_history = TINY_HISTORY_TRACE  # the same model on other prompts: MoE-Infinity, fMoE learn from it
-    return OffloadEngine(packed_directory(model, expert_dtype=expert_dtype), fast_budget=fast_budget, policy=policy, prefetch=prefetch,
-                         prefetch_history=prefetch_history, **options)
+    return OffloadEngine(make_plan(model, **options), store=store)

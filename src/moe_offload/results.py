@@ -59,6 +59,7 @@ class RunResult:
     total_seconds: float | None = None        # first arrival to last token
     timeline: dict | None = None              # one iteration's compute, transfers and stalls (simulator/timed)
     reconfigurations: list[dict] | None = None  # MoEpic's online configurator: what each reconfiguration chose
+    configuration: dict | None = None  # the Plan the run was made from (plan/plan.py, Plan.describe)
     notes: list[str] = field(default_factory=list)
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
+from moe_offload.cli.options import add_expert_bytes, add_granularity, add_hardware
 from moe_offload.errors import ConfigError
 from moe_offload.values import expert_amount, format_bytes, integer
 
@@ -25,9 +26,8 @@ def register(subparsers) -> None:
                              "experts; the prefetch buffer of top-k experts is taken from it and the rest (V_e) "
                              "caches segments, so the configuration runs at the same budget (`generate "
                              "--fast-budget`)")
-    parser.add_argument("--hardware", metavar="PRESET|FILE",
-                        help="hardware preset or profile file whose GPU link and compute times give the timings "
-                             "not given below (`moe-offload hardware list`)")
+    add_hardware(parser, "hardware preset or profile file whose GPU link and compute times give the timings not "
+                         "given below (`moe-offload hardware list`)")
     parser.add_argument("--expert-load-ms", type=float, metavar="MS",
                         help="time to load one full expert into VRAM (required without --hardware)")
     parser.add_argument("--expert-compute-ms", type=float, metavar="MS",
@@ -41,10 +41,8 @@ def register(subparsers) -> None:
                         help="LM head time, which opens layer 0's prefetch window (default: the hardware's, else "
                              "0; layer 0 is predicted from the previous token's last layer when the trace has "
                              "next_token_gate_prediction)")
-    parser.add_argument("--expert-bytes", type=int, metavar="N",
-                        help="bytes of one expert, for budgets in bytes (default: the trace's metadata)")
-    parser.add_argument("--granularity", type=float, default=0.01, metavar="ZETA",
-                        help="share of the budget moved between two layers per step (default 0.01, the paper's)")
+    add_expert_bytes(parser, "bytes of one expert, for budgets in bytes (default: the trace's metadata)")
+    add_granularity(parser)
     parser.add_argument("--lcp-omega", type=float, default=128.0, metavar="OMEGA",
                         help="LCP observation window of the measured cache (default 128)")
     parser.add_argument("--lcp-rho", type=float, default=0.25, metavar="RHO",
@@ -94,9 +92,8 @@ def run(args) -> int:
     trace = read_trace(args.trace, columns=("gate_prediction", "next_token_gate_prediction"))
     meta = trace.meta
     require_gate_prediction(trace)
-    if args.expert_bytes is not None:
-        integer(args.expert_bytes, "--expert-bytes", low=1)
-    expert_bytes = args.expert_bytes or meta.expert_bytes
+    expert_bytes = integer(args.expert_bytes, "--expert-bytes", low=1) if args.expert_bytes is not None \
+        else meta.expert_bytes
     vram = expert_amount(args.vram_budget, "--vram-budget", meta.num_expert_slots, expert_bytes)
     # The split run holds the prefetch buffer (U_b, K whole experts) beside the cached tops in the same VRAM
     # (simulator/split.py): V_e is what remains, so that the budget configured is the budget run.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_offload.cli.generate_cmd import add_gguf_argument
+from moe_offload.cli.options import add_gguf_file
 from moe_offload.values import format_bytes
 
 
@@ -17,7 +17,7 @@ def register(subparsers) -> None:
     parser.add_argument("model", metavar="MODEL",
                         help="tiny (the bundled model), a checkpoint directory, a hub id ORG/NAME[@REVISION] or a "
                              "GGUF file (dequantized by transformers, then packed; needs the 'gguf' extra)")
-    add_gguf_argument(parser)
+    add_gguf_file(parser)
     parser.add_argument("-o", "--output", required=True, metavar="DIR",
                         help="new directory to write (missing or empty; written atomically)")
     parser.add_argument("--expert-dtype", default=None, metavar="float16|bfloat16|int8|int4",

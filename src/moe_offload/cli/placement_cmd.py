@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from moe_offload.cli.options import add_expert_bytes, add_hardware
 from moe_offload.errors import ConfigError
 
 SUFFIXES = (".pt", ".json")
@@ -27,10 +28,10 @@ def register(subparsers) -> None:
     parser.add_argument("--fast-memory", required=True, metavar="SIZE",
                         help="the GPU's room for experts: a number of experts, a percentage or fraction of all "
                              "experts, or bytes with a unit (4GiB)")
-    parser.add_argument("--hardware", metavar="PRESET|FILE", default=DEFAULT_PRESET,
-                        help=f"hardware preset or profile file the settings are timed on (default {DEFAULT_PRESET})")
+    add_hardware(parser, f"hardware preset or profile file the settings are timed on (default {DEFAULT_PRESET})",
+                 default=DEFAULT_PRESET)
     parser.add_argument("--profile", metavar="TRACE", help="the traffic that chooses the placements")
-    parser.add_argument("--expert-bytes", metavar="BYTES", help="bytes of one expert (default: the trace's metadata)")
+    add_expert_bytes(parser)
     parser.add_argument("--timed-tokens", default=str(DEFAULT_TIMED_TOKENS), metavar="N",
                         help=f"rows of the scored traffic the timed runs replay (default {DEFAULT_TIMED_TOKENS})")
     parser.add_argument("--seed", default="0", help="seed of the randomized policies (default 0)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moe_offload.cli.generate_cmd import add_gguf_argument
+from moe_offload.cli.options import add_gguf_file
 
 
 def register(subparsers) -> None:
@@ -20,7 +20,7 @@ def register(subparsers) -> None:
     parser.add_argument("--model", default="tiny", metavar="tiny|DIR|ORG/NAME[@REV]|FILE.gguf",
                         help="model: tiny (the bundled one, the default), a checkpoint directory, a hub id or a "
                              "GGUF file")
-    add_gguf_argument(parser)
+    add_gguf_file(parser)
     parser.add_argument("--prompts", default="sharegpt", metavar="SOURCES",
                         help="comma-separated prompt sources: sharegpt, humaneval, or files with one prompt per "
                              "line (or .jsonl with 'prompt'); default: sharegpt")

@@ -3,9 +3,9 @@ the alternatives give on a hardware profile, and what to run (reporting/report.p
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from moe_offload.cli.options import add_expert_bytes, add_hardware, add_replay_runs
 from moe_offload.errors import ConfigError
 from moe_offload.trace.counts import is_counts_file
 
@@ -34,21 +34,16 @@ def register(subparsers) -> None:
     parser.add_argument("--fast-memory", required=True, metavar="SIZE",
                         help="the fast tier's room for experts: a number of experts (64), a percentage (25%%) or "
                              "fraction (0.25) of all L*J experts, or bytes with a unit (4GiB)")
-    parser.add_argument("--hardware", metavar="PRESET|FILE", default=DEFAULT_PRESET,
-                        help=f"hardware preset or profile file of the latency section (default {DEFAULT_PRESET}; "
-                             "`moe-offload hardware list`)")
+    add_hardware(parser, f"hardware preset or profile file of the latency section (default {DEFAULT_PRESET}; "
+                         "`moe-offload hardware list`)", default=DEFAULT_PRESET)
     parser.add_argument("-o", "--output", metavar="FILE.html", help="also write the report as an HTML page")
-    parser.add_argument("--expert-bytes", metavar="BYTES",
-                        help="bytes of one expert (default: the trace's metadata; without either, no latency)")
+    add_expert_bytes(parser, "bytes of one expert (default: the trace's metadata; without either, no latency)")
     parser.add_argument("--timed-tokens", default=str(DEFAULT_TIMED_TOKENS), metavar="N",
                         help=f"the timed simulator runs the trace's first whole iterations up to N rows (default "
                              f"{DEFAULT_TIMED_TOKENS}); the replay runs the whole trace, or, for the policies "
                              f"without a compiled kernel, its first {PYTHON_REPLAY_REQUESTS:,} expert requests")
-    parser.add_argument("--seed", default="0", help="seed of the randomized policies (default 0)")
-    parser.add_argument("--jobs", default=str(min(2, os.cpu_count() or 1)),
-                        help="worker processes (default: up to 2)")
-    parser.add_argument("--replay-engine", choices=ENGINES, default="auto",
-                        help="how the replay runs (as `simulate --engine`); never what it finds")
+    add_replay_runs(parser, ENGINES, "how the replay runs (as `simulate --engine`); never what it finds",
+                    engine_flag="--replay-engine")
     parser.add_argument("--engine", default="all", metavar="ENGINE",
                         help="the serving engine whose settings to score on the held-out traffic: llama.cpp, "
                              "ktransformers, vllm, sglang or all (default all)")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_offload.cli.generate_cmd import (add_engine_arguments, apply_threads, check_dtype, check_prefetch,
-                                          engine_policy_options)
+from moe_offload.cli.options import add_runtime, apply_threads, plan_from_args
 from moe_offload.errors import ConfigError
 
 
@@ -18,7 +17,7 @@ def register(subparsers) -> None:
                     "running request's next token, fetching the union of their experts once; a request's "
                     "greedy tokens are those it gets alone. Ctrl-C or SIGTERM: running requests finish (or are "
                     "cancelled after a grace period), the engine closes, exit 0. Needs the 'serve' extra.")
-    add_engine_arguments(parser)
+    add_runtime(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", default="8000", help="port (default 8000)")
     parser.add_argument("--max-batch", default="16", metavar="N",
@@ -40,15 +39,15 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moe_offload import values
     from moe_offload.models import require_model_stack
-
-    check_prefetch(args)
-    require_model_stack("serve", serving=True)
     from moe_offload.models.gguf import with_gguf_file
 
     args.model = with_gguf_file(args.model, args.gguf_file)
-    from moe_offload import values
-    from moe_offload.api import load
+    max_batch = values.integer(args.max_batch, "--max-batch", low=1, high=4096)
+    plan = plan_from_args(args, max_batch=max_batch, batch_math=args.batch_math)  # before the model stack, as generate
+    require_model_stack("serve", serving=True)
+    from moe_offload.runtime.engine import OffloadEngine
     from moe_offload.server import model_name, serve
 
     import os
@@ -61,24 +60,12 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("MOE_OFFLOAD_API_KEY")
     if api_key is not None and (not api_key.strip() or not api_key.isascii() or not api_key.isprintable()):
         raise ConfigError("--api-key: printable ASCII characters, not empty")
-    max_batch = values.integer(args.max_batch, "--max-batch", low=1, high=4096)
     host = values.text(args.host, "--host")
-    device = values.device(args.device) if args.device is not None else None
+    if args.device is not None:
+        values.device(args.device)
     apply_threads(args)
-    check_dtype(args)
-    if args.hardware is not None:
-        from moe_offload.hardware import resolve_profile
-
-        resolve_profile(args.hardware)
     _check_listen(host, port)
-    policy_options, prefetch_options = engine_policy_options(args)
-    engine = load(args.model, fast_budget=args.fast_budget, host_budget=args.host_budget, policy=args.policy,
-                  policy_options=policy_options, prefetch=args.prefetch, prefetch_options=prefetch_options,
-                  prefetch_history=args.prefetch_history, device=device, expert_dtype=args.expert_dtype, dtype=args.dtype,
-                  expert_compute=args.expert_compute,
-                  bypass_page_cache=args.bypass_page_cache,
-                  matcher=args.matcher, hardware=args.hardware, fetch_or_compute=args.fetch_or_compute,
-                  max_batch=max_batch, batch_math=args.batch_math)
+    engine = OffloadEngine(plan)
     print(f"moe-offload: serving {names[0]} on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics); "
           "Ctrl-C to stop", flush=True)
     serve(engine, names, host, port, api_key=api_key, max_body_bytes=max_body)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from moe_offload.bundled import DEFAULT_TRACE, DEFAULT_TRACE_NAME, trace_path
+from moe_offload.cli.options import (PREFETCH_OPTION, add_expert_bytes, add_fetch_or_compute, add_hardware, add_policy,
+                                     add_prefetch, add_replay_runs, add_split, policy_options_of)
 from moe_offload.errors import ConfigError
 from moe_offload.outputs import check_output, write_atomically
 from moe_offload.policies import POLICIES, policy_info
@@ -20,14 +21,12 @@ from moe_offload.trace.format import TraceMeta, read_trace
 from moe_offload.values import cache_sizes, check_options_used, component_options, integer, jobs, parse_bytes
 
 DEFAULT_CACHE_SIZES = "12.5%,25%,50%"
-POLICY_OPTION, PREFETCH_OPTION = "POLICY.NAME=VALUE", "PREFETCHER.NAME=VALUE"
 DEFAULT_TIMED_CACHE_SIZES = "25%"
 DEFAULT_TIMED_POLICIES = "lru"
 # options of the timed simulation and their defaults: given without --timed they are refused
 TIMED_DEFAULTS = {"hardware": None, "prefetch": "none", "prefetch_option": [], "history": None, "expert_bytes": None,
                   "arrivals": "trace", "max_batch": 8, "timed_json": None, "plot_cdf": None, "plot_timeline": None,
                   "timeline_iteration": None, "split_config": None, "reconfigure_every": None, "granularity": 0.01}
-
 
 
 def trace_labels(traces: list[str]) -> list[str]:
@@ -47,9 +46,8 @@ def register(subparsers) -> None:
     parser.add_argument("traces", nargs="*", metavar="TRACE",
                         help=f"trace files, or 'olmoe' / 'tiny' for the bundled traces (default: olmoe, "
                              f"{DEFAULT_TRACE.name}; tiny is the bundled model's recording with every column)")
-    parser.add_argument("--policy", default=None,
-                        help="comma-separated policy names, or 'all'; see `moe-offload policies` (default: all; "
-                             f"with --timed {DEFAULT_TIMED_POLICIES})")
+    add_policy(parser, many=True, help="comma-separated policy names, or 'all'; see `moe-offload policies` "
+                                       f"(default: all; with --timed {DEFAULT_TIMED_POLICIES})")
     parser.add_argument("--cache-size", default=None,
                         help="comma-separated cache sizes: experts (64), a percentage (25%) or a fraction (0.25) of "
                              "all L*J experts, or with --timed bytes with a unit (4GiB, 512MB) "
@@ -59,29 +57,18 @@ def register(subparsers) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="also sweep cache sizes and plot misses against them")
     parser.add_argument("--plot-points", type=int, default=16, metavar="N",
                         help="cache sizes in the plot's sweep, evenly spaced from top-k to L*J (default 16)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the randomized policies (default 0)")
-    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
-                        help="worker processes (default: up to 2)")
-    parser.add_argument("--policy-option", action="append", default=[], metavar=POLICY_OPTION,
-                        help="a policy parameter, e.g. lcp.rho=0.5 or learned.model_path=model.npz (repeatable)")
-    parser.add_argument("--engine", choices=ENGINES, default="auto",
-                        help="how the replay runs, never what it finds: 'compiled' runs the policies' Numba kernels "
-                             "(the `fast` extra), 'python' the policy objects, 'auto' (default) the kernel where a "
-                             "policy has one and Numba is installed")
+    add_replay_runs(parser, ENGINES, "how the replay runs, never what it finds: 'compiled' runs the policies' "
+                                     "Numba kernels (the `fast` extra), 'python' the policy objects, 'auto' (default) "
+                                     "the kernel where a policy has one and Numba is installed")
     timed = parser.add_argument_group("timed simulation (--timed)")
     timed.add_argument("--timed", action="store_true",
                        help="run the discrete-event timed simulator instead of the replay")
-    timed.add_argument("--hardware", metavar="PRESET|FILE",
-                       help="hardware preset or profile file (default desktop-rtx4090; `moe-offload hardware list`)")
-    timed.add_argument("--prefetch", default=TIMED_DEFAULTS["prefetch"], metavar="NAME[,NAME]",
-                       help="comma-separated prefetchers, 'none' for demand loading only (default none); the "
-                            "all-resident run and the oracle prefetcher are always added as bounds")
-    timed.add_argument("--prefetch-option", action="append", default=[], metavar=PREFETCH_OPTION,
-                       help="a prefetcher parameter, e.g. oracle.distance=2 (repeatable)")
+    add_hardware(timed, "hardware preset or profile file (default desktop-rtx4090; `moe-offload hardware list`)")
+    add_prefetch(timed, many=True, help="comma-separated prefetchers, 'none' for demand loading only (default none); "
+                                        "the all-resident run and the oracle prefetcher are always added as bounds")
     timed.add_argument("--history", metavar="TRACE",
                        help="past traffic for the prefetchers that learn from it (their fit): a training split")
-    timed.add_argument("--expert-bytes", metavar="BYTES",
-                       help="bytes of one expert (default: the trace's metadata)")
+    add_expert_bytes(timed)
     timed.add_argument("--arrivals", default=TIMED_DEFAULTS["arrivals"], metavar="trace|poisson:RATE|times:T,...",
                        help="the trace's iterations as recorded (default), Poisson arrivals of RATE requests per "
                             "second (seeded by --seed), or the requests' arrival times in seconds; the last two are "
@@ -94,21 +81,16 @@ def register(subparsers) -> None:
                        help="plot one iteration: compute, transfers per link and stalls, layer by layer")
     timed.add_argument("--timeline-iteration", type=int, metavar="N",
                        help="the iteration of the timeline (default: the decode iteration of median duration)")
-    timed.add_argument("--split-config", metavar="FILE.json",
-                       help="run MoEpic's split experts as `moe-offload configure --json` chose them: per layer, "
-                            "the top segments of cache_size experts cached, split_ratio of an expert each, and a "
-                            "buffer of top-k experts for the missing segments (replaces --cache-size)")
-    timed.add_argument("--fetch-or-compute", action="store_true",
-                       help="compute a missed expert on the host CPU (the profile's [host]) instead of loading it "
-                            "when that is predicted faster, per expert and batch (Fiddler's rule)")
-    timed.add_argument("--reconfigure-every", type=int, metavar="TAU",
-                       help="MoEpic's online configurator (paper 004, Algorithm 1): rerun the split configuration "
-                            "every TAU tokens from the statistics gathered so far and resize the running caches "
-                            "(the paper's tau is 5000); starts from --split-config, or from the uniform allocation "
-                            "with split ratio 0.5 on each --cache-size (less the buffer of top-k experts)")
-    timed.add_argument("--granularity", type=float, default=TIMED_DEFAULTS["granularity"], metavar="ZETA",
-                       help="share of the budget the online configurator moves between two layers per step "
-                            "(default 0.01, the paper's)")
+    add_fetch_or_compute(timed, "compute a missed expert on the host CPU (the profile's [host]) instead of loading "
+                                "it when that is predicted faster, per expert and batch (Fiddler's rule)")
+    add_split(timed, granularity_default=TIMED_DEFAULTS["granularity"],
+              split_help="run MoEpic's split experts as `moe-offload configure --json` chose them: per layer, the top "
+                         "segments of cache_size experts cached, split_ratio of an expert each, and a buffer of top-k "
+                         "experts for the missing segments (replaces --cache-size)",
+              reconfigure_help="MoEpic's online configurator (paper 004, Algorithm 1): rerun the split configuration "
+                               "every TAU tokens from the statistics gathered so far and resize the running caches "
+                               "(the paper's tau is 5000); starts from --split-config, or from the uniform allocation "
+                               "with split ratio 0.5 on each --cache-size (less the buffer of top-k experts)")
     parser.set_defaults(run=run)
 
 
@@ -121,26 +103,6 @@ def parse_policies(text: str) -> list[str]:
     for name in names:
         policy_info(name)
     return names
-
-
-def runtime_options(args) -> tuple[dict | None, dict | None]:
-    """--policy-option and --prefetch-option of a command that runs one policy and at most one prefetcher
-    (generate, serve): (the policy's options, the prefetcher's); an option of another component is refused."""
-    from moe_offload.prefetch import prefetcher_info
-
-    policies = policy_options(args, [args.policy])
-    prefetchers = component_options(args.prefetch_option, "--prefetch-option", PREFETCH_OPTION, "prefetcher",
-                                    prefetcher_info)
-    check_options_used(prefetchers, [args.prefetch] if args.prefetch else [], "--prefetch-option", "--prefetch")
-    return policies.get(args.policy), prefetchers.get(args.prefetch) if args.prefetch else None
-
-
-def policy_options(args, policies: list[str]) -> dict[str, dict]:
-    """--policy-option as {policy: {option: value}}; an option of a policy that is not run is refused."""
-    options = component_options(args.policy_option, "--policy-option", POLICY_OPTION, "policy",
-                                lambda name: policy_info(name).policy, skip=("seed",))
-    check_options_used(options, policies, "--policy-option", "--policy")
-    return options
 
 
 def check_components(meta: TraceMeta, policies, options: dict, seed: int, prefetchers=(),
@@ -217,11 +179,10 @@ def run(args) -> int:
     args.policy = args.policy or "all"
     args.cache_size = args.cache_size or DEFAULT_CACHE_SIZES
     policies = parse_policies(args.policy)
-    options = policy_options(args, policies)
+    options = policy_options_of(args, policies)
     paths = [str(trace_path(name)) for name in args.traces] or [str(DEFAULT_TRACE)]
     check_outputs(args, paths)
-    jobs(args.jobs)
-    integer(args.seed, "--seed", low=0)
+    args.jobs, args.seed = jobs(args.jobs), integer(args.seed, "--seed", low=0)
     inputs, plans = [], []
     for path, label in zip(paths, trace_labels(args.traces)):  # read and check everything before the first run
         trace = read_trace(path)
@@ -275,7 +236,6 @@ def run(args) -> int:
     return 0
 
 
-
 def parse_prefetchers(text: str) -> list[str | None]:
     """Prefetcher names; 'none' (no prefetcher) is None."""
     from moe_offload.prefetch import prefetcher_info
@@ -305,7 +265,7 @@ def run_timed(args) -> int:
     if args.engine != "auto":
         raise ConfigError("--engine chooses how the replay runs; the timed simulator runs the policy objects")
     policies = parse_policies(args.policy or DEFAULT_TIMED_POLICIES)
-    options = policy_options(args, policies)
+    options = policy_options_of(args, policies)
     prefetchers = parse_prefetchers(args.prefetch)
     running = [p for p in prefetchers if p is not None] + [ORACLE]  # the oracle always runs, as a bound
     prefetch_options = component_options(args.prefetch_option, "--prefetch-option", PREFETCH_OPTION, "prefetcher",
@@ -314,8 +274,7 @@ def run_timed(args) -> int:
     paths = [str(trace_path(name)) for name in args.traces] or [str(DEFAULT_TRACE)]
     profile = args.hardware if args.hardware and Path(args.hardware).is_file() else None  # not a preset's name
     check_outputs(args, paths + [trace_path(args.history) if args.history else None, args.split_config, profile])
-    jobs(args.jobs)
-    integer(args.seed, "--seed", low=0)
+    args.jobs, args.seed = jobs(args.jobs), integer(args.seed, "--seed", low=0)
     integer(args.max_batch, "--max-batch", low=1)
     hardware = resolve_profile(args.hardware)
     arrivals = Arrivals.parse(args.arrivals, args.max_batch, args.seed)

@@ -2,9 +2,10 @@
 
 The configuration is the timed run of least TPOT that a user can make (no oracle, not all resident:
 reporting/latency.py), or without timed runs (no expert size) the online policy with the most replay hits.
-The options are those of cli/generate_cmd.py's engine arguments, which `serve` shares: ``--fast-budget`` as
-the budget's share of all experts' bytes (the runtime sizes experts in the dtype it computes in, which may
-differ from the trace's expert size: a share means the same number of experts on every device), ``--policy``,
+It is made a Plan (plan/plan.py), the one the runtime would run, and written back as that plan's options
+(``Plan.options``, which `generate` and `serve` read through cli/options.py): ``--fast-budget`` as the
+budget's share of all experts' bytes (the runtime sizes experts in the dtype it computes in, which may differ
+from the trace's expert size: a share means the same number of experts on every device), ``--policy``,
 ``--prefetch``; MoEpic's split experts run from the configuration `moe-offload configure --json` writes
 (``--split-config``), which `serve` does not take.
 """
@@ -15,6 +16,7 @@ import math
 import shlex
 
 from moe_offload.models.hub import HUB_ID
+from moe_offload.plan import make_plan
 from moe_offload.reporting.latency import MOEPIC_POLICY, Latency
 from moe_offload.trace.format import TraceMeta
 
@@ -45,15 +47,13 @@ def commands(meta: TraceMeta, trace_name: str, hardware: str, cache_size: int, e
     prompt = "Why is the sky blue?"
     if best is not None and latency.moepic is best:
         config = "split.json"
+        plan = make_plan(model, fast_budget=budget, policy=MOEPIC_POLICY, prefetch="moepic", split_config=config)
         # configure's --vram-budget is the whole VRAM: it takes the prefetch buffer out itself
         return [["configure", trace_name, "--vram-budget", str(cache_size), "--hardware", hardware, "--json"],
-                ["generate", prompt, "--model", model, "--fast-budget", budget, "--split-config", config,
-                 "--policy", MOEPIC_POLICY, "--prefetch", "moepic"]]
-    policy = best.policy if best is not None else best_policy
-    options = ["--model", model, "--fast-budget", budget, "--policy", policy]
-    if best is not None and best.prefetcher is not None:
-        options += ["--prefetch", best.prefetcher]
-    return [["generate", prompt, *options], ["serve", *options]]
+                ["generate", prompt, *plan.options()]]
+    plan = make_plan(model, fast_budget=budget, policy=best.policy if best is not None else best_policy,
+                     prefetch=best.prefetcher if best is not None else None)
+    return [["generate", prompt, *plan.options()], ["serve", *plan.options()]]
 
 
 def command_lines(argument_lists: list[list[str]]) -> list[str]:

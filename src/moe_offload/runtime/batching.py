@@ -47,7 +47,7 @@ import time
 from collections import deque
 
 from moe_offload.errors import ConfigError, MoeOffloadError
-from moe_offload.runtime.counters import Counters
+from moe_offload.runtime.counters import Counters, run_result
 from moe_offload.runtime.kv_pool import KVPool
 from moe_offload.runtime.packed import PackedPass, Segment
 from moe_offload.runtime.request_step import RunningRequest
@@ -377,7 +377,7 @@ class BatchScheduler:
         ttft = times[0] - request.arrived if times else None
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         total = (times[-1] if times else time.perf_counter()) - request.arrived
-        stats = self.engine._result(request.counters, ttft=ttft, tpot=tpot, total=total)
+        stats = run_result(self.engine, request.counters, ttft=ttft, tpot=tpot, total=total)
         stats.bytes_per_link = stats.bytes_loaded = None  # the links are shared: see the engine's stats
         stats.token_latency_seconds = [b - a for a, b in zip(times, times[1:])]
         completion = Completion(request.id, request.text, list(request.tokens), len(request.prompt), reason, stats,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from moe_offload.results import RunResult
+
 
 @dataclass
 class Counters:
@@ -81,3 +83,33 @@ class Counters:
         """The policy chose a victim in ``seconds`` (ExpertCache.on_decision; called under the data path's lock)."""
         self.policy_decisions += 1
         self.policy_decision_seconds += seconds
+
+
+def run_result(engine, c: Counters, ttft=None, tpot=None, total=None) -> RunResult:
+    """The RunResult of counts ``c`` of ``engine`` (runtime/engine.py): the same record the simulators fill,
+    with the engine's Plan as its configuration (a request's own counts for the batching scheduler's results)."""
+    prefetching = engine.prefetcher is not None
+    places, split, fast = engine.places, engine.split, engine.tiers[0]
+    has_host = len(engine.tiers) > 1
+    plan = engine.plan
+    return RunResult(
+        trace=f"runtime:{engine.manifest.directory.name}", policy=plan.policy,
+        cache_size=sum(split.cached_experts) if split else fast.pool.slots,
+        accesses=c.accesses,
+        hits=c.hits, misses=c.accesses - c.hits - c.bypassed, per_layer_accesses=list(c.per_layer_accesses),
+        bypassed=c.bypassed if places else None,
+        per_layer_bypassed=list(c.per_layer_bypassed) if places else None,
+        host_compute_seconds=c.host_compute_seconds if places else None, admission=plan.admission,
+        per_layer_hits=list(c.per_layer_hits), prefetches_issued=c.prefetches_issued if prefetching else None,
+        prefetches_used=c.prefetches_used if prefetching else None,
+        prefetches_wasted=c.prefetches_wasted if prefetching else None, stall_seconds=c.stall_seconds,
+        per_layer_stall_seconds=list(c.per_layer_stall_seconds), ttft_seconds=ttft, tpot_seconds=tpot,
+        total_seconds=total, prefetcher=plan.prefetch, hardware=f"runtime ({engine.device.type})",
+        cache_bytes=split.memory_bytes if split else fast.cache.capacity,
+        on_demand_loads=c.on_demand_loads,
+        policy_decisions=c.policy_decisions, policy_decision_seconds=c.policy_decision_seconds,
+        bytes_per_link=dict(c.bytes_per_link),
+        tier_requests={"fast": c.accesses, **({"host": c.on_demand_loads + c.bypassed} if has_host else {})},
+        tier_hits={"fast": c.hits, **({"host": c.host_hits} if has_host else {})},
+        bytes_loaded=sum(v for k, v in c.bytes_per_link.items() if k.endswith("->fast")),
+        configuration=plan.describe())

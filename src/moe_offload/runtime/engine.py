@@ -1,9 +1,10 @@
 """The offloaded inference engine: a transformers MoE model whose experts live in tiers (the public API).
 
-The engine puts the parts together and runs the single-prompt generation loop::
+The engine is made from one Plan (plan/plan.py: ``moe_offload.load`` or ``make_plan`` makes it from the
+user's options and checks it), puts the parts together and runs the single-prompt generation loop::
 
     runtime/skeleton.py  the skeleton model (non-expert weights only) of the packed files (runtime/packing.py)
-    runtime/engine_setup.py  the device and compute dtype, the tiers and the prefetcher, made from the arguments
+    runtime/engine_setup.py  the device, the plan's budgets sized for the model, the tiers and the prefetcher
     runtime/tiers.py     the tiers: the simulators' ExpertCache with your policy, over a pool of slots
     runtime/datapath.py  link workers, reader pool, pinned ring and copy streams: files -> [host] -> fast
     runtime/runner.py    per forward pass: the experts source, routing hooks, prefetcher, AccessContext
@@ -12,10 +13,11 @@ The engine puts the parts together and runs the single-prompt generation loop::
                          computed on the host from the host tier's copy (models/host_experts.py)
     runtime/split.py     MoEpic's split experts (``split_config``): per-layer top caches and a buffer are the fast
                          tier (runtime/segment_tier.py) of the same data path
+    runtime/counters.py  what the run counts, and the RunResult it becomes (with the plan as its configuration)
 
 - Start-up loads only the non-expert weights; every expert starts in the slow tier (the packed files).
 - The fast tier is GPU memory with CUDA, otherwise a RAM budget of compute-ready tensors (float32 on a CPU);
-  an optional host tier (``host_budget``, pinned with CUDA) caches stored-dtype copies between the files
+  an optional host tier (the plan's ``host_budget``, pinned with CUDA) caches stored-dtype copies between the files
   and the fast tier. Budgets are bytes of the tier's own copies, rounded down to whole experts.
 - transformers runs attention, the KV cache and sampling; every MoE layer's experts go through the
   registered experts function (models/experts.py), which asks the runner for its experts. The order of
@@ -38,26 +40,24 @@ union of its tokens' selections, fetched once, and each request's tokens are the
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from moe_offload.errors import ConfigError, MoeOffloadError
-from moe_offload import values
+from moe_offload.plan import Plan
 from moe_offload.policies import ModelSpec, policy_factory, policy_info
 from moe_offload.results import RunResult
-from moe_offload.runtime.counters import Counters
-from moe_offload.runtime.datapath import DataPath
+from moe_offload.runtime.counters import Counters, run_result
 from moe_offload.runtime.cpu_threads import single_threaded
-from moe_offload.runtime.engine_setup import (compute_dtype, engine_prefetcher, host_tier, link_budget, make_tiers,
-                                              read_replay, read_split, resolve_device)
-from moe_offload.runtime.expert_forms import expert_form, profile_choices
+from moe_offload.runtime.datapath import DataPath
+from moe_offload.runtime.engine_setup import (engine_prefetcher, host_tier, link_budget, make_tiers, read_replay,
+                                              read_split, resolve_device, size_tiers)
+from moe_offload.runtime.pack_cache import packed_directory
 from moe_offload.runtime.packing import Manifest, read_manifest
 from moe_offload.runtime.skeleton import load_skeleton
-from moe_offload.runtime.placement import (admit_by, fetch_or_compute_profile, fetch_or_compute_rule, host_keys,
-                                           placement_keys, placing_host_budget)
+from moe_offload.runtime.placement import admit_by, fetch_or_compute_rule, host_keys, placement_keys
 from moe_offload.runtime.runner import ModelRunner
 from moe_offload.runtime.storage import ExpertStore
 from moe_offload.runtime.streaming import TimingStreamer
@@ -84,134 +84,57 @@ class Generation:
 
 
 class OffloadEngine:
-    """Generate with a packed MoE model whose experts do not all fit in fast memory.
+    """Generate with a packed MoE model whose experts do not all fit in fast memory, as ``plan`` says
+    (plan/plan.py: the budgets, tiers, placement, policy, prefetcher, split, forms, dtypes and batch limits;
+    ``moe_offload.load`` makes one from keywords). ``store``: the slow tier's reader (runtime/storage.py),
+    made from the plan unless given.
 
-    ``fast_budget`` and ``host_budget``: ``"30%"`` of all expert bytes (compute-ready bytes for the fast
-    tier) or a size. ``policy``/``prefetch``: names from ``moe-offload policies``. ``prefetch_history``: a
-    trace the prefetcher learns from first (MoE-Infinity's EAMs, fMoE's expert maps). ``readers``: reader
-    threads of the slow tier. ``replay``: a trace (or its path) whose routing every router is forced to
-    (runtime/replay.py; generate with :meth:`generate_replayed`), ``replay_weights`` ``"trace"`` or
-    ``"router"``; under a replay the oracle prefetcher can run. ``max_batch``: requests a forward pass of
-    the batching scheduler holds at most; ``batch_math``: ``"exact"`` (each request gets the bits it gets
-    alone) or ``"fast"`` (products over the whole pass; runtime/packed.py). ``matcher``: where a prefetcher
-    whose search is off the inference path (fMoE) searches: ``"async"`` on a thread of its own, its proposals
-    applied when they arrive (paper 000), ``"inline"`` on the decode thread, ``"lockstep"`` on its own thread
-    while the decode thread waits for each result (runtime/matcher.py); ``late_proposals`` counts what
-    arrived too late. ``split_config``: MoEpic's split
-    experts (runtime/split.py), a configuration of `moe-offload configure --json` (its path, or a
-    SplitConfig) whose cached tops and buffer of top-k experts must fit in ``fast_budget``; the result is the
-    all-resident model's computing with the same split. ``reconfiguration``: MoEpic's online loop
-    (``Reconfiguration(every=tau)``, runtime/split_online.py) with the timings of ``hardware`` (a profile's
-    name or file; default desktop-rtx4090), from ``split_config`` or the uniform start on ``fast_budget``.
-    Without a split the prefetcher gets the budget of ``hardware``'s link into the fast tier, as the timed
-    simulator gives it (MoEpic's Y: the loads that fit in a layer's window). ``fetch_or_compute``: a miss of
-    the dynamic ``policy`` is computed on the host instead of loaded when ``hardware``'s costs say that is
-    faster (Fiddler's rule, as ``simulate --timed --fetch-or-compute`` decides; runtime/placement.py).
-    ``expert_compute``: how the fast tier holds and computes with int8/int4 experts, ``"per-use"``,
-    ``"on-arrival"``, ``"kernel"`` or ``"auto"``/None (runtime/expert_forms.py). Where ``dtype`` or
-    ``expert_compute`` is None, a ``hardware`` profile that ``hardware measure`` wrote gives them (its
-    ``[runtime]`` choices for the pack's experts)."""
+    A placing policy (static-layers, static-freq, pinned-lru) or ``fetch_or_compute`` computes the misses it
+    does not admit on the host (runtime/placement.py). Without a split the prefetcher gets the budget of the
+    plan's hardware link into the fast tier, as the timed simulator gives it (MoEpic's Y: the loads that fit in
+    a layer's window). Under a replayed trace (``plan.replay``; generate with :meth:`generate_replayed`) the
+    oracle prefetcher can run. ``plan.matcher``: where a prefetcher whose search is off the inference path
+    (fMoE) searches (runtime/matcher.py); ``late_proposals`` counts what arrived too late."""
 
-    def __init__(self, packed_dir, *, fast_budget="50%", host_budget=None, policy: str = "lru",
-                 policy_options: dict | None = None, prefetch: str | None = None,
-                 prefetch_options: dict | None = None, prefetch_history=None, device=None,
-                 verify_checksums: bool = True, bypass_page_cache: bool = False, retries: int = 3,
-                 store: ExpertStore | None = None, preload: bool = False, seed: int = 0,
-                 readers: int | None = None, replay=None, replay_weights: str = "trace", max_batch: int = 16,
-                 batch_math: str = "exact", matcher: str = "async", split_config=None, reconfiguration=None,
-                 hardware=None, dtype: str | None = None, fetch_or_compute: bool = False,
-                 expert_compute: str | None = None):
+    def __init__(self, plan: Plan, *, store: ExpertStore | None = None):
         with single_threaded():  # this thread loads the model without an OpenMP team (runtime/cpu_threads.py)
-            import torch
-
             from moe_offload.models import quiet_transformers
 
-            from moe_offload.runtime.matcher import MATCHERS
-            from moe_offload.runtime.packed import BATCH_MATH
-            from moe_offload.values import integer
-
             quiet_transformers()
-            if batch_math not in BATCH_MATH:
-                raise ConfigError(f"batch_math {batch_math!r}: choose from {', '.join(BATCH_MATH)}")
-            if matcher not in MATCHERS:
-                raise ConfigError(f"matcher {matcher!r}: choose from {', '.join(MATCHERS)}")
-            max_batch = integer(max_batch, "max_batch", low=1)
-            self.device = resolve_device(device)
-            self.manifest: Manifest = read_manifest(packed_dir)
+            self.plan = plan
+            self.device = resolve_device(plan.device)
+            self.manifest: Manifest = read_manifest(packed_directory(str(plan.model),
+                                                                    expert_dtype=plan.expert_dtype))
             m = self.manifest
             self.spec = ModelSpec(m.num_layers, m.num_experts, m.top_k)
-            stored = getattr(torch, m.dtype)
-            measured_dtype, measured_form = profile_choices(hardware, m, self.device)  # what is not given
-            if dtype is not None and dtype != measured_dtype:
-                measured_form = None  # the form was measured fastest in its own dtype, not in this one
-            self.compute_dtype = compute_dtype(dtype or measured_dtype, self.device, stored)
-            elements = sum(math.prod(tensor.shape) for tensor in m.tensors)
-            # A share of the budget is of all experts in the compute dtype whatever the stored dtype, so "25%" is
-            # the same memory for every pack of a model; quantized experts take the bytes of their form in the
-            # fast tier (runtime/expert_forms.py: per use and the kernel about the stored bytes), so more fit in it.
-            self.expert_form = expert_form(expert_compute or measured_form, m, self.device, self.compute_dtype)
-            self.compute_expert_bytes = self.expert_form.slot_bytes if self.expert_form is not None else \
-                elements * self.compute_dtype.itemsize
-            self.total_expert_bytes = m.num_layers * m.num_experts * elements * self.compute_dtype.itemsize
-            info = policy_info(policy)
-            if info.offline:
-                raise ConfigError(f"policy {policy!r} needs the future (next use of every expert), which a running "
-                                  "engine does not know; use it in `moe-offload simulate`")
-            fast_budget_bytes = values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget")
-            fast_slots = self._slots(fast_budget_bytes, self.compute_expert_bytes)
-            if m.quantized and (split_config is not None or reconfiguration is not None):
-                raise ConfigError(f"{m.directory}: {m.expert_dtype} experts: MoEpic's split does not read quantized "
-                                  "experts yet (docs/guides/checkpoints.md says why)")
-            split, online = read_split(split_config, preload, reconfiguration, hardware, fast_budget_bytes, m, self.spec,
-                                       self.compute_expert_bytes)
-            rule_profile = fetch_or_compute_profile(policy, hardware, split is not None) if fetch_or_compute else None
-            self.admission = "fetch-or-compute" if fetch_or_compute else None
-            # computes bypassed experts on the host
-            self.places = info.policy.places_or_bypasses or fetch_or_compute
-            if self.places:
-                host_budget = placing_host_budget(info, policy_options, host_budget, replay is not None,
-                                                  split is not None, prefetch)
-            if fast_slots < m.top_k and split is None and not info.policy.static:  # static: the rest on the host
-                raise ConfigError(f"fast budget {fast_budget} cannot hold one layer's top-{m.top_k} experts "
-                                  f"({format_bytes(m.top_k * self.compute_expert_bytes)}, "
-                                  f"{format_bytes(self.compute_expert_bytes)} each)")
-            if info.partitioned and split is None and fast_slots < m.num_layers:  # a layer with no slot waits forever
-                raise ConfigError(f"policy {policy!r} splits the fast tier among the {m.num_layers} layers: "
-                                  f"{fast_slots} experts leave a layer without one; give at least {m.num_layers} "
-                                  f"({format_bytes(m.num_layers * self.compute_expert_bytes)})")
-            host_slots = 0
-            if host_budget is not None:
-                host_slots = self._slots(values.budget_bytes(host_budget, m.num_layers * m.num_experts * m.expert_bytes,
-                                                      "--host-budget"), m.expert_bytes)
-                if host_slots < 1:
-                    raise ConfigError(f"host budget {host_budget} cannot hold one expert "
-                                      f"({format_bytes(m.expert_bytes)})")
-                if self.places and host_slots < m.top_k:  # a layer's bypassed experts are in the host tier at once
-                    raise ConfigError(f"host budget {host_budget} cannot hold a layer's top-{m.top_k} experts "
-                                      f"({format_bytes(m.expert_bytes)} each), which {policy!r} computes there")
-            self.replay_trace = read_replay(replay)
-            self.prefetcher = engine_prefetcher(prefetch, prefetch_options, prefetch_history, self.spec,
-                                                self.replay_trace)
-            self.policy_name, self.prefetch_name = policy, prefetch
-
+            sizing = size_tiers(plan, m, self.spec, self.device)
+            self.compute_dtype, self.expert_form = sizing.compute_dtype, sizing.expert_form
+            self.compute_expert_bytes = sizing.expert_bytes
+            split, online = read_split(plan, sizing, m, self.spec)
+            info = policy_info(plan.policy)
+            self.places = info.policy.places_or_bypasses or plan.fetch_or_compute  # computes bypassed experts
+            self.replay_trace = read_replay(plan.replay)
+            self.prefetcher = engine_prefetcher(plan.prefetch, plan.prefetch_options, plan.history,
+                                                self.spec, self.replay_trace)
             self.model, self.adapter, self.startup_seconds = load_skeleton(m, self.device, self.compute_dtype,
-                                                                           verify=verify_checksums)
-            make = policy_factory(policy, self.spec, seed=seed, options=policy_options)  # every partition's policy
-            self.store = store or ExpertStore(m, verify=verify_checksums, bypass_page_cache=bypass_page_cache,
-                                              retries=retries, readers=readers)
+                                                                           verify=plan.verify_checksums)
+            make = policy_factory(plan.policy, self.spec, seed=plan.seed, options=plan.policy_options)
+            self.store = store or ExpertStore(m, verify=plan.verify_checksums, bypass_page_cache=plan.bypass_page_cache,
+                                              retries=plan.retries, readers=plan.readers)
             self.counters = Counters.zero(m.num_layers)
             self.split = None
             if split is not None:  # MoEpic's tops and buffer (runtime/split.py) are the fast tier
                 from moe_offload.runtime.segment_tier import SegmentTier
 
                 self.split = SegmentTier(*split, m, self.store, self.counters, self.spec, make, self.device,
-                                         self.compute_dtype, fast_budget_bytes)
-                self.tiers = [self.split] + host_tier(m, self.spec, host_slots, self.device)
+                                         self.compute_dtype, sizing.fast_budget_bytes)
+                self.tiers = [self.split] + host_tier(m, self.spec, sizing.host_slots, self.device)
             else:
-                self.tiers = make_tiers(m, self.spec, info.partitioned, make, fast_slots, host_slots, self.device,
-                                        self.compute_dtype, self.compute_expert_bytes, self.expert_form)
-            if rule_profile is not None:
-                admit_by(self.tiers[0].cache, fetch_or_compute_rule(rule_profile, m, self.tiers[-1].cache))
+                self.tiers = make_tiers(m, self.spec, info.partitioned, make, sizing.fast_slots, sizing.host_slots,
+                                        self.device, self.compute_dtype, self.compute_expert_bytes, self.expert_form)
+            if plan.fetch_or_compute:
+                admit_by(self.tiers[0].cache, fetch_or_compute_rule(plan.profile(), m,
+                                                                    self.tiers[-1].cache))
             self.path = DataPath(self.tiers, self.store, self.counters, self.spec)
             for cache in self.split.tops if self.split is not None else [self.tiers[0].cache]:
                 cache.on_decision = self.counters.decided  # the policy's own time (RunResult.policy_decision_seconds)
@@ -219,24 +142,22 @@ class OffloadEngine:
             if self.replay_trace is not None:
                 from moe_offload.runtime.replay import RoutingReplay
 
-                self.replay = RoutingReplay(self.replay_trace, self.adapter, replay_weights)
+                self.replay = RoutingReplay(self.replay_trace, self.adapter, plan.replay_weights)
             self.runner = ModelRunner(self.model, self.adapter, self.spec, self.path, self.counters,
                                       prefetcher=self.prefetcher, policy_needs_probs=info.policy.needs_probs,
                                       policy_needs_rounds=info.policy.needs_rounds,
                                       replay=self.replay, source=f"live generation with {m.directory}",
-                                      matcher=matcher, online=online,
-                                      prefetch_budget=None if self.prefetcher is None else link_budget(hardware, m))
+                                      matcher=plan.matcher, online=online,
+                                      prefetch_budget=None if self.prefetcher is None
+                                      else link_budget(plan.profile(), m))
             self.runner.computes_on_host = self.places
             self.runner.install()
             self._generate_lock = threading.Lock()
-            self.max_batch, self.batch_math = max_batch, batch_math
+            self.max_batch, self.batch_math = plan.max_batch, plan.batch_math
             self._scheduler = None
-            self.preload_seconds = self._preload() if preload or self.places else 0.0
+            self.preload_seconds = self._preload() if plan.preload or self.places else 0.0
 
     # ------------------------------------------------------------------------------------------ set-up
-    def _slots(self, budget_bytes: int, slot_bytes: int) -> int:
-        return min(budget_bytes // slot_bytes, self.spec.num_layers * self.spec.num_experts)
-
     def _preload(self) -> float:
         """Fill the fast tier before the first token: a placing policy's placement (policies/base.py, chosen
         from its profile or, in hindsight, the replayed trace) and the host tier with the other experts while
@@ -387,7 +308,7 @@ class OffloadEngine:
         times = streamer.token_times
         ttft = times[0] - started if times else None
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-        stats = self._result(delta, ttft=ttft, tpot=tpot, total=total)
+        stats = run_result(self, delta, ttft=ttft, tpot=tpot, total=total)
         stats.token_latency_seconds = [b - a for a, b in zip(times, times[1:])]
         logits = [step[0].float().cpu() for step in out.logits] if return_logits else None
         if tokenizer is None and not replayed:
@@ -401,38 +322,11 @@ class OffloadEngine:
         return Generation(text, tokens, int(ids.shape[1]), stats, logits)
 
     # ------------------------------------------------------------------------------------------ results
-    def _result(self, c: Counters, ttft=None, tpot=None, total=None) -> RunResult:
-        prefetching = self.prefetcher is not None
-        return RunResult(
-            trace=f"runtime:{self.manifest.directory.name}", policy=self.policy_name,
-            cache_size=sum(self.split.cached_experts) if self.split else self.tiers[0].pool.slots,
-            accesses=c.accesses,
-            hits=c.hits, misses=c.accesses - c.hits - c.bypassed, per_layer_accesses=list(c.per_layer_accesses),
-            bypassed=c.bypassed if self.places else None,
-            per_layer_bypassed=list(c.per_layer_bypassed) if self.places else None,
-            host_compute_seconds=c.host_compute_seconds if self.places else None, admission=self.admission,
-            per_layer_hits=list(c.per_layer_hits), prefetches_issued=c.prefetches_issued if prefetching else None,
-            prefetches_used=c.prefetches_used if prefetching else None,
-            prefetches_wasted=c.prefetches_wasted if prefetching else None, stall_seconds=c.stall_seconds,
-            per_layer_stall_seconds=list(c.per_layer_stall_seconds), ttft_seconds=ttft, tpot_seconds=tpot,
-            total_seconds=total, prefetcher=self.prefetch_name, hardware=f"runtime ({self.device.type})",
-            cache_bytes=self.split.memory_bytes if self.split else self.tiers[0].cache.capacity,
-            on_demand_loads=c.on_demand_loads,
-            policy_decisions=c.policy_decisions, policy_decision_seconds=c.policy_decision_seconds,
-            bytes_per_link=dict(c.bytes_per_link),
-            tier_requests={"fast": c.accesses, **({"host": c.on_demand_loads + c.bypassed} if self._has_host else {})},
-            tier_hits={"fast": c.hits, **({"host": c.host_hits} if self._has_host else {})},
-            bytes_loaded=sum(v for k, v in c.bytes_per_link.items() if k.endswith("->fast")))
-
-    @property
-    def _has_host(self) -> bool:
-        return len(self.tiers) > 1
-
     @property
     def stats(self) -> RunResult:
         """Everything since the engine started (or since preloading ended)."""
         with self.path.cond:
-            return self._result(self.counters.copy())
+            return run_result(self, self.counters.copy())
 
     @property
     def late_proposals(self) -> tuple[int, int]:

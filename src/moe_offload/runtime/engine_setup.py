@@ -1,20 +1,25 @@
-"""The engine's set-up (runtime/engine.py): its device and compute dtype, its tiers, MoEpic's split, the
-prefetcher's link budget, the replayed trace and the prefetcher.
+"""The engine's set-up (runtime/engine.py): its device and compute dtype, the sizes of its tiers, its tiers,
+MoEpic's split, the prefetcher's link budget, the replayed trace and the prefetcher.
 
 Each part is made once, while ``OffloadEngine`` is constructed, from the manifest of the packed model and
-the engine's arguments; a part that cannot be made raises a ConfigError naming the argument, before the
-model loads. The device helpers are also the CLI's checks of ``--device`` and ``--dtype``.
+the engine's Plan (plan/plan.py, checked by make_plan); what only the model can say (whether a budget holds a
+layer's experts, whether a split fits) raises a ConfigError naming the option here, before the model loads.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from moe_offload import values
 from moe_offload.errors import ConfigError
 from moe_offload.hardware.choices import COMPUTE_DTYPES
+from moe_offload.values import format_bytes
 from moe_offload.policies import policy_info
 from moe_offload.prefetch import make_prefetcher, prefetcher_info
 from moe_offload.runtime.tiers import SlotPool, Tier
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
+
 
 
 def compute_dtype(name: str | None, device, stored):
@@ -26,6 +31,69 @@ def compute_dtype(name: str | None, device, stored):
     if name not in COMPUTE_DTYPES:
         raise ConfigError(f"--dtype {name!r}: choose from {', '.join(COMPUTE_DTYPES)}")
     return getattr(torch, name)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What a plan's budgets and dtypes come to for one packed model on one device: the fast tier's dtype and
+    expert form, the bytes of one expert there and of all experts in the compute dtype (what a share of the
+    fast budget is of), the fast budget in bytes, and the whole experts each tier holds."""
+
+    compute_dtype: object  # a torch.dtype
+    expert_form: object  # runtime/expert_forms.py's form of quantized experts, or None
+    expert_bytes: int
+    total_expert_bytes: int
+    fast_budget_bytes: int
+    fast_slots: int
+    host_slots: int
+
+
+def size_tiers(plan, manifest, spec, device) -> Sizing:
+    """The Sizing of ``plan`` for ``manifest``'s experts on ``device``, checked against the model: the fast tier
+    must hold a layer's top-k experts (one per layer for a partitioned policy), the host tier one expert (a
+    placing run's, a layer's top-k, which it may compute there at once). Where ``dtype`` or ``expert_compute``
+    is None, the measured profile ``plan.hardware`` chooses (its ``[runtime]`` table for the pack's experts)."""
+    import torch
+
+    from moe_offload.runtime.expert_forms import expert_form, profile_choices
+
+    m = manifest
+    info = policy_info(plan.policy)
+    if info.offline:
+        raise ConfigError(f"policy {plan.policy!r} needs the future (next use of every expert), which a running "
+                          "engine does not know; use it in `moe-offload simulate`")
+    if m.quantized and plan.split:
+        raise ConfigError(f"{m.directory}: {m.expert_dtype} experts: MoEpic's split does not read quantized "
+                          "experts yet (docs/guides/checkpoints.md says why)")
+    measured_dtype, measured_form = profile_choices(plan.hardware, m, device)  # what the plan does not say
+    if plan.dtype is not None and plan.dtype != measured_dtype:
+        measured_form = None  # the form was measured fastest in its own dtype, not in this one
+    dtype = compute_dtype(plan.dtype or measured_dtype, device, getattr(torch, m.dtype))
+    elements = sum(math.prod(tensor.shape) for tensor in m.tensors)
+    # A share of the budget is of all experts in the compute dtype whatever the stored dtype, so "25%" is the same
+    # memory for every pack of a model; quantized experts take the bytes of their form in the fast tier
+    # (runtime/expert_forms.py: per use and the kernel about the stored bytes), so more fit in it.
+    form = expert_form(plan.expert_compute or measured_form, m, device, dtype)
+    expert_bytes = form.slot_bytes if form is not None else elements * dtype.itemsize
+    experts = m.num_layers * m.num_experts
+    total = experts * elements * dtype.itemsize
+    budget = plan.fast_budget_bytes(total)
+    fast_slots = min(budget // expert_bytes, experts)
+    places = info.policy.places_or_bypasses or plan.fetch_or_compute
+    if fast_slots < m.top_k and not plan.split and not info.policy.static:  # static: the rest on the host
+        raise ConfigError(f"fast budget {plan.fast_budget} cannot hold one layer's top-{m.top_k} experts "
+                          f"({format_bytes(m.top_k * expert_bytes)}, {format_bytes(expert_bytes)} each)")
+    if info.partitioned and not plan.split and fast_slots < m.num_layers:  # a layer with no slot waits forever
+        raise ConfigError(f"policy {plan.policy!r} splits the fast tier among the {m.num_layers} layers: "
+                          f"{fast_slots} experts leave a layer without one; give at least {m.num_layers} "
+                          f"({format_bytes(m.num_layers * expert_bytes)})")
+    host_slots = plan.host_experts(m.expert_bytes, experts)
+    if plan.host_budget is not None and host_slots < 1:
+        raise ConfigError(f"host budget {plan.host_budget} cannot hold one expert ({format_bytes(m.expert_bytes)})")
+    if places and plan.host_budget is not None and host_slots < m.top_k:
+        raise ConfigError(f"host budget {plan.host_budget} cannot hold a layer's top-{m.top_k} experts "
+                          f"({format_bytes(m.expert_bytes)} each), which {plan.policy!r} computes there")
+    return Sizing(dtype, form, expert_bytes, total, budget, fast_slots, host_slots)
 
 
 def resolve_device(device):
@@ -73,30 +141,23 @@ def host_tier(manifest, spec, host_slots: int, device, form=None) -> list[Tier]:
                           pin=device.type == "cuda"), m, cpu, stored, form and StoredCopy(form))]
 
 
-def read_split(split_config, preload, reconfiguration, hardware, budget_bytes, manifest, spec,
-               compute_expert_bytes: int):
+def read_split(plan, sizing: Sizing, manifest, spec):
     """((configuration, its name), its online loop or None) of a split run, checked against the model; (None,
     None) without one."""
-    if split_config is None and reconfiguration is None:
+    if not plan.split:
         return None, None
     from moe_offload.runtime.split_online import split_plan
 
-    (config, source), online = split_plan(split_config, reconfiguration, hardware, manifest, spec,
-                                          compute_expert_bytes, budget_bytes)
-    if preload:
-        raise ConfigError(f"{source}: the split runtime loads into the tops and the buffer as experts are needed; "
-                          "it does not preload")
-    return (config, source), online
+    return split_plan(plan.split_config, plan.reconfiguration, plan.hardware, manifest, spec, sizing.expert_bytes,
+                      sizing.fast_budget_bytes)
 
 
-def link_budget(hardware, manifest):
-    """What the link into the fast tier carries per layer on ``hardware`` (a profile, its name or file; default
-    the timed simulator's), for the stored experts the link moves: the budget ``simulate --timed`` gives the
-    prefetcher on the same profile (prefetch/budget.py), so MoEpic's Y is the same in both."""
-    from moe_offload.hardware import HardwareProfile, resolve_profile
+def link_budget(profile, manifest):
+    """What the link into the fast tier carries per layer on the hardware ``profile`` (the plan's), for the stored
+    experts the link moves: the budget ``simulate --timed`` gives the prefetcher on the same profile
+    (prefetch/budget.py), so MoEpic's Y is the same in both."""
     from moe_offload.prefetch.budget import budget_from_hardware
 
-    profile = hardware if isinstance(hardware, HardwareProfile) else resolve_profile(hardware)
     m = manifest
     return budget_from_hardware(profile, m.expert_bytes, m.num_layers, m.top_k)
 

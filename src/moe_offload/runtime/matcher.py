@@ -35,9 +35,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from moe_offload.plan.choices import MATCHERS
 from moe_offload.prefetch.search_cost import TimedSearch
-
-MATCHERS = ("async", "inline", "lockstep")
 
 
 def runs_off_the_decode_thread(prefetcher) -> bool:

@@ -66,8 +66,6 @@ class Segment:
     past: int
 
 
-BATCH_MATH = ("exact", "fast")
-
 
 @dataclass
 class PackedPass:

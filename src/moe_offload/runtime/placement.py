@@ -5,8 +5,9 @@ the host computes it faster than it is fetched.
 
 A refused miss is computed on the host from the host tier's copy (models/host_experts.py), so such a run
 always has a host tier: by default one that holds every expert in its stored dtype (llama.cpp and
-ktransformers keep the experts they do not put on the GPU in system memory), or the ``host_budget`` given,
-which must hold at least a layer's top-k experts, since a layer may compute all of them there at once. The
+ktransformers keep the experts they do not put on the GPU in system memory; plan/make.py gives the plan that
+host budget), or the ``host_budget`` given, which must hold at least a layer's top-k experts, since a layer
+may compute all of them there at once (runtime/engine_setup.py, size_tiers). The
 placement (the experts resident before the first token) is loaded through the data path at start-up, and
 the host tier with the other experts while they fit, so that a static placement moves nothing while it
 generates; none of it counts as misses. A placement chosen from a profile needs one, or a replayed trace to
@@ -14,7 +15,8 @@ choose from in hindsight.
 
 Fetch or compute. ``fetch_or_compute`` gives the fast tier's cache the rule the timed simulator uses
 (``simulate --timed --fetch-or-compute``): the same FetchOrCompute on the same ProfileCosts, with the costs
-of the run's hardware profile (``hardware``: a measured profile, a preset, or the default preset). A run with
+of the plan's hardware profile (a measured profile, a preset, or the default preset; plan/make.py checks that
+it has a host tier and the host's time per expert). A run with
 the rule is a placing run: it has a host tier (every expert by default, loaded at start-up), and a bypassed
 miss is computed from the host tier's copy. The profile's tiers are matched to the runtime's by position:
 the runtime's host tier is the profile's tier 1 when that tier is a cache in front of a slower home (an SSD),
@@ -26,29 +28,8 @@ host that holds every expert), every expert is read from there, as in the simula
 
 from __future__ import annotations
 
-from moe_offload.errors import ConfigError
-from moe_offload.hardware import HardwareProfile, resolve_profile
-from moe_offload.policies import policy_info
 from moe_offload.policies.fetch_or_compute import FetchOrCompute, ProfileCosts
 from moe_offload.simulator.cache import PartitionedCache
-from moe_offload.simulator.transfers import home_tier
-from moe_offload.values import option_defaults
-
-
-def placing_host_budget(info, policy_options: dict | None, host_budget, replaying: bool, split: bool,
-                        prefetch: str | None):
-    """The host budget of a run of the placing policy ``info`` (a PolicyInfo), its options and the rest of the
-    run checked for what the runtime needs."""
-    name = info.name
-    if split:
-        raise ConfigError(f"policy {name!r} places experts itself: it does not run with a split configuration")
-    if info.policy.static and prefetch is not None:
-        raise ConfigError(f"policy {name!r} is a static placement: it loads nothing after the start, so there is "
-                          f"nothing for the prefetcher {prefetch!r} to prefetch")
-    if "profile" in option_defaults(info.policy) and not (policy_options or {}).get("profile") and not replaying:
-        raise ConfigError(f"policy {name!r} chooses its experts from a profile: give one (--profile TRACE, "
-                          "profile=TRACE in Python), or replay a trace to choose from it in hindsight")
-    return "100%" if host_budget is None else host_budget
 
 
 def placement_keys(fast_cache, slot_bytes: int, trace) -> list[int]:
@@ -63,25 +44,6 @@ def host_keys(placed: list[int], spec, host_slots: int) -> list[int]:
     their way to the fast tier: the others in key order, while they fit."""
     others = sorted(set(range(spec.num_layers * spec.num_experts)) - set(placed))
     return others[:max(0, host_slots - len(placed))]
-
-
-def fetch_or_compute_profile(policy: str, hardware, split: bool):
-    """The hardware profile (a HardwareProfile, a preset's name or a file; None: the default preset) whose costs
-    a run of ``policy`` with the fetch-or-compute rule decides with, checked: a dynamic policy, an unsplit run,
-    and a profile with a host tier and the host's time per expert. A ConfigError names the problem."""
-    if policy_info(policy).policy.static:
-        raise ConfigError(f"--fetch-or-compute decides whether a miss is loaded; policy {policy!r} is a static "
-                          "placement that loads none: drop one of them")
-    if split:
-        raise ConfigError("--fetch-or-compute computes whole experts on the host: it does not run with a split "
-                          "configuration")
-    profile = hardware if isinstance(hardware, HardwareProfile) else resolve_profile(hardware)
-    if profile.host is None:
-        raise ConfigError(f"hardware {profile.name} has no [host] compute: the fetch-or-compute rule needs the "
-                          "host's time per expert (`moe-offload hardware measure` measures it)")
-    if len(profile.tiers) < 2:
-        raise ConfigError(f"hardware {profile.name} has no host tier for bypassed experts to live in")
-    return profile
 
 
 def fetch_or_compute_rule(profile, manifest, host_cache) -> FetchOrCompute:

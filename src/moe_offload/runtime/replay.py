@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from moe_offload.errors import ConfigError
+from moe_offload.plan.choices import REPLAY_WEIGHTS as WEIGHTS
 
-WEIGHTS = ("trace", "router")
 
 
 def replay_rows(trace, request_index: int, max_new_tokens: int | None = None) -> np.ndarray:

@@ -37,7 +37,8 @@ from moe_offload.errors import ConfigError
 from moe_offload.hardware import HardwareProfile, resolve_profile
 from moe_offload.runtime.split import load_split_config, split_memory
 from moe_offload.simulator.split import LayerSplitPlan, SplitConfig
-from moe_offload.simulator.timed.reconfigure import OnlineConfigurator, Reconfiguration
+from moe_offload.plan import Reconfiguration
+from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.values import format_bytes
 
 

@@ -155,10 +155,11 @@ def measure_decode_step(packed_dir: Path, device, repeats: int, dtype=None, stre
     With ``stream`` (a context manager factory, transfers.streaming): the same again while it moves experts
     in the background, and the stream's median seconds per expert meanwhile. Returns (idle step, step while
     streaming, seconds per streamed expert while decoding); the last two None without ``stream``."""
+    from moe_offload.plan import make_plan
     from moe_offload.runtime.engine import OffloadEngine
 
     dtype = None if dtype is None else str(dtype).removeprefix("torch.")  # ``dtype``: the compute dtype
-    with OffloadEngine(packed_dir, fast_budget="100%", preload=True, device=device, dtype=dtype) as engine:
+    with OffloadEngine(make_plan(packed_dir, fast_budget="100%", preload=True, device=device, dtype=dtype)) as engine:
         prompt = list(range(1, 1 + DECODE_PROBE_TOKENS))
 
         def gaps() -> list[float]:

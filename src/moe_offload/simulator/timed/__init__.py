@@ -15,12 +15,12 @@ Discrete events over virtual time, no threads. One file per role:
     reconfigure.py MoEpic's online configurator: the split configuration rerun every tau tokens
 """
 
-from moe_offload.simulator.timed.reconfigure import PAPER_TAU, Reconfiguration
+from moe_offload.plan import PAPER_TAU, Reconfiguration
 from moe_offload.simulator.timed.needs import layer_needs, routed_by_request
 from moe_offload.simulator.timed.schedule import Arrivals, request_steps, trace_iterations
 from moe_offload.simulator.timed.simulate import (ALL_RESIDENT, ORACLE, check_timed_run, latency_summary,
-                                                  simulate_timed, timed_grid)
+                                                  simulate_plan, simulate_timed, timed_grid)
 
 __all__ = ["ALL_RESIDENT", "ORACLE", "PAPER_TAU", "Arrivals", "Reconfiguration", "check_timed_run",
-           "latency_summary", "layer_needs", "request_steps", "routed_by_request", "simulate_timed", "timed_grid",
-           "trace_iterations"]
+           "latency_summary", "layer_needs", "request_steps", "routed_by_request", "simulate_plan", "simulate_timed",
+           "timed_grid", "trace_iterations"]

@@ -25,29 +25,11 @@ VramAllocation "using the latest state variables" and updates the expert cache o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from moe_offload.plan import Reconfiguration
 from moe_offload.simulator.configurator import OnlineStatistics, configure, timings_from_profile
-from moe_offload.errors import ConfigError
 from moe_offload.simulator.split import SplitConfig
-
-PAPER_TAU = 5000
-
-
-@dataclass(frozen=True)
-class Reconfiguration:
-    """The options of the online loop: tau (tokens between two configurations) and Algorithm 1's zeta."""
-
-    every: int = PAPER_TAU
-    granularity: float = 0.01
-
-    def check(self) -> None:
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ConfigError(f"the reconfiguration period tau must be a positive number of tokens, not {self.every!r}")
-        if not 0 < self.granularity < 1:
-            raise ConfigError(f"the allocation granularity zeta must be in (0, 1), not {self.granularity:g}")
 
 
 class OnlineConfigurator:

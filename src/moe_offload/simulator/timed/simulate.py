@@ -1,4 +1,5 @@
-"""Timed simulation runs: check a configuration, run it, fill the RunResult; a grid of runs over processes."""
+"""Timed simulation runs: check a configuration, run it, fill the RunResult; a Plan's prediction; a grid of runs over
+processes."""
 
 from __future__ import annotations
 
@@ -6,18 +7,19 @@ import numpy as np
 
 from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import HardwareProfile
+from moe_offload.plan import Plan, Reconfiguration
 from moe_offload.policies import ModelSpec, policy_info
 from moe_offload.prefetch import Prefetcher, check_trace_columns, make_prefetcher, prefetcher_info, search_latency
 from moe_offload.prefetch.budget import budget_from_hardware
 from moe_offload.results import RunResult
 from moe_offload.simulator.replay import check_cache_size
-from moe_offload.simulator.split import SplitConfig
-from moe_offload.simulator.timed.reconfigure import OnlineConfigurator, Reconfiguration
+from moe_offload.simulator.split import SplitConfig, read_split_config
+from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.simulator.timed.run import TimedRun
 from moe_offload.simulator.timed.schedule import Arrivals
 from moe_offload.simulator.timed.timeline import iteration_timeline
 from moe_offload.simulator.transfers import home_tier
-from moe_offload.trace.format import Trace
+from moe_offload.trace.format import Trace, read_trace
 from moe_offload.values import format_bytes, worker_count
 
 ALL_RESIDENT = "all-resident"
@@ -230,6 +232,35 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         timeline=iteration_timeline(sim.events, [q.link.name for q in sim.net.queues.values()],
                                     outcome["spans"], timeline_iteration), notes=notes,
         reconfigurations=sim.reconfigurations if online is not None else None)
+
+
+def simulate_plan(trace: Trace, plan: Plan, *, expert_bytes: int | None = None, arrivals: Arrivals = Arrivals(),
+                  history: Trace | None = None, timeline_iteration: int | None = None,
+                  name: str | None = None) -> RunResult:
+    """The timed simulator's prediction of the run ``plan`` describes (plan/plan.py), on the plan's hardware
+    profile: its policy and options, prefetcher and options (fitted on ``history``, else on the plan's),
+    MoEpic's split and online loop, Fiddler's rule, and a fast tier of the whole experts of ``expert_bytes``
+    (default: the trace's) its fast budget holds, as the runtime rounds it. The runtime's host tier is the
+    profile's here: the plan's ``host_budget`` sizes the runtime's only. The result reports the plan back
+    (``configuration``), as the runtime's does."""
+    meta = trace.meta
+    expert_bytes = expert_bytes or meta.expert_bytes
+    if not expert_bytes:
+        raise ConfigError(f"{trace.path}: the trace's metadata gives no expert size; give it (--expert-bytes)")
+    hardware = plan.profile()
+    split = plan.split_config
+    if split is not None and not isinstance(split, SplitConfig):
+        split = read_split_config(split)
+    if history is None and plan.history is not None:
+        history = read_trace(plan.history)
+    cache_bytes = plan.fast_experts(expert_bytes, meta.num_expert_slots) * expert_bytes
+    result = simulate_timed(trace, hardware, plan.policy, cache_bytes, expert_bytes=expert_bytes,
+                            prefetcher=plan.prefetch, prefetcher_options=plan.prefetch_options, history=history,
+                            arrivals=arrivals, seed=plan.seed, policy_options=plan.policy_options,
+                            timeline_iteration=timeline_iteration, name=name, split=split,
+                            reconfiguration=plan.reconfiguration, fetch_or_compute=plan.fetch_or_compute)
+    result.configuration = plan.describe()
+    return result
 
 
 _GRID: tuple | None = None  # (trace, hardware, history) of the worker processes, set once per process
