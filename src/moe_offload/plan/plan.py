@@ -19,7 +19,8 @@ The fields, by what they decide:
   fast tier the policy evicts from; ``host-layers`` keeps whole layers' experts on the host and computes them
   there (static-layers: llama.cpp's --n-cpu-moe, or ``-ot`` on whole layers; ``fast_layers`` the layers kept
   fast); ``static-experts`` keeps a fixed set of experts fast and computes the rest on the host
-  (static-freq: KTransformers' placement and llama.cpp's ``-ot`` by expert, from ``profile``);
+  (static-freq from a ``profile``, or static-experts from a given set: KTransformers' placement and llama.cpp's
+  ``-ot`` by expert);
   ``pinned`` pins a profile's share and streams the rest (pinned-lru). ``fetch_or_compute`` adds Fiddler's
   admission rule to a streamed placement: a miss the host computes faster than it loads is not admitted.
 - **Policy and prefetcher**, with their options; ``prefetch_history`` the trace a learning prefetcher fits
@@ -63,7 +64,8 @@ class Reconfiguration:
 
 
 # what a policy does with the fast tier (module doc); a policy not named here streams
-PLACEMENTS = {"static-layers": "host-layers", "static-freq": "static-experts", "pinned-lru": "pinned"}
+PLACEMENTS = {"static-layers": "host-layers", "static-freq": "static-experts", "static-experts": "static-experts",
+              "pinned-lru": "pinned"}
 
 
 @dataclass(frozen=True)
