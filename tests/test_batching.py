@@ -137,6 +137,26 @@ def test_seeded_sampling_is_the_same_whatever_else_runs():
     assert results[3].token_ids != alone.token_ids  # another seed draws other tokens
 
 
+def test_the_extra_sampling_parameters_of_a_request_stay_its_own():
+    # top_k 1 at temperature 1 is the greedy answer; a repetition penalty and min-p change only their request's
+    # tokens: each request of the crowd equals the same request alone
+    greedy = SamplingParams(max_tokens=10)
+    own = [SamplingParams(max_tokens=10, temperature=1.0, top_k=1, seed=3),
+           SamplingParams(max_tokens=10, repetition_penalty=1.5),
+           SamplingParams(max_tokens=10, temperature=1.0, min_p=0.2, seed=5)]
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    with load("tiny", fast_budget="50%", max_batch=4) as engine:
+        plain = engine.submit(PROMPTS[0], greedy).result(timeout=60)
+        alone = [engine.submit(p, params).result(timeout=60) for p, params in zip(prompts[1:], own)]
+        penalised = engine.submit(PROMPTS[1], greedy).result(timeout=60)
+        crowd = [engine.submit(p, params) for p, params in zip(prompts, [greedy, *own])]
+        results = [handle.result(timeout=60) for handle in crowd]
+    assert alone[0].token_ids == plain.token_ids  # top_k 1: greedy whatever the temperature and seed
+    assert alone[1].token_ids != penalised.token_ids  # the penalty changed that request's greedy answer
+    assert results[0].token_ids == plain.token_ids
+    assert [r.token_ids for r in results[1:]] == [a.token_ids for a in alone]
+
+
 def test_stop_sequences_end_the_text_before_them(alone):
     reference = alone[0]
     stop = reference.text[len(reference.text) // 2:][:3]
