@@ -23,6 +23,7 @@ from moe_offload.models.experts import linear  # noqa: E402
 from moe_offload.runtime.int4_kernel import convert, kernel_nbytes, kernel_tensors, kernel_takes  # noqa: E402
 from moe_offload.runtime.packing import pack_model, read_manifest  # noqa: E402
 from moe_offload.runtime.quantize import dequantize, quantize  # noqa: E402
+from waits import RESULT_WAIT_S  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 64, 64  # every weight in groups of 64, rows in multiples of 16: the kernel takes them
 
@@ -208,7 +209,7 @@ def test_a_batch_computed_with_the_kernel_equals_each_request_alone(packs):
         assert engine.expert_form.name == "kernel"
         alone = [engine.generate(p, max_new_tokens=n, return_logits=True) for p, n in zip(PROMPTS, tokens)]
         handles = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True)) for p, n in zip(PROMPTS, tokens)]
-        batched = [handle.result(timeout=120) for handle in handles]
+        batched = [handle.result(timeout=RESULT_WAIT_S) for handle in handles]
     for completion, reference in zip(batched, alone):
         assert completion.token_ids == reference.token_ids
         assert all(torch.equal(a, b) for a, b in zip(completion.logits, reference.logits))

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from test_runtime import NEW_TOKENS, PROMPTS, assert_lossless, checkpoint  # noqa: E402,F401
+from waits import RESULT_WAIT_S  # noqa: E402
 
 from moe_offload.api import load  # noqa: E402
 from moe_offload.policies import POLICIES, PolicyInfo  # noqa: E402
@@ -65,7 +66,7 @@ def test_a_batch_with_bypassed_experts_equals_each_request_alone(on_host):
         alone = [engine.generate(p, max_new_tokens=n, return_logits=True) for p, n in zip(prompts, tokens)]
     with load("tiny", fast_budget="30%", policy=on_host, max_batch=3) as engine:
         handles = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True)) for p, n in zip(prompts, tokens)]
-        completions = [handle.result(timeout=120) for handle in handles]
+        completions = [handle.result(timeout=RESULT_WAIT_S) for handle in handles]
         assert engine.stats.bypassed > 0
     for completion, reference in zip(completions, alone):
         assert completion.token_ids == reference.token_ids
