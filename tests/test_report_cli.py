@@ -191,19 +191,17 @@ def test_fast_memory_in_bytes_is_whole_experts():
         fast_memory_experts("3GiB", 1024, 8, None)
 
 
-def test_the_budget_is_a_share_that_holds_the_experts(tiny_trace):
-    from moe_offload.reporting.recommend import budget_share
+def test_the_budget_is_the_reports_number_of_experts(tiny_trace):
     from moe_offload.values import budget_bytes
 
     for experts, total in ((288, 1440), (256, 1024), (7, 61 * 256), (1, 3), (2, 3)):
-        share = budget_share(experts, total)
-        held = budget_bytes(share, total * 442368, "--fast-budget") // 442368  # as the runtime reads it
-        assert held == experts, share
+        held = budget_bytes(str(experts), total * 442368, "--fast-budget", expert_bytes=442368) // 442368
+        assert held == experts  # as the runtime reads it
 
     meta = replace(tiny_trace.meta, expert_bytes=None)
     lines = command_lines(commands(meta, "tiny", "desktop-rtx4090", 16, None, None, "lcp"))
-    assert lines[0] == "moe-offload generate 'Why is the sky blue?' --model tiny --fast-budget 25% --policy lcp"
-    assert lines[1] == "moe-offload serve --model tiny --fast-budget 25% --policy lcp"
+    assert lines[0] == "moe-offload generate 'Why is the sky blue?' --model tiny --fast-budget 16 --policy lcp"
+    assert lines[1] == "moe-offload serve --model tiny --fast-budget 16 --policy lcp"
 
 
 def test_only_prefetchers_a_runtime_can_run_are_candidates(tiny_trace):

@@ -63,9 +63,11 @@ def add_engine_arguments(parser) -> None:
                              "computed in bfloat16 on a CPU, else per-use; a measured --hardware "
                              "profile's choice first")
     parser.add_argument("--fast-budget", default="50%", metavar="SIZE|P%",
-                        help="fast-tier budget: a share of all expert bytes (30%%) or a size (64MiB); default 50%%")
+                        help="fast-tier budget: a number of experts (16), a share of all experts (30%%, 0.3) or bytes "
+                             "with a unit (64MiB; docs/budgets.md); default 50%%")
     parser.add_argument("--host-budget", default=None, metavar="SIZE|P%",
-                        help="add a host-memory tier of this budget between the files and the fast tier")
+                        help="add a host-memory tier of this budget between the files and the fast tier: experts, a "
+                             "share or bytes with a unit, as --fast-budget")
     parser.add_argument("--policy", default="lru", help="eviction policy (default lru; see `moe-offload policies`)")
     parser.add_argument("--prefetch", default="none", metavar="NAME",
                         help="prefetcher, or 'none' for demand loading only (default none)")

@@ -14,7 +14,7 @@ from moe_offload.reporting.bound import TARGET_HIT_RATES, Bound, measure_bound, 
 from moe_offload.reporting.latency import Latency, measure_latency
 from moe_offload.reporting.on_engine import OnEngine, measure_on_engine, print_on_engine
 from moe_offload.reporting.recommend import command_lines, commands
-from moe_offload.reporting.tables import run_label
+from moe_offload.reporting.tables import binary_bytes, run_label
 from moe_offload.reporting.working_set import WorkingSet, measure_working_set
 from moe_offload.simulator.replay import ReplayInput
 from moe_offload.trace.format import TraceMeta
@@ -49,14 +49,14 @@ class Report:
         return self.cache_size / self.meta.num_layers
 
     def budget_text(self) -> str:
-        size = f" = {format_bytes(self.cache_size * self.expert_bytes)}" if self.expert_bytes else ""
-        return (f"{self.cache_size:,} of {self.total_experts:,} experts ({self.cache_size / self.total_experts:.1%})"
+        size = f" = {binary_bytes(self.cache_size * self.expert_bytes)}" if self.expert_bytes else ""
+        return (f"{self.cache_size:,} experts of {self.total_experts:,} ({self.cache_size / self.total_experts:.1%})"
                 f"{size}, {self.per_layer_budget:.3g} per layer")
 
     def size_text(self, size: int | None) -> str:
         if size is None:
             return "unreachable"
-        memory = f", {format_bytes(size * self.expert_bytes)}" if self.expert_bytes else ""
+        memory = f", {binary_bytes(size * self.expert_bytes)}" if self.expert_bytes else ""
         return f"{size:,} experts ({size / self.total_experts:.1%}{memory})"
 
 
@@ -190,7 +190,7 @@ def print_report(report: Report, console: Console) -> None:
 
     latency = report.latency
     if latency is not None:
-        table = Table(title=f"latency on {latency.hardware}, {format_bytes(latency.cache_bytes)} of experts in the "
+        table = Table(title=f"latency on {latency.hardware}, {binary_bytes(latency.cache_bytes)} of experts in the "
                             f"GPU (timed simulator, {latency.replayed}; ms)", title_justify="left")
         for column in ("run", "TTFT", "TPOT", "hit rate", "stall ms"):
             table.add_column(column, justify="left" if column == "run" else "right")

@@ -157,7 +157,9 @@ class OffloadEngine:
             if info.offline:
                 raise ConfigError(f"policy {policy!r} needs the future (next use of every expert), which a running "
                                   "engine does not know; use it in `moe-offload simulate`")
-            fast_budget_bytes = values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget")
+            fast_budget_bytes = values.budget_bytes(fast_budget, self.total_expert_bytes, "--fast-budget",
+                                                    expert_bytes=self.compute_expert_bytes,
+                                                    experts=m.num_layers * m.num_experts)
             fast_slots = self._slots(fast_budget_bytes, self.compute_expert_bytes)
             if m.quantized and (split_config is not None or reconfiguration is not None):
                 raise ConfigError(f"{m.directory}: {m.expert_dtype} experts: MoEpic's split does not read quantized "
@@ -182,7 +184,8 @@ class OffloadEngine:
             host_slots = 0
             if host_budget is not None:
                 host_slots = self._slots(values.budget_bytes(host_budget, m.num_layers * m.num_experts * m.expert_bytes,
-                                                      "--host-budget"), m.expert_bytes)
+                                                             "--host-budget", expert_bytes=m.expert_bytes),
+                                         m.expert_bytes)
                 if host_slots < 1:
                     raise ConfigError(f"host budget {host_budget} cannot hold one expert "
                                       f"({format_bytes(m.expert_bytes)})")
