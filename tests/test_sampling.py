@@ -108,3 +108,18 @@ def test_top_k_of_one_is_the_greedy_choice_at_any_temperature():
     params = SamplingParams(temperature=2.0, top_k=1)
     assert {sample(logits, params, generator(seed), []) for seed in range(30)} == {greedy}
     assert len({sample(logits, SamplingParams(temperature=2.0), generator(seed), []) for seed in range(30)}) > 1
+
+
+def test_the_server_takes_vllms_extra_sampling_parameters_and_refuses_unknown_ones():
+    pytest.importorskip("pydantic")
+    from moe_offload.server.protocol import APIError, ChatRequest, parse
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    request = parse(ChatRequest, {**body, "top_k": 1, "min_p": 0.1, "repetition_penalty": 1.2, "seed": 3})
+    assert (request.top_k, request.min_p, request.repetition_penalty, request.seed) == (1, 0.1, 1.2, 3)
+    for extra, problem in (({"top_k": -2}, "top_k"), ({"min_p": 1.5}, "min_p"),
+                           ({"repetition_penalty": 0}, "repetition_penalty"),
+                           ({"top_a": 0.5}, "unknown parameter 'top_a'")):
+        with pytest.raises(APIError, match=problem) as refused:
+            parse(ChatRequest, {**body, **extra})
+        assert refused.value.status == 400
