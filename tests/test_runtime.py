@@ -111,7 +111,7 @@ def test_the_policys_decisions_are_counted_and_timed(checkpoint):
 @pytest.mark.parametrize("budget, prefetch", [(2, None), (5, "topk"), (9, None)])
 def test_coact_is_lossless_and_its_decisions_are_counted(checkpoint, budget, prefetch):
     # the project's own policy (policies/coact.py) as a user runs it: the tokens and logits of all-resident
-    with OffloadEngine(checkpoint["packed"], fast_budget=str(budget * COMPUTE_EXPERT_BYTES), policy="coact",
+    with OffloadEngine(checkpoint["packed"], fast_budget=f"{budget * COMPUTE_EXPERT_BYTES}B", policy="coact",
                        prefetch=prefetch) as engine:
         assert_lossless(engine, checkpoint)
         assert engine.stats.policy_decisions == engine.tiers[0].cache.evictions > 0
