@@ -644,8 +644,8 @@ def test_generation_is_lossless_for_every_expert_dtype(checkpoint, expert_dtype_
                                                        prefetch, budget):
     packed, expected = expert_dtype_packs[expert_dtype]
     manifest = read_manifest(packed)
-    with OffloadEngine(packed, fast_budget=f"{budget * manifest.expert_bytes if manifest.quantized
-                                               else budget * COMPUTE_EXPERT_BYTES}B",
+    slot = manifest.expert_bytes if manifest.quantized else COMPUTE_EXPERT_BYTES
+    with OffloadEngine(packed, fast_budget=f"{budget * slot}B",
                        policy=policy, prefetch=prefetch) as engine:
         assert engine.tiers[0].pool.slots == budget  # quantized: the budget counts the stored bytes
         assert_lossless(engine, Checkpoint(expected=expected))
