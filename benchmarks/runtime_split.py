@@ -229,7 +229,7 @@ def main(argv=None) -> int:
                     raise SystemExit(f"LOSSLESS VIOLATION: split {name} at V_e={budget}")
                 split_tpots.append(tpot)
                 tokens, tpot, unsplit_hits, unsplit_bytes, _, _, slots = timed(
-                    packed, prompts, args.max_new_tokens, args.device, fast_budget=str(memory), hardware=profile)
+                    packed, prompts, args.max_new_tokens, args.device, fast_budget=f"{memory}B", hardware=profile)
                 if tokens != [t for t, _ in unsplit_reference]:
                     raise SystemExit(f"LOSSLESS VIOLATION: unsplit at {memory} bytes")
                 unsplit_tpots.append(tpot)

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Set everything up and run the main job:
-#  1. every eviction policy on the bundled OLMoE trace: a table at a few cache sizes and a plot of misses
-#     against cache size (out/misses.png);
-#  2. the report a user gets for their own traffic, here the OLMoE trace with a quarter of its experts in fast
-#     memory: policy or working set, the latency on a desktop GPU, what to run (out/report.html);
-#  3. the runtime: the bundled tiny Mixtral answers a prompt with a quarter of its experts in the fast tier,
+#  1. the report a user gets for their own traffic, here the bundled OLMoE trace with a quarter of its experts
+#     in fast memory: every eviction policy beside Belady's optimum (policy or working set?), the latency on a
+#     desktop GPU, what to run (out/report.html);
+#  2. the runtime: the bundled tiny Mixtral answers a prompt with a quarter of its experts in the fast tier,
 #     streaming the text, then its speed, hit rate and traffic. The tiny model is a toy trained in minutes on a
 #     CPU so that the runtime runs anywhere: its text is not meant to make sense (generate says so too).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh models,fast
-.venv/bin/moe-offload simulate --plot out/misses.png
 .venv/bin/moe-offload report olmoe --fast-memory 25% -o out/report.html
 .venv/bin/moe-offload generate --chat --fast-budget 25% --policy lcp --prefetch moepic --max-new-tokens 48 \
     "How do I read a file line by line in Python?"
+echo "every policy at every cache size, with the plot of docs/figures/olmoe-misses.png (a few minutes):"
+echo "  .venv/bin/moe-offload simulate --plot out/misses.png"

@@ -21,6 +21,7 @@ from moe_offload.runtime.requests import SamplingParams  # noqa: E402
 from moe_offload.runtime.pack_cache import packed_directory  # noqa: E402
 from moe_offload.runtime.packing import read_manifest  # noqa: E402
 from moe_offload.runtime.storage import ExpertReadError  # noqa: E402
+from waits import RESULT_WAIT_S  # noqa: E402
 
 PROMPTS = ["User: what is a cache?\nAssistant:", "User: hi\nAssistant:",
            "User: tell me about the history of Rome, its emperors and its roads\nAssistant:",
@@ -65,7 +66,7 @@ def staggered(engine) -> list:
         next(stream)
     later = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True))
              for p, n in zip(PROMPTS[2:], NEW_TOKENS[2:])]
-    completions = [handle.result(timeout=120) for handle in first + later]
+    completions = [handle.result(timeout=RESULT_WAIT_S) for handle in first + later]
     assert max(sizes.sizes) == 3 and sizes.sizes[0] <= 2 and sizes.sizes[-1] == 1  # joined, waited, left
     return completions
 
@@ -89,7 +90,7 @@ def test_generate_runs_on_the_engines_computing_thread_between_iterations(alone)
         single = engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS[0], return_logits=True,
                                  on_text=lambda text: threads.add(threading.current_thread().name))
         assert_same(single, alone[0])
-        assert_same(batched.result(timeout=60), alone[1])
+        assert_same(batched.result(timeout=RESULT_WAIT_S), alone[1])
     assert threads == {"moe-offload compute"}
 
 
@@ -129,12 +130,32 @@ def test_a_batch_fetches_the_union_of_its_experts_once():
 def test_seeded_sampling_is_the_same_whatever_else_runs():
     params = dict(max_tokens=10, temperature=1.0, top_p=0.9)
     with load("tiny", fast_budget="50%", max_batch=4) as engine:
-        alone = engine.submit(PROMPTS[0], SamplingParams(seed=7, **params)).result(timeout=60)
+        alone = engine.submit(PROMPTS[0], SamplingParams(seed=7, **params)).result(timeout=RESULT_WAIT_S)
         crowd = [engine.submit(p, SamplingParams(seed=s, **params)) for p, s in
                  [(PROMPTS[1], 1), (PROMPTS[0], 7), (PROMPTS[2], 2), (PROMPTS[0], 8)]]
-        results = [handle.result(timeout=60) for handle in crowd]
+        results = [handle.result(timeout=RESULT_WAIT_S) for handle in crowd]
     assert results[1].token_ids == alone.token_ids
     assert results[3].token_ids != alone.token_ids  # another seed draws other tokens
+
+
+def test_the_extra_sampling_parameters_of_a_request_stay_its_own():
+    # top_k 1 at temperature 1 is the greedy answer; a repetition penalty and min-p change only their request's
+    # tokens: each request of the crowd equals the same request alone
+    greedy = SamplingParams(max_tokens=10)
+    own = [SamplingParams(max_tokens=10, temperature=1.0, top_k=1, seed=3),
+           SamplingParams(max_tokens=10, repetition_penalty=1.5),
+           SamplingParams(max_tokens=10, temperature=1.0, min_p=0.2, seed=5)]
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    with load("tiny", fast_budget="50%", max_batch=4) as engine:
+        plain = engine.submit(PROMPTS[0], greedy).result(timeout=RESULT_WAIT_S)
+        alone = [engine.submit(p, params).result(timeout=RESULT_WAIT_S) for p, params in zip(prompts[1:], own)]
+        penalised = engine.submit(PROMPTS[1], greedy).result(timeout=RESULT_WAIT_S)
+        crowd = [engine.submit(p, params) for p, params in zip(prompts, [greedy, *own])]
+        results = [handle.result(timeout=RESULT_WAIT_S) for handle in crowd]
+    assert alone[0].token_ids == plain.token_ids  # top_k 1: greedy whatever the temperature and seed
+    assert alone[1].token_ids != penalised.token_ids  # the penalty changed that request's greedy answer
+    assert results[0].token_ids == plain.token_ids
+    assert [r.token_ids for r in results[1:]] == [a.token_ids for a in alone]
 
 
 def test_stop_sequences_end_the_text_before_them(alone):
@@ -165,7 +186,7 @@ def test_per_sequence_state_ends_when_the_request_leaves():
         policy.on_access = spy
         handles = [engine.submit(p, SamplingParams(max_tokens=n)) for p, n in zip(PROMPTS[:3], NEW_TOKENS[:3])]
         for handle in handles:
-            handle.result(timeout=60)
+            handle.result(timeout=RESULT_WAIT_S)
         assert policy.sequences.by_request == {}
         assert engine.prefetcher._current == {}
         assert engine.runner.request_counters == {}
@@ -180,9 +201,9 @@ def test_cancelled_requests_leave_at_the_next_iteration():
         other = engine.submit(PROMPTS[1], SamplingParams(max_tokens=5))
         next(iter(handle))
         handle.cancel()
-        completion = handle.result(timeout=60)
+        completion = handle.result(timeout=RESULT_WAIT_S)
         assert completion.finish_reason == "cancelled" and len(completion.token_ids) < 200
-        assert other.result(timeout=60).finish_reason == "length"
+        assert other.result(timeout=RESULT_WAIT_S).finish_reason == "length"
         assert engine.scheduler.queued == (0, 0)
 
 
@@ -197,13 +218,13 @@ def test_cancels_racing_the_scheduler_never_lose_a_request_or_its_slot():
             cancellers = [threading.Timer(0.002 * i, handle.cancel) for i, handle in enumerate(handles)]
             for canceller in cancellers:
                 canceller.start()
-            ends = [handle.result(timeout=60).finish_reason for handle in handles]
+            ends = [handle.result(timeout=RESULT_WAIT_S).finish_reason for handle in handles]
             for canceller in cancellers:
                 canceller.join()
             assert set(ends) <= {"cancelled", "length", "stop"}
             assert scheduler.queued == (0, 0)
             assert scheduler.kv.available == scheduler.kv.slots
-        assert engine.submit(PROMPTS[1], SamplingParams(max_tokens=3)).result(timeout=60).finish_reason == "length"
+        assert engine.submit(PROMPTS[1], SamplingParams(max_tokens=3)).result(timeout=RESULT_WAIT_S).finish_reason == "length"
 
 
 def test_a_request_without_a_free_kv_slot_waits_for_one():
@@ -212,7 +233,7 @@ def test_a_request_without_a_free_kv_slot_waits_for_one():
         with scheduler.cond:
             taken = scheduler.kv.acquire()  # one slot held elsewhere: one request runs at a time
         handles = [engine.submit(p, SamplingParams(max_tokens=4)) for p in PROMPTS[:2]]
-        assert [h.result(timeout=60).finish_reason for h in handles] == ["length", "length"]
+        assert [h.result(timeout=RESULT_WAIT_S).finish_reason for h in handles] == ["length", "length"]
         assert scheduler.failure is None
         scheduler.kv.release(taken)
 
@@ -227,7 +248,7 @@ def test_a_dead_scheduler_fails_every_request_and_refuses_new_ones():
         scheduler.kv.acquire = broken_acquire
         with scheduler.cond:  # all three wait when the scheduler dies
             handles = [engine.submit(p, SamplingParams(max_tokens=4)) for p in PROMPTS[:3]]
-        ends = [handle.result(timeout=60) for handle in handles]
+        ends = [handle.result(timeout=RESULT_WAIT_S) for handle in handles]
         assert [c.finish_reason for c in ends] == ["error"] * 3
         assert all("corrupt" in str(c.error) for c in ends)
         assert "corrupt" in str(scheduler.failure)
@@ -269,7 +290,7 @@ def test_a_failing_expert_fails_only_the_requests_that_need_it(alone, tmp_path):
         policy.on_access = spy
         handles = [engine.submit(p, SamplingParams(max_tokens=n)) for p, n in zip(PROMPTS, NEW_TOKENS)]
         for handle in handles:
-            handle.result(timeout=60)
+            handle.result(timeout=RESULT_WAIT_S)
     needs = [routed[handle.request] for handle in handles]
     J = manifest.num_experts
     candidates = [key for key in range(3 * J, 4 * J) if 0 < sum(key in n for n in needs) < len(needs)]
@@ -284,7 +305,7 @@ def test_a_failing_expert_fails_only_the_requests_that_need_it(alone, tmp_path):
     with OffloadEngine(make_plan(packed, fast_budget="100%", max_batch=len(PROMPTS))) as engine:
         handles = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True))
                    for p, n in zip(PROMPTS, NEW_TOKENS)]
-        completions = [handle.result(timeout=60) for handle in handles]
+        completions = [handle.result(timeout=RESULT_WAIT_S) for handle in handles]
         after = engine.generate_batch([PROMPTS[i] for i, n in enumerate(needs) if victim not in n][:1],
                                       max_new_tokens=3)[0]
     for completion, need, reference in zip(completions, needs, alone):
@@ -323,13 +344,13 @@ def test_a_fault_outside_the_experts_fails_its_batch_and_the_scheduler_serves_on
                 scheduler._advance = failing_advance
             with scheduler.cond:  # both join the same iteration
                 handles = [engine.submit(p, SamplingParams(max_tokens=4)) for p in PROMPTS[:2]]
-            ends = [handle.result(timeout=60) for handle in handles]
+            ends = [handle.result(timeout=RESULT_WAIT_S) for handle in handles]
             failed = ends if where == "reserve" else ends[:1]  # a request's own step fails it alone
             assert [c.finish_reason for c in ends] == ["error"] * len(failed) + ["length"] * (2 - len(failed))
             assert all(c.error is fault for c in failed)
             assert sorted(scheduler.kv.free) == list(range(scheduler.kv.slots))  # their slots are free again
             served = engine.submit(PROMPTS[0], SamplingParams(max_tokens=NEW_TOKENS[0], return_logits=True)
-                                   ).result(timeout=60)
+                                   ).result(timeout=RESULT_WAIT_S)
             assert served.finish_reason == "length"
             assert_same(served, alone[0])
 

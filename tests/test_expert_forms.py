@@ -24,6 +24,7 @@ from moe_offload.models.experts import linear  # noqa: E402
 from moe_offload.runtime.int4_kernel import convert, kernel_nbytes, kernel_tensors, kernel_takes  # noqa: E402
 from moe_offload.runtime.packing import pack_model, read_manifest  # noqa: E402
 from moe_offload.runtime.quantize import dequantize, quantize  # noqa: E402
+from waits import RESULT_WAIT_S  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 64, 64  # every weight in groups of 64, rows in multiples of 16: the kernel takes them
 
@@ -115,7 +116,7 @@ def test_each_form_takes_the_bytes_its_slot_holds(packs, expert_dtype, choice, d
     manifest = read_manifest(packs[expert_dtype])
     chosen = expert_form(choice, manifest, torch.device("cpu"), getattr(torch, dtype))
     assert (chosen.name, chosen.slot_bytes) == (form, slot_bytes)
-    with OffloadEngine(make_plan(packs[expert_dtype], fast_budget=str(3 * slot_bytes), dtype=dtype, expert_compute=choice,
+    with OffloadEngine(make_plan(packs[expert_dtype], fast_budget=f"{3 * slot_bytes}B", dtype=dtype, expert_compute=choice,
                                  device="cpu")) as engine:
         assert engine.tiers[0].pool.slots == 3 and engine.tiers[0].slot_bytes == slot_bytes
 
@@ -177,7 +178,7 @@ def test_every_form_is_lossless_against_the_all_resident_engine_in_that_form(pac
                                                                              form, dtype, prefetch):
     manifest = read_manifest(packs[expert_dtype])
     slot = expert_form(form, manifest, torch.device("cpu"), getattr(torch, dtype)).slot_bytes
-    with OffloadEngine(make_plan(packs[expert_dtype], fast_budget=str(3 * slot), dtype=dtype, expert_compute=form,
+    with OffloadEngine(make_plan(packs[expert_dtype], fast_budget=f"{3 * slot}B", dtype=dtype, expert_compute=form,
                                  prefetch=prefetch, device="cpu")) as engine:
         assert engine.tiers[0].pool.slots == 3  # of 18 experts: most uses are loads
         assert_same(generations(engine), all_resident(expert_dtype, form, dtype))
@@ -193,7 +194,7 @@ def test_quantized_experts_computed_on_the_host_are_lossless(packs, all_resident
     monkeypatch.setitem(POLICIES, OddLayersOnHost.name, PolicyInfo(OddLayersOnHost.name, OddLayersOnHost))
     manifest = read_manifest(packs["int4"])
     slot = expert_form(form, manifest, torch.device("cpu"), getattr(torch, dtype)).slot_bytes
-    with OffloadEngine(make_plan(packs["int4"], fast_budget=str(4 * slot), host_budget="40%", policy=OddLayersOnHost.name,
+    with OffloadEngine(make_plan(packs["int4"], fast_budget=f"{4 * slot}B", host_budget="40%", policy=OddLayersOnHost.name,
                                  dtype=dtype, expert_compute=form, device="cpu")) as engine:
         assert engine.tiers[1].pool.memory.dtype == torch.uint8  # the host tier holds the stored bytes
         assert_same(generations(engine), all_resident("int4", form, dtype))
@@ -209,7 +210,7 @@ def test_a_batch_computed_with_the_kernel_equals_each_request_alone(packs):
         assert engine.expert_form.name == "kernel"
         alone = [engine.generate(p, max_new_tokens=n, return_logits=True) for p, n in zip(PROMPTS, tokens)]
         handles = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True)) for p, n in zip(PROMPTS, tokens)]
-        batched = [handle.result(timeout=120) for handle in handles]
+        batched = [handle.result(timeout=RESULT_WAIT_S) for handle in handles]
     for completion, reference in zip(batched, alone):
         assert completion.token_ids == reference.token_ids
         assert all(torch.equal(a, b) for a, b in zip(completion.logits, reference.logits))

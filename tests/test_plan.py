@@ -73,6 +73,8 @@ def test_budgets_are_whole_experts_as_the_runtime_rounds_them():
     assert plan.fast_experts(expert_bytes=100, experts=64) == 19  # floor(0.3 x 6400 / 100)
     assert plan.host_experts(expert_bytes=100, experts=64) == 20  # floor(2048 / 100)
     assert make_plan(fast_budget="1MiB").fast_experts(expert_bytes=100, experts=64) == 64  # at most all
+    assert make_plan(fast_budget="16").fast_experts(expert_bytes=100, experts=64) == 16  # a bare number is experts
+    assert make_plan(policy="static-layers", host_budget="8").host_experts(expert_bytes=100, experts=64) == 8
 
 
 def test_the_plan_is_frozen_and_describes_itself_as_its_options_say():

@@ -53,6 +53,25 @@ def test_the_misses_legend_says_which_curves_coincide(monkeypatch, tmp_path):
     assert legend == ["belady", "lru", "lfu (= fmoe)", "fmoe (= lfu)"]
 
 
+def test_a_placements_bypassed_requests_are_on_the_misses_axis_and_a_hindsight_one_is_a_bound(monkeypatch,
+                                                                                            tmp_path):
+    # static-layers at 4 experts: 2 misses and 18 bypassed, 20 requests not served from fast memory, 2x OPT's
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig) or path)
+    results = [replay("belady", 4, 10, 10), replay("lru", 4, 30, 10),
+               RunResult(trace="t", policy="static-layers", cache_size=4, accesses=100, hits=80, misses=2,
+                         bypassed=18, opt_misses=10),
+               RunResult(trace="t", policy="static-freq", cache_size=4, accesses=100, hits=95, misses=0,
+                         bypassed=5, opt_misses=10, in_hindsight=True)]
+    plots.plot_misses(results, tmp_path / "plot.png")
+    left, right = figures[0].axes
+    drawn = {line.get_label(): (line.get_ydata()[0], line.get_linestyle()) for line in left.get_lines()}
+    assert drawn["static-layers"] == (20, "-") and drawn["static-freq (hindsight, a bound)"] == (5, "-.")
+    ratios = {line.get_label(): line.get_ydata()[0] for line in right.get_lines()}
+    assert ratios["static-layers"] == 2.0 and ratios["static-freq (hindsight, a bound)"] == 0.5
+    assert "not served from fast memory" in left.get_ylabel()
+
+
 def timed(policy, prefetcher, experts, latencies):
     return RunResult(trace="t", policy=policy, cache_size=experts, accesses=1, hits=1, misses=0,
                      prefetcher=prefetcher, cache_bytes=experts * 2**20 if policy != "all-resident" else None,

@@ -81,7 +81,7 @@ def assert_lossless(engine, checkpoint):
 def test_generation_is_lossless_for_every_policy_prefetcher_and_budget(checkpoint, policy, prefetch, budget, host):
     assume(budget >= 3 or not POLICIES[policy].partitioned)  # a -dist cache gives each of the 3 layers a slot
     history = checkpoint["history"] if prefetch in ("moe-infinity", "fmoe") else None
-    fast = str(budget * COMPUTE_EXPERT_BYTES)  # 18 experts in all (3 layers x 6); top-2 is the least that works
+    fast = f"{budget * COMPUTE_EXPERT_BYTES}B"  # 18 experts in all (3 layers x 6); top-2 is the least that works
     with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=fast, policy=policy, prefetch=prefetch,
                                  prefetch_history=history, host_budget=host)) as engine:
         assert_lossless(engine, checkpoint)
@@ -112,7 +112,7 @@ def test_the_policys_decisions_are_counted_and_timed(checkpoint):
 @pytest.mark.parametrize("budget, prefetch", [(2, None), (5, "topk"), (9, None)])
 def test_coact_is_lossless_and_its_decisions_are_counted(checkpoint, budget, prefetch):
     # the project's own policy (policies/coact.py) as a user runs it: the tokens and logits of all-resident
-    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=str(budget * COMPUTE_EXPERT_BYTES), policy="coact",
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=f"{budget * COMPUTE_EXPERT_BYTES}B", policy="coact",
                                  prefetch=prefetch)) as engine:
         assert_lossless(engine, checkpoint)
         assert engine.stats.policy_decisions == engine.tiers[0].cache.evictions > 0
@@ -155,7 +155,7 @@ def test_refusals(checkpoint):
     with pytest.raises(ConfigError, match="cannot hold one layer's top-2 experts"):
         OffloadEngine(make_plan(packed, fast_budget="5%"))
     with pytest.raises(ConfigError, match="leave a layer without one"):
-        OffloadEngine(make_plan(packed, fast_budget=str(2 * COMPUTE_EXPERT_BYTES), policy="lru-dist"))
+        OffloadEngine(make_plan(packed, fast_budget=f"{2 * COMPUTE_EXPERT_BYTES}B", policy="lru-dist"))
     with pytest.raises(ConfigError, match="needs the future"):
         OffloadEngine(make_plan(packed, policy="belady"))
     with pytest.raises(ConfigError, match="chooses its experts from a profile"):
@@ -375,7 +375,7 @@ def test_llru_counts_the_replays_rounds_in_the_runtime(checkpoint, monkeypatch):
     from moe_offload.models.adapters import load_model
 
     seen = spy_on_llru(monkeypatch)
-    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=str(6 * COMPUTE_EXPERT_BYTES), policy="test-llru")) as engine:
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=f"{6 * COMPUTE_EXPERT_BYTES}B", policy="test-llru")) as engine:
         engine.generate(PROMPTS[1], max_new_tokens=3)
     reference, adapter = load_model(checkpoint["root"] / "model")
     trace = record(reference, adapter, tiny_tokenizer(), [Prompt(PROMPTS[1], "p")], model_name="tiny-random",
@@ -572,7 +572,7 @@ def test_the_oracle_runs_under_replay_and_every_prefetch_is_used_whatever_the_po
                                  replay_weights="router")) as engine:
         expected = engine.generate_replayed(0, return_logits=True)
     for policy in ("lru", "lcp", "fmoe"):
-        with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=str(8 * COMPUTE_EXPERT_BYTES), policy=policy,
+        with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=f"{8 * COMPUTE_EXPERT_BYTES}B", policy=policy,
                                      prefetch="oracle", replay=decode, replay_weights="router")) as engine:
             result = engine.generate_replayed(0, return_logits=True)
         stats = result.stats
@@ -645,9 +645,9 @@ def test_generation_is_lossless_for_every_expert_dtype(checkpoint, expert_dtype_
                                                        prefetch, budget):
     packed, expected = expert_dtype_packs[expert_dtype]
     manifest = read_manifest(packed)
-    with OffloadEngine(make_plan(packed, fast_budget=str(budget * manifest.expert_bytes if manifest.quantized
-                                                         else budget * COMPUTE_EXPERT_BYTES),
-                                 policy=policy, prefetch=prefetch)) as engine:
+    slot = manifest.expert_bytes if manifest.quantized else COMPUTE_EXPERT_BYTES
+    with OffloadEngine(make_plan(packed, fast_budget=f"{budget * slot}B", policy=policy,
+                                 prefetch=prefetch)) as engine:
         assert engine.tiers[0].pool.slots == budget  # quantized: the budget counts the stored bytes
         assert_lossless(engine, Checkpoint(expected=expected))
 
@@ -683,7 +683,7 @@ def test_a_compute_dtype_is_lossless_against_the_all_resident_engine_in_that_dty
         for prompt in PROMPTS:
             result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
             expected[prompt] = (result.token_ids, result.logits)
-    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=str(3 * COMPUTE_EXPERT_BYTES // 2), dtype=dtype,
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=f"{3 * COMPUTE_EXPERT_BYTES // 2}B", dtype=dtype,
                                  prefetch="topk", device="cpu")) as engine:
         assert engine.tiers[0].pool.slots == 3  # half the bytes of a float32 expert each
         assert_lossless(engine, Checkpoint(expected=expected))
@@ -701,6 +701,6 @@ def test_quantized_experts_computed_in_bfloat16_are_lossless(expert_dtype_packs)
         expected = {prompt: (result.token_ids, result.logits) for prompt in PROMPTS
                     for result in [engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)]}
         assert next(engine.model.parameters()).dtype == torch.bfloat16
-    with OffloadEngine(make_plan(packed, fast_budget=str(2 * read_manifest(packed).expert_bytes), dtype="bfloat16",
+    with OffloadEngine(make_plan(packed, fast_budget=f"{2 * read_manifest(packed).expert_bytes}B", dtype="bfloat16",
                                  prefetch="topk", device="cpu")) as engine:
         assert_lossless(engine, Checkpoint(expected=expected))

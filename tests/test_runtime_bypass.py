@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from test_runtime import NEW_TOKENS, PROMPTS, assert_lossless, checkpoint  # noqa: E402,F401
+from waits import RESULT_WAIT_S  # noqa: E402
 
 from moe_offload.api import load  # noqa: E402
 from moe_offload.policies import POLICIES, PolicyInfo  # noqa: E402
@@ -43,7 +44,7 @@ def on_host(monkeypatch):
 
 @pytest.mark.parametrize("budget, host", [(3, None), (6, None), (4, "40%"), (18, "100%")])
 def test_bypassed_experts_computed_on_the_host_are_lossless(checkpoint, on_host, budget, host):  # noqa: F811
-    fast = str(budget * (2 * 48 * 32 + 32 * 48) * 4)  # experts of the test model in float32
+    fast = f"{budget * (2 * 48 * 32 + 32 * 48) * 4}B"  # experts of the test model in float32
     with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=fast, policy=on_host, host_budget=host)) as engine:
         placed = {key for key in (0, 6, 12)[:budget] if key in engine.tiers[0].cache}
         assert len(placed) == min(budget, 3)  # the placement is resident before the first token
@@ -66,7 +67,7 @@ def test_a_batch_with_bypassed_experts_equals_each_request_alone(on_host):
         alone = [engine.generate(p, max_new_tokens=n, return_logits=True) for p, n in zip(prompts, tokens)]
     with load("tiny", fast_budget="30%", policy=on_host, max_batch=3) as engine:
         handles = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True)) for p, n in zip(prompts, tokens)]
-        completions = [handle.result(timeout=120) for handle in handles]
+        completions = [handle.result(timeout=RESULT_WAIT_S) for handle in handles]
         assert engine.stats.bypassed > 0
     for completion, reference in zip(completions, alone):
         assert completion.token_ids == reference.token_ids
@@ -182,7 +183,7 @@ def test_pinned_lru_with_a_prefetcher_is_lossless(checkpoint, tmp_path, prefetch
     from moe_offload.trace.format import write_trace
 
     profile = str(write_trace(checkpoint["history"], tmp_path / "profile.parquet"))
-    fast = str(6 * (2 * 48 * 32 + 32 * 48) * 4)  # 6 of 18 experts: 3 pinned, 3 LRU
+    fast = f"{6 * (2 * 48 * 32 + 32 * 48) * 4}B"  # 6 of 18 experts: 3 pinned, 3 LRU
     with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=fast, policy="pinned-lru", host_budget=host,
                                  policy_options={"profile": profile}, prefetch=prefetch)) as engine:
         assert len(engine.tiers[0].cache.resident) == 3  # the pinned half, before the first token
@@ -192,7 +193,7 @@ def test_pinned_lru_with_a_prefetcher_is_lossless(checkpoint, tmp_path, prefetch
 
 def test_static_layers_below_top_k_computes_every_expert_on_the_host(checkpoint):  # noqa: F811
     # llama.cpp's --cpu-moe: a fast tier of one expert holds no whole layer, so the host computes them all
-    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=str((2 * 48 * 32 + 32 * 48) * 4),
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=f"{(2 * 48 * 32 + 32 * 48) * 4}B",
                                  policy="static-layers")) as engine:
         assert len(engine.tiers[0].cache) == 0
         assert_lossless(engine, checkpoint)

@@ -23,6 +23,7 @@ from moe_offload.runtime.packing import read_manifest  # noqa: E402
 from moe_offload.runtime.replay import replay_rows  # noqa: E402
 from moe_offload.simulator.timed import simulate_timed  # noqa: E402
 from moe_offload.trace.format import read_trace  # noqa: E402
+from waits import RESULT_WAIT_S  # noqa: E402
 
 REQUEST, NEW_TOKENS = 0, 6  # request 0 of the bundled tiny trace: a 60-token prompt
 
@@ -201,7 +202,7 @@ def test_a_batch_decides_on_the_tokens_each_expert_gets_in_the_pass(decisions):
     with load("tiny", fast_budget="30%", policy="lru", max_batch=3, fetch_or_compute=True,
               hardware=profile(gpu_expert=2.5e-3, host_fixed=0.5e-3, host_per_token=1e-3)) as engine:
         handles = [engine.submit(p, SamplingParams(max_tokens=n, return_logits=True)) for p, n in zip(prompts, tokens)]
-        completions = [handle.result(timeout=120) for handle in handles]
+        completions = [handle.result(timeout=RESULT_WAIT_S) for handle in handles]
     for completion, reference in zip(completions, alone):
         assert completion.token_ids == reference.token_ids
         assert all(torch.equal(a, b) for a, b in zip(completion.logits, reference.logits))

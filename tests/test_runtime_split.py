@@ -88,7 +88,7 @@ def test_the_split_runtime_is_lossless_over_budgets_and_split_ratios(split_check
     rows = tuple(round(theta * INTERMEDIATE) for theta in ratios)
     expected = reference(split_checkpoint, rows)
     need = memory_bytes(cached, rows)
-    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget=str(need + slack), policy=policy, device="cpu",
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget=f"{need + slack}B", policy=policy, device="cpu",
                                  split_config=config(cached, ratios))) as engine:
         assert engine.split.memory_bytes == need
         for prompt, (tokens, logits) in expected.items():

@@ -147,7 +147,7 @@ def test_moepic_prefetching_split_runs_are_lossless_over_budgets_ratios_and_poli
     rows = tuple(round(theta * INTERMEDIATE) for theta in ratios)
     expected = reference(split_checkpoint, rows)
     split = SplitConfig(tuple(LayerSplitPlan(c, theta, prefetches) for c, theta in zip(cached, ratios)))
-    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget=str(memory_bytes(cached, rows)), policy=policy,
+    with OffloadEngine(make_plan(split_checkpoint / "packed", fast_budget=f"{memory_bytes(cached, rows)}B", policy=policy,
                                  device="cpu", prefetch="moepic", split_config=split)) as engine:
         for prompt, (tokens, logits) in expected.items():
             result = engine.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)

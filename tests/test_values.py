@@ -93,6 +93,68 @@ def test_budgets_in_bytes_as_the_runtime_reads_them():
     assert values.budget_bytes("64KiB", 1000, "--fast-budget") == 65536
     assert values.budget_bytes("0.5", 1000, "--fast-budget") == 500
     assert "a percentage must be in (0, 100]" in refused(values.budget_bytes, "150%", 1000, "--fast-budget")
+    # a bare number is experts (here of 100 bytes, 10 in all), bytes need a unit
+    assert values.budget_bytes("3", 1000, "--fast-budget", expert_bytes=100) == 300
+    assert values.budget_bytes("300B", 1000, "--fast-budget", expert_bytes=100) == 300
+    assert "more than the model's 10 experts" in refused(values.budget_bytes, "16", 1000, "--fast-budget",
+                                                         expert_bytes=100)
+    assert "give bytes with a unit" in refused(values.budget_bytes, "16", 1000, "--fast-budget")
+
+
+MiB = 2**20
+
+
+def _experts_or_refused(read, value):
+    """What a budget option makes of ``value`` on a model of 64 experts of 1 MiB: "16 experts", "64 MiB" or
+    "refused", the words of docs/budgets.md's table."""
+    try:
+        amount, unit = read(value)
+    except ConfigError:
+        return "refused"
+    return f"{amount:g} {'experts' if unit == 'experts' else 'MiB'}"
+
+
+def _runtime(value):  # generate/serve --fast-budget and --host-budget, hardware measure, moe_offload.load
+    count = values.budget_bytes(value, 64 * MiB, "--fast-budget", expert_bytes=MiB, experts=64)
+    return (count // MiB, "experts") if not values.is_byte_size(value) else (count / MiB, "MiB")
+
+
+def _timed(value):
+    sizes = values.cache_sizes(value, "--cache-size", 64, MiB, in_bytes=True)
+    return (sizes[0] // MiB, "experts") if not values.is_byte_size(value) else (sizes[0] / MiB, "MiB")
+
+
+BUDGET_READERS = {  # each option of docs/budgets.md's table, read as its command reads it
+    "`simulate --cache-size`": lambda v: (values.cache_sizes(v, "--cache-size", 64)[0], "experts"),
+    "`simulate --timed --cache-size`": _timed,
+    "`report --fast-memory`": lambda v: (_fast_memory_experts(v, 64, 2, MiB), "experts"),
+    "`generate --fast-budget`, `serve --fast-budget`": _runtime,
+    "`generate --host-budget`, `serve --host-budget`, `hardware measure --host-budget`": _runtime,
+    "`moe_offload.load(fast_budget=..., host_budget=...)`": _runtime,
+    "`configure --vram-budget`": lambda v: (values.expert_amount(v, "--vram-budget", 64, MiB), "experts"),
+    "`train-eviction --cache-sizes`": lambda v: (values.cache_sizes(v, "--cache-sizes", 64)[0], "experts"),
+}
+
+
+def _fast_memory_experts(*args):
+    from moe_offload.cli.report_cmd import fast_memory_experts
+
+    return fast_memory_experts(*args)
+
+
+def test_the_docs_table_of_budget_options_is_what_the_parser_does():
+    from pathlib import Path
+
+    page = (Path(__file__).parent.parent / "docs" / "budgets.md").read_text()
+    rows = [line.strip("|").split(" | ") for line in page.splitlines() if line.startswith("| `")]
+    header = next(line for line in page.splitlines() if line.startswith("| option"))
+    columns = [cell.strip(" `") for cell in header.strip("|").split(" | ")[1:]]
+    assert columns == ["16", "25%", "0.25", "64MiB"]
+    assert {row[0].strip() for row in rows} == set(BUDGET_READERS)
+    for option, *cells in rows:
+        for value, cell in zip(columns, cells):
+            expected = cell.strip().split(" (")[0]  # "refused (why)" -> "refused"
+            assert _experts_or_refused(BUDGET_READERS[option.strip()], value) == expected, (option, value)
 
 
 def test_row_ranges():

@@ -256,13 +256,24 @@ def cache_sizes(text_value: str, what: str, total: int, expert_bytes: int | None
     return sorted(set(sizes))
 
 
-def budget_bytes(value, total_bytes: int, what: str) -> int:
-    """A memory budget in bytes: a share of ``total_bytes`` (``30%``, or a fraction such as ``0.3``
-    written with a decimal point) or a size (``64MiB``; a plain number is bytes)."""
+def budget_bytes(value, total_bytes: int, what: str, *, expert_bytes: int | None = None,
+                 experts: int | None = None) -> int:
+    """A memory budget in bytes, read as every budget option reads it (docs/budgets.md): a bare whole number
+    is a number of experts (of ``expert_bytes`` each, at most ``experts``, all of the model's), a percentage
+    (``30%``) or a fraction written with a decimal point (``0.3``) is a share of ``total_bytes`` (all experts),
+    and bytes need a unit (``64MiB``, ``64MB``). Without ``expert_bytes`` a bare number is refused, naming
+    the forms that are accepted."""
     item = value.strip() if isinstance(value, str) else value
     if isinstance(item, str) and (item.endswith("%") or re.fullmatch(r"0?\.[0-9]+|1\.0*", item)):
         return max(1, int(total_bytes * share(item, what)))
-    return parse_bytes(item, what)
+    if isinstance(item, float) and not isinstance(item, bool) and 0 < item <= 1 and item != int(item):
+        return max(1, int(total_bytes * share(item, what)))
+    if isinstance(item, str) and is_byte_size(item):
+        return parse_bytes(item, what)
+    if not expert_bytes:
+        refuse(what, value, "give bytes with a unit (64MiB, 64MB) or a percentage (25%)")
+    count = round(expert_amount(item, what, experts or max(1, total_bytes // expert_bytes), allow_bytes=False))
+    return count * expert_bytes
 
 
 # -------------------------------------------------------------------------------------------- ranges, jobs

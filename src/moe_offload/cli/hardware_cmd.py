@@ -48,7 +48,8 @@ def register(subparsers) -> None:
                               "every read (measures RAM, not the disk, once the files are cached)")
     measure.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     measure.add_argument("--host-budget", default=None, metavar="SIZE|P%",
-                         help="CUDA: profile the runtime with a host tier of this budget (gpu, host, ssd)")
+                         help="CUDA: profile the runtime with a host tier of this budget (gpu, host, ssd): experts, "
+                              "a share or bytes with a unit, as generate's --fast-budget")
     measure.add_argument("--threads", type=int, default=None, metavar="N",
                          help="torch CPU threads while measuring (default: torch's, as the runtime runs)")
     measure.set_defaults(run=run_measure)

@@ -68,9 +68,11 @@ def add_compute(parser) -> None:
 def add_budget(parser) -> None:
     """``--fast-budget`` and ``--host-budget`` (values.budget_bytes reads them, through the Plan)."""
     parser.add_argument("--fast-budget", default="50%", metavar="SIZE|P%",
-                        help="fast-tier budget: a share of all expert bytes (30%%) or a size (64MiB); default 50%%")
+                        help="fast-tier budget: a number of experts (16), a share of all experts (30%%, 0.3) or bytes "
+                             "with a unit (64MiB; docs/budgets.md); default 50%%")
     parser.add_argument("--host-budget", default=None, metavar="SIZE|P%",
-                        help="add a host-memory tier of this budget between the files and the fast tier")
+                        help="add a host-memory tier of this budget between the files and the fast tier: experts, a "
+                             "share or bytes with a unit, as --fast-budget")
 
 
 # ------------------------------------------------------------------------------------------------ policy

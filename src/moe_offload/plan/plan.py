@@ -133,20 +133,24 @@ class Plan:
         return TINY_HISTORY_TRACE if learns and str(self.model) == "tiny" else None
 
     # ------------------------------------------------------------------------------------------- budgets
-    def fast_budget_bytes(self, total_bytes: int) -> int:
-        """The fast budget in bytes, a share being of ``total_bytes`` (all experts as the fast tier holds them).
-        The budgets are read here and nowhere else (values.budget_bytes)."""
-        return values.budget_bytes(self.fast_budget, total_bytes, "--fast-budget")
+    def fast_budget_bytes(self, total_bytes: int, expert_bytes: int, experts: int) -> int:
+        """The fast budget in bytes: a bare number is that many of the ``experts`` experts of ``expert_bytes``
+        each as the fast tier holds them, a share is of ``total_bytes`` (all experts in the compute dtype, so a
+        share is the same memory for every pack of a model), bytes need a unit. The budgets are read here and
+        nowhere else (values.budget_bytes)."""
+        return values.budget_bytes(self.fast_budget, total_bytes, "--fast-budget", expert_bytes=expert_bytes,
+                                   experts=experts)
 
     def fast_experts(self, expert_bytes: int, experts: int) -> int:
         """The whole experts of ``expert_bytes`` the fast budget holds, at most all ``experts``."""
-        return min(self.fast_budget_bytes(experts * expert_bytes) // expert_bytes, experts)
+        return min(self.fast_budget_bytes(experts * expert_bytes, expert_bytes, experts) // expert_bytes, experts)
 
     def host_experts(self, expert_bytes: int, experts: int) -> int:
         """The whole experts (as stored, ``expert_bytes`` each) the host budget holds; 0 without a host tier."""
         if self.host_budget is None:
             return 0
-        budget = values.budget_bytes(self.host_budget, experts * expert_bytes, "--host-budget")
+        budget = values.budget_bytes(self.host_budget, experts * expert_bytes, "--host-budget",
+                                     expert_bytes=expert_bytes, experts=experts)
         return min(budget // expert_bytes, experts)
 
     # ---------------------------------------------------------------------------------------- reporting

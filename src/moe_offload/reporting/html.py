@@ -154,7 +154,7 @@ def render_html(report: Report) -> str:
         f"<figure>{skew_figure(report)}</figure>",
         "<h2>The bound</h2>",
         f"<figure>{policies_figure(report)}</figure>",
-        _table(("policy", "hit rate", "of OPT's hits", "misses", "replayed on"), policy_rows(report)),
+        _table(("policy", "hit rate", "of OPT's hits", "not served from fast memory", "replayed on"), policy_rows(report)),
         "<p>Belady (OPT) needs, for a hit rate of "
         + ", ".join(f"{target:.0%}: {e(report.size_text(bound.needed[target]))}" for target in TARGET_HIT_RATES)
         + f". No cache hits more than {bound.max_hit_rate:.2%} (first requests always miss).</p>",

@@ -42,8 +42,10 @@ def coinciding_labels(curves: dict[str, tuple]) -> dict[str, str]:
 
 
 def plot_misses(results: list[RunResult], path, title: str | None = None) -> Path:
-    """Misses against cache size for every policy (left) and the same relative to OPT (right), one row of
-    panels per trace."""
+    """Requests not served from fast memory against cache size for every policy (left) and the same relative to
+    OPT's misses (right), one row of panels per trace. A placement's bypassed requests (computed where the
+    expert lives) count with its misses, so every policy is on one axis; a placement chosen from the replayed
+    trace itself (in hindsight) is a bound, not a policy a user can run: dash-dotted and labelled so."""
     plt = _pyplot()
     by_trace: dict[str, list[RunResult]] = defaultdict(list)
     for result in results:
@@ -53,21 +55,24 @@ def plot_misses(results: list[RunResult], path, title: str | None = None) -> Pat
     styles = curve_styles([p for p in policies if p not in _OFFLINE_STYLE])
     for row, (trace, rows) in enumerate(by_trace.items()):
         left, right = axes[row]
-        curves = {policy: tuple(sorted((r.cache_size, r.misses, r.misses_vs_opt) for r in rows
+        curves = {policy: tuple(sorted((r.cache_size, r.fast_misses, r.misses_vs_opt) for r in rows
                                        if r.policy == policy)) for policy in policies}
         curves = {policy: points for policy, points in curves.items() if points}
+        hindsight = {r.policy for r in rows if r.in_hindsight}
         labels = coinciding_labels(curves)
         for policy, points in curves.items():
-            sizes, misses, ratio = zip(*points)
+            sizes, missed, ratio = zip(*points)
             style = _OFFLINE_STYLE.get(policy) or dict(styles[policy], linewidth=1.4, markersize=4)
-            left.plot(sizes, misses, label=labels[policy], **style)
-            right.plot(sizes, [r if r is not None else float("nan") for r in ratio], label=labels[policy],
-                       **style)
+            label = labels[policy]
+            if policy in hindsight:
+                style, label = dict(style, linestyle="-."), f"{label} (hindsight, a bound)"
+            left.plot(sizes, missed, label=label, **style)
+            right.plot(sizes, [r if r is not None else float("nan") for r in ratio], label=label, **style)
         left.set_xlabel("cache size k (experts)")
-        left.set_ylabel("faults (misses)")
-        left.set_title(f"{Path(trace).name}: misses vs cache size")
+        left.set_ylabel("requests not served from fast memory\n(misses + bypassed)")
+        left.set_title(f"{Path(trace).name}: requests not served from fast memory vs cache size")
         right.set_xlabel("cache size k (experts)")
-        right.set_ylabel("misses / OPT misses")
+        right.set_ylabel("(misses + bypassed) / OPT misses")
         right.set_title("normalised by Belady OPT")
         for ax in (left, right):
             ax.grid(alpha=0.3)

@@ -4,15 +4,15 @@ The configuration is the timed run of least TPOT that a user can make (no oracle
 reporting/latency.py), or without timed runs (no expert size) the online policy with the most replay hits.
 It is made a Plan (plan/plan.py), the one the runtime would run, and written back as that plan's options
 (``Plan.options``, which `generate` and `serve` read through cli/options.py): ``--fast-budget`` as the
-budget's share of all experts' bytes (the runtime sizes experts in the dtype it computes in, which may differ
-from the trace's expert size: a share means the same number of experts on every device), ``--policy``,
+report's number of experts (a bare number is experts for every budget option, docs/budgets.md; the runtime
+sizes an expert in the dtype it computes in, which may differ from the trace's expert size, so a count means
+the same experts on every device), ``--policy``,
 ``--prefetch``; MoEpic's split experts run from the configuration `moe-offload configure --json` writes
 (``--split-config``), which `serve` does not take.
 """
 
 from __future__ import annotations
 
-import math
 import shlex
 
 from moe_offload.models.hub import HUB_ID
@@ -21,12 +21,6 @@ from moe_offload.reporting.latency import MOEPIC_POLICY, Latency
 from moe_offload.trace.format import TraceMeta
 
 BUNDLED_MODEL = "moe-offload/tiny-mixtral"  # the recording of `--model tiny` names its model so
-
-
-def budget_share(experts: float, total: int) -> str:
-    """``experts`` of ``total`` as the percentage `--fast-budget` reads (runtime: floor(share x all bytes / one
-    expert's bytes)), rounded up in its fourth decimal so that the floor is not one expert short."""
-    return f"{math.ceil(100 * experts / total * 1e4) / 1e4:g}%"
 
 
 def model_argument(meta: TraceMeta) -> str:
@@ -43,7 +37,7 @@ def commands(meta: TraceMeta, trace_name: str, hardware: str, cache_size: int, e
     of the trace's model unless it is the bundled one or a hub id."""
     model = model_argument(meta)
     best = latency.best() if latency is not None else None
-    budget = budget_share(cache_size, meta.num_expert_slots)
+    budget = str(cache_size)
     prompt = "Why is the sky blue?"
     if best is not None and latency.moepic is best:
         config = "split.json"

@@ -4,17 +4,18 @@ profile (latency.py), what to run (recommend.py); printed here for the terminal,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rich.console import Console
 from rich.table import Table
 
 from moe_offload.hardware.profile import HardwareProfile
+from moe_offload.policies import POLICIES
 from moe_offload.reporting.bound import TARGET_HIT_RATES, Bound, measure_bound, verdict
 from moe_offload.reporting.latency import Latency, measure_latency
 from moe_offload.reporting.on_engine import OnEngine, measure_on_engine, print_on_engine
 from moe_offload.reporting.recommend import command_lines, commands
-from moe_offload.reporting.tables import run_label
+from moe_offload.reporting.tables import binary_bytes, run_label
 from moe_offload.reporting.working_set import WorkingSet, measure_working_set
 from moe_offload.simulator.replay import ReplayInput
 from moe_offload.trace.format import TraceMeta
@@ -49,14 +50,14 @@ class Report:
         return self.cache_size / self.meta.num_layers
 
     def budget_text(self) -> str:
-        size = f" = {format_bytes(self.cache_size * self.expert_bytes)}" if self.expert_bytes else ""
-        return (f"{self.cache_size:,} of {self.total_experts:,} experts ({self.cache_size / self.total_experts:.1%})"
+        size = f" = {binary_bytes(self.cache_size * self.expert_bytes)}" if self.expert_bytes else ""
+        return (f"{self.cache_size:,} experts of {self.total_experts:,} ({self.cache_size / self.total_experts:.1%})"
                 f"{size}, {self.per_layer_budget:.3g} per layer")
 
     def size_text(self, size: int | None) -> str:
         if size is None:
             return "unreachable"
-        memory = f", {format_bytes(size * self.expert_bytes)}" if self.expert_bytes else ""
+        memory = f", {binary_bytes(size * self.expert_bytes)}" if self.expert_bytes else ""
         return f"{size:,} experts ({size / self.total_experts:.1%}{memory})"
 
 
@@ -100,8 +101,33 @@ def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: 
         notes.append(f"MODEL_DIR: the checkpoint directory of {trace.meta.model} (packed on first use)")
     return Report(trace=trace_name, meta=trace.meta, tokens=trace.num_tokens, requests=trace.num_requests,
                   cache_size=cache_size, expert_bytes=expert_bytes, hardware=hardware.name,
-                  working_set=working_set, bound=bound, verdict=verdict(bound, trace.meta.num_expert_slots),
+                  working_set=working_set, bound=bound,
+                  verdict=like_with_like_verdict(bound, trace.meta.num_expert_slots),
                   latency=latency, commands=lines, notes=notes, on_engine=on_engine, fast_memory=fast_memory)
+
+
+def places(result) -> bool:
+    """Whether a run's policy is a placement (policies/base.py ``places_or_bypasses``): its experts are resident
+    before the first request and what it does not hold is computed where it lives. It is not compared with
+    Belady's OPT, which pays a miss for every first request and serves every request from fast memory: a
+    placement can serve more from fast memory than OPT (all of it, at a budget of every expert)."""
+    info = POLICIES.get(result.policy)
+    return bool(info is not None and info.policy.places_or_bypasses)
+
+
+def like_with_like_verdict(bound: Bound, total_experts: int) -> str:
+    """The verdict (bound.py) among the policies that page on demand as OPT does, and the placements apart:
+    the best of them as requests served from fast memory, a hindsight one marked as a bound."""
+    paging = replace(bound, online=[r for r in bound.online if not places(r)])
+    text = verdict(paging, total_experts)
+    placed = [r for r in bound.online if places(r)]
+    if placed:
+        top = max(placed, key=lambda r: (1 - r.fast_misses / max(1, r.accesses), not r.in_hindsight))
+        served = 1 - top.fast_misses / max(1, top.accesses)
+        text += (f". Placed apart (experts resident before the first request, the rest computed where they live): "
+                 f"{_label(top)} serves {served:.1%} of the requests from fast memory"
+                 + (", a bound: its placement was chosen from this trace" if top.in_hindsight else ""))
+    return text
 
 
 def plural(count: int, noun: str) -> str:
@@ -125,21 +151,26 @@ def policy_rows(report: Report) -> list[tuple[str, ...]]:
     opt = bound.belady
     rows = [("belady (OPT)", f"{opt.hit_rate:.2%}", "100%", f"{opt.misses:,}", "whole trace")]
     for result in bound.online:
-        rows.append((_label(result), f"{result.hit_rate:.2%}", f"{result.hits / max(1, opt.hits):.0%}",
-                     f"{result.fast_misses:,}", "whole trace"))
+        rows.append((_label(result), f"{result.hit_rate:.2%}", _of_opt(result, opt), f"{result.fast_misses:,}",
+                     "whole trace"))
     if bound.sampled:
         sample_opt = bound.sampled_belady
         rows.append(("belady (OPT)", f"{sample_opt.hit_rate:.2%}", "100%", f"{sample_opt.misses:,}",
                      f"first {bound.sampled_tokens:,} tokens"))
         for result in bound.sampled:
-            rows.append((_label(result), f"{result.hit_rate:.2%}", f"{result.hits / max(1, sample_opt.hits):.0%}",
+            rows.append((_label(result), f"{result.hit_rate:.2%}", _of_opt(result, sample_opt),
                          f"{result.fast_misses:,}", f"first {bound.sampled_tokens:,} tokens"))
     return rows
 
 
+def _of_opt(result, opt) -> str:
+    """The run's hits as a share of OPT's, for a policy that pages on demand; a placement is not compared."""
+    return "placed apart" if places(result) else f"{result.hits / max(1, opt.hits):.0%}"
+
+
 def _label(result) -> str:
     """A policy's name, marked when its placement was chosen from this trace (a bound, never the verdict's)."""
-    return f"{result.policy} (hindsight)" if result.in_hindsight else result.policy
+    return f"{result.policy} (hindsight, a bound)" if result.in_hindsight else result.policy
 
 
 def latency_rows(latency: Latency) -> list[tuple[str, ...]]:
@@ -179,7 +210,7 @@ def print_report(report: Report, console: Console) -> None:
                   f"hottest experts in hindsight would serve {ws.pinned_hit_rate(report.cache_size):.2%}")
 
     table = Table(title=f"the bound: hit rate at {report.cache_size:,} experts", title_justify="left")
-    for column in ("policy", "hit rate", "of OPT's hits", "misses", "replayed on"):
+    for column in ("policy", "hit rate", "of OPT's hits", "not served from fast memory", "replayed on"):
         table.add_column(column, justify="left" if column in ("policy", "replayed on") else "right")
     for row in policy_rows(report):
         table.add_row(*row)
@@ -190,7 +221,7 @@ def print_report(report: Report, console: Console) -> None:
 
     latency = report.latency
     if latency is not None:
-        table = Table(title=f"latency on {latency.hardware}, {format_bytes(latency.cache_bytes)} of experts in the "
+        table = Table(title=f"latency on {latency.hardware}, {binary_bytes(latency.cache_bytes)} of experts in the "
                             f"GPU (timed simulator, {latency.replayed}; ms)", title_justify="left")
         for column in ("run", "TTFT", "TPOT", "hit rate", "stall ms"):
             table.add_column(column, justify="left" if column == "run" else "right")

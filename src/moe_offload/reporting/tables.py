@@ -220,6 +220,11 @@ def print_runtime_summary(generation, engine, console: Console | None = None) ->
         ("hit rate", f"{_share(stats.hit_rate)} of {stats.accesses} expert requests"),
         ("on-demand loads", str(stats.on_demand_loads)),
     ]
+    compute_bytes, manifest = getattr(engine, "compute_expert_bytes", None), engine.manifest
+    if compute_bytes and compute_bytes != manifest.expert_bytes:  # docs/budgets.md: the runtime's expert size
+        dtype = str(getattr(engine, "compute_dtype", "")).removeprefix("torch.")
+        rows += [("an expert in the fast tier", f"{binary_bytes(compute_bytes)} ({dtype}, the compute dtype; "
+                                                f"stored as {binary_bytes(manifest.expert_bytes)} in {manifest.dtype})")]
     if stats.bypassed is not None:  # a placing policy (runtime/placement.py)
         rows += [("computed on the host", f"{stats.bypassed} expert requests in {_ms(stats.host_compute_seconds)} ms")]
     rows += [

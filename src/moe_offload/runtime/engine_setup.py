@@ -77,7 +77,7 @@ def size_tiers(plan, manifest, spec, device) -> Sizing:
     expert_bytes = form.slot_bytes if form is not None else elements * dtype.itemsize
     experts = m.num_layers * m.num_experts
     total = experts * elements * dtype.itemsize
-    budget = plan.fast_budget_bytes(total)
+    budget = plan.fast_budget_bytes(total, expert_bytes, experts)
     fast_slots = min(budget // expert_bytes, experts)
     places = info.policy.places_or_bypasses or plan.fetch_or_compute
     if fast_slots < m.top_k and not plan.split and not info.policy.static:  # static: the rest on the host

@@ -42,7 +42,7 @@ class RunningRequest:
         stop rules and stream the text that is stable; the finish reason ("stop", "length"), or None while it
         goes on. ``eos``: the model's end-of-sequence ids; ``tokenizer``: None to stream tokens only."""
         params = self.params
-        token = sample(logits, params, self.generator, self.tokens)
+        token = sample(logits, params, self.generator, self.tokens, self.prompt)
         self.tokens.append(token)
         self.token_times.append(now)
         if params.return_logits:

@@ -23,7 +23,9 @@ class SamplingParams:
     """How one request generates (runtime/sampling.py). ``temperature`` 0 is greedy; otherwise softmax
     sampling at that temperature over the smallest set of tokens whose probability reaches ``top_p``, drawn
     with the request's own generator seeded with ``seed`` (the same tokens whatever else runs in the batch).
-    ``logit_bias`` (token id -> added to its logit) and the presence and frequency penalties are OpenAI's.
+    ``logit_bias`` (token id -> added to its logit) and the presence and frequency penalties are OpenAI's;
+    ``top_k`` (0 or -1: all tokens), ``min_p`` (0: off) and ``repetition_penalty`` (1: off) are the extra
+    sampling parameters of vLLM's and SGLang's OpenAI servers, with vLLM's definitions (runtime/sampling.py).
     ``stop``: strings that end the generation, left out of the text (OpenAI's rule). ``logprobs``: None, or
     how many of the most likely tokens to report with each token's log-probability."""
 
@@ -39,6 +41,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def check(self) -> None:
         """Each field checked (values.py), in place; a ConfigError names the first bad one."""
@@ -47,6 +52,9 @@ class SamplingParams:
         self.top_p = number(self.top_p, "top_p", low=0, high=1, low_open=True)
         self.presence_penalty = number(self.presence_penalty, "presence_penalty", low=-2, high=2)
         self.frequency_penalty = number(self.frequency_penalty, "frequency_penalty", low=-2, high=2)
+        self.top_k = integer(self.top_k, "top_k", low=-1, why="0 or -1: every token")  # vLLM's range
+        self.min_p = number(self.min_p, "min_p", low=0, high=1)
+        self.repetition_penalty = number(self.repetition_penalty, "repetition_penalty", low=0, low_open=True)
         self.logit_bias = {integer(token, "a logit_bias token id", low=0): number(bias, "a logit_bias value",
                                                                                   low=-100, high=100)
                            for token, bias in self.logit_bias.items()}

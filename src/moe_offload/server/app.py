@@ -326,6 +326,8 @@ def _sampling(req, kind: str, prompt_tokens: int, engine, choice: int) -> Sampli
         seed=None if req.seed is None else (req.seed + choice) % 2**63, stop=req.stop_sequences(),
         presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias=req.token_bias(), logprobs=req.logprob_count(),
+        top_k=req.top_k or 0, min_p=req.min_p or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         return_routed_experts=req.return_routed_experts)
 
 

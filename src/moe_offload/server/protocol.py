@@ -1,5 +1,6 @@
 """The OpenAI requests the server reads: every documented parameter of /v1/chat/completions and
-/v1/completions, checked; the errors it answers (server/responses.py writes the answers).
+/v1/completions, checked, and the extra sampling parameters vLLM's and SGLang's OpenAI servers take; the
+errors it answers (server/responses.py writes the answers).
 
 Every documented parameter is accepted, because SDKs and proxies send their defaults
 (``presence_penalty: 0``, ``logprobs: false``, ``tools: []``, ``response_format: {"type": "text"}``, ...).
@@ -8,6 +9,10 @@ A parameter is then one of three kinds:
 - implemented: ``max_tokens``/``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
   ``n``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``logprobs``/``top_logprobs``,
   ``stream``/``stream_options``, a completions ``prompt`` given as a list (one choice set per prompt);
+- implemented, beyond OpenAI's: ``top_k``, ``min_p`` and ``repetition_penalty``, the extra sampling
+  parameters that vLLM (``vllm/entrypoints/openai/protocol.py``) and SGLang (``sglang/srt/entrypoints/openai/
+  protocol.py``) accept in the same body, with vLLM's ranges and definitions (runtime/sampling.py), so a
+  client written for those servers runs unchanged;
 - a tag with no effect on the answer: ``user``, ``metadata``, ``prompt_cache_key``, ``safety_identifier``,
   ``parallel_tool_calls``, ``prediction`` (a latency hint: the answer is the same without it);
 - honoured only at its neutral value (:data:`NEUTRAL`): a value the server cannot honour (``tools`` that
@@ -67,6 +72,9 @@ class _Sampling(_Strict):
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)
     frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    top_k: int | None = Field(None, ge=-1)  # vLLM's and SGLang's extras: 0 or -1 keep every token
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
     user: str | None = None  # tags for the caller: accepted, no effect on the answer
     metadata: dict[str, str] | None = None
     store: bool | None = None

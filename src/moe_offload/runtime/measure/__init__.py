@@ -139,7 +139,8 @@ def _measure(packed_dir, repeats: int, bypass_page_cache: bool, device, max_file
     if host_budget is not None:
         if device.type != "cuda":
             raise ConfigError("a host tier is measured in front of a GPU only (on a CPU the fast tier is the RAM)")
-        host_bytes = values.budget_bytes(host_budget, manifest.expert_bytes * len(manifest.experts), "--host-budget")
+        host_bytes = values.budget_bytes(host_budget, manifest.expert_bytes * len(manifest.experts), "--host-budget",
+                                         expert_bytes=manifest.expert_bytes)
 
     # The forms first: the runtime given this profile computes in its [runtime] dtype for this pack's experts
     # (OffloadEngine's default without one: float32 on a CPU, the stored dtype on a GPU), so every time below
