@@ -180,6 +180,7 @@ def resident_tpots(packed: Path, trace, weights: str, tokens: int, device, dtype
 
 
 def engine_run(packed: Path, trace, weights: str, tokens: int, device, **options) -> dict:
+    from moe_offload.plan import make_plan
     from moe_offload.runtime.engine import OffloadEngine
 
     with OffloadEngine(make_plan(packed, device=device, replay=trace, replay_weights=weights, **options)) as engine:
@@ -204,6 +205,7 @@ def profile_resident(packed: Path, trace, weights: str, tokens: int, device, rea
     and how much of the wall time no operator accounts for (Python: generate loop, hooks, the engine)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from moe_offload.plan import make_plan
     from moe_offload.runtime.engine import OffloadEngine
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

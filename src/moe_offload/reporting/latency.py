@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import HardwareProfile

@@ -20,7 +20,6 @@ from moe_offload.reporting.working_set import WorkingSet, measure_working_set
 from moe_offload.simulator.replay import ReplayInput
 from moe_offload.trace.format import TraceMeta
 from moe_offload.trace.importers.engine_trace import prompt_tokens_text
-from moe_offload.values import format_bytes
 
 
 @dataclass

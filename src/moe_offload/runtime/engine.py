@@ -61,7 +61,6 @@ from moe_offload.runtime.placement import admit_by, fetch_or_compute_rule, host_
 from moe_offload.runtime.runner import ModelRunner
 from moe_offload.runtime.storage import ExpertStore
 from moe_offload.runtime.streaming import TimingStreamer
-from moe_offload.values import format_bytes
 
 
 class EngineBusyError(MoeOffloadError):

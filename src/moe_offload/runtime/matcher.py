@@ -35,7 +35,6 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from moe_offload.plan.choices import MATCHERS
 from moe_offload.prefetch.search_cost import TimedSearch
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from moe_offload.policies.fetch_or_compute import FetchOrCompute, ProfileCosts
 from moe_offload.simulator.cache import PartitionedCache
+from moe_offload.simulator.transfers import home_tier
 
 
 def placement_keys(fast_cache, slot_bytes: int, trace) -> list[int]:

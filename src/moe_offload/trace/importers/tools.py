@@ -44,7 +44,7 @@ from moe_offload.errors import ConfigError, TraceError
 from moe_offload.inputs import parse_json, read_text
 from moe_offload.trace.format import DECODE, PREFILL, Trace
 from moe_offload.trace.importers.common import (_as_paths, _assemble, _check_num_experts, _check_requests_ids,
-                                                _is_int, _is_number, _Request, quote)
+                                                _is_int, _Request, quote)
 from moe_offload.trace.importers.model_config import ModelShape
 
 FLOAT16_MAX = 65504.0
