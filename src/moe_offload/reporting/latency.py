@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.prefetch import PREFETCHERS
