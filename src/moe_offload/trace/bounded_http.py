@@ -53,7 +53,7 @@ def excerpt(data: bytes | str) -> str:
     text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
     shown = text[:QUOTE_CHARACTERS].strip()
     shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in shown)
-    return shown + (f"... ({len(data):,} bytes in all)" if len(text) > QUOTE_CHARACTERS else "")
+    return shown + (f"... (cut at {QUOTE_CHARACTERS} characters)" if len(text) > QUOTE_CHARACTERS else "")
 
 
 class _Late(Exception):
@@ -166,7 +166,7 @@ def request_json(url: str, body: dict | None, limits: Limits, what: str):
         connection.close()
 
 
-def _body(response: http.client.HTTPResponse, url: str, what: str, limits: Limits) -> bytes:
+def _body(response: http.client.HTTPResponse, url: str, what: str, limits: Limits) -> bytearray:
     """The answer's body, refused early when it declares more than the cap (the reader counts the rest)."""
     declared = response.getheader("Content-Length")
     if declared is not None and declared.strip().isdigit() and int(declared) > limits.max_bytes:
@@ -178,7 +178,7 @@ def _body(response: http.client.HTTPResponse, url: str, what: str, limits: Limit
     if declared is not None and declared.strip().isdigit() and len(chunks) < int(declared):
         # http.client ends a short body quietly when read in parts
         raise http.client.IncompleteRead(bytes(chunks), int(declared) - len(chunks))
-    return bytes(chunks)
+    return chunks  # json reads a bytearray as it is: no second copy of a large answer
 
 
 def _refusal(response: http.client.HTTPResponse) -> str:
