@@ -24,8 +24,10 @@ NaN, a 50 MiB declared body, a tool call, an unknown parameter, a body cut mid-w
 
 With ``--slowloris N``, N more connections are held half-open all along: each sends half a request's
 headers, then one more byte every ``--drip`` seconds, and is opened again when the server closes it (at its
-``--request-timeout``, server/connections.py). Meanwhile a prober sends a normal request every half second
-(``GET /v1/models``, then a 1-token completion) and times it. Checked besides: every probe answered within
+``--request-timeout``, server/connections.py). A prober sends a normal request every half second (``GET
+/v1/models``: what the half-open connections could starve is the front door, not the engine, which the
+clients keep busy) and times it: ``PROBES_ALONE`` before the connections open (what the request takes on the
+machine now), then all along. Checked besides: every probe answered within
 ``PROBE_SECONDS`` (1 s), and the server's log (uvicorn's, asyncio's and the server's loggers, with
 tracebacks, as ``serve`` prints them) under ``LOG_LIMIT_BYTES`` (1 MB).
 """
@@ -43,6 +45,7 @@ import time
 
 REQUEST_TIMEOUT = 120  # seconds without a byte: a hang (a busy 2-core machine can be slow, not silent)
 PROBE_SECONDS = 1.0  # a normal request beside the slowloris connections answers within this
+PROBES_ALONE = 6  # timed before the slowloris connections open: the same requests on this machine now
 LOG_LIMIT_BYTES = 10**6
 PROMPT = "User: tell me about caches\nAssistant:"
 
@@ -210,22 +213,18 @@ def slowloris(port: int, count: int, drip: float, stop: threading.Event, tally: 
 
 
 def probe(port: int, stop: threading.Event, latencies: list, tally: Tally) -> None:
-    """A normal request every half second, alternating the model list and a 1-token completion, timed."""
-    completion = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}).encode()
-    requests = [f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode(),
-                http(port, "/v1/completions", completion)]
-    turn = 0
+    """A normal request (``GET /v1/models``: the front door, no engine work) every half second, timed."""
+    request = f"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode()
     while not stop.wait(0.5):
         started = time.perf_counter()
         try:
-            answer = exchange(port, requests[turn % 2])
+            answer = exchange(port, request)
         except OSError as exc:
             tally.add("probes unanswered", f"probe: {type(exc).__name__}: {exc}")
             continue
         latencies.append(time.perf_counter() - started)
         if status_of(answer) != 200:
             tally.add("probes unanswered", f"probe: {answer[:200]!r}")
-        turn += 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,12 +270,18 @@ def main(argv: list[str] | None = None) -> int:
             {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}).encode()))  # warm-up
         memory = {"after warm-up": resident_mib()}
         peak = [memory["after warm-up"]]
+        prober = threading.Thread(target=probe, args=(server.port, stop, latencies, tally))
+        side = [prober, threading.Thread(target=slowloris, args=(server.port, half_open, drip, stop, tally))] \
+            if half_open else []
+        if side:  # the probes alone first: what a normal request takes on this machine now
+            prober.start()
+            while len(latencies) < PROBES_ALONE and prober.is_alive():
+                time.sleep(0.1)
+        alone = len(latencies)
+        started = time.perf_counter()
         deadline = time.monotonic() + seconds
         threads = [threading.Thread(target=client, args=(server.port, i, deadline, args, tally)) for i in range(clients)]
-        side = [threading.Thread(target=slowloris, args=(server.port, half_open, drip, stop, tally)),
-                threading.Thread(target=probe, args=(server.port, stop, latencies, tally))] if half_open else []
-        started = time.perf_counter()
-        for thread in side + threads:
+        for thread in side[1:] + threads:
             thread.start()
         while any(t.is_alive() for t in threads):
             peak.append(resident_mib())
@@ -306,12 +311,15 @@ def main(argv: list[str] | None = None) -> int:
               "leaked_slots": leaked, "resident_mib": memory, "log_bytes": log.bytes, "log_records": log.records,
               "problems": tally.problems[:20]}
     if half_open:
-        slow = sorted(latencies)
+        before, beside = sorted(latencies[:alone]), sorted(latencies[alone:])
         result["slowloris"] = {
             "half_open": half_open, "drip_seconds": drip, "request_timeout_seconds": request_seconds,
-            "closed_by_server": counts.get("slowloris closed by the server", 0), "probes": len(slow),
+            "closed_by_server": counts.get("slowloris closed by the server", 0), "probes": len(beside),
             "probes_unanswered": counts.get("probes unanswered", 0),
-            "probe_median_s": slow[len(slow) // 2] if slow else None, "probe_max_s": slow[-1] if slow else None}
+            "probe_median_s": beside[len(beside) // 2] if beside else None,
+            "probe_max_s": beside[-1] if beside else None,
+            "alone_median_s": before[len(before) // 2] if before else None,
+            "alone_max_s": before[-1] if before else None}
     print(f"{clients} clients for {wall:.0f} s (max batch {max_batch}, {args.max_tokens} tokens): "
           f"{result['answered']} answered, {result['dropped']} dropped by their clients, "
           f"{result['poisoned refused']} poisoned refused; {result['unanswered']} unanswered, "
@@ -326,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slowloris: {half_open} half-open connections held (a byte every {drip:g} s), "
               f"{slow['closed_by_server']} closed by the server's {request_seconds:g} s deadline and opened again; "
               f"{slow['probes']} normal requests beside them, median {slow['probe_median_s'] or 0:.3f} s, "
-              f"max {slow['probe_max_s'] or 0:.3f} s, {slow['probes_unanswered']} unanswered")
+              f"max {slow['probe_max_s'] or 0:.3f} s, {slow['probes_unanswered']} unanswered (alone before: median "
+              f"{slow['alone_median_s'] or 0:.3f} s, max {slow['alone_max_s'] or 0:.3f} s)")
         failed += slow["probes_unanswered"] + (not slow["probes"]) + ((slow["probe_max_s"] or 0) > PROBE_SECONDS)
     if args.json:
         write_atomically(args.json, json.dumps(result, indent=1))
