@@ -86,8 +86,8 @@ def loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict) -> No
     """The event loop's errors as asyncio logs them, except that accept failures (out of file descriptors or
     memory) are one line through the flood filter, not a traceback per attempt."""
     if context.get("message") == "socket.accept() out of system resource":
-        FLOOD.warning("cannot accept connections: %s; connections wait until some close (those that have not "
-                      "sent a whole request within %g s are closed)", context.get("exception"), REQUEST_SECONDS)
+        FLOOD.warning("cannot accept connections: %s; new connections wait until some close (those that have not "
+                      "sent a whole request within --request-timeout are closed)", context.get("exception"))
         return
     loop.default_exception_handler(context)
 
