@@ -72,14 +72,14 @@ class OncePerWindow(logging.Filter):
 
 
 _ONCE = OncePerWindow()
+FLOOD.addFilter(_ONCE)  # this module's own per-connection lines
 
 
 def quiet_floods() -> None:
-    """Put the once-per-window filter on the loggers that log per connection (idempotent)."""
-    for name in ("uvicorn.error", FLOOD.name):
-        logger = logging.getLogger(name)
-        if _ONCE not in logger.filters:
-            logger.addFilter(_ONCE)
+    """Put the once-per-window filter on uvicorn's logger, which logs per connection (idempotent)."""
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if _ONCE not in uvicorn_log.filters:
+        uvicorn_log.addFilter(_ONCE)
 
 
 def loop_exception_handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
