@@ -64,11 +64,12 @@ def save_checkpoint(model, directory: Path, gguf_file: Path) -> Path:
 
 
 def write_gguf(model, path: Path, quantization: str | None = None, architecture: str | None = None,
-               expert_count: int | None = None, split_count: int | None = None) -> Path:
+               expert_count: int | None = None, split_count: int | None = None, metadata: dict | None = None) -> Path:
     """``model`` as a GGUF file. ``quantization`` ``"Q8_0"``: every matrix whose rows are whole Q8_0 blocks is
     stored quantized by the gguf package's own quantizer (norms stay F32, as llama.cpp keeps them); else F32.
     ``architecture``, ``expert_count`` and ``split_count`` (the first shard of that many, as llama-gguf-split
-    marks it) write other metadata over the same tensors (for the refusals)."""
+    marks it) write other metadata over the same tensors (for the refusals); ``metadata`` maps keys to
+    (value, GGUFValueType) written over (or beside) the others: a field of the wrong type or size."""
     import gguf
 
     config = model.config
@@ -111,6 +112,8 @@ def write_gguf(model, path: Path, quantization: str | None = None, architecture:
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, data)
+    for key, (value, kind) in (metadata or {}).items():
+        writer.kv_data[0][key] = gguf.gguf_writer.GGUFValue(value, kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -142,3 +145,16 @@ def q8_0_values(blocks: np.ndarray) -> np.ndarray:
     scales = rows[:, :2].copy().view(np.float16).astype(np.float32)
     values = rows[:, 2:].copy().view(np.int8).astype(np.float32)
     return (scales * values).reshape(*blocks.shape[:-1], blocks.shape[-1] // 34 * 32)
+
+
+def header_only_gguf(path: Path, value_type: int, value: bytes, size: int = 4096) -> Path:
+    """A GGUF file of ``size`` bytes whose header holds no tensor and one key ``hostile`` of GGUF type
+    ``value_type`` with the raw bytes ``value`` (laid out as ggml/include/gguf.h describes), the rest zeros:
+    for declared counts the file cannot hold (an array of 2^40 entries)."""
+    import struct
+
+    key = b"hostile"
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+    header += struct.pack("<I", value_type) + value
+    path.write_bytes(header + bytes(max(0, size - len(header))))
+    return path

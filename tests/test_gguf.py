@@ -226,3 +226,45 @@ def test_gguf_file_needs_a_hub_id_and_a_gguf_name(files, tmp_path, capsys):
     assert_refused(code, err, "--gguf-file model.safetensors", "not a GGUF file name")
     code, _, err = run(capsys, "pack", tmp_path / "absent.gguf", "-o", tmp_path / "out")
     assert_refused(code, err, "absent.gguf", "no such GGUF file")
+
+
+def test_declared_counts_the_file_cannot_hold_are_refused_before_reading(tmp_path, capsys):
+    """Issue 33: a 4 kB GGUF whose header holds an array of 2^40 entries ran 79 s to 7.5 GB in the gguf
+    package's reader; it is refused from the header's own arithmetic (models/gguf_header.py)."""
+    import struct
+
+    from gguf_files import header_only_gguf
+
+    cases = {
+        "bytes.gguf": (9, struct.pack("<IQ", 0, 2**40), "declares 1,099,511,627,776 array elements"),
+        "strings.gguf": (9, struct.pack("<IQ", 8, 2**40), "declares 1,099,511,627,776 array elements"),
+        "string.gguf": (8, struct.pack("<Q", 2**40), "needs 1,099,511,627,776 bytes"),
+        "nested.gguf": (9, struct.pack("<IQ", 9, 1) * 20, "nests arrays more than 8 deep"),
+        "kind.gguf": (77, b"", "unknown type 77"),
+    }
+    for name, (kind, value, problem) in cases.items():
+        path = header_only_gguf(tmp_path / name, kind, value)
+        code, _, err = run(capsys, "pack", path, "-o", tmp_path / "out")
+        assert_refused(code, err, path, problem)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(cases)
+
+
+def test_fields_of_the_wrong_type_or_size_are_one_line_before_work(tmp_path, capsys):
+    """Issue 33: ``block_count`` 2^31 ran 187 s; ``split.count`` or an expert FFN length as a string were
+    tracebacks."""
+    import gguf
+
+    kinds = gguf.GGUFValueType
+    cases = [({"qwen3moe.block_count": (2**31, kinds.UINT32)}, "qwen3moe.block_count is 2,147,483,648"),
+             ({"split.count": ("3", kinds.STRING)}, "split.count must be a non-negative integer, not '3'"),
+             ({"qwen3moe.expert_feed_forward_length": ("32", kinds.STRING)},
+              "qwen3moe.expert_feed_forward_length must be a non-negative integer"),
+             ({"qwen3moe.expert_feed_forward_length": (2**40, kinds.UINT64)},
+              "more than any dimension of the file's tensors"),
+             ({"qwen3moe.embedding_length": (1.5, kinds.FLOAT32)}, "qwen3moe.embedding_length must be")]
+    model = tiny_qwen3_moe()
+    for i, (metadata, problem) in enumerate(cases):
+        path = write_gguf(model, tmp_path / f"case{i}.gguf", metadata=metadata)
+        code, _, err = run(capsys, "pack", path, "-o", tmp_path / "out")
+        assert_refused(code, err, path, problem)
+        assert not (tmp_path / "out").exists()

@@ -279,3 +279,22 @@ def test_a_sweep_running_in_another_process_keeps_the_second_one_out(small_sweep
     finally:
         holder.communicate("")  # its end releases the lock
     assert run(capsys, "sweep", small_sweep)[0] == 0
+
+
+def test_a_sweep_into_a_symlink_to_a_running_sweeps_results_is_refused(small_sweep, capsys):
+    """Issue 33: ``r.parquet`` and ``alias.parquet -> r.parquet`` written at once both said "results written"
+    and kept 16 of 32 rows: the lock was per name. It is the lock of the file the name resolves to."""
+    from moe_offload.sweep.store import ResultStore
+
+    results = small_sweep.parent / "results.parquet"
+    alias = small_sweep.parent / "alias.parquet"
+    alias.symlink_to(results.name)
+    (small_sweep.parent / "alias.toml").write_text(small_sweep.read_text().replace("results.parquet",
+                                                                                   "alias.parquet"))
+    with ResultStore(results, []):  # the first sweep, running, into results.parquet
+        code, _, err = run(capsys, "sweep", small_sweep.parent / "alias.toml")
+        assert_refused(code, err, "alias.parquet", "another sweep is writing these results now")
+    with ResultStore(alias, []):  # and the other way round
+        code, _, err = run(capsys, "sweep", small_sweep)
+        assert_refused(code, err, results, "another sweep is writing these results now")
+    assert not results.exists()

@@ -155,3 +155,40 @@ def test_record_names_the_trace_after_the_hub_id(hub_home, tmp_path, capsys):
                  str(tmp_path / "t.parquet")]) == 0
     capsys.readouterr()
     assert read_trace(tmp_path / "t.parquet").meta.model == REPO
+
+
+def test_a_revision_that_climbs_out_of_the_cache_is_refused(hub_home, tmp_path, capsys):
+    """Issue 33: ``org/tiny@../../../elsewhere/refx``, ``refx`` holding a relative path, packed a model from a
+    folder outside the hub cache: the hub client reads ``refs/<revision>`` as a file path."""
+    elsewhere = hub_home / "elsewhere"
+    lay_out_hub_cache(elsewhere, repo="x/y")  # a complete checkpoint outside the cache
+    model = next((elsewhere / "models--x--y" / "snapshots").iterdir())
+    (elsewhere / "refx").write_text(os.path.relpath(model, hub_home / "hub" / "models--test-org--tiny-moe" /
+                                                    "snapshots"))
+    for revision in ("../../../elsewhere/refx", "main/../../../../elsewhere/refx", ".hidden", "a//b", "x.lock"):
+        assert main(["generate", "--model", f"{REPO}@{revision}", "hi"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "is not a branch, tag or commit name" in err, err
+    assert not (tmp_path / "packs").exists()
+
+
+def test_a_ref_file_holding_a_path_is_refused(hub_home, tmp_path, capsys):
+    elsewhere = hub_home / "elsewhere"
+    lay_out_hub_cache(elsewhere, repo="x/y")
+    model = next((elsewhere / "models--x--y" / "snapshots").iterdir())
+    snapshots = hub_home / "hub" / "models--test-org--tiny-moe" / "snapshots"
+    (snapshots.parent / "refs" / "main").write_text(os.path.relpath(model, snapshots))
+    assert main(["generate", "--model", REPO, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a commit's snapshot" in err, err
+    assert not (tmp_path / "packs").exists()
+
+
+@pytest.mark.parametrize("model", ["org/" + "n" * 5000, "o" * 97 + "/name", "org--x/name", "org/name.git"])
+def test_names_the_hub_would_refuse_are_no_hub_ids(model, capsys):
+    """huggingface_hub's validate_repo_id: 96 characters at most, no '--' or '..', no '.git' ending. A 5,000
+    character id was a 'File name too long' traceback."""
+    assert hub_id(model) is None
+    assert main(["generate", "--model", model, "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and len(err) < 400 + min(len(model), 5000), err

@@ -113,3 +113,34 @@ def test_an_atomic_write_keeps_the_mode_of_the_file_it_replaces(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert fresh.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_a_dangling_symlink_into_a_missing_folder_makes_no_folder(tmp_path):
+    """Issue 33: ``-o d.html`` with ``d.html -> MISSING/dir/x.html`` made MISSING/dir and wrote there."""
+    missing = tmp_path / "nonexistent" / "dir"
+    link = tmp_path / "d.html"
+    link.symlink_to(missing / "x.html")
+    for attempt in (lambda: check_output(link), lambda: write_atomically(link, "x")):
+        with pytest.raises(ConfigError, match="symlink to .*whose folder does not exist") as refused:
+            attempt()
+        assert "\n" not in str(refused.value)
+    assert not (tmp_path / "nonexistent").exists() and link.is_symlink()
+
+
+def test_a_dangling_symlink_into_an_existing_folder_writes_the_file_it_names(tmp_path):
+    (tmp_path / "there").mkdir()
+    link = tmp_path / "d.json"
+    link.symlink_to(tmp_path / "there" / "x.json")
+    assert check_output(link) == link
+    write_atomically(link, "new")
+    assert link.is_symlink() and (tmp_path / "there" / "x.json").read_text() == "new"
+
+
+def test_trace_synth_through_a_dangling_symlink_is_refused_before_work(tmp_path, capsys):
+    from cli_driver import assert_refused, run
+
+    link = tmp_path / "t.parquet"
+    link.symlink_to(tmp_path / "nonexistent" / "dir" / "x.parquet")
+    code, _, err = run(capsys, "trace", "synth", "zipf", "--layers", "2", "--length", "10", "-o", link)
+    assert_refused(code, err, "t.parquet", "does not exist")
+    assert not (tmp_path / "nonexistent").exists()

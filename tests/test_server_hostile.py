@@ -331,7 +331,11 @@ def test_api_key_served_names_and_the_throughput_line(engine, log, monkeypatch):
         assert [m.id for m in client.models.list().data] == ["my-model", "alias"]
         answer = client.completions.create(model="alias", prompt=PROMPT, max_tokens=2)
         assert answer.model == "my-model"
-        assert raw(guarded, "/health", method="GET")[0] == 200  # health and metrics need no key
+        assert raw(guarded, "/health", method="GET")[0] == 200  # only health needs no key
+        for path in ("/metrics", "/docs", "/redoc", "/openapi.json", "/v1/models", "/nowhere"):  # issue 33
+            status, answer = raw(guarded, path, method="GET")
+            assert status == 401 and answer["error"]["code"] == "invalid_api_key", (path, answer)
+            assert raw(guarded, path, method="GET", headers={"Authorization": "Bearer sekret"})[0] != 401, path
         time.sleep(0.5)
         lines = [r.getMessage() for r in log.records[start:]]
         assert any(line.startswith("throughput: ") and "generation" in line for line in lines), lines
@@ -387,3 +391,88 @@ def test_a_dead_scheduler_fails_health_and_every_request(log):
         with pytest.raises(openai.APIStatusError, match="scheduler stopped") as refused:
             client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
         assert refused.value.status_code == 503
+
+
+def half_sent(port: int, stop: threading.Event, count: int, drip_seconds: float) -> list[socket.socket]:
+    """``count`` connections that each send half a request's headers, then one byte every ``drip_seconds``."""
+    held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(count)]
+    for s in held:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    return held
+
+
+def test_half_sent_requests_are_closed_at_the_deadline_and_others_are_served_meanwhile(engine, log):
+    """Issue 33: uvicorn has no deadline on receiving a request; half-sent ones held their connections forever
+    (and, by thousands, starved the others). 20 connections sending half their headers, one of them a byte
+    every 0.2 s, all closed by the server after the deadline, a whole request answered meanwhile, and the
+    closes logged once (the 200-connection version: benchmarks/serve_storm.py --slowloris)."""
+    start = len(log.records)
+    with ServerThread(engine, "tiny", request_seconds=1.0) as guarded:
+        held = half_sent(guarded.port, threading.Event(), 20, 0.2)
+        dripping = held[0]
+        assert raw(guarded, "/health", method="GET")[0] == 200  # a whole request is not held up
+        closed = set()
+        deadline = time.monotonic() + SLOW
+        while len(closed) < len(held) and time.monotonic() < deadline:
+            for i, s in enumerate(held):
+                if i in closed:
+                    continue
+                try:
+                    if i == 0:
+                        s.sendall(b"X")  # a drip keeps no connection past its deadline
+                    s.settimeout(0.01)
+                    if s.recv(1) == b"":
+                        closed.add(i)
+                except socket.timeout:
+                    pass
+                except OSError:
+                    closed.add(i)
+            time.sleep(0.2)
+        assert len(closed) == len(held)
+        dripping.close()
+        for s in held:
+            s.close()
+        assert raw(guarded, "/health", method="GET")[0] == 200
+    messages = [r.getMessage() for r in log.records[start:] if "whole request" in r.getMessage()]
+    assert 1 <= len(messages) < len(held), messages  # a flood is one line (then one per window)
+
+
+def test_a_request_received_whole_is_not_cut_by_the_deadline(engine):
+    """The deadline ends when the request is in: a generation longer than it is answered."""
+    with ServerThread(engine, "tiny", request_seconds=0.05) as guarded:
+        status, answer = raw(guarded, "/v1/completions", json.dumps(
+            {"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0}).encode())
+        assert status == 200 and answer["usage"]["completion_tokens"] == 24
+
+
+def test_a_flood_of_one_message_is_logged_once_per_window():
+    from moe_offload.server.connections import OncePerWindow
+
+    flood = logging.getLogger("test.flood")
+    collected = Collected()
+    flood.addHandler(collected)
+    flood.addFilter(OncePerWindow())
+    try:
+        for _ in range(1000):
+            flood.warning("Invalid HTTP request received.")
+        flood.warning("another message")
+    finally:
+        flood.removeHandler(collected)
+    assert [r.getMessage() for r in collected.records] == ["Invalid HTTP request received.", "another message"]
+
+
+def test_accept_failures_are_one_line_not_a_traceback_each(log):
+    import asyncio
+
+    from moe_offload.server.connections import loop_exception_handler
+
+    start = len(log.records)
+    loop = asyncio.new_event_loop()
+    try:
+        for _ in range(500):
+            loop_exception_handler(loop, {"message": "socket.accept() out of system resource",
+                                          "exception": OSError(24, "Too many open files")})
+    finally:
+        loop.close()
+    lines = [r for r in log.records[start:] if "cannot accept connections" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is None and "Too many open files" in lines[0].getMessage()

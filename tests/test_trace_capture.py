@@ -131,3 +131,16 @@ def test_an_address_that_is_no_http_server_is_one_line(capsys, prompt_file, tmp_
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "--url" in err and "Traceback" not in err, err
     assert not (tmp_path / "t.parquet").exists()
+
+
+def test_an_openai_base_url_ending_in_v1_captures_the_same(capsys, tiny_server, tmp_path):
+    """Issue 36: ``--url http://host:8000/v1`` fetched /v1/v1/models and failed with a bare 404."""
+    prompts = tmp_path / "two.txt"
+    prompts.write_text("".join(p + "\n" for p in PROMPTS[:2]))
+    traces = []
+    for url in (tiny_server.url, tiny_server.url + "/v1/"):
+        code = main(["trace", "capture", "--url", url, "--prompts", str(prompts), "--model-config", "tiny",
+                     "--concurrency", "1", "--max-tokens", "2", "-o", str(tmp_path / "t.parquet")])
+        assert code == 0, capsys.readouterr().err
+        traces.append(read_trace(tmp_path / "t.parquet"))
+    assert np.array_equal(traces[0].experts, traces[1].experts) and traces[1].meta.model == "tiny"

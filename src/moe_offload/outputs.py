@@ -41,6 +41,7 @@ def check_output(path, *, inputs: Iterable = (), suffixes: tuple[str, ...] = (),
 
 
 def _check_output(path: Path, inputs: Iterable, suffixes: tuple[str, ...], what: str, directory: bool) -> Path:
+    given = path
     if str(path) in ("", "."):
         raise ConfigError(f"{what} path {str(path)!r} names no file")
     if directory:
@@ -54,6 +55,12 @@ def _check_output(path: Path, inputs: Iterable, suffixes: tuple[str, ...], what:
         raise ConfigError(f"{path}: exists and is not a regular file; will not write the {what} over it")
     if suffixes and path.suffix.lower() not in suffixes:
         raise ConfigError(f"{path}: the {what} must end in {' or '.join(suffixes)}")
+    if not directory and path.is_symlink():  # the file written is the one the link names (atomic_output)
+        target = Path(os.path.realpath(path))
+        if not target.parent.is_dir():
+            raise ConfigError(f"{path}: a symlink to {target}, whose folder does not exist; folders are made "
+                              "only along the path given, never through a link")
+        path = target
     parent = _existing_ancestor(path.parent)
     if parent is None or not parent.is_dir():
         raise ConfigError(f"{path}: the folder {path.parent} cannot be created (a file is in the way)")
@@ -67,7 +74,7 @@ def _check_output(path: Path, inputs: Iterable, suffixes: tuple[str, ...], what:
     for source in inputs:
         if source is not None and _same_file(path, Path(source)):
             raise ConfigError(f"{path}: is also an input of this command; write the {what} to another file")
-    return path
+    return given
 
 
 @contextmanager
@@ -76,8 +83,13 @@ def atomic_output(path) -> Iterator[Path]:
 
     A symlink at ``path`` keeps pointing where it did: the file it points to is the one replaced. A path that
     is not a regular file (a device node, a FIFO, a directory) is never replaced, even by a caller that did
-    not call check_output first (the Python API)."""
-    path = _target_of(Path(path))
+    not call check_output first (the Python API). Missing folders are made along the path given, never through
+    a symlink: a link into a folder that does not exist (``d.html -> /nonexistent/dir/x.html``) is refused."""
+    given = Path(path)
+    path = _target_of(given)
+    if path is not given and not path.parent.is_dir():
+        raise ConfigError(f"{given}: a symlink to {path}, whose folder does not exist; folders are made only along "
+                          "the path given, never through a link")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".partial", dir=path.parent)

@@ -31,10 +31,15 @@ def register(subparsers) -> None:
                         help="the model ids the server answers to (default: the model's directory name, or tiny); "
                              "responses name the first")
     parser.add_argument("--api-key", metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on /v1 (default: no key; /health and /metrics "
-                             "stay open). Also read from MOE_OFFLOAD_API_KEY")
+                        help="require 'Authorization: Bearer KEY' on every path but /health (default: no key). "
+                             "Also read from MOE_OFFLOAD_API_KEY")
     parser.add_argument("--max-body", default="4MiB", metavar="BYTES",
                         help="largest request body accepted (default 4MiB; larger: 413)")
+    parser.add_argument("--request-timeout", default="30", metavar="SECONDS",
+                        help="a request must be received whole (headers and body) within this many seconds of its "
+                             "first byte, else its connection is closed (default 30)")
+    parser.add_argument("--max-connections", default="1024", metavar="N",
+                        help="connections at most; past them a request is answered 503 (default 1024)")
     parser.set_defaults(run=run)
 
 
@@ -60,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("MOE_OFFLOAD_API_KEY")
     if api_key is not None and (not api_key.strip() or not api_key.isascii() or not api_key.isprintable()):
         raise ConfigError("--api-key: printable ASCII characters, not empty")
+    request_seconds = values.number(args.request_timeout, "--request-timeout", low=0, low_open=True)
+    max_connections = values.integer(args.max_connections, "--max-connections", low=1)
     host = values.text(args.host, "--host")
     if args.device is not None:
         values.device(args.device)
@@ -68,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     engine = OffloadEngine(plan)
     print(f"moe-offload: serving {names[0]} on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics); "
           "Ctrl-C to stop", flush=True)
-    serve(engine, names, host, port, api_key=api_key, max_body_bytes=max_body)
+    serve(engine, names, host, port, api_key=api_key, max_body_bytes=max_body, request_seconds=request_seconds,
+          max_connections=max_connections)
     return 0
 
 

@@ -92,6 +92,16 @@ def register(subparsers) -> None:
                               "model's); required for moe-offload and sglang")
     capture.add_argument("--experts", type=int, metavar="J", help="experts per layer, when no --model-config")
     capture.add_argument("--expert-bytes", type=int, metavar="N", help="bytes of one expert's weights")
+    capture.add_argument("--connect-timeout", default="10", metavar="SECONDS",
+                         help="seconds to connect to the server (default 10)")
+    capture.add_argument("--timeout", default="600", metavar="SECONDS",
+                         help="seconds for one request from sending to the end of its answer, the server's "
+                              "generation included (default 600)")
+    capture.add_argument("--read-timeout", default="60", metavar="SECONDS",
+                         help="seconds from an answer's first byte to its last (default 60): a server that stalls "
+                              "or drips is cut then")
+    capture.add_argument("--max-response", default="256MiB", metavar="BYTES",
+                         help="largest answer accepted (default 256MiB)")
     capture.add_argument("-o", "--output", required=True, metavar="TRACE", help="trace file to write (.parquet)")
     capture.set_defaults(run=run_capture)
 
@@ -292,9 +302,16 @@ def run_import(args) -> int:
 def run_capture(args) -> int:
     from moe_offload.reporting.progress import progress_bar
     from moe_offload.text.prompts import BUILTIN_SOURCES, load_prompts
+    from moe_offload import values
+    from moe_offload.trace.bounded_http import Limits
     from moe_offload.trace.capture import capture, server_url
 
     server_url(args.url)  # a bad address is refused before the prompts load
+    limits = Limits(**{field: values.number(getattr(args, option), f"--{option.replace('_', '-')}", low=0,
+                                            low_open=True)
+                       for field, option in (("connect_seconds", "connect_timeout"), ("total_seconds", "timeout"),
+                                             ("read_seconds", "read_timeout"))},
+                    max_bytes=values.parse_bytes(args.max_response, "--max-response"))
     prompt_files = [name.strip() for name in args.prompts.split(",") if name.strip() not in BUILTIN_SOURCES]
     check_output(args.output, inputs=[*prompt_files, args.model_config], what="trace")
     shape = _model_config(args.model_config)
@@ -303,7 +320,7 @@ def run_capture(args) -> int:
         task = bar.add_task(f"capturing {len(prompts)} prompts", total=len(prompts))
         trace = capture(args.url, prompts, engine=args.engine, model=args.model, max_tokens=args.max_tokens,
                         temperature=args.temperature, concurrency=args.concurrency, model_config=shape,
-                        num_experts=args.experts, expert_bytes=args.expert_bytes,
+                        num_experts=args.experts, expert_bytes=args.expert_bytes, limits=limits,
                         on_answer=lambda: bar.advance(task))
     return _write(trace, args.output)
 

@@ -15,7 +15,10 @@ Refused in one line, from the file's metadata alone and before any tensor is rea
 * an architecture transformers reads but the project's adapters (models/adapters.py) do not know
   (``gpt-oss``, ``minimax-m2``, the dense ones);
 * one shard of a GGUF split into several files (``split.count``): transformers reads the one file only;
-* a file that is not GGUF, or is truncated (a tensor ending past the end of the file).
+* a file that is not GGUF, is truncated (a tensor ending past the end of the file), or declares more than
+  its bytes hold (models/gguf_header.py: an array of 2^40 entries in a 4 kB file);
+* a size of the model (``block_count``, ``expert_feed_forward_length``, ...; ``split.count``) that is not an
+  integer, or more than the file's tensors hold (``block_count`` 2^31 beside a few dozen tensors).
 
 A hub GGUF is named internally as ``ORG/NAME[@REVISION]:FILE.gguf`` (``--gguf-file`` builds it; llama.cpp's
 ``-hf ORG/NAME:QUANT`` reads alike), so it travels wherever ``--model`` does as one string.
@@ -32,6 +35,7 @@ from moe_offload.errors import ConfigError
 from moe_offload.inputs import check_input, file_sha256
 from moe_offload.models import _importable, quiet_transformers
 from moe_offload.models.adapters import ARCHITECTURES, refuse_missing_tensors
+from moe_offload.models.gguf_header import check_layout
 from moe_offload.models.hub import hub_id, resolve_file
 
 SUFFIX = ".gguf"
@@ -44,6 +48,10 @@ MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt
 # Qwen3-MoE: a file with other experts would load with mismatched shapes): GGUF key -> config field.
 EXPERT_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+# The GGUF sizes transformers' GGUF config mapping builds a model from (integers, each at most a tensor dimension)
+SIZE_FIELDS = ("embedding_length", "feed_forward_length", "attention.head_count", "attention.head_count_kv",
+               "attention.key_length", "attention.value_length", "expert_count", "expert_used_count",
+               *EXPERT_SIZES)
 
 
 def is_gguf(name: str) -> bool:
@@ -105,6 +113,7 @@ def check_header(path: Path) -> dict[str, int]:
     is read); else the config fields to set over transformers' GGUF config mapping (EXPERT_SIZES)."""
     import gguf
 
+    check_layout(path)  # every declared count within the file's size, before the reader trusts them
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OSError) as exc:  # the reader's errors for a short or foreign file
@@ -115,10 +124,15 @@ def check_header(path: Path) -> dict[str, int]:
         if tensor.data_offset + tensor.n_bytes > size:
             raise ConfigError(f"{path}: truncated: tensor {tensor.name} ends at byte "
                               f"{tensor.data_offset + tensor.n_bytes}, the file has {size}")
-    fields = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tokenizer.")}
-    shards = fields.get("split.count", 1)
+    try:
+        fields = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tokenizer.")}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a readable GGUF file: a metadata string is not UTF-8 ({exc.reason} at "
+                          f"byte {exc.start})") from None
+    shards = _integer(fields, "split.count", path, default=1)
     if shards > 1:  # transformers reads one file: the tensors of the other shards would be random weights
-        raise ConfigError(f"{path}: shard {fields.get('split.no', 0) + 1} of a GGUF split into {shards} files; "
+        raise ConfigError(f"{path}: shard {_integer(fields, 'split.no', path, default=0) + 1} of a GGUF split into "
+                          f"{shards} files; "
                           "transformers reads single files: merge them first (`llama-gguf-split --merge "
                           f"{path.name} merged.gguf`)")
     architecture = fields.get("general.architecture")
@@ -136,8 +150,38 @@ def check_header(path: Path) -> dict[str, int]:
         runs = sorted(name for name, model_type in MODEL_TYPES.items() if model_type in ARCHITECTURES)
         raise ConfigError(f"{path}: GGUF architecture {architecture!r}: {why}; GGUF architectures that run: "
                           f"{', '.join(runs)}")
-    return {field: int(fields[f"{architecture}.{key}"]) for key, field in EXPERT_SIZES.items()
+    _check_sizes(fields, architecture, reader.tensors, path)
+    return {field: fields[f"{architecture}.{key}"] for key, field in EXPERT_SIZES.items()
             if f"{architecture}.{key}" in fields}
+
+
+def _integer(fields: dict, key: str, path: Path, default: int | None = None) -> int | None:
+    """The GGUF field ``key`` as a non-negative integer (``default`` when absent); ConfigError naming it when it
+    holds something else (a string, a float, an array)."""
+    value = fields.get(key, default)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        shown = repr(value)
+        raise ConfigError(f"{path}: GGUF field {key} must be a non-negative integer, not "
+                          f"{shown[:80] + '...' if len(shown) > 80 else shown}")
+    return value
+
+
+def _check_sizes(fields: dict, architecture: str, tensors, path: Path) -> None:
+    """ConfigError naming the field when a size transformers builds the model from is not an integer or is more
+    than the file's tensors hold: ``block_count`` past the number of tensors (each block has some), a width past
+    the largest dimension of any tensor (each is one). transformers would otherwise build the declared model,
+    layer by layer, before finding the tensors missing."""
+    blocks = _integer(fields, f"{architecture}.block_count", path)
+    if blocks is not None and not 1 <= blocks <= len(tensors):
+        raise ConfigError(f"{path}: GGUF field {architecture}.block_count is {blocks:,}, and the file has "
+                          f"{len(tensors):,} tensors: each block has some")
+    widest = max((int(d) for tensor in tensors for d in tensor.shape), default=0)
+    for key in SIZE_FIELDS:
+        value = _integer(fields, f"{architecture}.{key}", path)
+        if value is not None and value > widest:
+            raise ConfigError(f"{path}: GGUF field {architecture}.{key} is {value:,}, more than any dimension of "
+                              f"the file's tensors ({widest:,})")
+    _integer(fields, f"{architecture}.context_length", path)
 
 
 def _transformers_reads(architecture: str) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import os
 import shutil
 import sys
 import tempfile
@@ -51,9 +52,10 @@ def packed_directory(name: str, on_expert=None, expert_dtype: str | None = None)
         return _packed_once(hub.directory, f"{hub.repo_id.replace('/', '--')}-{hub.commit[:12]}", on_expert,
                             expert_dtype)
     directory = model_directory(name)
-    if not directory.exists():
+    if missing(directory):
         raise ConfigError(f"{directory}: no such model directory")
-    if not directory.is_dir():
+    if not os.path.isdir(directory):
+        check_input(directory, "model directory")  # the reason it cannot be looked up (a name too long)
         raise ConfigError(f"{directory}: not a directory (give a packed model or a checkpoint directory)")
     if not missing(directory / MANIFEST):  # a pack, even one that cannot be read: read_manifest says why
         if expert_dtype is not None:

@@ -29,7 +29,6 @@ own deadline, so no handler is killed mid-response.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -46,6 +45,7 @@ from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload.inputs import parse_json
 from moe_offload.models.hub import hub_id
 from moe_offload.runtime.requests import Completion, SamplingParams, TextDelta
+from moe_offload.server.connections import RequireKey
 from moe_offload.server.metrics import ServerMetrics
 from moe_offload.server.protocol import (CHAT_MAX_TOKENS, COMPLETION_MAX_TOKENS, MAX_CHOICES, APIError, ChatRequest,
                                          CompletionRequest, chat_text, new_id, parse)
@@ -80,7 +80,8 @@ class Lifecycle:
 def create_app(engine, names: str | list[str], api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                grace_seconds: float = GRACE_SECONDS) -> FastAPI:
     """The server's FastAPI application around ``engine``, answering to the model ids ``names`` (the first is
-    the one responses name); with ``api_key``, /v1 wants ``Authorization: Bearer <api_key>``."""
+    the one responses name); with ``api_key``, every path but /health wants ``Authorization: Bearer <api_key>``
+    (server/connections.py, ``RequireKey``)."""
     names = [names] if isinstance(names, str) else list(names)
     name = names[0]
     metrics = ServerMetrics(engine)
@@ -101,6 +102,8 @@ def create_app(engine, names: str | list[str], api_key: str | None = None, max_b
 
     app = FastAPI(title="moe-offload", lifespan=lifespan)
     app.state.lifecycle = lifecycle
+    if api_key is not None:
+        app.add_middleware(RequireKey, api_key=api_key, metrics=metrics)
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
@@ -130,8 +133,7 @@ def create_app(engine, names: str | list[str], api_key: str | None = None, max_b
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models(request: Request):
-        _authorize(request, api_key)
+    async def models():
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "moe-offload"}
                                            for n in names]}
 
@@ -145,7 +147,6 @@ def create_app(engine, names: str | list[str], api_key: str | None = None, max_b
 
     async def _serve(request: Request, kind: str):
         received = time.perf_counter()
-        _authorize(request, api_key)
         lifecycle.refuse_if_draining()
         try:
             raw = await _body(request, max_body_bytes)
@@ -278,15 +279,6 @@ def create_app(engine, names: str | list[str], api_key: str | None = None, max_b
             _cancel(handles)  # a client that went away; nothing once the requests have finished
 
     return app
-
-
-def _authorize(request: Request, api_key: str | None) -> None:
-    if api_key is None:
-        return
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
 
 async def _body(request: Request, limit: int) -> bytes:

@@ -1,7 +1,8 @@
 """Running the server: uvicorn in the foreground until a signal (``serve``) or in a background thread
 (``ServerThread``), both with the drain of server/app.py: on shutdown, running requests may finish for the
 grace period, then the rest are cancelled and answered with OpenAI's error, before uvicorn's own deadline
-(``UVICORN_MARGIN_SECONDS`` later) would cut their connections."""
+(``UVICORN_MARGIN_SECONDS`` later) would cut their connections; and both with the front door of
+server/connections.py: a deadline on receiving each request, a bound on connections, floods logged once."""
 
 from __future__ import annotations
 
@@ -13,16 +14,24 @@ import time
 
 from moe_offload.errors import ConfigError
 from moe_offload.server.app import GRACE_SECONDS, MAX_BODY_BYTES, create_app
+from moe_offload.server.connections import (KEEP_ALIVE_SECONDS, MAX_CONNECTIONS, MAX_HEADER_BYTES, REQUEST_SECONDS,
+                                            deadline_for, loop_exception_handler, quiet_floods,
+                                            raise_open_files_limit)
 
 UVICORN_MARGIN_SECONDS = 5  # after the drain cancels, for the handlers to send their errors
 
 
-def _server(engine, names, host: str, port: int, api_key: str | None, max_body_bytes: int, grace_seconds: float):
+def _server(engine, names, host: str, port: int, api_key: str | None, max_body_bytes: int, grace_seconds: float,
+            request_seconds: float, max_connections: int):
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         """uvicorn's server whose shutdown cancels what the grace period did not finish, in time for each
         request to be answered."""
+
+        async def startup(self, sockets=None):
+            asyncio.get_running_loop().set_exception_handler(loop_exception_handler)
+            await super().startup(sockets=sockets)
 
         async def shutdown(self, sockets=None):
             lifecycle = self.config.app.state.lifecycle
@@ -34,14 +43,20 @@ def _server(engine, names, host: str, port: int, api_key: str | None, max_body_b
                 timer.cancel()
 
     app = create_app(engine, names, api_key=api_key, max_body_bytes=max_body_bytes, grace_seconds=grace_seconds)
+    quiet_floods()
     return DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                         timeout_graceful_shutdown=grace_seconds + UVICORN_MARGIN_SECONDS))
+                                         timeout_graceful_shutdown=grace_seconds + UVICORN_MARGIN_SECONDS,
+                                         http=deadline_for(request_seconds), limit_concurrency=max_connections,
+                                         timeout_keep_alive=KEEP_ALIVE_SECONDS,
+                                         h11_max_incomplete_event_size=MAX_HEADER_BYTES))
 
 
 def serve(engine, names, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_body_bytes: int = MAX_BODY_BYTES, grace_seconds: float = GRACE_SECONDS) -> None:
+          max_body_bytes: int = MAX_BODY_BYTES, grace_seconds: float = GRACE_SECONDS,
+          request_seconds: float = REQUEST_SECONDS, max_connections: int = MAX_CONNECTIONS) -> None:
     """Serve until SIGINT or SIGTERM (then drain, see the module docstring), then close the engine. Each
-    request's line and a periodic throughput line go to stderr."""
+    request's line and a periodic throughput line go to stderr. The open-files limit is raised to the hard
+    one first: each connection holds a file."""
     import signal
 
     log = logging.getLogger("moe_offload.server")
@@ -50,7 +65,9 @@ def serve(engine, names, host: str = "127.0.0.1", port: int = 8000, api_key: str
         handler.setFormatter(logging.Formatter("%(asctime)s moe-offload: %(message)s", "%Y-%m-%d %H:%M:%S"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
-    server = _server(engine, names, host, port, api_key, max_body_bytes, grace_seconds)
+    raise_open_files_limit()
+    server = _server(engine, names, host, port, api_key, max_body_bytes, grace_seconds, request_seconds,
+                     max_connections)
     # uvicorn handles SIGINT and SIGTERM while it runs, then raises them again for the handlers it found:
     # these, so that a requested shutdown ends here, with the engine closed and exit status 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -69,8 +86,10 @@ class ServerThread:
     "tiny") as server: server.url``. Port 0 picks a free port. The engine stays open after ``stop``."""
 
     def __init__(self, engine, names, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES, grace_seconds: float = GRACE_SECONDS):
-        self.server = _server(engine, names, host, port, api_key, max_body_bytes, grace_seconds)
+                 max_body_bytes: int = MAX_BODY_BYTES, grace_seconds: float = GRACE_SECONDS,
+                 request_seconds: float = REQUEST_SECONDS, max_connections: int = MAX_CONNECTIONS):
+        self.server = _server(engine, names, host, port, api_key, max_body_bytes, grace_seconds, request_seconds,
+                              max_connections)
         self.thread = threading.Thread(target=self.server.run, name="moe-offload server", daemon=True)
         self.host = host
         self.port = port

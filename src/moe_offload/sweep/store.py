@@ -14,7 +14,9 @@ would otherwise read back as other numbers (an access count of 16,815,488 for 38
 One sweep at a time writes a results file: the store holds an exclusive lock (``flock``) on a lock file
 beside it (``.NAME.lock``, left in place: removing it would let a third run lock another file of that name)
 from before it reads the file until the sweep ends, and a second sweep with the same output is refused
-instead of writing its rows over the first one's.
+instead of writing its rows over the first one's. The lock is that of the file the path resolves to (the end
+of its symlinks, as outputs.atomic_output writes it), so ``r.parquet`` and ``alias.parquet -> r.parquet``
+share one lock.
 
 Why rewrite rather than append: Parquet cannot be appended to, and a file of part files would be the user's
 to merge. Every write goes through outputs.atomic_output (a temporary beside the file, fsync, rename), so the
@@ -273,6 +275,8 @@ def _lock(path: Path) -> int:
     try:
         # the output's folder may not exist yet: check_output vouched it can be made, atomic_output makes it too
         path.parent.mkdir(parents=True, exist_ok=True)
+        written = Path(os.path.realpath(path))  # the file atomic_output replaces, whatever link names it
+        lock = written.with_name(f".{written.name}.lock")
         descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as exc:
         raise ConfigError(f"{lock}: cannot create the lock of the sweep results: {exc.strerror or exc}") from None

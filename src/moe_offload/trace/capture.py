@@ -16,19 +16,18 @@ import of the same responses give the same trace.
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
-from urllib.parse import urlsplit
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
 from typing import Callable
 
 from moe_offload.errors import ConfigError
 from moe_offload.text.prompts import Prompt
+from moe_offload.trace.bounded_http import Limits, request_json
 from moe_offload.trace.format import Trace
 from moe_offload.trace.importers.engine_trace import Routed, build_trace
 from moe_offload.trace.importers.engines import sglang_rows, vllm_rows
+from moe_offload.trace.importers.common import quote
 from moe_offload.trace.importers.model_config import ModelShape
 from moe_offload.trace.importers.responses import ResponseError
 from moe_offload.values import integer, number
@@ -39,10 +38,11 @@ ENGINES = ("moe-offload", "sglang", "vllm")
 def capture(url: str, prompts: list[Prompt], *, engine: str = "moe-offload", model: str | None = None,
             max_tokens: int = 32, temperature: float = 0.0, concurrency: int = 8,
             model_config: ModelShape | None = None, num_experts: int | None = None, expert_bytes: int | None = None,
-            timeout: float = 600.0, on_answer: Callable[[], None] | None = None) -> Trace:
+            limits: Limits = Limits(), on_answer: Callable[[], None] | None = None) -> Trace:
     """Send every prompt to the server at ``url`` and return the trace of their routing. ``on_answer`` is
-    called (from a worker thread) after each answer. A request the server refuses, or an answer without
-    routing, ends the capture with a one-line error naming the prompt."""
+    called (from a worker thread) after each answer. A request the server refuses, an answer without
+    routing, or one that breaks ``limits`` (trace/bounded_http.py: deadlines and a size cap) ends the capture
+    with a one-line error naming the prompt."""
     if engine not in ENGINES:
         raise ConfigError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
     concurrency = integer(concurrency, "--concurrency", low=1, high=1024)
@@ -52,14 +52,14 @@ def capture(url: str, prompts: list[Prompt], *, engine: str = "moe-offload", mod
         raise ConfigError(f"{engine} returns routing as flat ids: give the model's config (--model-config "
                           "config.json, or 'tiny' for the bundled model) for its layers and top-k")
     base = server_url(url)
-    model = model or served_model(base, timeout)
+    model = model or served_model(base, limits)
     extra = {} if engine == "vllm" else {"return_routed_experts": True}
     clock = time.perf_counter
 
     def one(index: int, prompt: Prompt) -> list[Routed]:
         body = {"model": model, "prompt": prompt.text, "max_tokens": max_tokens, "temperature": temperature, **extra}
         sent = clock()
-        response = _post(f"{base}/v1/completions", body, timeout, f"prompt {index} ({prompt.source})")
+        response = _post(f"{base}/v1/completions", body, limits, f"prompt {index} ({prompt.source})")
         answered = clock()
         if engine == "vllm":
             rows = vllm_rows(response, base, index, shape=model_config)
@@ -67,10 +67,13 @@ def capture(url: str, prompts: list[Prompt], *, engine: str = "moe-offload", mod
             rows = sglang_rows(response, base, index, shape=model_config)
         if on_answer is not None:
             on_answer()
-        passes = (response.get("moe_offload") or {}).get("passes") if engine == "moe-offload" else None
+        counters = response.get("moe_offload") if engine == "moe-offload" else None
+        if counters is not None and not isinstance(counters, dict):
+            raise ResponseError(base, index, f"moe_offload must be an object, not {quote(counters)}")
+        passes = (counters or {}).get("passes")
         if passes is not None and not (isinstance(passes, list)
                                        and all(isinstance(p, int) and not isinstance(p, bool) for p in passes)):
-            raise ResponseError(base, index, f"moe_offload.passes must be a list of pass numbers, not {passes!r}")
+            raise ResponseError(base, index, f"moe_offload.passes must be a list of pass numbers, not {quote(passes)}")
         return [Routed(response.get("model"), base, index, choice, sent, answered, passes) for choice in rows]
 
     with ThreadPoolExecutor(concurrency, thread_name_prefix="capture") as pool:
@@ -89,46 +92,36 @@ def capture(url: str, prompts: list[Prompt], *, engine: str = "moe-offload", mod
 
 
 def server_url(url: str) -> str:
-    """``--url`` checked: an http(s) address with a host (a path such as ``/v1`` is the server's own prefix)."""
+    """``--url`` checked: an http(s) address with a host. A path is the server's own prefix; a last ``/v1`` is
+    dropped, as OpenAI clients take their ``base_url`` with it (``http://host:8000/v1``) and append
+    ``/completions``, where this appends ``/v1/completions``."""
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
+    if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"--url {url!r}: give the server's http:// or https:// address, e.g. http://127.0.0.1:8000")
-    return url.rstrip("/")
-
-
-def served_model(base: str, timeout: float = 30.0) -> str:
-    """The first model the server lists at /v1/models; ConfigError when it cannot be reached."""
-    listing = _request(urllib.request.Request(f"{base}/v1/models"), timeout, "the model list")
-    models = listing.get("data") if isinstance(listing, dict) else None
-    if not models or not isinstance(models[0], dict) or "id" not in models[0]:
-        raise ConfigError(f"{base}/v1/models: lists no model; give --model NAME")
-    return str(models[0]["id"])
-
-
-def _post(url: str, body: dict, timeout: float, what: str) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    answer = _request(request, timeout, what)
-    if not isinstance(answer, dict):
-        raise ConfigError(f"{url}: {what}: the answer is not a JSON object")
-    return answer
-
-
-def _request(request: urllib.request.Request, timeout: float, what: str):
-    url = request.full_url
+    if parts.query or parts.fragment:
+        raise ConfigError(f"--url {url!r}: give the server's address without a query (?...) or fragment (#...)")
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            text = response.read().decode("utf-8", errors="replace")
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode("utf-8", errors="replace")
-        try:
-            detail = json.loads(detail)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            detail = detail.strip().splitlines()[0] if detail.strip() else exc.reason
-        raise ConfigError(f"{url}: {what}: the server answered {exc.code}: {detail}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise ConfigError(f"{url}: {what}: cannot reach the server ({reason})") from None
-    try:
-        return json.loads(text)
+        parts.port
     except ValueError:
-        raise ConfigError(f"{url}: {what}: the answer is not JSON") from None
+        raise ConfigError(f"--url {url!r}: the port is not a number from 0 to 65535") from None
+    base = url.rstrip("/")
+    return base[:-len("/v1")] if base.endswith("/v1") else base
+
+
+def served_model(base: str, limits: Limits = Limits()) -> str:
+    """The first model the server lists at /v1/models; ConfigError when it cannot be reached or lists none."""
+    url = f"{base}/v1/models"
+    listing = request_json(url, None, limits, "the model list")
+    models = listing.get("data") if isinstance(listing, dict) else None
+    first = models[0] if isinstance(models, list) and models else None
+    if not isinstance(first, dict) or not isinstance(first.get("id"), str) or not first["id"]:
+        raise ConfigError(f"{url}: lists no model (expected {{\"data\": [{{\"id\": NAME}}, ...]}}, got "
+                          f"{quote(listing)}); give --model NAME")
+    return first["id"]
+
+
+def _post(url: str, body: dict, limits: Limits, what: str) -> dict:
+    answer = request_json(url, body, limits, what)
+    if not isinstance(answer, dict):
+        raise ConfigError(f"{url}: {what}: the answer is not a JSON object: {quote(answer)}")
+    return answer
