@@ -10,15 +10,18 @@ An expert's flat id is ``layer * J + expert`` everywhere in the project (the CSV
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from moe_offload.compiled import njit_cached, numba_available
 from moe_offload.outputs import atomic_output
 from moe_offload.trace.format import Trace
 
 NEVER = np.iinfo(np.int64).max  # next_use of a request whose expert is not requested again
+DENSE_KEYS = 2**24  # keys below this index a table (every flat expert id does: trace/format.py MAX_EXPERT_SLOTS)
 
 
 @dataclass(frozen=True)
@@ -54,21 +57,41 @@ def flatten(trace: Trace) -> AccessSequence:
                           num_layers=L, num_experts=J, top_k=K)
 
 
+def next_use_kernel(keys, num_keys, next_use):
+    """``next_use[t]``: the next position of ``keys[t]`` (NEVER if none), in one backward pass that remembers
+    where each key was seen last."""
+    seen = np.full(num_keys, NEVER, np.int64)
+    for position in range(keys.shape[0] - 1, -1, -1):
+        key = keys[position]
+        next_use[position] = seen[key]
+        seen[key] = position
+
+
+@functools.cache
+def _next_use_kernel():
+    """next_use_kernel compiled by Numba when it is installed, else the plain function (slow)."""
+    if not numba_available():
+        return next_use_kernel
+    return njit_cached(next_use_kernel, "void(int64[::1], int64, int64[::1])")
+
+
 def next_use_times(keys: np.ndarray) -> np.ndarray:
-    """For each position, the next position holding the same key (NEVER if none), vectorised: a stable sort
-    by key lists each key's positions in time order, and each position's successor in that list is its next
-    use. Flat expert ids fit 16 bits for every model so far, and NumPy sorts 16-bit integers stably by radix,
-    in O(n)."""
-    keys = np.asarray(keys)
-    if keys.size and 0 <= keys.min() and keys.max() <= np.iinfo(np.uint16).max:
-        keys = keys.astype(np.uint16)
-    order = np.argsort(keys, kind="stable")  # by key, then by time
-    sorted_keys = keys[order]
-    following = np.empty(keys.size, dtype=np.int64)  # in sorted order: the next position of the same key
-    following[:-1] = order[1:]
-    following[-1:] = NEVER
-    following[:-1][sorted_keys[1:] != sorted_keys[:-1]] = NEVER
+    """For each position, the next position holding the same key (NEVER if none): one compiled pass, O(n), over
+    flat expert ids. Without Numba, or for keys too sparse for a table of them, a stable sort by key lists each
+    key's positions in time order, and each position's successor in that list is its next use (NumPy sorts
+    16-bit keys by radix, in O(n))."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
     nxt = np.empty(keys.size, dtype=np.int64)
+    if not keys.size:
+        return nxt
+    if keys.min() < 0:
+        raise ValueError("keys must not be negative")
+    if numba_available() and keys.max() < DENSE_KEYS:
+        _next_use_kernel()(keys, int(keys.max()) + 1, nxt)
+        return nxt
+    order = np.argsort(keys.astype(np.uint16) if keys.max() <= np.iinfo(np.uint16).max else keys, kind="stable")
+    following = np.full(keys.size, NEVER, dtype=np.int64)  # in sorted order: the next position of the same key
+    following[:-1] = np.where(keys[order[1:]] == keys[order[:-1]], order[1:], NEVER)
     nxt[order] = following
     return nxt
 
