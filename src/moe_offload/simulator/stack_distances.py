@@ -37,12 +37,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moe_offload.trace.flatten import next_use_times
+
 
 @dataclass(frozen=True)
 class HitCurve:
-    """The stack distances of one sequence under one policy: hits at every cache size."""
+    """The stack distances of one sequence under one policy: its hits at every cache size. A curve measured on
+    a sample of the experts (``rate`` < 1, see ``sample_keys``) stands for the whole trace's by scaling the
+    sizes: the whole trace's hit rate with C experts is estimated as the sample's with C * rate."""
 
     histogram: np.ndarray  # [D + 1]: requests per stack distance 0..D-1, then first requests
+    rate: float = 1.0      # the share of the experts sampled (1: the exact curve)
+
+    @property
+    def exact(self) -> bool:
+        return self.rate == 1.0
 
     @property
     def requests(self) -> int:
@@ -54,22 +63,48 @@ class HitCurve:
         return int(self.histogram[-1])
 
     def hits_by_size(self) -> np.ndarray:
-        """[D + 1]: the hits of a cache of 0, 1, ..., D experts."""
+        """[D + 1]: the hits of a cache of 0, 1, ..., D experts (of the sampled requests if sampled)."""
         return np.concatenate([[0], np.cumsum(self.histogram[:-1])])
 
     def hits(self, cache_size: int) -> int:
+        """The hits with ``cache_size`` experts of an exact curve."""
+        if not self.exact:
+            raise ValueError("a sampled curve gives hit rates, not hits")
         return int(self.histogram[:max(0, min(cache_size, len(self.histogram) - 1))].sum())
 
     def hit_rate(self, cache_size: int) -> float:
-        return self.hits(cache_size) / max(1, self.requests)
+        hits = self.hits_by_size()
+        return float(hits[min(round(cache_size * self.rate), len(hits) - 1)]) / max(1, self.requests)
+
+    def hit_rates(self) -> np.ndarray:
+        """[D + 1]: the hit rate of a cache of 0, 1, ..., D experts."""
+        hits = self.hits_by_size()
+        sizes = np.minimum(np.rint(np.arange(len(hits)) * self.rate).astype(np.int64), len(hits) - 1)
+        return hits[sizes] / max(1, self.requests)
 
     def smallest_size(self, target: float) -> int | None:
         """The fewest experts whose cache hits at least ``target`` of the requests, or None when none does: read
-        off the curve, which never decreases with the size (the first size at which it reaches the target)."""
+        off the curve, which never decreases with the size (the first size at which it reaches the target).
+        Exact for an exact curve; for a sampled one, the sample's size scaled back (an estimate)."""
         hits = self.hits_by_size()
         goal = target * self.requests
         size = int(np.searchsorted(hits, goal, side="left"))  # first size whose hits >= goal
-        return size if size < len(hits) else None
+        if size >= len(hits):
+            return None
+        return size if self.exact else min(len(hits) - 1, int(np.ceil(size / self.rate)))
+
+
+SAMPLE_HASH = 0x9E3779B1  # Knuth's multiplicative hash: spreads consecutive flat ids over [0, 2**32)
+
+
+def sample_keys(keys: np.ndarray, rate: float) -> np.ndarray:
+    """The requests of ``keys`` whose expert is in a spatial sample of the experts at ``rate`` (SHARDS, Waldspurger
+    et al., FAST 2015): an expert is in it when its hash falls below ``rate`` * 2**32, so every request of a
+    sampled expert is kept and none of the others, and the sample's stack distances are the whole trace's
+    scaled by ``rate`` (HitCurve)."""
+    threshold = np.uint64(min(2**32, int(rate * 2**32)))
+    hashed = (keys.astype(np.uint64) * np.uint64(SAMPLE_HASH)) & np.uint64(0xFFFFFFFF)
+    return keys[hashed < threshold]
 
 
 def _fenwick_add(tree, slot, delta):
@@ -209,9 +244,13 @@ def lru_curve(keys: np.ndarray, num_keys: int) -> HitCurve:
     return HitCurve(histogram)
 
 
-def opt_curve(keys: np.ndarray, next_use: np.ndarray, num_keys: int) -> HitCurve:
-    """OPT's hits at every size on ``keys``, whose next uses are ``next_use`` (trace/flatten.py)."""
+def opt_curve(keys: np.ndarray, next_use: np.ndarray, num_keys: int, rate: float = 1.0) -> HitCurve:
+    """OPT's hits at every size on ``keys``, whose next uses are ``next_use`` (trace/flatten.py); with ``rate``
+    below 1, on the spatial sample of the experts at that rate (``sample_keys``; ``next_use`` is not read)."""
+    if rate < 1.0:
+        keys = sample_keys(keys, rate)
+        next_use = next_use_times(keys)
     histogram = np.zeros(num_keys + 1, np.int64)
     _kernels()[1](np.ascontiguousarray(keys, np.int64), np.ascontiguousarray(next_use, np.int64), num_keys,
                   histogram)
-    return HitCurve(histogram)
+    return HitCurve(histogram, rate=rate)
