@@ -49,7 +49,7 @@ def window_lengths(num_tokens: int) -> list[int]:
 
 
 def sliding_distinct_kernel(experts, num_experts, window, distinct_sum, distinct_max):
-    """For every layer l of ``experts`` ([N, L, K] int64), add over each window of ``window`` consecutive rows
+    """For every layer l of ``experts`` ([N, L, K] integer ids), add over each window of ``window`` consecutive rows
     the number of distinct experts of layer l in it to ``distinct_sum[l]`` and keep the largest in
     ``distinct_max[l]``."""
     num_tokens, num_layers, top_k = experts.shape
@@ -76,11 +76,16 @@ def sliding_distinct_kernel(experts, num_experts, window, distinct_sum, distinct
 
 
 @functools.cache
-def _sliding_kernel():
-    """sliding_distinct_kernel compiled by Numba when it is installed, else the plain function."""
+def _sliding_kernel(dtype: str):
+    """sliding_distinct_kernel compiled by Numba for expert ids of ``dtype`` (read-only or not, as Parquet's
+    are), when Numba is installed; else the plain function."""
     if not numba_available():
         return sliding_distinct_kernel
-    return njit_cached(sliding_distinct_kernel, "void(int64[:, :, ::1], int64, int64, int64[::1], int64[::1])")
+    from numba import types
+
+    experts = types.Array(getattr(types, dtype), 3, "C", readonly=True)
+    totals = types.Array(types.int64, 1, "C")
+    return njit_cached(sliding_distinct_kernel, types.void(experts, types.int64, types.int64, totals, totals))
 
 
 @dataclass
@@ -132,8 +137,8 @@ class WorkingSet:
 def measure_working_set(trace: Trace, sequence: AccessSequence) -> WorkingSet:
     """The working set of ``trace``; ``sequence`` is its flattened request sequence (ReplayInput's)."""
     meta = trace.meta
-    sliding = _sliding_kernel()
-    experts = np.ascontiguousarray(trace.experts, dtype=np.int64)
+    experts = np.ascontiguousarray(trace.experts)  # in their own id type: no copy of the trace
+    sliding = _sliding_kernel(experts.dtype.name)
     windows = window_lengths(trace.num_tokens)
     distinct_mean = np.zeros((len(windows), meta.num_layers))
     distinct_max = np.zeros((len(windows), meta.num_layers), np.int64)

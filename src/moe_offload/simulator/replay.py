@@ -50,6 +50,15 @@ class ReplayInput:
         """0, 1, ..., n - 1: the clocks of a replay of every request, shared by the runs of a grid."""
         return np.arange(len(self.sequence), dtype=np.int64)
 
+    @functools.cached_property
+    def positions_by_layer(self) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, bounds): every position in layer order, time order within a layer, layer l's at
+        ``positions[bounds[l]:bounds[l + 1]]``; shared by the -dist runs of a grid."""
+        layer = self.sequence.layer
+        positions = np.argsort(layer.astype(np.uint16), kind="stable")  # radix sort: O(n)
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(layer, minlength=self.trace.meta.num_layers))])
+        return positions, bounds
+
     @property
     def spec(self) -> ModelSpec:
         meta = self.trace.meta
@@ -188,8 +197,7 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel) -
         kernel(keys, data.positions, tokens, next_use, cache_size, spec.num_layers,
                spec.num_experts, floats, ints.copy(), layer_hits)
         return layer_hits
-    by_layer = np.argsort(seq.layer.astype(np.uint16), kind="stable")  # radix sort: O(n)
-    bounds = np.concatenate([[0], np.cumsum(np.bincount(seq.layer, minlength=spec.num_layers))])
+    by_layer, bounds = data.positions_by_layer
     capacities = PartitionedCache.capacities(cache_size, spec.num_layers)
     for layer in range(spec.num_layers):
         # each partition has a fresh policy of the same seed (PartitionedCache's make_policy), hence ints.copy()

@@ -73,25 +73,27 @@ class HitCurve:
         return int(self.histogram[:max(0, min(cache_size, len(self.histogram) - 1))].sum())
 
     def hit_rate(self, cache_size: int) -> float:
-        hits = self.hits_by_size()
-        return float(hits[min(round(cache_size * self.rate), len(hits) - 1)]) / max(1, self.requests)
+        return float(self.hit_rates()[max(0, min(cache_size, len(self.histogram) - 1))])
 
     def hit_rates(self) -> np.ndarray:
-        """[D + 1]: the hit rate of a cache of 0, 1, ..., D experts."""
+        """[D + 1]: the hit rate of a cache of 0, 1, ..., D experts; a sampled curve's at C * rate, between two
+        sizes of the sample linearly."""
         hits = self.hits_by_size()
-        sizes = np.minimum(np.rint(np.arange(len(hits)) * self.rate).astype(np.int64), len(hits) - 1)
-        return hits[sizes] / max(1, self.requests)
+        if self.exact:
+            return hits / max(1, self.requests)
+        scaled = np.minimum(np.arange(len(hits)) * self.rate, len(hits) - 1)
+        return np.interp(scaled, np.arange(len(hits)), hits) / max(1, self.requests)
 
     def smallest_size(self, target: float) -> int | None:
         """The fewest experts whose cache hits at least ``target`` of the requests, or None when none does: read
         off the curve, which never decreases with the size (the first size at which it reaches the target).
-        Exact for an exact curve; for a sampled one, the sample's size scaled back (an estimate)."""
-        hits = self.hits_by_size()
-        goal = target * self.requests
-        size = int(np.searchsorted(hits, goal, side="left"))  # first size whose hits >= goal
-        if size >= len(hits):
-            return None
-        return size if self.exact else min(len(hits) - 1, int(np.ceil(size / self.rate)))
+        Exact for an exact curve; an estimate for a sampled one."""
+        if self.exact:  # in whole hits: the first size whose hits reach target * requests
+            curve, goal = self.hits_by_size(), target * self.requests
+        else:
+            curve, goal = self.hit_rates(), target
+        size = int(np.searchsorted(curve, goal, side="left"))
+        return size if size < len(curve) else None
 
 
 SAMPLE_HASH = 0x9E3779B1  # Knuth's multiplicative hash: spreads consecutive flat ids over [0, 2**32)

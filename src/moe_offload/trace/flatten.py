@@ -45,14 +45,43 @@ class AccessSequence:
         return np.arange(len(self), dtype=np.int64) // self.num_layers
 
 
+def flatten_kernel(experts, num_experts, expert_id, layer, token):
+    """Fill the request columns from ``experts`` [N, L, K] in the order of the module docstring, in one pass."""
+    num_tokens, num_layers, top_k = experts.shape
+    t = 0
+    for row in range(num_tokens):
+        for rank in range(top_k):
+            for at in range(num_layers):
+                expert_id[t] = at * num_experts + experts[row, at, rank]
+                layer[t] = at
+                token[t] = row
+                t += 1
+
+
+@functools.cache
+def _flatten_kernel(dtype: str):
+    """flatten_kernel compiled by Numba for expert ids of ``dtype``, read-only or not (a trace read from
+    Parquet shares Arrow's read-only buffers)."""
+    from numba import types
+
+    experts = types.Array(getattr(types, dtype), 3, "C", readonly=True)
+    column = types.Array(types.int64, 1, "C")
+    return njit_cached(flatten_kernel, types.void(experts, types.int64, column, types.Array(types.int32, 1, "C"),
+                                                  column))
+
+
 def flatten(trace: Trace) -> AccessSequence:
     L, J, K = trace.meta.num_layers, trace.meta.num_experts, trace.meta.top_k
     n = trace.num_tokens
-    # experts[n, l, r] -> order (n, r, l): token-major, then rank, then layer.
-    experts = trace.experts.astype(np.int64).transpose(0, 2, 1).reshape(-1)
-    layer = np.tile(np.arange(L, dtype=np.int32), n * K)
-    expert_id = layer.astype(np.int64) * J + experts
-    token = np.repeat(np.arange(n, dtype=np.int64), K * L)
+    if numba_available():  # one compiled pass, no temporaries
+        experts = np.ascontiguousarray(trace.experts)
+        expert_id, layer, token = np.empty(n * K * L, np.int64), np.empty(n * K * L, np.int32), np.empty(n * K * L,
+                                                                                                       np.int64)
+        _flatten_kernel(experts.dtype.name)(experts, J, expert_id, layer, token)
+    else:  # experts[n, l, r] -> order (n, r, l): token-major, then rank, then layer
+        layer = np.tile(np.arange(L, dtype=np.int32), n * K)
+        expert_id = layer.astype(np.int64) * J + trace.experts.astype(np.int64).transpose(0, 2, 1).reshape(-1)
+        token = np.repeat(np.arange(n, dtype=np.int64), K * L)
     return AccessSequence(expert_id=expert_id, layer=layer, token=token, next_use=next_use_times(expert_id),
                           num_layers=L, num_experts=J, top_k=K)
 
