@@ -77,3 +77,14 @@ def test_smallest_size_reaches_the_target_and_one_fewer_does_not():
         assert replay(data, "belady", size).hits >= target * requests
         assert size == 2 or replay(data, "belady", size - 1).hits < target * requests
     assert curve.smallest_size(1.0) is None  # the first request of each expert misses everywhere
+
+
+def test_the_compiled_flattening_is_the_numpy_one(tiny_trace, monkeypatch):
+    from moe_offload.trace import flatten as flatten_module
+
+    compiled = flatten_module.flatten(tiny_trace)
+    monkeypatch.setattr(flatten_module, "numba_available", lambda: False)
+    plain = flatten_module.flatten(tiny_trace)
+    for column in ("expert_id", "layer", "token", "next_use"):
+        assert getattr(compiled, column).dtype == getattr(plain, column).dtype
+        assert np.array_equal(getattr(compiled, column), getattr(plain, column)), column
