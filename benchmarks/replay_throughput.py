@@ -10,8 +10,13 @@ object (``engine="python"``, best of --python-repeat) and, where the policy has 
 (``engine="compiled"``, best of --repeat), and checks that both make the same misses; for LRU, FIFO and
 Belady it times libCacheSim (best of --repeat) and checks its misses too. Compile time is measured apart
 from replay time: once with an empty Numba cache (a cold compile, the first run on a machine) and once in
-a fresh process that loads the machine code from that cache (every later run). All ratios come from this
-one run.
+a fresh process that loads the machine code from that cache (every later run).
+
+Then the whole command against libCacheSim, at each of --command-accesses (default 2M and 20M requests) on a
+Qwen3-30B-A3B-shaped Zipf trace (48 layers, top-8 of 128): `moe-offload simulate TRACE --policy P --cache-size
+25% --json --jobs 1` timed in a fresh process, start to exit (imports, reading, flattening, the replay, the
+JSON), beside libCacheSim's in-process replay of the same sequence from its oracleGeneral file (reading
+included), for LRU, FIFO and Belady, with the misses checked equal. All ratios come from this one run.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="runs of each compiled and libCacheSim replay")
     parser.add_argument("--python-repeat", type=int, default=1, help="runs of each Python replay (0: none)")
     parser.add_argument("--policies", default=None, help="comma-separated (default: every policy)")
+    parser.add_argument("--command-accesses", default="2000000,20000000",
+                        help="comma-separated request counts of the whole-command comparison ('' for none)")
     args = parser.parse_args()
 
     # An empty Numba cache for this run, set before Numba is imported: the first call compiles.
@@ -166,6 +173,52 @@ def main() -> None:
         console.print(f"every compiled policy at >= {MIN_COMPILED_RATE / 1e6:.0f} M requests/s and within "
                       f"{MAX_BEHIND_LIBCACHESIM}x of libCacheSim: "
                       + ("yes" if not slow else f"NO: {', '.join(slow)}"))
+
+
+    if lcs is not None and args.command_accesses:
+        for accesses in (int(text) for text in args.command_accesses.split(",")):
+            whole_command(console, lcs, accesses, work)
+
+
+def whole_command(console, lcs, accesses: int, work: Path) -> None:
+    """`moe-offload simulate` start to exit against libCacheSim's replay of the same sequence (module doc)."""
+    import json
+
+    from moe_offload.simulator.replay import ReplayInput
+    from moe_offload.trace.flatten import write_oracle_general
+    from moe_offload.trace.format import write_trace
+    from moe_offload.trace.synthetic import zipf_trace
+
+    layers, experts, top_k = 48, 128, 8
+    trace = zipf_trace(layers, experts, top_k, max(1, accesses // (layers * top_k)), a=1.2, b=0.0, seed=0,
+                       shuffle=True)
+    path = write_trace(trace, work / f"qwen3-shaped-{accesses}.parquet")
+    data = ReplayInput.of(trace)
+    n = len(data.sequence)
+    oracle = write_oracle_general(data.sequence, work / f"qwen3-shaped-{accesses}.oracleGeneral.bin", None)
+    del data, trace
+    cache_size = layers * experts // 4
+    table = Table(title=f"the whole command against libCacheSim: {n:,} requests, 48 x 128 top-8, {cache_size:,} "
+                        "experts (25%); seconds, best of 2", title_justify="left")
+    for column in ("policy", "simulate (whole command)", "libCacheSim (replay)", "simulate / libCacheSim",
+                   "same misses"):
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    command = [sys.executable, "-m", "moe_offload.cli.main", "simulate", str(path), "--cache-size", "25%", "--json",
+               "--jobs", "1"]
+    for policy in LIBCACHESIM:
+        def run_command():
+            done = subprocess.run(command + ["--policy", policy], capture_output=True, text=True, check=True)
+            return next(r for r in json.loads(done.stdout) if r["policy"] == policy)["misses"]
+
+        def run_reference():
+            reader = lcs.TraceReader(str(oracle), lcs.TraceType.ORACLE_GENERAL_TRACE)
+            return round(getattr(lcs, LIBCACHESIM[policy])(cache_size).process_trace(reader)[0] * n)
+
+        ours_s, misses = best_time(run_command, 2)
+        ref_s, ref_misses = best_time(run_reference, 2)
+        table.add_row(policy, f"{ours_s:.2f}", f"{ref_s:.2f}", f"{ours_s / ref_s:.2f}x",
+                      "yes" if misses == ref_misses else "NO")
+    console.print(table)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,22 @@
-"""How long `moe-offload report` takes on a large trace, phase by phase.
+"""How long `moe-offload report` takes on a large trace, phase by phase, against one libCacheSim LRU replay of the
+same request sequence, and its peak memory.
 
-    python benchmarks/report_scale.py [--tokens 20000] [--layers 32] [--experts 8] [--top-k 2]
-        [--fast-memory 25%] [--jobs 2] [--html FILE]
+    python benchmarks/report_scale.py [--tokens 20000] [--layers 48] [--experts 128] [--top-k 8]
+        [--fast-memory 25%] [--jobs 2] [--expert-bytes BYTES] [--sample-above N | --exact] [--html FILE]
 
 The trace is synthetic: Zipf-popular experts per layer (paper 001's section 5.1 law, a = 1.2, each layer its
-own popularity order), requests of 256 decode tokens one after the other, experts of Mixtral-8x7B's size
-(176 MiB). The default of 20,000 tokens runs in under a minute; the issue's scale is a million tokens:
+own popularity order), requests of 256 decode tokens one after the other, Qwen3-30B-A3B's shape by default (48
+layers, top-8 of 128). Without --expert-bytes the trace gives no expert size, so the report has no latency
+section (the timed simulator's runs are their own benchmark); with it, the budget must fit the default
+hardware profile's GPU, checked before any work as `moe-offload report` checks it. 20,000 tokens are 7.7M
+requests; a million tokens, a day of one vLLM instance, 384M:
 
     python benchmarks/report_scale.py --tokens 1000000
 
-Prints the seconds (wall clock, and CPU of the process and its workers) of each phase as it ends (flattening,
-working set, the bound with OPT's budget search, timed runs on their sample, HTML), then the report and what
-ran on a sample (the Python policies' prefix, the timed simulator's first rows).
+Prints the seconds (wall clock, and CPU of the process and its workers) of each phase as it ends (the trace,
+working set, the bound with OPT's curve, timed runs if any, HTML), the report, the whole report's time over one
+libCacheSim LRU replay of the same sequence (read from its oracleGeneral file, written after the report so its
+memory is not the report's), and the process's peak resident memory during the report.
 """
 
 from __future__ import annotations
@@ -22,10 +27,9 @@ import time
 from dataclasses import replace
 
 REQUEST_TOKENS = 256
-EXPERT_BYTES = 176 * 2**20
 
 
-def synthetic_trace(tokens: int, layers: int, experts: int, top_k: int):
+def synthetic_trace(tokens: int, layers: int, experts: int, top_k: int, expert_bytes: int | None):
     import numpy as np
 
     from moe_offload.trace.format import Trace
@@ -33,7 +37,7 @@ def synthetic_trace(tokens: int, layers: int, experts: int, top_k: int):
 
     base = zipf_trace(layers, experts, top_k, tokens, a=1.2, b=0.0, seed=0, shuffle=True)
     rows = np.arange(tokens)
-    meta = replace(base.meta, expert_bytes=EXPERT_BYTES)
+    meta = replace(base.meta, expert_bytes=expert_bytes)
     return Trace.build(meta, base.experts, request=rows // REQUEST_TOKENS, position=rows % REQUEST_TOKENS,
                        path="synthetic-zipf")
 
@@ -41,22 +45,33 @@ def synthetic_trace(tokens: int, layers: int, experts: int, top_k: int):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=20_000)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--fast-memory", default="25%")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--expert-bytes", help="bytes of one expert: adds the latency section (default none)")
+    parser.add_argument("--sample-above", type=int, default=None, help="as `report --sample-above`")
+    parser.add_argument("--exact", action="store_true", help="as `report --exact`")
     parser.add_argument("--html", metavar="FILE", help="also write the report's page")
     args = parser.parse_args()
+
+    import resource
+    import tempfile
+    from pathlib import Path
 
     from rich.console import Console
 
     from moe_offload.cli.report_cmd import DEFAULT_TIMED_TOKENS, fast_memory_experts
     from moe_offload.hardware import resolve_profile
     from moe_offload.outputs import check_output, write_atomically
+    from moe_offload.reporting.bound import SAMPLE_ABOVE
     from moe_offload.reporting.html import render_html
     from moe_offload.reporting.report import build_report, print_report
     from moe_offload.simulator.replay import ReplayInput
+    from moe_offload.simulator.timed import Arrivals, check_timed_run
+    from moe_offload.trace.flatten import write_oracle_general
+    from moe_offload.values import parse_bytes
 
     if args.html:
         check_output(args.html, suffixes=(".html",), what="report")
@@ -69,16 +84,22 @@ def main() -> int:
             print(f"  {now - marks[-1][1]:8.2f} s wall {cpu - marks[-1][2]:8.2f} s CPU  {marks[-1][0]}", flush=True)
         marks.append((text, now, cpu))
 
+    expert_bytes = parse_bytes(args.expert_bytes, "--expert-bytes") if args.expert_bytes else None
+    hardware = resolve_profile(None)
     step("synthetic trace and its flattened sequence")
-    trace = synthetic_trace(args.tokens, args.layers, args.experts, args.top_k)
+    trace = synthetic_trace(args.tokens, args.layers, args.experts, args.top_k, expert_bytes)
     meta = trace.meta
     cache_size = fast_memory_experts(args.fast_memory, meta.num_expert_slots, meta.top_k, meta.expert_bytes)
+    if expert_bytes:  # as `moe-offload report`: the budget must fit the GPU the latency runs on
+        check_timed_run(trace, hardware, "lru", cache_size * expert_bytes, expert_bytes, Arrivals())
     data = ReplayInput.of(trace, name="synthetic-zipf")
-    report = build_report(data, "synthetic-zipf", cache_size, resolve_profile(None), meta.expert_bytes,
-                          timed_tokens=DEFAULT_TIMED_TOKENS, jobs=args.jobs, step=step)
+    report = build_report(data, "synthetic-zipf", cache_size, hardware, meta.expert_bytes,
+                          timed_tokens=DEFAULT_TIMED_TOKENS, jobs=args.jobs, step=step,
+                          sample_above=None if args.exact else args.sample_above or SAMPLE_ABOVE)
     step("HTML page")
     page = render_html(report)
     step("end")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
     if args.html:
         write_atomically(args.html, page)
     print_report(report, Console(width=120))
@@ -91,6 +112,22 @@ def main() -> int:
               f"{bound.sampled_tokens:,} tokens)")
     if latency is not None and latency.sampled:
         print(f"  (the timed simulator ran the first {latency.tokens:,} tokens)")
+    print(f"peak resident memory of the report's process: {peak / 2**30:.2f} GiB "
+          f"({peak / len(data.sequence):.1f} bytes per request)")
+    try:
+        import libcachesim as lcs
+    except ImportError:
+        print("libcachesim is not installed (pip install libcachesim): no reference time")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="report-scale-") as work:
+        oracle = write_oracle_general(data.sequence, Path(work) / "trace.oracleGeneral.bin", None)
+        start = time.perf_counter()
+        reader = lcs.TraceReader(str(oracle), lcs.TraceType.ORACLE_GENERAL_TRACE)
+        lcs.LRU(cache_size).process_trace(reader)
+        reference = time.perf_counter() - start
+    whole = marks[-1][1] - marks[0][1]
+    print(f"one libCacheSim LRU replay of the same sequence: {reference:.2f} s; the report took {whole / reference:.1f} "
+          "of them")
     return 0
 
 

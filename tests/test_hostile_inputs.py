@@ -361,22 +361,29 @@ def test_jobs_must_be_a_positive_number(trace_file, capsys):
     assert_refused(code, err, "--jobs 0: must be a whole number of at least 1")
 
 
-def test_a_grid_starts_no_more_processes_than_tasks(trace_file, monkeypatch):
-    import concurrent.futures
-
+def test_a_grid_starts_no_more_threads_or_processes_than_tasks(trace_file, monkeypatch):
+    from moe_offload.simulator import kernels, replay as replay_module
     from moe_offload.simulator.replay import ReplayInput, replay_grid
     from moe_offload.values import cores
 
-    started = []
-    real = concurrent.futures.ProcessPoolExecutor
+    started = {"threads": [], "processes": []}
 
-    def recording(*args, max_workers=None, **kwargs):
-        started.append(max_workers)
-        return real(*args, max_workers=max_workers, **kwargs)
+    def recording(kind, real):
+        def start(*args, max_workers=None, **kwargs):
+            started[kind].append(max_workers)
+            return real(*args, max_workers=max_workers, **kwargs)
+        return start
 
-    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", recording)
-    replay_grid(ReplayInput.of(read_trace(trace_file)), ["lru"], [8], jobs=12)
-    assert started == ([] if cores() == 1 else [2])  # belady and lru: 2 tasks, whatever --jobs says
+    monkeypatch.setattr(replay_module, "ThreadPoolExecutor", recording("threads", replay_module.ThreadPoolExecutor))
+    monkeypatch.setattr(replay_module, "ProcessPoolExecutor",
+                        recording("processes", replay_module.ProcessPoolExecutor))
+    data = ReplayInput.of(read_trace(trace_file))
+    replay_grid(data, ["lru", "arc", "lecar"], [8], jobs=12)
+    most = 1 if cores() == 1 else 2
+    if kernels.numba_available():  # belady and lru on threads; arc and lecar, Python, on processes: 2 tasks each
+        assert started == {"threads": [most], "processes": [] if most == 1 else [2]}
+    else:  # all four in Python: processes; the threads' pool has nothing to run
+        assert started == {"threads": [1], "processes": [] if most == 1 else [2]}
 
 
 @pytest.mark.parametrize("argv", [

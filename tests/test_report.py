@@ -99,6 +99,23 @@ def test_bound_is_simulates_replay_and_opt_sizes_are_the_smallest(olmoe):
         assert replay(olmoe, "belady", size).hits >= target * requests > replay(olmoe, "belady", size - 1).hits
 
 
+def test_above_the_threshold_opt_s_curve_is_sampled_and_its_error_at_the_budget_stated(olmoe):
+    working_set = measure_working_set(olmoe.trace, olmoe.sequence)
+    requests = len(olmoe.sequence)
+    exact = measure_bound(olmoe, 256, working_set, policies=["lru"], sample_above=None)
+    assert exact.opt.exact and exact.opt_error is None and exact.sampling_text() == "exact: every request"
+    assert exact.opt.hits(256) == exact.belady.hits
+    sampled = measure_bound(olmoe, 256, working_set, policies=["lru"], sample_above=requests // 2)
+    assert sampled.opt.rate == 0.5 and sampled.belady.hits == exact.belady.hits  # the replays stay exact
+    # the sample holds every request of the sampled experts and none of the others
+    kept = [key for key in range(1024) if (key * 0x9E3779B1) % 2**32 < 2**31]
+    assert sampled.opt.requests == int(np.isin(olmoe.sequence.expert_id, kept).sum())
+    assert sampled.opt_error == pytest.approx(sampled.opt.hit_rate(256) - exact.belady.hit_rate)
+    assert f"{sampled.opt_error * 100:+.2f} points from the exact replay's" in sampled.sampling_text()
+    assert abs(sampled.opt_error) < 0.05  # half of OLMoE's 1,024 experts: a close estimate
+    assert measure_bound(olmoe, 256, working_set, policies=["lru"], sample_above=1).opt.rate == 0.1  # the floor
+
+
 def test_verdict_sentences(olmoe):
     working_set = measure_working_set(olmoe.trace, olmoe.sequence)
     bound = measure_bound(olmoe, 256, working_set, policies=["lru"])

@@ -167,6 +167,7 @@ def test_latency_is_the_timed_simulators_and_the_commands_parse(tiny_trace):
     (["olmoe", "--fast-memory", "25%", "--hardware", "no-such-gpu"], "no-such-gpu"),
     (["olmoe", "--fast-memory", "25%", "--hardware", "{small_gpu}"], "does not fit"),
     (["olmoe", "--fast-memory", "25%", "--timed-tokens", "0"], "--timed-tokens"),
+    (["olmoe", "--fast-memory", "25%", "--sample-above", "0"], "--sample-above"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, tmp_path_factory, argv, problem):
     from moe_offload.hardware.profile import PRESET_DIR

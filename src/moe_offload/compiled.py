@@ -3,8 +3,12 @@
 This module is the only one that imports Numba, and only inside its functions, when a compiled function is
 first asked for: the package imports and runs without it (``pip install 'moe-offload[fast]'`` adds it). It
 sits at the bottom of the package, beside ``values`` and ``inputs``, because the layers that compile code
-(the prefetchers' searches, the replay's policy kernels in simulator/kernels.py, the report's working-set
-scan) sit at different heights and all use it.
+(the trace's flattening and next-use times, the prefetchers' searches, the replay's policy kernels in
+simulator/kernels.py, the stack distances, the report's working-set scan) sit at different heights and all
+use it. Every function is compiled with the same flags: an explicit signature (compiled once, when first asked
+for), Numba's on-disk cache where a folder is writable, and ``nogil``, so that kernels run side by side on
+threads of one process (the replay grid) instead of in worker processes that would need copies of the
+request sequence.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ def numba_available() -> bool:
 
 
 def njit_cached(function, signature):
-    """``function`` compiled for ``signature`` by Numba, kept in Numba's on-disk cache where it can be."""
+    """``function`` compiled for ``signature`` by Numba, releasing the GIL while it runs, kept in Numba's
+    on-disk cache where it can be."""
     import numba  # an optional dependency (module docstring)
 
     try:
-        return numba.njit(signature, cache=True)(function)
+        return numba.njit(signature, cache=True, nogil=True)(function)
     except RuntimeError as exc:  # no folder to cache in (read-only install, no writable home)
         if "cannot cache" not in str(exc):
             raise
-        return numba.njit(signature)(function)
+        return numba.njit(signature, nogil=True)(function)

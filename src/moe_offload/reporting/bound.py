@@ -6,14 +6,15 @@ and the best online policy is what a better policy could win, and OPT's own hit 
 cannot exceed. Every run is the replay `moe-offload simulate` makes (simulator/replay.py, the compiled kernels
 where a policy has one), so the numbers are simulate's.
 
-The budget OPT needs for a hit rate h is found by searching the cache size: OPT is a stack algorithm
-(the contents of a cache of C experts are always among those of a cache of C + 1, Mattson et al. 1970), so
-its hits do not decrease with the size. The search runs between top-k and the smallest size at which LRU
-already reaches h (LRU's hits never exceed OPT's at the same size, and LRU's curve is known from the reuse
-distances for free: reporting/working_set.py), its steps alternately the point where the line between the
-bracket's ends reaches h (the curve is smooth, so this is usually close) and the bracket's middle (so it is
-never slower than twice a bisection). A hit rate above every cache's (all requests but the first
-of each expert) is unreachable and said so.
+The budget OPT needs for a hit rate h is read off OPT's hit rate at every cache size, measured in one pass
+(OPT is a stack algorithm, Mattson et al. 1970: simulator/stack_distances.py): the smallest size whose hits
+reach h, so OPT at that size reaches h and one expert fewer does not. A hit rate above every cache's (all
+requests but the first of each expert) is unreachable and said so.
+
+On a trace of more than ``sample_above`` expert requests the curve is measured on a spatial sample of the
+experts (SHARDS: every request of one expert in ``sample_above / requests`` of them, at least
+MIN_SAMPLE_RATE) and the sizes it gives are estimates, so said; its error is measured where the exact
+answer is at hand, at the budget, against the Belady replay of the whole trace (``opt_error``).
 
 Policies without a compiled kernel run their Python objects, about a hundred times slower: on a trace of more
 requests than PYTHON_REPLAY_REQUESTS they replay its first rows only (up to that many requests), beside OPT on
@@ -28,10 +29,13 @@ from moe_offload.errors import ConfigError
 from moe_offload.policies import POLICIES, make_policy
 from moe_offload.results import RunResult
 from moe_offload.reporting.working_set import WorkingSet
-from moe_offload.simulator.replay import ReplayInput, replay, replay_grid, replay_kernel
+from moe_offload.simulator.replay import ReplayInput, replay_grid, replay_kernel
+from moe_offload.simulator.stack_distances import HitCurve, opt_curve
 
 TARGET_HIT_RATES = (0.5, 0.8, 0.9)
 PYTHON_REPLAY_REQUESTS = 250_000
+SAMPLE_ABOVE = 20_000_000  # expert requests above which OPT's curve is measured on a sample of the experts
+MIN_SAMPLE_RATE = 0.1      # at least this share of the experts: a few thousand experts leave a few hundred
 # Verdict thresholds: below NO_POLICY_HELPS even OPT misses most requests; at or above POLICY_CLOSE of OPT's
 # hits the online policy is near the bound, so memory, not the policy, is the lever.
 NO_POLICY_HELPS = 0.30
@@ -49,6 +53,23 @@ class Bound:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (policy, why it did not run)
     needed: dict[float, int | None] = field(default_factory=dict)  # target hit rate -> OPT's size, None: never
     max_hit_rate: float = 1.0
+    opt: HitCurve | None = None  # OPT's hit rate at every size (sampled where opt.rate < 1)
+
+    @property
+    def opt_error(self) -> float | None:
+        """The sampled OPT curve's hit rate at the budget less the Belady replay's on the whole trace (None
+        when the curve is exact)."""
+        if self.opt is None or self.opt.exact:
+            return None
+        return self.opt.hit_rate(self.cache_size) - self.belady.hit_rate
+
+    def sampling_text(self) -> str:
+        """How OPT's curve was measured, in words, with its error where it was sampled."""
+        if self.opt is None or self.opt.exact:
+            return "exact: every request"
+        return (f"on a sample of {self.opt.rate:.1%} of the experts (every request of each, "
+                f"{self.opt.requests:,} requests; SHARDS), so its sizes are estimates: at the budget its hit rate "
+                f"is {self.opt_error * 100:+.2f} points from the exact replay's")
 
     @property
     def best(self) -> RunResult | None:
@@ -85,9 +106,11 @@ def prefix_rows(data: ReplayInput, requests: int) -> int:
 
 
 def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet, *, seed: int = 0, jobs: int = 1,
-                  engine: str = "auto", policies: list[str] | None = None) -> Bound:
+                  engine: str = "auto", policies: list[str] | None = None,
+                  sample_above: int | None = SAMPLE_ABOVE) -> Bound:
     """Every online policy (or ``policies``) and OPT at ``cache_size`` experts, and OPT's sizes for
-    TARGET_HIT_RATES (module docstring)."""
+    TARGET_HIT_RATES, exact, or estimated on a sample of the experts above ``sample_above`` requests (None:
+    never) (module docstring)."""
     policies, skipped = runnable(data, policies or online_policies(), seed)
     compiled = [p for p in policies if replay_kernel(p, engine) is not None]
     slow = [p for p in policies if p not in compiled]
@@ -108,48 +131,24 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet, *
         bound.sampled_belady = next(r for r in sampled.results if r.policy == "belady")
         bound.sampled = sorted((r for r in sampled.results if r.policy != "belady"), key=lambda r: (-r.hits, r.policy))
         bound.sampled_tokens = sample.trace.num_tokens
-    known = {cache_size: belady.hits}
+    bound.opt = measure_opt_curve(data, sample_above)
     for target in TARGET_HIT_RATES:
-        bound.needed[target] = belady_size_for(data, target, working_set, known, engine)
+        bound.needed[target] = bound.opt.smallest_size(target) if working_set.max_hit_rate() >= target else None
     return bound
 
 
-def belady_size_for(data: ReplayInput, target: float, working_set: WorkingSet, known: dict[int, int],
-                    engine: str = "auto") -> int | None:
-    """The smallest cache size at which OPT hits at least ``target`` of the requests, or None when no cache
-    does; ``known`` (size -> OPT's hits) is read and extended, so several targets share their runs."""
-    meta = data.trace.meta
-    requests = len(data.sequence)
-    if working_set.max_hit_rate() < target:
-        return None
+def sample_rate(requests: int, sample_above: int | None) -> float:
+    """The share of the experts OPT's curve is measured on (module docstring): 1 up to ``sample_above``."""
+    if sample_above is None or requests <= sample_above:
+        return 1.0
+    return max(MIN_SAMPLE_RATE, sample_above / requests)
 
-    def reaches(size: int) -> bool:
-        if size not in known:
-            known[size] = replay(data, "belady", size, engine=engine).hits
-        return known[size] >= target * requests
 
-    # the bracket: above the largest size known to fall short (or top-k), at most the smallest known to reach
-    # it (or where LRU reaches it)
-    goal = target * requests
-    low = max([size for size, hits in known.items() if hits < goal], default=meta.top_k)
-    high = min([size for size, hits in known.items() if hits >= goal]
-               + [next((size for size in range(low, meta.num_expert_slots + 1)
-                        if working_set.lru_hit_rate(size) >= target), meta.num_expert_slots)])
-    if low == meta.top_k and reaches(low):
-        return low
-    known.setdefault(meta.top_k - 1, 0)  # a cache smaller than top-k hits nothing: an end for interpolating
-    interpolate = True
-    while high - low > 1:  # reaches(high), not reaches(low)
-        middle = (low + high) // 2
-        if interpolate and high in known:  # the size where the line between the ends reaches the goal
-            share = (goal - known[low]) / max(1, known[high] - known[low])
-            middle = min(high - 1, max(low + 1, round(low + share * (high - low))))
-        interpolate = not interpolate  # every other step halves the bracket: never slower than bisection x 2
-        if reaches(middle):
-            high = middle
-        else:
-            low = middle
-    return high
+def measure_opt_curve(data: ReplayInput, sample_above: int | None = SAMPLE_ABOVE) -> HitCurve:
+    """OPT's hit rate at every cache size on ``data``, sampled above ``sample_above`` requests."""
+    sequence = data.sequence
+    return opt_curve(sequence.expert_id, sequence.next_use, data.trace.meta.num_expert_slots,
+                     rate=sample_rate(len(sequence), sample_above))
 
 
 def verdict(bound: Bound, total_experts: int) -> str:

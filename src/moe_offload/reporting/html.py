@@ -66,12 +66,11 @@ def working_set_figure(report: Report) -> str:
 def reuse_figure(report: Report) -> str:
     ws = report.working_set
     fig, ax = _figure()
-    sizes = np.arange(1, report.total_experts + 1)
-    lru = np.cumsum(ws.reuse_histogram[:-1]) / ws.requests  # hit rate of LRU with `size` experts
-    ax.plot(sizes, lru, label="LRU: requests of reuse distance below the size")
-    opt_points = sorted({(report.cache_size, report.bound.belady.hit_rate)}
-                        | {(size, target) for target, size in report.bound.needed.items() if size is not None})
-    ax.plot(*zip(*opt_points), marker="s", linestyle="--", color="black", label="Belady (OPT), measured sizes")
+    sizes = np.arange(report.total_experts + 1)
+    ax.plot(sizes, ws.lru.hit_rates(), label="LRU: requests of reuse distance below the size")
+    opt = report.bound.opt
+    ax.plot(sizes, opt.hit_rates(), linestyle="--", color="black",
+            label="Belady (OPT)" + ("" if opt.exact else f", from {opt.rate:.1%} of the experts"))
     ax.axvline(report.cache_size, color="gray", linestyle=":", label="budget")
     ax.axhline(ws.max_hit_rate(), color="red", linestyle=":", linewidth=1, label="every cache's most (cold misses)")
     ax.set_xlabel("cache size (experts)")
@@ -157,7 +156,8 @@ def render_html(report: Report) -> str:
         _table(("policy", "hit rate", "of OPT's hits", "not served from fast memory", "replayed on"), policy_rows(report)),
         "<p>Belady (OPT) needs, for a hit rate of "
         + ", ".join(f"{target:.0%}: {e(report.size_text(bound.needed[target]))}" for target in TARGET_HIT_RATES)
-        + f". No cache hits more than {bound.max_hit_rate:.2%} (first requests always miss).</p>",
+        + f". No cache hits more than {bound.max_hit_rate:.2%} (first requests always miss). OPT at every size: "
+        f"{e(bound.sampling_text())}.</p>",
     ]
     if latency is not None:
         parts += [f"<h2>Latency on {e(latency.hardware)}</h2>",

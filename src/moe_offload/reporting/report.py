@@ -11,7 +11,7 @@ from rich.table import Table
 
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies import POLICIES
-from moe_offload.reporting.bound import TARGET_HIT_RATES, Bound, measure_bound, verdict
+from moe_offload.reporting.bound import SAMPLE_ABOVE, TARGET_HIT_RATES, Bound, measure_bound, verdict
 from moe_offload.reporting.latency import Latency, measure_latency
 from moe_offload.reporting.on_engine import OnEngine, measure_on_engine, print_on_engine
 from moe_offload.reporting.recommend import command_lines, commands
@@ -54,25 +54,29 @@ class Report:
                 f"{size}, {self.per_layer_budget:.3g} per layer")
 
     def size_text(self, size: int | None) -> str:
+        """A size OPT needs: exact, or marked "about" where its curve was sampled."""
         if size is None:
             return "unreachable"
         memory = f", {binary_bytes(size * self.expert_bytes)}" if self.expert_bytes else ""
-        return f"{size:,} experts ({size / self.total_experts:.1%}{memory})"
+        about = "" if self.bound.opt is None or self.bound.opt.exact else "about "
+        return f"{about}{size:,} experts ({size / self.total_experts:.1%}{memory})"
 
 
 def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: HardwareProfile,
                  expert_bytes: int | None, *, timed_tokens: int, seed: int = 0, jobs: int = 1, engine: str = "auto",
                  step=None, engines: tuple[str, ...] = (), profile=None, profile_name: str | None = None,
-                 fast_memory: str = "") -> Report:
-    """Measure everything, the timed runs on the first ``timed_tokens`` rows (latency.py) and the settings of
+                 fast_memory: str = "", sample_above: int | None = SAMPLE_ABOVE) -> Report:
+    """Measure everything, the timed runs on the first ``timed_tokens`` rows (latency.py), OPT's curve on a
+    sample of the experts above ``sample_above`` requests (bound.py; None: never) and the settings of
     ``engines`` on the held-out traffic (on_engine.py; ``profile``, a trace, chooses their placements instead
     of the trace's first half); ``step(text)`` is told what runs next (a progress line)."""
     step = step or (lambda text: None)
     trace = data.trace
     step("working set: sliding windows and reuse distances")
     working_set = measure_working_set(trace, data.sequence)
-    step("the bound: Belady and every online policy at the budget")
-    bound = measure_bound(data, cache_size, working_set, seed=seed, jobs=jobs, engine=engine)
+    step("the bound: Belady and every online policy at the budget, OPT at every size")
+    bound = measure_bound(data, cache_size, working_set, seed=seed, jobs=jobs, engine=engine,
+                          sample_above=sample_above)
     notes = [f"{policy} did not run: {why}" for policy, why in bound.skipped]
     if prompt_tokens_text(trace.meta.extra):
         notes.append(prompt_tokens_text(trace.meta.extra))
@@ -216,7 +220,7 @@ def print_report(report: Report, console: Console) -> None:
     console.print(table)
     needed = ", ".join(f"{target:.0%}: {report.size_text(report.bound.needed[target])}" for target in TARGET_HIT_RATES)
     console.print(f"Belady needs, for a hit rate of {needed} (no cache hits more than "
-                  f"{report.bound.max_hit_rate:.2%})")
+                  f"{report.bound.max_hit_rate:.2%}); OPT at every size: {report.bound.sampling_text()}")
 
     latency = report.latency
     if latency is not None:

@@ -16,9 +16,7 @@ Python otherwise, slowly):
   expert; a first request has none (a cold miss). LRU keeps the C most recently used experts, so a request
   hits an LRU cache of C experts exactly when its reuse distance is below C (Mattson et al. 1970, LRU is a
   stack algorithm): the distribution is LRU's hit rate at every budget at once, and the tests check it
-  against the replay. The distance of a request is the number of experts whose last use is more recent than
-  its expert's last use: a Fenwick tree over last-use slots counts them in O(log D) for D = L * J experts;
-  the slots are renumbered (compacted) when they run out, every D requests at most, so memory stays O(D).
+  against the replay. simulator/stack_distances.py computes it, beside OPT's stack distances.
 
 * **Skew per layer**: each layer's request counts per expert, sorted; the share of the layer's requests that
   its hottest m experts take is what pinning those m experts (chosen in hindsight) would serve, the
@@ -28,12 +26,12 @@ Python otherwise, slowly):
 from __future__ import annotations
 
 import functools
-import types
 from dataclasses import dataclass
 
 import numpy as np
 
 from moe_offload.compiled import njit_cached, numba_available
+from moe_offload.simulator.stack_distances import HitCurve, lru_curve, reuse_distance_kernel  # noqa: F401
 from moe_offload.trace.flatten import AccessSequence
 from moe_offload.trace.format import Trace
 
@@ -51,7 +49,7 @@ def window_lengths(num_tokens: int) -> list[int]:
 
 
 def sliding_distinct_kernel(experts, num_experts, window, distinct_sum, distinct_max):
-    """For every layer l of ``experts`` ([N, L, K] int64), add over each window of ``window`` consecutive rows
+    """For every layer l of ``experts`` ([N, L, K] integer ids), add over each window of ``window`` consecutive rows
     the number of distinct experts of layer l in it to ``distinct_sum[l]`` and keep the largest in
     ``distinct_max[l]``."""
     num_tokens, num_layers, top_k = experts.shape
@@ -77,66 +75,17 @@ def sliding_distinct_kernel(experts, num_experts, window, distinct_sum, distinct
                     distinct_max[layer] = distinct
 
 
-def _fenwick_add(tree, slot, delta):
-    index = slot + 1
-    while index < tree.shape[0]:
-        tree[index] += delta
-        index += index & (-index)
-
-
-def _fenwick_prefix(tree, slot):
-    """Marks in slots 0..slot."""
-    total = 0
-    index = slot + 1
-    while index > 0:
-        total += tree[index]
-        index -= index & (-index)
-    return total
-
-
-def reuse_distance_kernel(keys, num_keys, histogram):
-    """Add each request of ``keys`` (flat expert ids in [0, num_keys)) to ``histogram[distance]``, its reuse
-    distance, or to ``histogram[num_keys]`` for a first request; the module docstring derives the method."""
-    slots = 2 * num_keys
-    tree = np.zeros(slots + 1, np.int64)
-    last = np.full(num_keys, -1, np.int64)  # each expert's last-use slot, -1 before its first request
-    following = 0  # the slot the next request takes
-    for position in range(keys.shape[0]):
-        key = keys[position]
-        previous = last[key]
-        if previous < 0:
-            histogram[num_keys] += 1
-        else:
-            histogram[_fenwick_prefix(tree, following - 1) - _fenwick_prefix(tree, previous)] += 1
-            _fenwick_add(tree, previous, -1)
-        if following == slots:  # renumber the live slots 0, 1, ... in their order and rebuild the tree
-            order = np.argsort(last)
-            tree[:] = 0
-            following = 0
-            for index in range(num_keys):
-                expert = order[index]
-                if last[expert] >= 0 and expert != key:
-                    last[expert] = following
-                    _fenwick_add(tree, following, 1)
-                    following += 1
-        last[key] = following
-        _fenwick_add(tree, following, 1)
-        following += 1
-
-
 @functools.cache
-def _kernels():
-    """(sliding_distinct, reuse_distance): compiled by Numba when it is installed, else the plain functions."""
+def _sliding_kernel(dtype: str):
+    """sliding_distinct_kernel compiled by Numba for expert ids of ``dtype`` (read-only or not, as Parquet's
+    are), when Numba is installed; else the plain function."""
     if not numba_available():
-        return sliding_distinct_kernel, reuse_distance_kernel
-    import numba
+        return sliding_distinct_kernel
+    from numba import types
 
-    add = numba.njit(inline="always")(_fenwick_add)
-    prefix = numba.njit(inline="always")(_fenwick_prefix)
-    reuse_globals = dict(reuse_distance_kernel.__globals__, _fenwick_add=add, _fenwick_prefix=prefix)
-    reuse = types.FunctionType(reuse_distance_kernel.__code__, reuse_globals, reuse_distance_kernel.__name__)
-    return (njit_cached(sliding_distinct_kernel, "void(int64[:, :, ::1], int64, int64, int64[::1], int64[::1])"),
-            njit_cached(reuse, "void(int64[::1], int64, int64[::1])"))
+    experts = types.Array(getattr(types, dtype), 3, "C", readonly=True)
+    totals = types.Array(types.int64, 1, "C")
+    return njit_cached(sliding_distinct_kernel, types.void(experts, types.int64, types.int64, totals, totals))
 
 
 @dataclass
@@ -153,6 +102,11 @@ class WorkingSet:
     @property
     def requests(self) -> int:
         return int(self.reuse_histogram.sum())
+
+    @property
+    def lru(self) -> HitCurve:
+        """LRU's hits at every cache size."""
+        return HitCurve(self.reuse_histogram)
 
     @property
     def cold_requests(self) -> int:
@@ -183,8 +137,8 @@ class WorkingSet:
 def measure_working_set(trace: Trace, sequence: AccessSequence) -> WorkingSet:
     """The working set of ``trace``; ``sequence`` is its flattened request sequence (ReplayInput's)."""
     meta = trace.meta
-    sliding, reuse = _kernels()
-    experts = np.ascontiguousarray(trace.experts, dtype=np.int64)
+    experts = np.ascontiguousarray(trace.experts)  # in their own id type: no copy of the trace
+    sliding = _sliding_kernel(experts.dtype.name)
     windows = window_lengths(trace.num_tokens)
     distinct_mean = np.zeros((len(windows), meta.num_layers))
     distinct_max = np.zeros((len(windows), meta.num_layers), np.int64)
@@ -194,8 +148,7 @@ def measure_working_set(trace: Trace, sequence: AccessSequence) -> WorkingSet:
         sliding(experts, meta.num_experts, window, total, largest)
         distinct_mean[index] = total / (trace.num_tokens - window + 1)
         distinct_max[index] = largest
-    histogram = np.zeros(meta.num_expert_slots + 1, np.int64)
-    reuse(np.ascontiguousarray(sequence.expert_id, dtype=np.int64), meta.num_expert_slots, histogram)
+    histogram = lru_curve(sequence.expert_id, meta.num_expert_slots).histogram
     layer_counts = np.bincount(sequence.expert_id, minlength=meta.num_expert_slots).reshape(meta.num_layers,
                                                                                           meta.num_experts)
     return WorkingSet(windows=windows, distinct_mean=distinct_mean, distinct_max=distinct_max,

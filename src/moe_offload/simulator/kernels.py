@@ -24,8 +24,9 @@ that layer's positions and share of the capacity, as the partitions would, witho
 
 Compilation. ``compiled_kernel(policy_class)`` compiles the kernel and every plain function it calls (found
 among the names its code uses, recursively) with an explicit signature, so a kernel compiles once, when first
-asked for, and never again for other argument types; the replay asks before it starts (before it forks its
-workers, which inherit the machine code), so compile time is not replay time. Numba's on-disk cache
+asked for, and never again for other argument types; the replay asks before it starts, so compile time is not
+replay time. A kernel releases the GIL (``nogil``): the replay grid runs kernels on threads of one process, which
+share the request sequence instead of copying it to worker processes. Numba's on-disk cache
 (``cache=True``) keeps the machine code for the next process: in ``__pycache__`` beside the policy's file,
 or, where that is read-only (an installed package), in Numba's per-user cache folder (or NUMBA_CACHE_DIR);
 where no folder is writable the kernel is compiled in memory only. Numba's cache notices a change to the
@@ -44,6 +45,7 @@ from moe_offload.compiled import INSTALL_HINT, njit_cached, numba_available  # n
 SIGNATURE = ("void(int64[::1], int64[::1], int64[::1], int64[::1], int64, int64, int64, float64[::1], int64[::1], "
              "int64[::1])")
 HELPER_OPTIONS = {"inline": "always"}  # no call, hence no reference counting of array arguments, per helper use
+COMPILE_FLAGS = "nogil"  # moe_offload/compiled.py's flags, in the digest: a change of them is a new cache entry
 
 
 @functools.cache
@@ -53,12 +55,18 @@ def compiled_kernel(policy_class):
     function = policy_class.replay_kernel  # a static method: the plain function
     if function is None or not numba_available():
         return None
+    return compile_linked(function, SIGNATURE)
+
+
+def compile_linked(function, signature: str):
+    """``function`` and every plain function it calls compiled by Numba for ``signature`` (Numba must be
+    installed), named with their digest so that Numba's cache never serves an older version (module doc)."""
     import numba  # an optional dependency (compiled.py)
 
     helpers: dict = {}
     linked = _link(function, numba, helpers)
-    linked.__qualname__ = f"{function.__qualname__}_{_digest(function, helpers)}"
-    return njit_cached(linked, SIGNATURE)
+    linked.__qualname__ = f"{function.__qualname__}_{_digest(function, helpers, signature)}"
+    return njit_cached(linked, signature)
 
 
 def _link(function, numba, helpers: dict):
@@ -85,10 +93,10 @@ def _names(code) -> set[str]:
     return names
 
 
-def _digest(function, helpers: dict) -> str:
+def _digest(function, helpers: dict, signature: str) -> str:
     """A short hash of the bytecode, constants and names of ``function`` and its helpers, and of how they are
     compiled."""
-    hasher = hashlib.sha256(repr((SIGNATURE, HELPER_OPTIONS)).encode())
+    hasher = hashlib.sha256(repr((signature, HELPER_OPTIONS, COMPILE_FLAGS)).encode())
     for code in [function.__code__] + sorted((helper.__code__ for helper in helpers),
                                              key=lambda code: (code.co_filename, code.co_qualname)):
         _hash_code(code, hasher)

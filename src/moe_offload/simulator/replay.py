@@ -14,6 +14,9 @@ a policy has one and Numba is installed: tens of times faster.
 
 from __future__ import annotations
 
+import functools
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -41,6 +44,20 @@ class ReplayInput:
     def of(cls, trace: Trace, name: str | None = None) -> "ReplayInput":
         trace.validate()  # a trace built in Python is checked as a file is
         return cls(trace=trace, sequence=flatten(trace), name=name or trace.path)
+
+    @functools.cached_property
+    def positions(self) -> np.ndarray:
+        """0, 1, ..., n - 1: the clocks of a replay of every request, shared by the runs of a grid."""
+        return np.arange(len(self.sequence), dtype=np.int64)
+
+    @functools.cached_property
+    def positions_by_layer(self) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, bounds): every position in layer order, time order within a layer, layer l's at
+        ``positions[bounds[l]:bounds[l + 1]]``; shared by the -dist runs of a grid."""
+        layer = self.sequence.layer
+        positions = np.argsort(layer.astype(np.uint16), kind="stable")  # radix sort: O(n)
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(layer, minlength=self.trace.meta.num_layers))])
+        return positions, bounds
 
     @property
     def spec(self) -> ModelSpec:
@@ -177,11 +194,10 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel) -
                               for column in (seq.expert_id, seq.token, seq.next_use))
     layer_hits = np.zeros(spec.num_layers, np.int64)
     if not info.partitioned:
-        kernel(keys, np.arange(len(seq), dtype=np.int64), tokens, next_use, cache_size, spec.num_layers,
+        kernel(keys, data.positions, tokens, next_use, cache_size, spec.num_layers,
                spec.num_experts, floats, ints.copy(), layer_hits)
         return layer_hits
-    by_layer = np.argsort(seq.layer.astype(np.uint16), kind="stable")  # radix sort: O(n)
-    bounds = np.concatenate([[0], np.cumsum(np.bincount(seq.layer, minlength=spec.num_layers))])
+    by_layer, bounds = data.positions_by_layer
     capacities = PartitionedCache.capacities(cache_size, spec.num_layers)
     for layer in range(spec.num_layers):
         # each partition has a fresh policy of the same seed (PartitionedCache's make_policy), hence ints.copy()
@@ -237,7 +253,8 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
                 progress: Callable[[int], None] | None = None, engine: str = "auto") -> GridResult:
     """Every policy at every cache size, each reported against Belady OPT at the same size.
 
-    Runs are independent, so ``jobs`` > 1 spreads them over processes; results do not depend on it, nor on
+    Runs are independent, so ``jobs`` > 1 spreads them: the compiled ones over threads of this process (their
+    kernels release the GIL), the Python ones over worker processes; results do not depend on it, nor on
     ``engine`` (see ``replay``). A (policy, size) pair that cannot run (a -dist policy with fewer slots than
     layers) is skipped with its reason; any other problem raises ConfigError before the first run."""
     policies = list(dict.fromkeys(policies))
@@ -246,29 +263,40 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
         make_policy(policy, data.spec, seed=seed, options=(options or {}).get(policy))
     runs, skipped = grid_runs(data.spec, policies, cache_sizes)
     for policy in dict.fromkeys(policy for policy, _ in runs):
-        replay_kernel(policy, engine)  # compiled now, once: the worker processes inherit it
+        replay_kernel(policy, engine)  # compiled now, once: the threads share it, worker processes inherit it
     tasks = [(policy, size, seed, (options or {}).get(policy), engine) for policy, size in runs]
 
-    jobs = worker_count(jobs, len(tasks))
-    if jobs > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
+    compiled = [replay_kernel(policy, engine) is not None for policy, _ in runs]
+    done: list[RunResult | None] = [None] * len(tasks)
 
+    def finished(index: int, result: RunResult) -> None:
+        done[index] = result
+        if progress is not None:
+            progress(result.accesses)
+
+    _init_worker(data)
+    slow = [index for index, fast in enumerate(compiled) if not fast]
+    fast = [index for index, fast in enumerate(compiled) if fast]
+    processes = None
+    if worker_count(jobs, len(slow)) > 1:  # the Python policies hold the GIL: worker processes, each with the
+        # input once, forked here, before any thread of this call runs
         context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_init_worker,
-                                 initargs=(data,)) as pool:
-            done = []
-            for result in pool.map(_run_task, tasks):
-                done.append(result)
-                if progress is not None:
-                    progress(result.accesses)
-    else:
-        _init_worker(data)
-        done = []
-        for task in tasks:
-            done.append(_run_task(task))
-            if progress is not None:
-                progress(done[-1].accesses)
+        processes = ProcessPoolExecutor(max_workers=worker_count(jobs, len(slow)), mp_context=context,
+                                        initializer=_init_worker, initargs=(data,))
+        slow_results = processes.map(_run_task, [tasks[index] for index in slow])
+    # the compiled kernels release the GIL: threads of this process run them side by side on the one request
+    # sequence, with nothing to copy (simulator/kernels.py)
+    with ThreadPoolExecutor(max_workers=worker_count(jobs, max(1, len(fast)))) as threads:
+        futures = {threads.submit(_run_task, tasks[index]): index for index in fast}
+        if processes is not None:
+            with processes:
+                for index, result in zip(slow, slow_results):
+                    finished(index, result)
+        else:
+            for index in slow:
+                finished(index, _run_task(tasks[index]))
+        for future in as_completed(futures):
+            finished(futures[future], future.result())
 
     set_opt_misses(done)
     results = [result for result in done if result.policy != "belady" or "belady" in policies]

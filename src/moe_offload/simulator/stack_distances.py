@@ -1,0 +1,258 @@
+"""Hit rates at every cache size from one pass: LRU's and OPT's stack distances.
+
+LRU and Belady's OPT are stack algorithms (Mattson, Gecsei, Slutz and Traiger, "Evaluation techniques for storage
+hierarchies", IBM Systems Journal 9(2), 1970): at every moment the contents of a cache of C experts are the top C
+entries of one ordering of the experts seen so far, the *stack*, the same for every C. A request hits a cache of
+C experts exactly when its expert's position in the stack before the request (its *stack distance*, counted
+from 0) is below C, so the histogram of stack distances gives the hits at every size at once: the hits with C
+experts are the requests of distance below C, and a first request (no position yet) misses at every size. Both
+hold for the replay of simulator/replay.py exactly: its cache starts empty, loads every miss of these two
+policies, and pins nothing (the replay never sets ``AccessContext.pinned``), which is Mattson's demand paging;
+the tests check every size against the replay.
+
+**LRU** keeps the stack in order of last use, so the distance of a request is the number of distinct other
+experts requested since its expert's previous request (its reuse distance). A Fenwick tree over last-use slots
+counts them in O(log D) for D experts; the slots are renumbered (compacted) when they run out, every D requests
+at most, so memory stays O(D).
+
+**OPT** orders the stack by priority, the sooner next use first, and updates it as Mattson's section on OPT
+does: the requested expert x, at distance d, goes to the top; the entry that was on top is carried down, and at
+each position 1 .. d-1 the carried entry and the one there are compared, the sooner-used stays and the other is
+carried on; what is carried past d-1 takes position d (for a first request, d is a new bottom position). For a
+cache of C < d experts that is exactly OPT's miss: the C experts on top lose the one of them used furthest in
+the future (the last carried out of the top C) and gain x. Only the entries whose next use is later than every
+entry's above them (the running maxima of next use from the top, the *records*) move, each to the next
+record's position; the others stay. A segment tree of the maxima of next use over ranges of positions finds the
+next record in O(log D) (the first position after the last record whose next use is later than the carried
+entry's), so a request costs O((R + 1) log D) for its R records, in place of Mattson's O(d) scan of every
+position above it.
+An expert never requested again (next use NEVER) is never carried past another such, so the tie is settled
+without moving anything; its position no longer matters, as nothing will request it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from moe_offload.trace.flatten import next_use_times
+
+
+@dataclass(frozen=True)
+class HitCurve:
+    """The stack distances of one sequence under one policy: its hits at every cache size. A curve measured on
+    a sample of the experts (``rate`` < 1, see ``sample_keys``) stands for the whole trace's by scaling the
+    sizes: the whole trace's hit rate with C experts is estimated as the sample's with C * rate."""
+
+    histogram: np.ndarray  # [D + 1]: requests per stack distance 0..D-1, then first requests
+    rate: float = 1.0      # the share of the experts sampled (1: the exact curve)
+
+    @property
+    def exact(self) -> bool:
+        return self.rate == 1.0
+
+    @property
+    def requests(self) -> int:
+        return int(self.histogram.sum())
+
+    @property
+    def cold_requests(self) -> int:
+        """First requests of an expert: misses of every cache that starts empty."""
+        return int(self.histogram[-1])
+
+    def hits_by_size(self) -> np.ndarray:
+        """[D + 1]: the hits of a cache of 0, 1, ..., D experts (of the sampled requests if sampled)."""
+        return np.concatenate([[0], np.cumsum(self.histogram[:-1])])
+
+    def hits(self, cache_size: int) -> int:
+        """The hits with ``cache_size`` experts of an exact curve."""
+        if not self.exact:
+            raise ValueError("a sampled curve gives hit rates, not hits")
+        return int(self.histogram[:max(0, min(cache_size, len(self.histogram) - 1))].sum())
+
+    def hit_rate(self, cache_size: int) -> float:
+        return float(self.hit_rates()[max(0, min(cache_size, len(self.histogram) - 1))])
+
+    def hit_rates(self) -> np.ndarray:
+        """[D + 1]: the hit rate of a cache of 0, 1, ..., D experts; a sampled curve's at C * rate, between two
+        sizes of the sample linearly."""
+        hits = self.hits_by_size()
+        if self.exact:
+            return hits / max(1, self.requests)
+        scaled = np.minimum(np.arange(len(hits)) * self.rate, len(hits) - 1)
+        return np.interp(scaled, np.arange(len(hits)), hits) / max(1, self.requests)
+
+    def smallest_size(self, target: float) -> int | None:
+        """The fewest experts whose cache hits at least ``target`` of the requests, or None when none does: read
+        off the curve, which never decreases with the size (the first size at which it reaches the target).
+        Exact for an exact curve; an estimate for a sampled one."""
+        if self.exact:  # in whole hits: the first size whose hits reach target * requests
+            curve, goal = self.hits_by_size(), target * self.requests
+        else:
+            curve, goal = self.hit_rates(), target
+        size = int(np.searchsorted(curve, goal, side="left"))
+        return size if size < len(curve) else None
+
+
+SAMPLE_HASH = 0x9E3779B1  # Knuth's multiplicative hash: spreads consecutive flat ids over [0, 2**32)
+
+
+def sample_keys(keys: np.ndarray, rate: float) -> np.ndarray:
+    """The requests of ``keys`` whose expert is in a spatial sample of the experts at ``rate`` (SHARDS, Waldspurger
+    et al., FAST 2015): an expert is in it when its hash falls below ``rate`` * 2**32, so every request of a
+    sampled expert is kept and none of the others, and the sample's stack distances are the whole trace's
+    scaled by ``rate`` (HitCurve)."""
+    threshold = np.uint64(min(2**32, int(rate * 2**32)))
+    hashed = (keys.astype(np.uint64) * np.uint64(SAMPLE_HASH)) & np.uint64(0xFFFFFFFF)
+    return keys[hashed < threshold]
+
+
+def _fenwick_add(tree, slot, delta):
+    index = slot + 1
+    while index < tree.shape[0]:
+        tree[index] += delta
+        index += index & (-index)
+
+
+def _fenwick_prefix(tree, slot):
+    """Marks in slots 0..slot."""
+    total = 0
+    index = slot + 1
+    while index > 0:
+        total += tree[index]
+        index -= index & (-index)
+    return total
+
+
+def reuse_distance_kernel(keys, num_keys, histogram):
+    """Add each request of ``keys`` (flat expert ids in [0, num_keys)) to ``histogram[distance]``, its LRU stack
+    (reuse) distance, or to ``histogram[num_keys]`` for a first request; the module docstring derives the
+    method."""
+    slots = 2 * num_keys
+    tree = np.zeros(slots + 1, np.int64)
+    last = np.full(num_keys, -1, np.int64)  # each expert's last-use slot, -1 before its first request
+    following = 0  # the slot the next request takes
+    for position in range(keys.shape[0]):
+        key = keys[position]
+        previous = last[key]
+        if previous < 0:
+            histogram[num_keys] += 1
+        else:
+            histogram[_fenwick_prefix(tree, following - 1) - _fenwick_prefix(tree, previous)] += 1
+            _fenwick_add(tree, previous, -1)
+        if following == slots:  # renumber the live slots 0, 1, ... in their order and rebuild the tree
+            order = np.argsort(last)
+            tree[:] = 0
+            following = 0
+            for index in range(num_keys):
+                expert = order[index]
+                if last[expert] >= 0 and expert != key:
+                    last[expert] = following
+                    _fenwick_add(tree, following, 1)
+                    following += 1
+        last[key] = following
+        _fenwick_add(tree, following, 1)
+        following += 1
+
+
+def _tree_set(tree, leaves, slot, value):
+    """Set position ``slot`` of the max segment tree (leaves at ``leaves + slot``) and its ancestors' maxima."""
+    node = leaves + slot
+    tree[node] = value
+    node >>= 1
+    while node >= 1:
+        left, right = tree[2 * node], tree[2 * node + 1]
+        larger = left if left > right else right
+        if tree[node] == larger:  # nothing above changes either
+            break
+        tree[node] = larger
+        node >>= 1
+
+
+def _tree_first_above(tree, leaves, start, value):
+    """The first position at or after ``start`` whose value exceeds ``value``, or ``leaves`` when none does."""
+    node = leaves + start
+    while tree[node] <= value:  # up while this subtree and those right of it at this level fall short
+        while node & 1:
+            node >>= 1
+        if node == 0:
+            return leaves
+        node += 1
+    while node < leaves:  # down to the leftmost leaf above the value
+        node *= 2
+        if tree[node] <= value:
+            node += 1
+    return node - leaves
+
+
+def opt_stack_distance_kernel(keys, next_use, num_keys, histogram):
+    """Add each request of ``keys`` (flat expert ids in [0, num_keys); ``next_use`` their next positions, NEVER
+    for none) to ``histogram[distance]``, its OPT stack distance, or to ``histogram[num_keys]`` for a first
+    request; the module docstring derives the method."""
+    leaves = 1
+    while leaves < num_keys + 1:
+        leaves *= 2
+    tree = np.full(2 * leaves, -1, np.int64)  # the next use of the expert at each position; -1: none there
+    stack = np.zeros(num_keys, np.int64)      # the expert at each position, 0 on top
+    position = np.full(num_keys, -1, np.int64)  # each expert's position, -1 before its first request
+    depth = 0
+    for t in range(keys.shape[0]):
+        key = keys[t]
+        distance = position[key]
+        if distance < 0:
+            histogram[num_keys] += 1
+            distance = depth
+            depth += 1
+        else:
+            histogram[distance] += 1
+        if distance > 0:
+            carried, carried_use = stack[0], tree[leaves]
+            record = 0
+            while True:
+                record = _tree_first_above(tree, leaves, record + 1, carried_use)
+                if record >= distance:
+                    break
+                stayed, stayed_use = carried, carried_use
+                carried, carried_use = stack[record], tree[leaves + record]
+                stack[record] = stayed
+                position[stayed] = record
+                _tree_set(tree, leaves, record, stayed_use)
+            stack[distance] = carried
+            position[carried] = distance
+            _tree_set(tree, leaves, distance, carried_use)
+        stack[0] = key
+        position[key] = 0
+        _tree_set(tree, leaves, 0, next_use[t])
+
+
+@functools.cache
+def _kernels():
+    """(reuse_distance, opt_stack_distance): compiled by Numba when it is installed, else the plain functions."""
+    from moe_offload.compiled import numba_available
+    from moe_offload.simulator.kernels import compile_linked
+
+    if not numba_available():
+        return reuse_distance_kernel, opt_stack_distance_kernel
+    return (compile_linked(reuse_distance_kernel, "void(int64[::1], int64, int64[::1])"),
+            compile_linked(opt_stack_distance_kernel, "void(int64[::1], int64[::1], int64, int64[::1])"))
+
+
+def lru_curve(keys: np.ndarray, num_keys: int) -> HitCurve:
+    """LRU's hits at every size on the request sequence ``keys`` (flat expert ids below ``num_keys``)."""
+    histogram = np.zeros(num_keys + 1, np.int64)
+    _kernels()[0](np.ascontiguousarray(keys, np.int64), num_keys, histogram)
+    return HitCurve(histogram)
+
+
+def opt_curve(keys: np.ndarray, next_use: np.ndarray, num_keys: int, rate: float = 1.0) -> HitCurve:
+    """OPT's hits at every size on ``keys``, whose next uses are ``next_use`` (trace/flatten.py); with ``rate``
+    below 1, on the spatial sample of the experts at that rate (``sample_keys``; ``next_use`` is not read)."""
+    if rate < 1.0:
+        keys = sample_keys(keys, rate)
+        next_use = next_use_times(keys)
+    histogram = np.zeros(num_keys + 1, np.int64)
+    _kernels()[1](np.ascontiguousarray(keys, np.int64), np.ascontiguousarray(next_use, np.int64), num_keys,
+                  histogram)
+    return HitCurve(histogram, rate=rate)
