@@ -21,7 +21,7 @@ from moe_offload.prefetch.base import Proposal  # noqa: E402
 from moe_offload.plan import make_plan  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
 from moe_offload.runtime.live_view import LiveRoutingView  # noqa: E402
-from moe_offload.runtime.matcher import MATCHERS  # noqa: E402
+from moe_offload.plan.choices import MATCHERS  # noqa: E402
 from moe_offload.text.prompts import Prompt  # noqa: E402
 
 PROMPTS = ["def add(a, b):", "The quick brown fox jumps over the lazy dog."]
