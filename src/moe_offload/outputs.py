@@ -73,7 +73,7 @@ def _check_output(path: Path, inputs: Iterable, suffixes: tuple[str, ...], what:
         raise ConfigError(f"{path}: the folder {parent} is not writable ({exc.strerror or exc})") from None
     for source in inputs:
         if source is not None and _same_file(path, Path(source)):
-            raise ConfigError(f"{path}: is also an input of this command; write the {what} to another file")
+            raise ConfigError(f"{given}: is also an input of this command; write the {what} to another file")
     return given
 
 
