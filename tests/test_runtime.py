@@ -484,6 +484,41 @@ def test_the_engine_loads_on_one_thread_and_leaves_the_thread_count_as_it_was(ch
     assert torch.equal(destination, source.float())
 
 
+def test_the_computing_thread_takes_the_callers_count_whatever_a_worker_set_for_itself(checkpoint):
+    """runtime/cpu_threads.py: a thread started while another is inside single_threaded would compute with one
+    thread (and other bits) for its life; the scheduler's thread sets the count the engine was built with."""
+    import torch
+
+    from moe_offload.runtime.cpu_threads import single_threaded
+
+    before = torch.get_num_threads()
+    inside, leave = threading.Event(), threading.Event()
+
+    def worker():
+        with single_threaded():
+            inside.set()
+            leave.wait(30)
+
+    torch.set_num_threads(2)
+    try:
+        with OffloadEngine(make_plan(checkpoint["packed"], fast_budget="100%")) as engine:
+            helper = threading.Thread(target=worker)
+            helper.start()
+            assert inside.wait(30)
+            try:
+                naive = []  # what any new thread gets now: the count the worker set
+                probe = threading.Thread(target=lambda: naive.append(torch.get_num_threads()))
+                probe.start()
+                probe.join()
+                assert naive == [1]
+                assert engine.scheduler.run(torch.get_num_threads) == 2
+            finally:
+                leave.set()
+                helper.join()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_an_interrupted_pack_leaves_nothing_behind(checkpoint, tmp_path):
     calls = []
 

@@ -218,6 +218,9 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------------------------------ the loop
     def _loop(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.engine.threads)  # not the count another thread set for itself (cpu_threads.py)
         try:
             self._serve()
         except BaseException as exc:  # noqa: BLE001 - a scheduler that cannot go on fails all it holds, below

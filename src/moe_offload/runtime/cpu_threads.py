@@ -17,6 +17,14 @@ workers already run concurrently, a team gains them nothing), and the engine loa
 the batching scheduler's (runtime/batching.py), which so holds the only team. (An engine that replays a
 trace has no scheduler: it computes on the caller's thread.) Code of the caller's own that computes with
 PyTorch on another thread still makes a second team.
+
+**The computing thread sets its count itself.** ``torch.set_num_threads`` also sets the count a thread takes
+when it first runs a parallel operation, so a new thread that starts while a worker is inside
+:func:`single_threaded` (or after one restored a count it took there) computes with one thread for the rest
+of its life. A matrix product's bits depend on the thread count (ATen's float32 ``linear`` of 5 rows gives
+other bits on one thread than on two), so the engine takes the caller's count when it is built
+(:func:`computing_threads`) and the scheduler's thread sets it before its first operation: a run gives the
+same bits whatever the workers were doing when the scheduler started.
 """
 
 from __future__ import annotations
@@ -39,6 +47,13 @@ def copy_serially(destination, source) -> None:
     for start in range(0, source.shape[0], step):
         block = source[start:start + step]
         destination[start:start + step].copy_(block.float() if widen else block)
+
+
+def computing_threads() -> int:
+    """The calling thread's PyTorch thread count: what the engine's computing thread is given."""
+    import torch
+
+    return torch.get_num_threads()
 
 
 @contextmanager

@@ -50,7 +50,7 @@ from moe_offload.plan import Plan
 from moe_offload.policies import ModelSpec, policy_factory, policy_info
 from moe_offload.results import RunResult
 from moe_offload.runtime.counters import Counters, run_result
-from moe_offload.runtime.cpu_threads import single_threaded
+from moe_offload.runtime.cpu_threads import computing_threads, single_threaded
 from moe_offload.runtime.datapath import DataPath
 from moe_offload.runtime.engine_setup import (engine_prefetcher, host_tier, link_budget, make_tiers, read_replay,
                                               read_split, resolve_device, size_tiers)
@@ -96,6 +96,7 @@ class OffloadEngine:
     (fMoE) searches (runtime/matcher.py); ``late_proposals`` counts what arrived too late."""
 
     def __init__(self, plan: Plan, *, store: ExpertStore | None = None):
+        self.threads = computing_threads()  # the caller's count, for the thread that computes
         with single_threaded():  # this thread loads the model without an OpenMP team (runtime/cpu_threads.py)
             from moe_offload.models import quiet_transformers
 
