@@ -1,6 +1,6 @@
 """Exact agreement with libCacheSim, a second implementation, on the miss counts of LRU, FIFO, Belady and ARC,
-replayed through the Python policy objects and through the compiled kernels (where Numba is installed; LRU, FIFO
-and Belady have one).
+replayed through the Python policy objects and through the compiled kernels (where Numba is installed; all four
+have one).
 
 (libCacheSim's LeCaR is not compared: it draws its random choices from its own generator, keeps one history
 for both experts and restarts a returning key's count, so only the distribution of its misses could agree.)"""
@@ -44,7 +44,7 @@ def assert_agreement(data: ReplayInput, cache_sizes, tmp_path, engine):
     for size in cache_sizes:
         for policy in LIBCACHESIM:
             if engine == "compiled" and POLICIES[policy].policy.replay_kernel is None:
-                continue  # no compiled form (ARC): the python engine's run checks it
+                continue  # no compiled form: the python engine's run checks it
             ours = replay(data, policy, size, engine=engine).misses
             assert ours == libcachesim_misses(data, policy, size, tmp_path), (policy, size)
 

@@ -143,3 +143,12 @@ def heap_pop(keys, scores, stamps, position, size):
     if last > 0:
         _heap_sift(keys, scores, stamps, position, last, 0, keys[last], scores[last], stamps[last])
     return first
+
+
+def heap_remove(keys, scores, stamps, position, size, key):
+    """Take ``key`` out of a heap of ``size`` keys (then ``size - 1``): the last entry fills its hole."""
+    i = position[key]
+    position[key] = -1
+    last = size - 1
+    if i < last:
+        _heap_sift(keys, scores, stamps, position, last, i, keys[last], scores[last], stamps[last])

@@ -1,4 +1,4 @@
-"""The seeded draws of the randomized policies (Random, Marking), in Python and in the compiled kernels.
+"""The seeded draws of the randomized policies (Random, Marking, LeCaR), in Python and in the compiled kernels.
 
 ``draw_below(rng, n)`` is a uniform integer in [0, n) from a ``random.Random``: rejection sampling on
 ``rng.getrandbits(k)`` with k = n.bit_length(), which is what CPython's ``randrange(n)`` does. It is written
@@ -7,6 +7,7 @@ exactly the same numbers whatever the Python version: ``rng_state(rng)`` copies 
 Twister state into an array, and ``mt_draw_below(state, n)`` continues it with MT19937 (Matsumoto and
 Nishimura 1998, the generator of CPython's ``random``) in the subset of Python that Numba compiles. With the
 same seed the Python policy and its kernel therefore evict the same experts, which the tests check.
+``mt_random(state)`` continues it as ``rng.random()`` does: a float in [0, 1) from 53 bits of two outputs.
 """
 
 from __future__ import annotations
@@ -60,3 +61,11 @@ def mt_draw_below(state, n):
     while r >= n:
         r = _mt_next(state) >> (32 - k)
     return r
+
+
+def mt_random(state):
+    """``random.Random.random()`` on the generator whose state is ``state`` (updated in place): CPython's
+    ``random_random``, (a * 2**26 + b) / 2**53 with a and b the top 27 and 26 bits of two outputs."""
+    a = _mt_next(state) >> 5
+    b = _mt_next(state) >> 6
+    return (a * 67108864.0 + b) * (1.0 / 9007199254740992.0)

@@ -40,12 +40,19 @@ counted as a request (its first demand request keeps it in T1; the second moves 
 ghost list without adapting p, for no request found it there; REPLACE skips pinned experts and falls back
 to the other list when the one it chose has none to give; when loads overlap, "x in B2" is taken from
 the most recent demand miss (a victim is not told which load it makes room for).
+
+The compiled replay (``replay_kernel``) keeps the four lists as four linked lists over the flat expert ids
+(policies/_linked.py; a key is in at most one), with their lengths beside, and p as a float updated by the
+same operations.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+
+from moe_offload.policies._linked import list_append, list_head, list_remove, lists_new
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 
 
@@ -134,3 +141,63 @@ class ARC(EvictionPolicy):
                 if key not in pinned:
                     return key
         raise NoEvictableExpert
+
+    @staticmethod
+    def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
+                      layer_hits):
+        """The hooks above as the compiled replay runs them: T1, T2, B1 and B2 are the linked lists 0 to 3,
+        ``where`` says which list holds a key (-1: none), and c is ``capacity`` (the cache sets cache_slots to
+        it at its first eviction; before that there is no ghost, so the bounds delete nothing)."""
+        T1, T2, B1, B2 = 0, 1, 2, 3
+        c = capacity
+        lists = lists_new(num_layers * num_experts, 4)
+        where = np.full(num_layers * num_experts, -1, np.int64)
+        sizes = np.zeros(4, np.int64)
+        p = 0.0
+        for t in clocks:
+            key = keys[t]
+            found = where[key]
+            if found == T1 or found == T2:  # I: to the MRU end of T2
+                layer_hits[key // num_experts] += 1
+                list_remove(lists, found, key)
+                list_append(lists, T2, key)
+                sizes[found] -= 1
+                sizes[T2] += 1
+                where[key] = T2
+                continue
+            from_b2 = found == B2
+            if found == B1:  # II
+                delta = sizes[B2] / sizes[B1] if sizes[B2] > sizes[B1] else 1.0
+                p = min(p + delta, float(c))
+            elif found == B2:  # III
+                delta = sizes[B1] / sizes[B2] if sizes[B1] > sizes[B2] else 1.0
+                p = max(p - delta, 0.0)
+            if found >= 0:
+                list_remove(lists, found, key)
+                sizes[found] -= 1
+            if sizes[T1] + sizes[T2] == c:  # REPLACE
+                t1_size = sizes[T1]
+                source = T1 if t1_size >= 1 and (t1_size > p or (from_b2 and t1_size == p)) else T2
+                if sizes[source] == 0:
+                    source = T1 + T2 - source
+                ghost = B1 if source == T1 else B2
+                victim = list_head(lists, source)
+                list_remove(lists, source, victim)
+                list_append(lists, ghost, victim)
+                sizes[source] -= 1
+                sizes[ghost] += 1
+                where[victim] = ghost
+            target = T2 if found >= 0 else T1
+            list_append(lists, target, key)
+            sizes[target] += 1
+            where[key] = target
+            while sizes[T1] + sizes[B1] > c and sizes[B1] > 0:
+                oldest = list_head(lists, B1)
+                list_remove(lists, B1, oldest)
+                sizes[B1] -= 1
+                where[oldest] = -1
+            while sizes[T1] + sizes[T2] + sizes[B1] + sizes[B2] > 2 * c and sizes[B2] > 0:
+                oldest = list_head(lists, B2)
+                list_remove(lists, B2, oldest)
+                sizes[B2] -= 1
+                where[oldest] = -1

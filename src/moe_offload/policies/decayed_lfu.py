@@ -12,13 +12,18 @@ decay by the same factor between two clocks, so their order only changes when a 
 ranking key a_k = log2 s_k(t_k) + t_k / h (t_k: k's last request) is fixed between k's requests, and
 s_k(t) < s_j(t) exactly when a_k < a_j. A request at t updates s_k(t) = 2^(a_k - t / h) + 1 and
 a_k = log2 s_k(t) + t / h. Ties go to the key ranked earliest (its score set first).
+
+The compiled replay (``replay_kernel``) keeps a_k in an array over the flat expert ids and the residents in
+the keyed heap of policies/_ranked.py, ordered by (a_k, clock it was set).
 """
 
 from __future__ import annotations
 
 import math
 
-from moe_offload.policies._ranked import RankedKeys
+import numpy as np
+
+from moe_offload.policies._ranked import RankedKeys, heap_new, heap_pop, heap_push, heap_update
 from moe_offload.policies.base import EvictionPolicy
 from moe_offload.values import number
 
@@ -59,3 +64,36 @@ class DecayedLFU(EvictionPolicy):
 
     def victim(self, ctx):
         return self._ranked.victim(ctx.pinned)
+
+    def kernel_arguments(self):
+        return np.array([self.half_life], np.float64), np.zeros(0, np.int64)
+
+    @staticmethod
+    def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
+                      layer_hits):
+        """The hooks above as the compiled replay runs them: a_k of every key requested so far, computed with
+        the same floating point operations (the half-life is ``floats[0]``), and the residents in a heap
+        ordered by (a_k, last set)."""
+        half_life = floats[0]
+        num_keys = num_layers * num_experts
+        order, scores, stamps, position = heap_new(capacity, num_keys)
+        rank = np.zeros(num_keys, np.float64)
+        requested = np.zeros(num_keys, np.bool_)
+        resident = np.zeros(num_keys, np.bool_)
+        size = 0
+        for t in clocks:
+            key = keys[t]
+            now = t / half_life
+            score = 2.0 ** (rank[key] - now) + 1.0 if requested[key] else 1.0
+            rank[key] = math.log2(score) + now
+            requested[key] = True
+            if resident[key]:
+                layer_hits[key // num_experts] += 1
+                heap_update(order, scores, stamps, position, size, key, rank[key], t)
+                continue
+            if size == capacity:
+                resident[heap_pop(order, scores, stamps, position, size)] = False
+                size -= 1
+            heap_push(order, scores, stamps, position, size, key, rank[key], t)
+            resident[key] = True
+            size += 1

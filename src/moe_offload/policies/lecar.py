@@ -36,6 +36,10 @@ Beyond the paper, for the timed simulator and the runtime: a prefetched expert e
 count of 0 (a prefetch is not a request; the project's LFU does the same) and leaves a history without a
 weight update, for no request found it there; a victim is never a pinned expert (LRU's and LFU's choices
 are made among the others).
+
+The compiled replay (``replay_kernel``) keeps the residents and the two histories as three linked lists over
+the flat expert ids (policies/_linked.py), the LFU order in the keyed heap of policies/_ranked.py, and draws
+from the same Mersenne Twister (policies/_seeded.py), so that a seed evicts the same experts in both.
 """
 
 from __future__ import annotations
@@ -44,7 +48,11 @@ import math
 import random as _random
 from collections import OrderedDict
 
-from moe_offload.policies._ranked import RankedKeys
+import numpy as np
+
+from moe_offload.policies._linked import list_append, list_head, list_move_to_tail, list_remove, lists_new
+from moe_offload.policies._ranked import RankedKeys, heap_new, heap_pop, heap_push, heap_remove, heap_update
+from moe_offload.policies._seeded import mt_random, rng_state
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 from moe_offload.values import integer, number
 
@@ -144,3 +152,77 @@ class LeCaR(EvictionPolicy):
         if len(history) >= self.history_size:
             history.popitem(last=False)
         history[key] = (self._clock, freq)
+
+    def kernel_arguments(self):
+        history = 0 if self._history_size is None else self._history_size  # 0: N // 2
+        return (np.array([self.learning_rate], np.float64),
+                np.concatenate([rng_state(self._rng), np.array([history], np.int64)]))
+
+    @staticmethod
+    def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
+                      layer_hits):
+        """The hooks above as the compiled replay runs them: the residents (list 0, least recent first),
+        H_LRU and H_LFU (lists 1 and 2, oldest first) of the linked lists, ``where`` saying which holds a key;
+        the residents' LFU order in a heap by (count, last set); a key's count kept through its stay in a
+        history. ``ints`` is the generator's state, then the history size (0: N // 2); N is ``capacity``, the
+        cache_slots the cache sets. The regret's power has a float exponent, as in Python (an integer one
+        would be computed by repeated products, not by pow)."""
+        learning_rate = floats[0]
+        history_size = ints[ints.shape[0] - 1]
+        if history_size == 0:
+            history_size = max(1, capacity // 2)
+        discount = FINAL_DISCOUNT ** (1.0 / max(1, capacity))
+        num_keys = num_layers * num_experts
+        lists = lists_new(num_keys, 3)
+        where = np.full(num_keys, -1, np.int64)  # 0 resident, 1 in H_LRU, 2 in H_LFU
+        history_sizes = np.zeros(3, np.int64)
+        order, scores, stamps, position = heap_new(capacity, num_keys)
+        freq = np.zeros(num_keys, np.int64)
+        evicted_at = np.zeros(num_keys, np.int64)
+        w_lru = w_lfu = 0.5
+        size = 0
+        for t in clocks:
+            key = keys[t]
+            found = where[key]
+            if found == 0:
+                layer_hits[key // num_experts] += 1
+                list_move_to_tail(lists, 0, key)
+                freq[key] += 1
+                heap_update(order, scores, stamps, position, size, key, freq[key], t)
+                continue
+            returning = 0
+            if found > 0:
+                regret = discount ** float(t - evicted_at[key])
+                if found == 1:
+                    w_lfu *= math.exp(learning_rate * regret)
+                else:
+                    w_lru *= math.exp(learning_rate * regret)
+                w_lru = w_lru / (w_lru + w_lfu)
+                w_lfu = 1.0 - w_lru
+                list_remove(lists, found, key)
+                history_sizes[found] -= 1
+                returning = freq[key]
+            if size == capacity:
+                if mt_random(ints) < w_lru:
+                    history = 1
+                    victim = list_head(lists, 0)
+                    heap_remove(order, scores, stamps, position, size, victim)
+                else:
+                    history = 2
+                    victim = heap_pop(order, scores, stamps, position, size)
+                list_remove(lists, 0, victim)
+                size -= 1
+                if history_sizes[history] >= history_size:
+                    oldest = list_head(lists, history)
+                    list_remove(lists, history, oldest)
+                    where[oldest] = -1
+                    history_sizes[history] -= 1
+                list_append(lists, history, victim)
+                where[victim] = history
+                history_sizes[history] += 1
+                evicted_at[victim] = t
+            freq[key] = returning + 1
+            list_append(lists, 0, key)
+            where[key] = 0
+            heap_push(order, scores, stamps, position, size, key, freq[key], t)
+            size += 1
