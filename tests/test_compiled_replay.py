@@ -17,11 +17,11 @@ from moe_offload.policies import POLICIES
 from moe_offload.simulator import kernels
 from moe_offload.simulator.replay import ReplayInput, replay, replay_grid
 from moe_offload.trace.format import read_trace
-from moe_offload.trace.importers import import_routes_json
+from moe_offload.trace.importers import import_routes_json, import_topk_jsonl
 from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
 
 COMPILED = [name for name, info in POLICIES.items() if info.policy.replay_kernel is not None]
-SEEDED = ("random", "marking")  # the policies whose victims the seed draws
+SEEDED = ("random", "marking", "lecar")  # the policies whose victims the seed draws
 needs_numba = pytest.mark.skipif(not kernels.numba_available(), reason="Numba is not installed")
 
 
@@ -189,3 +189,103 @@ def test_next_use_times_match_a_direct_scan():
     for keys in (rng.integers(0, 40, 500), rng.integers(0, 2**40, 300), np.array([3, 3, 3]), np.zeros(0, np.int64)):
         expected = [next((j for j in range(i + 1, len(keys)) if keys[j] == keys[i]), NEVER) for i in range(len(keys))]
         assert next_use_times(keys).tolist() == expected
+
+
+# ------------------------------------------------------------------------ the kernels of ARC, LeCaR, lfu-decay,
+# neighbor-aware: with their options, on the other shared traces, on uniform random sequences
+
+KERNEL_OPTIONS = {
+    "arc": [{}],
+    "lecar": [{}, {"history_size": 1}, {"history_size": 7, "learning_rate": 2.0}, {"learning_rate": 0.0}],
+    "lfu-decay": [{}, {"half_life": 0.5}, {"half_life": 7}, {"half_life": 1e9}],
+    "neighbor-aware": [{}, {"group": 1}, {"group": 3}, {"group": 64}],
+}
+
+
+def test_the_policies_of_issue_32_have_kernels():
+    assert set(KERNEL_OPTIONS) <= set(COMPILED)
+
+
+def assert_same_with_options(data: ReplayInput, sizes, seeds=(0,), engine="compiled"):
+    for policy, variants in KERNEL_OPTIONS.items():
+        for options in variants:
+            for size in sizes:
+                for seed in seeds if policy in SEEDED else seeds[:1]:
+                    reference = replay(data, policy, size, seed=seed, options=options, engine="python")
+                    fast = replay(data, policy, size, seed=seed, options=options, engine=engine)
+                    assert reference.to_dict() == fast.to_dict(), (policy, options, size, seed)
+
+
+@needs_numba
+def test_options_on_the_bundled_olmoe_trace(olmoe):
+    assert_same_with_options(olmoe, (8, 100, 700), seeds=(0, 5))
+
+
+@needs_numba
+def test_the_granite_and_gpt_oss_traces(shared_traces):
+    gpt = ReplayInput.of(import_topk_jsonl(shared_traces / "gpt-oss-120b" / "chat_149_tokens.jsonl",
+                                           num_experts=128))
+    granite = ReplayInput.of(import_topk_jsonl(shared_traces / "granite-3.0-1b-a400m" / "sglang_8_requests.jsonl",
+                                               num_experts=32).select(slice(0, 120)))
+    for data in (gpt, granite):
+        spec = data.spec
+        assert_same_with_options(data, (spec.top_k, spec.num_layers * spec.num_experts // 4), seeds=(0, 2))
+
+
+@needs_numba
+@pytest.mark.parametrize("seed", range(4))
+def test_uniform_random_sequences(seed):
+    data = ReplayInput.of(zipf_trace(3, 7, 2, 300, a=0.0, b=1.0, seed=seed))  # a = 0: uniform, many ties
+    assert_same_with_options(data, (2, 3, 9, 20), seeds=(seed, seed + 11))
+
+
+def test_new_kernels_run_uncompiled_with_the_same_results(monkeypatch):
+    monkeypatch.setattr(kernels, "compiled_kernel", lambda policy_class: policy_class.replay_kernel)
+    trace = zipf_trace(3, 6, 2, 120, a=1.0, b=1.0, seed=9, shuffle=True)
+    assert_same_with_options(ReplayInput.of(trace), (2, 7), seeds=(0, 3))
+
+
+def test_lecar_seeds_draw_other_victims():
+    """The seed decides LeCaR's choices (else the seeded comparisons above could not fail on the draw)."""
+    data = ReplayInput.of(zipf_trace(4, 8, 2, 400, a=0.8, b=1.0, seed=1, shuffle=True))
+    assert len({replay(data, "lecar", 10, seed=seed, engine="python").misses for seed in range(6)}) > 1
+
+
+def test_the_generators_draws_are_pythons():
+    import random
+
+    from moe_offload.policies._seeded import mt_random, rng_state
+
+    for seed in (0, 1, 12345):
+        rng = random.Random(seed)
+        state = rng_state(rng)
+        assert [mt_random(state) for _ in range(1500)] == [rng.random() for _ in range(1500)]  # 2 refills
+
+
+def test_heap_remove_keeps_the_order():
+    """Random pushes, updates, removals and pops on the kernels' heap against a sorted list of
+    (score, stamp, key)."""
+    from moe_offload.policies._ranked import heap_new, heap_pop, heap_push, heap_remove, heap_update
+
+    rng = np.random.default_rng(3)
+    keys, scores, stamps, position = heap_new(40, 60)
+    live: dict = {}  # key -> (score, stamp)
+    for stamp in range(3000):
+        key = int(rng.integers(60))
+        score = float(rng.integers(5))  # few scores: the stamps break the ties
+        action = rng.random()
+        if key in live and action < 0.3:
+            heap_remove(keys, scores, stamps, position, len(live), key)
+            del live[key]
+        elif key in live:
+            heap_update(keys, scores, stamps, position, len(live), key, score, stamp)
+            live[key] = (score, stamp)
+        elif len(live) < 40:
+            heap_push(keys, scores, stamps, position, len(live), key, score, stamp)
+            live[key] = (score, stamp)
+        if live and action > 0.9:
+            expected = min(live, key=lambda k: live[k])
+            assert heap_pop(keys, scores, stamps, position, len(live)) == expected
+            del live[expected]
+        assert sorted(keys[:len(live)].tolist()) == sorted(live)
+        assert all(position[k] >= 0 for k in live) and (position >= 0).sum() == len(live)
