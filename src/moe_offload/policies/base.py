@@ -108,9 +108,12 @@ class EvictionPolicy:
     # (simulator/kernels.py: its arguments and how it is compiled).
     replay_kernel: ClassVar[Callable | None] = None
     # Whether ``admit`` may refuse a miss or ``placement`` place experts: the compiled kernels load every miss
-    # into an empty cache, so such a policy has no kernel and the replay runs its Python form.
+    # into an empty cache, so such a policy has no kernel and the replay runs its Python form, unless it is
+    # static (below).
     places_or_bypasses: ClassVar[bool] = False
     # A static placement: ``admit`` refuses every miss, so nothing is loaded (nor prefetched) after the start.
+    # Its kernel is given its placement (``run_kernel_arguments``) and counts the hits; every other request is
+    # bypassed, which the replay counts.
     static: ClassVar[bool] = False
 
     def __init__(self, spec: ModelSpec, seed: int = 0):
@@ -124,6 +127,15 @@ class EvictionPolicy:
         """(floats, ints) that ``replay_kernel`` starts from, taken from this instance as constructed (its
         options, its seeded generator): float64 and int64 arrays, empty for a policy without parameters."""
         return np.zeros(0, np.float64), np.zeros(0, np.int64)
+
+    def run_kernel_arguments(self, slots: int, trace) -> tuple[np.ndarray, np.ndarray]:
+        """(floats, ints) that ``replay_kernel`` starts from in a replay of ``trace`` on a cache of ``slots``
+        experts: ``kernel_arguments()``, unless the kernel needs what only the run knows (a static placement's
+        experts, the requests a row belongs to). A static placement's kernel is given its experts, chosen as
+        the replay's preload chooses them (ExpertCache.preload), with the same checks."""
+        if self.static:
+            return np.zeros(0, np.float64), np.array(self.placement(slots, trace), np.int64)
+        return self.kernel_arguments()
 
     def on_access(self, key: Hashable, ctx: AccessContext) -> None:
         """A demand request for ``key``; called before the cache changes (hit or miss)."""

@@ -7,9 +7,15 @@ The rule. With ``experts`` the flat ids k = layer * J + expert of the resident s
 experts, R is loaded before the first access and nothing is loaded after it: a request of k is a hit when
 k is in R, otherwise it is bypassed (computed on the host). The replay's hits are sum_{k in R} n_k. Without
 ``experts`` R is empty: every expert is computed on the host (llama.cpp's ``--cpu-moe``).
+
+The compiled replay (``replay_kernel``, shared by every static placement) is given R as ``ints``
+(policies/base.py ``run_kernel_arguments``), marks it in an array over the flat expert ids and counts the
+requests of its experts; the replay counts the others as bypassed.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from moe_offload.errors import ConfigError
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
@@ -38,3 +44,16 @@ class StaticExperts(EvictionPolicy):
 
     def victim(self, ctx):
         raise NoEvictableExpert  # it never admits, so the cache never needs room
+
+    @staticmethod
+    def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
+                      layer_hits):
+        """A static placement as the compiled replay runs it: the experts of ``ints`` are resident from the
+        start and nothing else is ever loaded, so a request is a hit exactly when its expert is one of them."""
+        resident = np.zeros(num_layers * num_experts, np.bool_)
+        for key in ints:
+            resident[key] = True
+        for t in clocks:
+            key = keys[t]
+            if resident[key]:
+                layer_hits[key // num_experts] += 1

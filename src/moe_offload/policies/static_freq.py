@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from moe_offload.policies._profile import expert_counts, load_profile_trace, most_frequent
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
+from moe_offload.policies.static_experts import StaticExperts
 from moe_offload.values import refuse
 
 
@@ -42,6 +43,8 @@ class StaticFrequency(EvictionPolicy):
 
     def admit(self, key, ctx):
         return False
+
+    replay_kernel = staticmethod(StaticExperts.replay_kernel)  # a request is a hit when its expert is placed
 
     def victim(self, ctx):
         raise NoEvictableExpert  # it never admits, so the cache never needs room

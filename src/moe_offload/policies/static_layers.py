@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from moe_offload.errors import ConfigError
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
+from moe_offload.policies.static_experts import StaticExperts
 from moe_offload.values import integer, integer_list
 
 
@@ -54,6 +55,8 @@ class StaticLayers(EvictionPolicy):
 
     def admit(self, key, ctx):
         return False
+
+    replay_kernel = staticmethod(StaticExperts.replay_kernel)  # a request is a hit when its expert is placed
 
     def victim(self, ctx):
         raise NoEvictableExpert  # it never admits, so the cache never needs room

@@ -102,6 +102,8 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
 
     n = len(data.sequence)
     per_layer_accesses = np.bincount(data.sequence.layer, minlength=spec.num_layers)
+    if kernel is not None and info.policy.static:  # it loads no miss: what it does not hit is bypassed
+        layer_bypassed = per_layer_accesses - layer_hits
     hits = int(layer_hits.sum())
     bypassed = int(layer_bypassed.sum())
     misses = n - hits - bypassed
@@ -189,7 +191,7 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel) -
     """The same replay through the policy's kernel; a -dist policy runs it once per layer, on that layer's
     requests and its partition's capacity (PartitionedCache's split). Hits per layer."""
     spec, seq = data.spec, data.sequence
-    floats, ints = policy.kernel_arguments()
+    floats, ints = policy.run_kernel_arguments(cache_size, data.trace)
     keys, tokens, next_use = (np.ascontiguousarray(column, np.int64)  # the kernel's signature; no copy here
                               for column in (seq.expert_id, seq.token, seq.next_use))
     layer_hits = np.zeros(spec.num_layers, np.int64)
