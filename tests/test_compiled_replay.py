@@ -289,3 +289,83 @@ def test_heap_remove_keeps_the_order():
             del live[expected]
         assert sorted(keys[:len(live)].tolist()) == sorted(live)
         assert all(position[k] >= 0 for k in live) and (position >= 0).sum() == len(live)
+
+
+# ------------------------------------------------------------ MoE-Infinity: the sequences' EAMs, by request
+
+MOE_INFINITY_OPTIONS = [{}, {"eam": "request"}, {"fill": "layers"}, {"eam": "request", "fill": "layers"}]
+
+
+def interleaved_trace(seed, requests=5, rows=240):
+    """A Zipf trace whose rows belong to ``requests`` sequences, interleaved at random as a continuous batch
+    would (each sequence's rows in order; sequences start and end at different rows)."""
+    trace = zipf_trace(4, 8, 2, rows, a=1.0, b=1.0, seed=seed, shuffle=True)
+    rng = np.random.default_rng(seed)
+    owner = rng.integers(0, requests, rows)
+    owner[:requests] = np.arange(requests)  # every sequence has a row
+    owner = np.sort(owner) if seed % 2 else owner  # one after the other, or interleaved
+    return type(trace).build(trace.meta, trace.experts, request=owner * 7 + 3)  # ids need not be dense
+
+
+def assert_moe_infinity_same(data: ReplayInput, sizes):
+    for options in MOE_INFINITY_OPTIONS:
+        for size in sizes:
+            reference = replay(data, "moe-infinity", size, options=options, engine="python")
+            fast = replay(data, "moe-infinity", size, options=options, engine="compiled")
+            assert reference.to_dict() == fast.to_dict(), (options, size)
+
+
+@needs_numba
+@pytest.mark.parametrize("seed", range(4))
+def test_moe_infinity_on_interleaved_sequences(seed):
+    assert_moe_infinity_same(ReplayInput.of(interleaved_trace(seed)), (2, 5, 13, 31))
+
+
+@needs_numba
+def test_moe_infinity_on_real_traces(olmoe, tiny_trace, qwen_folder, shared_traces):
+    assert_moe_infinity_same(olmoe, (8, 96, 512))
+    tiny = tiny_trace.select(slice(0, 1500))
+    assert len(set(tiny.request.tolist())) > 1
+    assert_moe_infinity_same(ReplayInput.of(tiny), (4, 16, 40))  # several requests, prefills and decodes
+    qwen = import_routes_json([qwen_folder / f"{name}.json" for name in QWEN_FILES[:3]], num_experts=60)
+    assert_moe_infinity_same(ReplayInput.of(qwen), (24, 360))
+    granite = import_topk_jsonl(shared_traces / "granite-3.0-1b-a400m" / "sglang_8_requests.jsonl", num_experts=32)
+    assert_moe_infinity_same(ReplayInput.of(granite.select(slice(0, 300))), (8, 100))
+
+
+def test_moe_infinity_kernel_runs_uncompiled(monkeypatch):
+    monkeypatch.setattr(kernels, "compiled_kernel", lambda policy_class: policy_class.replay_kernel)
+    assert_moe_infinity_same(ReplayInput.of(interleaved_trace(1, requests=3, rows=60)), (2, 9))
+    assert_moe_infinity_same(ReplayInput.of(interleaved_trace(2, requests=3, rows=60)), (2, 9))
+
+
+# ------------------------------------------------------------------ the static placements: hits, and bypasses
+
+STATIC_OPTIONS = [("static-freq", {}), ("static-freq", {"per_layer": True}), ("static-layers", {}),
+                  ("static-layers", {"fast_layers": 1}), ("static-layers", {"cpu_layers": [0, 3]}),
+                  ("static-experts", {}), ("static-experts", {"experts": [0, 5, 77, 1000]})]
+
+
+@needs_numba
+def test_static_placements_hit_and_bypass_as_the_objects(olmoe):
+    for policy, options in STATIC_OPTIONS:
+        for size in (8, 200, 960, 1024):
+            if policy == "static-layers" and (size < 64 or (options.get("cpu_layers") and size < 14 * 64)):
+                continue  # the placement does not fit: refused alike (below)
+            reference = replay(olmoe, policy, size, options=options, engine="python")
+            fast = replay(olmoe, policy, size, options=options, engine="compiled")
+            assert reference.to_dict() == fast.to_dict(), (policy, options, size)
+            assert fast.misses == 0 and fast.bypassed == fast.accesses - fast.hits
+    result = replay(olmoe, "static-experts", 8, options={"experts": [0, 5, 77, 1000]})
+    keys = olmoe.sequence.expert_id
+    assert result.hits == int(np.isin(keys, [0, 5, 77, 1000]).sum()) > 0  # counted independently
+    assert result.per_layer_bypassed[0] == int((olmoe.sequence.layer == 0).sum()) - int(np.isin(keys, [0, 5]).sum())
+
+
+@needs_numba
+def test_static_placements_that_do_not_fit_are_refused_by_both_engines(olmoe):
+    for engine in ("python", "compiled"):
+        with pytest.raises(ConfigError, match="static-layers.cpu_layers: the 14 other layers' experts"):
+            replay(olmoe, "static-layers", 200, options={"cpu_layers": [0, 3]}, engine=engine)
+        with pytest.raises(ConfigError, match="static-experts.experts: 4 experts do not fit in a cache of 3"):
+            replay(olmoe, "static-experts", 3, options={"experts": [0, 5, 77, 1000]}, engine=engine)

@@ -70,7 +70,7 @@ def hardware_with_host_cache(expert_bytes_in_all):
 
 def test_replay_counts_each_sequence_s_tokens(batch_trace, ended_eams):
     ended, most = ended_eams
-    replay(ReplayInput.of(batch_trace), "moe-infinity", 6)
+    replay(ReplayInput.of(batch_trace), "moe-infinity", 6, engine="python")  # the objects: their EAMs
     expected = expected_counts(batch_trace)
     assert ended.keys() == expected.keys()
     for request, eam in ended.items():

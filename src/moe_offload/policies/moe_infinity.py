@@ -40,79 +40,29 @@ sum and the layer decay are common to the layer), so each instance keeps its res
 ranked by count, updated in O(log n) when a count changes, and a miss compares the L layer minima (each
 cached until its layer changes). When a sequence ends, the layers its EAM reached are re-ranked.
 ``request`` ranks by a different EAM at every access, so its ``victim`` scans the residents.
+
+The compiled replay (``replay_kernel``) is given each trace row's request and whether it is the request's
+last row (``run_kernel_arguments``). With ``running`` it keeps the running counts in an array over the flat
+expert ids and each layer's residents in a keyed heap of policies/_ranked.py (rows of one two-dimensional
+array), and ends a request by taking each of its requests back out of the counts (its rows are chained, each
+a run of positions); with ``request`` it keeps the EAMs of the running sequences in rows of one array, reused
+as sequences end, and the residents in a linked list by recency (policies/_linked.py).
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from moe_offload.errors import ConfigError
-from moe_offload.policies._ranked import RankedKeys
+from moe_offload.policies._linked import list_append, list_head, list_move_to_tail, list_remove, lists_new
+from moe_offload.policies._ranked import RankedKeys, heap_pop, heap_push, heap_update
+from moe_offload.policies._sequence_eams import SequenceEAMs
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
+from moe_offload.trace.flatten import last_row_of_each_request
 
 EPSILON = 1e-6
 RANKINGS = ("running", "request")
 FILLS = ("empty", "layers")
-
-
-class SequenceEAMs:
-    """The EAMs of the sequences running in one run, and their sum, shared by the run's MoE-Infinity
-    instances (one per tier); see the module docstring."""
-
-    def __init__(self, num_layers: int, num_experts: int):
-        self.num_layers, self.num_experts = num_layers, num_experts
-        self.by_request: dict = {}  # request -> its EAM, [L][J] token counts
-        self.running = [[0] * num_experts for _ in range(num_layers)]  # sum over by_request
-        self.running_row_sum = [0] * num_layers
-        self._rankers: list = []  # instances ranking by ``running``, told of every change
-        self._last_clock = self._last_key = None  # the access counted last
-
-    def eam(self, request) -> list:
-        """The EAM of ``request`` so far (``[L][J]`` counts; zeros when it is not running)."""
-        eam = self.by_request.get(request)
-        return eam if eam is not None else [[0] * self.num_experts for _ in range(self.num_layers)]
-
-    def count(self, key, ctx) -> None:
-        """The access of ``key`` described by ``ctx``: each request's EAM gains its tokens (once per access)."""
-        if ctx.clock == self._last_clock and key == self._last_key:  # another tier already counted this access
-            return
-        self._last_clock, self._last_key = ctx.clock, key
-        layer, expert = divmod(key, self.num_experts)
-        routed = ctx.routed
-        if routed is None:  # one token of ctx.request (the replay)
-            eam = self.by_request.get(ctx.request)
-            if eam is None:
-                eam = self.by_request[ctx.request] = [[0] * self.num_experts for _ in range(self.num_layers)]
-            eam[layer][expert] += 1
-            tokens = 1
-        else:
-            tokens = 0
-            for request, routed_tokens in routed.items():
-                eam = self.by_request.get(request)
-                if eam is None:
-                    eam = self.by_request[request] = [[0] * self.num_experts for _ in range(self.num_layers)]
-                eam[layer][expert] += routed_tokens
-                tokens += routed_tokens
-        row = self.running[layer]
-        row[expert] += tokens
-        self.running_row_sum[layer] += tokens
-        for ranker in self._rankers:
-            ranker._count_changed(key, layer, row[expert])
-
-    def end(self, request) -> None:
-        """``request`` has run its last iteration: its EAM leaves the running sum and is forgotten."""
-        eam = self.by_request.pop(request, None)
-        if eam is None:
-            return
-        layers = []
-        for layer, row in enumerate(eam):
-            tokens = sum(row)
-            if tokens:
-                running = self.running[layer]
-                for expert, count in enumerate(row):
-                    running[expert] -= count
-                self.running_row_sum[layer] -= tokens
-                layers.append(layer)
-        for ranker in self._rankers:
-            ranker._rerank(layers)
 
 
 class MoEInfinity(EvictionPolicy):
@@ -245,3 +195,175 @@ class MoEInfinity(EvictionPolicy):
         if best is None:
             raise NoEvictableExpert
         return best
+
+    # ------------------------------------------------------------------------------------------ compiled
+
+    def run_kernel_arguments(self, slots, trace):
+        """[ranks by the request's EAM, fills by layers, most sequences running at once], then one code per
+        trace row: the index of its request times 2, plus 1 on the request's last row."""
+        _, first, index = np.unique(trace.request, return_index=True, return_inverse=True)
+        rows = index.size
+        last = last_row_of_each_request(trace.request)
+        codes = 2 * index.reshape(-1).astype(np.int64)
+        codes[last] += 1
+        ending = np.bincount(last, minlength=rows)
+        running = np.cumsum(np.bincount(first, minlength=rows)) - (np.cumsum(ending) - ending)  # at each row
+        head = [self.ranking == "request", self.fill == "layers", running.max() if rows else 0]
+        return np.zeros(0, np.float64), np.concatenate([np.array(head, np.int64), codes])
+
+    @staticmethod
+    def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
+                      layer_hits):
+        """The hooks above as the compiled replay runs them (module doc), with ``run_kernel_arguments``'s
+        ``ints``: the same priorities from the same floating point operations, the same ties (a heap entry
+        is stamped with the clock that set it; the initial fill before clock 0, in key order)."""
+        by_request, most_running = ints[0] == 1, ints[2]
+        rows = ints[3:]
+        L, J, num_keys = num_layers, num_experts, num_layers * num_experts
+        room = max(capacity, 1)
+        heap_keys = np.empty((L, room), np.int64)
+        heap_scores = np.empty((L, room), np.float64)
+        heap_stamps = np.empty((L, room), np.int64)
+        position = np.full(num_keys, -1, np.int64)
+        layer_size = np.zeros(L, np.int64)
+        running = np.zeros(num_keys, np.int64)
+        row_sum = np.zeros(L, np.int64)
+        recency = lists_new(num_keys, 1)
+        eams = np.zeros((most_running if by_request else 0, num_keys + L), np.int64)  # counts, then row sums
+        free_eams = np.arange(eams.shape[0])[::-1].copy()
+        num_free = eams.shape[0]
+        num_requests = np.max(rows >> 1) + 1 if rows.size else 0
+        eam_of = np.full(num_requests, -1, np.int64)
+        latest_row = np.full(num_requests, -1, np.int64)
+        previous_row = np.full(rows.size, -1, np.int64)  # the request's row before, chained
+        row_start = np.zeros(rows.size, np.int64)
+        row_end = np.zeros(rows.size, np.int64)
+        resident = np.zeros(num_keys, np.bool_)
+        size = min(capacity, num_keys) if ints[1] == 1 else 0  # fill="layers": the first keys
+        for key in range(size):
+            resident[key] = True
+            if by_request:
+                list_append(recency, 0, key)
+            else:
+                layer = key // J
+                heap_push(heap_keys[layer], heap_scores[layer], heap_stamps[layer], position, layer_size[layer],
+                          key, 0.0, key - size)
+                layer_size[layer] += 1
+        current = -1
+        eam = -1
+        for t in clocks:
+            row = tokens[t]
+            if row != current:
+                if current >= 0:
+                    row_end[current] = t
+                    if rows[current] & 1:
+                        num_free = _end_request(rows[current] >> 1, by_request, eams, free_eams, num_free, eam_of,
+                                                latest_row, previous_row, row_start, row_end, keys, running,
+                                                row_sum, J, heap_keys, heap_scores, heap_stamps, position,
+                                                layer_size)
+                current = row
+                row_start[row] = t
+                request = rows[row] >> 1
+                previous_row[row] = latest_row[request]
+                latest_row[request] = row
+                if by_request and eam_of[request] < 0:
+                    num_free -= 1
+                    eam_of[request] = free_eams[num_free]
+                eam = eam_of[request]
+            key = keys[t]
+            layer = key // J
+            if by_request:
+                eams[eam, key] += 1
+                eams[eam, num_keys + layer] += 1
+            else:
+                running[key] += 1
+                row_sum[layer] += 1
+            if resident[key]:
+                layer_hits[layer] += 1
+                if by_request:
+                    list_move_to_tail(recency, 0, key)
+                else:
+                    heap_update(heap_keys[layer], heap_scores[layer], heap_stamps[layer], position,
+                                layer_size[layer], key, running[key], t)
+                continue
+            if size == capacity:
+                if by_request:
+                    victim = _request_victim(recency, eams, eam, num_keys, L, J)
+                    list_remove(recency, 0, victim)
+                else:
+                    victim = _running_victim(heap_keys, layer_size, running, row_sum, L)
+                    lowest = victim // J
+                    heap_pop(heap_keys[lowest], heap_scores[lowest], heap_stamps[lowest], position,
+                             layer_size[lowest])
+                    layer_size[lowest] -= 1
+                resident[victim] = False
+                size -= 1
+            resident[key] = True
+            size += 1
+            if by_request:
+                list_append(recency, 0, key)
+            else:
+                heap_push(heap_keys[layer], heap_scores[layer], heap_stamps[layer], position, layer_size[layer],
+                          key, running[key], t)
+                layer_size[layer] += 1
+
+
+def _priority(count, total, layer, num_layers):
+    """Algorithm 2, steps 6-8, as ``priority`` computes it."""
+    ratio = count / total if total else 0.0
+    return (ratio + EPSILON) * (1.0 - layer / num_layers)
+
+
+def _running_victim(heap_keys, layer_size, running, row_sum, num_layers):
+    """The lowest priority among the layers' least counted residents, the first layer on ties."""
+    victim, best = -1, 0.0
+    for layer in range(num_layers):
+        if layer_size[layer] > 0:
+            key = heap_keys[layer, 0]
+            p = _priority(running[key], row_sum[layer], layer, num_layers)
+            if victim < 0 or p < best:
+                victim, best = key, p
+    return victim
+
+
+def _request_victim(recency, eams, eam, num_keys, num_layers, num_experts):
+    """The lowest priority under the EAM in row ``eam`` among the residents, least recently used first."""
+    victim, best = -1, 0.0
+    key = list_head(recency, 0)
+    while key >= 0:
+        layer = key // num_experts
+        p = _priority(eams[eam, key], eams[eam, num_keys + layer], layer, num_layers)
+        if victim < 0 or p < best:
+            victim, best = key, p
+        key = recency[1][key]
+    return victim
+
+
+def _end_request(request, by_request, eams, free_eams, num_free, eam_of, latest_row, previous_row, row_start,
+                 row_end, keys, running, row_sum, num_experts, heap_keys, heap_scores, heap_stamps, position,
+                 layer_size):
+    """``on_request_end``: the request's EAM row is freed, or its requests leave the running counts and the
+    layers they reached are re-ranked (each resident keeps its stamp: their order among equal counts).
+    Returns the number of free EAM rows."""
+    if by_request:
+        eams[eam_of[request]] = 0
+        free_eams[num_free] = eam_of[request]
+        eam_of[request] = -1
+        return num_free + 1
+    reached = np.zeros(row_sum.size, np.bool_)
+    row = latest_row[request]
+    while row >= 0:
+        for t in range(row_start[row], row_end[row]):
+            key = keys[t]
+            running[key] -= 1
+            row_sum[key // num_experts] -= 1
+            reached[key // num_experts] = True
+        row = previous_row[row]
+    for layer in range(row_sum.size):
+        if reached[layer]:
+            members = heap_keys[layer, :layer_size[layer]].copy()
+            stamps = heap_stamps[layer, :layer_size[layer]].copy()
+            for i in range(members.size):
+                heap_push(heap_keys[layer], heap_scores[layer], heap_stamps[layer], position, i, members[i],
+                          running[members[i]], stamps[i])
+    return num_free
