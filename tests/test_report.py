@@ -135,12 +135,12 @@ def test_policies_without_a_kernel_replay_a_prefix_of_a_large_trace(olmoe, monke
 
     monkeypatch.setattr(bound_module, "PYTHON_REPLAY_REQUESTS", 5000)  # olmoe has 38,272 requests
     working_set = measure_working_set(olmoe.trace, olmoe.sequence)
-    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "arc"])
-    assert [r.policy for r in bound.online] == ["lru"] and [r.policy for r in bound.sampled] == ["arc"]
+    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "fmoe"])
+    assert [r.policy for r in bound.online] == ["lru"] and [r.policy for r in bound.sampled] == ["fmoe"]
     rows = 5000 // (16 * 8)  # whole rows of L * K requests each
     assert bound.sampled_tokens == rows
     prefix = ReplayInput.of(olmoe.trace.select(slice(0, rows)))
-    assert bound.sampled[0].hits == replay(prefix, "arc", 256).hits
+    assert bound.sampled[0].hits == replay(prefix, "fmoe", 256).hits
     assert bound.sampled_belady.hits == replay(prefix, "belady", 256).hits
 
 
