@@ -206,9 +206,9 @@ def test_the_policies_of_issue_32_have_kernels():
     assert set(KERNEL_OPTIONS) <= set(COMPILED)
 
 
-def assert_same_with_options(data: ReplayInput, sizes, seeds=(0,), engine="compiled"):
+def assert_same_with_options(data: ReplayInput, sizes, seeds=(0,), engine="compiled", defaults=True):
     for policy, variants in KERNEL_OPTIONS.items():
-        for options in variants:
+        for options in variants if defaults else variants[1:]:
             for size in sizes:
                 for seed in seeds if policy in SEEDED else seeds[:1]:
                     reference = replay(data, policy, size, seed=seed, options=options, engine="python")
@@ -218,7 +218,9 @@ def assert_same_with_options(data: ReplayInput, sizes, seeds=(0,), engine="compi
 
 @needs_numba
 def test_options_on_the_bundled_olmoe_trace(olmoe):
-    assert_same_with_options(olmoe, (8, 100, 700), seeds=(0, 5))
+    # the defaults run on the whole trace with every kernel above
+    assert_same_with_options(ReplayInput.of(olmoe.trace.select(slice(0, 150))), (8, 100, 700), seeds=(0, 5),
+                             defaults=False)
 
 
 @needs_numba
@@ -307,8 +309,8 @@ def interleaved_trace(seed, requests=5, rows=240):
     return type(trace).build(trace.meta, trace.experts, request=owner * 7 + 3)  # ids need not be dense
 
 
-def assert_moe_infinity_same(data: ReplayInput, sizes):
-    for options in MOE_INFINITY_OPTIONS:
+def assert_moe_infinity_same(data: ReplayInput, sizes, variants=MOE_INFINITY_OPTIONS):
+    for options in variants:
         for size in sizes:
             reference = replay(data, "moe-infinity", size, options=options, engine="python")
             fast = replay(data, "moe-infinity", size, options=options, engine="compiled")
@@ -322,15 +324,17 @@ def test_moe_infinity_on_interleaved_sequences(seed):
 
 
 @needs_numba
-def test_moe_infinity_on_real_traces(olmoe, tiny_trace, qwen_folder, shared_traces):
-    assert_moe_infinity_same(olmoe, (8, 96, 512))
-    tiny = tiny_trace.select(slice(0, 1500))
+def test_moe_infinity_options_on_real_traces(olmoe, tiny_trace, qwen_folder, shared_traces):
+    """The default options run on these traces with every kernel above; here the others, on their first rows."""
+    others = MOE_INFINITY_OPTIONS[1:]
+    assert_moe_infinity_same(ReplayInput.of(olmoe.trace.select(slice(0, 120))), (8, 96), others)
+    tiny = tiny_trace.select(slice(0, 600))
     assert len(set(tiny.request.tolist())) > 1
-    assert_moe_infinity_same(ReplayInput.of(tiny), (4, 16, 40))  # several requests, prefills and decodes
-    qwen = import_routes_json([qwen_folder / f"{name}.json" for name in QWEN_FILES[:3]], num_experts=60)
-    assert_moe_infinity_same(ReplayInput.of(qwen), (24, 360))
+    assert_moe_infinity_same(ReplayInput.of(tiny), (4, 24), others)  # several requests, prefills and decodes
+    qwen = import_routes_json([qwen_folder / f"{QWEN_FILES[0]}.json"], num_experts=60)
+    assert_moe_infinity_same(ReplayInput.of(qwen.select(slice(0, 150))), (120,), others)
     granite = import_topk_jsonl(shared_traces / "granite-3.0-1b-a400m" / "sglang_8_requests.jsonl", num_experts=32)
-    assert_moe_infinity_same(ReplayInput.of(granite.select(slice(0, 300))), (8, 100))
+    assert_moe_infinity_same(ReplayInput.of(granite.select(slice(0, 100))), (8, 100), others)
 
 
 def test_moe_infinity_kernel_runs_uncompiled(monkeypatch):
