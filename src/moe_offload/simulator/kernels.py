@@ -16,8 +16,9 @@ layer_hits)`` serves, in order, the requests at the positions ``clocks`` of a fl
 ``keys``, flat expert ids, ``tokens`` and ``next_use``, all int64) on one demand-paged cache of ``capacity``
 experts that starts empty, exactly as ExpertCache.request with the policy object would: the request at
 position t has clock t, key ``keys[t]``, token ``tokens[t]`` and next use ``next_use[t]`` (AccessContext's
-fields, for the policies that read them); ``floats`` and ``ints`` are the policy's ``kernel_arguments()``
-(parameters, a generator's state, which the kernel may update); it adds each hit to
+fields, for the policies that read them); ``floats`` and ``ints`` are the policy's ``run_kernel_arguments(capacity, trace)``
+(parameters, a generator's state, which the kernel may update; a static placement's experts, the requests a
+row belongs to); it adds each hit to
 ``layer_hits[key // num_experts]``. The whole replay passes every position; a -dist policy is a cache split
 among the layers (simulator/cache.py PartitionedCache), so the replay runs the kernel once per layer with
 that layer's positions and share of the capacity, as the partitions would, without copying the sequence.
