@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from moe_offload.hardware.profile import resolve_profile
-from moe_offload.policies import POLICIES, AccessContext, ModelSpec
+from moe_offload.policies import POLICIES, AccessContext, ModelSpec, default_policies
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache, predicted_no_later_than
 from moe_offload.simulator.timed import simulate_timed
 
 SPEC = ModelSpec(num_layers=2, num_experts=8, top_k=1)
-ONLINE = [name for name, info in POLICIES.items() if not info.offline and name != "learned"]
+ONLINE = [name for name in default_policies() if not POLICIES[name].offline and name != "learned"]
 
 
 def fill(cache: ExpertCache, keys, ctx: AccessContext) -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moe_offload.errors import ConfigError
-from moe_offload.policies import POLICIES, AccessContext, ModelSpec
+from moe_offload.policies import POLICIES, AccessContext, ModelSpec, default_policies
 from moe_offload.policies.lcp import LCP
 from moe_offload.policies.moe_infinity import EPSILON, MoEInfinity
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache
@@ -482,7 +482,7 @@ def test_lecar_with_all_weight_on_one_expert_is_that_expert():
             assert drive("lfu", requests, 3, ONE_LAYER)[1][8] == [2]
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("policy", sorted(default_policies()))
 def test_every_policy_respects_pins_and_capacity(policy):
     spec = ModelSpec(num_layers=4, num_experts=6, top_k=2)
     info = POLICIES[policy]
@@ -508,7 +508,7 @@ def test_every_policy_respects_pins_and_capacity(policy):
         assert len(cache) <= 6
 
 
-@pytest.mark.parametrize("policy", sorted(p for p in POLICIES if not POLICIES[p].offline))
+@pytest.mark.parametrize("policy", sorted(p for p in default_policies() if not POLICIES[p].offline))
 def test_opt_is_a_lower_bound_for_every_policy(policy):
     rng = np.random.default_rng(3)
     spec = ModelSpec(num_layers=4, num_experts=8, top_k=1)
@@ -552,3 +552,15 @@ def test_lecar_refuses_bad_options():
         POLICIES["lecar"].policy(ONE_LAYER, learning_rate=-0.1)
     with pytest.raises(ConfigError, match="lecar.history_size"):
         POLICIES["lecar"].policy(ONE_LAYER, history_size=0)
+
+
+def test_a_policy_that_needs_an_option_is_left_out_of_the_default_lists_and_refused_without_it():
+    from moe_offload.errors import ConfigError
+    from moe_offload.policies import make_policy
+
+    assert POLICIES["static-experts"].needs_options == ["experts"]
+    assert "static-experts" not in default_policies()
+    assert set(default_policies()) == {name for name, info in POLICIES.items() if not info.needs_options}
+    with pytest.raises(ConfigError, match="static-experts.*needs the option experts"):
+        make_policy("static-experts", ONE_LAYER)
+    assert make_policy("static-experts", ONE_LAYER, options={"experts": [1]}).placement(2, None) == [1]

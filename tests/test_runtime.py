@@ -18,7 +18,7 @@ from model_configs import build, tiny_tokenizer  # noqa: E402
 from moe_offload.cli.main import main  # noqa: E402
 from moe_offload.errors import ConfigError  # noqa: E402
 from moe_offload.models.recorder import record  # noqa: E402
-from moe_offload.policies import POLICIES  # noqa: E402
+from moe_offload.policies import POLICIES, default_policies  # noqa: E402
 from moe_offload.plan import make_plan  # noqa: E402
 from moe_offload.runtime.engine import EngineBusyError, OffloadEngine  # noqa: E402
 from moe_offload.runtime.packing import PackError, pack_model, read_manifest  # noqa: E402
@@ -31,8 +31,8 @@ NEW_TOKENS = 6
 COMPUTE_EXPERT_BYTES = (2 * 48 * 32 + 32 * 48) * 4  # one expert of the test model in float32
 # the placing policies (static placements computing misses on the host, pinned sets) have their own tests:
 # tests/test_runtime_bypass.py
-ONLINE_POLICIES = sorted(name for name, info in POLICIES.items()
-                         if not info.offline and not info.policy.places_or_bypasses)
+ONLINE_POLICIES = sorted(name for name in default_policies()
+                         if not POLICIES[name].offline and not POLICIES[name].policy.places_or_bypasses)
 PREFETCHERS = [None, "topk", "traced-topk", "moe-infinity", "fmoe", "moepic", "mixtral-offloading"]
 
 

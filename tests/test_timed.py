@@ -20,7 +20,7 @@ import pytest
 from moe_offload.cli.main import main
 from moe_offload.errors import ConfigError
 from moe_offload.hardware import HardwareProfile, Link
-from moe_offload.policies import POLICIES, ModelSpec, PolicyInfo
+from moe_offload.policies import POLICIES, ModelSpec, PolicyInfo, default_policies
 from moe_offload.policies.lru import LRU
 from moe_offload.prefetch import PREFETCHERS
 from moe_offload.prefetch.base import Prefetcher
@@ -498,7 +498,7 @@ def multi_request(trace: Trace, requests: int) -> Trace:
     return trace
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("policy", sorted(default_policies()))
 def test_zero_compute_and_no_prefetch_miss_exactly_like_the_replay(policy):
     # Top-1 routing, one token per iteration: the timed access order (iteration, layer, expert) is the replay's
     # (token, rank, layer). With zero compute the cache sees the same requests in the same order, so every
@@ -514,7 +514,7 @@ def test_zero_compute_and_no_prefetch_miss_exactly_like_the_replay(policy):
         assert (timed.bypassed, timed.per_layer_hits) == (replayed.bypassed, replayed.per_layer_hits)
 
 
-@pytest.mark.parametrize("policy", sorted(name for name, info in POLICIES.items() if not info.policy.static))
+@pytest.mark.parametrize("policy", sorted(name for name in default_policies() if not POLICIES[name].policy.static))
 def test_infinite_bandwidth_and_zero_latency_cost_nothing(policy):
     # (a static placement computes its misses on the host, whose time free links do not remove)
     # Top-2, prefill and decode iterations of three requests, with and without a prefetcher, one tier or

@@ -411,8 +411,17 @@ def check_option_names(kind: str, name: str, cls, options: dict | None, skip: tu
     known = option_defaults(cls, skip)
     unknown = sorted(set(options or {}) - set(known))
     if unknown:
-        takes = ", ".join(f"{option}={default!r}" for option, default in known.items()) or "no options"
+        takes = ", ".join(option if default is inspect.Parameter.empty else f"{option}={default!r}"
+                          for option, default in known.items()) or "no options"
         raise ConfigError(f"{kind} {name!r} has no option {', '.join(unknown)}; it takes {takes}")
+    missing = [option for option in required_options(cls, skip) if option not in (options or {})]
+    if missing:
+        raise ConfigError(f"{kind} {name!r} needs the option {', '.join(missing)} (it has no default)")
+
+
+def required_options(cls, skip: tuple[str, ...] = ()) -> list[str]:
+    """The options a component's constructor takes without a default: it cannot run unless given them."""
+    return [option for option, default in option_defaults(cls, skip).items() if default is inspect.Parameter.empty]
 
 
 def check_options_used(options: dict[str, dict], used: Iterable[str], flag: str, chosen_flag: str) -> None:

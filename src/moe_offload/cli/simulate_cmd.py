@@ -15,7 +15,7 @@ from moe_offload.cli.options import (PREFETCH_OPTION, add_expert_bytes, add_fetc
                                      add_prefetch, add_replay_runs, add_split, policy_options_of)
 from moe_offload.errors import ConfigError
 from moe_offload.outputs import check_output, write_atomically
-from moe_offload.policies import POLICIES, policy_info
+from moe_offload.policies import default_policies, policy_info
 from moe_offload.simulator.replay import ENGINES
 from moe_offload.trace.format import TraceMeta, read_trace
 from moe_offload.values import cache_sizes, check_options_used, component_options, integer, jobs, parse_bytes
@@ -96,7 +96,7 @@ def register(subparsers) -> None:
 
 def parse_policies(text: str) -> list[str]:
     if text.strip() == "all":
-        return list(POLICIES)
+        return default_policies()
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
         raise ConfigError("--policy names no policy")

@@ -3,6 +3,10 @@
 ``POLICIES`` maps the command-line name of every policy to how it is built. A ``-dist`` variant is the
 same policy run on a cache split equally among the layers (paper 001's LRU-Dist, Marker-Dist and OPT-Dist,
 "a specific cache of size k/l per layer"): the split belongs to the cache (simulator.cache.PartitionedCache), not to the policy.
+
+A policy whose constructor takes an option without a default (static-experts: the experts to keep) runs
+only when given it: ``needs_options`` says so, and ``default_policies`` (what "all" and every default list
+mean) leaves it out.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from moe_offload.policies.random import RandomEviction
 from moe_offload.policies.static_experts import StaticExperts
 from moe_offload.policies.static_freq import StaticFrequency
 from moe_offload.policies.static_layers import StaticLayers
-from moe_offload.values import check_option_names, integer
+from moe_offload.values import check_option_names, integer, required_options
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,11 @@ class PolicyInfo:
     @property
     def offline(self) -> bool:
         return self.policy.offline
+
+    @property
+    def needs_options(self) -> list[str]:
+        """The options it cannot run without (module doc)."""
+        return required_options(self.policy, skip=("seed",))
 
 
 POLICIES: dict[str, PolicyInfo] = {
@@ -102,6 +111,11 @@ def policy_info(name: str) -> PolicyInfo:
                           "(`moe-offload policies` describes them)") from None
 
 
+def default_policies() -> list[str]:
+    """Every policy that runs without options, in registry order: what "all" means (module doc)."""
+    return [name for name, info in POLICIES.items() if not info.needs_options]
+
+
 def make_policy(name: str, spec: ModelSpec, *, seed: int = 0, options: dict | None = None) -> EvictionPolicy:
     """Build policy ``name`` for ``spec``. An option its constructor does not take is a ConfigError naming
     those it does; the constructor checks the values (moe_offload.values), so a bad value reads the same
@@ -119,5 +133,5 @@ def policy_factory(name: str, spec: ModelSpec, *, seed: int = 0, options: dict |
     return info.policy.run_factory(spec, seed=integer(seed, "seed", low=0), **(options or {}))
 
 
-__all__ = ["POLICIES", "PolicyInfo", "policy_info", "make_policy", "policy_factory", "AccessContext", "EvictionPolicy", "ModelSpec",
+__all__ = ["POLICIES", "PolicyInfo", "default_policies", "policy_info", "make_policy", "policy_factory", "AccessContext", "EvictionPolicy", "ModelSpec",
            "NoEvictableExpert"]

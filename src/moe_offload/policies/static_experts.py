@@ -5,8 +5,10 @@ KTransformers' GPU-experts mask (its ``uniform``, ``front-loading`` and ``random
 
 The rule. With ``experts`` the flat ids k = layer * J + expert of the resident set R and room for C >= |R|
 experts, R is loaded before the first access and nothing is loaded after it: a request of k is a hit when
-k is in R, otherwise it is bypassed (computed on the host). The replay's hits are sum_{k in R} n_k. Without
-``experts`` R is empty: every expert is computed on the host (llama.cpp's ``--cpu-moe``).
+k is in R, otherwise it is bypassed (computed on the host). The replay's hits are sum_{k in R} n_k.
+``experts`` has no default: the set is the point of the policy, so it runs only when given one (the registry
+leaves it out of its default lists, policies/__init__.py); ``experts=[]`` computes every expert on the host
+(llama.cpp's ``--cpu-moe``).
 
 The compiled replay (``replay_kernel``, shared by every static placement) is given R as ``ints``
 (policies/base.py ``run_kernel_arguments``), marks it in an array over the flat expert ids and counts the
@@ -29,7 +31,7 @@ class StaticExperts(EvictionPolicy):
     places_or_bypasses = True
     static = True
 
-    def __init__(self, spec, seed=0, experts=()):
+    def __init__(self, spec, seed=0, *, experts):
         super().__init__(spec, seed)
         keys = integer_list(experts, "static-experts.experts", low=0, high=spec.num_layers * spec.num_experts - 1)
         self.experts = sorted(set(keys))

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_offload.errors import ConfigError
-from moe_offload.policies import POLICIES, make_policy
+from moe_offload.policies import POLICIES, default_policies, make_policy
 from moe_offload.results import RunResult
 from moe_offload.reporting.working_set import WorkingSet
 from moe_offload.simulator.replay import ReplayInput, replay_grid, replay_kernel
@@ -82,7 +82,7 @@ class Bound:
 
 
 def online_policies() -> list[str]:
-    return [name for name, info in POLICIES.items() if not info.offline]
+    return [name for name in default_policies() if not POLICIES[name].offline]
 
 
 def runnable(data: ReplayInput, policies: list[str], seed: int) -> tuple[list[str], list[tuple[str, str]]]:

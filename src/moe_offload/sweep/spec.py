@@ -28,7 +28,7 @@ from moe_offload.bundled import BUNDLED_TRACES
 from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload.hardware import resolve_profile
 from moe_offload.hardware.profile import HardwareProfile, preset_names
-from moe_offload.policies import POLICIES, ModelSpec, policy_info
+from moe_offload.policies import ModelSpec, default_policies, policy_info
 from moe_offload.prefetch import check_trace_columns, make_prefetcher, prefetcher_info
 from moe_offload.simulator.replay import ENGINES, grid_runs
 from moe_offload.simulator.timed import ALL_RESIDENT, ORACLE, Arrivals, check_timed_run
@@ -121,7 +121,7 @@ def read_sweep(path, output=None) -> Sweep:
     engine = raw.get("engine", "auto")
     if engine not in ENGINES:
         raise ConfigError(f"{path}: engine: {engine!r} is not one of {', '.join(ENGINES)}")
-    policies = list(POLICIES) if raw["policies"] == "all" else check.names(raw["policies"], "policies", '"all" or ')
+    policies = default_policies() if raw["policies"] == "all" else check.names(raw["policies"], "policies", '"all" or ')
     for policy in policies:
         check.wrap(lambda: policy_info(policy), "policies")
     traces = {}
