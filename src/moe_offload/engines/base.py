@@ -3,8 +3,9 @@ make, expressed with this project's own mechanisms), what a model is asked with,
 
 A setting is run by the one timed simulator (simulator/timed) with the one expert cache: its placement is a
 policy of the registry (static-layers, static-experts, lfru-dist, lru-dist) with its options, its misses are
-loaded or computed on the host by the cache's admission (simulator/cache.py). A setting the simulator cannot
-run as the engine does (``policy`` None) is reported by what is exact about it (its bytes) and says why.
+loaded or computed on the host by the cache's admission (simulator/cache.py; ``uploads``: llama.cpp PR
+#27861's uploads between passes, simulator/timed/uploads.py). A setting the simulator cannot run as the
+engine does (``policy`` None) is reported by what is exact about it (its bytes) and says why.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Callable
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies.base import ModelSpec
 from moe_offload.simulator.timed import simulate_timed
+from moe_offload.simulator.timed.uploads import UploadsBetweenPasses
 from moe_offload.trace.format import Trace
 
 
@@ -57,6 +59,13 @@ class Setting:
     export: Callable[[str], None] | None = None
     export_name: str | None = None  # the file name ``flags`` refer to
     streamed_layers: list[int] | None = None  # layers whose experts cross the link in every pass, never kept
+    uploads: int | None = None  # uploads per layer per pass between passes (PR #27861's admission), or None
+    cache_slots: int | None = None  # the experts its cache holds, where less than the budget (None: the budget)
+    refreshes: int | None = None  # KTransformers' dynamic update: passes between refreshes of the GPU experts
+
+    def run_key(self) -> tuple:
+        """What its timed run depends on: settings of equal keys (SGLang's kt backend is KTransformers) run once."""
+        return (self.policy, repr(sorted(self.options.items())), self.uploads, self.cache_slots, self.refreshes)
 
 
 @dataclass
@@ -74,9 +83,11 @@ class EngineModel:
 def run_setting(setting: Setting, trace: Trace, context: PlacementContext, name: str | None = None):
     """The timed simulator's run (a RunResult) of ``setting`` on ``trace`` (the scored part's sample) at the
     context's budget."""
-    return simulate_timed(trace, context.hardware, setting.policy, context.slots * context.expert_bytes,
+    slots = context.slots if setting.cache_slots is None else setting.cache_slots
+    uploads = UploadsBetweenPasses(setting.uploads) if setting.uploads is not None else None
+    return simulate_timed(trace, context.hardware, setting.policy, slots * context.expert_bytes,
                           expert_bytes=context.expert_bytes, policy_options=setting.options, seed=context.seed,
-                          name=name)
+                          name=name, uploads=uploads)
 
 
 def layer_keys(layers, num_experts: int) -> list[int]:

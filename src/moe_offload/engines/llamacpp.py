@@ -29,13 +29,15 @@ batch-1 decoding, which routes K experts in every layer, TTFT's decide). The L +
 (on the profile, never on the scored traffic) give the optimum of all C(L, N) sets; the tests check the identity
 on random sets and against an exhaustive search.
 
-The GPU LRU cache of host-resident experts of llama.cpp PR #27861 (open, ``--moe-expert-cache S``: S slots per
-host-resident expert layer, decode only, ``--moe-expert-cache-inserts`` uploads per layer per step, default
-2) is modelled as a per-layer LRU of S slots over every layer (``--cpu-moe``), ``lru-dist``. Where the model
-differs from the PR: a miss is fetched on demand (the GPU waits for it) where the PR computes it on the CPU and
-publishes the upload at a later step, at most 2 per layer per step, and the PR serves no hit in a pass of more
-than one token; so the hit rate is an upper bound on the PR's, and its TPOT charges a transfer where the PR
-charges the CPU.
+The GPU LRU cache of host-resident experts of llama.cpp PR #27861 (ggml-org/llama.cpp pull request 27861, open;
+its src/llama-moecache.cpp), ``--cpu-moe --moe-expert-cache S``: every layer's experts on the host, and per
+layer S slots of VRAM that hold recently used experts (S + 1 experts of VRAM per layer: its slot S is
+permanently zero), ``--moe-expert-cache-inserts`` uploads per layer per step (default 2). It is run as the PR
+defines it (simulator/timed/uploads.py): ``lru-dist`` on S slots per layer, every miss computed on the host,
+up to 2 of a pass's misses per layer uploaded after it, most recent first, published at the first step after
+they land, and passes of more than one token (prefill, batches) computed on the host without the cache. With
+room for C experts, S = floor(C / L) - 1. The PR gives a cache only to host-resident layers; its combination
+with layers kept in VRAM (``--n-cpu-moe N --moe-expert-cache S``) is not listed.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ EXPS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"  # common/common.h LLM_FF
 # rows of the profile the L + 1 gain runs replay (its leading iterations): L + 1 timed runs of that many rows
 GAIN_TOKENS = 256
 ALL_GPU = ["--n-gpu-layers", "999"]
+DEFAULT_INSERTS = 2  # PR #27861's --moe-expert-cache-inserts default
 
 
 def cpu_layers_regex(layers) -> str:
@@ -137,19 +140,21 @@ def settings(context: PlacementContext) -> list[Setting]:
     if host > 0:
         out.append(Setting("llama.cpp", "--cpu-moe", ALL_GPU + ["--cpu-moe"], "static-layers", {"cpu_layers": every},
                            [], note="every layer's experts on the CPU"))
-    slots = context.slots // L
+    slots = min(J, context.slots // L - 1)  # each layer's cache takes one zero slot more (module doc)
     if slots >= 1 and host > 0:
         out.append(Setting("llama.cpp", f"--cpu-moe --moe-expert-cache {slots} (PR #27861)",
                            ALL_GPU + ["--cpu-moe", "--moe-expert-cache", str(slots)], "lru-dist",
-                           note="ggml-org/llama.cpp PR #27861 (open, not in a release): a per-layer LRU of "
-                                f"{slots} VRAM slots; modelled with misses fetched on demand (an upper bound on "
-                                "its hit rate)"))
+                           uploads=DEFAULT_INSERTS, cache_slots=slots * L,
+                           note=f"ggml-org/llama.cpp PR #27861 (open, not in a release): per layer an LRU of {slots} "
+                                f"VRAM slots (and its zero slot), misses computed on the host, {DEFAULT_INSERTS} "
+                                "uploads per layer after each one-token pass, none in larger passes"))
     return [setting for i, setting in enumerate(out) if setting.label not in {s.label for s in out[:i]}]
 
 
 ENGINE = EngineModel(
     name="llama.cpp", command="llama-server -m MODEL.gguf",
     source="ggml-org/llama.cpp common/arg.cpp (--cpu-moe, --n-cpu-moe), common/common.h (LLM_FFN_EXPS_REGEX); "
-           "ik_llama.cpp takes the same flags; PR #27861 (--moe-expert-cache)",
+           "ik_llama.cpp takes the same flags; PR #27861 src/llama-moecache.cpp (--moe-expert-cache)",
     settings=settings,
-    limits="whole layers only: a layer's experts are one tensor, all in VRAM or all on the CPU")
+    limits="whole layers only: a layer's experts are one tensor, all in VRAM or all on the CPU; the per-expert "
+           "cache of PR #27861 (open) serves one-token passes only")

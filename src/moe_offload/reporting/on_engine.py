@@ -100,7 +100,7 @@ def score(setting: Setting, sample: Trace, scored: Trace, context: PlacementCont
     if setting.policy is None:  # not simulated: what is exact about it
         streamed = streamed_bytes_per_token(sample, setting.streamed_layers or [], context.expert_bytes)
         return SettingScore(setting, None, served_share(sample, setting.resident, spec), streamed, 0.0)
-    key = (setting.policy, repr(sorted(setting.options.items())))
+    key = setting.run_key()
     if key not in runs:
         runs[key] = run_setting(setting, sample, context)
     result = runs[key]

@@ -48,6 +48,11 @@ its room.
 Host compute (host.py): a miss the GPU's cache does not admit is computed on the host CPU from its copy
 there, beside the GPU's experts or, on a machine without a GPU, on the compute stream after them.
 
+Uploads between passes (``uploads``, uploads.py: llama.cpp PR #27861's cache). The GPU cache admits no miss
+when it happens: its misses run on the host, and after each pass the rule publishes the uploads that have
+landed and schedules some of the pass's misses as uploads, off the compute stream. A pass larger than the
+rule serves does not read the cache: all of its experts run on the host.
+
 Split experts (``split``, MoEpic, paper 004). The GPU is then not one cache of whole experts but, per layer,
 a cache of top segments and a buffer for the missing segments (simulator/split.py): a transfer into the
 GPU carries what the expert lacks there (its bottom segment when its top is cached, else all of it),
@@ -78,6 +83,7 @@ from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.simulator.timed.schedule import Arrivals, make_schedule
 from moe_offload.simulator.timed.needs import NextUses, layer_needs_with_rounds, routed_by_request
 from moe_offload.simulator.timed.tiers import TierNetwork
+from moe_offload.simulator.timed.uploads import UploadsBetweenPasses
 from moe_offload.simulator.transfers import home_tier
 from moe_offload.trace.format import PREFILL, Trace
 
@@ -88,7 +94,8 @@ class TimedRun:
     def __init__(self, trace: Trace, hardware: HardwareProfile, policy: str, cache_bytes: int, expert_bytes: int,
                  prefetcher: Prefetcher | None, arrivals: Arrivals, seed: int, policy_options: dict | None,
                  all_resident: bool, split: SplitConfig | None = None,
-                 reconfiguration: OnlineConfigurator | None = None, fetch_or_compute: bool = False):
+                 reconfiguration: OnlineConfigurator | None = None, fetch_or_compute: bool = False,
+                 uploads: UploadsBetweenPasses | None = None):
         meta = trace.meta
         self.trace, self.hardware, self.arrivals = trace, hardware, arrivals
         self.spec = spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
@@ -121,7 +128,7 @@ class TimedRun:
         elif split is not None:
             self.fast = self.split = SplitExperts(split, self.J, spec.top_k, expert_bytes, make)
         else:
-            rule = FetchOrCompute.on_profile(self.host.costs) if fetch_or_compute else None
+            rule = FetchOrCompute.on_profile(self.host.costs) if fetch_or_compute else uploads
             self.fast = cache(cache_bytes, rule)
             self.fast.preload(trace, ctx, expert_bytes)  # a static placement's experts, before the first pass
         # The home tier holds every expert from the start; the tiers between it and the GPU are caches.
@@ -135,6 +142,8 @@ class TimedRun:
                                home, expert_bytes, self.L, self.J, ctx, self.pinned, self.events, self.split,
                                self._next_use_after if self.offline else None, self.decisions)
         self.host.net = self.net
+        self.uploads = uploads
+        self.serving = True  # the GPU cache serves the current pass (module doc: Uploads between passes)
         self.reconfiguration = reconfiguration
         self.reconfigurations: list[dict] = []  # what each online reconfiguration chose, and its cost
         self.deliveries: list = []     # (time, order, iteration, proposals) of the asynchronous matcher
@@ -265,7 +274,7 @@ class TimedRun:
             if self.offline:
                 ctx.next_use = self.next_uses.at[self.clock]
             ctx.routed = routed[key]
-            hit = fast.touch(key, ctx)
+            hit = self.serving and fast.touch(key, ctx)
             prefetched = key in net.pending_use
             if prefetched:
                 net.pending_use.discard(key)
@@ -278,7 +287,7 @@ class TimedRun:
                 tier.touch(key, ctx)
             load = net.loads.get(key)
             # not admitted: computed on the host (module doc: Host compute)
-            if load is None and self.split is None and not fast.admits(key, ctx):
+            if load is None and self.split is None and (not self.serving or not fast.admits(key, ctx)):
                 self.bypassed += 1
                 self.per_layer_bypassed[layer] += 1
                 self.host.bypassed[key] = sum(ctx.routed.values())
@@ -375,6 +384,7 @@ class TimedRun:
             if trace.probs is not None:
                 ctx.probs = trace.probs[rows].astype(np.float32).mean(axis=0)
             view = RoutingView(trace, self.iteration, rows)
+            self.serving = self.uploads is None or self.uploads.serves(n)
             self.layer_now, self.passed_last_router = -1, False
             if self.prefetcher is not None:
                 self._consult(self.prefetcher.on_iteration_start, view)
@@ -395,6 +405,8 @@ class TimedRun:
             for request in requests:
                 token_times[request].append(self.now)
             spans.append((start, self.now, not (trace.phase[rows] == PREFILL).any()))
+            if self.uploads is not None:
+                self._upload_between_passes()
             if self.prefetcher is not None:
                 self.prefetcher.on_iteration_end(view)
                 seconds, on_inference_path = search_latency(self.prefetcher)
@@ -414,6 +426,15 @@ class TimedRun:
                     self.prefetcher.on_request_end(request)
             self.iteration += 1
         return {"arrival": arrival, "token_times": token_times, "spans": spans}
+
+    def _upload_between_passes(self) -> None:
+        """The step after a pass (uploads.py): publish, schedule; the uploads' bytes count on the host link."""
+        queue = self.net.queues[1]
+        scheduled = self.uploads.between_passes(self.fast, self.ctx, self.now, queue.link.transfer_seconds(self.E),
+                                                self.J, self.E)
+        queue.bytes_moved += len(scheduled) * self.E
+        for key, start, end in scheduled:
+            self.events.append((queue.link.name, "upload", start, end, key // self.J, key))
 
     def _reconfigure(self, plan: SplitConfig) -> None:
         """Apply MoEpic's new configuration between two passes (reconfigure.py): wait until nothing moves into

@@ -18,6 +18,7 @@ from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.simulator.timed.run import TimedRun
 from moe_offload.simulator.timed.schedule import Arrivals
 from moe_offload.simulator.timed.timeline import iteration_timeline
+from moe_offload.simulator.timed.uploads import UploadsBetweenPasses, check_uploads
 from moe_offload.simulator.transfers import home_tier
 from moe_offload.trace.format import Trace, read_trace
 from moe_offload.values import format_bytes, worker_count
@@ -58,7 +59,7 @@ def check_timed_run(trace: Trace, hardware: HardwareProfile, policy: str, cache_
                     expert_bytes: int, arrivals: Arrivals, split: SplitConfig | None = None,
                     split_source: str = "the split configuration",
                     reconfiguration: Reconfiguration | None = None, prefetcher: str | None = None,
-                    fetch_or_compute: bool = False) -> None:
+                    fetch_or_compute: bool = False, uploads: UploadsBetweenPasses | None = None) -> None:
     """Raise ConfigError when this run cannot be made: a cache that holds no expert, exceeds the GPU or
     is below what the policy needs (with ``split``, a split configuration the model or the GPU cannot run,
     named ``split_source`` in the message; ``cache_bytes`` is then unused); experts with no tier to live
@@ -99,11 +100,14 @@ def check_timed_run(trace: Trace, hardware: HardwareProfile, policy: str, cache_
             raise ConfigError(f"hardware {hardware.name}: tier {tier.name} ({format_bytes(tier.capacity_bytes)}) "
                               f"cannot hold one expert of {format_bytes(expert_bytes)}")
     policy_class = policy_info(policy).policy
-    bypassing = policy_class.static or fetch_or_compute
+    if uploads is not None:
+        check_uploads(policy_class.static, policy_info(policy).partitioned, prefetcher, home, hardware.name)
+    bypassing = policy_class.static or fetch_or_compute or uploads is not None
     if bypassing and hardware.host is None:
         raise ConfigError(f"hardware {hardware.name} has no [host] compute: "
                           + (f"{policy} computes its misses on the host" if policy_class.static
-                             else "the fetch-or-compute rule needs the host's time per expert"))
+                             else "the fetch-or-compute rule needs the host's time per expert" if fetch_or_compute
+                             else "uploads between passes compute the misses on the host"))
     if bypassing and len(hardware.tiers) < 2:
         raise ConfigError(f"hardware {hardware.name} has no host tier for bypassed experts to live in")
     if policy_class.places_or_bypasses and (split is not None or reconfiguration is not None):
@@ -122,7 +126,8 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
                    arrivals: Arrivals = Arrivals(), seed: int = 0, policy_options: dict | None = None,
                    timeline_iteration: int | None = None, name: str | None = None,
                    all_resident: bool = False, split: SplitConfig | None = None,
-                   reconfiguration: Reconfiguration | None = None, fetch_or_compute: bool = False) -> RunResult:
+                   reconfiguration: Reconfiguration | None = None, fetch_or_compute: bool = False,
+                   uploads: UploadsBetweenPasses | None = None) -> RunResult:
     """Run ``trace`` on ``hardware`` with ``policy`` on a GPU expert cache of ``cache_bytes`` and an optional
     prefetcher (a registry name, or an instance); ``all_resident`` runs the bound with every expert in the
     GPU from the start (no transfers; ``policy``, ``cache_bytes``, ``prefetcher``, ``split`` and
@@ -134,7 +139,8 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
     and the split configuration's Y when it gives them. ``fetch_or_compute`` bypasses a miss whenever the
     host computes it faster than it is fetched (Fiddler's rule, policies/fetch_or_compute.py); a static
     placement (static-freq, static-layers) bypasses every miss. Bypassed experts run on the profile's
-    ``[host]`` (run.py: Host compute)."""
+    ``[host]`` (run.py: Host compute). ``uploads`` (a fresh UploadsBetweenPasses, uploads.py) is llama.cpp PR
+    #27861's admission: misses run on the host and some are uploaded between passes."""
     meta = trace.meta
     expert_bytes = expert_bytes or meta.expert_bytes
     if not expert_bytes:
@@ -148,7 +154,7 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         check_timed_run(trace, hardware, policy, cache_bytes, expert_bytes, arrivals, split,
                         reconfiguration=reconfiguration,
                         prefetcher=prefetcher if isinstance(prefetcher, str) or prefetcher is None
-                        else prefetcher.name, fetch_or_compute=fetch_or_compute)
+                        else prefetcher.name, fetch_or_compute=fetch_or_compute, uploads=uploads)
         split = starting_split(trace, cache_bytes, expert_bytes, split, reconfiguration)
         if split is not None:
             cache_bytes = split.memory_bytes(meta.top_k, expert_bytes)
@@ -176,7 +182,8 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         online = OnlineConfigurator(reconfiguration, split, hardware, meta.num_layers, meta.num_experts, meta.top_k,
                                     expert_bytes)
     sim = TimedRun(trace, hardware, policy, cache_bytes, expert_bytes, instance, arrivals, seed, policy_options,
-                   all_resident, split, online, fetch_or_compute and not all_resident)
+                   all_resident, split, online, fetch_or_compute and not all_resident,
+                   None if all_resident else uploads)
     if sim.net.home > 1 and not all_resident:
         notes.append(f"{hardware.name}: the experts live in {hardware.tiers[sim.net.home].name}; "
                      + ", ".join(f"{t.name} caches {format_bytes(t.capacity_bytes)}"
@@ -203,7 +210,13 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
     if fetch_or_compute:
         notes.append("fetch-or-compute: a miss is computed on the host when that is predicted faster than "
                      "fetching it (Fiddler's rule)")
-    bypassing = (fetch_or_compute or policy_info(policy).policy.places_or_bypasses) and not all_resident
+    uploads = None if all_resident else uploads
+    if uploads is not None:
+        notes.append(f"uploads between passes (llama.cpp PR #27861): misses ran on the host; {uploads.uploads} "
+                     f"uploads scheduled (at most {uploads.inserts} per layer per pass), {uploads.published} "
+                     f"published; passes of more than {uploads.max_pass_tokens} token(s) ran every expert on the host")
+    bypassing = (fetch_or_compute or uploads is not None
+                 or policy_info(policy).policy.places_or_bypasses) and not all_resident
     return RunResult(
         trace=name or trace.path, policy=ALL_RESIDENT if all_resident else policy,
         # a split run's memory is fractional experts (tops of theta_i E bytes): the nearest whole number
@@ -214,7 +227,7 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         bypassed=sim.bypassed if bypassing else None,
         per_layer_bypassed=sim.per_layer_bypassed if bypassing else None,
         host_compute_seconds=sim.host_seconds if bypassing else None,
-        admission="fetch-or-compute" if fetch_or_compute else None,
+        admission="fetch-or-compute" if fetch_or_compute else uploads.name if uploads is not None else None,
         bytes_loaded=sim.net.queues[1].bytes_moved if sim.net.queues else 0,
         prefetches_issued=sim.net.issued if instance is not None else None,
         prefetches_used=sim.used if instance is not None else None,
