@@ -112,8 +112,9 @@ def test_llama_cpp_settings_at_a_budget(tiny_trace):
     assert ot.from_traffic and len(ot.options["cpu_layers"]) == 6
     assert layers_matched(ot.flags[-1].removesuffix("=CPU"), 8) == set(ot.options["cpu_layers"])
     assert by_label["--cpu-moe"].resident == []
-    cache = by_label["--cpu-moe --moe-expert-cache 2 (PR #27861)"]
-    assert cache.policy == "lru-dist" and cache.flags[-2:] == ["--moe-expert-cache", "2"]
+    # 20 // 8 = 2 experts of VRAM per layer: one slot and the PR's zero slot
+    cache = by_label["--cpu-moe --moe-expert-cache 1 (PR #27861)"]
+    assert cache.policy == "lru-dist" and cache.flags[-2:] == ["--moe-expert-cache", "1"] and cache.cache_slots == 8
 
 
 def test_ktransformers_masks_follow_kt_utils():

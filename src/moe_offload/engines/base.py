@@ -4,7 +4,8 @@ make, expressed with this project's own mechanisms), what a model is asked with,
 A setting is run by the one timed simulator (simulator/timed) with the one expert cache: its placement is a
 policy of the registry (static-layers, static-experts, lfru-dist, lru-dist) with its options, its misses are
 loaded or computed on the host by the cache's admission (simulator/cache.py; ``uploads``: llama.cpp PR
-#27861's uploads between passes, simulator/timed/uploads.py). A setting the simulator cannot run as the
+#27861's uploads between passes, simulator/timed/uploads.py; ``layerwise``: KTransformers' layerwise prefill
+and dynamic expert update, simulator/timed/layerwise.py). A setting the simulator cannot run as the
 engine does (``policy`` None) is reported by what is exact about it (its bytes) and says why.
 """
 
@@ -16,6 +17,7 @@ from typing import Callable
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies.base import ModelSpec
 from moe_offload.simulator.timed import simulate_timed
+from moe_offload.simulator.timed.layerwise import LayerwisePrefill
 from moe_offload.simulator.timed.uploads import UploadsBetweenPasses
 from moe_offload.trace.format import Trace
 
@@ -61,11 +63,11 @@ class Setting:
     streamed_layers: list[int] | None = None  # layers whose experts cross the link in every pass, never kept
     uploads: int | None = None  # uploads per layer per pass between passes (PR #27861's admission), or None
     cache_slots: int | None = None  # the experts its cache holds, where less than the budget (None: the budget)
-    refreshes: int | None = None  # KTransformers' dynamic update: passes between refreshes of the GPU experts
+    layerwise: tuple[int, bool] | None = None  # KTransformers' (prefill threshold, dynamic update), or None
 
     def run_key(self) -> tuple:
         """What its timed run depends on: settings of equal keys (SGLang's kt backend is KTransformers) run once."""
-        return (self.policy, repr(sorted(self.options.items())), self.uploads, self.cache_slots, self.refreshes)
+        return (self.policy, repr(sorted(self.options.items())), self.uploads, self.cache_slots, self.layerwise)
 
 
 @dataclass
@@ -85,9 +87,10 @@ def run_setting(setting: Setting, trace: Trace, context: PlacementContext, name:
     context's budget."""
     slots = context.slots if setting.cache_slots is None else setting.cache_slots
     uploads = UploadsBetweenPasses(setting.uploads) if setting.uploads is not None else None
+    layerwise = LayerwisePrefill(*setting.layerwise) if setting.layerwise is not None else None
     return simulate_timed(trace, context.hardware, setting.policy, slots * context.expert_bytes,
                           expert_bytes=context.expert_bytes, policy_options=setting.options, seed=context.seed,
-                          name=name, uploads=uploads)
+                          name=name, uploads=uploads, layerwise=layerwise)
 
 
 def layer_keys(layers, num_experts: int) -> list[int]:

@@ -20,10 +20,13 @@ Every expert not in the mask runs on the CPU (the wrapper masks its id to -1 for
 strategy is a static placement, ``static-experts`` with that mask. The frequency counts come from the profile
 (never from the scored traffic) and are exported in the loader's format (``write_statistics``).
 
-``--kt-enable-dynamic-expert-update`` (``_update_gpu_experts_from_batch`` in kt_ep_wrapper.py) replaces a
-layer's GPU experts, during a layerwise prefill (a batch of at least ``--kt-gpu-prefill-token-threshold``
-tokens), by the n most routed experts of that batch (``select_top_experts_from_batch``). The timed simulator
-has no such reconfiguration of a static placement, so it is named here and not scored.
+``--kt-gpu-prefill-token-threshold T --kt-enable-dynamic-expert-update`` (kvcache-ai/sglang
+python/sglang/srt/layers/moe/kt_ep_wrapper.py, ``apply``, ``_update_gpu_experts_from_batch``,
+``select_top_experts_from_batch``): a pass of at least T tokens runs each layer on a temporary full GPU layer
+(every expert of it brought over the link, none computed on the CPU), and with the update the layer's GPU
+experts then become the n most routed experts of that pass. Run as the code defines it by the timed
+simulator's layerwise prefill (simulator/timed/layerwise.py) on the ``frequency`` placement, with T the
+profile's median prompt pass: long prompts refresh the GPU experts, shorter ones and decoding use them.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from moe_offload.engines.base import EngineModel, PlacementContext, Setting
 from moe_offload.errors import ConfigError
 from moe_offload.outputs import atomic_output
 from moe_offload.policies._profile import expert_counts
+from moe_offload.simulator.timed.schedule import trace_iterations
+from moe_offload.trace.format import PREFILL
 
 STATISTICS_FILE = "kt-expert-frequency.pt"
 RANDOM_SEED = 42  # generate_random_masks' fixed seed
@@ -100,15 +105,33 @@ def settings(context: PlacementContext) -> list[Setting]:
     if chosen is not None:
         out.append(Setting("ktransformers", "random (seed 42)", common + ["random"], "static-experts",
                            resident=chosen))
+    threshold = median_prompt_pass(context.profile)
+    if threshold is not None:
+        frequency = out[2]
+        out.append(Setting("ktransformers", f"frequency, dynamic update at {threshold}+ token passes",
+                           frequency.flags + ["--kt-gpu-prefill-token-threshold", str(threshold),
+                                              "--kt-enable-dynamic-expert-update"],
+                           "static-experts", resident=frequency.resident, layerwise=(threshold, True),
+                           note=f"starts from the frequency placement; passes of {threshold} or more tokens run "
+                                "every expert on the GPU (whole layers over the link) and replace each layer's GPU "
+                                "experts by that pass's most routed",
+                           export=frequency.export, export_name=STATISTICS_FILE))
     for setting in out:
         setting.options = {"experts": setting.resident}
     return out
 
 
+def median_prompt_pass(trace) -> int | None:
+    """The median of the profile's prefill passes' token counts (rounded down), or None without prefill."""
+    sizes = [int(rows.size) for rows in trace_iterations(trace) if (trace.phase[rows] == PREFILL).any()]
+    return int(np.median(sizes)) if sizes else None
+
+
 ENGINE = EngineModel(
     name="ktransformers", command="python -m sglang.launch_server --model MODEL --kt-weight-path WEIGHTS",
-    source="kvcache-ai/sglang python/sglang/srt/layers/moe/kt_utils.py (masks), kvcache-ai/ktransformers "
-           "kt-kernel/python/experts_base.py (generate_gpu_experts_masks)",
+    source="kvcache-ai/sglang python/sglang/srt/layers/moe/kt_utils.py (masks), kt_ep_wrapper.py (layerwise prefill, "
+           "dynamic expert update), kvcache-ai/ktransformers kt-kernel/python/experts_base.py "
+           "(generate_gpu_experts_masks)",
     settings=settings,
-    limits="a fixed GPU set of n experts per layer on average; misses are computed on the CPU, never loaded "
-           "(its dynamic expert update, which reloads at long prefills, is not scored)")
+    limits="a GPU set of n experts per layer on average, changed only by a long prefill (dynamic update); "
+           "misses are computed on the CPU, never loaded")

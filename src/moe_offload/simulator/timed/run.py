@@ -53,6 +53,11 @@ when it happens: its misses run on the host, and after each pass the rule publis
 landed and schedules some of the pass's misses as uploads, off the compute stream. A pass larger than the
 rule serves does not read the cache: all of its experts run on the host.
 
+Layerwise prefill (``layerwise``, layerwise.py: KTransformers' full-GPU fallback). A pass of at least its
+threshold of tokens brings each layer's whole expert set to the GPU (the compute stream waits for it on the
+host link) and runs every routed expert there; with the dynamic update the layer's GPU experts then become
+that pass's most routed.
+
 Split experts (``split``, MoEpic, paper 004). The GPU is then not one cache of whole experts but, per layer,
 a cache of top segments and a buffer for the missing segments (simulator/split.py): a transfer into the
 GPU carries what the expert lacks there (its bottom segment when its top is cached, else all of it),
@@ -79,6 +84,7 @@ from moe_offload.simulator.cache import ExpertCache, PartitionedCache
 from moe_offload.simulator.split import SplitConfig, SplitExperts
 from moe_offload.simulator.timed.decisions import tier_decisions
 from moe_offload.simulator.timed.host import HostWork
+from moe_offload.simulator.timed.layerwise import LayerwisePrefill
 from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.simulator.timed.schedule import Arrivals, make_schedule
 from moe_offload.simulator.timed.needs import NextUses, layer_needs_with_rounds, routed_by_request
@@ -95,7 +101,7 @@ class TimedRun:
                  prefetcher: Prefetcher | None, arrivals: Arrivals, seed: int, policy_options: dict | None,
                  all_resident: bool, split: SplitConfig | None = None,
                  reconfiguration: OnlineConfigurator | None = None, fetch_or_compute: bool = False,
-                 uploads: UploadsBetweenPasses | None = None):
+                 uploads: UploadsBetweenPasses | None = None, layerwise: LayerwisePrefill | None = None):
         meta = trace.meta
         self.trace, self.hardware, self.arrivals = trace, hardware, arrivals
         self.spec = spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
@@ -144,6 +150,9 @@ class TimedRun:
         self.host.net = self.net
         self.uploads = uploads
         self.serving = True  # the GPU cache serves the current pass (module doc: Uploads between passes)
+        self.layerwise = layerwise
+        self.fallback = False      # the current pass brings whole layers to the GPU (module doc: Layerwise prefill)
+        self.with_layer: set = set()  # the current layer's routed experts that came with its whole set
         self.reconfiguration = reconfiguration
         self.reconfigurations: list[dict] = []  # what each online reconfiguration chose, and its cost
         self.deliveries: list = []     # (time, order, iteration, proposals) of the asynchronous matcher
@@ -263,6 +272,9 @@ class TimedRun:
         misses."""
         ctx, fast = self.ctx, self.fast
         self.pinned.update(keys)
+        if self.fallback:
+            self._bring_whole_layer(layer, keys)
+            return
         if self.split is not None:
             self.split.drop_unneeded(layer, set(keys))
         net = self.net
@@ -304,9 +316,29 @@ class TimedRun:
         net.drop_prefetches_of(layer)
         net.kick()
 
+    def _bring_whole_layer(self, layer: int, keys: list[int]) -> None:
+        """A fallback pass (layerwise.py): the layer's J experts cross the host link while the compute stream
+        waits; its routed experts then all run on the GPU, the resident ones counted as hits."""
+        queue = self.net.queues[1]
+        start = self.now
+        self._advance_to(start + queue.link.transfer_seconds(self.J * self.E))
+        queue.bytes_moved += self.J * self.E
+        self.events.append((queue.link.name, "layer", start, self.now, layer, -1))
+        self.events.append(("stall", "stall", start, self.now, layer, -1))
+        self.per_layer_stall[layer] += self.now - start
+        hits = sum(key in self.fast for key in keys)
+        self.clock += len(keys)
+        self.hits += hits
+        self.per_layer_hits[layer] += hits
+        self.accesses += len(keys)
+        self.per_layer_accesses[layer] += len(keys)
+        self.with_layer = set(keys)
+
     def _part_ready(self, key: int, top_done: bool) -> bool:
-        """Whether the next part of expert ``key`` can run: all of it once resident; split, its top share
-        once it has its top, the rest once it is complete."""
+        """Whether the next part of expert ``key`` can run: all of it once resident (or come with its whole
+        layer); split, its top share once it has its top, the rest once it is complete."""
+        if key in self.with_layer:
+            return True
         if self.split is None or top_done or key in self.fast:
             return key in self.fast
         return self.split.has_top(key)
@@ -355,6 +387,9 @@ class TimedRun:
             self.net.kick()
         for key, routed in on_stream:
             self._compute(host.on_stream_seconds(key, routed), "host", layer, key)
+        if self.fallback:
+            self.layerwise.update(self.fast, self.ctx, layer, keys, counts, self.J, self.E)
+            self.with_layer = set()
         if host_done > self.now:  # the layer is done when the host's share is
             start = self.now
             self._advance_to(host_done)
@@ -385,6 +420,8 @@ class TimedRun:
                 ctx.probs = trace.probs[rows].astype(np.float32).mean(axis=0)
             view = RoutingView(trace, self.iteration, rows)
             self.serving = self.uploads is None or self.uploads.serves(n)
+            self.fallback = self.layerwise is not None and self.layerwise.takes(n)
+            self.layerwise.passes += self.fallback if self.layerwise is not None else 0
             self.layer_now, self.passed_last_router = -1, False
             if self.prefetcher is not None:
                 self._consult(self.prefetcher.on_iteration_start, view)

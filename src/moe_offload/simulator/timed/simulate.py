@@ -17,6 +17,7 @@ from moe_offload.simulator.split import SplitConfig, read_split_config
 from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.simulator.timed.run import TimedRun
 from moe_offload.simulator.timed.schedule import Arrivals
+from moe_offload.simulator.timed.layerwise import LayerwisePrefill, check_layerwise
 from moe_offload.simulator.timed.timeline import iteration_timeline
 from moe_offload.simulator.timed.uploads import UploadsBetweenPasses, check_uploads
 from moe_offload.simulator.transfers import home_tier
@@ -59,7 +60,8 @@ def check_timed_run(trace: Trace, hardware: HardwareProfile, policy: str, cache_
                     expert_bytes: int, arrivals: Arrivals, split: SplitConfig | None = None,
                     split_source: str = "the split configuration",
                     reconfiguration: Reconfiguration | None = None, prefetcher: str | None = None,
-                    fetch_or_compute: bool = False, uploads: UploadsBetweenPasses | None = None) -> None:
+                    fetch_or_compute: bool = False, uploads: UploadsBetweenPasses | None = None,
+                    layerwise: LayerwisePrefill | None = None) -> None:
     """Raise ConfigError when this run cannot be made: a cache that holds no expert, exceeds the GPU or
     is below what the policy needs (with ``split``, a split configuration the model or the GPU cannot run,
     named ``split_source`` in the message; ``cache_bytes`` is then unused); experts with no tier to live
@@ -100,6 +102,8 @@ def check_timed_run(trace: Trace, hardware: HardwareProfile, policy: str, cache_
             raise ConfigError(f"hardware {hardware.name}: tier {tier.name} ({format_bytes(tier.capacity_bytes)}) "
                               f"cannot hold one expert of {format_bytes(expert_bytes)}")
     policy_class = policy_info(policy).policy
+    if layerwise is not None:
+        check_layerwise(policy_class.static, policy_info(policy).partitioned)
     if uploads is not None:
         check_uploads(policy_class.static, policy_info(policy).partitioned, prefetcher, home, hardware.name)
     bypassing = policy_class.static or fetch_or_compute or uploads is not None
@@ -127,7 +131,8 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
                    timeline_iteration: int | None = None, name: str | None = None,
                    all_resident: bool = False, split: SplitConfig | None = None,
                    reconfiguration: Reconfiguration | None = None, fetch_or_compute: bool = False,
-                   uploads: UploadsBetweenPasses | None = None) -> RunResult:
+                   uploads: UploadsBetweenPasses | None = None,
+                   layerwise: LayerwisePrefill | None = None) -> RunResult:
     """Run ``trace`` on ``hardware`` with ``policy`` on a GPU expert cache of ``cache_bytes`` and an optional
     prefetcher (a registry name, or an instance); ``all_resident`` runs the bound with every expert in the
     GPU from the start (no transfers; ``policy``, ``cache_bytes``, ``prefetcher``, ``split`` and
@@ -140,7 +145,9 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
     host computes it faster than it is fetched (Fiddler's rule, policies/fetch_or_compute.py); a static
     placement (static-freq, static-layers) bypasses every miss. Bypassed experts run on the profile's
     ``[host]`` (run.py: Host compute). ``uploads`` (a fresh UploadsBetweenPasses, uploads.py) is llama.cpp PR
-    #27861's admission: misses run on the host and some are uploaded between passes."""
+    #27861's admission: misses run on the host and some are uploaded between passes. ``layerwise`` (a fresh
+    LayerwisePrefill, layerwise.py) is KTransformers' full-GPU fallback for long passes and its dynamic update
+    of a static placement's GPU experts."""
     meta = trace.meta
     expert_bytes = expert_bytes or meta.expert_bytes
     if not expert_bytes:
@@ -154,7 +161,7 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         check_timed_run(trace, hardware, policy, cache_bytes, expert_bytes, arrivals, split,
                         reconfiguration=reconfiguration,
                         prefetcher=prefetcher if isinstance(prefetcher, str) or prefetcher is None
-                        else prefetcher.name, fetch_or_compute=fetch_or_compute, uploads=uploads)
+                        else prefetcher.name, fetch_or_compute=fetch_or_compute, uploads=uploads, layerwise=layerwise)
         split = starting_split(trace, cache_bytes, expert_bytes, split, reconfiguration)
         if split is not None:
             cache_bytes = split.memory_bytes(meta.top_k, expert_bytes)
@@ -183,7 +190,7 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
                                     expert_bytes)
     sim = TimedRun(trace, hardware, policy, cache_bytes, expert_bytes, instance, arrivals, seed, policy_options,
                    all_resident, split, online, fetch_or_compute and not all_resident,
-                   None if all_resident else uploads)
+                   None if all_resident else uploads, None if all_resident else layerwise)
     if sim.net.home > 1 and not all_resident:
         notes.append(f"{hardware.name}: the experts live in {hardware.tiers[sim.net.home].name}; "
                      + ", ".join(f"{t.name} caches {format_bytes(t.capacity_bytes)}"
@@ -211,6 +218,12 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         notes.append("fetch-or-compute: a miss is computed on the host when that is predicted faster than "
                      "fetching it (Fiddler's rule)")
     uploads = None if all_resident else uploads
+    layerwise = None if all_resident else layerwise
+    if layerwise is not None:
+        notes.append(f"layerwise prefill (KTransformers): {layerwise.passes} passes of at least {layerwise.threshold} "
+                     "tokens brought every layer's experts to the GPU"
+                     + (f"; the dynamic update replaced {layerwise.replaced} GPU experts" if layerwise.dynamic_update
+                        else ""))
     if uploads is not None:
         notes.append(f"uploads between passes (llama.cpp PR #27861): misses ran on the host; {uploads.uploads} "
                      f"uploads scheduled (at most {uploads.inserts} per layer per pass), {uploads.published} "
