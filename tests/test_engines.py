@@ -207,3 +207,35 @@ def test_a_drifting_hot_set_scores_below_hindsight_and_the_report_says_so():
 def test_a_separate_profile_chooses_and_the_whole_trace_scores(tiny_trace):
     split = split_trace(tiny_trace, profile=tiny_trace.select(slice(0, 100)), profile_name="p.parquet")
     assert split.scored is tiny_trace and split.profile.num_tokens == 100 and "p.parquet" in split.how
+
+
+def test_vllm_offloads_the_tensor_prefix_its_flag_names():
+    """uva.py: layers in order, w13 (two thirds of the experts' bytes) before w2, a tensor offloaded while the
+    bytes so far are below int(G * 2^30); the printed G offloads exactly the prefix that fits the budget."""
+    from moe_offload.engines.vllm import (expert_tensors, gib_for, offloaded_by, offloaded_prefix, settings,
+                                          streamed_bytes_per_token, streamed_share)
+
+    L, J, E = 4, 6, 3 * 1000 * 700 * 2
+    tensors = expert_tensors(L, J, E)
+    assert [(layer, name) for layer, name, _ in tensors[:3]] == [(0, "w13_weight"), (0, "w2_weight"),
+                                                                  (1, "w13_weight")]
+    assert tensors[0][2] == 2 * J * E // 3 and tensors[0][2] + tensors[1][2] == J * E
+    # room for 17 of 24 experts: 7 must go; w13(0) offloads 4, w2(0) 2 more, w13(1) 4 more: three tensors
+    assert offloaded_prefix(L, J, E, 17) == 3
+    # room for 18: exactly the first layer's two tensors
+    assert offloaded_prefix(L, J, E, 18) == 2
+    for count in range(1, 2 * L + 1):
+        gib = gib_for(tensors, count)
+        assert offloaded_by(float(gib), tensors) == count, (count, gib)
+    share = streamed_share(tensors, 3, J, E)
+    assert share[0] == 1.0 and share[1] == pytest.approx(2 / 3)
+    # one pass of two tokens: layer 0 routes {0, 1, 2}, layer 1 {0, 1}: (3 + 2 * 2/3) experts' bytes, 2 tokens
+    meta = TraceMeta(model="hand", num_layers=L, num_experts=J, top_k=2, expert_bytes=E)
+    routes = np.array([[[0, 1], [0, 1], [0, 1], [0, 1]], [[1, 2], [1, 0], [2, 3], [4, 5]]])
+    trace = Trace.build(meta, routes, request=[0, 1], iteration=[0, 0])
+    assert streamed_bytes_per_token(trace, share, E) == pytest.approx((3 + 2 * 2 / 3) * E / 2)
+    context = PlacementContext(ModelSpec(L, J, 2), 17, trace, HARDWARE, E)
+    setting = next(s for s in settings(context) if s.policy is None)
+    assert setting.flags[:2] == ["--cpu-offload-gb", gib_for(tensors, 3)]
+    assert setting.label.endswith("(layer 0's experts, gate and up of layer 1)")
+    assert setting.resident == list(range(2 * J, 4 * J))

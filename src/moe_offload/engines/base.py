@@ -60,7 +60,7 @@ class Setting:
     note: str = ""
     export: Callable[[str], None] | None = None
     export_name: str | None = None  # the file name ``flags`` refer to
-    streamed_layers: list[int] | None = None  # layers whose experts cross the link in every pass, never kept
+    streamed: dict[int, float] | None = None  # per layer, the share of each expert read over the link every pass
     uploads: int | None = None  # uploads per layer per pass between passes (PR #27861's admission), or None
     cache_slots: int | None = None  # the experts its cache holds, where less than the budget (None: the budget)
     layerwise: tuple[int, bool] | None = None  # KTransformers' (prefill threshold, dynamic update), or None

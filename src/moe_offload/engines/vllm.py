@@ -1,23 +1,36 @@
 """vLLM: whole expert tensors read from host memory in every forward pass, or the per-expert LFRU cache of its
 PR #37190.
 
-* ``--cpu-offload-gb G --cpu-offload-params experts`` (vllm-project/vllm vllm/config, OffloadConfig's
-  ``cpu_offload_params``: parameter name segments, ``experts`` matching ``mlp.experts.w13_weight`` and
-  ``w2_weight``; vllm/model_executor/offloader/uva.py ``UVAOffloader``): the decoder layers are wrapped in
-  order, and the matching parameters of the first layers move to pinned host memory until G GiB are
-  offloaded. With UVA (the default where available) the GPU reads them over the link in place, in every
-  forward pass; without it (``VLLM_WEIGHT_OFFLOADING_DISABLE_UVA``) each offloaded module's whole state is
-  copied to the GPU before its forward. Nothing is kept: with room for F = floor(C / J) layers, the first
-  L - F layers' experts cross the link in every pass, at least the routed ones (UVA reads what the kernel
-  touches). The timed simulator has no expert read in place and never kept, so this setting is reported by
-  its bytes: the distinct experts each pass routes in the offloaded layers, times the expert size, per token
-  (``streamed_bytes_per_token``), a lower bound on what crosses the link.
-* ``--moe-expert-cache-size N`` (PR #37190, open, not merged; ``CachedWeightProvider``): every layer keeps
-  a GPU cache of N experts, a miss is copied from pinned host memory on demand (synchronously, in
-  ``prepare()``), and the victim is chosen by LFRU: ``lfru-dist`` (policies/lfru.py, the rule derived there).
+``--cpu-offload-gb G --cpu-offload-params experts`` (vllm-project/vllm vllm/model_executor/offloader/uva.py,
+``UVAOffloader``; built with ``cpu_offload_max_bytes = int(G * 1024**3)``, offloader/__init__.py). What it
+offloads, in order: the decoder layers are wrapped one after another from the first, and within a layer its
+parameters in registration order; a parameter is offloaded when its name has ``experts`` as a whole segment
+(``mlp.experts.w13_weight``, ``mlp.experts.w2_weight``) and the bytes offloaded so far are below the budget, so
+the last one offloaded may overshoot it. A FusedMoE layer registers ``w13_weight`` (gate and up of all its
+experts, two thirds of their bytes) before ``w2_weight`` (down, one third). So G offloads a prefix of the
+sequence w13(0), w2(0), w13(1), w2(1), ...: the first layers' experts entirely, and possibly the gate and up
+of the next layer's experts with its down kept in VRAM. ``offloaded_prefix`` finds the shortest prefix that
+leaves the rest in the budget, and ``gib_for`` the G that offloads exactly it (a G printed rounded up
+would offload one tensor more).
+
+Nothing offloaded is ever kept in VRAM. With UVA (the default where the platform has it) the offloaded tensors
+are views of pinned host memory: the MoE kernel reads the experts it is routed to over the link, in every
+pass, at least once each. Without UVA (``VLLM_WEIGHT_OFFLOADING_DISABLE_UVA``) the wrapped layer's whole state
+is copied to the GPU before each forward: every offloaded byte crosses in every pass. The timed simulator has
+no read in place that is never kept (its cache admits an expert or computes it on the host), so this setting
+is reported by what is exact about it: its resident experts (those with no offloaded tensor, the share of
+requests they serve) and the bytes per token UVA reads at the least, the distinct experts each pass routes
+in the offloaded layers times the offloaded share of an expert (``streamed_bytes_per_token``). These two
+are exact for the placement; only its time is left out.
+
+``--moe-expert-cache-size N`` (PR #37190, open, not merged; ``CachedWeightProvider``): every layer keeps
+a GPU cache of N experts, a miss is copied from pinned host memory on demand (synchronously, in
+``prepare()``), and the victim is chosen by LFRU: ``lfru-dist`` (policies/lfru.py, the rule derived there).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -25,33 +38,94 @@ from moe_offload.engines.base import EngineModel, PlacementContext, Setting, lay
 from moe_offload.simulator.timed.schedule import trace_iterations
 from moe_offload.trace.format import Trace
 
+GIB = 1024**3
 
-def streamed_bytes_per_token(trace: Trace, layers, expert_bytes: int) -> float:
-    """The distinct experts each of ``trace``'s passes routes in ``layers``, times ``expert_bytes``, per token."""
-    layers = sorted(layers)
-    if not layers or trace.num_tokens == 0:
-        return 0.0
+
+def expert_tensors(num_layers: int, num_experts: int, expert_bytes: int) -> list[tuple[int, str, int]]:
+    """(layer, name, bytes) of the expert tensors in the order vLLM offloads them: w13 (gate and up, two
+    thirds of each expert) then w2 (down), layer by layer."""
+    w13 = 2 * num_experts * expert_bytes // 3
+    return [item for layer in range(num_layers)
+            for item in ((layer, "w13_weight", w13), (layer, "w2_weight", num_experts * expert_bytes - w13))]
+
+
+def offloaded_prefix(num_layers: int, num_experts: int, expert_bytes: int, room_experts: int) -> int:
+    """How many tensors of ``expert_tensors`` must be offloaded for the rest to fit in ``room_experts``."""
+    tensors = expert_tensors(num_layers, num_experts, expert_bytes)
+    excess = (num_layers * num_experts - room_experts) * expert_bytes
     total = 0
+    for count, (_, _, nbytes) in enumerate(tensors):
+        if total >= excess:
+            return count
+        total += nbytes
+    return len(tensors)
+
+
+def gib_for(tensors: list[tuple[int, str, int]], count: int) -> str:
+    """The ``--cpu-offload-gb`` value that offloads exactly the first ``count`` tensors: the shortest decimal G
+    with sum(first count - 1) < int(G * 2^30) <= sum(first count)."""
+    sums = np.cumsum([0] + [nbytes for _, _, nbytes in tensors])
+    low, high = int(sums[count - 1]), int(sums[count])
+    for digits in range(1, 16):
+        value = math.floor(high / GIB * 10**digits) / 10**digits
+        if low < int(value * GIB) <= high:
+            return f"{value:.{digits}f}"
+    raise ValueError("no decimal offloads exactly these tensors")  # unreachable: at 15 digits value * 2^30 == high
+
+
+def offloaded_by(gib: float, tensors: list[tuple[int, str, int]]) -> int:
+    """How many tensors UVAOffloader offloads with ``--cpu-offload-gb gib`` (uva.py: it offloads a tensor while
+    the bytes so far are below the budget)."""
+    budget, total, count = int(gib * GIB), 0, 0
+    for _, _, nbytes in tensors:
+        if total >= budget:
+            break
+        total += nbytes
+        count += 1
+    return count
+
+
+def streamed_share(tensors: list[tuple[int, str, int]], count: int, num_experts: int,
+                   expert_bytes: int) -> dict[int, float]:
+    """Per layer with an offloaded tensor among the first ``count``, the share of each of its experts' bytes
+    that is offloaded (1 when both of its tensors are)."""
+    offloaded: dict[int, int] = {}
+    for layer, _, nbytes in tensors[:count]:
+        offloaded[layer] = offloaded.get(layer, 0) + nbytes
+    return {layer: nbytes / (num_experts * expert_bytes) for layer, nbytes in offloaded.items()}
+
+
+def streamed_bytes_per_token(trace: Trace, streamed: dict[int, float], expert_bytes: int) -> float:
+    """The distinct experts each of ``trace``'s passes routes in the ``streamed`` layers, times the offloaded
+    share of their bytes, per token: what UVA reads over the link at the least."""
+    if not streamed or trace.num_tokens == 0:
+        return 0.0
+    layers = sorted(streamed)
+    total = 0.0
     for rows in trace_iterations(trace):
         routed = trace.experts[rows][:, layers, :]
-        total += sum(np.unique(routed[:, i, :]).size for i in range(len(layers)))
+        total += sum(np.unique(routed[:, i, :]).size * streamed[layer] for i, layer in enumerate(layers))
     return total * expert_bytes / trace.num_tokens
 
 
 def settings(context: PlacementContext) -> list[Setting]:
     spec = context.spec
     L, J = spec.num_layers, spec.num_experts
-    fit = min(L, context.slots // J)
-    offloaded = list(range(L - fit))
     out = []
-    if offloaded and context.expert_bytes:
-        gib = len(offloaded) * J * context.expert_bytes / 2**30
-        setting = Setting("vllm", f"--cpu-offload-gb {gib:.4g} (first {len(offloaded)} layers' experts)",
-                          ["--cpu-offload-gb", f"{gib:.4g}", "--cpu-offload-params", "experts"], None,
-                          resident=layer_keys(range(L - fit, L), J),
-                          note="read over the link in every pass, never kept (UVA): not simulated, bytes only",
-                          streamed_layers=offloaded)
-        out.append(setting)
+    if context.slots < L * J and context.expert_bytes:
+        tensors = expert_tensors(L, J, context.expert_bytes)
+        count = offloaded_prefix(L, J, context.expert_bytes, context.slots)
+        gib = gib_for(tensors, count)
+        streamed = streamed_share(tensors, count, J, context.expert_bytes)
+        layers = count // 2
+        parts = ([f"the first {layers} layers' experts" if layers > 1 else "layer 0's experts"] if layers else []) \
+            + ([f"gate and up of layer {layers}"] if count % 2 else [])
+        out.append(Setting("vllm", f"--cpu-offload-gb {gib} ({', '.join(parts)})",
+                           ["--cpu-offload-gb", gib, "--cpu-offload-params", "experts"], None,
+                           resident=layer_keys([l for l in range(L) if l not in streamed], J),
+                           note="read over the link in every pass, never kept (UVA): its placement and bytes are "
+                                "exact, its time is not simulated",
+                           streamed=streamed))
     per_layer = context.slots // L
     if per_layer >= 1:
         out.append(Setting("vllm", f"--moe-expert-cache-size {per_layer} (PR #37190)",
@@ -66,5 +140,5 @@ ENGINE = EngineModel(
     source="vllm-project/vllm vllm/model_executor/offloader/uva.py (--cpu-offload-gb, --cpu-offload-params); "
            "PR #37190 (--moe-expert-cache-size, LFRU)",
     settings=settings,
-    limits="released vLLM offloads whole tensors of the first layers, read over the link in every pass; a "
-           "per-expert cache exists only in the open PR #37190")
+    limits="released vLLM offloads whole expert tensors of the first layers (gate and up, then down), read over "
+           "the link in every pass and never kept; a per-expert cache exists only in the open PR #37190")

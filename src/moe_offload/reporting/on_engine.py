@@ -98,7 +98,7 @@ def score(setting: Setting, sample: Trace, scored: Trace, context: PlacementCont
     two engines express alike (SGLang's kt backend is KTransformers) runs once."""
     spec = context.spec
     if setting.policy is None:  # not simulated: what is exact about it
-        streamed = streamed_bytes_per_token(sample, setting.streamed_layers or [], context.expert_bytes)
+        streamed = streamed_bytes_per_token(sample, setting.streamed or {}, context.expert_bytes)
         return SettingScore(setting, None, served_share(sample, setting.resident, spec), streamed, 0.0)
     key = setting.run_key()
     if key not in runs:

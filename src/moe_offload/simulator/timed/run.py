@@ -421,7 +421,8 @@ class TimedRun:
             view = RoutingView(trace, self.iteration, rows)
             self.serving = self.uploads is None or self.uploads.serves(n)
             self.fallback = self.layerwise is not None and self.layerwise.takes(n)
-            self.layerwise.passes += self.fallback if self.layerwise is not None else 0
+            if self.fallback:
+                self.layerwise.passes += 1
             self.layer_now, self.passed_last_router = -1, False
             if self.prefetcher is not None:
                 self._consult(self.prefetcher.on_iteration_start, view)
