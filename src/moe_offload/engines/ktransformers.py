@@ -122,8 +122,10 @@ def settings(context: PlacementContext) -> list[Setting]:
 
 
 def median_prompt_pass(trace) -> int | None:
-    """The median of the profile's prefill passes' token counts (rounded down), or None without prefill."""
-    sizes = [int(rows.size) for rows in trace_iterations(trace) if (trace.phase[rows] == PREFILL).any()]
+    """The median of the token counts of the profile's prefill passes of more than one token (rounded down), or
+    None without such a pass (a threshold of one token would send every decoding step down the fallback)."""
+    sizes = [int(rows.size) for rows in trace_iterations(trace)
+             if rows.size > 1 and (trace.phase[rows] == PREFILL).any()]
     return int(np.median(sizes)) if sizes else None
 
 
