@@ -67,7 +67,11 @@ class LayerwisePrefill:
         self.replaced += len(leaving)
 
 
-def check_layerwise(policy_static: bool, partitioned: bool) -> None:
-    """ConfigError unless the run is a static placement on one cache, as KTransformers' GPU experts are."""
+def check_layerwise(policy_static: bool, partitioned: bool, home: int | None, hardware_name: str) -> None:
+    """ConfigError unless the run is a static placement on one cache, as KTransformers' GPU experts are, with the
+    experts in host memory (the tier after the GPU), where the backend keeps them."""
     if not policy_static or partitioned:
         raise ConfigError(f"{SOURCE} replaces a static placement's GPU experts: give static-experts")
+    if home != 1:
+        raise ConfigError(f"hardware {hardware_name}: {SOURCE} brings layers from host memory, but the experts do "
+                          "not fit in the tier after the GPU")

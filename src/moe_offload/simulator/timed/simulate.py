@@ -103,7 +103,7 @@ def check_timed_run(trace: Trace, hardware: HardwareProfile, policy: str, cache_
                               f"cannot hold one expert of {format_bytes(expert_bytes)}")
     policy_class = policy_info(policy).policy
     if layerwise is not None:
-        check_layerwise(policy_class.static, policy_info(policy).partitioned)
+        check_layerwise(policy_class.static, policy_info(policy).partitioned, home, hardware.name)
     if uploads is not None:
         check_uploads(policy_class.static, policy_info(policy).partitioned, prefetcher, home, hardware.name)
     bypassing = policy_class.static or fetch_or_compute or uploads is not None
