@@ -206,7 +206,7 @@ output = "big.parquet"
 
 def test_a_large_sweep_prints_a_summary_and_the_tables_on_request(sweep_file, capsys):
     from moe_offload.cli.sweep_cmd import FULL_TABLES_UP_TO
-    from moe_offload.policies import POLICIES
+    from moe_offload.policies import default_policies
 
     big = sweep_file.parent / "big.toml"
     big.write_text(BIG_SWEEP)
@@ -218,7 +218,7 @@ def test_a_large_sweep_prints_a_summary_and_the_tables_on_request(sweep_file, ca
     assert lines[0] == "seed 0" and lines[2] == "seed 1" and len(lines) == 4  # one line per trace and seed
     lines = lines[1::2]
     assert all(line.startswith("zipf.parquet: ") for line in lines)
-    assert f"{len(POLICIES)} policies at 5 cache sizes; best online policy  k=4: " in lines[0]
+    assert f"{len(default_policies())} policies at 5 cache sizes; best online policy  k=4: " in lines[0]
     assert f"a summary of {len(cells)} cells: --tables prints every table" in captured.err
     assert main(["sweep", str(big), "--jobs", "1", "--tables"]) == 0  # nothing left to run: the tables only
     out = capsys.readouterr().out
