@@ -4,7 +4,6 @@ run uncompiled (how they are checked without Numba); engine choice, errors, and 
 
 from __future__ import annotations
 
-import inspect
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ import pytest
 from conftest import QWEN_FILES
 from moe_offload.bundled import DEFAULT_TRACE
 from moe_offload.errors import ConfigError
-from moe_offload.policies import POLICIES
+from moe_offload.policies import POLICIES, default_policies
 from moe_offload.simulator import kernels
 from moe_offload.simulator.replay import ReplayInput, replay, replay_grid
 from moe_offload.trace.format import read_trace
@@ -22,15 +21,8 @@ from moe_offload.trace.importers import import_routes_json, import_topk_jsonl
 from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
 
 
-def runs_without_options(policy_class) -> bool:
-    """Whether every option of the policy's constructor has a default (static-experts may need its experts:
-    tested with them below)."""
-    return all(parameter.default is not parameter.empty or parameter.kind is parameter.VAR_KEYWORD
-               for name, parameter in inspect.signature(policy_class).parameters.items() if name != "spec")
-
-
-COMPILED = [name for name, info in POLICIES.items()
-            if info.policy.replay_kernel is not None and runs_without_options(info.policy)]
+# every policy with a kernel that runs without options (static-experts needs its experts: tested with them below)
+COMPILED = [name for name in default_policies() if POLICIES[name].policy.replay_kernel is not None]
 SEEDED = ("random", "marking", "lecar")  # the policies whose victims the seed draws
 needs_numba = pytest.mark.skipif(not kernels.numba_available(), reason="Numba is not installed")
 
