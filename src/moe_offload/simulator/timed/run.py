@@ -17,9 +17,8 @@ the transfer queues (simulator/transfers.py), which order them; proposals for la
 this iteration are ignored, and when a layer is routed its waiting prefetches are dropped (the needed
 ones become demand loads). Once the last layer is routed every layer is ahead again: what is proposed
 from then on (MoEpic's layer 0 of the next token) is for the next pass, and is dropped when that pass
-routes its layer. A prefetcher that searches a history (``search_latency``) is charged: on the
-compute stream when the search is on the inference path (MoE-Infinity), otherwise on its own matcher
-timeline, its proposals reaching the queues only when the search is done (fMoE's asynchronous matcher).
+routes its layer. A prefetcher's searches are charged as stream.py says, where the
+virtual clock and the work on the compute stream are.
 
 How AccessContext maps onto the timed model (the replay fills the same fields, see policies/base.py):
 
@@ -69,8 +68,6 @@ split configuration changes every tau tokens, between two passes, as MoEpic's on
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 
 import numpy as np
@@ -87,6 +84,7 @@ from moe_offload.simulator.timed.host import HostWork
 from moe_offload.simulator.timed.layerwise import LayerwisePrefill
 from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.simulator.timed.schedule import Arrivals, make_schedule
+from moe_offload.simulator.timed.stream import ComputeStream
 from moe_offload.simulator.timed.needs import NextUses, layer_needs_with_rounds, routed_by_request
 from moe_offload.simulator.timed.tiers import TierNetwork
 from moe_offload.simulator.timed.uploads import UploadsBetweenPasses
@@ -94,7 +92,7 @@ from moe_offload.simulator.transfers import home_tier
 from moe_offload.trace.format import PREFILL, Trace
 
 
-class TimedRun:
+class TimedRun(ComputeStream):
     """One timed run: build it, then ``run()`` (see the module doc)."""
 
     def __init__(self, trace: Trace, hardware: HardwareProfile, policy: str, cache_bytes: int, expert_bytes: int,
@@ -106,9 +104,7 @@ class TimedRun:
         self.trace, self.hardware, self.arrivals = trace, hardware, arrivals
         self.spec = spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
         self.L, self.J, self.E = spec.num_layers, spec.num_experts, expert_bytes
-        self.prefetcher = prefetcher
-        self.compute = hardware.compute
-        self.events: list = []         # (lane, kind, start, end, layer, key)
+        super().__init__(hardware.compute, prefetcher)
         self.host = HostWork(hardware, expert_bytes, meta.hidden_size, self.events)  # bypassed experts (host.py)
         info = policy_info(policy)
         self.offline = info.offline and not all_resident
@@ -155,9 +151,6 @@ class TimedRun:
         self.with_layer: set = set()  # the current layer's routed experts that came with its whole set
         self.reconfiguration = reconfiguration
         self.reconfigurations: list[dict] = []  # what each online reconfiguration chose, and its cost
-        self.deliveries: list = []     # (time, order, iteration, proposals) of the asynchronous matcher
-        self.delivery_order = itertools.count()
-        self.matcher_free = 0.0
         self.clock = -1
         self.rounds = 0  # the replay's rounds before the current pass: K per token (AccessContext.round)
         self.iteration = 0
@@ -168,7 +161,6 @@ class TimedRun:
         self.per_layer_accesses = [0] * self.L
         self.per_layer_hits = [0] * self.L
         self.per_layer_stall = [0.0] * self.L
-        self.search_seconds = 0.0
         self.schedule = make_schedule(trace, arrivals)
         # offline policies: each key's next access in the timed access order (needs.py)
         self.next_uses = NextUses(trace, self.L, self.J) if self.offline else None
@@ -178,91 +170,8 @@ class TimedRun:
         """The host CPU's time on bypassed experts in this run."""
         return self.host.seconds
 
-    # The tier network keeps the time and the routed layer: its transfers start and land by them.
-    @property
-    def now(self) -> float:
-        return self.net.now
-
-    @now.setter
-    def now(self, value: float) -> None:
-        self.net.now = value
-
-    @property
-    def layer_now(self) -> int:
-        return self.net.layer_now
-
-    @layer_now.setter
-    def layer_now(self, value: int) -> None:
-        self.net.layer_now = value
-
     def _next_use_after(self, key: int) -> int:
         return self.next_uses.after(key, self.clock)
-
-    # ------------------------------------------------------------------------------------------ events
-
-    def _next_event_time(self) -> float:
-        best = self.net.next_arrival()[0]
-        if self.deliveries and self.deliveries[0][0] < best:
-            best = self.deliveries[0][0]
-        return best
-
-    def _process_next_event(self) -> None:
-        """The earliest transfer arrival (links in tier order on ties) or matcher delivery, then new starts."""
-        best, link = self.net.next_arrival()
-        if link is not None and not (self.deliveries and self.deliveries[0][0] < best):
-            self.now = best
-            self.net.arrive(link)
-        else:
-            self.now, _, iteration, proposals = heapq.heappop(self.deliveries)
-            if iteration == self.iteration and not self.passed_last_router:
-                self.net.propose(proposals)  # a search for a pass whose routers have all run has nothing to offer
-        self.net.kick()
-
-    def _advance_to(self, t: float) -> None:
-        while self._next_event_time() <= t:
-            self._process_next_event()
-        self.now = t
-
-    def _compute(self, seconds: float, kind: str, layer: int, key: int = -1) -> None:
-        """``seconds`` of work. Compute and transfers may share what they run on (on a CPU the data path reads
-        and converts on the cores that compute, and its Python holds the interpreter's lock): while a
-        transfer is on a wire the work runs the profile's ``slowdown_while_loading`` times slower, and while
-        the work runs each link its ``slowdown_while_computing`` times slower. Processor sharing, piecewise
-        between events; with both at 1 (the presets) the work takes ``seconds``."""
-        start, slowdown = self.now, self.compute.slowdown_while_loading
-        self.net.computing(True)
-        if slowdown == 1.0:
-            self._advance_to(start + seconds)
-        else:
-            work = seconds
-            while True:
-                rate = 1.0 / slowdown if self.net.moving() else 1.0
-                finish = self.now + work / rate
-                if self._next_event_time() > finish:
-                    break
-                work = max(0.0, work - (self._next_event_time() - self.now) * rate)
-                self._process_next_event()
-            self.now = finish
-        self.net.computing(False)
-        self.events.append(("compute", kind, start, self.now, layer, key))
-
-    # ------------------------------------------------------------------------------------------ transfers
-
-
-    def _consult(self, hook, view: RoutingView) -> None:
-        proposals = hook(view)
-        self.ctx.predicted = self.prefetcher.predicted_map()
-        seconds, on_inference_path = search_latency(self.prefetcher)
-        self.search_seconds += seconds
-        if seconds and not on_inference_path:
-            done = max(self.now, self.matcher_free) + seconds
-            self.events.append(("matcher", "search", max(self.now, self.matcher_free), done, view.layer_now, -1))
-            self.matcher_free = done
-            heapq.heappush(self.deliveries, (done, next(self.delivery_order), self.iteration, proposals))
-            return
-        if seconds:
-            self._compute(seconds, "search", view.layer_now)
-        self.net.propose(proposals)
 
     # ------------------------------------------------------------------------------------------ the run
 
