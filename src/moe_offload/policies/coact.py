@@ -27,19 +27,23 @@ expected wait is 1/rho, so evicting the lowest rate estimate approximates Belady
 
   Each expert's value is V_e = F_e(n) + P(e | S_{l-1}) where the token n has not routed e yet (0 for
   layer 0, and 0 once e has been routed in n: its next use is in a later token), and the victim is the
-  resident with the lowest V_e; ties go to the one whose F was set earliest. S_{l-1} is what layer l-1's
+  resident with the lowest V_e; ties go to the one requested least recently. S_{l-1} is what layer l-1's
   router has chosen in token n so far (online: the requests already seen). The counts are learned online,
   from every token once it is over: nothing is trained beforehand, so nothing is fitted to a trace.
 
-Why it is cheap. F decays by the same factor for every expert between two tokens, so its order only
-changes when an expert is activated: the ranking key a_e = ln F_e(n_e) + lambda * n_e (n_e its last token,
-lambda = ln 2 / h) is fixed between e's activations, and F_e(n) = exp(a_e - lambda * n) (the same trick as
-``lcp.py`` and ``decayed_lfu.py``). The residents sit in a keyed heap by a_e. P only raises a value (P >= 0),
-so the search walks the heap from its root and skips every subtree whose root's F already exceeds the best V
-found so far: it reads the residents whose F is below the lowest V (few while the counts are young, more once
-the predictions are of the size of the decayed counts), changes nothing, and the victim leaves the heap in
-O(log n). The sums of P are kept as the layer routes: J additions per activation (the next layer's experts),
-so an expert examined costs an exp and a division. Learning a finished token costs K^2 additions per layer.
+Why it is cheap. Every F decays by the same factor between two tokens, so the policy keeps F in a common
+unit instead: s_e = F_e(n) * g_n with g_n = 2^((n - n_0) / h) for a base token n_0, so an activation at token
+n adds g_n to s_e (no exp or log per request) and, within token n, V_e * g_n = s_e + g_n * P_e ranks the
+experts as V_e does. When g_n passes e^600 every s is divided by it and n_0 becomes n (an overflow guard; one
+pass over the experts every 600 / lambda tokens, lambda = ln 2 / h). The residents sit in a keyed heap
+(policies/_ranked.py) by u_e = s_e + g_n * P_e, ties by the clock of their last request. Within a token u only
+grows (s by activations, P by the layer before routing), so the heap stores each key's u as of when it was
+last set, a lower bound, and is corrected lazily: the search reads the root's u as it is now, and if it has
+grown re-keys it (O(log n)) and reads the new root; a root whose stored u is current is the lowest of all
+(each other's u is at least its stored one, which is at least the root's). A resident is re-keyed at most
+once per search. When a token ends the predictions go back to 0, so the keys a search raised go back to s_e.
+An activation costs an addition, a re-key of the expert and J additions (the predictions of the next
+layer's experts); learning a finished token costs K^2 additions per layer.
 
 Beyond the replay. A prefetched expert that no token has routed enters with F = 0. The runtime and the timed
 simulator serve a whole pass per access; ``ctx.token`` then names its token and the counts learn per pass.
@@ -51,11 +55,12 @@ import math
 
 import numpy as np
 
-from moe_offload.policies._ranked import heap_new, heap_push, heap_update
+from moe_offload.policies._ranked import heap_new, heap_pop, heap_push, heap_update
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 from moe_offload.values import number
 
 HALF_LIFE = 8.0  # tokens
+RESCALE_EXPONENT = 600.0  # ln g at which the common unit moves to the current token (e^709 overflows)
 
 
 class CoActivation(EvictionPolicy):
@@ -69,56 +74,73 @@ class CoActivation(EvictionPolicy):
         self.half_life = number(half_life, "coact.half_life", low=0, low_open=True)
         self.decay = math.log(2.0) / self.half_life  # lambda
         num_keys = spec.num_layers * spec.num_experts
-        self._rank = np.full(num_keys, -math.inf)            # a_e; -inf: never activated
+        self._scaled = np.zeros(num_keys)                         # s_e = F_e * g
         self._last_token = np.full(num_keys, -1, np.int64)
+        self._last_request = np.zeros(num_keys, np.int64)     # the clock of each key's last request
         self._cooccur = np.zeros((num_keys, spec.num_experts))  # c(a, b): a's row, b's index in its layer
         self._routed = np.zeros(num_keys)                        # c(a)
         # this token's experts per layer, in request order (a runtime pass may route more than K per layer)
         self._seen = np.zeros((spec.num_layers, spec.top_k), np.int64)
         self._seen_count = np.zeros(spec.num_layers, np.int64)
         self._predicted_sum = np.zeros(num_keys)  # sum over a in S_{l-1} of c(a, b) / c(a), for each b
+        # the keys whose heap entry a search raised in this token, and a mark for each
+        self._raised = np.zeros(num_keys, np.int64)
+        self._is_raised = np.zeros(num_keys, np.bool_)
+        self._raised_count = 0
         self._token = None
-        # the kernel's heap (policies/_ranked.py) and _search's stack, as Python lists: the same functions run
-        # on them several times faster than on NumPy arrays, whose scalar reads box every value
+        self._base = 0  # n_0
+        self._scale = 1.0  # g_n
+        # the kernel's heap (policies/_ranked.py) as Python lists: the same functions run on them several times
+        # faster than on NumPy arrays, whose scalar reads box every value
         self._heap = tuple(array.tolist() for array in heap_new(num_keys, num_keys))
         self._size = 0
-        self._stack = [0] * num_keys
+        self._scratch = [0] * num_keys  # _rescale's room
 
     def kernel_arguments(self):
         return np.array([self.decay], np.float64), np.array([self.spec.top_k], np.int64)
 
     def value(self, key, token) -> float:
-        """V_e at ``token`` (module doc), for reports and tests."""
-        return (math.exp(self._rank[key] - self.decay * token)
-                + _predicted(key, token, self._last_token, self._predicted_sum, self.spec.num_experts, self.spec.top_k))
+        """V_e at the token being served, ``token`` (module doc), for reports and tests."""
+        return _value(key, token, self._scaled, self._scale, self._last_token, self._predicted_sum,
+                      self.spec.num_experts, self.spec.top_k) / self._scale
 
     def on_access(self, key, ctx):
         token = ctx.token
+        order, scores, stamps, position = self._heap
         if token != self._token:
             if self._token is not None:
                 _learn(self._cooccur, self._routed, self._seen, self._seen_count, self.spec.num_experts)
             self._seen_count[:] = 0
             self._predicted_sum[:] = 0.0
+            self._raised_count = _lower_raised(order, scores, stamps, position, self._size, self._scaled,
+                                               self._raised, self._is_raised, self._raised_count)
+            self._base, self._scale = _rescale(order, scores, stamps, position, self._size, self._scaled,
+                                               self._last_request, self._base, token, self.decay, self._scratch)
             self._token = token
         if self._last_token[key] != token:
-            self._rank[key] = _activated(self._rank[key], token, self.decay)
+            self._scaled[key] += self._scale
             self._last_token[key] = token
             layer = key // self.spec.num_experts
             if self._seen_count[layer] == self._seen.shape[1]:
                 self._seen = np.concatenate([self._seen, np.zeros_like(self._seen)], axis=1)
             self._seen[layer, self._seen_count[layer]] = key
             self._seen_count[layer] += 1
-            if layer + 1 < self.spec.num_layers and self._routed[key] > 0:  # _predict_next, vectorised alike
+            if layer + 1 < self.spec.num_layers and self._routed[key] > 0:  # c(key, b) / c(key) for each b of the next layer
                 J = self.spec.num_experts
                 self._predicted_sum[(layer + 1) * J:(layer + 2) * J] += self._cooccur[key] / self._routed[key]
-        order, scores, stamps, position = self._heap
+        self._last_request[key] = ctx.clock
         if position[key] >= 0:
-            heap_update(order, scores, stamps, position, self._size, key, float(self._rank[key]), ctx.clock)
+            _lower_on_hit(order, scores, stamps, position, self._size, key, float(self._scaled[key]), ctx.clock)
 
     def on_insert(self, key, ctx):
         order, scores, stamps, position = self._heap
-        heap_push(order, scores, stamps, position, self._size, key, float(self._rank[key]), ctx.clock)
+        value = _value(key, self._token, self._scaled, self._scale, self._last_token, self._predicted_sum,
+                       self.spec.num_experts, self.spec.top_k)
+        self._last_request[key] = ctx.clock  # a prefetch too: ties go to the expert loaded or requested last
+        heap_push(order, scores, stamps, position, self._size, key, value, ctx.clock)
         self._size += 1
+        if value != self._scaled[key]:  # a prefetch this token predicts: its key is lowered when the token ends
+            self._raised_count = _note_raised(key, self._raised, self._is_raised, self._raised_count)
 
     def on_evict(self, key):
         order, scores, stamps, position = self._heap
@@ -126,18 +148,34 @@ class CoActivation(EvictionPolicy):
         self._size -= 1
 
     def victim(self, ctx):
+        """The lowest (u, stamp) not pinned: pinned roots are taken out while the search goes on below them,
+        then put back as they were."""
         order, scores, stamps, position = self._heap
-        victim = _search(order, scores, stamps, position, self._size, ctx.token, self.decay, self._last_token,
-                         self._predicted_sum, self.spec.num_experts, self.spec.top_k,
-                         np.array(sorted(ctx.pinned), np.int64), self._stack)
+        set_aside = []
+        victim = -1
+        while self._size > 0:
+            victim, self._raised_count = _search(
+                order, scores, stamps, position, self._size, self._token, self._scaled, self._scale,
+                self._last_token, self._last_request, self._predicted_sum, self.spec.num_experts, self.spec.top_k,
+                self._raised, self._is_raised, self._raised_count)
+            if victim not in ctx.pinned:
+                break
+            set_aside.append((victim, scores[0], stamps[0]))
+            heap_pop(order, scores, stamps, position, self._size)
+            self._size -= 1
+            victim = -1
+        for key, score, stamp in set_aside:
+            heap_push(order, scores, stamps, position, self._size, key, score, stamp)
+            self._size += 1
         if victim < 0:
             raise NoEvictableExpert
         return int(victim)
 
     def decision_flops(self, residents: int) -> float:
-        """At most every resident is examined: the exp of its key (counted as 1), the division of its
-        prediction by K and the sum: 3 each. An upper bound: the search skips most of the heap."""
-        return float(residents * 3)
+        """A search recomputes the value of its root, an addition, a product and a division (3 FLOPs), at
+        most once per resident it re-keys and once more for the victim: ``3 * (residents + 1)``, an upper
+        bound (most searches re-key a few); the heap's comparisons are bookkeeping."""
+        return float(3 * (residents + 1))
 
     @staticmethod
     def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
@@ -147,17 +185,21 @@ class CoActivation(EvictionPolicy):
         top_k = ints[0]
         num_keys = num_layers * num_experts
         order, scores, stamps, position = heap_new(capacity, num_keys)
-        rank = np.full(num_keys, -math.inf)
+        scaled = np.zeros(num_keys)
         last_token = np.full(num_keys, -1, np.int64)
+        last_request = np.zeros(num_keys, np.int64)
         cooccur = np.zeros((num_keys, num_experts))
         routed = np.zeros(num_keys)
         seen = np.zeros((num_layers, top_k), np.int64)
         seen_count = np.zeros(num_layers, np.int64)
         predicted_sum = np.zeros(num_keys)
-        no_pins = np.zeros(0, np.int64)
-        stack = np.empty(max(capacity, 1), np.int64)
+        raised = np.zeros(num_keys, np.int64)
+        is_raised = np.zeros(num_keys, np.bool_)
+        raised_count = 0
+        scratch = np.empty(max(capacity, 1), np.int64)
+        base = 0
+        scale = 1.0
         current = -1
-        resident = np.zeros(num_keys, np.bool_)
         size = 0
         for t in clocks:
             key = keys[t]
@@ -167,34 +209,127 @@ class CoActivation(EvictionPolicy):
                     _learn(cooccur, routed, seen, seen_count, num_experts)
                 seen_count[:] = 0
                 predicted_sum[:] = 0.0
+                raised_count = _lower_raised(order, scores, stamps, position, size, scaled, raised, is_raised,
+                                             raised_count)
+                base, scale = _rescale(order, scores, stamps, position, size, scaled, last_request, base, token,
+                                       decay, scratch)
                 current = token
             if last_token[key] != token:
-                rank[key] = _activated(rank[key], token, decay)
+                scaled[key] += scale
                 last_token[key] = token
                 layer = key // num_experts
                 if seen_count[layer] < top_k:
                     seen[layer, seen_count[layer]] = key
                     seen_count[layer] += 1
-                    if layer + 1 < num_layers and routed[key] > 0:
-                        _predict_next(predicted_sum, cooccur, routed, key, layer, num_experts)
-            if resident[key]:
+                    if layer + 1 < num_layers and routed[key] > 0:  # on_access's prediction of the next layer
+                        first = (layer + 1) * num_experts
+                        for j in range(num_experts):
+                            predicted_sum[first + j] += cooccur[key, j] / routed[key]
+            last_request[key] = t
+            if position[key] >= 0:
                 layer_hits[key // num_experts] += 1
-                heap_update(order, scores, stamps, position, size, key, rank[key], t)
+                if scaled[key] < scores[position[key]]:  # _lower_on_hit
+                    heap_update(order, scores, stamps, position, size, key, scaled[key], t)
                 continue
             if size == capacity:
-                victim = _search(order, scores, stamps, position, size, token, decay, last_token, predicted_sum,
-                                 num_experts, top_k, no_pins, stack)
-                _heap_remove(order, scores, stamps, position, size, victim)
-                resident[victim] = False
-                size -= 1
-            heap_push(order, scores, stamps, position, size, key, rank[key], t)
-            resident[key] = True
+                # _search, written out: a helper with a loop takes a reference to each of its arrays at every
+                # call (Numba counts them where it inlines one), which made this kernel 3 times slower
+                victim = order[0]
+                value = _value_of(victim, token, scaled[victim], scale, last_token[victim], predicted_sum[victim],
+                                  num_experts, top_k)
+                while value != scores[0] or last_request[victim] != stamps[0]:
+                    heap_update(order, scores, stamps, position, size, victim, value, last_request[victim])
+                    if value != scaled[victim] and not is_raised[victim]:  # _note_raised
+                        is_raised[victim] = True
+                        raised[raised_count] = victim
+                        raised_count += 1
+                    victim = order[0]
+                    value = _value_of(victim, token, scaled[victim], scale, last_token[victim],
+                                      predicted_sum[victim], num_experts, top_k)
+                # the request takes the victim's place at the root and sifts down: one sift, not a pop and a push
+                position[victim] = -1
+                position[key] = 0
+                heap_update(order, scores, stamps, position, size, key, scaled[key], t)
+                continue
+            heap_push(order, scores, stamps, position, size, key, scaled[key], t)
             size += 1
 
 
-def _activated(rank, token, decay):
-    """The ranking key after an activation at ``token``: F = 1 + F decayed to ``token``."""
-    return decay * token + math.log(1.0 + math.exp(rank - decay * token))
+def _value(key, token, scaled, scale, last_token, predicted_sum, num_experts, top_k):
+    """u_e = s_e + g_n * P(e | S_{l-1}) (module doc), from the expert's entries of the arrays; P is 0 for layer 0
+    and for an expert ``token`` has already routed."""
+    return _value_of(key, token, scaled[key], scale, last_token[key], predicted_sum[key], num_experts, top_k)
+
+
+def _value_of(key, token, scaled, scale, last_token, predicted_sum, num_experts, top_k):
+    """_value from the expert's own numbers (the kernel's form: scalars, no array to count references to)."""
+    value = scaled
+    if key >= num_experts and last_token != token:
+        value += scale * (predicted_sum / top_k)
+    return value
+
+
+def _search(order, scores, stamps, position, size, token, scaled, scale, last_token, last_request, predicted_sum,
+            num_experts, top_k, raised, is_raised, raised_count):
+    """(the resident of lowest (u, stamp), the new count of ``raised``): the victim is left at the heap's root.
+    An entry holds a lower bound of its key's (u, last request); a root whose entry is not current is re-keyed
+    (and noted in ``raised``) until the root's entry is current, and the lowest of all (module doc)."""
+    key = order[0]
+    value = _value(key, token, scaled, scale, last_token, predicted_sum, num_experts, top_k)
+    while value != scores[0] or last_request[key] != stamps[0]:
+        heap_update(order, scores, stamps, position, size, key, value, last_request[key])
+        if value != scaled[key]:
+            raised_count = _note_raised(key, raised, is_raised, raised_count)
+        key = order[0]
+        value = _value(key, token, scaled, scale, last_token, predicted_sum, num_experts, top_k)
+    return key, raised_count
+
+
+def _lower_on_hit(order, scores, stamps, position, size, key, value, clock):
+    """A resident was requested: its entry is re-keyed only if its u fell below it (a search re-keys it when
+    it reaches the root otherwise)."""
+    if value < scores[position[key]]:
+        heap_update(order, scores, stamps, position, size, key, value, clock)
+
+
+def _note_raised(key, raised, is_raised, raised_count):
+    """Note that ``key``'s entry holds a prediction of this token (to be lowered when it ends); the new count."""
+    if not is_raised[key]:
+        is_raised[key] = True
+        raised[raised_count] = key
+        raised_count += 1
+    return raised_count
+
+
+def _lower_raised(order, scores, stamps, position, size, scaled, raised, is_raised, raised_count):
+    """A token is over, its predictions gone: every raised key still resident is keyed by s_e again. Returns 0,
+    the new count of ``raised``."""
+    for i in range(raised_count):
+        key = raised[i]
+        is_raised[key] = False
+        if position[key] >= 0:
+            heap_update(order, scores, stamps, position, size, key, scaled[key], stamps[position[key]])
+    return 0
+
+
+def _rescale(order, scores, stamps, position, size, scaled, last_request, base, token, decay, scratch):
+    """(n_0, g_n) for the token ``token`` starting now: when ln g_n passes RESCALE_EXPONENT every s_e is
+    divided by g_n, which then becomes 1 (module doc). The heap is rebuilt from its entries, since two keys
+    whose s rounds to one value after the division change order (their stamps decide); ``scratch`` has room
+    for ``size`` keys."""
+    exponent = decay * (token - base)
+    if exponent > RESCALE_EXPONENT:
+        factor = math.exp(exponent)
+        for key in range(scaled.shape[0]):
+            scaled[key] = scaled[key] / factor
+        for i in range(size):
+            scratch[i] = order[i]
+            position[order[i]] = -1
+        for i in range(size):
+            heap_push(order, scores, stamps, position, i, scratch[i], scaled[scratch[i]], last_request[scratch[i]])
+        base = token
+        exponent = 0.0
+    return base, math.exp(exponent)
 
 
 def _learn(cooccur, routed, seen, seen_count, num_experts):
@@ -209,20 +344,6 @@ def _learn(cooccur, routed, seen, seen_count, num_experts):
                     cooccur[a, seen[layer + 1, j] % num_experts] += 1.0
 
 
-def _predict_next(predicted_sum, cooccur, routed, key, layer, num_experts):
-    """Layer ``layer`` routed ``key`` in this token: add c(key, b) / c(key) to every b of the next layer."""
-    first = (layer + 1) * num_experts
-    for j in range(num_experts):
-        predicted_sum[first + j] += cooccur[key, j] / routed[key]
-
-
-def _predicted(key, token, last_token, predicted_sum, num_experts, top_k):
-    """P(key | S_{l-1}) of the module doc: 0 for layer 0 and for an expert ``token`` has already routed."""
-    if key < num_experts or last_token[key] == token:
-        return 0.0
-    return predicted_sum[key] / top_k
-
-
 def _heap_remove(order, scores, stamps, position, size, key):
     """Take ``key`` out of a heap of ``size`` keys (then ``size - 1``), wherever it sits: the last entry fills
     its place and sifts to where it belongs."""
@@ -233,44 +354,3 @@ def _heap_remove(order, scores, stamps, position, size, key):
         moved = order[last]
         position[moved] = i
         heap_update(order, scores, stamps, position, last, moved, scores[last], stamps[last])
-
-
-def _search(order, scores, stamps, position, size, token, decay, last_token, predicted_sum, num_experts, top_k,
-            pinned, stack):
-    """The resident of lowest V (module doc), ties to the lowest (key a_e, stamp), none of ``pinned`` (sorted);
-    -1 if every resident is pinned. V >= F, and F grows down every path of the heap, so a subtree whose root's
-    F exceeds the best V so far holds no better victim: the search walks the heap from its root (``stack``:
-    scratch room for ``size`` positions) and skips those subtrees, changing nothing."""
-    best = -1
-    best_value = math.inf
-    best_score = math.inf
-    best_stamp = 0
-    best_log = math.inf
-    stack[0] = 0
-    depth = 1 if size > 0 else 0
-    while depth > 0:
-        depth -= 1
-        i = stack[depth]
-        exponent = scores[i] - decay * token
-        if exponent > best_log + 1e-9:  # F > best V, without an exp (1e-9: well above log's rounding)
-            continue
-        base = math.exp(exponent)
-        if base > best_value:
-            continue
-        key = order[i]
-        if not (pinned.shape[0] > 0 and _contains(pinned, key)):
-            value = base + _predicted(key, token, last_token, predicted_sum, num_experts, top_k)
-            if (value < best_value or (value == best_value and (scores[i] < best_score or (
-                    scores[i] == best_score and stamps[i] < best_stamp)))):
-                best, best_value, best_score, best_stamp = key, value, scores[i], stamps[i]
-                best_log = math.log(value) if value > 0 else -math.inf
-        for child in (2 * i + 1, 2 * i + 2):
-            if child < size:
-                stack[depth] = child
-                depth += 1
-    return best
-
-
-def _contains(sorted_keys, key):
-    i = np.searchsorted(sorted_keys, key)
-    return i < sorted_keys.shape[0] and sorted_keys[i] == key
