@@ -29,10 +29,10 @@ def test_evictions_by_hand():
     _, evicted = drive("coact", requests, 3, TWO_LAYERS, tokens=tokens, options={"half_life": 1})
     # t=3 (token 1, key 4 misses): F(0) = F(3) = 1/2, F(1) = 1. After token 0 the counts are c(0) = 1,
     # c(0 -> 3) = 1; the layer-0 expert routed so far in token 1 is 1, never counted: P(3) = 0. V(0) = V(3) = 1/2:
-    # the tie goes to 0, scored first.
+    # the tie goes to 0, requested least recently.
     assert evicted[3] == [0]
     # t=4 (token 2, key 0 misses): F(3) = 1/4, F(1) = F(4) = 1/2. Layer 0 has routed 0 in token 2, and
-    # c(0 -> 3) / c(0) = 1, so P(3) = 1 and V(3) = 5/4; P(4) = 0. 1 and 4 tie at 1/2: 1 (scored first) goes,
+    # c(0 -> 3) / c(0) = 1, so P(3) = 1 and V(3) = 5/4; P(4) = 0. 1 and 4 tie at 1/2: 1 (requested first) goes,
     # where LRU, blind to the co-activation, evicts 3, the expert token 2 needs next.
     assert evicted[4] == [1]
     assert drive("lru", requests, 3, TWO_LAYERS, tokens=tokens)[1][4] == [3]
@@ -107,6 +107,25 @@ def test_every_victim_has_the_lowest_value_of_the_formula(seed):
                 clock += 1
 
 
+def test_values_survive_the_change_of_unit():
+    # half-life 1 token: the common unit g_n = 2^(n - n_0) passes e^600 after 866 tokens and is rescaled. Expert 0
+    # is activated at every third token, expert 1 at every token, for 2000 tokens: F from the formula.
+    policy = make_policy("coact", ModelSpec(num_layers=1, num_experts=3, top_k=1), options={"half_life": 1})
+    cache, ctx = ExpertCache(3, policy), AccessContext()
+    for token in range(2000):
+        ctx.token = token
+        for key in ([0, 1] if token % 3 == 0 else [1]):
+            ctx.clock += 1
+            cache.request(key, ctx)
+    assert policy._base > 0  # rescaled
+    ctx.token = 2000
+    ctx.clock += 1
+    cache.request(2, ctx)
+    assert policy.value(0, 2000) == pytest.approx(sum(2.0 ** -(2000 - n) for n in range(0, 2000, 3)), rel=1e-12)
+    assert policy.value(1, 2000) == pytest.approx(sum(2.0 ** -(2000 - n) for n in range(2000)), rel=1e-12)
+    assert policy.value(2, 2000) == 1.0
+
+
 def test_pinned_experts_are_never_victims():
     policy = make_policy("coact", TWO_LAYERS)
     cache, ctx = ExpertCache(2, policy), AccessContext()
@@ -155,6 +174,19 @@ def test_kernel_is_the_policy_on_the_granite_and_gpt_oss_traces(shared_traces):
 def test_kernel_is_the_policy_on_a_qwen_request(qwen_folder):
     trace = import_routes_json([qwen_folder / f"{QWEN_FILES[0]}.json"], num_experts=60)
     assert_kernel_is_the_policy(ReplayInput.of(trace), fractions=(0.25,))
+
+
+@needs_numba
+@pytest.mark.parametrize("half_life", [0.05, 1.0])
+def test_kernel_is_the_policy_across_changes_of_unit(half_life):
+    # 3,000 tokens: at a half-life of 0.05 tokens the unit is rescaled every 44 tokens, at 1 token every 866
+    from moe_offload.trace.synthetic import zipf_trace
+
+    data = ReplayInput.of(zipf_trace(3, 6, 2, 3000, a=1.0, b=1.0, seed=4, shuffle=True))
+    for size in (4, 9):
+        reference = replay(data, "coact", size, engine="python", options={"half_life": half_life})
+        assert replay(data, "coact", size, engine="compiled", options={"half_life": half_life}).to_dict() == \
+            reference.to_dict(), size
 
 
 def test_the_kernel_runs_uncompiled_with_the_same_misses():
