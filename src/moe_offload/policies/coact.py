@@ -36,14 +36,17 @@ unit instead: s_e = F_e(n) * g_n with g_n = 2^((n - n_0) / h) for a base token n
 n adds g_n to s_e (no exp or log per request) and, within token n, V_e * g_n = s_e + g_n * P_e ranks the
 experts as V_e does. When g_n passes e^600 every s is divided by it and n_0 becomes n (an overflow guard; one
 pass over the experts every 600 / lambda tokens, lambda = ln 2 / h). The residents sit in a keyed heap
-(policies/_ranked.py) by u_e = s_e + g_n * P_e, ties by the clock of their last request. Within a token u only
-grows (s by activations, P by the layer before routing), so the heap stores each key's u as of when it was
-last set, a lower bound, and is corrected lazily: the search reads the root's u as it is now, and if it has
-grown re-keys it (O(log n)) and reads the new root; a root whose stored u is current is the lowest of all
-(each other's u is at least its stored one, which is at least the root's). A resident is re-keyed at most
-once per search. When a token ends the predictions go back to 0, so the keys a search raised go back to s_e.
-An activation costs an addition, a re-key of the expert and J additions (the predictions of the next
-layer's experts); learning a finished token costs K^2 additions per layer.
+(policies/_ranked.py) by (u_e, the clock of e's last request), u_e = s_e + g_n * P_e. Within a token neither
+part of a key shrinks (s grows by activations, P as the layer before routes, the clock with each request), so
+each entry holds a lower bound, the key as it was when the entry was set, and the heap is corrected lazily: a
+request leaves its expert's entry alone unless its u fell below it (an activation ends the expert's P, which
+a prediction above 1, possible only in a runtime pass that routes more than K, can outweigh); the search reads
+the root's key as it is now and, if it has grown, re-keys it (O(log n)) and reads the new root. A root whose
+entry is current is the lowest of all: every other key is at least its entry, which is at least the root's. A
+resident is re-keyed at most once per search. When a token ends the predictions go back to 0, so the entries that
+hold a prediction (a search's re-keys, prefetches) are lowered to s_e. A request costs an addition and, if it
+activates its expert, J additions (the next layer's predictions); learning a finished token costs K^2
+additions per layer.
 
 Beyond the replay. A prefetched expert that no token has routed enters with F = 0. The runtime and the timed
 simulator serve a whole pass per access; ``ctx.token`` then names its token and the counts learn per pass.
@@ -125,7 +128,7 @@ class CoActivation(EvictionPolicy):
                 self._seen = np.concatenate([self._seen, np.zeros_like(self._seen)], axis=1)
             self._seen[layer, self._seen_count[layer]] = key
             self._seen_count[layer] += 1
-            if layer + 1 < self.spec.num_layers and self._routed[key] > 0:  # c(key, b) / c(key) for each b of the next layer
+            if layer + 1 < self.spec.num_layers and self._routed[key] > 0:  # + c(key, b) / c(key), next layer
                 J = self.spec.num_experts
                 self._predicted_sum[(layer + 1) * J:(layer + 2) * J] += self._cooccur[key] / self._routed[key]
         self._last_request[key] = ctx.clock
