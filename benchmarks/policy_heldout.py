@@ -2,7 +2,8 @@
 leave-one-trace-out for whatever is trained or tuned.
 
     python benchmarks/policy_heldout.py [--policies lru,coact,...] [--shared ../shared/traces]
-                                        [--half-lives 2,4,8,16,32] [--shipped-learned] [--markdown FILE]
+                                        [--half-lives 2,4,8,16,32] [--shipped-learned] [--lookahead]
+                                        [--markdown FILE]
 
 The traces: the bundled OLMoE-1B-7B trace, and from ``--shared`` (the repository's ../shared/traces by
 default; left out, with a note, where absent) Qwen1.5-MoE-A2.7B (its six requests as one trace), Granite-3.0
@@ -27,6 +28,11 @@ Leave-one-trace-out, for the two policies with something fitted:
   ``--shipped-learned`` or without PyTorch the shipped model is used, which was trained on OLMoE rows 0:150,
   so its OLMoE cells are not held out (a note says so).
 
+``--lookahead`` adds an oracle row that no online policy can match, to measure what the co-activation term
+could gain at most: ``coact`` (default half-life) told the whole routing of the token being served (every
+layer, every rank), which keeps the experts the token still needs (evicting, if it must, the one it needs
+last) and ranks the others by their decayed count alone.
+
 It prints the table (rows: policies; columns: cells), each row's median and worst, and the best libCacheSim
 policy per cell, then whether coact (held out) meets issue 35's bar: median <= 1.3 and no cell above the best
 libCacheSim policy's.
@@ -45,7 +51,9 @@ from rich.table import Table
 
 from moe_offload.bundled import DEFAULT_TRACE
 from moe_offload.errors import ConfigError
-from moe_offload.policies import POLICIES, make_policy
+from moe_offload.policies import POLICIES, AccessContext, make_policy
+from moe_offload.policies.coact import CoActivation
+from moe_offload.simulator.cache import ExpertCache
 from moe_offload.simulator.replay import ReplayInput, replay
 from moe_offload.trace.flatten import write_oracle_general
 from moe_offload.trace.format import read_trace
@@ -134,12 +142,55 @@ def learned_held_out(traces, opt, say) -> dict:
     return ratios
 
 
+class TokenLookahead(CoActivation):
+    """coact's decayed counts, with the routing of the whole current token known (the ``--lookahead`` oracle):
+    an expert is needed later in this token if its next request (``ctx.next_use``, read at its last request)
+    falls in this token."""
+
+    name = "coact, token routing known (oracle)"
+    offline = True
+
+    def __init__(self, spec, tokens):
+        super().__init__(spec)
+        self._tokens = tokens
+        self._next_use: dict[int, int] = {}
+
+    def on_access(self, key, ctx):
+        super().on_access(key, ctx)
+        self._next_use[key] = ctx.next_use
+
+    def victim(self, ctx):
+        residents = [key for key in self._heap[0][:self._size] if key not in ctx.pinned]
+        needed = {key for key in residents
+                  if self._next_use[key] < len(self._tokens) and self._tokens[self._next_use[key]] == ctx.token}
+        others = [key for key in residents if key not in needed]
+        if others:
+            return min(others, key=lambda key: (self._scaled[key], self._last_request[key]))
+        return max(needed, key=self._next_use.__getitem__)
+
+
+def lookahead_ratios(traces, opt) -> dict:
+    ratios = {}
+    for name, data in traces.items():
+        seq = data.sequence
+        keys, tokens, next_use = seq.expert_id.tolist(), seq.token.tolist(), seq.next_use.tolist()
+        for size in cache_sizes(data):
+            cache, ctx = ExpertCache(size, TokenLookahead(data.spec, tokens)), AccessContext()
+            hits = 0
+            for t, key in enumerate(keys):
+                ctx.clock, ctx.token, ctx.next_use = t, tokens[t], next_use[t]
+                hits += cache.request(key, ctx)
+            ratios[(name, size)] = (len(keys) - hits) / opt[(name, size)]
+    return ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policies", default=None, help="comma-separated (default: every online policy)")
     parser.add_argument("--shared", type=Path, default=SHARED_TRACES, help="folder of the shared real traces")
     parser.add_argument("--half-lives", default="2,4,8,16,32", help="coact's candidates for leave-one-out")
     parser.add_argument("--shipped-learned", action="store_true", help="do not retrain learned per fold")
+    parser.add_argument("--lookahead", action="store_true", help="add the token-routing oracle row (module doc)")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the table as Markdown here")
     args = parser.parse_args()
     policies = args.policies.split(",") if args.policies else online_policies()
@@ -176,6 +227,8 @@ def main() -> None:
         rows["coact (held out)"], chosen = coact_held_out(traces, opt, half_lives)
         notes.append("coact (held out): half-life chosen on the other traces: "
                      + ", ".join(f"{name} {h:g}" for name, h in chosen.items()))
+    if args.lookahead:
+        rows[TokenLookahead.name] = lookahead_ratios(traces, opt)
     with tempfile.TemporaryDirectory(prefix="policy-heldout-") as work:
         try:
             libcachesim = libcachesim_ratios(traces, opt, Path(work))
