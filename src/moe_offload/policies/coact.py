@@ -58,7 +58,7 @@ import math
 
 import numpy as np
 
-from moe_offload.policies._ranked import heap_new, heap_pop, heap_push, heap_update
+from moe_offload.policies._ranked import heap_new, heap_pop, heap_push, heap_remove, heap_update
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 from moe_offload.values import number
 
@@ -147,7 +147,7 @@ class CoActivation(EvictionPolicy):
 
     def on_evict(self, key):
         order, scores, stamps, position = self._heap
-        _heap_remove(order, scores, stamps, position, self._size, key)
+        heap_remove(order, scores, stamps, position, self._size, key)
         self._size -= 1
 
     def victim(self, ctx):
@@ -345,15 +345,3 @@ def _learn(cooccur, routed, seen, seen_count, num_experts):
             if layer + 1 < num_layers:
                 for j in range(seen_count[layer + 1]):
                     cooccur[a, seen[layer + 1, j] % num_experts] += 1.0
-
-
-def _heap_remove(order, scores, stamps, position, size, key):
-    """Take ``key`` out of a heap of ``size`` keys (then ``size - 1``), wherever it sits: the last entry fills
-    its place and sifts to where it belongs."""
-    i = position[key]
-    position[key] = -1
-    last = size - 1
-    if i != last:
-        moved = order[last]
-        position[moved] = i
-        heap_update(order, scores, stamps, position, last, moved, scores[last], stamps[last])
