@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -174,7 +175,7 @@ def run(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from moe_offload.reporting.tables import print_replay_tables
-    from moe_offload.simulator.replay import ReplayInput, replay_grid
+    from moe_offload.simulator.replay import ReplayInput, load_kernels, replay_grid
 
     args.policy = args.policy or "all"
     args.cache_size = args.cache_size or DEFAULT_CACHE_SIZES
@@ -183,15 +184,21 @@ def run(args) -> int:
     paths = [str(trace_path(name)) for name in args.traces] or [str(DEFAULT_TRACE)]
     check_outputs(args, paths)
     args.jobs, args.seed = jobs(args.jobs), integer(args.seed, "--seed", low=0)
-    inputs, plans = [], []
-    for path, label in zip(paths, trace_labels(args.traces)):  # read and check everything before the first run
-        trace = read_trace(path)
-        check_components(trace.meta, policies, options, args.seed)
-        table_sizes = cache_sizes(args.cache_size, "--cache-size", trace.meta.num_expert_slots)
-        check_some_run_possible(path, trace.meta, policies, table_sizes)
-        sizes = sorted(set(table_sizes) | set(sweep_sizes(trace.meta, args.plot_points) if args.plot else ()))
-        inputs.append(ReplayInput.of(trace, name=label))
-        plans.append((table_sizes, sizes))
+    inputs, plans, traces = [], [], []
+    with ThreadPoolExecutor(max_workers=1) as loader:
+        kernels = loader.submit(load_kernels, policies, args.engine)  # while the traces are read (replay.py)
+        for path in paths:  # read and check everything before the first run
+            trace = read_trace(path)
+            check_components(trace.meta, policies, options, args.seed)
+            table_sizes = cache_sizes(args.cache_size, "--cache-size", trace.meta.num_expert_slots)
+            check_some_run_possible(path, trace.meta, policies, table_sizes)
+            sizes = sorted(set(table_sizes) | set(sweep_sizes(trace.meta, args.plot_points) if args.plot else ()))
+            traces.append(trace)
+            plans.append((table_sizes, sizes))
+        kernels.result()
+    for trace, label in zip(traces, trace_labels(args.traces)):
+        inputs.append(ReplayInput.of(trace, name=label, checked=True))  # read_trace checked it
+    del traces
 
     stderr = Console(stderr=True)
     results, skipped, table_results = [], [], []  # skipped: lines saying which table cell cannot run and why

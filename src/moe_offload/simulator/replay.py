@@ -14,6 +14,7 @@ a policy has one and Numba is installed: tens of times faster.
 
 from __future__ import annotations
 
+import dis
 import functools
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
@@ -27,7 +28,7 @@ from moe_offload.policies import AccessContext, ModelSpec, make_policy, policy_f
 from moe_offload.results import RunResult
 from moe_offload.simulator import kernels
 from moe_offload.simulator.cache import BYPASSED, HIT, LOADED, ExpertCache, PartitionedCache
-from moe_offload.trace.flatten import AccessSequence, flatten, last_row_of_each_request
+from moe_offload.trace.flatten import AccessSequence, flatten, last_row_of_each_request, next_use_times
 from moe_offload.trace.format import Trace
 from moe_offload.values import integer, worker_count
 
@@ -41,23 +42,17 @@ class ReplayInput:
     name: str
 
     @classmethod
-    def of(cls, trace: Trace, name: str | None = None) -> "ReplayInput":
-        trace.validate()  # a trace built in Python is checked as a file is
+    def of(cls, trace: Trace, name: str | None = None, *, checked: bool = False) -> "ReplayInput":
+        """``trace`` flattened; checked first as a file is (``checked``: read_trace or Trace.build has just
+        checked it, a pass over the trace saved)."""
+        if not checked:
+            trace.validate()
         return cls(trace=trace, sequence=flatten(trace), name=name or trace.path)
 
-    @functools.cached_property
-    def positions(self) -> np.ndarray:
-        """0, 1, ..., n - 1: the clocks of a replay of every request, shared by the runs of a grid."""
-        return np.arange(len(self.sequence), dtype=np.int64)
-
-    @functools.cached_property
-    def positions_by_layer(self) -> tuple[np.ndarray, np.ndarray]:
-        """(positions, bounds): every position in layer order, time order within a layer, layer l's at
-        ``positions[bounds[l]:bounds[l + 1]]``; shared by the -dist runs of a grid."""
-        layer = self.sequence.layer
-        positions = np.argsort(layer.astype(np.uint16), kind="stable")  # radix sort: O(n)
-        bounds = np.concatenate([[0], np.cumsum(np.bincount(layer, minlength=self.trace.meta.num_layers))])
-        return positions, bounds
+    def layer_positions(self, layer: int) -> np.ndarray:
+        """The positions of ``layer``'s requests in time order: layer, layer + L, ... (request t is of layer
+        t % L, trace/flatten.py), made for the -dist run that needs them, an L-th of the sequence at a time."""
+        return np.arange(layer, len(self.sequence), self.trace.meta.num_layers, dtype=np.int64)
 
     @property
     def spec(self) -> ModelSpec:
@@ -101,7 +96,7 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
         layer_hits, layer_bypassed = _replay_objects(data, info, make, cache_size)
 
     n = len(data.sequence)
-    per_layer_accesses = np.bincount(data.sequence.layer, minlength=spec.num_layers)
+    per_layer_accesses = data.sequence.per_layer_requests()
     if kernel is not None and info.policy.static:  # it loads no miss: what it does not hit is bypassed
         layer_bypassed = per_layer_accesses - layer_hits
     hits = int(layer_hits.sum())
@@ -141,6 +136,15 @@ def replay_kernel(policy: str, engine: str = "auto"):
             raise ConfigError(f"{policy} has no compiled kernel; its replay runs the Python policy (engine auto)")
         raise ConfigError(f"the compiled replay of {policy} needs Numba: {kernels.INSTALL_HINT}")
     return kernel
+
+
+def load_kernels(policies: Iterable[str], engine: str = "auto") -> None:
+    """Compile, or load from Numba's cache, the kernels a grid of ``policies`` runs (Belady's with them) and
+    the next-use pass. A command calls it on a thread while it reads its traces (Arrow reads without the GIL),
+    and waits for it before the first replay: the kernels' loading, a second or more, is then off the path."""
+    for policy in dict.fromkeys(["belady", *policies]):
+        replay_kernel(policy, engine)
+    next_use_times(np.zeros(1, np.int64))
 
 
 def _replay_objects(data: ReplayInput, info, make, cache_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -192,20 +196,43 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel) -
     requests and its partition's capacity (PartitionedCache's split). Hits per layer."""
     spec, seq = data.spec, data.sequence
     floats, ints = policy.run_kernel_arguments(cache_size, data.trace)
-    keys, tokens, next_use = (np.ascontiguousarray(column, np.int64)  # the kernel's signature; no copy here
-                              for column in (seq.expert_id, seq.token, seq.next_use))
+    keys = seq.expert_id  # int64, the kernel's signature: no copy here
+    columns = kernel_columns(info.name)
+    tokens, next_use = (getattr(seq, column) if column in columns else NOT_READ for column in ("token", "next_use"))
     layer_hits = np.zeros(spec.num_layers, np.int64)
     if not info.partitioned:
-        kernel(keys, data.positions, tokens, next_use, cache_size, spec.num_layers,
+        kernel(keys, seq.clock, tokens, next_use, cache_size, spec.num_layers,
                spec.num_experts, floats, ints.copy(), layer_hits)
         return layer_hits
-    by_layer, bounds = data.positions_by_layer
     capacities = PartitionedCache.capacities(cache_size, spec.num_layers)
     for layer in range(spec.num_layers):
         # each partition has a fresh policy of the same seed (PartitionedCache's make_policy), hence ints.copy()
-        kernel(keys, by_layer[bounds[layer]:bounds[layer + 1]], tokens, next_use, capacities[layer],
+        kernel(keys, data.layer_positions(layer), tokens, next_use, capacities[layer],
                spec.num_layers, spec.num_experts, floats, ints.copy(), layer_hits)
     return layer_hits
+
+
+NOT_READ = np.zeros(0, np.int64)  # what a kernel is given for a column its code never reads
+TOKENS_ARGUMENT, NEXT_USE_ARGUMENT = 2, 3  # their places in the kernels' contract (simulator/kernels.py)
+
+
+def kernel_columns(policy: str) -> tuple[str, ...]:
+    """The computed columns of the sequence (AccessSequence) that ``policy``'s kernel reads."""
+    policy_class = policy_info(policy).policy
+    return tuple(column for argument, column in ((TOKENS_ARGUMENT, "token"), (NEXT_USE_ARGUMENT, "next_use"))
+                 if kernel_reads(policy_class, argument))
+
+
+@functools.cache
+def kernel_reads(policy_class, argument: int) -> bool:
+    """Whether ``policy_class``'s kernel reads its positional argument number ``argument``: whether its code
+    loads that parameter at all (passing it to a helper counts as reading it). A column no kernel of a run
+    reads is never computed (AccessSequence computes them when first asked for)."""
+    code = policy_class.replay_kernel.__code__
+    name = code.co_varnames[argument]
+    return any(instruction.opname.startswith("LOAD_FAST")  # LOAD_FAST_LOAD_FAST (3.13) loads a pair
+               and name in (instruction.argval if isinstance(instruction.argval, tuple) else (instruction.argval,))
+               for instruction in dis.get_instructions(code))
 
 
 @dataclass
@@ -257,7 +284,9 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
 
     Runs are independent, so ``jobs`` > 1 spreads them: the compiled ones over threads of this process (their
     kernels release the GIL), the Python ones over worker processes; results do not depend on it, nor on
-    ``engine`` (see ``replay``). A (policy, size) pair that cannot run (a -dist policy with fewer slots than
+    ``engine`` (see ``replay``). Belady's runs, when only the reference of the others (not asked for), are not
+    counted in ``jobs``: one more thread runs them beside the policies' (a run of one policy at one size
+    with --jobs 1 takes the time of the slower of the two, not of both). A (policy, size) pair that cannot run (a -dist policy with fewer slots than
     layers) is skipped with its reason; any other problem raises ConfigError before the first run."""
     policies = list(dict.fromkeys(policies))
     cache_sizes = sorted({integer(size, "cache_size", low=1) for size in cache_sizes})
@@ -287,8 +316,11 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
                                         initializer=_init_worker, initargs=(data,))
         slow_results = processes.map(_run_task, [tasks[index] for index in slow])
     # the compiled kernels release the GIL: threads of this process run them side by side on the one request
-    # sequence, with nothing to copy (simulator/kernels.py)
-    with ThreadPoolExecutor(max_workers=worker_count(jobs, max(1, len(fast)))) as threads:
+    # sequence, with nothing to copy (simulator/kernels.py); each run makes the columns its kernel reads on its
+    # own thread (next uses for Belady's beside another policy's run), or waits for them (AccessSequence)
+    references = sum(1 for index in fast if runs[index][0] == "belady" and "belady" not in policies)
+    threads_wanted = worker_count(jobs, max(1, len(fast) - references)) + (1 if references else 0)
+    with ThreadPoolExecutor(max_workers=threads_wanted) as threads:
         futures = {threads.submit(_run_task, tasks[index]): index for index in fast}
         if processes is not None:
             with processes:

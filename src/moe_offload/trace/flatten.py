@@ -11,7 +11,8 @@ An expert's flat id is ``layer * J + expert`` everywhere in the project (the CSV
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,35 +27,81 @@ DENSE_KEYS = 2**24  # keys below this index a table (every flat expert id does: 
 
 @dataclass(frozen=True)
 class AccessSequence:
-    """One entry per expert request, in replay order. ``next_use[t]`` is the index of the next request
-    of the same expert (NEVER if none): the oracle that Belady's rule reads."""
+    """One entry per expert request, in replay order: the flat expert ids, and what the order implies about
+    each request, computed when first asked for (a replay of most policies reads the ids alone, and a column
+    of 8 bytes per request is a gigabyte at a hundred million requests). ``next_use[t]`` is the index of the
+    next request of the same expert (NEVER if none): the oracle that Belady's rule reads."""
 
     expert_id: np.ndarray  # int64 flat ids
-    layer: np.ndarray      # int32
-    token: np.ndarray      # int64, the trace row the request belongs to
-    next_use: np.ndarray   # int64
     num_layers: int
     num_experts: int
     top_k: int
+    _columns: dict = field(default_factory=dict, repr=False, compare=False)  # the computed columns, by name
+    _making: dict = field(default_factory=dict, repr=False, compare=False)  # a lock per column, while it is made
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)  # of _making
 
     def __len__(self) -> int:
         return int(self.expert_id.shape[0])
+
+    @property
+    def layer(self) -> np.ndarray:
+        """int32: request t is of layer t % L (module docstring)."""
+        return self._computed("layer", lambda: np.tile(np.arange(self.num_layers, dtype=np.int32),
+                                                       len(self) // max(1, self.num_layers)))
+
+    @property
+    def token(self) -> np.ndarray:
+        """int64: the trace row request t belongs to, t // (L * K)."""
+        return self._computed("token", lambda: np.arange(len(self), dtype=np.int64) // (self.num_layers * self.top_k))
+
+    @property
+    def next_use(self) -> np.ndarray:
+        """int64: the next position of each request's expert, NEVER if none (``next_use_times``)."""
+        return self._computed("next_use", lambda: next_use_times(self.expert_id))
+
+    @property
+    def clock(self) -> np.ndarray:
+        """int64: 0, 1, ..., n - 1, the clocks of a replay of every request (the kernels' ``clocks``)."""
+        return self._computed("clock", lambda: np.arange(len(self), dtype=np.int64))
+
+    def _computed(self, name: str, make) -> np.ndarray:
+        """The column ``name``, made once, on whichever thread asks first (the replay grid's threads read the
+        columns their kernels need, each on its own thread; a thread asking for one being made waits for it)."""
+        with self._lock:
+            lock = self._making.setdefault(name, threading.Lock())
+        with lock:
+            if name not in self._columns:
+                self._columns[name] = make()
+            return self._columns[name]
+
+    def forget(self, name: str) -> None:
+        """Drop the computed column ``name`` (layer, token, next_use, clock): it is made again if asked for. A
+        long pipeline frees a column it no longer needs this way."""
+        self._columns.pop(name, None)
+
+    def __getstate__(self) -> dict:  # to a worker process: the ids, without locks or computed columns
+        return {**self.__dict__, "_columns": {}, "_making": {}, "_lock": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
+    def per_layer_requests(self) -> np.ndarray:
+        """Requests of each layer: every token requests K experts of every layer, so n / L each."""
+        return np.full(self.num_layers, len(self) // max(1, self.num_layers), np.int64)
 
     @property
     def round(self) -> np.ndarray:
         return np.arange(len(self), dtype=np.int64) // self.num_layers
 
 
-def flatten_kernel(experts, num_experts, expert_id, layer, token):
-    """Fill the request columns from ``experts`` [N, L, K] in the order of the module docstring, in one pass."""
+def flatten_kernel(experts, num_experts, expert_id):
+    """Fill ``expert_id`` from ``experts`` [N, L, K] in the order of the module docstring, in one pass."""
     num_tokens, num_layers, top_k = experts.shape
     t = 0
     for row in range(num_tokens):
         for rank in range(top_k):
             for at in range(num_layers):
                 expert_id[t] = at * num_experts + experts[row, at, rank]
-                layer[t] = at
-                token[t] = row
                 t += 1
 
 
@@ -65,25 +112,27 @@ def _flatten_kernel(dtype: str):
     from numba import types
 
     experts = types.Array(getattr(types, dtype), 3, "C", readonly=True)
-    column = types.Array(types.int64, 1, "C")
-    return njit_cached(flatten_kernel, types.void(experts, types.int64, column, types.Array(types.int32, 1, "C"),
-                                                  column))
+    return njit_cached(flatten_kernel, types.void(experts, types.int64, types.Array(types.int64, 1, "C")))
+
+
+def flatten_experts(experts: np.ndarray, num_experts: int) -> np.ndarray:
+    """The flat expert ids of ``experts`` [N, L, K] in replay order (int64): one compiled pass where Numba is
+    installed, else NumPy's transpose."""
+    n, L, K = experts.shape
+    if numba_available():  # one compiled pass, no temporaries
+        experts = np.ascontiguousarray(experts)
+        expert_id = np.empty(n * K * L, np.int64)
+        _flatten_kernel(experts.dtype.name)(experts, num_experts, expert_id)
+        return expert_id
+    # experts[n, l, r] -> order (n, r, l): token-major, then rank, then layer
+    offsets = np.arange(L, dtype=np.int64)[None, None, :] * num_experts
+    return (experts.astype(np.int64).transpose(0, 2, 1) + offsets).reshape(-1)
 
 
 def flatten(trace: Trace) -> AccessSequence:
-    L, J, K = trace.meta.num_layers, trace.meta.num_experts, trace.meta.top_k
-    n = trace.num_tokens
-    if numba_available():  # one compiled pass, no temporaries
-        experts = np.ascontiguousarray(trace.experts)
-        expert_id, layer, token = np.empty(n * K * L, np.int64), np.empty(n * K * L, np.int32), np.empty(n * K * L,
-                                                                                                       np.int64)
-        _flatten_kernel(experts.dtype.name)(experts, J, expert_id, layer, token)
-    else:  # experts[n, l, r] -> order (n, r, l): token-major, then rank, then layer
-        layer = np.tile(np.arange(L, dtype=np.int32), n * K)
-        expert_id = layer.astype(np.int64) * J + trace.experts.astype(np.int64).transpose(0, 2, 1).reshape(-1)
-        token = np.repeat(np.arange(n, dtype=np.int64), K * L)
-    return AccessSequence(expert_id=expert_id, layer=layer, token=token, next_use=next_use_times(expert_id),
-                          num_layers=L, num_experts=J, top_k=K)
+    meta = trace.meta
+    return AccessSequence(expert_id=flatten_experts(trace.experts, meta.num_experts), num_layers=meta.num_layers,
+                          num_experts=meta.num_experts, top_k=meta.top_k)
 
 
 def next_use_kernel(keys, num_keys, next_use):
