@@ -8,8 +8,8 @@ import pytest
 
 from moe_offload.bundled import DEFAULT_TRACE
 from moe_offload.reporting.bound import TARGET_HIT_RATES, measure_bound, verdict
-from moe_offload.reporting.working_set import (measure_working_set, reuse_distance_kernel, sliding_distinct_kernel,
-                                               window_lengths)
+from moe_offload.reporting.working_set import measure_working_set, sliding_distinct_kernel, window_lengths
+from moe_offload.simulator.stack_distances import LruStack
 from moe_offload.simulator.replay import ReplayInput, replay
 from moe_offload.trace.format import Trace, TraceMeta, read_trace
 
@@ -35,19 +35,21 @@ def naive_reuse_distances(keys) -> list:
 
 def test_reuse_distances_of_a_hand_worked_sequence():
     # 0 1 0 2 1 0: first uses of 0, 1, 2; then 0 after {1}, 1 after {0, 2}, 0 after {2, 1}
-    histogram = np.zeros(5, np.int64)
-    reuse_distance_kernel(np.array([0, 1, 0, 2, 1, 0], np.int64), 4, histogram)
-    assert histogram.tolist() == [0, 1, 2, 0, 3]
+    stack = LruStack(4)
+    stack.add(np.array([0, 1, 0, 2, 1, 0], np.int64))
+    assert stack.histogram.tolist() == [0, 1, 2, 0, 3]
 
 
 def test_reuse_distances_equal_a_rescan_through_many_compactions():
     keys = np.random.default_rng(3).integers(0, 5, 400)  # 400 requests of 5 keys: the 10 slots renumber often
-    histogram = np.zeros(6, np.int64)
-    reuse_distance_kernel(keys.astype(np.int64), 5, histogram)
     expected = np.zeros(6, np.int64)
     for distance in naive_reuse_distances(keys.tolist()):
         expected[5 if distance is None else distance] += 1
-    assert histogram.tolist() == expected.tolist()
+    whole, pieces = LruStack(5), LruStack(5)
+    whole.add(keys)
+    for piece in np.array_split(keys, 7):  # the stack carried from piece to piece, across the compactions
+        pieces.add(piece)
+    assert whole.histogram.tolist() == expected.tolist() == pieces.histogram.tolist()
 
 
 def test_sliding_distinct_equals_a_recount_of_every_window():
@@ -114,6 +116,30 @@ def test_above_the_threshold_opt_s_curve_is_sampled_and_its_error_at_the_budget_
     assert f"{sampled.opt_error * 100:+.2f} points from the exact replay's" in sampled.sampling_text()
     assert abs(sampled.opt_error) < 0.05  # half of OLMoE's 1,024 experts: a close estimate
     assert measure_bound(olmoe, 256, working_set, policies=["lru"], sample_above=1).opt.rate == 0.1  # the floor
+
+
+def test_above_the_replay_threshold_every_replay_runs_on_one_sample_with_lru_s_error_stated(olmoe):
+    working_set = measure_working_set(olmoe.trace)  # streamed: the same measures as from the sequence
+    assert working_set.reuse_histogram.tolist() == measure_working_set(olmoe.trace, olmoe.sequence).reuse_histogram.tolist()
+    requests = len(olmoe.sequence)
+    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "fifo", "lcp"], sample_above=requests // 2,
+                          replay_sample_above=requests // 2)
+    assert bound.replay_rate == 0.5 and bound.replay_size == 128 and bound.opt.rate == 0.5
+    # independently: the sampled experts' requests, in order, replayed by the policy objects at 128 experts
+    kept = np.isin(olmoe.sequence.expert_id, [key for key in range(1024) if (key * 0x9E3779B1) % 2**32 < 2**31])
+    sample = olmoe.sequence.expert_id[kept]
+    assert bound.belady.accesses == sample.size == bound.opt.requests
+    rows = np.flatnonzero(kept) // (16 * 8)  # OLMoE: 16 layers, top-8
+    assert ReplayInput.sampled(olmoe.trace, 0.5, "s").sequence.token.tolist() == rows.tolist()
+    reference = ReplayInput.sampled(olmoe.trace, 0.5, "s")
+    for policy in ("belady", "lru", "fifo", "lcp"):
+        result = bound.belady if policy == "belady" else bound.result(policy)
+        expected = replay(reference, policy, 128, engine="python")
+        assert (result.hits, result.per_layer_hits) == (expected.hits, expected.per_layer_hits), policy
+    assert bound.opt.histogram[:128].sum() == bound.belady.hits  # OPT's curve is the sample's own
+    assert bound.lru_error == pytest.approx(bound.result("lru").hit_rate - working_set.lru_hit_rate(256))
+    assert f"{bound.lru_error * 100:+.2f} points from its exact one" in bound.sampling_text()
+    assert bound.replayed_on == "50.0% of the experts, at 128"
 
 
 def test_verdict_sentences(olmoe):

@@ -16,7 +16,7 @@ DEFAULT_TIMED_TOKENS = 1024
 
 def register(subparsers) -> None:
     from moe_offload.hardware import DEFAULT_PRESET
-    from moe_offload.reporting.bound import MIN_SAMPLE_RATE, PYTHON_REPLAY_REQUESTS, SAMPLE_ABOVE
+    from moe_offload.reporting.bound import MIN_SAMPLE_RATE, PYTHON_REPLAY_REQUESTS, REPLAY_SAMPLE_ABOVE, SAMPLE_ABOVE
     from moe_offload.simulator.replay import ENGINES
 
     parser = subparsers.add_parser(
@@ -49,8 +49,13 @@ def register(subparsers) -> None:
                              f"measured on a sample of the experts (N / requests of them, at least "
                              f"{MIN_SAMPLE_RATE:.0%}) and its sizes are estimates, said so with their error at the "
                              "budget; every replay at the budget stays exact".replace("%", "%%"))
+    parser.add_argument("--replay-sample-above", default=str(REPLAY_SAMPLE_ABOVE), metavar="N",
+                        help=f"above N expert requests (default {REPLAY_SAMPLE_ABOVE:,}), every replay at the budget "
+                             "too runs on a sample of the experts (at the rate --sample-above gives), with the budget "
+                             "scaled, in memory that does not grow with the trace; the report states LRU's error "
+                             "there against its exact hit rate")
     parser.add_argument("--exact", action="store_true",
-                        help="never sample: OPT's curve from every request, however long the trace")
+                        help="never sample: OPT's curve and every replay from every request, however long the trace")
     parser.add_argument("--engine", default="all", metavar="ENGINE",
                         help="the serving engine whose settings to score on the held-out traffic: llama.cpp, "
                              "ktransformers, vllm, sglang or all (default all)")
@@ -101,6 +106,7 @@ def run(args) -> int:
     workers = jobs(args.jobs)
     timed_tokens = integer(args.timed_tokens, "--timed-tokens", low=1)
     sample_above = None if args.exact else integer(args.sample_above, "--sample-above", low=1)
+    replay_sample_above = None if args.exact else integer(args.replay_sample_above, "--replay-sample-above", low=1)
     hardware = resolve_profile(args.hardware)
     engines = engine_names(args.engine)
     profile = read_trace(trace_path(args.profile)) if args.profile else None
@@ -116,10 +122,10 @@ def run(args) -> int:
     stderr = Console(stderr=True)
     step = (lambda text: stderr.print(f"[dim]{text}...[/]")) if stderr.is_terminal else None
     name = args.trace if Path(args.trace) == path else path.name
-    report = build_report(ReplayInput.of(trace, name=name), args.trace, cache_size, hardware, expert_bytes,
+    report = build_report(ReplayInput.of(trace, name=name, checked=True), args.trace, cache_size, hardware, expert_bytes,
                           seed=seed, jobs=workers, engine=args.replay_engine, timed_tokens=timed_tokens, step=step,
                           engines=engines, profile=profile, profile_name=args.profile, fast_memory=args.fast_memory,
-                          sample_above=sample_above)
+                          sample_above=sample_above, replay_sample_above=replay_sample_above)
     if report.bound.result("learned") is not None:
         note = learned_training_note(str(path), {})
         if note:

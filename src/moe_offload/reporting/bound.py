@@ -16,6 +16,12 @@ experts (SHARDS: every request of one expert in ``sample_above / requests`` of t
 MIN_SAMPLE_RATE) and the sizes it gives are estimates, so said; its error is measured where the exact
 answer is at hand, at the budget, against the Belady replay of the whole trace (``opt_error``).
 
+On a trace of more than ``replay_sample_above`` requests (REPLAY_SAMPLE_ABOVE: the whole sequence's ids, clocks
+and next uses, 24 bytes a request, would pass a few gigabytes) every replay runs on one spatial sample of the
+experts at the rate OPT's curve would have, flattened a piece at a time, with the budget scaled by it; OPT's curve is the sample's
+own. What that costs in accuracy is measured and said: LRU's hit rate on the sample against its exact hit rate
+on the whole trace, which the reuse distances give (working_set.py, streamed over the whole trace).
+
 Policies without a compiled kernel run their Python objects, about a hundred times slower: on a trace of more
 requests than PYTHON_REPLAY_REQUESTS they replay its first rows only (up to that many requests), beside OPT on
 the same rows, and the report says so.
@@ -30,11 +36,12 @@ from moe_offload.policies import POLICIES, default_policies, make_policy
 from moe_offload.results import RunResult
 from moe_offload.reporting.working_set import WorkingSet
 from moe_offload.simulator.replay import ReplayInput, replay_grid, replay_kernel
-from moe_offload.simulator.stack_distances import HitCurve, opt_curve
+from moe_offload.simulator.stack_distances import HitCurve, lru_curve, opt_curve
 
 TARGET_HIT_RATES = (0.5, 0.8, 0.9)
 PYTHON_REPLAY_REQUESTS = 250_000
 SAMPLE_ABOVE = 20_000_000  # expert requests above which OPT's curve is measured on a sample of the experts
+REPLAY_SAMPLE_ABOVE = 100_000_000  # expert requests above which every replay runs on a sample of the experts
 MIN_SAMPLE_RATE = 0.1      # at least this share of the experts: a few thousand experts leave a few hundred
 # Verdict thresholds: below NO_POLICY_HELPS even OPT misses most requests; at or above POLICY_CLOSE of OPT's
 # hits the online policy is near the bound, so memory, not the policy, is the lever.
@@ -54,17 +61,32 @@ class Bound:
     needed: dict[float, int | None] = field(default_factory=dict)  # target hit rate -> OPT's size, None: never
     max_hit_rate: float = 1.0
     opt: HitCurve | None = None  # OPT's hit rate at every size (sampled where opt.rate < 1)
+    replay_rate: float = 1.0     # below 1: every replay ran on a sample of the experts at this rate (see above)
+    replay_size: int = 0         # the budget those replays had: cache_size scaled by replay_rate
+    lru_error: float | None = None  # sampled replays: LRU's sampled hit rate less its exact one, whole trace
 
     @property
     def opt_error(self) -> float | None:
         """The sampled OPT curve's hit rate at the budget less the Belady replay's on the whole trace (None
-        when the curve is exact)."""
-        if self.opt is None or self.opt.exact:
+        when the curve is exact, or when the replays were sampled too)."""
+        if self.opt is None or self.opt.exact or self.replay_rate < 1:
             return None
         return self.opt.hit_rate(self.cache_size) - self.belady.hit_rate
 
+    @property
+    def replayed_on(self) -> str:
+        """What the replays at the budget ran on, in words."""
+        if self.replay_rate == 1:
+            return "whole trace"
+        return f"{self.replay_rate:.1%} of the experts, at {self.replay_size:,}"
+
     def sampling_text(self) -> str:
         """How OPT's curve was measured, in words, with its error where it was sampled."""
+        if self.replay_rate < 1:
+            return (f"on a sample of {self.replay_rate:.1%} of the experts (every request of each, "
+                    f"{self.belady.accesses:,} requests; SHARDS), as every replay at the budget, which ran with "
+                    f"{self.replay_size:,} experts: its sizes and hit rates are estimates; LRU's hit rate on the "
+                    f"sample is {self.lru_error * 100:+.2f} points from its exact one on the whole trace")
         if self.opt is None or self.opt.exact:
             return "exact: every request"
         return (f"on a sample of {self.opt.rate:.1%} of the experts (every request of each, "
@@ -107,33 +129,58 @@ def prefix_rows(data: ReplayInput, requests: int) -> int:
 
 def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet, *, seed: int = 0, jobs: int = 1,
                   engine: str = "auto", policies: list[str] | None = None,
-                  sample_above: int | None = SAMPLE_ABOVE) -> Bound:
+                  sample_above: int | None = SAMPLE_ABOVE,
+                  replay_sample_above: int | None = REPLAY_SAMPLE_ABOVE) -> Bound:
     """Every online policy (or ``policies``) and OPT at ``cache_size`` experts, and OPT's sizes for
-    TARGET_HIT_RATES, exact, or estimated on a sample of the experts above ``sample_above`` requests (None:
-    never) (module docstring)."""
+    TARGET_HIT_RATES, exact, or estimated on a sample of the experts above ``sample_above`` requests; every
+    replay on a sample above ``replay_sample_above`` (None: never) (module docstring)."""
     policies, skipped = runnable(data, policies or online_policies(), seed)
+    meta = data.trace.meta
+    requests = data.trace.num_tokens * meta.num_layers * meta.top_k
+    replay_rate = 1.0  # sampled above replay_sample_above, at the rate of OPT's curve
+    if replay_sample_above is not None and requests > replay_sample_above:
+        replay_rate = sample_rate(requests, min(sample_above or replay_sample_above, replay_sample_above))
+    if replay_rate < 1:
+        target = ReplayInput.sampled(data.trace, replay_rate, name=f"{data.name} ({replay_rate:.1%} of the experts)")
+        size = max(meta.top_k, round(cache_size * replay_rate))
+    else:
+        target, size = data, cache_size
     compiled = [p for p in policies if replay_kernel(p, engine) is not None]
     slow = [p for p in policies if p not in compiled]
     sample = None
-    if slow and len(data.sequence) > PYTHON_REPLAY_REQUESTS:
+    if slow and requests > PYTHON_REPLAY_REQUESTS:
         rows = prefix_rows(data, PYTHON_REPLAY_REQUESTS)
-        sample = ReplayInput.of(data.trace.select(slice(0, rows)), name=f"first {rows:,} tokens")
+        sample = ReplayInput.of(data.trace.select(slice(0, rows)), name=f"first {rows:,} tokens", checked=True)
     full_policies = compiled + ([] if sample is not None else slow)
-    grid = replay_grid(data, ["belady"] + full_policies, [cache_size], seed=seed, jobs=jobs, engine=engine)
+    # Belady and OPT's curve first, the only readers of the next uses, which are then freed (8 bytes a request)
+    belady = replay_grid(target, ["belady"], [size], seed=seed, jobs=jobs, engine=engine).results[0]
+    if replay_rate < 1:  # OPT's curve on the same sample: exact there, its sizes scaled by the rate
+        opt = opt_curve(target.sequence.expert_id, target.sequence.next_use, meta.num_expert_slots)
+        opt = HitCurve(opt.histogram, rate=replay_rate)
+    else:
+        opt = measure_opt_curve(data, sample_above)
+    target.sequence.forget("next_use")
+    grid = replay_grid(target, full_policies, [size], seed=seed, jobs=jobs, engine=engine, reference=belady)
     skipped += [(policy, why) for policy, _, why in grid.skipped]
-    belady = next(r for r in grid.results if r.policy == "belady")
     online = sorted((r for r in grid.results if r.policy != "belady"), key=lambda r: (-r.hits, r.policy))
     bound = Bound(cache_size=cache_size, belady=belady, online=online, skipped=skipped,
-                  max_hit_rate=working_set.max_hit_rate())
+                  max_hit_rate=working_set.max_hit_rate(), opt=opt, replay_rate=replay_rate, replay_size=size)
+    if replay_rate < 1:
+        lru = next((r.hit_rate for r in online if r.policy == "lru"), None)
+        if lru is None:
+            lru = lru_curve(target.sequence.expert_id, meta.num_expert_slots).hit_rate(size)
+        bound.lru_error = lru - working_set.lru_hit_rate(cache_size)
+    for column in ("token", "clock", "layer"):
+        target.sequence.forget(column)
     if sample is not None:
         sampled = replay_grid(sample, ["belady"] + slow, [cache_size], seed=seed, jobs=jobs, engine=engine)
         bound.skipped += [(policy, why) for policy, _, why in sampled.skipped]
         bound.sampled_belady = next(r for r in sampled.results if r.policy == "belady")
         bound.sampled = sorted((r for r in sampled.results if r.policy != "belady"), key=lambda r: (-r.hits, r.policy))
         bound.sampled_tokens = sample.trace.num_tokens
-    bound.opt = measure_opt_curve(data, sample_above)
-    for target in TARGET_HIT_RATES:
-        bound.needed[target] = bound.opt.smallest_size(target) if working_set.max_hit_rate() >= target else None
+    for target_rate in TARGET_HIT_RATES:
+        bound.needed[target_rate] = (bound.opt.smallest_size(target_rate)
+                                     if working_set.max_hit_rate() >= target_rate else None)
     return bound
 
 

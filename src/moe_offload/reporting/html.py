@@ -135,7 +135,7 @@ def render_html(report: Report) -> str:
         f"<title>moe-offload report: {e(report.trace)}</title>", f"<style>{STYLE}</style>", "</head>", "<body>",
         f"<h1>{e(report.trace)}: policy or working set?</h1>",
         f"<p>{e(meta.model)}, {meta.num_layers} layers &times; {meta.num_experts} experts, top-{meta.top_k}; "
-        f"{report.tokens:,} tokens in {plural(report.requests, 'request')}, {bound.belady.accesses:,} expert requests. "
+        f"{report.tokens:,} tokens in {plural(report.requests, 'request')}, {ws.requests:,} expert requests. "
         f"Fast memory: {e(report.budget_text())}.</p>",
         f'<p class="verdict">{e(report.verdict)}</p>',
         "<h2>Working set</h2>",

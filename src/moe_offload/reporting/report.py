@@ -11,7 +11,8 @@ from rich.table import Table
 
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies import POLICIES
-from moe_offload.reporting.bound import SAMPLE_ABOVE, TARGET_HIT_RATES, Bound, measure_bound, verdict
+from moe_offload.reporting.bound import (REPLAY_SAMPLE_ABOVE, SAMPLE_ABOVE, TARGET_HIT_RATES, Bound, measure_bound,
+                                         verdict)
 from moe_offload.reporting.latency import Latency, measure_latency
 from moe_offload.reporting.on_engine import OnEngine, measure_on_engine, print_on_engine
 from moe_offload.reporting.recommend import command_lines, commands
@@ -65,18 +66,22 @@ class Report:
 def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: HardwareProfile,
                  expert_bytes: int | None, *, timed_tokens: int, seed: int = 0, jobs: int = 1, engine: str = "auto",
                  step=None, engines: tuple[str, ...] = (), profile=None, profile_name: str | None = None,
-                 fast_memory: str = "", sample_above: int | None = SAMPLE_ABOVE) -> Report:
+                 fast_memory: str = "", sample_above: int | None = SAMPLE_ABOVE,
+                 replay_sample_above: int | None = REPLAY_SAMPLE_ABOVE) -> Report:
     """Measure everything, the timed runs on the first ``timed_tokens`` rows (latency.py), OPT's curve on a
-    sample of the experts above ``sample_above`` requests (bound.py; None: never) and the settings of
+    sample of the experts above ``sample_above`` requests and every replay above ``replay_sample_above``
+    (bound.py; None: never) and the settings of
     ``engines`` on the held-out traffic (on_engine.py; ``profile``, a trace, chooses their placements instead
     of the trace's first half); ``step(text)`` is told what runs next (a progress line)."""
     step = step or (lambda text: None)
     trace = data.trace
     step("working set: sliding windows and reuse distances")
-    working_set = measure_working_set(trace, data.sequence)
+    requests = trace.num_tokens * trace.meta.num_layers * trace.meta.top_k
+    whole = replay_sample_above is None or requests <= replay_sample_above  # else never flattened whole
+    working_set = measure_working_set(trace, data.sequence if whole else None)
     step("the bound: Belady and every online policy at the budget, OPT at every size")
     bound = measure_bound(data, cache_size, working_set, seed=seed, jobs=jobs, engine=engine,
-                          sample_above=sample_above)
+                          sample_above=sample_above, replay_sample_above=replay_sample_above)
     notes = [f"{policy} did not run: {why}" for policy, why in bound.skipped]
     if prompt_tokens_text(trace.meta.extra):
         notes.append(prompt_tokens_text(trace.meta.extra))
@@ -152,10 +157,10 @@ def working_set_rows(report: Report) -> list[tuple[str, ...]]:
 def policy_rows(report: Report) -> list[tuple[str, ...]]:
     bound = report.bound
     opt = bound.belady
-    rows = [("belady (OPT)", f"{opt.hit_rate:.2%}", "100%", f"{opt.misses:,}", "whole trace")]
+    rows = [("belady (OPT)", f"{opt.hit_rate:.2%}", "100%", f"{opt.misses:,}", bound.replayed_on)]
     for result in bound.online:
         rows.append((_label(result), f"{result.hit_rate:.2%}", _of_opt(result, opt), f"{result.fast_misses:,}",
-                     "whole trace"))
+                     bound.replayed_on))
     if bound.sampled:
         sample_opt = bound.sampled_belady
         rows.append(("belady (OPT)", f"{sample_opt.hit_rate:.2%}", "100%", f"{sample_opt.misses:,}",
@@ -193,7 +198,7 @@ def print_report(report: Report, console: Console) -> None:
     meta = report.meta
     console.print(f"[bold]{report.trace}[/]: {meta.model}, {meta.num_layers} layers x {meta.num_experts} experts, "
                   f"top-{meta.top_k}; {report.tokens:,} tokens in {plural(report.requests, 'request')}; "
-                  f"{report.bound.belady.accesses:,} expert requests")
+                  f"{report.working_set.requests:,} expert requests")
     console.print(f"fast memory: {report.budget_text()}")
     console.print(f"\n[bold]verdict[/]: {report.verdict}\n")
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_offload.compiled import njit_cached, numba_available
-from moe_offload.simulator.stack_distances import HitCurve, lru_curve, reuse_distance_kernel  # noqa: F401
-from moe_offload.trace.flatten import AccessSequence
+from moe_offload.simulator.stack_distances import HitCurve, LruStack
+from moe_offload.trace.flatten import AccessSequence, flattened_pieces
 from moe_offload.trace.format import Trace
 
 # Window lengths in tokens: powers of 4 from one token, the last one at most the trace's length.
@@ -134,8 +134,9 @@ class WorkingSet:
         return float(counts[:cache_size].sum()) / max(1, int(counts.sum()))
 
 
-def measure_working_set(trace: Trace, sequence: AccessSequence) -> WorkingSet:
-    """The working set of ``trace``; ``sequence`` is its flattened request sequence (ReplayInput's)."""
+def measure_working_set(trace: Trace, sequence: AccessSequence | None = None) -> WorkingSet:
+    """The working set of ``trace``; ``sequence`` is its flattened request sequence (ReplayInput's), or None to
+    flatten it here a piece at a time, in memory that does not grow with the trace."""
     meta = trace.meta
     experts = np.ascontiguousarray(trace.experts)  # in their own id type: no copy of the trace
     sliding = _sliding_kernel(experts.dtype.name)
@@ -148,8 +149,12 @@ def measure_working_set(trace: Trace, sequence: AccessSequence) -> WorkingSet:
         sliding(experts, meta.num_experts, window, total, largest)
         distinct_mean[index] = total / (trace.num_tokens - window + 1)
         distinct_max[index] = largest
-    histogram = lru_curve(sequence.expert_id, meta.num_expert_slots).histogram
-    layer_counts = np.bincount(sequence.expert_id, minlength=meta.num_expert_slots).reshape(meta.num_layers,
-                                                                                          meta.num_experts)
+    stack = LruStack(meta.num_expert_slots)
+    counts = np.zeros(meta.num_expert_slots, np.int64)
+    for keys in ([sequence.expert_id] if sequence is not None else flattened_pieces(trace)):
+        stack.add(keys)
+        counts += np.bincount(keys, minlength=meta.num_expert_slots)
+    histogram = stack.histogram
+    layer_counts = counts.reshape(meta.num_layers, meta.num_experts)
     return WorkingSet(windows=windows, distinct_mean=distinct_mean, distinct_max=distinct_max,
                       reuse_histogram=histogram, layer_counts=layer_counts, top_k=meta.top_k)

@@ -28,31 +28,40 @@ from moe_offload.policies import AccessContext, ModelSpec, make_policy, policy_f
 from moe_offload.results import RunResult
 from moe_offload.simulator import kernels
 from moe_offload.simulator.cache import BYPASSED, HIT, LOADED, ExpertCache, PartitionedCache
-from moe_offload.trace.flatten import AccessSequence, flatten, last_row_of_each_request, next_use_times
+from moe_offload.trace.flatten import (AccessSequence, flatten, last_row_of_each_request, next_use_times,
+                                       sample_sequence)
 from moe_offload.trace.format import Trace
 from moe_offload.values import integer, worker_count
 
 
 @dataclass
 class ReplayInput:
-    """A trace and its flattened request sequence, prepared once for many runs."""
+    """A trace and its request sequence (flattened when first asked for), prepared once for many runs; or the
+    requests of a spatial sample of its experts (``sampled``)."""
 
     trace: Trace
-    sequence: AccessSequence
     name: str
+    _sequence: AccessSequence | None = None
 
     @classmethod
     def of(cls, trace: Trace, name: str | None = None, *, checked: bool = False) -> "ReplayInput":
-        """``trace`` flattened; checked first as a file is (``checked``: read_trace or Trace.build has just
-        checked it, a pass over the trace saved)."""
+        """``trace``, checked first as a file is (``checked``: read_trace or Trace.build has just checked it, a
+        pass over the trace saved)."""
         if not checked:
             trace.validate()
-        return cls(trace=trace, sequence=flatten(trace), name=name or trace.path)
+        return cls(trace=trace, name=name or trace.path)
 
-    def layer_positions(self, layer: int) -> np.ndarray:
-        """The positions of ``layer``'s requests in time order: layer, layer + L, ... (request t is of layer
-        t % L, trace/flatten.py), made for the -dist run that needs them, an L-th of the sequence at a time."""
-        return np.arange(layer, len(self.sequence), self.trace.meta.num_layers, dtype=np.int64)
+    @classmethod
+    def sampled(cls, trace: Trace, rate: float, name: str) -> "ReplayInput":
+        """The requests of the experts in a spatial sample at ``rate`` of ``trace`` (a checked trace;
+        trace/flatten.py ``sample_sequence``), never the whole sequence in memory."""
+        return cls(trace=trace, name=name, _sequence=sample_sequence(trace, rate))
+
+    @property
+    def sequence(self) -> AccessSequence:
+        if self._sequence is None:
+            self._sequence = flatten(self.trace)
+        return self._sequence
 
     @property
     def spec(self) -> ModelSpec:
@@ -207,7 +216,7 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel) -
     capacities = PartitionedCache.capacities(cache_size, spec.num_layers)
     for layer in range(spec.num_layers):
         # each partition has a fresh policy of the same seed (PartitionedCache's make_policy), hence ints.copy()
-        kernel(keys, data.layer_positions(layer), tokens, next_use, capacities[layer],
+        kernel(keys, seq.layer_positions(layer), tokens, next_use, capacities[layer],
                spec.num_layers, spec.num_experts, floats, ints.copy(), layer_hits)
     return layer_hits
 
@@ -279,8 +288,10 @@ def grid_runs(spec: ModelSpec, policies: list[str], cache_sizes: list[int]):
 
 def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterable[int], *, seed: int = 0,
                 options: dict[str, dict] | None = None, jobs: int = 1,
-                progress: Callable[[int], None] | None = None, engine: str = "auto") -> GridResult:
-    """Every policy at every cache size, each reported against Belady OPT at the same size.
+                progress: Callable[[int], None] | None = None, engine: str = "auto",
+                reference: RunResult | None = None) -> GridResult:
+    """Every policy at every cache size, each reported against Belady OPT at the same size (``reference``:
+    Belady's result at the one size of the grid, already replayed, in place of a run of it).
 
     Runs are independent, so ``jobs`` > 1 spreads them: the compiled ones over threads of this process (their
     kernels release the GIL), the Python ones over worker processes; results do not depend on it, nor on
@@ -290,9 +301,14 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
     layers) is skipped with its reason; any other problem raises ConfigError before the first run."""
     policies = list(dict.fromkeys(policies))
     cache_sizes = sorted({integer(size, "cache_size", low=1) for size in cache_sizes})
+    data.sequence  # flattened here, once, before any thread or worker process reads it
     for policy in policies:  # every policy and its options are checked before the first run
         make_policy(policy, data.spec, seed=seed, options=(options or {}).get(policy))
     runs, skipped = grid_runs(data.spec, policies, cache_sizes)
+    if reference is not None:
+        if cache_sizes != [reference.cache_size]:
+            raise ValueError("a grid given Belady's result runs at its size only")
+        runs = [run for run in runs if run[0] != "belady"]
     for policy in dict.fromkeys(policy for policy, _ in runs):
         replay_kernel(policy, engine)  # compiled now, once: the threads share it, worker processes inherit it
     tasks = [(policy, size, seed, (options or {}).get(policy), engine) for policy, size in runs]
@@ -332,7 +348,7 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
         for future in as_completed(futures):
             finished(futures[future], future.result())
 
-    set_opt_misses(done)
+    set_opt_misses(done + ([reference] if reference is not None else []))
     results = [result for result in done if result.policy != "belady" or "belady" in policies]
     return GridResult(results=results, skipped=skipped)
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_offload.trace.flatten import next_use_times
+from moe_offload.trace.flatten import in_sample, next_use_times
 
 
 @dataclass(frozen=True)
@@ -96,17 +96,11 @@ class HitCurve:
         return size if size < len(curve) else None
 
 
-SAMPLE_HASH = 0x9E3779B1  # Knuth's multiplicative hash: spreads consecutive flat ids over [0, 2**32)
-
-
 def sample_keys(keys: np.ndarray, rate: float) -> np.ndarray:
     """The requests of ``keys`` whose expert is in a spatial sample of the experts at ``rate`` (SHARDS, Waldspurger
-    et al., FAST 2015): an expert is in it when its hash falls below ``rate`` * 2**32, so every request of a
-    sampled expert is kept and none of the others, and the sample's stack distances are the whole trace's
-    scaled by ``rate`` (HitCurve)."""
-    threshold = np.uint64(min(2**32, int(rate * 2**32)))
-    hashed = (keys.astype(np.uint64) * np.uint64(SAMPLE_HASH)) & np.uint64(0xFFFFFFFF)
-    return keys[hashed < threshold]
+    et al., FAST 2015; trace/flatten.py ``in_sample``): every request of a sampled expert is kept and none of the
+    others, so the sample's stack distances are the whole trace's scaled by ``rate`` (HitCurve)."""
+    return keys[in_sample(keys, rate)]
 
 
 def _fenwick_add(tree, slot, delta):
@@ -126,14 +120,13 @@ def _fenwick_prefix(tree, slot):
     return total
 
 
-def reuse_distance_kernel(keys, num_keys, histogram):
+def reuse_distance_kernel(keys, num_keys, histogram, tree, last, state):
     """Add each request of ``keys`` (flat expert ids in [0, num_keys)) to ``histogram[distance]``, its LRU stack
     (reuse) distance, or to ``histogram[num_keys]`` for a first request; the module docstring derives the
-    method."""
+    method. ``tree`` (2 * num_keys + 1 zeros), ``last`` (num_keys times -1) and ``state`` ([0]: the slot the next
+    request takes) carry the stack from one call to the next: a long sequence is passed in pieces."""
     slots = 2 * num_keys
-    tree = np.zeros(slots + 1, np.int64)
-    last = np.full(num_keys, -1, np.int64)  # each expert's last-use slot, -1 before its first request
-    following = 0  # the slot the next request takes
+    following = state[0]
     for position in range(keys.shape[0]):
         key = keys[position]
         previous = last[key]
@@ -155,6 +148,7 @@ def reuse_distance_kernel(keys, num_keys, histogram):
         last[key] = following
         _fenwick_add(tree, following, 1)
         following += 1
+    state[0] = following
 
 
 def _tree_set(tree, leaves, slot, value):
@@ -235,15 +229,35 @@ def _kernels():
 
     if not numba_available():
         return reuse_distance_kernel, opt_stack_distance_kernel
-    return (compile_linked(reuse_distance_kernel, "void(int64[::1], int64, int64[::1])"),
+    return (compile_linked(reuse_distance_kernel,
+                           "void(int64[::1], int64, int64[::1], int64[::1], int64[::1], int64[::1])"),
             compile_linked(opt_stack_distance_kernel, "void(int64[::1], int64[::1], int64, int64[::1])"))
+
+
+class LruStack:
+    """LRU's stack distances of a sequence passed in pieces (``add``), in memory that does not grow with it."""
+
+    def __init__(self, num_keys: int):
+        self.num_keys = num_keys
+        self.histogram = np.zeros(num_keys + 1, np.int64)
+        self._tree = np.zeros(2 * num_keys + 1, np.int64)
+        self._last = np.full(num_keys, -1, np.int64)
+        self._state = np.zeros(1, np.int64)
+
+    def add(self, keys: np.ndarray) -> None:
+        """The next requests of the sequence (flat expert ids below ``num_keys``)."""
+        _kernels()[0](np.ascontiguousarray(keys, np.int64), self.num_keys, self.histogram, self._tree, self._last,
+                      self._state)
+
+    def curve(self) -> HitCurve:
+        return HitCurve(self.histogram.copy())
 
 
 def lru_curve(keys: np.ndarray, num_keys: int) -> HitCurve:
     """LRU's hits at every size on the request sequence ``keys`` (flat expert ids below ``num_keys``)."""
-    histogram = np.zeros(num_keys + 1, np.int64)
-    _kernels()[0](np.ascontiguousarray(keys, np.int64), num_keys, histogram)
-    return HitCurve(histogram)
+    stack = LruStack(num_keys)
+    stack.add(keys)
+    return stack.curve()
 
 
 def opt_curve(keys: np.ndarray, next_use: np.ndarray, num_keys: int, rate: float = 1.0) -> HitCurve:

@@ -36,6 +36,7 @@ class AccessSequence:
     num_layers: int
     num_experts: int
     top_k: int
+    rate: float = 1.0      # below 1: the requests of a spatial sample of the experts (``sample_sequence``)
     _columns: dict = field(default_factory=dict, repr=False, compare=False)  # the computed columns, by name
     _making: dict = field(default_factory=dict, repr=False, compare=False)  # a lock per column, while it is made
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)  # of _making
@@ -44,14 +45,20 @@ class AccessSequence:
         return int(self.expert_id.shape[0])
 
     @property
+    def sampled(self) -> bool:
+        return self.rate < 1.0
+
+    @property
     def layer(self) -> np.ndarray:
-        """int32: request t is of layer t % L (module docstring)."""
+        """int32: request t is of layer t % L (module docstring); in a sample, of its expert's layer."""
+        if self.sampled:
+            return self._computed("layer", lambda: (self.expert_id // self.num_experts).astype(np.int32))
         return self._computed("layer", lambda: np.tile(np.arange(self.num_layers, dtype=np.int32),
                                                        len(self) // max(1, self.num_layers)))
 
     @property
     def token(self) -> np.ndarray:
-        """int64: the trace row request t belongs to, t // (L * K)."""
+        """int64: the trace row request t belongs to, t // (L * K) (a sample is given its rows when made)."""
         return self._computed("token", lambda: np.arange(len(self), dtype=np.int64) // (self.num_layers * self.top_k))
 
     @property
@@ -86,8 +93,18 @@ class AccessSequence:
         self.__dict__.update(state, _lock=threading.Lock())
 
     def per_layer_requests(self) -> np.ndarray:
-        """Requests of each layer: every token requests K experts of every layer, so n / L each."""
+        """Requests of each layer: every token requests K experts of every layer, so n / L each (in a sample,
+        counted)."""
+        if self.sampled:
+            return np.bincount(self.expert_id // self.num_experts, minlength=self.num_layers).astype(np.int64)
         return np.full(self.num_layers, len(self) // max(1, self.num_layers), np.int64)
+
+    def layer_positions(self, layer: int) -> np.ndarray:
+        """The positions of ``layer``'s requests in time order: layer, layer + L, ... (request t is of layer
+        t % L), made for the -dist run that needs them, an L-th of the sequence at a time; in a sample, found."""
+        if self.sampled:
+            return np.flatnonzero(self.layer == layer).astype(np.int64)
+        return np.arange(layer, len(self), self.num_layers, dtype=np.int64)
 
     @property
     def round(self) -> np.ndarray:
@@ -129,10 +146,56 @@ def flatten_experts(experts: np.ndarray, num_experts: int) -> np.ndarray:
     return (experts.astype(np.int64).transpose(0, 2, 1) + offsets).reshape(-1)
 
 
+PIECE_REQUESTS = 1 << 22  # requests of a piece of a long trace flattened at a time (32 MiB of ids)
+
+
+def flattened_pieces(trace: Trace, requests: int = PIECE_REQUESTS):
+    """The flat ids of ``trace`` in replay order, a piece of whole tokens (about ``requests``) at a time."""
+    meta = trace.meta
+    rows = max(1, requests // (meta.num_layers * meta.top_k))
+    for start in range(0, trace.num_tokens, rows):
+        yield flatten_experts(trace.experts[start:start + rows], meta.num_experts)
+
+
+def sample_sequence(trace: Trace, rate: float) -> "AccessSequence":
+    """The requests of ``trace`` whose expert is in the spatial sample at ``rate`` (``in_sample``), in replay
+    order, with the trace row of each (its ``token``): made a piece at a time, so the whole sequence is never
+    in memory."""
+    meta = trace.meta
+    rows = max(1, PIECE_REQUESTS // (meta.num_layers * meta.top_k))
+    keys, tokens = [], []
+    for piece, start in zip(flattened_pieces(trace), range(0, trace.num_tokens, rows)):
+        keep = np.flatnonzero(in_sample(piece, rate))
+        keys.append(piece[keep])
+        tokens.append(start + keep // (meta.num_layers * meta.top_k))
+    sequence = AccessSequence(expert_id=np.concatenate(keys) if keys else np.zeros(0, np.int64),
+                              num_layers=meta.num_layers, num_experts=meta.num_experts, top_k=meta.top_k, rate=rate)
+    sequence._columns["token"] = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, np.int64)
+    return sequence
+
+
 def flatten(trace: Trace) -> AccessSequence:
     meta = trace.meta
     return AccessSequence(expert_id=flatten_experts(trace.experts, meta.num_experts), num_layers=meta.num_layers,
                           num_experts=meta.num_experts, top_k=meta.top_k)
+
+
+SAMPLE_HASH = 0x9E3779B1  # Knuth's multiplicative hash: spreads consecutive flat ids over [0, 2**32)
+SAMPLE_CHUNK = 1 << 22   # ids hashed at a time: the temporaries stay a few dozen megabytes
+
+
+def in_sample(keys: np.ndarray, rate: float) -> np.ndarray:
+    """Which of ``keys`` (flat expert ids) are of an expert in the spatial sample of the experts at ``rate``
+    (SHARDS, Waldspurger et al., FAST 2015): an expert is in it when its hash falls below ``rate`` * 2**32, the
+    same experts in every part of a trace. Hashed a piece at a time."""
+    threshold = np.uint64(min(2**32, int(rate * 2**32)))
+    keep = np.empty(keys.shape[0], np.bool_)
+    for start in range(0, keys.shape[0], SAMPLE_CHUNK):
+        piece = keys[start:start + SAMPLE_CHUNK].astype(np.uint64)
+        piece *= np.uint64(SAMPLE_HASH)
+        piece &= np.uint64(0xFFFFFFFF)
+        keep[start:start + SAMPLE_CHUNK] = piece < threshold
+    return keep
 
 
 def next_use_kernel(keys, num_keys, next_use):
