@@ -1,30 +1,35 @@
-"""How long `moe-offload report` takes on a large trace, phase by phase, against one libCacheSim LRU replay of the
-same request sequence, and its peak memory.
+"""How long the whole `moe-offload report` takes on a large trace, and its peak memory, against one libCacheSim LRU
+replay of the same request sequence.
 
     python benchmarks/report_scale.py [--tokens 20000] [--layers 48] [--experts 128] [--top-k 8]
-        [--fast-memory 25%] [--jobs 2] [--expert-bytes BYTES] [--sample-above N | --exact] [--html FILE]
+        [--fast-memory 25%] [--jobs 2] [--expert-bytes BYTES] [--sample-above N] [--exact] [--html FILE]
 
 The trace is synthetic: Zipf-popular experts per layer (paper 001's section 5.1 law, a = 1.2, each layer its
 own popularity order), requests of 256 decode tokens one after the other, Qwen3-30B-A3B's shape by default (48
-layers, top-8 of 128). Without --expert-bytes the trace gives no expert size, so the report has no latency
-section (the timed simulator's runs are their own benchmark); with it, the budget must fit the default
-hardware profile's GPU, checked before any work as `moe-offload report` checks it. 20,000 tokens are 7.7M
-requests; a million tokens, a day of one vLLM instance, 384M:
+layers, top-8 of 128), written to a Parquet file. 20,000 tokens are 7.7M requests; 100,000 are 38.4M; a
+million tokens, a day of one vLLM instance, 384M:
 
     python benchmarks/report_scale.py --tokens 1000000
 
-Prints the seconds (wall clock, and CPU of the process and its workers) of each phase as it ends (the trace,
-working set, the bound with OPT's curve, timed runs if any, HTML), the report, the whole report's time over one
-libCacheSim LRU replay of the same sequence (read from its oracleGeneral file, written after the report so its
-memory is not the report's), and the process's peak resident memory during the report.
+The report runs as a user runs it, `moe-offload report TRACE --fast-memory 25%` in a process of its own (reading
+the file included), timed start to exit, its peak resident memory read from the kernel's accounting of that
+process (``wait4``). Without --expert-bytes the trace gives no expert size, so the report has no latency section
+(the timed simulator's runs are their own benchmark); with it, the budget must fit the default hardware
+profile's GPU, as `moe-offload report` checks. Then libCacheSim's LRU replays the same sequence from its
+oracleGeneral file (written a piece at a time; LRU does not read the file's next-access times, which are left
+out), in this process, with reading the file included.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 
 REQUEST_TOKENS = 256
 
@@ -42,6 +47,40 @@ def synthetic_trace(tokens: int, layers: int, experts: int, top_k: int, expert_b
                        path="synthetic-zipf")
 
 
+def write_lru_oracle(trace, path: Path) -> int:
+    """The trace's request sequence as libCacheSim's oracleGeneral records, a piece at a time; the next-access
+    time, which LRU never reads, is -1. Returns the number of requests."""
+    import numpy as np
+
+    from moe_offload.trace.flatten import ORACLE_GENERAL_RECORD, flattened_pieces
+
+    written = 0
+    with open(path, "wb") as out:
+        for keys in flattened_pieces(trace):
+            records = np.empty(keys.size, ORACLE_GENERAL_RECORD)
+            records["clock_time"] = np.arange(written, written + keys.size, dtype=np.uint64).astype(np.uint32)
+            records["obj_id"] = keys
+            records["obj_size"] = 1
+            records["next_access_vtime"] = -1
+            records.tofile(out)
+            written += keys.size
+    return written
+
+
+def run_report(command: list[str], work: Path) -> tuple[float, int, str]:
+    """(seconds, peak resident bytes, stdout) of the report's process, start to exit: waited for with ``wait4``,
+    which returns the process's own resource accounting."""
+    out, err = (open(Path(work) / name, "w+") for name in ("report.out", "report.err"))
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=out, stderr=err, text=True)
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - start
+    out.seek(0), err.seek(0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"the report failed: {err.read().strip()}")
+    return seconds, usage.ru_maxrss * 1024, out.read()  # kilobytes on Linux
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=20_000)
@@ -51,83 +90,48 @@ def main() -> int:
     parser.add_argument("--fast-memory", default="25%")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--expert-bytes", help="bytes of one expert: adds the latency section (default none)")
-    parser.add_argument("--sample-above", type=int, default=None, help="as `report --sample-above`")
+    parser.add_argument("--sample-above", default=None, help="as `report --sample-above`")
     parser.add_argument("--exact", action="store_true", help="as `report --exact`")
     parser.add_argument("--html", metavar="FILE", help="also write the report's page")
     args = parser.parse_args()
 
-    import resource
-    import tempfile
-    from pathlib import Path
-
-    from rich.console import Console
-
-    from moe_offload.cli.report_cmd import DEFAULT_TIMED_TOKENS, fast_memory_experts
-    from moe_offload.hardware import resolve_profile
-    from moe_offload.outputs import check_output, write_atomically
-    from moe_offload.reporting.bound import SAMPLE_ABOVE
-    from moe_offload.reporting.html import render_html
-    from moe_offload.reporting.report import build_report, print_report
-    from moe_offload.simulator.replay import ReplayInput
-    from moe_offload.simulator.timed import Arrivals, check_timed_run
-    from moe_offload.trace.flatten import write_oracle_general
+    from moe_offload.cli.report_cmd import fast_memory_experts
+    from moe_offload.trace.format import write_trace
     from moe_offload.values import parse_bytes
 
-    if args.html:
-        check_output(args.html, suffixes=(".html",), what="report")
-    marks = []  # (what starts, wall clock, CPU time of this process and its workers): on a shared machine they differ
-
-    def step(text: str) -> None:  # each phase's time as it ends, so that a long run shows where it is
-        times = os.times()  # worker processes count once their pool has ended (each grid's does)
-        now, cpu = time.perf_counter(), times.user + times.system + times.children_user + times.children_system
-        if marks:
-            print(f"  {now - marks[-1][1]:8.2f} s wall {cpu - marks[-1][2]:8.2f} s CPU  {marks[-1][0]}", flush=True)
-        marks.append((text, now, cpu))
-
     expert_bytes = parse_bytes(args.expert_bytes, "--expert-bytes") if args.expert_bytes else None
-    hardware = resolve_profile(None)
-    step("synthetic trace and its flattened sequence")
-    trace = synthetic_trace(args.tokens, args.layers, args.experts, args.top_k, expert_bytes)
-    meta = trace.meta
-    cache_size = fast_memory_experts(args.fast_memory, meta.num_expert_slots, meta.top_k, meta.expert_bytes)
-    if expert_bytes:  # as `moe-offload report`: the budget must fit the GPU the latency runs on
-        check_timed_run(trace, hardware, "lru", cache_size * expert_bytes, expert_bytes, Arrivals())
-    data = ReplayInput.of(trace, name="synthetic-zipf")
-    report = build_report(data, "synthetic-zipf", cache_size, hardware, meta.expert_bytes,
-                          timed_tokens=DEFAULT_TIMED_TOKENS, jobs=args.jobs, step=step,
-                          sample_above=None if args.exact else args.sample_above or SAMPLE_ABOVE)
-    step("HTML page")
-    page = render_html(report)
-    step("end")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
-    if args.html:
-        write_atomically(args.html, page)
-    print_report(report, Console(width=120))
-    print(f"\n{args.tokens:,} tokens x {args.layers} layers x top-{args.top_k} of {args.experts} experts, "
-          f"{len(data.sequence):,} expert requests: {marks[-1][1] - marks[0][1]:.2f} s wall, "
-          f"{marks[-1][2] - marks[0][2]:.2f} s CPU in all (phases above)")
-    bound, latency = report.bound, report.latency
-    if bound.sampled:
-        print(f"  (the Python policies {', '.join(r.policy for r in bound.sampled)} replayed the first "
-              f"{bound.sampled_tokens:,} tokens)")
-    if latency is not None and latency.sampled:
-        print(f"  (the timed simulator ran the first {latency.tokens:,} tokens)")
-    print(f"peak resident memory of the report's process: {peak / 2**30:.2f} GiB "
-          f"({peak / len(data.sequence):.1f} bytes per request)")
-    try:
-        import libcachesim as lcs
-    except ImportError:
-        print("libcachesim is not installed (pip install libcachesim): no reference time")
-        return 0
     with tempfile.TemporaryDirectory(prefix="report-scale-") as work:
-        oracle = write_oracle_general(data.sequence, Path(work) / "trace.oracleGeneral.bin", None)
+        start = time.perf_counter()
+        trace = synthetic_trace(args.tokens, args.layers, args.experts, args.top_k, expert_bytes)
+        path = write_trace(trace, Path(work) / "synthetic-zipf.parquet")
+        requests = trace.num_tokens * args.layers * args.top_k
+        cache_size = fast_memory_experts(args.fast_memory, trace.meta.num_expert_slots, args.top_k, expert_bytes)
+        print(f"{args.tokens:,} tokens x {args.layers} layers x top-{args.top_k} of {args.experts} experts: "
+              f"{requests:,} expert requests, written in {time.perf_counter() - start:.1f} s", flush=True)
+        command = [sys.executable, "-m", "moe_offload.cli.main", "report", str(path), "--fast-memory",
+                   args.fast_memory, "--jobs", str(args.jobs)]
+        command += ["--expert-bytes", args.expert_bytes] if args.expert_bytes else []
+        command += ["--sample-above", args.sample_above] if args.sample_above else []
+        command += ["--exact"] if args.exact else []
+        command += ["-o", args.html] if args.html else []
+        seconds, peak, stdout = run_report(command, Path(work))
+        print(stdout)
+        oracle = Path(work) / "trace.oracleGeneral.bin"
+        written = write_lru_oracle(trace, oracle)
+        del trace
+        assert written == requests
+        try:
+            import libcachesim as lcs
+        except ImportError:
+            print(f"report: {seconds:.2f} s; libcachesim is not installed (pip install libcachesim): no reference")
+            return 0
         start = time.perf_counter()
         reader = lcs.TraceReader(str(oracle), lcs.TraceType.ORACLE_GENERAL_TRACE)
         lcs.LRU(cache_size).process_trace(reader)
         reference = time.perf_counter() - start
-    whole = marks[-1][1] - marks[0][1]
-    print(f"one libCacheSim LRU replay of the same sequence: {reference:.2f} s; the report took {whole / reference:.1f} "
-          "of them")
+    print(f"the whole report: {seconds:.2f} s, peak resident memory {peak / 2**30:.2f} GiB ({peak / requests:.1f} bytes "
+          f"per request); one libCacheSim LRU replay of the same sequence: {reference:.2f} s; the report took "
+          f"{seconds / reference:.1f} of them")
     return 0
 
 

@@ -88,6 +88,21 @@ def test_npz_holds_one_request_per_array(tmp_path):
     assert trace.iteration.tolist() == [0, 1, 1, 2, 3]
 
 
+def test_many_files_are_read_one_at_a_time_and_each_told_done(tmp_path, monkeypatch):
+    from moe_offload.trace.importers import engines
+
+    files = []
+    for number in range(4):
+        np.save(tmp_path / f"r{number}.npy", np.full((number + 1, 3, 1), number % 2, np.int32))
+        files.append(tmp_path / f"r{number}.npy")
+    events = []
+    read = engines._arrays
+    monkeypatch.setattr(engines, "_arrays", lambda path, limit: events.append(f"read {path.name}") or read(path, limit))
+    trace = import_npy(files, num_experts=2, on_file=lambda: events.append("done"))
+    assert events == [event for number in range(4) for event in (f"read r{number}.npy", "done")]
+    assert trace.num_requests == 4 and trace.num_tokens == 1 + 2 + 3 + 4
+
+
 def test_vllm_offline_npz_splits_prompt_and_generation(tmp_path, tiny_trace):
     prompt, generated = requests_of(tiny_trace)[0]
     np.savez(tmp_path / "a.npz", routed_experts=np.concatenate([prompt, generated]), num_prompt_tokens=len(prompt))

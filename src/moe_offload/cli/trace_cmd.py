@@ -12,7 +12,8 @@ from moe_offload.values import parse_bytes
 from moe_offload.trace.flatten import flatten, write_csv, write_oracle_general
 from moe_offload.trace.format import DECODE, EMBEDDING_KINDS, PREFILL, Trace, read_trace, seal_trace, write_trace
 from moe_offload.trace.capture import ENGINES
-from moe_offload.trace.importers import IMPORTERS, TAKES_ARRAY_LIMIT, TAKES_MODEL_CONFIG, TAKES_PROMPT_CACHE
+from moe_offload.trace.importers import (IMPORTERS, TAKES_ARRAY_LIMIT, TAKES_MODEL_CONFIG, TAKES_PROMPT_CACHE,
+                                        TELLS_EACH_FILE)
 from moe_offload.trace.importers.engine_trace import prompt_tokens_text
 from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
 from moe_offload.values import format_bytes
@@ -293,9 +294,15 @@ def run_import(args) -> int:
         if args.format not in TAKES_MODEL_CONFIG:
             raise ConfigError(f"--model-config is for the formats {', '.join(TAKES_MODEL_CONFIG)}, not {args.format}")
         options["model_config"] = _model_config(args.model_config)
-    trace = IMPORTERS[args.format](args.sources, num_experts=args.experts, model=args.model,
-                                   expert_bytes=args.expert_bytes, hidden_size=args.hidden_size,
-                                   source=args.source, license=args.license, **options)
+    from moe_offload.reporting.progress import progress_bar
+
+    with progress_bar() as bar:  # on stderr, on a terminal only (reporting/progress.py)
+        if args.format in TELLS_EACH_FILE:
+            task = bar.add_task(f"reading {len(args.sources)} files", total=len(args.sources))
+            options["on_file"] = lambda: bar.advance(task)
+        trace = IMPORTERS[args.format](args.sources, num_experts=args.experts, model=args.model,
+                                       expert_bytes=args.expert_bytes, hidden_size=args.hidden_size,
+                                       source=args.source, license=args.license, **options)
     return _write(trace, args.output)
 
 

@@ -42,7 +42,9 @@ TAKES_MODEL_CONFIG = ("vllm", "sglang", "npy", "csv", "llamacpp", "megatron")
 TAKES_PROMPT_CACHE = ("vllm", "sglang")
 # the importers that decode binary arrays of a declared size (--max-array-bytes)
 TAKES_ARRAY_LIMIT = ("vllm", "sglang", "npy")
+# the importers of many response or array files, read one at a time, that tell when each is done (on_file)
+TELLS_EACH_FILE = ("vllm", "sglang", "npy")
 
-__all__ = ["IMPORTERS", "TAKES_ARRAY_LIMIT", "TAKES_MODEL_CONFIG", "TAKES_PROMPT_CACHE", "import_csv",
+__all__ = ["IMPORTERS", "TAKES_ARRAY_LIMIT", "TELLS_EACH_FILE", "TAKES_MODEL_CONFIG", "TAKES_PROMPT_CACHE", "import_csv",
            "import_llamacpp", "import_megatron", "import_npy", "import_routes_json", "import_sglang", "import_topk_jsonl",
            "import_vllm"]

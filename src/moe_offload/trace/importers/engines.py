@@ -35,6 +35,7 @@ holds one model's responses.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -54,7 +55,7 @@ RAW_ID_DTYPES = ("<i4", "<u2", "u1")
 def import_vllm(paths, *, num_experts: int | None = None, model: str | None = None, expert_bytes: int | None = None,
                 hidden_size: int | None = None, source: str | None = None, license: str | None = None,
                 extra: dict | None = None, model_config: ModelShape | None = None, keep_cached_prompt: bool = False,
-                max_array_bytes: int = DEFAULT_MAX_ARRAY_BYTES) -> Trace:
+                max_array_bytes: int = DEFAULT_MAX_ARRAY_BYTES, on_file: Callable[[], None] | None = None) -> Trace:
     """Import vLLM responses (``.json``/``.jsonl``) and offline outputs (``.npz``)."""
     def read(path: Path) -> list[Routed]:
         if path.suffix.lower() == ".npz":
@@ -62,13 +63,14 @@ def import_vllm(paths, *, num_experts: int | None = None, model: str | None = No
         return _each_response(path, lambda response, where, index: vllm_rows(
             response, where, index, shape=model_config, max_array_bytes=max_array_bytes))
     return _import("vllm", paths, read, num_experts, model, expert_bytes, hidden_size, source, license, extra,
-                   model_config, keep_cached_prompt)
+                   model_config, keep_cached_prompt, on_file)
 
 
 def import_sglang(paths, *, num_experts: int | None = None, model: str | None = None,
                   expert_bytes: int | None = None, hidden_size: int | None = None, source: str | None = None,
                   license: str | None = None, extra: dict | None = None, model_config: ModelShape | None = None,
-                  keep_cached_prompt: bool = False, max_array_bytes: int = DEFAULT_MAX_ARRAY_BYTES) -> Trace:
+                  keep_cached_prompt: bool = False, max_array_bytes: int = DEFAULT_MAX_ARRAY_BYTES,
+                  on_file: Callable[[], None] | None = None) -> Trace:
     """Import SGLang responses; ``model_config`` is required (the ids are flat)."""
     if model_config is None:
         raise ConfigError("sglang routing is a flat list of ids without its shape: give the model's config "
@@ -77,19 +79,19 @@ def import_sglang(paths, *, num_experts: int | None = None, model: str | None = 
         return _each_response(path, lambda response, where, index: sglang_rows(
             response, where, index, shape=model_config, max_array_bytes=max_array_bytes))
     return _import("sglang", paths, read, num_experts, model, expert_bytes, hidden_size, source, license, extra,
-                   model_config, keep_cached_prompt)
+                   model_config, keep_cached_prompt, on_file)
 
 
 def import_npy(paths, *, num_experts: int | None = None, model: str | None = None, expert_bytes: int | None = None,
                hidden_size: int | None = None, source: str | None = None, license: str | None = None,
                extra: dict | None = None, model_config: ModelShape | None = None,
-               max_array_bytes: int = DEFAULT_MAX_ARRAY_BYTES) -> Trace:
+               max_array_bytes: int = DEFAULT_MAX_ARRAY_BYTES, on_file: Callable[[], None] | None = None) -> Trace:
     """Import plain ``[tokens, layers, top_k]`` arrays, every row a decode token."""
     def read(path: Path) -> list[Routed]:
         return [Routed(None, path, number, ChoiceRouting(array, 0, 0))
                 for number, array in enumerate(_arrays(path, max_array_bytes))]
     return _import("npy", paths, read, num_experts, model, expert_bytes, hidden_size, source, license, extra,
-                   model_config, False)
+                   model_config, False, on_file)
 
 
 # ------------------------------------------------------------------------------------------------------ vLLM
@@ -312,10 +314,17 @@ def _each_response(path: Path, rows_of) -> list[Routed]:
 
 
 def _import(format_name: str, paths, read, num_experts, model, expert_bytes, hidden_size, source, license, extra,
-            model_config: ModelShape | None, keep_cached_prompt: bool) -> Trace:
+            model_config: ModelShape | None, keep_cached_prompt: bool, on_file: Callable[[], None] | None) -> Trace:
+    """The trace of the files ``paths``, read one at a time: what is kept of a file is its routing arrays, its
+    JSON is dropped before the next file is read; ``on_file()`` is told when each file is done (a progress
+    bar)."""
     paths = _as_paths(paths)
     _check_num_experts(num_experts)  # a bad option is refused before any file is read
-    routed = [entry for path in paths for entry in read(path)]
+    routed = []
+    for path in paths:
+        routed += read(path)
+        if on_file is not None:
+            on_file()
     return build_trace(format_name, routed, paths, num_experts=num_experts, model=model, expert_bytes=expert_bytes,
                        hidden_size=hidden_size, source=source, license=license, extra=extra,
                        model_config=model_config, keep_cached_prompt=keep_cached_prompt)
