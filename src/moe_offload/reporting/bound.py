@@ -157,9 +157,13 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet, *
     if replay_rate < 1:  # OPT's curve on the same sample: exact there, its sizes scaled by the rate
         opt = opt_curve(target.sequence.expert_id, target.sequence.next_use, meta.num_expert_slots)
         opt = HitCurve(opt.histogram, rate=replay_rate)
+        target.sequence.forget("next_use")
+    elif sample_rate(requests, sample_above) < 1:  # a sample of its own, with next uses of its own
+        target.sequence.forget("next_use")
+        opt = measure_opt_curve(data, sample_above)
     else:
         opt = measure_opt_curve(data, sample_above)
-    target.sequence.forget("next_use")
+        target.sequence.forget("next_use")
     grid = replay_grid(target, full_policies, [size], seed=seed, jobs=jobs, engine=engine, reference=belady)
     skipped += [(policy, why) for policy, _, why in grid.skipped]
     online = sorted((r for r in grid.results if r.policy != "belady"), key=lambda r: (-r.hits, r.policy))
@@ -193,9 +197,9 @@ def sample_rate(requests: int, sample_above: int | None) -> float:
 
 def measure_opt_curve(data: ReplayInput, sample_above: int | None = SAMPLE_ABOVE) -> HitCurve:
     """OPT's hit rate at every cache size on ``data``, sampled above ``sample_above`` requests."""
-    sequence = data.sequence
-    return opt_curve(sequence.expert_id, sequence.next_use, data.trace.meta.num_expert_slots,
-                     rate=sample_rate(len(sequence), sample_above))
+    sequence, rate = data.sequence, sample_rate(len(data.sequence), sample_above)
+    return opt_curve(sequence.expert_id, sequence.next_use if rate == 1 else None, data.trace.meta.num_expert_slots,
+                     rate=rate)
 
 
 def verdict(bound: Bound, total_experts: int) -> str:

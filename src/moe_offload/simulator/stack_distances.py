@@ -260,9 +260,10 @@ def lru_curve(keys: np.ndarray, num_keys: int) -> HitCurve:
     return stack.curve()
 
 
-def opt_curve(keys: np.ndarray, next_use: np.ndarray, num_keys: int, rate: float = 1.0) -> HitCurve:
+def opt_curve(keys: np.ndarray, next_use: np.ndarray | None, num_keys: int, rate: float = 1.0) -> HitCurve:
     """OPT's hits at every size on ``keys``, whose next uses are ``next_use`` (trace/flatten.py); with ``rate``
-    below 1, on the spatial sample of the experts at that rate (``sample_keys``; ``next_use`` is not read)."""
+    below 1, on the spatial sample of the experts at that rate (``sample_keys``; ``next_use`` is not read, and
+    may be None)."""
     if rate < 1.0:
         keys = sample_keys(keys, rate)
         next_use = next_use_times(keys)
