@@ -7,9 +7,9 @@ replay of the same request sequence.
 The trace is synthetic: Zipf-popular experts per layer (paper 001's section 5.1 law, a = 1.2, each layer its
 own popularity order), requests of 256 decode tokens one after the other, Qwen3-30B-A3B's shape by default (48
 layers, top-8 of 128), written to a Parquet file. 20,000 tokens are 7.7M requests; 100,000 are 38.4M; a
-million tokens, a day of one vLLM instance, 384M:
+million tokens, a day of one vLLM instance, 384M (ten copies of 100,000 tokens one after the other):
 
-    python benchmarks/report_scale.py --tokens 1000000
+    python benchmarks/report_scale.py --tokens 100000 --copies 10
 
 The report runs as a user runs it, `moe-offload report TRACE --fast-memory 25%` in a process of its own (reading
 the file included), timed start to exit, its peak resident memory read from the kernel's accounting of that
@@ -34,17 +34,19 @@ from pathlib import Path
 REQUEST_TOKENS = 256
 
 
-def synthetic_trace(tokens: int, layers: int, experts: int, top_k: int, expert_bytes: int | None):
+def synthetic_trace(tokens: int, layers: int, experts: int, top_k: int, expert_bytes: int | None, copies: int = 1):
+    """The Zipf trace of ``tokens`` tokens, ``copies`` times one after the other (drawing a million tokens
+    without replacement takes longer than the report)."""
     import numpy as np
 
     from moe_offload.trace.format import Trace
     from moe_offload.trace.synthetic import zipf_trace
 
     base = zipf_trace(layers, experts, top_k, tokens, a=1.2, b=0.0, seed=0, shuffle=True)
-    rows = np.arange(tokens)
+    rows = np.arange(tokens * copies)
     meta = replace(base.meta, expert_bytes=expert_bytes)
-    return Trace.build(meta, base.experts, request=rows // REQUEST_TOKENS, position=rows % REQUEST_TOKENS,
-                       path="synthetic-zipf")
+    return Trace.build(meta, np.concatenate([base.experts] * copies), request=rows // REQUEST_TOKENS,
+                       position=rows % REQUEST_TOKENS, path="synthetic-zipf")
 
 
 def write_lru_oracle(trace, path: Path) -> int:
@@ -87,6 +89,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--copies", type=int, default=1, help="the trace is this many copies of --tokens tokens")
     parser.add_argument("--fast-memory", default="25%")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--expert-bytes", help="bytes of one expert: adds the latency section (default none)")
@@ -102,11 +105,11 @@ def main() -> int:
     expert_bytes = parse_bytes(args.expert_bytes, "--expert-bytes") if args.expert_bytes else None
     with tempfile.TemporaryDirectory(prefix="report-scale-") as work:
         start = time.perf_counter()
-        trace = synthetic_trace(args.tokens, args.layers, args.experts, args.top_k, expert_bytes)
+        trace = synthetic_trace(args.tokens, args.layers, args.experts, args.top_k, expert_bytes, args.copies)
         path = write_trace(trace, Path(work) / "synthetic-zipf.parquet")
         requests = trace.num_tokens * args.layers * args.top_k
         cache_size = fast_memory_experts(args.fast_memory, trace.meta.num_expert_slots, args.top_k, expert_bytes)
-        print(f"{args.tokens:,} tokens x {args.layers} layers x top-{args.top_k} of {args.experts} experts: "
+        print(f"{trace.num_tokens:,} tokens ({args.copies} x {args.tokens:,}) x {args.layers} layers x top-{args.top_k} of {args.experts} experts: "
               f"{requests:,} expert requests, written in {time.perf_counter() - start:.1f} s", flush=True)
         command = [sys.executable, "-m", "moe_offload.cli.main", "report", str(path), "--fast-memory",
                    args.fast_memory, "--jobs", str(args.jobs)]
