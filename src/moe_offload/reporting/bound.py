@@ -24,7 +24,8 @@ on the whole trace, which the reuse distances give (working_set.py, streamed ove
 
 Policies without a compiled kernel run their Python objects, about a hundred times slower: on a trace of more
 requests than PYTHON_REPLAY_REQUESTS they replay its first rows only (up to that many requests), beside OPT on
-the same rows, and the report says so.
+the same rows, and the report says so. So do the placements when the replays are sampled: a placement chosen
+from the whole trace would hold experts the sample lacks.
 """
 
 from __future__ import annotations
@@ -145,7 +146,9 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet, *
         size = max(meta.top_k, round(cache_size * replay_rate))
     else:
         target, size = data, cache_size
-    compiled = [p for p in policies if replay_kernel(p, engine) is not None]
+    # a placement chosen from the whole trace would hold experts a sample lacks: placements join the prefix
+    compiled = [p for p in policies if replay_kernel(p, engine) is not None
+                and not (replay_rate < 1 and POLICIES[p].policy.places_or_bypasses)]
     slow = [p for p in policies if p not in compiled]
     sample = None
     if slow and requests > PYTHON_REPLAY_REQUESTS:
