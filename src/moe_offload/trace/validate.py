@@ -37,7 +37,10 @@ def validate_trace(trace: Trace) -> None:
         raise TraceError(path, "the trace has no tokens")
     if not np.issubdtype(trace.experts.dtype, np.integer):
         raise TraceError(path, f"expert ids must be integers, not {trace.experts.dtype}")
-    bad = np.flatnonzero(((trace.experts < 0) | (trace.experts >= J)).any(axis=(1, 2)))
+    # the smallest and largest id first (no temporaries): the rows are searched only when one is out of range
+    in_range = trace.experts.min() >= 0 and trace.experts.max() < J
+    bad = np.zeros(0, np.int64) if in_range else np.flatnonzero(((trace.experts < 0) | (trace.experts >= J))
+                                                                  .any(axis=(1, 2)))
     if bad.size:
         row = int(bad[0])
         layer = int(np.flatnonzero(((trace.experts[row] < 0) | (trace.experts[row] >= J)).any(axis=1))[0])
