@@ -70,6 +70,7 @@ def test_a_batch_with_bypassed_experts_equals_each_request_alone(on_host):
         completions = [handle.result(timeout=RESULT_WAIT_S) for handle in handles]
         assert engine.stats.bypassed > 0
     for completion, reference in zip(completions, alone):
+        assert completion.finish_reason == "length", completion.error  # an error ends a request with no tokens
         assert completion.token_ids == reference.token_ids
         assert all(torch.equal(a, b) for a, b in zip(completion.logits, reference.logits))
         assert completion.stats.bypassed > 0 and completion.stats.host_compute_seconds > 0

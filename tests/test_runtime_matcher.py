@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from model_configs import build, tiny_tokenizer  # noqa: E402
+from waits import RESULT_WAIT_S  # noqa: E402
 
 from moe_offload.errors import ConfigError  # noqa: E402
 from moe_offload.models.recorder import record  # noqa: E402
@@ -62,7 +63,7 @@ def spy(prefetcher, seen: list, blocked: threading.Event | None = None):
 
         def wrapped(view, hook=hook, original=original):
             if blocked is not None:
-                blocked.wait(timeout=60)
+                blocked.wait(timeout=RESULT_WAIT_S)  # released by the test; a guard against a hang
             embedding = view.embedding()
             proposals = original(view)
             seen.append((hook, threading.current_thread(), None if embedding is None else embedding.copy(),

@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from model_configs import build, tiny_tokenizer  # noqa: E402
+from waits import RESULT_WAIT_S  # noqa: E402
 
 from moe_offload.cli.main import main  # noqa: E402
 from moe_offload.errors import ConfigError  # noqa: E402
@@ -254,7 +255,7 @@ def test_bottom_reads_retry_transient_errors_continue_short_reads_and_name_a_fai
             engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
         split = engine.split
         with split.cond:  # a read that started before the failure ends in one too: then nothing is left behind
-            assert split.cond.wait_for(lambda: split.queue.on_wire is None, timeout=10)
+            assert split.cond.wait_for(lambda: split.queue.on_wire is None, timeout=RESULT_WAIT_S)
             assert not split.buffer_slot and len(split.buffer.free) == TOP_K
 
 

@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 from test_runtime_split import EXPERTS, LAYERS, NEW_TOKENS, PROMPTS, TOP_K, config, make_checkpoint, reference  # noqa: E402
 from test_runtime_split_prefetch import route  # noqa: E402
+from waits import RESULT_WAIT_S  # noqa: E402
 
 from moe_offload.plan import make_plan  # noqa: E402
 from moe_offload.runtime.engine import OffloadEngine  # noqa: E402
@@ -56,7 +57,7 @@ def test_with_y_above_k_four_bottoms_land_ahead_of_two_layers_and_none_is_loaded
         keys = [layer * EXPERTS + expert for layer in (1, 2) for expert in (0, 1)]
         with split.cond:
             split.propose([(key, 1.0) for key in keys], 0)
-            assert split.cond.wait_for(lambda: all(key in split.landed for key in keys), timeout=10)
+            assert split.cond.wait_for(lambda: all(key in split.landed for key in keys), timeout=RESULT_WAIT_S)
             assert len(split.landed) == 4 > TOP_K and not split.buffer.free
         engine.runner.segment_requests = [0]
         for layer in (1, 2):

@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from model_configs import tiny_tokenizer  # noqa: E402
+from waits import RESULT_WAIT_S  # noqa: E402
 from test_runtime_split import (EXPERTS, INTERMEDIATE, LAYERS, NEW_TOKENS, PROMPTS, config,  # noqa: E402
                                 make_checkpoint, memory_bytes, reference)
 
@@ -48,7 +49,8 @@ def predict(engine, layer: int, expert: int):
     key = layer * EXPERTS + expert
     with split.cond:
         split.propose([(key, 1.0)], layer - 1)
-        assert split.cond.wait_for(lambda: key in split.landed and key not in split.tops[layer].reserved, timeout=10)
+        assert split.cond.wait_for(lambda: key in split.landed and key not in split.tops[layer].reserved,
+                                   timeout=RESULT_WAIT_S)
     return before
 
 
@@ -107,7 +109,7 @@ def test_a_prefetch_never_takes_a_slot_the_current_layer_needs_and_a_demand_load
         rest = list(computing)
         assert {first} | {e for e, _ in rest} == {0, 5}
         with split.cond:
-            assert split.cond.wait_for(lambda: 2 * EXPERTS + 1 in split.landed, timeout=10)
+            assert split.cond.wait_for(lambda: 2 * EXPERTS + 1 in split.landed, timeout=RESULT_WAIT_S)
             gained = engine.counters.minus(before)
         assert (gained.on_demand_loads, gained.prefetches_wasted, gained.prefetches_issued) == (2, 2, 1)
 
