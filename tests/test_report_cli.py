@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from dataclasses import replace
 from html.parser import HTMLParser
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,11 +35,21 @@ def run_cli(argv) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+QUICKSTART = Path(__file__).resolve().parents[1] / "scripts" / "quickstart.sh"
+
+
 @pytest.fixture(scope="module")
 def olmoe_report(tmp_path_factory):
+    """The quickstart's report (scripts/quickstart.sh: one engine's settings, the replay in Python), its timed
+    runs cut to 16 tokens (the tests below check no engine's section: test_engines.py does, and the README's
+    `report tiny` (test_docs.py) runs every engine's)."""
     page = tmp_path_factory.mktemp("report") / "olmoe.html"
-    code, out, err = run_cli(["report", "olmoe", "--fast-memory", "25%", "--timed-tokens", "16", "--jobs", "1",
-                              "-o", str(page)])
+    command = " ".join(QUICKSTART.read_text().split("\\\n")).split(".venv/bin/moe-offload report ")[1].split("\n")[0]
+    argv = ["report", *shlex.split(command)]
+    assert argv[argv.index("-o") + 1] == "out/report.html"
+    argv[argv.index("-o") + 1] = str(page)
+    argv[argv.index("--timed-tokens") + 1] = "16"
+    code, out, err = run_cli([*argv, "--jobs", "1"])
     assert code == 0, err
     return out, page.read_text(encoding="utf-8")
 
@@ -100,6 +111,9 @@ def test_the_page_is_well_formed_and_self_contained(olmoe_report):
     assert parser.fetches == []
     assert page.count("<svg") == 5  # working set, reuse, skew, policies, latency
     assert "<h2>What to run</h2>" in page and "--fast-budget 256" in page
+    # what the quickstart's report leaves out, it says, with the flag that puts it back
+    assert "engine settings scored for vllm only: --engine all scores llama.cpp, ktransformers, sglang too" in page
+    assert "the first 16 iterations of 299" in " ".join(page.split())
 
 
 def test_the_page_opens_in_a_headless_browser(olmoe_report, tmp_path):

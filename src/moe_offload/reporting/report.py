@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from rich.console import Console
 from rich.table import Table
 
+from moe_offload.engines import ENGINES
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies import POLICIES
 from moe_offload.reporting.bound import (REPLAY_SAMPLE_ABOVE, SAMPLE_ABOVE, TARGET_HIT_RATES, Bound, measure_bound,
@@ -103,6 +104,10 @@ def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: 
                                       profile_name=profile_name, timed_tokens=timed_tokens, seed=seed)
     elif engines:
         notes.append("no engine settings: their latency needs the size of an expert (give --expert-bytes)")
+    unscored = [name for name in ENGINES if engines and name not in engines]
+    if unscored:
+        notes.append(f"engine settings scored for {', '.join(engines)} only: --engine all scores "
+                     f"{', '.join(unscored)} too")
     lines = command_lines(commands(trace.meta, trace_name, hardware.name, cache_size, expert_bytes, latency,
                                    best_policy))
     if lines and "MODEL_DIR" in lines[-1]:
