@@ -96,18 +96,28 @@ def test_generate_runs_on_the_engines_computing_thread_between_iterations(alone)
 
 def test_an_interrupted_generate_stops_at_the_next_token_and_the_engine_serves_on(alone):
     """Ctrl-C while generate waits for the computing thread: the generation stops after the token being made,
-    the interruption reaches the caller, and the engine generates as before."""
-    tokens = []
+    the interruption reaches the caller, and the engine generates as before. Forced, not timed: the signal goes
+    to the main thread (where Python handles it), and the computing thread makes no further token until the
+    interruption has reached the generation."""
+    tokens, cancels, handled = [], [], []
 
     def interrupt_after_two(text):
         tokens.append(text)
         if len(tokens) == 2:
-            os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C: to the process, handled by the main thread
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # as Ctrl-C
+            handled.append(cancels[0].wait(RESULT_WAIT_S))
 
     with load("tiny", fast_budget="30%", policy="lru") as engine:
+        generate = engine._generate
+
+        def generate_keeping_its_cancel(*args):
+            cancels.append(args[-1])
+            return generate(*args)
+
+        engine._generate = generate_keeping_its_cancel
         with pytest.raises(KeyboardInterrupt):
             engine.generate(PROMPTS[2], max_new_tokens=40, on_text=interrupt_after_two)
-        assert 2 <= len(tokens) < 40
+        assert handled == [True] and 2 <= len(tokens) < 40
         assert_same(engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS[0], return_logits=True), alone[0])
 
 
