@@ -5,7 +5,6 @@ only the requests that need it."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import threading
