@@ -13,12 +13,16 @@ from dataclasses import astuple, replace
 import numpy as np
 import pytest
 
-from moe_offload.bundled import DEFAULT_TRACE
+from moe_offload.bundled import DEFAULT_TINY_TRACE, DEFAULT_TRACE
 from moe_offload.cli.main import main
 from moe_offload.simulator.configurator import (MoepicStatistics, Timings, configure, expert_split, layer_latency,
                                       measure_statistics, solve_layer, timings_from_hardware)
 from moe_offload.errors import ConfigError
-from moe_offload.trace.format import Trace, TraceMeta, write_trace
+from moe_offload.policies.base import AccessContext, ModelSpec
+from moe_offload.policies.lcp import LCP
+from moe_offload.simulator.cache import PartitionedCache
+from moe_offload.simulator.timed.schedule import leading_iterations
+from moe_offload.trace.format import Trace, TraceMeta, read_trace, write_trace
 from moe_offload.trace.synthetic import zipf_trace
 
 
@@ -106,8 +110,52 @@ def test_statistics_sum_rules(measured):
     for layer in range(6):
         distinct = len(np.unique(trace.experts[:, layer]))
         assert measured.hit_rate[layer, N] == pytest.approx(1 - distinct / (q * K))
-    # Larger caches hit more often on this trace (LCP is not a stack algorithm, but nearly).
-    assert (np.diff(measured.hit_rate[:, 1:], axis=1) >= -0.02).all()
+    # LCP is a stack algorithm (statistics.py): a larger cache holds what a smaller one holds, and hits as often.
+    assert (np.diff(measured.hit_rate, axis=1) >= 0).all()
+    assert (np.diff(measured.prediction_hit_rate, axis=2) >= 0).all()
+
+
+def shadow_statistics(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """H_i(C) and PH_i(y, C) counted the long way, as a second implementation: one LCP cache of the shared
+    cache (simulator/cache.py) for every size C, each fed every request, read before each token's own (layers
+    1.. predicted from the layer before; layer 0 not predicted)."""
+    L, J, K = trace.meta.num_layers, trace.meta.num_experts, trace.meta.top_k
+    spec = ModelSpec(L, J, K)
+    caches = [PartitionedCache(size * L, L, lambda: LCP(spec), J) for size in range(1, J + 1)]
+    hits, resident_rank = np.zeros((L, J + 1)), np.zeros((L, J, J + 1))
+    order = np.full((trace.num_tokens, L, J), -1)
+    if trace.gate_prediction is not None:
+        order[:, 1:] = np.argsort(-trace.gate_prediction.astype(np.float32), axis=-1, kind="stable")
+    ctx, clock = AccessContext(), 0
+    for token in range(trace.num_tokens):
+        experts = trace.experts[token].astype(np.intp)
+        ctx.token = token
+        for size, cache in enumerate(caches, start=1):
+            found = np.zeros((L, J), dtype=bool)
+            for part in cache.parts:
+                for key in part.resident:
+                    found[key // J, key % J] = True
+            for layer in range(L):
+                hits[layer, size] += found[layer, experts[layer]].sum()
+                if order[token, layer, 0] >= 0:
+                    resident_rank[layer, :, size] += found[layer, order[token, layer]]
+            for n, key in enumerate((experts + (np.arange(L) * J)[:, None]).reshape(-1).tolist()):
+                ctx.clock, ctx.layer = clock + n, key // J
+                cache.request(key, ctx)
+        clock += experts.size
+    return hits, resident_rank
+
+
+@pytest.mark.parametrize("trace", [routed_trace(seed=3), leading_iterations(read_trace(DEFAULT_TINY_TRACE), 300)],
+                         ids=["synthetic", "tiny"])
+def test_every_size_from_one_stack_is_a_shadow_lcp_cache_of_that_size(trace):
+    stats = measure_statistics(trace)
+    hits, resident_rank = shadow_statistics(trace)
+    q, K = trace.num_tokens, trace.meta.top_k
+    np.testing.assert_array_equal(np.rint(stats.hit_rate * q * K), hits)
+    # layers 1.. are predicted from the layer before in every token (layer 0's prediction, from the request's
+    # previous token, is the same code before and after the stack)
+    np.testing.assert_array_equal(np.rint(stats.prediction_hit_rate[1:] * q), resident_rank[1:])
 
 
 def test_statistics_refuse_a_trace_without_gate_prediction():

@@ -32,24 +32,38 @@ How they are measured here:
   prefetching).
 
 A row of the trace is a token, in trace order (as in the replay simulator). The statistics are kept online,
-token by token (``OnlineStatistics``, Algorithm 1 lines 6-7): one shadow LCP cache of every size C = 1..N
-per layer sees every token, so that H_i(C) is known for the sizes the run does not use; ``statistics()``
-reads them after any number of tokens (every tau tokens in the timed simulator's online loop), and
-``measure_statistics`` feeds a whole trace.
+token by token (``OnlineStatistics``, Algorithm 1 lines 6-7): an LCP cache of every size C = 1..N per layer
+sees every token, so that H_i(C) is known for the sizes the run does not use; ``statistics()`` reads them after
+any number of tokens (every tau tokens in the timed simulator's online loop), and ``measure_statistics`` feeds
+a whole trace.
+
+Every size in one pass. LCP ranks an expert by log P = log mu - nu * log(1/rho) / omega; the term of the
+current token is common to all experts, so the order is that of log mu + t_last * log(1/rho) / omega (ties:
+the earlier last request first, as policies/_ranked.py breaks them), which depends on the expert's own history
+only, never on the size of the cache. LCP is therefore a priority stack algorithm (Mattson, Gecsei, Slutz and
+Traiger, 1970): the cache of C experts always holds the first C entries of one stack per layer. A request of x
+at depth p (infinite if x was never requested) puts x on top; walking down the stack from the top, the carried
+entry is the lowest-priority expert of the cache above (the one a cache of that size evicts for x), and it
+swaps with every entry of lower priority still, until it lands in x's old place (or at the bottom). So
+"x is in the cache of C experts" is "depth(x) <= C", every size's hit is one depth, and a token costs
+O(L K N) instead of N shadow caches' O(L K N log N) in Python. ``observe_tokens`` is that walk, compiled by
+Numba when it is installed (it is the same function in Python without it); tests check it against N shadow
+LCP caches of the shared cache (simulator/cache.py) on real traces.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
-from itertools import chain
 from typing import Callable
 
 import numpy as np
 
+from moe_offload.compiled import njit_cached, numba_available
 from moe_offload.errors import ConfigError
-from moe_offload.policies.base import AccessContext, ModelSpec
+from moe_offload.policies.base import ModelSpec
 from moe_offload.policies.lcp import LCP
-from moe_offload.simulator.cache import PartitionedCache
 from moe_offload.trace.format import Trace
 
 
@@ -96,26 +110,33 @@ class OnlineStatistics:
     def __init__(self, num_layers: int, num_experts: int, top_k: int, *, omega: float = 128.0, rho: float = 0.25):
         L, J = num_layers, num_experts
         self.L, self.J, self.K = L, J, top_k
-        spec = ModelSpec(L, J, top_k)
-        LCP(spec, omega=omega, rho=rho)  # LCP's own checks of omega and rho, before any work
-        self.caches = [PartitionedCache(size * L, L, lambda: LCP(spec, omega=omega, rho=rho), J)
-                       for size in range(1, J + 1)]
+        # LCP's own checks of omega and rho, before any work; its decay, as its replay kernel computes it
+        self.decay = float(LCP(ModelSpec(L, J, top_k), omega=omega, rho=rho).kernel_arguments()[0][0])
         self.tokens = 0
         self.clock = 0
-        self.ctx = AccessContext()
-        self.hits = np.zeros((L, J + 1))                 # [i, C]: activated experts found in the cache of size C
-        self.predicted_tokens = np.zeros(L)              # q_i: tokens with a prediction of layer i
-        self.activated_rank = np.zeros((L, J))           # [i, y-1]: the y-th predicted expert was activated
-        self.resident_rank = np.zeros((L, J, J + 1))     # [i, y-1, C]: ... was in the cache of size C
+        # one LCP stack per layer (module docstring): the experts from the top, and each expert's depth (0: never
+        # requested) with what ranks it: mu, the token of its last activation, the clock of its last request
+        self.stack = np.zeros((L, J), dtype=np.int64)
+        self.depth = np.zeros(L, dtype=np.int64)
+        self.position = np.zeros((L, J), dtype=np.int64)
+        self.mu = np.zeros((L, J), dtype=np.int64)
+        self.last_token = np.full((L, J), -1, dtype=np.int64)
+        self.stamp = np.zeros((L, J), dtype=np.int64)
+        self.score = np.zeros((L, J), dtype=np.float64)
+        # counts by depth: a request found at depth p hits every cache of p experts or more
+        self.hit_depths = np.zeros((L, J + 1), dtype=np.int64)             # [i, p]
+        self.predicted_tokens = np.zeros(L, dtype=np.int64)               # q_i: tokens with a prediction of layer i
+        self.activated_rank = np.zeros((L, J), dtype=np.int64)            # [i, y-1]: the y-th predicted was activated
+        self.resident_depths = np.zeros((L, J, J + 1), dtype=np.int64)    # [i, y-1, p]: ... was found at depth p
         self._last: dict[int, tuple[int, int, np.ndarray | None]] = {}  # request -> (position, pass, prediction)
 
     def observe(self, trace: Trace, rows, iteration: int) -> None:
         """The tokens ``rows`` of ``trace`` ran in pass ``iteration``, in this order."""
         rows = np.asarray(rows)
         L, J = self.L, self.J
-        experts = trace.experts[rows].astype(np.intp)
+        experts = np.ascontiguousarray(trace.experts[rows], dtype=np.int64)
         requests, positions = trace.request[rows].tolist(), trace.position[rows].tolist()
-        order = np.full((len(rows), L, J), -1, dtype=np.intp)  # -1: no prediction of that layer
+        order = np.full((len(rows), L, J), -1, dtype=np.int64)  # -1: no prediction of that layer
         if trace.gate_prediction is not None:
             order[:, 1:] = predicted_order(trace.gate_prediction[rows])
         following = trace.next_token_gate_prediction
@@ -127,53 +148,105 @@ class OnlineStatistics:
             if request not in self._last or self._last[request][0] < position:
                 prediction = None if following is None else following[rows[n]]
                 self._last[request] = (position, iteration, prediction)
-        for n in range(len(rows)):
-            self._observe_token(experts[n], order[n], iteration, requests[n])
-
-    def _observe_token(self, experts: np.ndarray, order: np.ndarray, iteration: int, request: int) -> None:
-        L, J = self.L, self.J
-        activated = np.zeros((L, J), dtype=bool)
-        np.put_along_axis(activated, experts, True, axis=1)
-        has = order[:, 0] >= 0
-        self.predicted_tokens += has
-        if has.any():
-            self.activated_rank[has] += np.take_along_axis(activated[has], order[has], axis=1)
-        keys = (experts + (np.arange(L) * J)[:, None]).reshape(-1).tolist()
-        ctx = self.ctx
-        ctx.token, ctx.iteration, ctx.request = self.tokens, iteration, request
-        resident = np.zeros((L * J,), dtype=bool)
-        for size, cache in enumerate(self.caches, start=1):
-            resident[:] = False
-            resident[list(chain.from_iterable(part.resident for part in cache.parts))] = True
-            found = resident.reshape(L, J)
-            self.hits[:, size] += (found & activated).sum(axis=1)
-            if has.any():
-                self.resident_rank[has, :, size] += np.take_along_axis(found[has], order[has], axis=1)
-            clock = self.clock
-            for key in keys:
-                ctx.clock, ctx.layer = clock, key // J
-                cache.request(key, ctx)
-                clock += 1
-        self.clock += len(keys)
-        self.tokens += 1
+        compiled_observe_tokens()(experts, order, self.tokens, self.clock, self.decay, self.stack, self.depth,
+                                  self.position, self.mu, self.last_token, self.stamp, self.score, self.hit_depths,
+                                  self.predicted_tokens, self.activated_rank, self.resident_depths)
+        self.tokens += len(rows)
+        self.clock += experts.size
 
     def log_priorities(self) -> np.ndarray:
         """[L, J] the log of every expert's cache priority P_ij = mu_ij rho^(nu_ij / omega) now (paper 004,
-        equation 4: mu its activations so far, nu the tokens since its last), as the shadow LCP caches count
-        them (each sees every token); -inf for an expert never activated."""
-        J = self.J
+        equation 4: mu its activations so far, nu the tokens since its last), as LCP (policies/lcp.py) computes
+        it; -inf for an expert never activated."""
         now = self.tokens - 1  # the last token observed: an expert it activated has nu = 0
-        return np.array([[part.policy.log_priority(layer * J + expert, now) for expert in range(J)]
-                         for layer, part in enumerate(self.caches[0].parts)])
+        return np.array([[-math.inf if mu == 0 else math.log(mu) - (now - last) * self.decay
+                          for mu, last in zip(mus, lasts)]
+                         for mus, lasts in zip(self.mu.tolist(), self.last_token.tolist())])
 
     def statistics(self) -> MoepicStatistics:
         """H, P and PH of the tokens observed so far."""
         q = max(self.tokens, 1)
         per_layer = np.maximum(self.predicted_tokens, 1)
-        return MoepicStatistics(num_tokens=self.tokens, top_k=self.K, hit_rate=self.hits / (q * self.K),
+        hits = np.cumsum(self.hit_depths, axis=1)  # found at depth <= C: a hit of the cache of C experts
+        resident = np.cumsum(self.resident_depths, axis=2)
+        return MoepicStatistics(num_tokens=self.tokens, top_k=self.K, hit_rate=hits / (q * self.K),
                                 prediction_accuracy=self.activated_rank / per_layer[:, None],
-                                prediction_hit_rate=self.resident_rank / per_layer[:, None, None],
+                                prediction_hit_rate=resident / per_layer[:, None, None],
                                 predicted=self.predicted_tokens > 0)
+
+
+def observe_tokens(experts, order, token0, clock0, decay, stack, depth, position, mu, last_token, stamp, score,
+                   hit_depths, predicted_tokens, activated_rank, resident_depths):
+    """The tokens ``experts`` [n, L, K] (their layers' predicted orders ``order`` [n, L, N], -1 for none),
+    numbered from ``token0``, their requests from ``clock0``: each layer's depths are counted as the token
+    finds them, then its requests walk the layer's LCP stack (module docstring)."""
+    num_tokens, num_layers, top_k = experts.shape
+    num_experts = stack.shape[1]
+    clock = clock0
+    for n in range(num_tokens):
+        token = token0 + n
+        for i in range(num_layers):
+            if order[n, i, 0] >= 0:
+                predicted_tokens[i] += 1
+                for y in range(num_experts):
+                    e = order[n, i, y]
+                    for k in range(top_k):
+                        if experts[n, i, k] == e:
+                            activated_rank[i, y] += 1
+                            break
+                    if position[i, e] > 0:  # depth 0: never requested, in no cache
+                        resident_depths[i, y, position[i, e]] += 1
+            for k in range(top_k):
+                if position[i, experts[n, i, k]] > 0:
+                    hit_depths[i, position[i, experts[n, i, k]]] += 1
+            for k in range(top_k):
+                x = experts[n, i, k]
+                if last_token[i, x] != token:  # several requests of one token are one activation
+                    mu[i, x] += 1
+                    last_token[i, x] = token
+                score[i, x] = math.log(mu[i, x]) + last_token[i, x] * decay
+                stamp[i, x] = clock
+                clock += 1
+                p = position[i, x]
+                if p == 1:
+                    continue
+                if depth[i] == 0:
+                    stack[i, 0] = x
+                    position[i, x] = 1
+                    depth[i] = 1
+                    continue
+                end = p - 1 if p > 0 else depth[i]  # x's old slot, or one past the bottom
+                carry = stack[i, 0]
+                stack[i, 0] = x
+                position[i, x] = 1
+                for j in range(1, end):  # carry: what the cache of j experts evicts for x
+                    s = stack[i, j]
+                    lower = score[i, s] < score[i, carry] or (score[i, s] == score[i, carry]
+                                                              and stamp[i, s] < stamp[i, carry])
+                    if lower:  # s is what the cache of j + 1 experts evicts for x; the carry settles here
+                        stack[i, j] = carry
+                        position[i, carry] = j + 1
+                        carry = s
+                stack[i, end] = carry
+                position[i, carry] = end + 1
+                if p == 0:
+                    depth[i] += 1
+
+
+@functools.cache
+def compiled_observe_tokens():
+    """``observe_tokens`` compiled (or loaded from Numba's cache), or the plain function without Numba."""
+    if not numba_available():
+        return observe_tokens
+    from numba import types
+
+    def array(dims):
+        return types.Array(types.int64, dims, "C")
+
+    signature = types.void(array(3), array(3), types.int64, types.int64, types.float64, array(2), array(1),
+                           array(2), array(2), array(2), array(2), types.Array(types.float64, 2, "C"), array(2),
+                           array(1), array(2), array(3))
+    return njit_cached(observe_tokens, signature)
 
 
 def predicted_order(gate_prediction: np.ndarray) -> np.ndarray:

@@ -5,7 +5,7 @@ keeps H, P and PH up to date as tokens are processed (lines 6-7), and "every tau
 VramAllocation "using the latest state variables" and updates the expert cache of each layer (lines 8-10).
 ``OnlineConfigurator`` is that loop for the timed simulator:
 
-* every pass's tokens update an OnlineStatistics (simulator/configurator/statistics.py: shadow LCP caches of every
+* every pass's tokens update an OnlineStatistics (simulator/configurator/statistics.py: an LCP cache of every
   size, the prediction ranks of gate_prediction and, for layer 0, of the previous token's
   next_token_gate_prediction), counted from the start of the run, never reset;
 * when the tokens processed reach the next multiple of tau (a prefill pass may cross one in the middle: the
