@@ -357,6 +357,22 @@ def test_numpy_forward_matches_torch():
     np.testing.assert_allclose(model.forward(x), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_forward_scores_do_not_depend_on_blas_threads():
+    # OpenBLAS splits a product of 64 rows or more over its threads, which moves float32 scores in their last
+    # bits: the forward pass runs on one thread whatever the process set, and leaves that setting as it was
+    from threadpoolctl import ThreadpoolController
+
+    blas = ThreadpoolController().select(user_api="blas")
+    model = load_model(bundled.DEFAULT_LEARNED_MODEL)
+    x = np.random.default_rng(0).uniform(0, 1, size=(1000, 2)).astype(np.float32)
+    scores = {}
+    for threads in (1, 2):
+        with blas.limit(limits=threads):
+            scores[threads] = model.forward(x)
+            assert {info["num_threads"] for info in blas.info()} == {threads}
+    assert np.array_equal(scores[1], scores[2])
+
+
 def test_features_follow_the_paper():
     x = features(np.array([1, 2, 4, 0]), np.array([3, 6, 0, 0]), 6)
     np.testing.assert_allclose(x, [[1.0, 0.5], [0.5, 1.0], [0.25, 0.0], [0.0, 0.0]])

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from moe_offload.errors import ConfigError
 from moe_offload import inputs
@@ -57,6 +58,12 @@ FEATURE_DEFINITION = (
     "max f = the largest f of any expert so far (0 when max f is 0)")
 ACTIVATION = "silu"
 WEIGHT_DTYPE = np.dtype("<f4")
+# The BLAS libraries NumPy loaded, whose threads a forward pass limits to one: OpenBLAS splits a product of 64
+# rows or more over its threads, which changes float32 scores in their last bits (so the victims of near ties,
+# and every number after them, would depend on the machine's cores) and, at these sizes (a few hundred rows of
+# 128 columns), costs more than it saves: 4.6 ms a 200-row pass on 2 threads against 0.3 ms on one, measured on
+# a loaded 2-core machine, where the idle threads' spinning took half the CPU of `report`.
+_BLAS = ThreadpoolController()
 
 
 def features(recency: np.ndarray, freq: np.ndarray, max_freq: int) -> np.ndarray:
@@ -127,14 +134,15 @@ class LearnedModel:
         """Scores of the [N, 2] feature rows ``x``: an [N] float32 array. ``network`` gives each row's
         network (the MoE layer of its expert for a per-layer model); None means network 0 for all."""
         x = np.asarray(x, dtype=np.float32)
-        if network is None or self.networks == 1:
-            return self._forward_one(x, 0)
-        network = np.asarray(network)
-        out = np.empty(x.shape[0], dtype=np.float32)
-        for index in np.unique(network).tolist():
-            rows = network == index
-            out[rows] = self._forward_one(x[rows], index)
-        return out
+        with _BLAS.limit(limits=1, user_api="blas"):  # the same scores on any machine (see _BLAS)
+            if network is None or self.networks == 1:
+                return self._forward_one(x, 0)
+            network = np.asarray(network)
+            out = np.empty(x.shape[0], dtype=np.float32)
+            for index in np.unique(network).tolist():
+                rows = network == index
+                out[rows] = self._forward_one(x[rows], index)
+            return out
 
     def _forward_one(self, h: np.ndarray, index: int) -> np.ndarray:
         last = len(self.layers) - 1
