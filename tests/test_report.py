@@ -78,6 +78,25 @@ def test_reuse_distances_give_lru_hit_rate_at_every_size(olmoe, tiny_trace):
             assert working_set.lru_hit_rate(size) == replay(data, "lru", size).hit_rate
 
 
+def test_a_short_trace_compiles_no_working_set_kernel_and_the_compiled_ones_agree(olmoe, monkeypatch):
+    # under SLIDING_PYTHON_BELOW and REUSE_PYTHON_BELOW requests the plain functions run (no compile); above them
+    # the compiled kernels, which give the same numbers
+    pytest.importorskip("numba")
+    from moe_offload.reporting import working_set as module
+    from moe_offload.simulator import stack_distances
+
+    module._sliding_kernel.cache_clear()
+    stack_distances._reuse_kernel.cache_clear()
+    plain = measure_working_set(olmoe.trace, olmoe.sequence)
+    assert module._sliding_kernel.cache_info().currsize == stack_distances._reuse_kernel.cache_info().currsize == 0
+    monkeypatch.setattr(module, "SLIDING_PYTHON_BELOW", 1)
+    monkeypatch.setattr(stack_distances, "REUSE_PYTHON_BELOW", 1)
+    compiled = measure_working_set(olmoe.trace, olmoe.sequence)
+    assert module._sliding_kernel.cache_info().currsize == stack_distances._reuse_kernel.cache_info().currsize == 1
+    for field in ("distinct_mean", "distinct_max", "reuse_histogram", "layer_counts"):
+        assert np.array_equal(getattr(plain, field), getattr(compiled, field)), field
+
+
 def test_skew_and_pinning_by_hand():
     # one layer: expert 0 three times, 1 twice, 2 once
     trace = one_layer_trace([0, 1, 0, 2, 1, 0], 4)

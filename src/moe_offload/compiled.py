@@ -9,6 +9,11 @@ use it. Every function is compiled with the same flags: an explicit signature (c
 for), Numba's on-disk cache where a folder is writable, and ``nogil``, so that kernels run side by side on
 threads of one process (the replay grid) instead of in worker processes that would need copies of the
 request sequence.
+
+A kernel whose plain Python runs in a second or so on a short input is compiled only where the work pays for
+the compile (``compile_pays``): Numba's first compile of a kernel costs seconds of CPU (once per machine, its
+cache keeps it after), more than the plain function takes on a short trace, and the results are the same,
+the function being the same.
 """
 
 from __future__ import annotations
@@ -25,6 +30,13 @@ def numba_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def compile_pays(work: int, python_below: int) -> bool:
+    """Whether a kernel runs compiled on ``work`` (its requests, say): Numba is installed and the work is at
+    least ``python_below``, the work at which the kernel's plain Python takes about as long as its first
+    compile (module docstring)."""
+    return work >= python_below and numba_available()
 
 
 def njit_cached(function, signature):

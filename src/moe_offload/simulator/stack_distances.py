@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moe_offload.compiled import compile_pays, numba_available
 from moe_offload.trace.flatten import in_sample, next_use_times
 
 
@@ -221,33 +222,49 @@ def opt_stack_distance_kernel(keys, next_use, num_keys, histogram):
         _tree_set(tree, leaves, 0, next_use[t])
 
 
+# Requests below which LRU's distances run in plain Python (compiled.py compile_pays): about 16 us a request
+# there, so 0.6 s for the bundled OLMoE trace's 38,272, against 3.4-3.8 s of CPU for the first compile of the
+# kernel and its Fenwick tree (measured on a loaded 2-core machine). OPT's kernel is compiled whenever Numba is
+# there: its plain Python takes 80 us a request (3.1 s on that trace), its compile 1.5-1.7 s.
+REUSE_PYTHON_BELOW = 200_000
+
+
 @functools.cache
-def _kernels():
-    """(reuse_distance, opt_stack_distance): compiled by Numba when it is installed, else the plain functions."""
-    from moe_offload.compiled import numba_available
+def _reuse_kernel():
+    """reuse_distance_kernel compiled by Numba (which must be installed)."""
+    from moe_offload.simulator.kernels import compile_linked
+
+    return compile_linked(reuse_distance_kernel,
+                          "void(int64[::1], int64, int64[::1], int64[::1], int64[::1], int64[::1])")
+
+
+@functools.cache
+def _opt_kernel():
+    """opt_stack_distance_kernel compiled by Numba when it is installed, else the plain function."""
     from moe_offload.simulator.kernels import compile_linked
 
     if not numba_available():
-        return reuse_distance_kernel, opt_stack_distance_kernel
-    return (compile_linked(reuse_distance_kernel,
-                           "void(int64[::1], int64, int64[::1], int64[::1], int64[::1], int64[::1])"),
-            compile_linked(opt_stack_distance_kernel, "void(int64[::1], int64[::1], int64, int64[::1])"))
+        return opt_stack_distance_kernel
+    return compile_linked(opt_stack_distance_kernel, "void(int64[::1], int64[::1], int64, int64[::1])")
 
 
 class LruStack:
-    """LRU's stack distances of a sequence passed in pieces (``add``), in memory that does not grow with it."""
+    """LRU's stack distances of a sequence passed in pieces (``add``), in memory that does not grow with it;
+    ``requests``, the sequence's length where it is known, chooses the kernel (REUSE_PYTHON_BELOW)."""
 
-    def __init__(self, num_keys: int):
+    def __init__(self, num_keys: int, requests: int | None = None):
         self.num_keys = num_keys
         self.histogram = np.zeros(num_keys + 1, np.int64)
         self._tree = np.zeros(2 * num_keys + 1, np.int64)
         self._last = np.full(num_keys, -1, np.int64)
         self._state = np.zeros(1, np.int64)
+        compiled = compile_pays(REUSE_PYTHON_BELOW if requests is None else requests, REUSE_PYTHON_BELOW)
+        self._kernel = _reuse_kernel() if compiled else reuse_distance_kernel
 
     def add(self, keys: np.ndarray) -> None:
         """The next requests of the sequence (flat expert ids below ``num_keys``)."""
-        _kernels()[0](np.ascontiguousarray(keys, np.int64), self.num_keys, self.histogram, self._tree, self._last,
-                      self._state)
+        self._kernel(np.ascontiguousarray(keys, np.int64), self.num_keys, self.histogram, self._tree, self._last,
+                     self._state)
 
     def curve(self) -> HitCurve:
         return HitCurve(self.histogram.copy())
@@ -255,7 +272,7 @@ class LruStack:
 
 def lru_curve(keys: np.ndarray, num_keys: int) -> HitCurve:
     """LRU's hits at every size on the request sequence ``keys`` (flat expert ids below ``num_keys``)."""
-    stack = LruStack(num_keys)
+    stack = LruStack(num_keys, len(keys))
     stack.add(keys)
     return stack.curve()
 
@@ -268,6 +285,6 @@ def opt_curve(keys: np.ndarray, next_use: np.ndarray | None, num_keys: int, rate
         keys = sample_keys(keys, rate)
         next_use = next_use_times(keys)
     histogram = np.zeros(num_keys + 1, np.int64)
-    _kernels()[1](np.ascontiguousarray(keys, np.int64), np.ascontiguousarray(next_use, np.int64), num_keys,
+    _opt_kernel()(np.ascontiguousarray(keys, np.int64), np.ascontiguousarray(next_use, np.int64), num_keys,
                   histogram)
     return HitCurve(histogram, rate=rate)
