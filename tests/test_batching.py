@@ -120,6 +120,26 @@ def test_an_interrupted_generate_stops_at_the_next_token_and_the_engine_serves_o
         assert_same(engine.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS[0], return_logits=True), alone[0])
 
 
+def test_an_interrupt_before_the_computing_thread_takes_the_job_drops_it():
+    """Ctrl-C landing while the call is being queued (the scheduler's lock still held): the job leaves the queue
+    unrun, the interruption reaches the caller, and the engine serves on."""
+    ran = []
+    with load("tiny", fast_budget="30%", policy="lru") as engine:
+        scheduler = engine.scheduler
+        assert scheduler.run(len, "up") == 2  # the computing thread runs, waiting for work
+        start = scheduler._start
+
+        def start_then_interrupted():
+            start()
+            raise KeyboardInterrupt  # as a signal landing here, before the thread is told of the job
+
+        scheduler._start = start_then_interrupted
+        with pytest.raises(KeyboardInterrupt):
+            scheduler.run(ran.append, "ran")
+        scheduler._start = start
+        assert scheduler.run(len, "ok") == 2 and ran == [] and not scheduler.jobs
+
+
 def test_a_batch_fetches_the_union_of_its_experts_once():
     prompt, n = PROMPTS[0], 6
     with load("tiny", fast_budget="100%", policy="lru") as engine:

@@ -60,6 +60,7 @@ class _Job:
     def __init__(self, fn, args):
         self.fn, self.args = fn, args
         self.done = threading.Event()
+        self.taken = False  # by the scheduler's thread, under its lock
         self.result = self.error = None
 
     def execute(self) -> None:
@@ -178,17 +179,25 @@ class BatchScheduler:
         if threading.current_thread() is self._thread:
             return fn(*args)
         job = _Job(fn, args)
-        with self.cond:
-            self._check_open()
-            self.jobs.append(job)
-            self._start()
-            self.cond.notify_all()
         try:
+            with self.cond:
+                self._check_open()
+                self.jobs.append(job)
+                self._start()
+                self.cond.notify_all()
             job.done.wait()
         except KeyboardInterrupt:
-            if cancel is not None:
-                cancel.set()
-            job.done.wait()
+            # a signal lands between any two bytecodes, also before the wait (a busy machine may run the whole
+            # job before the caller reaches it): a job still queued leaves the queue; one the scheduler took is
+            # told to stop early and waited for, so that the caller never leaves while its job still computes
+            with self.cond:
+                queued = job in self.jobs
+                if queued:
+                    self.jobs.remove(job)
+            if not queued and job.taken:
+                if cancel is not None:
+                    cancel.set()
+                job.done.wait()
             raise
         if job.error is not None:
             raise job.error
@@ -232,6 +241,8 @@ class BatchScheduler:
                 while not self.waiting and not self.running and not self.jobs and not self.stopping:
                     self.cond.wait()
                 job = self.jobs.popleft() if self.jobs and not self.stopping else None
+                if job is not None:
+                    job.taken = True
                 if self.stopping:
                     leaving = list(self.waiting) + self.running
                     self.waiting.clear()
