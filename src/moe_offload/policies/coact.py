@@ -51,17 +51,18 @@ unit instead: s_e = F_e(n) * g_n with g_n = 2^((n - n_0) / h) for a base token n
 n adds g_n to s_e (no exp or log per request) and, within token n, V_e * g_n = s_e + g_n * (P_e + Q_e) ranks
 the experts as V_e does. When g_n passes e^600 every s is divided by it and n_0 becomes n (an overflow guard;
 one pass over the experts every 600 / lambda tokens, lambda = ln 2 / h). The residents sit in a keyed heap
-(policies/_ranked.py) by (u_e, the clock of e's last request), u_e = g_n * V_e. Within a token no key
+(policies/_ranked.py) by (u_e, the clock of e's last request), u_e = g_n * V_e. A token's start changes every
+key (Q is new, P back to 0), so the heap is rebuilt then, every resident pushed with its key as it is (C
+pushes, for C residents, in the order of the old heap, which the new keys mostly keep). Within a token no key
 shrinks but at an activation: s grows by activations, P and Q as their layers route, the clock with each
 request; an activation raises s by g_n but ends the expert's P and Q, which can together exceed 1, so a
 request lowers its expert's entry to s_e where it was above. Every other entry is the key as it was when it
 was set, a lower bound, and the heap is corrected lazily: the search reads the root's key as it is now and,
-if it has grown, re-keys it (O(log n)) and reads the new root. A root whose entry is current is the lowest of
+if it has grown, re-keys it (O(log C)) and reads the new root. A root whose entry is current is the lowest of
 all: every other key is at least its entry, which is at least the root's. A resident is re-keyed at most once
-per search. When a token ends the predictions change, so the entries that hold one (a search's re-keys,
-prefetches) are lowered to s_e, a lower bound of every key in the next token.
-A request costs an addition and, if it activates its expert, 2J additions (P of the next layer, Q of its
-own); learning a finished token costs 2 K^2 additions per layer.
+per search. A request costs an addition and, if it activates its expert, 2J additions and divisions (P of
+the next layer, Q of its own); a token's end costs 2 K^2 additions per layer to learn from it and the C
+pushes, fewer heap moves than re-keying lazily the residents whose Q changed, most of them.
 
 Beyond the replay. A prefetched expert that no token has routed enters with F = 0. The runtime and the timed
 simulator serve a whole pass per access; ``ctx.token`` then names its token and the counts learn per pass.
@@ -109,10 +110,6 @@ class CoActivation(EvictionPolicy):
         self._predicted_sum = np.zeros(num_keys)  # K * P: sum over a in S_{l-1} of c(a, b) / c(a), for each b
         self._carried_sum = np.zeros(num_keys)    # K * Q(b | S'_l), from the last token
         self._following_sum = np.zeros(num_keys)  # K * Q(b | S_l), for the next token, built as layer l routes
-        # the keys whose heap entry a search raised in this token, and a mark for each
-        self._raised = np.zeros(num_keys, np.int64)
-        self._is_raised = np.zeros(num_keys, np.bool_)
-        self._raised_count = 0
         self._token = None
         self._base = 0  # n_0
         self._scale = 1.0  # g_n
@@ -120,7 +117,7 @@ class CoActivation(EvictionPolicy):
         # faster than on NumPy arrays, whose scalar reads box every value
         self._heap = tuple(array.tolist() for array in heap_new(num_keys, num_keys))
         self._size = 0
-        self._scratch = [0] * num_keys  # _rescale's room
+        self._scratch = [0] * num_keys  # _new_token's room
 
     def kernel_arguments(self):
         return np.array([self.decay], np.float64), np.array([self.spec.top_k], np.int64)
@@ -143,10 +140,10 @@ class CoActivation(EvictionPolicy):
             self._seen_count[:] = 0
             self._predicted_sum[:] = 0.0
             self._following_sum[:] = 0.0
-            self._raised_count = _lower_raised(order, scores, stamps, position, self._size, self._scaled,
-                                               self._raised, self._is_raised, self._raised_count)
-            self._base, self._scale = _rescale(order, scores, stamps, position, self._size, self._scaled,
-                                               self._last_request, self._base, token, self.decay, self._scratch)
+            self._base, self._scale = _new_token(
+                order, scores, stamps, position, self._size, token, self._scaled, self._last_token,
+                self._last_request, self._predicted_sum, self._carried_sum, self._following_sum, self.spec.top_k,
+                self._base, self.decay, self._scratch)
             self._token = token
         if self._last_token[key] != token:
             self._scaled[key] += self._scale
@@ -173,8 +170,6 @@ class CoActivation(EvictionPolicy):
         self._last_request[key] = ctx.clock  # a prefetch too: ties go to the expert loaded or requested last
         heap_push(order, scores, stamps, position, self._size, key, value, ctx.clock)
         self._size += 1
-        if value != self._scaled[key]:  # an entry holding a prediction: lowered when the token ends
-            self._raised_count = _note_raised(key, self._raised, self._is_raised, self._raised_count)
 
     def on_evict(self, key):
         order, scores, stamps, position = self._heap
@@ -188,10 +183,9 @@ class CoActivation(EvictionPolicy):
         set_aside = []
         victim = -1
         while self._size > 0:
-            victim, self._raised_count = _search(
-                order, scores, stamps, position, self._size, self._token, self._scaled, self._scale,
-                self._last_token, self._last_request, self._predicted_sum, self._carried_sum,
-                self._following_sum, self.spec.top_k, self._raised, self._is_raised, self._raised_count)
+            victim = _search(order, scores, stamps, position, self._size, self._token, self._scaled, self._scale,
+                             self._last_token, self._last_request, self._predicted_sum, self._carried_sum,
+                             self._following_sum, self.spec.top_k)
             if victim not in ctx.pinned:
                 break
             set_aside.append((victim, scores[0], stamps[0]))
@@ -233,9 +227,6 @@ class CoActivation(EvictionPolicy):
         predicted_sum = np.zeros(num_keys)
         carried_sum = np.zeros(num_keys)
         following_sum = np.zeros(num_keys)
-        raised = np.zeros(num_keys, np.int64)
-        is_raised = np.zeros(num_keys, np.bool_)
-        raised_count = 0
         scratch = np.empty(max(capacity, 1), np.int64)
         base = 0
         scale = 1.0
@@ -248,16 +239,15 @@ class CoActivation(EvictionPolicy):
                 if current >= 0:
                     _learn(cooccur, routed, successor, followed, seen, seen_count, before, before_count,
                            num_experts)
-                    seen, before = before, seen
-                    seen_count, before_count = before_count, seen_count
-                    carried_sum, following_sum = following_sum, carried_sum
+                    before[:, :] = seen  # copied, not swapped: a swap of two arrays in the loop made it 4x slower
+                    before_count[:] = seen_count
+                    carried_sum[:] = following_sum
                 seen_count[:] = 0
                 predicted_sum[:] = 0.0
                 following_sum[:] = 0.0
-                raised_count = _lower_raised(order, scores, stamps, position, size, scaled, raised, is_raised,
-                                             raised_count)
-                base, scale = _rescale(order, scores, stamps, position, size, scaled, last_request, base, token,
-                                       decay, scratch)
+                base, scale = _new_token(order, scores, stamps, position, size, token, scaled, last_token,
+                                         last_request, predicted_sum, carried_sum, following_sum, top_k, base,
+                                         decay, scratch)
                 current = token
             if last_token[key] != token:
                 scaled[key] += scale
@@ -288,10 +278,6 @@ class CoActivation(EvictionPolicy):
                                   carried_sum[victim], following_sum[victim], top_k)
                 while value != scores[0] or last_request[victim] != stamps[0]:
                     heap_update(order, scores, stamps, position, size, victim, value, last_request[victim])
-                    if value != scaled[victim] and not is_raised[victim]:  # _note_raised
-                        is_raised[victim] = True
-                        raised[raised_count] = victim
-                        raised_count += 1
                     victim = order[0]
                     value = _value_of(token, scaled[victim], scale, last_token[victim], predicted_sum[victim],
                                       carried_sum[victim], following_sum[victim], top_k)
@@ -313,21 +299,19 @@ def _value_of(token, scaled, scale, last_token, predicted_sum, carried_sum, foll
 
 
 def _search(order, scores, stamps, position, size, token, scaled, scale, last_token, last_request, predicted_sum,
-            carried_sum, following_sum, top_k, raised, is_raised, raised_count):
-    """(the resident of lowest (u, stamp), the new count of ``raised``): the victim is left at the heap's root.
-    An entry holds a lower bound of its key's (u, last request); a root whose entry is not current is re-keyed
-    (and noted in ``raised``) until the root's entry is current, and the lowest of all (module doc)."""
+            carried_sum, following_sum, top_k):
+    """The resident of lowest (u, stamp), left at the heap's root. An entry holds a lower bound of its key's
+    (u, last request); a root whose entry is not current is re-keyed until the root's entry is current, and
+    the lowest of all (module doc)."""
     key = order[0]
     value = _value_of(token, scaled[key], scale, last_token[key], predicted_sum[key], carried_sum[key],
                       following_sum[key], top_k)
     while value != scores[0] or last_request[key] != stamps[0]:
         heap_update(order, scores, stamps, position, size, key, value, last_request[key])
-        if value != scaled[key]:
-            raised_count = _note_raised(key, raised, is_raised, raised_count)
         key = order[0]
         value = _value_of(token, scaled[key], scale, last_token[key], predicted_sum[key], carried_sum[key],
                           following_sum[key], top_k)
-    return key, raised_count
+    return key
 
 
 def _lower_on_hit(order, scores, stamps, position, size, key, value, clock):
@@ -337,44 +321,28 @@ def _lower_on_hit(order, scores, stamps, position, size, key, value, clock):
         heap_update(order, scores, stamps, position, size, key, value, clock)
 
 
-def _note_raised(key, raised, is_raised, raised_count):
-    """Note that ``key``'s entry holds a prediction of this token (to be lowered when it ends); the new count."""
-    if not is_raised[key]:
-        is_raised[key] = True
-        raised[raised_count] = key
-        raised_count += 1
-    return raised_count
-
-
-def _lower_raised(order, scores, stamps, position, size, scaled, raised, is_raised, raised_count):
-    """A token is over, its predictions gone: every raised key still resident is keyed by s_e again. Returns 0,
-    the new count of ``raised``."""
-    for i in range(raised_count):
-        key = raised[i]
-        is_raised[key] = False
-        if position[key] >= 0:
-            heap_update(order, scores, stamps, position, size, key, scaled[key], stamps[position[key]])
-    return 0
-
-
-def _rescale(order, scores, stamps, position, size, scaled, last_request, base, token, decay, scratch):
-    """(n_0, g_n) for the token ``token`` starting now: when ln g_n passes RESCALE_EXPONENT every s_e is
-    divided by g_n, which then becomes 1 (module doc). The heap is rebuilt from its entries, since two keys
-    whose s rounds to one value after the division change order (their stamps decide); ``scratch`` has room
-    for ``size`` keys."""
+def _new_token(order, scores, stamps, position, size, token, scaled, last_token, last_request, predicted_sum,
+               carried_sum, following_sum, top_k, base, decay, scratch):
+    """(n_0, g_n) for the token ``token`` starting now, whose predictions are set: when ln g_n passes
+    RESCALE_EXPONENT every s_e is divided by g_n, which then becomes 1 (module doc); then the heap is rebuilt
+    with every resident's key as it is at the token's start (``scratch`` has room for ``size`` keys)."""
     exponent = decay * (token - base)
     if exponent > RESCALE_EXPONENT:
         factor = math.exp(exponent)
         for key in range(scaled.shape[0]):
             scaled[key] = scaled[key] / factor
-        for i in range(size):
-            scratch[i] = order[i]
-            position[order[i]] = -1
-        for i in range(size):
-            heap_push(order, scores, stamps, position, i, scratch[i], scaled[scratch[i]], last_request[scratch[i]])
         base = token
         exponent = 0.0
-    return base, math.exp(exponent)
+    scale = math.exp(exponent)
+    for i in range(size):
+        scratch[i] = order[i]
+        position[order[i]] = -1
+    for i in range(size):
+        key = scratch[i]
+        heap_push(order, scores, stamps, position, i, key,
+                  _value_of(token, scaled[key], scale, last_token[key], predicted_sum[key], carried_sum[key],
+                            following_sum[key], top_k), last_request[key])
+    return base, scale
 
 
 def _learn(cooccur, routed, successor, followed, seen, seen_count, before, before_count, num_experts):
