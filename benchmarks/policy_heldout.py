@@ -2,7 +2,7 @@
 leave-one-trace-out for whatever is trained or tuned.
 
     python benchmarks/policy_heldout.py [--policies lru,coact,...] [--shared ../shared/traces]
-                                        [--half-lives 2,4,8,16,32] [--shipped-learned] [--lookahead]
+                                        [--half-lives 2,4,8,16,32] [--shipped-learned] [--lookahead [0,1,2]]
                                         [--markdown FILE]
 
 The traces: the bundled OLMoE-1B-7B trace, and from ``--shared`` (the repository's ../shared/traces by
@@ -28,10 +28,12 @@ Leave-one-trace-out, for the two policies with something fitted:
   ``--shipped-learned`` or without PyTorch the shipped model is used, which was trained on OLMoE rows 0:150,
   so its OLMoE cells are not held out (a note says so).
 
-``--lookahead`` adds an oracle row that no online policy can match, to measure what the co-activation term
-could gain at most: ``coact`` (default half-life) told the whole routing of the token being served (every
-layer, every rank), which keeps the experts the token still needs (evicting, if it must, the one it needs
-last) and ranks the others by their decayed count alone.
+``--lookahead H,...`` adds, for each H, an oracle row that no online policy can match, to measure what a
+perfect prediction of the routing could gain: ``coact`` (default half-life) told the whole routing of the
+token being served and of the H tokens after it (every layer, every rank), which keeps the experts those
+tokens need (evicting, if it must, the one needed last) and ranks the others by their decayed count alone.
+H = 0 bounds what the co-activation term P can gain; H = 1, what P and the transition term Q together can
+(``--lookahead`` alone: H = 0).
 
 It prints the table (rows: policies; columns: cells), each row's median and worst, and the best libCacheSim
 policy per cell, then whether coact (held out) meets issue 35's bar: median <= 1.3 and no cell above the best
@@ -143,17 +145,22 @@ def learned_held_out(traces, opt, say) -> dict:
 
 
 class TokenLookahead(CoActivation):
-    """coact's decayed counts, with the routing of the whole current token known (the ``--lookahead`` oracle):
-    an expert is needed later in this token if its next request (``ctx.next_use``, read at its last request)
-    falls in this token."""
+    """coact's decayed counts, with the routing of the current token and of the ``horizon`` tokens after it
+    known (the ``--lookahead`` oracle): an expert is needed if its next request (``ctx.next_use``, read at its
+    last request) falls in one of them."""
 
-    name = "coact, token routing known (oracle)"
     offline = True
 
-    def __init__(self, spec, tokens):
+    def __init__(self, spec, tokens, horizon):
         super().__init__(spec)
         self._tokens = tokens
+        self._horizon = horizon
         self._next_use: dict[int, int] = {}
+
+    @staticmethod
+    def row(horizon: int) -> str:
+        known = "this token" if horizon == 0 else f"this token and {horizon} more"
+        return f"coact, routing of {known} known (oracle)"
 
     def on_access(self, key, ctx):
         super().on_access(key, ctx)
@@ -161,21 +168,21 @@ class TokenLookahead(CoActivation):
 
     def victim(self, ctx):
         residents = [key for key in self._heap[0][:self._size] if key not in ctx.pinned]
-        needed = {key for key in residents
-                  if self._next_use[key] < len(self._tokens) and self._tokens[self._next_use[key]] == ctx.token}
+        needed = {key for key in residents if self._next_use[key] < len(self._tokens)
+                  and self._tokens[self._next_use[key]] <= ctx.token + self._horizon}
         others = [key for key in residents if key not in needed]
         if others:
             return min(others, key=lambda key: (self._scaled[key], self._last_request[key]))
         return max(needed, key=self._next_use.__getitem__)
 
 
-def lookahead_ratios(traces, opt) -> dict:
+def lookahead_ratios(traces, opt, horizon: int) -> dict:
     ratios = {}
     for name, data in traces.items():
         seq = data.sequence
         keys, tokens, next_use = seq.expert_id.tolist(), seq.token.tolist(), seq.next_use.tolist()
         for size in cache_sizes(data):
-            cache, ctx = ExpertCache(size, TokenLookahead(data.spec, tokens)), AccessContext()
+            cache, ctx = ExpertCache(size, TokenLookahead(data.spec, tokens, horizon)), AccessContext()
             hits = 0
             for t, key in enumerate(keys):
                 ctx.clock, ctx.token, ctx.next_use = t, tokens[t], next_use[t]
@@ -190,7 +197,8 @@ def main() -> None:
     parser.add_argument("--shared", type=Path, default=SHARED_TRACES, help="folder of the shared real traces")
     parser.add_argument("--half-lives", default="2,4,8,16,32", help="coact's candidates for leave-one-out")
     parser.add_argument("--shipped-learned", action="store_true", help="do not retrain learned per fold")
-    parser.add_argument("--lookahead", action="store_true", help="add the token-routing oracle row (module doc)")
+    parser.add_argument("--lookahead", nargs="?", const="0", default=None, metavar="H,...",
+                        help="add the oracle rows told the routing of this token and H more (module doc; default 0)")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the table as Markdown here")
     args = parser.parse_args()
     policies = args.policies.split(",") if args.policies else online_policies()
@@ -202,6 +210,12 @@ def main() -> None:
             make_policy("coact", ReplayInput.of(read_trace(DEFAULT_TRACE)).spec, options={"half_life": h})
     except (ValueError, ConfigError) as exc:
         parser.error(f"--half-lives {args.half_lives!r}: {exc}")
+    try:
+        horizons = [int(h) for h in args.lookahead.split(",")] if args.lookahead is not None else []
+        if any(h < 0 for h in horizons):
+            raise ValueError("a horizon is a count of tokens, at least 0")
+    except ValueError as exc:
+        parser.error(f"--lookahead {args.lookahead!r}: {exc}")
 
     console = Console(width=250)
     say = console.print
@@ -227,8 +241,8 @@ def main() -> None:
         rows["coact (held out)"], chosen = coact_held_out(traces, opt, half_lives)
         notes.append("coact (held out): half-life chosen on the other traces: "
                      + ", ".join(f"{name} {h:g}" for name, h in chosen.items()))
-    if args.lookahead:
-        rows[TokenLookahead.name] = lookahead_ratios(traces, opt)
+    for horizon in horizons:
+        rows[TokenLookahead.row(horizon)] = lookahead_ratios(traces, opt, horizon)
     with tempfile.TemporaryDirectory(prefix="policy-heldout-") as work:
         try:
             libcachesim = libcachesim_ratios(traces, opt, Path(work))

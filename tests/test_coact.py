@@ -30,6 +30,7 @@ def test_evictions_by_hand():
     # t=3 (token 1, key 4 misses): F(0) = F(3) = 1/2, F(1) = 1. After token 0 the counts are c(0) = 1,
     # c(0 -> 3) = 1; the layer-0 expert routed so far in token 1 is 1, never counted: P(3) = 0. V(0) = V(3) = 1/2:
     # the tie goes to 0, requested least recently.
+    # Q is 0 throughout: the first pair of tokens, (0, 1), is counted when token 1 ends, after token 2's Q was built.
     assert evicted[3] == [0]
     # t=4 (token 2, key 0 misses): F(3) = 1/4, F(1) = F(4) = 1/2. Layer 0 has routed 0 in token 2, and
     # c(0 -> 3) / c(0) = 1, so P(3) = 1 and V(3) = 5/4; P(4) = 0. 1 and 4 tie at 1/2: 1 (requested first) goes,
@@ -46,16 +47,30 @@ def test_values_by_hand():
         ctx.clock, ctx.token = clock, token
         cache.request(key, ctx)
     # F(0) at token 3: activations at 0, 1, 3 -> 2^(-3/2) + 2^(-2/2) + 1; F(3): 2^(-3/2); F(4): 2^(-2/2).
-    # Counts after tokens 0 and 1: c(0) = 2, c(0 -> 3) = c(0 -> 4) = 1; token 3 routed 0 at layer 0.
-    assert policy.value(0, 3) == pytest.approx(2 ** -1.5 + 0.5 + 1)
+    # Counts after tokens 0 and 1: c(0) = 2, c(0 -> 3) = c(0 -> 4) = 1; token 3 routed 0 at layer 0, so
+    # P(3) = P(4) = 1/2. Consecutive tokens (0, 1): d(0) = 1, d(0 -> 0) = 1 at layer 0; d(3) = 1, d(3 -> 4) = 1
+    # at layer 1. Token 3 has routed 0: its Q is for the next token, d(0 -> 0) / d(0) = 1. Nothing routed in
+    # token 1 had a d yet (it was counted when token 1 ended), so the Q that token 1 gives token 3 is 0.
+    assert policy.value(0, 3) == pytest.approx(2 ** -1.5 + 0.5 + 1 + 1)
     assert policy.value(3, 3) == pytest.approx(2 ** -1.5 + 1 / 2)
     assert policy.value(4, 3) == pytest.approx(0.5 + 1 / 2)
     assert policy.value(5, 3) == 0.0  # never routed, never predicted
+    ctx.clock, ctx.token = 5, 4
+    cache.request(1, ctx)
+    # token 4 routes 1 at layer 0. Token 3 gives it Q(0) = 1, computed with the counts of token 3 (d(0) = 1,
+    # d(0 -> 0) = 1), while 0 is not routed yet; P is 0 at layer 0. Layer 1 routed nothing in token 3: Q(3) =
+    # Q(4) = 0, and 1 was never counted by c: P(3) = P(4) = 0.
+    assert policy.value(0, 4) == pytest.approx((2 ** -1.5 + 0.5 + 1) * 2 ** -0.5 + 1)
+    assert policy.value(3, 4) == pytest.approx(2 ** -2)
+    assert policy.value(4, 4) == pytest.approx(2 ** -1.5)
+    assert policy.value(1, 4) == 1.0  # d(1) = 0: no Q
 
 
 def reference_values(history, token, num_experts, top_k, half_life):
     """V of every key at ``token`` recomputed from the whole request history [(token, key), ...]: F summed
-    over each key's activations, P from the co-activations counted over the finished tokens."""
+    over each key's activations, P from the co-activations counted over the finished tokens, Q from the pairs
+    of consecutive tokens: for a key not yet routed in ``token``, from the token before and the pairs counted
+    before it began; for one routed, from this token's experts so far and every pair counted."""
     activations, by_token = {}, {}
     for t, key in history:
         activations.setdefault(key, set()).add(t)
@@ -71,14 +86,40 @@ def reference_values(history, token, num_experts, top_k, half_life):
             for b in keys:
                 if b // num_experts == a // num_experts + 1:
                     pairs[a, b] = pairs.get((a, b), 0) + 1
+    served = sorted(by_token)
+
+    def successions(last):
+        """d(a) and d(a, b) over the pairs of consecutive served tokens whose second is ``last`` or before."""
+        followed, successors = {}, {}
+        for first, second in zip(served, served[1:]):
+            if second > last:
+                break
+            for a in by_token[first]:
+                followed[a] = followed.get(a, 0) + 1
+                for b in by_token[second]:
+                    if b // num_experts == a // num_experts:
+                        successors[a, b] = successors.get((a, b), 0) + 1
+        return followed, successors
+
+    def q(key, given, counts):
+        followed, successors = counts
+        return sum(successors.get((a, key), 0) / followed[a] for a in given
+                   if a // num_experts == key // num_experts and followed.get(a)) / top_k
+
     now = by_token.get(token, [])
+    before = served[served.index(token) - 1] if served.index(token) > 0 else None
     values = {}
     for key, tokens in activations.items():
         value = sum(2 ** (-(token - t) / half_life) for t in tokens)
         layer = key // num_experts
-        if layer and token not in tokens:
-            value += sum(pairs.get((a, key), 0) / routed[a] for a in now
-                         if a // num_experts == layer - 1 and routed.get(a)) / top_k
+        if token not in tokens:
+            if layer:
+                value += sum(pairs.get((a, key), 0) / routed[a] for a in now
+                             if a // num_experts == layer - 1 and routed.get(a)) / top_k
+            if before is not None:
+                value += q(key, by_token[before], successions(before - 1))
+        else:
+            value += q(key, now, successions(before if before is not None else -1))
         values[key] = value
     return values
 
@@ -109,7 +150,7 @@ def test_every_victim_has_the_lowest_value_of_the_formula(seed):
 
 def test_values_survive_the_change_of_unit():
     # half-life 1 token: the common unit g_n = 2^(n - n_0) passes e^600 after 866 tokens and is rescaled. Expert 0
-    # is activated at every third token, expert 1 at every token, for 2000 tokens: F from the formula.
+    # is activated at every third token, expert 1 at every token, for 2000 tokens: F from the formula, plus Q.
     policy = make_policy("coact", ModelSpec(num_layers=1, num_experts=3, top_k=1), options={"half_life": 1})
     cache, ctx = ExpertCache(3, policy), AccessContext()
     for token in range(2000):
@@ -121,8 +162,11 @@ def test_values_survive_the_change_of_unit():
     ctx.token = 2000
     ctx.clock += 1
     cache.request(2, ctx)
-    assert policy.value(0, 2000) == pytest.approx(sum(2.0 ** -(2000 - n) for n in range(0, 2000, 3)), rel=1e-12)
-    assert policy.value(1, 2000) == pytest.approx(sum(2.0 ** -(2000 - n) for n in range(2000)), rel=1e-12)
+    # Q from token 1999, which routed 1, with the pairs (m, m + 1) counted before it: d(1) = 1998 (m + 1 = 1 ..
+    # 1998), d(1 -> 0) = 666 (m + 1 a multiple of 3), d(1 -> 1) = 1998; 2, routed in token 2000, has no d.
+    assert policy.value(0, 2000) == pytest.approx(sum(2.0 ** -(2000 - n) for n in range(0, 2000, 3)) + 1 / 3,
+                                                  rel=1e-12)
+    assert policy.value(1, 2000) == pytest.approx(sum(2.0 ** -(2000 - n) for n in range(2000)) + 1, rel=1e-12)
     assert policy.value(2, 2000) == 1.0
 
 
@@ -148,7 +192,7 @@ def test_options_and_decision_cost():
     with pytest.raises(ConfigError, match="half_lives"):
         make_policy("coact", TWO_LAYERS, options={"half_lives": 2})
     spec = ModelSpec(16, 64, 8)
-    assert make_policy("coact", spec).decision_flops(100) == 101 * 3  # every resident re-keyed, then the victim
+    assert make_policy("coact", spec).decision_flops(100) == 101 * 4  # every resident re-keyed, then the victim
 
 
 needs_numba = pytest.mark.skipif(not kernels.numba_available(), reason="Numba is not installed")
@@ -213,4 +257,4 @@ def test_the_timed_simulator_charges_its_decisions():
     spec = ModelSpec(16, 64, 8)
     hardware = resolve_profile("edge-flashmoe")  # no measured time for coact: its FLOPs at the host's rate
     seconds = decision_seconds(hardware, "coact", make_policy("coact", spec), 512)
-    assert seconds == pytest.approx(513 * 3 / hardware.host.roofline.flops_per_s) and seconds > 0
+    assert seconds == pytest.approx(513 * 4 / hardware.host.roofline.flops_per_s) and seconds > 0

@@ -1,9 +1,9 @@
-"""Co-activation: evict the expert least likely to be used soon, estimated from its decayed activation count
-and from what the layer before it has just routed.
+"""Co-activation: evict the expert least likely to be used soon, estimated from its decayed activation count,
+from what the layer before it has just routed, and from what its own layer routed in the token before.
 
 The estimate. Belady evicts the expert whose next use is furthest; an online policy can only rank by an
 estimate of how soon each expert is used again. For an expert used at a rate rho (activations per token) the
-expected wait is 1/rho, so evicting the lowest rate estimate approximates Belady. Two things estimate it:
+expected wait is 1/rho, so evicting the lowest rate estimate approximates Belady. Three things estimate it:
 
 * its own past, as a count of the tokens that activated it, each weighed by how long ago (LRFU's combined
   recency and frequency, Lee et al., IEEE ToC 2001, with time counted in tokens, as paper 004's LCP counts
@@ -22,31 +22,47 @@ expected wait is 1/rho, so evicting the lowest rate estimate approximates Belady
       P(b | S) = (1/K) * sum over a in S of c(a, b) / c(a)
 
   of being routed at layer l in this token (each c(a, .) / c(a) sums to K over b, so P sums to K over the
-  layer: a distribution of K choices). An expert not yet routed in this token is worth its expected
-  activation here on top of its past: an activation now counts 1 in F, so the prediction counts P.
+  layer: a distribution of K choices);
+* the token before, at the same layer. Consecutive tokens share experts (a routing drifts slowly), and which
+  ones a layer keeps is learned the same way: with d(a, b) the pairs of consecutive tokens (m, m+1) in which
+  layer l routed a in m and b in m+1, and d(a) the pairs whose first token routed a, the choice S' of layer l
+  in one token gives each expert b of layer l the probability
 
-  Each expert's value is V_e = F_e(n) + P(e | S_{l-1}) where the token n has not routed e yet (0 for
-  layer 0, and 0 once e has been routed in n: its next use is in a later token), and the victim is the
-  resident with the lowest V_e; ties go to the one requested least recently. S_{l-1} is what layer l-1's
-  router has chosen in token n so far (online: the requests already seen). The counts are learned online,
-  from every token once it is over: nothing is trained beforehand, so nothing is fitted to a trace.
+      Q(b | S') = (1/K) * sum over a in S' of d(a, b) / d(a)
+
+  of being routed there in the next token.
+
+  An activation counts 1 in F, so a predicted activation counts its probability. Each expert's value is
+
+      V_e = F_e(n) + P(e | S_{l-1}) + Q(e | S'_l)   while token n has not routed e,
+      V_e = F_e(n) + Q(e | S_l)                      once it has (its next use is in a later token),
+
+  where S_{l-1} is what layer l-1 has routed in token n so far (P is 0 at layer 0), S'_l what layer l
+  routed in token n-1, and S_l what it has routed in token n so far: the evidence for the token after. P
+  and Q are two estimates, from independent evidence, of one probability; they are added, not averaged, so
+  that each counts as the activation it predicts and an expert both name ranks above one only one names.
+  The victim is the resident with the lowest V_e; ties go to the one requested least recently (online: the
+  requests already seen). The counts are learned online, from every token once it is over: nothing is
+  trained beforehand, so nothing is fitted to a trace. Q for token n+1 is the sum built during token n, with
+  the counts as they were then: the next token starts from it at no cost.
 
 Why it is cheap. Every F decays by the same factor between two tokens, so the policy keeps F in a common
 unit instead: s_e = F_e(n) * g_n with g_n = 2^((n - n_0) / h) for a base token n_0, so an activation at token
-n adds g_n to s_e (no exp or log per request) and, within token n, V_e * g_n = s_e + g_n * P_e ranks the
-experts as V_e does. When g_n passes e^600 every s is divided by it and n_0 becomes n (an overflow guard; one
-pass over the experts every 600 / lambda tokens, lambda = ln 2 / h). The residents sit in a keyed heap
-(policies/_ranked.py) by (u_e, the clock of e's last request), u_e = s_e + g_n * P_e. Within a token neither
-part of a key shrinks (s grows by activations, P as the layer before routes, the clock with each request), so
-each entry holds a lower bound, the key as it was when the entry was set, and the heap is corrected lazily: a
-request leaves its expert's entry alone unless its u fell below it (an activation ends the expert's P, which
-a prediction above 1, possible only in a runtime pass that routes more than K, can outweigh); the search reads
-the root's key as it is now and, if it has grown, re-keys it (O(log n)) and reads the new root. A root whose
-entry is current is the lowest of all: every other key is at least its entry, which is at least the root's. A
-resident is re-keyed at most once per search. When a token ends the predictions go back to 0, so the entries that
-hold a prediction (a search's re-keys, prefetches) are lowered to s_e. A request costs an addition and, if it
-activates its expert, J additions (the next layer's predictions); learning a finished token costs K^2
-additions per layer.
+n adds g_n to s_e (no exp or log per request) and, within token n, V_e * g_n = s_e + g_n * (P_e + Q_e) ranks
+the experts as V_e does. When g_n passes e^600 every s is divided by it and n_0 becomes n (an overflow guard;
+one pass over the experts every 600 / lambda tokens, lambda = ln 2 / h). The residents sit in a keyed heap
+(policies/_ranked.py) by (u_e, the clock of e's last request), u_e = g_n * V_e. A token's start changes every
+key (Q is new, P back to 0), so the heap is rebuilt then, every resident pushed with its key as it is (C
+pushes, for C residents, in the order of the old heap, which the new keys mostly keep). Within a token no key
+shrinks but at an activation: s grows by activations, P and Q as their layers route, the clock with each
+request; an activation raises s by g_n but ends the expert's P and Q, which can together exceed 1, so a
+request lowers its expert's entry to s_e where it was above. Every other entry is the key as it was when it
+was set, a lower bound, and the heap is corrected lazily: the search reads the root's key as it is now and,
+if it has grown, re-keys it (O(log C)) and reads the new root. A root whose entry is current is the lowest of
+all: every other key is at least its entry, which is at least the root's. A resident is re-keyed at most once
+per search. A request costs an addition and, if it activates its expert, 2J additions and divisions (P of
+the next layer, Q of its own); a token's end costs 2 K^2 additions per layer to learn from it and the C
+pushes, fewer heap moves than re-keying lazily the residents whose Q changed, most of them.
 
 Beyond the replay. A prefetched expert that no token has routed enters with F = 0. The runtime and the timed
 simulator serve a whole pass per access; ``ctx.token`` then names its token and the counts learn per pass.
@@ -68,9 +84,10 @@ RESCALE_EXPONENT = 600.0  # ln g at which the common unit moves to the current t
 
 class CoActivation(EvictionPolicy):
     name = "coact"
-    summary = ("evict the lowest decayed activation count (half-life 8 tokens) plus the probability that "
-               "the previous layer's routing gives the expert in this token")
-    source = "this project: LRFU (Lee et al. 2001) per token, plus cross-layer co-activation (docs/policies/coact.md)"
+    summary = ("evict the lowest decayed activation count (half-life 8 tokens) plus the probabilities that "
+               "the previous layer's routing in this token and the layer's own in the last token give the expert")
+    source = ("this project: LRFU (Lee et al. 2001) per token, plus cross-layer co-activation and same-layer "
+              "token-to-token transitions (docs/policies/coact.md)")
 
     def __init__(self, spec, seed=0, half_life: float = HALF_LIFE):
         super().__init__(spec, seed)
@@ -82,14 +99,17 @@ class CoActivation(EvictionPolicy):
         self._last_request = np.zeros(num_keys, np.int64)     # the clock of each key's last request
         self._cooccur = np.zeros((num_keys, spec.num_experts))  # c(a, b): a's row, b's index in its layer
         self._routed = np.zeros(num_keys)                        # c(a)
-        # this token's experts per layer, in request order (a runtime pass may route more than K per layer)
+        self._successor = np.zeros((num_keys, spec.num_experts))  # d(a, b): a's row, b's index in the layer
+        self._followed = np.zeros(num_keys)                          # d(a)
+        # this token's and the last token's experts per layer, in request order (a runtime pass may route more
+        # than K per layer)
         self._seen = np.zeros((spec.num_layers, spec.top_k), np.int64)
         self._seen_count = np.zeros(spec.num_layers, np.int64)
-        self._predicted_sum = np.zeros(num_keys)  # sum over a in S_{l-1} of c(a, b) / c(a), for each b
-        # the keys whose heap entry a search raised in this token, and a mark for each
-        self._raised = np.zeros(num_keys, np.int64)
-        self._is_raised = np.zeros(num_keys, np.bool_)
-        self._raised_count = 0
+        self._before = np.zeros((spec.num_layers, spec.top_k), np.int64)
+        self._before_count = np.zeros(spec.num_layers, np.int64)
+        self._predicted_sum = np.zeros(num_keys)  # K * P: sum over a in S_{l-1} of c(a, b) / c(a), for each b
+        self._carried_sum = np.zeros(num_keys)    # K * Q(b | S'_l), from the last token
+        self._following_sum = np.zeros(num_keys)  # K * Q(b | S_l), for the next token, built as layer l routes
         self._token = None
         self._base = 0  # n_0
         self._scale = 1.0  # g_n
@@ -97,28 +117,33 @@ class CoActivation(EvictionPolicy):
         # faster than on NumPy arrays, whose scalar reads box every value
         self._heap = tuple(array.tolist() for array in heap_new(num_keys, num_keys))
         self._size = 0
-        self._scratch = [0] * num_keys  # _rescale's room
+        self._scratch = [0] * num_keys  # _new_token's room
 
     def kernel_arguments(self):
         return np.array([self.decay], np.float64), np.array([self.spec.top_k], np.int64)
 
     def value(self, key, token) -> float:
         """V_e at the token being served, ``token`` (module doc), for reports and tests."""
-        return _value(key, token, self._scaled, self._scale, self._last_token, self._predicted_sum,
-                      self.spec.num_experts, self.spec.top_k) / self._scale
+        return _value_of(token, self._scaled[key], self._scale, self._last_token[key], self._predicted_sum[key],
+                         self._carried_sum[key], self._following_sum[key], self.spec.top_k) / self._scale
 
     def on_access(self, key, ctx):
         token = ctx.token
         order, scores, stamps, position = self._heap
         if token != self._token:
             if self._token is not None:
-                _learn(self._cooccur, self._routed, self._seen, self._seen_count, self.spec.num_experts)
+                _learn(self._cooccur, self._routed, self._successor, self._followed, self._seen, self._seen_count,
+                       self._before, self._before_count, self.spec.num_experts)
+                self._seen, self._before = self._before, self._seen
+                self._seen_count, self._before_count = self._before_count, self._seen_count
+                self._carried_sum, self._following_sum = self._following_sum, self._carried_sum
             self._seen_count[:] = 0
             self._predicted_sum[:] = 0.0
-            self._raised_count = _lower_raised(order, scores, stamps, position, self._size, self._scaled,
-                                               self._raised, self._is_raised, self._raised_count)
-            self._base, self._scale = _rescale(order, scores, stamps, position, self._size, self._scaled,
-                                               self._last_request, self._base, token, self.decay, self._scratch)
+            self._following_sum[:] = 0.0
+            self._base, self._scale = _new_token(
+                order, scores, stamps, position, self._size, token, self._scaled, self._last_token,
+                self._last_request, self._predicted_sum, self._carried_sum, self._following_sum, self.spec.top_k,
+                self._base, self.decay, self._scratch)
             self._token = token
         if self._last_token[key] != token:
             self._scaled[key] += self._scale
@@ -128,22 +153,23 @@ class CoActivation(EvictionPolicy):
                 self._seen = np.concatenate([self._seen, np.zeros_like(self._seen)], axis=1)
             self._seen[layer, self._seen_count[layer]] = key
             self._seen_count[layer] += 1
+            J = self.spec.num_experts
             if layer + 1 < self.spec.num_layers and self._routed[key] > 0:  # + c(key, b) / c(key), next layer
-                J = self.spec.num_experts
                 self._predicted_sum[(layer + 1) * J:(layer + 2) * J] += self._cooccur[key] / self._routed[key]
+            if self._followed[key] > 0:  # + d(key, b) / d(key), its own layer in the next token
+                self._following_sum[layer * J:(layer + 1) * J] += self._successor[key] / self._followed[key]
         self._last_request[key] = ctx.clock
         if position[key] >= 0:
             _lower_on_hit(order, scores, stamps, position, self._size, key, float(self._scaled[key]), ctx.clock)
 
     def on_insert(self, key, ctx):
         order, scores, stamps, position = self._heap
-        value = _value(key, self._token, self._scaled, self._scale, self._last_token, self._predicted_sum,
-                       self.spec.num_experts, self.spec.top_k)
+        value = _value_of(self._token, self._scaled[key], self._scale, self._last_token[key],
+                          self._predicted_sum[key], self._carried_sum[key], self._following_sum[key],
+                          self.spec.top_k)
         self._last_request[key] = ctx.clock  # a prefetch too: ties go to the expert loaded or requested last
         heap_push(order, scores, stamps, position, self._size, key, value, ctx.clock)
         self._size += 1
-        if value != self._scaled[key]:  # a prefetch this token predicts: its key is lowered when the token ends
-            self._raised_count = _note_raised(key, self._raised, self._is_raised, self._raised_count)
 
     def on_evict(self, key):
         order, scores, stamps, position = self._heap
@@ -157,10 +183,9 @@ class CoActivation(EvictionPolicy):
         set_aside = []
         victim = -1
         while self._size > 0:
-            victim, self._raised_count = _search(
-                order, scores, stamps, position, self._size, self._token, self._scaled, self._scale,
-                self._last_token, self._last_request, self._predicted_sum, self.spec.num_experts, self.spec.top_k,
-                self._raised, self._is_raised, self._raised_count)
+            victim = _search(order, scores, stamps, position, self._size, self._token, self._scaled, self._scale,
+                             self._last_token, self._last_request, self._predicted_sum, self._carried_sum,
+                             self._following_sum, self.spec.top_k)
             if victim not in ctx.pinned:
                 break
             set_aside.append((victim, scores[0], stamps[0]))
@@ -175,10 +200,10 @@ class CoActivation(EvictionPolicy):
         return int(victim)
 
     def decision_flops(self, residents: int) -> float:
-        """A search recomputes the value of its root, an addition, a product and a division (3 FLOPs), at
-        most once per resident it re-keys and once more for the victim: ``3 * (residents + 1)``, an upper
+        """A search recomputes the value of its root, two additions, a product and a division (4 FLOPs), at
+        most once per resident it re-keys and once more for the victim: ``4 * (residents + 1)``, an upper
         bound (most searches re-key a few); the heap's comparisons are bookkeeping."""
-        return float(3 * (residents + 1))
+        return float(4 * (residents + 1))
 
     @staticmethod
     def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
@@ -193,12 +218,15 @@ class CoActivation(EvictionPolicy):
         last_request = np.zeros(num_keys, np.int64)
         cooccur = np.zeros((num_keys, num_experts))
         routed = np.zeros(num_keys)
+        successor = np.zeros((num_keys, num_experts))
+        followed = np.zeros(num_keys)
         seen = np.zeros((num_layers, top_k), np.int64)
         seen_count = np.zeros(num_layers, np.int64)
+        before = np.zeros((num_layers, top_k), np.int64)
+        before_count = np.zeros(num_layers, np.int64)
         predicted_sum = np.zeros(num_keys)
-        raised = np.zeros(num_keys, np.int64)
-        is_raised = np.zeros(num_keys, np.bool_)
-        raised_count = 0
+        carried_sum = np.zeros(num_keys)
+        following_sum = np.zeros(num_keys)
         scratch = np.empty(max(capacity, 1), np.int64)
         base = 0
         scale = 1.0
@@ -209,13 +237,17 @@ class CoActivation(EvictionPolicy):
             token = tokens[t]
             if token != current:
                 if current >= 0:
-                    _learn(cooccur, routed, seen, seen_count, num_experts)
+                    _learn(cooccur, routed, successor, followed, seen, seen_count, before, before_count,
+                           num_experts)
+                    before[:, :] = seen  # copied, not swapped: a swap of two arrays in the loop made it 4x slower
+                    before_count[:] = seen_count
+                    carried_sum[:] = following_sum
                 seen_count[:] = 0
                 predicted_sum[:] = 0.0
-                raised_count = _lower_raised(order, scores, stamps, position, size, scaled, raised, is_raised,
-                                             raised_count)
-                base, scale = _rescale(order, scores, stamps, position, size, scaled, last_request, base, token,
-                                       decay, scratch)
+                following_sum[:] = 0.0
+                base, scale = _new_token(order, scores, stamps, position, size, token, scaled, last_token,
+                                         last_request, predicted_sum, carried_sum, following_sum, top_k, base,
+                                         decay, scratch)
                 current = token
             if last_token[key] != token:
                 scaled[key] += scale
@@ -224,10 +256,14 @@ class CoActivation(EvictionPolicy):
                 if seen_count[layer] < top_k:
                     seen[layer, seen_count[layer]] = key
                     seen_count[layer] += 1
-                    if layer + 1 < num_layers and routed[key] > 0:  # on_access's prediction of the next layer
+                    if layer + 1 < num_layers and routed[key] > 0:  # on_access's P of the next layer
                         first = (layer + 1) * num_experts
                         for j in range(num_experts):
                             predicted_sum[first + j] += cooccur[key, j] / routed[key]
+                    if followed[key] > 0:  # on_access's Q of the next token
+                        first = layer * num_experts
+                        for j in range(num_experts):
+                            following_sum[first + j] += successor[key, j] / followed[key]
             last_request[key] = t
             if position[key] >= 0:
                 layer_hits[key // num_experts] += 1
@@ -238,17 +274,13 @@ class CoActivation(EvictionPolicy):
                 # _search, written out: a helper with a loop takes a reference to each of its arrays at every
                 # call (Numba counts them where it inlines one), which made this kernel 3 times slower
                 victim = order[0]
-                value = _value_of(victim, token, scaled[victim], scale, last_token[victim], predicted_sum[victim],
-                                  num_experts, top_k)
+                value = _value_of(token, scaled[victim], scale, last_token[victim], predicted_sum[victim],
+                                  carried_sum[victim], following_sum[victim], top_k)
                 while value != scores[0] or last_request[victim] != stamps[0]:
                     heap_update(order, scores, stamps, position, size, victim, value, last_request[victim])
-                    if value != scaled[victim] and not is_raised[victim]:  # _note_raised
-                        is_raised[victim] = True
-                        raised[raised_count] = victim
-                        raised_count += 1
                     victim = order[0]
-                    value = _value_of(victim, token, scaled[victim], scale, last_token[victim],
-                                      predicted_sum[victim], num_experts, top_k)
+                    value = _value_of(token, scaled[victim], scale, last_token[victim], predicted_sum[victim],
+                                      carried_sum[victim], following_sum[victim], top_k)
                 # the request takes the victim's place at the root and sifts down: one sift, not a pop and a push
                 position[victim] = -1
                 position[key] = 0
@@ -258,34 +290,28 @@ class CoActivation(EvictionPolicy):
             size += 1
 
 
-def _value(key, token, scaled, scale, last_token, predicted_sum, num_experts, top_k):
-    """u_e = s_e + g_n * P(e | S_{l-1}) (module doc), from the expert's entries of the arrays; P is 0 for layer 0
-    and for an expert ``token`` has already routed."""
-    return _value_of(key, token, scaled[key], scale, last_token[key], predicted_sum[key], num_experts, top_k)
-
-
-def _value_of(key, token, scaled, scale, last_token, predicted_sum, num_experts, top_k):
-    """_value from the expert's own numbers (the kernel's form: scalars, no array to count references to)."""
-    value = scaled
-    if key >= num_experts and last_token != token:
-        value += scale * (predicted_sum / top_k)
-    return value
+def _value_of(token, scaled, scale, last_token, predicted_sum, carried_sum, following_sum, top_k):
+    """u_e = g_n * V_e (module doc) from the expert's own numbers (scalars: the kernel's form, no array to count
+    references to): s_e + g_n * (P + Q) while ``token`` has not routed e, s_e + g_n * Q(next token) once it has."""
+    if last_token != token:
+        return scaled + scale * ((predicted_sum + carried_sum) / top_k)
+    return scaled + scale * (following_sum / top_k)
 
 
 def _search(order, scores, stamps, position, size, token, scaled, scale, last_token, last_request, predicted_sum,
-            num_experts, top_k, raised, is_raised, raised_count):
-    """(the resident of lowest (u, stamp), the new count of ``raised``): the victim is left at the heap's root.
-    An entry holds a lower bound of its key's (u, last request); a root whose entry is not current is re-keyed
-    (and noted in ``raised``) until the root's entry is current, and the lowest of all (module doc)."""
+            carried_sum, following_sum, top_k):
+    """The resident of lowest (u, stamp), left at the heap's root. An entry holds a lower bound of its key's
+    (u, last request); a root whose entry is not current is re-keyed until the root's entry is current, and
+    the lowest of all (module doc)."""
     key = order[0]
-    value = _value(key, token, scaled, scale, last_token, predicted_sum, num_experts, top_k)
+    value = _value_of(token, scaled[key], scale, last_token[key], predicted_sum[key], carried_sum[key],
+                      following_sum[key], top_k)
     while value != scores[0] or last_request[key] != stamps[0]:
         heap_update(order, scores, stamps, position, size, key, value, last_request[key])
-        if value != scaled[key]:
-            raised_count = _note_raised(key, raised, is_raised, raised_count)
         key = order[0]
-        value = _value(key, token, scaled, scale, last_token, predicted_sum, num_experts, top_k)
-    return key, raised_count
+        value = _value_of(token, scaled[key], scale, last_token[key], predicted_sum[key], carried_sum[key],
+                          following_sum[key], top_k)
+    return key
 
 
 def _lower_on_hit(order, scores, stamps, position, size, key, value, clock):
@@ -295,48 +321,33 @@ def _lower_on_hit(order, scores, stamps, position, size, key, value, clock):
         heap_update(order, scores, stamps, position, size, key, value, clock)
 
 
-def _note_raised(key, raised, is_raised, raised_count):
-    """Note that ``key``'s entry holds a prediction of this token (to be lowered when it ends); the new count."""
-    if not is_raised[key]:
-        is_raised[key] = True
-        raised[raised_count] = key
-        raised_count += 1
-    return raised_count
-
-
-def _lower_raised(order, scores, stamps, position, size, scaled, raised, is_raised, raised_count):
-    """A token is over, its predictions gone: every raised key still resident is keyed by s_e again. Returns 0,
-    the new count of ``raised``."""
-    for i in range(raised_count):
-        key = raised[i]
-        is_raised[key] = False
-        if position[key] >= 0:
-            heap_update(order, scores, stamps, position, size, key, scaled[key], stamps[position[key]])
-    return 0
-
-
-def _rescale(order, scores, stamps, position, size, scaled, last_request, base, token, decay, scratch):
-    """(n_0, g_n) for the token ``token`` starting now: when ln g_n passes RESCALE_EXPONENT every s_e is
-    divided by g_n, which then becomes 1 (module doc). The heap is rebuilt from its entries, since two keys
-    whose s rounds to one value after the division change order (their stamps decide); ``scratch`` has room
-    for ``size`` keys."""
+def _new_token(order, scores, stamps, position, size, token, scaled, last_token, last_request, predicted_sum,
+               carried_sum, following_sum, top_k, base, decay, scratch):
+    """(n_0, g_n) for the token ``token`` starting now, whose predictions are set: when ln g_n passes
+    RESCALE_EXPONENT every s_e is divided by g_n, which then becomes 1 (module doc); then the heap is rebuilt
+    with every resident's key as it is at the token's start (``scratch`` has room for ``size`` keys)."""
     exponent = decay * (token - base)
     if exponent > RESCALE_EXPONENT:
         factor = math.exp(exponent)
         for key in range(scaled.shape[0]):
             scaled[key] = scaled[key] / factor
-        for i in range(size):
-            scratch[i] = order[i]
-            position[order[i]] = -1
-        for i in range(size):
-            heap_push(order, scores, stamps, position, i, scratch[i], scaled[scratch[i]], last_request[scratch[i]])
         base = token
         exponent = 0.0
-    return base, math.exp(exponent)
+    scale = math.exp(exponent)
+    for i in range(size):
+        scratch[i] = order[i]
+        position[order[i]] = -1
+    for i in range(size):
+        key = scratch[i]
+        heap_push(order, scores, stamps, position, i, key,
+                  _value_of(token, scaled[key], scale, last_token[key], predicted_sum[key], carried_sum[key],
+                            following_sum[key], top_k), last_request[key])
+    return base, scale
 
 
-def _learn(cooccur, routed, seen, seen_count, num_experts):
-    """Count the finished token: c(a) for every routed a, c(a, b) for a at layer l and b at layer l + 1."""
+def _learn(cooccur, routed, successor, followed, seen, seen_count, before, before_count, num_experts):
+    """Count the finished token: c(a) for every routed a, c(a, b) for a at layer l and b at layer l + 1, and
+    d(a), d(a, b) for a routed at layer l in the token before (``before``) and b at layer l in this one."""
     num_layers = seen_count.shape[0]
     for layer in range(num_layers):
         for i in range(seen_count[layer]):
@@ -345,3 +356,8 @@ def _learn(cooccur, routed, seen, seen_count, num_experts):
             if layer + 1 < num_layers:
                 for j in range(seen_count[layer + 1]):
                     cooccur[a, seen[layer + 1, j] % num_experts] += 1.0
+        for i in range(before_count[layer]):
+            a = before[layer, i]
+            followed[a] += 1.0
+            for j in range(seen_count[layer]):
+                successor[a, seen[layer, j] % num_experts] += 1.0
