@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import pty
+import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REQUEST_TOKENS = 256
@@ -69,18 +72,83 @@ def write_lru_oracle(trace, path: Path) -> int:
     return written
 
 
-def run_report(command: list[str], work: Path) -> tuple[float, int, str]:
-    """(seconds, peak resident bytes, stdout) of the report's process, start to exit: waited for with ``wait4``,
-    which returns the process's own resource accounting."""
-    out, err = (open(Path(work) / name, "w+") for name in ("report.out", "report.err"))
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+RSS_EVERY_S = 0.05  # how often the report's resident memory is read (/proc/PID/status)
+
+
+@dataclass
+class Phase:
+    """One step of the report (its progress line), with the seconds it took and the largest resident memory
+    sampled during it."""
+
+    name: str
+    start: float
+    seconds: float = 0.0
+    peak: int = 0
+
+
+def resident_bytes(pid: int) -> int:
+    """The resident memory of process ``pid`` now (VmRSS), 0 once it has gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def run_report(command: list[str], work: Path) -> tuple[float, int, str, list[Phase]]:
+    """(seconds, peak resident bytes, stdout, phases) of the report's process, start to exit: waited for with
+    ``wait4``, which returns the process's own resource accounting. Its stderr is a terminal (a pseudo-terminal
+    read here), so the report prints a progress line before each step; its resident memory is sampled every
+    RSS_EVERY_S and the peak of each step kept (the first step: imports and reading the trace)."""
+    out = open(Path(work) / "report.out", "w+")
+    controller, terminal = pty.openpty()
     start = time.perf_counter()
-    process = subprocess.Popen(command, stdout=out, stderr=err, text=True)
-    _, status, usage = os.wait4(process.pid, 0)
+    # a wide terminal: a progress line is never wrapped (COLUMNS sets the width rich assumes)
+    process = subprocess.Popen(command, stdout=out, stderr=terminal, text=True, env={**os.environ, "COLUMNS": "400"})
+    os.close(terminal)
+    phases = [Phase("start: imports, reading and checking the trace", 0.0)]
+    errors: list[str] = []
+
+    def read_steps() -> None:
+        pending = b""
+        while True:
+            try:
+                chunk = os.read(controller, 4096)
+            except OSError:  # the report has exited: the terminal is closed
+                break
+            if not chunk:
+                break
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                text = ANSI.sub("", line.decode(errors="replace")).strip()
+                if text.endswith("..."):
+                    phases.append(Phase(text[:-3], time.perf_counter() - start))
+                elif text:
+                    errors.append(text)
+
+    reader = threading.Thread(target=read_steps, daemon=True)
+    reader.start()
+    while True:  # wait4 reaps the process and gives its own accounting: its peak resident memory
+        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+        if pid:
+            break
+        phases[-1].peak = max(phases[-1].peak, resident_bytes(process.pid))
+        time.sleep(RSS_EVERY_S)
+    process.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
     seconds = time.perf_counter() - start
-    out.seek(0), err.seek(0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"the report failed: {err.read().strip()}")
-    return seconds, usage.ru_maxrss * 1024, out.read()  # kilobytes on Linux
+    reader.join(timeout=5)
+    os.close(controller)
+    for phase, following in zip(phases, phases[1:] + [Phase("", seconds)]):
+        phase.seconds = following.start - phase.start
+    out.seek(0)
+    if process.returncode != 0:
+        raise SystemExit(f"the report failed: {' '.join(errors)}")
+    return seconds, usage.ru_maxrss * 1024, out.read(), phases  # kilobytes on Linux
 
 
 def main() -> int:
@@ -117,8 +185,10 @@ def main() -> int:
         command += ["--sample-above", args.sample_above] if args.sample_above else []
         command += ["--exact"] if args.exact else []
         command += ["-o", args.html] if args.html else []
-        seconds, peak, stdout = run_report(command, Path(work))
+        seconds, peak, stdout, phases = run_report(command, Path(work))
         print(stdout)
+        for phase in phases:
+            print(f"  {phase.seconds:8.1f} s  peak {phase.peak / 2**30:5.2f} GiB  {phase.name}")
         oracle = Path(work) / "trace.oracleGeneral.bin"
         written = write_lru_oracle(trace, oracle)
         del trace

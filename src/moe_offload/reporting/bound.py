@@ -131,10 +131,12 @@ def prefix_rows(data: ReplayInput, requests: int) -> int:
 def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet, *, seed: int = 0, jobs: int = 1,
                   engine: str = "auto", policies: list[str] | None = None,
                   sample_above: int | None = SAMPLE_ABOVE,
-                  replay_sample_above: int | None = REPLAY_SAMPLE_ABOVE) -> Bound:
+                  replay_sample_above: int | None = REPLAY_SAMPLE_ABOVE, step=None) -> Bound:
     """Every online policy (or ``policies``) and OPT at ``cache_size`` experts, and OPT's sizes for
     TARGET_HIT_RATES, exact, or estimated on a sample of the experts above ``sample_above`` requests; every
-    replay on a sample above ``replay_sample_above`` (None: never) (module docstring)."""
+    replay on a sample above ``replay_sample_above`` (None: never) (module docstring). ``step(text)`` is told
+    what runs next."""
+    step = step or (lambda text: None)
     policies, skipped = runnable(data, policies or online_policies(), seed)
     meta = data.trace.meta
     requests = data.trace.num_tokens * meta.num_layers * meta.top_k
@@ -156,6 +158,7 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet, *
         sample = ReplayInput.of(data.trace.select(slice(0, rows)), name=f"first {rows:,} tokens", checked=True)
     full_policies = compiled + ([] if sample is not None else slow)
     # Belady and OPT's curve first, the only readers of the next uses, which are then freed (8 bytes a request)
+    step("the bound: Belady at the budget, OPT at every size")
     belady = replay_grid(target, ["belady"], [size], seed=seed, jobs=jobs, engine=engine).results[0]
     if replay_rate < 1:  # OPT's curve on the same sample: exact there, its sizes scaled by the rate
         opt = opt_curve(target.sequence.expert_id, target.sequence.next_use, meta.num_expert_slots)
@@ -167,6 +170,7 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet, *
     else:
         opt = measure_opt_curve(data, sample_above)
         target.sequence.forget("next_use")
+    step(f"the bound: {len(full_policies)} online policies at the budget")
     grid = replay_grid(target, full_policies, [size], seed=seed, jobs=jobs, engine=engine, reference=belady)
     skipped += [(policy, why) for policy, _, why in grid.skipped]
     online = sorted((r for r in grid.results if r.policy != "belady"), key=lambda r: (-r.hits, r.policy))
@@ -180,6 +184,7 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet, *
     for column in ("token", "clock", "layer"):
         target.sequence.forget(column)
     if sample is not None:
+        step(f"the bound: {', '.join(slow)} (no compiled kernel) on the first {sample.trace.num_tokens:,} tokens")
         sampled = replay_grid(sample, ["belady"] + slow, [cache_size], seed=seed, jobs=jobs, engine=engine)
         bound.skipped += [(policy, why) for policy, _, why in sampled.skipped]
         bound.sampled_belady = next(r for r in sampled.results if r.policy == "belady")

@@ -80,9 +80,8 @@ def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: 
     requests = trace.num_tokens * trace.meta.num_layers * trace.meta.top_k
     whole = replay_sample_above is None or requests <= replay_sample_above  # else never flattened whole
     working_set = measure_working_set(trace, data.sequence if whole else None)
-    step("the bound: Belady and every online policy at the budget, OPT at every size")
     bound = measure_bound(data, cache_size, working_set, seed=seed, jobs=jobs, engine=engine,
-                          sample_above=sample_above, replay_sample_above=replay_sample_above)
+                          sample_above=sample_above, replay_sample_above=replay_sample_above, step=step)
     notes = [f"{policy} did not run: {why}" for policy, why in bound.skipped]
     if prompt_tokens_text(trace.meta.extra):
         notes.append(prompt_tokens_text(trace.meta.extra))
