@@ -138,10 +138,9 @@ def heap_pop(keys, scores, stamps, position, size):
     """Remove and return the first key of a heap of ``size`` keys (then ``size - 1``): the lowest score, the
     earliest stamp among equals."""
     first = keys[0]
-    position[first] = -1
     last = size - 1
-    if last > 0:
-        _heap_sift(keys, scores, stamps, position, last, 0, keys[last], scores[last], stamps[last])
+    _heap_sift(keys, scores, stamps, position, last, 0, keys[last], scores[last], stamps[last])
+    position[first] = -1  # after the sift, which puts the last key back at 0 when it was the only one
     return first
 
 
