@@ -376,3 +376,16 @@ def test_static_placements_that_do_not_fit_are_refused_by_both_engines(olmoe):
             replay(olmoe, "static-layers", 200, options={"cpu_layers": [0, 3]}, engine=engine)
         with pytest.raises(ConfigError, match="static-experts.experts: 4 experts do not fit in a cache of 3"):
             replay(olmoe, "static-experts", 3, options={"experts": [0, 5, 77, 1000]}, engine=engine)
+
+
+@needs_numba
+@pytest.mark.parametrize("a", [0.0, 1.2])
+def test_lfru_kernel_on_long_sequences(a):
+    """The LFRU kernel's frequency groups and its early stop (policies/lfru.py) against the object's scan of
+    every resident, on sequences long enough for many counts of uses among the residents, at sizes from
+    top-k to all experts but one."""
+    data = ReplayInput.of(zipf_trace(4, 24, 2, 3000, a=a, b=1.0, seed=3, shuffle=True))
+    for policy in ("lfru", "lfru-dist"):
+        for size in (4, 13, 48, 95):
+            assert replay(data, policy, size, engine="python").to_dict() == \
+                replay(data, policy, size, engine="compiled").to_dict(), (policy, size)

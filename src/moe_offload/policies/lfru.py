@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from moe_offload.policies._linked import list_append, list_head, list_move_to_tail, list_remove, lists_new
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 
 
@@ -66,13 +67,32 @@ class LFRU(EvictionPolicy):
     @staticmethod
     def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
                       layer_hits):
-        """The hooks above as the compiled replay runs them: the residents scanned for the least score, ties
-        to the earliest insertion (the order of the Python dict)."""
+        """The hooks above as the compiled replay runs them, without scoring every resident at each eviction.
+
+        The residents are kept in groups of equal uses f, the groups in a list by increasing f, each group's
+        experts in order of last use (a hit moves its expert to the tail of group f + 1, made next to group f
+        if there is none: the O(1) LFU structure), and all residents in one more list by last use. Within a
+        group the least score is its head's, the oldest last use (clocks stay far below 2**52, where distinct
+        denominators give distinct quotients), so the victim is among the heads. With A the age of the
+        oldest resident (T - t + 1 at its last use t), every expert of group f scores at least f / A, and those
+        of the later groups more: the scan of the heads stops at the first group whose f / A exceeds the
+        best score found (a rounded quotient never decreases with its numerator nor increases with its
+        denominator, so the bound holds in floats). Equal scores go to the earliest insertion, as the Python
+        scan of the dict in insertion order gives them."""
         num_keys = num_layers * num_experts
+        groups = max(capacity, 1) + 1  # one per distinct count among the residents, and one made before one is freed
+        members = lists_new(num_keys, groups)  # each group's experts by last use
+        recency = lists_new(num_keys, 1)       # every resident by last use: its head is the oldest
+        group_uses = np.zeros(groups, np.int64)
+        group_next = np.full(groups, -1, np.int64)  # the group of the next larger count, -1 after the largest
+        group_previous = np.full(groups, -1, np.int64)
+        free = np.arange(groups, dtype=np.int64)  # free group slots: free[:free_count]
+        free_count = groups
+        lowest = -1  # the group of the fewest uses, -1 while the cache is empty
         uses = np.zeros(num_keys, np.int64)  # 0: not resident
         last = np.zeros(num_keys, np.int64)
         entered = np.zeros(num_keys, np.int64)
-        residents = np.zeros(max(capacity, 1), np.int64)
+        group_of = np.zeros(num_keys, np.int64)
         size = 0
         clock = 0
         insertions = 0
@@ -81,25 +101,80 @@ class LFRU(EvictionPolicy):
             if uses[key] > 0:
                 layer_hits[key // num_experts] += 1
                 clock += 1
+                group = group_of[key]
+                following = group_next[group]
+                if following < 0 or group_uses[following] != uses[key] + 1:
+                    free_count -= 1
+                    following = free[free_count]
+                    group_uses[following] = uses[key] + 1
+                    lowest = _link_group(group_next, group_previous, following, group, lowest)
+                list_remove(members, group, key)
+                list_append(members, following, key)
+                group_of[key] = following
+                if list_head(members, group) < 0:
+                    lowest = _unlink_group(group_next, group_previous, group, lowest)
+                    free[free_count] = group
+                    free_count += 1
+                list_move_to_tail(recency, 0, key)
                 uses[key] += 1
                 last[key] = clock
                 continue
             if size == capacity:
-                chosen = 0
+                age = clock - last[list_head(recency, 0)] + 1
+                chosen = -1
                 best = np.inf
-                for slot in range(size):
-                    resident = residents[slot]
-                    score = uses[resident] / (clock - last[resident] + 1)
-                    if score < best or (score == best and entered[resident] < entered[residents[chosen]]):
+                group = lowest
+                while group >= 0 and not group_uses[group] / age > best:
+                    head = list_head(members, group)
+                    score = group_uses[group] / (clock - last[head] + 1)
+                    if score < best or (score == best and entered[head] < entered[chosen]):
                         best = score
-                        chosen = slot
-                uses[residents[chosen]] = 0
+                        chosen = head
+                    group = group_next[group]
+                group = group_of[chosen]
+                list_remove(members, group, chosen)
+                if list_head(members, group) < 0:
+                    lowest = _unlink_group(group_next, group_previous, group, lowest)
+                    free[free_count] = group
+                    free_count += 1
+                list_remove(recency, 0, chosen)
+                uses[chosen] = 0
                 size -= 1
-                residents[chosen] = residents[size]
             clock += 1
             insertions += 1
+            if lowest < 0 or group_uses[lowest] != 1:
+                free_count -= 1
+                group = free[free_count]
+                group_uses[group] = 1
+                lowest = _link_group(group_next, group_previous, group, -1, lowest)
+            list_append(members, lowest, key)
+            group_of[key] = lowest
+            list_append(recency, 0, key)
             uses[key] = 1
             last[key] = clock
             entered[key] = insertions
-            residents[size] = key
             size += 1
+
+
+def _link_group(group_next, group_previous, group, after, lowest):
+    """Put ``group`` in the list of groups right after ``after`` (-1: first); returns the first group."""
+    following = lowest if after < 0 else group_next[after]
+    group_previous[group] = after
+    group_next[group] = following
+    if following >= 0:
+        group_previous[following] = group
+    if after >= 0:
+        group_next[after] = group
+        return lowest
+    return group
+
+
+def _unlink_group(group_next, group_previous, group, lowest):
+    """Take the emptied ``group`` out of the list of groups; returns the first group."""
+    before, following = group_previous[group], group_next[group]
+    if following >= 0:
+        group_previous[following] = before
+    if before >= 0:
+        group_next[before] = following
+        return lowest
+    return following
