@@ -31,9 +31,9 @@ def load_profile_trace(path, spec: ModelSpec, what: str):
 def expert_counts(trace, spec: ModelSpec) -> np.ndarray:
     """How many times each flat expert id (``layer * J + expert``) was selected over the trace's tokens:
     the number of replay requests of that key."""
-    layers = np.arange(spec.num_layers, dtype=np.int64)[None, :, None] * spec.num_experts
-    keys = (trace.experts.astype(np.int64) + layers).reshape(-1)
-    return np.bincount(keys, minlength=spec.num_layers * spec.num_experts)
+    # a layer at a time: no temporary of the trace's size (16 bytes a request as flat int64 ids)
+    return np.concatenate([np.bincount(trace.experts[:, layer, :].ravel(), minlength=spec.num_experts)
+                           for layer in range(spec.num_layers)]).astype(np.int64)
 
 
 def most_frequent(counts: np.ndarray, slots: int, spec: ModelSpec, per_layer: bool = False) -> list[int]:

@@ -13,7 +13,7 @@ only when a kernel is first asked for: the package imports and replays without N
 
 The contract. ``replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
 layer_hits)`` serves, in order, the requests at the positions ``clocks`` of a flattened sequence (its arrays
-``keys``, flat expert ids, ``tokens`` and ``next_use``, all int64) on one demand-paged cache of ``capacity``
+``keys``, flat expert ids, ``tokens`` and ``next_use``, all int32 as the sequence's columns are) on one demand-paged cache of ``capacity``
 experts that starts empty, exactly as ExpertCache.request with the policy object would: the request at
 position t has clock t, key ``keys[t]``, token ``tokens[t]`` and next use ``next_use[t]`` (AccessContext's
 fields, for the policies that read them); ``floats`` and ``ints`` are the policy's ``run_kernel_arguments(capacity, trace)``
@@ -43,7 +43,7 @@ import types
 
 from moe_offload.compiled import INSTALL_HINT, njit_cached, numba_available  # noqa: F401  (kernels.INSTALL_HINT)
 
-SIGNATURE = ("void(int64[::1], int64[::1], int64[::1], int64[::1], int64, int64, int64, float64[::1], int64[::1], "
+SIGNATURE = ("void(int32[::1], int32[::1], int32[::1], int32[::1], int64, int64, int64, float64[::1], int64[::1], "
              "int64[::1])")
 HELPER_OPTIONS = {"inline": "always"}  # no call, hence no reference counting of array arguments, per helper use
 COMPILE_FLAGS = "nogil"  # moe_offload/compiled.py's flags, in the digest: a change of them is a new cache entry

@@ -153,7 +153,7 @@ def load_kernels(policies: Iterable[str], engine: str = "auto") -> None:
     and waits for it before the first replay: the kernels' loading, a second or more, is then off the path."""
     for policy in dict.fromkeys(["belady", *policies]):
         replay_kernel(policy, engine)
-    next_use_times(np.zeros(1, np.int64))
+    next_use_times(np.zeros(1, np.int32))
 
 
 def _replay_objects(data: ReplayInput, info, make, cache_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -205,7 +205,7 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel) -
     requests and its partition's capacity (PartitionedCache's split). Hits per layer."""
     spec, seq = data.spec, data.sequence
     floats, ints = policy.run_kernel_arguments(cache_size, data.trace)
-    keys = seq.expert_id  # int64, the kernel's signature: no copy here
+    keys = seq.expert_id  # int32, the kernel's signature: no copy here
     columns = kernel_columns(info.name)
     tokens, next_use = (getattr(seq, column) if column in columns else NOT_READ for column in ("token", "next_use"))
     layer_hits = np.zeros(spec.num_layers, np.int64)
@@ -221,7 +221,7 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel) -
     return layer_hits
 
 
-NOT_READ = np.zeros(0, np.int64)  # what a kernel is given for a column its code never reads
+NOT_READ = np.zeros(0, np.int32)  # what a kernel is given for a column its code never reads
 TOKENS_ARGUMENT, NEXT_USE_ARGUMENT = 2, 3  # their places in the kernels' contract (simulator/kernels.py)
 
 

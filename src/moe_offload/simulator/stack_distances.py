@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_offload.compiled import compile_pays, numba_available
-from moe_offload.trace.flatten import in_sample, next_use_times
+from moe_offload.trace.flatten import COLUMN, in_sample, next_use_times
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,7 @@ def _reuse_kernel():
     from moe_offload.simulator.kernels import compile_linked
 
     return compile_linked(reuse_distance_kernel,
-                          "void(int64[::1], int64, int64[::1], int64[::1], int64[::1], int64[::1])")
+                          "void(int32[::1], int64, int64[::1], int64[::1], int64[::1], int64[::1])")
 
 
 @functools.cache
@@ -245,7 +245,7 @@ def _opt_kernel():
 
     if not numba_available():
         return opt_stack_distance_kernel
-    return compile_linked(opt_stack_distance_kernel, "void(int64[::1], int64[::1], int64, int64[::1])")
+    return compile_linked(opt_stack_distance_kernel, "void(int32[::1], int32[::1], int64, int64[::1])")
 
 
 class LruStack:
@@ -263,7 +263,7 @@ class LruStack:
 
     def add(self, keys: np.ndarray) -> None:
         """The next requests of the sequence (flat expert ids below ``num_keys``)."""
-        self._kernel(np.ascontiguousarray(keys, np.int64), self.num_keys, self.histogram, self._tree, self._last,
+        self._kernel(np.ascontiguousarray(keys, COLUMN), self.num_keys, self.histogram, self._tree, self._last,
                      self._state)
 
     def curve(self) -> HitCurve:
@@ -285,6 +285,6 @@ def opt_curve(keys: np.ndarray, next_use: np.ndarray | None, num_keys: int, rate
         keys = sample_keys(keys, rate)
         next_use = next_use_times(keys)
     histogram = np.zeros(num_keys + 1, np.int64)
-    _opt_kernel()(np.ascontiguousarray(keys, np.int64), np.ascontiguousarray(next_use, np.int64), num_keys,
+    _opt_kernel()(np.ascontiguousarray(keys, COLUMN), np.ascontiguousarray(next_use, COLUMN), num_keys,
                   histogram)
     return HitCurve(histogram, rate=rate)

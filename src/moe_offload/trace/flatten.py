@@ -18,10 +18,14 @@ from pathlib import Path
 import numpy as np
 
 from moe_offload.compiled import njit_cached, numba_available
+from moe_offload.errors import ConfigError
 from moe_offload.outputs import atomic_output
 from moe_offload.trace.format import Trace
 
-NEVER = np.iinfo(np.int64).max  # next_use of a request whose expert is not requested again
+# The columns of a sequence are int32: flat ids (below MAX_EXPERT_SLOTS = 2**24), rows and positions, so a sequence
+# has fewer than NEVER requests. Half of int64's bytes: at 38.4M requests each column is 154 MB, not 307 MB.
+COLUMN = np.int32
+NEVER = np.iinfo(np.int32).max  # next_use of a request whose expert is not requested again
 DENSE_KEYS = 2**24  # keys below this index a table (every flat expert id does: trace/format.py MAX_EXPERT_SLOTS)
 
 
@@ -29,10 +33,10 @@ DENSE_KEYS = 2**24  # keys below this index a table (every flat expert id does: 
 class AccessSequence:
     """One entry per expert request, in replay order: the flat expert ids, and what the order implies about
     each request, computed when first asked for (a replay of most policies reads the ids alone, and a column
-    of 8 bytes per request is a gigabyte at a hundred million requests). ``next_use[t]`` is the index of the
+    of 4 bytes per request is 400 MB at a hundred million requests). ``next_use[t]`` is the index of the
     next request of the same expert (NEVER if none): the oracle that Belady's rule reads."""
 
-    expert_id: np.ndarray  # int64 flat ids
+    expert_id: np.ndarray  # int32 flat ids
     num_layers: int
     num_experts: int
     top_k: int
@@ -58,18 +62,18 @@ class AccessSequence:
 
     @property
     def token(self) -> np.ndarray:
-        """int64: the trace row request t belongs to, t // (L * K) (a sample is given its rows when made)."""
-        return self._computed("token", lambda: np.arange(len(self), dtype=np.int64) // (self.num_layers * self.top_k))
+        """int32: the trace row request t belongs to, t // (L * K) (a sample is given its rows when made)."""
+        return self._computed("token", lambda: np.arange(len(self), dtype=COLUMN) // COLUMN(self.num_layers * self.top_k))
 
     @property
     def next_use(self) -> np.ndarray:
-        """int64: the next position of each request's expert, NEVER if none (``next_use_times``)."""
+        """int32: the next position of each request's expert, NEVER if none (``next_use_times``)."""
         return self._computed("next_use", lambda: next_use_times(self.expert_id))
 
     @property
     def clock(self) -> np.ndarray:
-        """int64: 0, 1, ..., n - 1, the clocks of a replay of every request (the kernels' ``clocks``)."""
-        return self._computed("clock", lambda: np.arange(len(self), dtype=np.int64))
+        """int32: 0, 1, ..., n - 1, the clocks of a replay of every request (the kernels' ``clocks``)."""
+        return self._computed("clock", lambda: np.arange(len(self), dtype=COLUMN))
 
     def _computed(self, name: str, make) -> np.ndarray:
         """The column ``name``, made once, on whichever thread asks first (the replay grid's threads read the
@@ -103,8 +107,8 @@ class AccessSequence:
         """The positions of ``layer``'s requests in time order: layer, layer + L, ... (request t is of layer
         t % L), made for the -dist run that needs them, an L-th of the sequence at a time; in a sample, found."""
         if self.sampled:
-            return np.flatnonzero(self.layer == layer).astype(np.int64)
-        return np.arange(layer, len(self), self.num_layers, dtype=np.int64)
+            return np.flatnonzero(self.layer == layer).astype(COLUMN)
+        return np.arange(layer, len(self), self.num_layers, dtype=COLUMN)
 
     @property
     def round(self) -> np.ndarray:
@@ -129,21 +133,25 @@ def _flatten_kernel(dtype: str):
     from numba import types
 
     experts = types.Array(getattr(types, dtype), 3, "C", readonly=True)
-    return njit_cached(flatten_kernel, types.void(experts, types.int64, types.Array(types.int64, 1, "C")))
+    return njit_cached(flatten_kernel, types.void(experts, types.int64, types.Array(types.int32, 1, "C")))
 
 
 def flatten_experts(experts: np.ndarray, num_experts: int) -> np.ndarray:
-    """The flat expert ids of ``experts`` [N, L, K] in replay order (int64): one compiled pass where Numba is
+    """The flat expert ids of ``experts`` [N, L, K] in replay order (int32): one compiled pass where Numba is
     installed, else NumPy's transpose."""
     n, L, K = experts.shape
+    if n * L * K >= NEVER:
+        raise ConfigError(f"{n:,} tokens x {L} layers x top-{K} are {n * L * K:,} expert requests, more than the "
+                          f"{NEVER - 1:,} a request sequence holds (its positions are 32-bit): replay a part of the "
+                          "trace, or let the report sample it")
     if numba_available():  # one compiled pass, no temporaries
         experts = np.ascontiguousarray(experts)
-        expert_id = np.empty(n * K * L, np.int64)
+        expert_id = np.empty(n * K * L, COLUMN)
         _flatten_kernel(experts.dtype.name)(experts, num_experts, expert_id)
         return expert_id
     # experts[n, l, r] -> order (n, r, l): token-major, then rank, then layer
-    offsets = np.arange(L, dtype=np.int64)[None, None, :] * num_experts
-    return (experts.astype(np.int64).transpose(0, 2, 1) + offsets).reshape(-1)
+    offsets = np.arange(L, dtype=COLUMN)[None, None, :] * COLUMN(num_experts)
+    return (experts.astype(COLUMN).transpose(0, 2, 1) + offsets).reshape(-1)
 
 
 PIECE_REQUESTS = 1 << 22  # requests of a piece of a long trace flattened at a time (32 MiB of ids)
@@ -167,10 +175,11 @@ def sample_sequence(trace: Trace, rate: float) -> "AccessSequence":
     for piece, start in zip(flattened_pieces(trace), range(0, trace.num_tokens, rows)):
         keep = np.flatnonzero(in_sample(piece, rate))
         keys.append(piece[keep])
-        tokens.append(start + keep // (meta.num_layers * meta.top_k))
-    sequence = AccessSequence(expert_id=np.concatenate(keys) if keys else np.zeros(0, np.int64),
+        tokens.append((start + keep // (meta.num_layers * meta.top_k)).astype(COLUMN))
+    sequence = AccessSequence(expert_id=np.concatenate(keys) if keys else np.zeros(0, COLUMN),
                               num_layers=meta.num_layers, num_experts=meta.num_experts, top_k=meta.top_k, rate=rate)
-    sequence._columns["token"] = np.concatenate(tokens).astype(np.int64) if tokens else np.zeros(0, np.int64)
+    del keys
+    sequence._columns["token"] = np.concatenate(tokens) if tokens else np.zeros(0, COLUMN)
     return sequence
 
 
@@ -201,7 +210,7 @@ def in_sample(keys: np.ndarray, rate: float) -> np.ndarray:
 def next_use_kernel(keys, num_keys, next_use):
     """``next_use[t]``: the next position of ``keys[t]`` (NEVER if none), in one backward pass that remembers
     where each key was seen last."""
-    seen = np.full(num_keys, NEVER, np.int64)
+    seen = np.full(num_keys, NEVER, np.int32)
     for position in range(keys.shape[0] - 1, -1, -1):
         key = keys[position]
         next_use[position] = seen[key]
@@ -213,25 +222,28 @@ def _next_use_kernel():
     """next_use_kernel compiled by Numba when it is installed, else the plain function (slow)."""
     if not numba_available():
         return next_use_kernel
-    return njit_cached(next_use_kernel, "void(int64[::1], int64, int64[::1])")
+    return njit_cached(next_use_kernel, "void(int32[::1], int64, int32[::1])")
 
 
 def next_use_times(keys: np.ndarray) -> np.ndarray:
-    """For each position, the next position holding the same key (NEVER if none): one compiled pass, O(n), over
-    flat expert ids. Without Numba, or for keys too sparse for a table of them, a stable sort by key lists each
-    key's positions in time order, and each position's successor in that list is its next use (NumPy sorts
-    16-bit keys by radix, in O(n))."""
-    keys = np.ascontiguousarray(keys, dtype=np.int64)
-    nxt = np.empty(keys.size, dtype=np.int64)
+    """For each position, the next position holding the same key (NEVER if none; int32, as the sequence's
+    columns): one compiled pass, O(n), over flat expert ids. Without Numba, or for keys too sparse for a table of
+    them, a stable sort by key lists each key's positions in time order, and each position's successor in that
+    list is its next use (NumPy sorts 16-bit keys by radix, in O(n))."""
+    keys = np.ascontiguousarray(keys)
+    nxt = np.empty(keys.size, dtype=COLUMN)
     if not keys.size:
         return nxt
+    if keys.size >= NEVER:
+        raise ValueError(f"{keys.size:,} positions do not fit the int32 columns of a sequence")
     if keys.min() < 0:
         raise ValueError("keys must not be negative")
     if numba_available() and keys.max() < DENSE_KEYS:
-        _next_use_kernel()(keys, int(keys.max()) + 1, nxt)
+        _next_use_kernel()(np.ascontiguousarray(keys, COLUMN), int(keys.max()) + 1, nxt)
         return nxt
     order = np.argsort(keys.astype(np.uint16) if keys.max() <= np.iinfo(np.uint16).max else keys, kind="stable")
-    following = np.full(keys.size, NEVER, dtype=np.int64)  # in sorted order: the next position of the same key
+    order = order.astype(COLUMN)
+    following = np.full(keys.size, NEVER, dtype=COLUMN)  # in sorted order: the next position of the same key
     following[:-1] = np.where(keys[order[1:]] == keys[order[:-1]], order[1:], NEVER)
     nxt[order] = following
     return nxt
