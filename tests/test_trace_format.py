@@ -296,3 +296,25 @@ def test_unknown_phase_names_the_row(tmp_path):
 def test_rows_out_of_iteration_order_name_the_row(tmp_path):
     path = write_raw(tmp_path / "order.parquet", good_rows(), meta_dict(), iteration=[0, 1, 2, 1, 4, 5])
     expect_trace_error(path, "row 3", "iteration order")
+
+
+def test_a_trace_read_a_few_rows_at_a_time_is_the_trace(tmp_path, monkeypatch):
+    from moe_offload.trace import format as trace_format
+
+    monkeypatch.setattr(trace_format, "READ_ROWS", 3)
+    monkeypatch.setattr(trace_format, "ROW_GROUP_REQUESTS", 12)  # two rows of 3 layers x top-2 a row group
+    trace = full_trace(tokens=11)
+    path = write_trace(trace, tmp_path / "groups.parquet")
+    assert pq.ParquetFile(path).metadata.num_row_groups == 6
+    assert_same_trace(read_trace(path), trace)
+
+
+def test_a_problem_in_a_later_piece_names_its_row_in_the_file(tmp_path, monkeypatch):
+    from moe_offload.trace import format as trace_format
+
+    monkeypatch.setattr(trace_format, "READ_ROWS", 2)
+    phase = ["decode"] * 6
+    phase[5] = "warmup"  # in the third piece of two rows
+    error = expect_trace_error(write_raw(tmp_path / "phase.parquet", good_rows(), meta_dict(), phase=phase),
+                               "row 5", "warmup")
+    assert error.row == 5

@@ -291,8 +291,10 @@ def write_trace(trace: Trace, path) -> Path:
     with atomic_output(path) as temporary:
         # Dictionary-encoded expert ids and delta-encoded counters are what keep a million-token trace small;
         # the dictionary option must name the list's leaf column, or Arrow silently ignores it.
+        # Row groups of ROW_GROUP_REQUESTS expert requests at most: a reader decodes one at a time (_read_columns).
         pq.write_table(table, temporary, compression="zstd", use_dictionary=["phase", "experts.list.element"],
-                       column_encoding={name: "DELTA_BINARY_PACKED" for name in ("request", "position", "iteration")})
+                       column_encoding={name: "DELTA_BINARY_PACKED" for name in ("request", "position", "iteration")},
+                       row_group_size=max(1, ROW_GROUP_REQUESTS // (trace.meta.num_layers * trace.meta.top_k)))
     return path
 
 
@@ -341,7 +343,7 @@ def read_trace(path, columns: tuple[str, ...] | None = None, *, unsealed: bool =
         raise TraceError(path, f"required column(s) {', '.join(missing)} missing")
     wanted = [c for c in names if c in _REQUIRED or (c in _OPTIONAL and (columns is None or c in columns))]
     try:
-        arrays = _decode(parquet.read(columns=wanted), meta, path)
+        arrays = _read_columns(parquet, wanted, meta, path)
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise TraceError(path, f"corrupt or truncated trace data ({_first_line(exc)})") from None
     except MemoryError:
@@ -372,6 +374,40 @@ def _schema_metadata(path: Path) -> dict | None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+READ_ROWS = 1 << 14  # rows decoded at a time (``_read_columns``)
+ROW_GROUP_REQUESTS = 1 << 22  # expert requests of a row group that write_trace writes
+
+
+def _read_columns(parquet, columns: list[str], meta: TraceMeta, path) -> dict[str, np.ndarray]:
+    """The file's ``columns`` as the arrays of a Trace, decoded (``_decode``) READ_ROWS rows at a time into
+    arrays made once, then Arrow's freed memory given back: Parquet's decoding of the nested expert column
+    takes about 10 bytes a request of its row group (0.4 GB for one group of 38.4M requests, which write_trace
+    no longer writes), and the whole table at once needed 17 (0.7 GB), many times the trace's own size. A
+    problem's row counts from the file's first row."""
+    import pyarrow as pa
+
+    total = parquet.metadata.num_rows
+    arrays, start = None, 0
+    for batch in parquet.iter_batches(batch_size=READ_ROWS, columns=columns):
+        try:
+            piece = _decode(pa.Table.from_batches([batch]), meta, path)
+        except TraceError as error:
+            if error.row is None:
+                raise
+            raise TraceError(error.path, error.problem, row=start + error.row) from None
+        if arrays is None:
+            arrays = {name: np.empty((total, *values.shape[1:]), values.dtype) for name, values in piece.items()}
+        for name, values in piece.items():
+            arrays[name][start:start + len(values)] = values
+        start += batch.num_rows
+    if arrays is None:  # no rows: the empty table's columns, checked as any
+        return _decode(parquet.read(columns=columns), meta, path)
+    if start != total:
+        raise TraceError(path, f"truncated: {start:,} rows read of the {total:,} its footer declares")
+    pa.default_memory_pool().release_unused()
+    return arrays
 
 
 def _decode(table, meta: TraceMeta, path) -> dict[str, np.ndarray]:
