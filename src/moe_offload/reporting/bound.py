@@ -24,12 +24,14 @@ on the whole trace, which the reuse distances give (working_set.py, streamed ove
 
 Policies without a compiled kernel run their Python objects, about a hundred times slower: on a trace of more
 requests than PYTHON_REPLAY_REQUESTS they replay its first rows only (up to that many requests), beside OPT on
-the same rows, and the report says so. So do the placements when the replays are sampled: a placement chosen
+the same rows, and the report says so; those replays run on a thread of their own while the whole trace's
+replays run (the kernels release the GIL), so a core the kernels leave idle is not wasted. So do the placements when the replays are sampled: a placement chosen
 from the whole trace would hold experts the sample lacks.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from moe_offload.errors import ConfigError
@@ -157,7 +159,35 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet, *
         rows = prefix_rows(data, PYTHON_REPLAY_REQUESTS)
         sample = ReplayInput.of(data.trace.select(slice(0, rows)), name=f"first {rows:,} tokens", checked=True)
     full_policies = compiled + ([] if sample is not None else slow)
-    # Belady and OPT's curve first, the only readers of the next uses, which are then freed (8 bytes a request)
+    side = ThreadPoolExecutor(max_workers=1)  # the first rows' Python replays, beside everything below
+    prefix = (side.submit(replay_grid, sample, ["belady"] + slow, [cache_size], seed=seed, jobs=1, engine=engine)
+              if sample is not None else None)
+    with side:
+        bound = _measure_whole(data, target, size, cache_size, working_set, policies=full_policies, skipped=skipped,
+                               replay_rate=replay_rate, sample_above=sample_above, seed=seed, jobs=jobs,
+                               engine=engine, step=step)
+        if prefix is not None:
+            step(f"the bound: {', '.join(slow)} (no compiled kernel) on the first {sample.trace.num_tokens:,} tokens")
+            sampled = prefix.result()
+    if sample is not None:
+        bound.skipped += [(policy, why) for policy, _, why in sampled.skipped]
+        bound.sampled_belady = next(r for r in sampled.results if r.policy == "belady")
+        bound.sampled = sorted((r for r in sampled.results if r.policy != "belady"), key=lambda r: (-r.hits, r.policy))
+        bound.sampled_tokens = sample.trace.num_tokens
+    for target_rate in TARGET_HIT_RATES:
+        bound.needed[target_rate] = (bound.opt.smallest_size(target_rate)
+                                     if working_set.max_hit_rate() >= target_rate else None)
+    return bound
+
+
+def _measure_whole(data: ReplayInput, target: ReplayInput, size: int, cache_size: int, working_set: WorkingSet, *,
+                   policies: list[str], skipped: list, replay_rate: float, sample_above: int | None, seed: int,
+                   jobs: int, engine: str, step) -> Bound:
+    """Belady, OPT's curve and ``policies`` on ``target`` (the whole trace, or its sample at ``replay_rate``) at
+    ``size`` experts (``cache_size`` scaled by the rate)."""
+    meta = data.trace.meta
+    requests = data.trace.num_tokens * meta.num_layers * meta.top_k
+    # Belady and OPT's curve first, the only readers of the next uses, which are then freed (4 bytes a request)
     step("the bound: Belady at the budget, OPT at every size")
     belady = replay_grid(target, ["belady"], [size], seed=seed, jobs=jobs, engine=engine).results[0]
     if replay_rate < 1:  # OPT's curve on the same sample: exact there, its sizes scaled by the rate
@@ -170,8 +200,8 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet, *
     else:
         opt = measure_opt_curve(data, sample_above)
         target.sequence.forget("next_use")
-    step(f"the bound: {len(full_policies)} online policies at the budget")
-    grid = replay_grid(target, full_policies, [size], seed=seed, jobs=jobs, engine=engine, reference=belady)
+    step(f"the bound: {len(policies)} online policies at the budget")
+    grid = replay_grid(target, policies, [size], seed=seed, jobs=jobs, engine=engine, reference=belady)
     skipped += [(policy, why) for policy, _, why in grid.skipped]
     online = sorted((r for r in grid.results if r.policy != "belady"), key=lambda r: (-r.hits, r.policy))
     bound = Bound(cache_size=cache_size, belady=belady, online=online, skipped=skipped,
@@ -183,16 +213,6 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet, *
         bound.lru_error = lru - working_set.lru_hit_rate(cache_size)
     for column in ("token", "clock", "layer"):
         target.sequence.forget(column)
-    if sample is not None:
-        step(f"the bound: {', '.join(slow)} (no compiled kernel) on the first {sample.trace.num_tokens:,} tokens")
-        sampled = replay_grid(sample, ["belady"] + slow, [cache_size], seed=seed, jobs=jobs, engine=engine)
-        bound.skipped += [(policy, why) for policy, _, why in sampled.skipped]
-        bound.sampled_belady = next(r for r in sampled.results if r.policy == "belady")
-        bound.sampled = sorted((r for r in sampled.results if r.policy != "belady"), key=lambda r: (-r.hits, r.policy))
-        bound.sampled_tokens = sample.trace.num_tokens
-    for target_rate in TARGET_HIT_RATES:
-        bound.needed[target_rate] = (bound.opt.smallest_size(target_rate)
-                                     if working_set.max_hit_rate() >= target_rate else None)
     return bound
 
 
