@@ -147,3 +147,21 @@ def test_every_source_cites_what_a_user_can_read():
     sources.update((name, prefetcher.source) for name, prefetcher in PREFETCHERS.items())
     for name, source in sources.items():
         assert not re.search(r"\bissue \d+", source), f"{name}: {source}"
+
+
+def test_a_grid_run_during_another_replays_its_own_input():
+    # the report runs the first rows' Python replays on a thread while the whole trace's run: a grid started
+    # while another runs (here from the first's progress callback, between its Python runs) must not hand
+    # its input to the other's runs
+    first = ReplayInput.of(zipf_trace(2, 8, 2, 60, a=1.0, b=1.0, seed=1, shuffle=True), name="first")
+    second = ReplayInput.of(zipf_trace(2, 8, 2, 90, a=1.0, b=1.0, seed=2, shuffle=True), name="second")
+    alone = [result.to_dict() for result in replay_grid(first, ["fmoe", "pinned-lru"], [4]).results]
+    nested = []
+
+    def start_another(_accesses):
+        if not nested:
+            nested.append(replay_grid(second, ["fmoe"], [4]))
+
+    during = replay_grid(first, ["fmoe", "pinned-lru"], [4], progress=start_another)
+    assert [result.to_dict() for result in during.results] == alone
+    assert nested[0].results[0].accesses == 90 * 2 * 2

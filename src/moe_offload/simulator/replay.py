@@ -259,8 +259,13 @@ def _init_worker(data: ReplayInput) -> None:
 
 
 def _run_task(task) -> RunResult:
+    """A task in a worker process, on the input its initializer set."""
+    return _replay_task(_GRID_DATA, task)
+
+
+def _replay_task(data: ReplayInput, task) -> RunResult:
     policy, size, seed, options, engine = task
-    return replay(_GRID_DATA, policy, size, seed=seed, options=options, engine=engine)
+    return replay(data, policy, size, seed=seed, options=options, engine=engine)
 
 
 def grid_runs(spec: ModelSpec, policies: list[str], cache_sizes: list[int]):
@@ -321,7 +326,6 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
         if progress is not None:
             progress(result.accesses)
 
-    _init_worker(data)
     slow = [index for index, fast in enumerate(compiled) if not fast]
     fast = [index for index, fast in enumerate(compiled) if fast]
     processes = None
@@ -337,14 +341,15 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
     references = sum(1 for index in fast if runs[index][0] == "belady" and "belady" not in policies)
     threads_wanted = worker_count(jobs, max(1, len(fast) - references)) + (1 if references else 0)
     with ThreadPoolExecutor(max_workers=threads_wanted) as threads:
-        futures = {threads.submit(_run_task, tasks[index]): index for index in fast}
+        # the input passed, not the workers' global: grids may run at once on threads (reporting/bound.py)
+        futures = {threads.submit(_replay_task, data, tasks[index]): index for index in fast}
         if processes is not None:
             with processes:
                 for index, result in zip(slow, slow_results):
                     finished(index, result)
         else:
             for index in slow:
-                finished(index, _run_task(tasks[index]))
+                finished(index, _replay_task(data, tasks[index]))
         for future in as_completed(futures):
             finished(futures[future], future.result())
 
