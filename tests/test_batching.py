@@ -93,7 +93,17 @@ def test_generate_runs_on_the_engines_computing_thread_between_iterations(alone)
     assert threads == {"moe-offload compute"}
 
 
-def test_an_interrupted_generate_stops_at_the_next_token_and_the_engine_serves_on(alone):
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raising KeyboardInterrupt in the main thread, as in an interactive run: Python installs that
+    handler only if SIGINT was not ignored when it started, and a shell starts a background job (`pytest &`,
+    nohup) with SIGINT ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_an_interrupted_generate_stops_at_the_next_token_and_the_engine_serves_on(alone, sigint_raises):
     """Ctrl-C while generate waits for the computing thread: the generation stops after the token being made,
     the interruption reaches the caller, and the engine generates as before. Forced, not timed: the signal goes
     to the main thread (where Python handles it), and the computing thread makes no further token until the
