@@ -85,7 +85,7 @@ from moe_offload.simulator.timed.layerwise import LayerwisePrefill
 from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.simulator.timed.schedule import Arrivals, make_schedule
 from moe_offload.simulator.timed.stream import ComputeStream
-from moe_offload.simulator.timed.needs import NextUses, layer_needs_with_rounds, routed_by_request
+from moe_offload.simulator.timed.needs import NextUses, pass_needs
 from moe_offload.simulator.timed.tiers import TierNetwork
 from moe_offload.simulator.timed.uploads import UploadsBetweenPasses
 from moe_offload.simulator.transfers import home_tier
@@ -108,6 +108,9 @@ class TimedRun(ComputeStream):
         self.host = HostWork(hardware, expert_bytes, meta.hidden_size, self.events)  # bypassed experts (host.py)
         info = policy_info(policy)
         self.offline = info.offline and not all_resident
+        # Only a policy that reads the router's distribution gets the pass's mean of it: averaging a prefill's
+        # [tokens, L, J] rows costs more than the rest of a small pass.
+        self.averages_probs = info.policy.needs_probs and trace.probs is not None
         make = policy_factory(policy, spec, seed=seed, options=policy_options)  # every tier's policy
 
         def cache(capacity, admission=None, middle=False):
@@ -163,7 +166,7 @@ class TimedRun(ComputeStream):
         self.per_layer_stall = [0.0] * self.L
         self.schedule = make_schedule(trace, arrivals)
         # offline policies: each key's next access in the timed access order (needs.py)
-        self.next_uses = NextUses(trace, self.L, self.J) if self.offline else None
+        self.next_uses = NextUses(trace, self.J) if self.offline else None
 
     @property
     def host_seconds(self) -> float:
@@ -325,7 +328,7 @@ class TimedRun(ComputeStream):
             n = len(rows)
             ctx.iteration = ctx.token = self.iteration
             ctx.request = requests[0]
-            if trace.probs is not None:
+            if self.averages_probs:
                 ctx.probs = trace.probs[rows].astype(np.float32).mean(axis=0)
             view = RoutingView(trace, self.iteration, rows)
             self.serving = self.uploads is None or self.uploads.serves(n)
@@ -335,13 +338,14 @@ class TimedRun(ComputeStream):
             self.layer_now, self.passed_last_router = -1, False
             if self.prefetcher is not None:
                 self._consult(self.prefetcher.on_iteration_start, view)
+            needs = pass_needs(trace.experts, trace.request, rows, J)
             for layer in range(L):
                 ctx.layer = layer
                 self._compute(compute.attention(n), "attention", layer)
                 self._compute(compute.router(n), "router", layer)
-                keys, counts, rounds = layer_needs_with_rounds(trace.experts, rows, layer, J)
+                keys, counts, rounds, routed = needs[layer]
                 self.layer_now = view.layer_now = layer
-                self._route(layer, keys, routed_by_request(trace.experts, trace.request, rows, layer, J), rounds)
+                self._route(layer, keys, routed, rounds)
                 if layer == L - 1:  # every layer is ahead again: proposals and arrivals are for the next pass
                     self.layer_now, self.passed_last_router = -1, True
                 if self.prefetcher is not None:
