@@ -10,10 +10,7 @@ computation approaches it. It never mispredicts; it can still be late (bandwidth
 
 from __future__ import annotations
 
-import numpy as np
-
-from moe_offload.prefetch._shared import proposals
-from moe_offload.prefetch.base import Prefetcher, Proposal, RoutingView
+from moe_offload.prefetch.base import Prefetcher, Proposal, RoutingView, proposal_list
 from moe_offload.values import integer
 
 DEFAULT_DISTANCE = 3
@@ -28,17 +25,31 @@ class OraclePrefetcher(Prefetcher):
     def __init__(self, spec, distance: int = DEFAULT_DISTANCE):
         super().__init__(spec)
         self.distance = integer(distance, f"{self.name}.distance", low=1)
+        self._pass: tuple | None = None  # (view, iteration) whose keys _keys_of_layer holds
+        self._keys_of_layer: dict[int, list[int]] = {}
 
     def _propose(self, view: RoutingView) -> list[Proposal]:
-        J, now = self.spec.num_experts, view.layer_now
+        """The next layers' keys, nearer layers first, each layer's keys ascending: what ``proposals`` (_shared.py)
+        makes of them, built directly because no key repeats (each layer's are distinct and the layers differ)."""
+        now = view.layer_now
         keys, priorities = [], []
         for layer in range(now + 1, min(now + self.distance, self.spec.num_layers - 1) + 1):
-            experts = np.unique(view.oracle_selected(layer))
-            keys.append(layer * J + experts.astype(np.int64))
-            priorities.append(np.full(experts.size, 1.0 / (layer - now)))
-        if not keys:
-            return []
-        return proposals(np.concatenate(keys), np.concatenate(priorities))
+            layer_keys = self._layer_keys(view, layer)
+            keys += layer_keys
+            priorities += [1.0 / (layer - now)] * len(layer_keys)
+        return proposal_list(keys, priorities)
+
+    def _layer_keys(self, view: RoutingView, layer: int) -> list[int]:
+        """The distinct keys ``layer`` selects in ``view``'s pass, ascending; kept for the pass, since each layer
+        is proposed from ``distance`` successive hooks."""
+        if self._pass != (view, view.iteration):
+            self._pass, self._keys_of_layer = (view, view.iteration), {}
+        keys = self._keys_of_layer.get(layer)
+        if keys is None:
+            base = layer * self.spec.num_experts
+            keys = self._keys_of_layer[layer] = [base + expert for expert in
+                                                 sorted(set(view.oracle_selected(layer).ravel().tolist()))]
+        return keys
 
     def on_iteration_start(self, view):
         return self._propose(view)
