@@ -67,6 +67,8 @@ class TierNetwork:
         self.pending_use: set = set()  # prefetched into the GPU, not requested since
         self.predicted: set = set()    # resident in the GPU and proposed since their layer was last routed
         self.L = num_layers
+        # whether compute slows any link (``computing``); with none (the presets) compute changes nothing here
+        self.slowed_by_compute = any(queue.link.slowdown_while_computing != 1.0 for queue in self.queues.values())
         self.issued = 0
         self.now = 0.0
         self.layer_now = -1
@@ -86,6 +88,8 @@ class TierNetwork:
     def computing(self, busy: bool) -> None:
         """Compute starts (``busy``) or stops: each link runs at its ``slowdown_while_computing`` meanwhile, and
         a transfer on its wire is re-timed (its timeline entry too)."""
+        if not self.slowed_by_compute:
+            return
         for queue in self.queues.values():
             if queue.slow_down(queue.link.slowdown_while_computing if busy else 1.0, self.now):
                 transfer = queue.on_wire
