@@ -83,7 +83,8 @@ class MoEpicPrefetcher(Prefetcher):
         if target == 0:  # each request's next token follows the last token this pass fed it
             requests, positions = view.requests, view.positions
             order = np.lexsort((positions, requests))
-            last = order[np.r_[requests[order][1:] != requests[order][:-1], True]]
+            ordered = requests[order]
+            last = order[np.concatenate((ordered[1:] != ordered[:-1], [True]))]  # np.r_ parses its index at every call
             predicted = predicted[last]
         count = self.prefetches_for(target)
         if count == 0:
