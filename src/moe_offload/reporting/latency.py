@@ -13,10 +13,12 @@ simulator/configurator/moepic.py) splits the budget less its prefetch buffer of 
 segments from the trace's LCP statistics and the hardware's timings, and the timed simulator runs that split
 with LCP and MoEpic's prefetcher.
 
-The timed simulator runs every layer of every iteration in Python (about 50,000 token-layers a second), so
-a trace of more than ``tokens`` rows (`report --timed-tokens`) runs its first whole iterations up to that many
-rows, batches as recorded and decoding included (simulator/timed/schedule.py ``leading_iterations``: a prompt
-longer than that is followed by decode passes), and the report says which part it replayed.
+The timed simulator runs every layer of every iteration in Python: 2,700 (OLMoE's decode, one token a pass,
+with the oracle prefetcher) to 32,000 (the tiny trace's batched prefill, no prefetcher) token-layers a CPU
+second, by `python benchmarks/timed_throughput.py` on a loaded 2-core machine. So a trace of more than
+``tokens`` rows (`report --timed-tokens`) runs its first whole iterations up to that many rows, batches as
+recorded and decoding included (simulator/timed/schedule.py ``leading_iterations``: a prompt longer than that
+is followed by decode passes), and the report says which part it replayed.
 """
 
 from __future__ import annotations
