@@ -278,7 +278,7 @@ def main() -> None:
     console.print(table)
     for note in notes:
         say(note)
-    say(f"OPT misses: " + ", ".join(f"{h} {opt[c]:,}" for h, c in zip(headers, cells)))
+    say("OPT misses: " + ", ".join(f"{h} {opt[c]:,}" for h, c in zip(headers, cells)))
     if "coact (held out)" in rows:
         held = rows["coact (held out)"]
         median = statistics.median(held.values())

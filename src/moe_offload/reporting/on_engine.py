@@ -202,7 +202,7 @@ def section_lines(on_engine: OnEngine, trace_name: str, fast_memory: str) -> dic
                          f"held-out, {entry.hindsight_served:.2%} chosen in hindsight (never recommended): "
                          f"{verdict}")
             if entry.windows:
-                lines.append(f"  drift, served per window of the scored traffic: "
+                lines.append("  drift, served per window of the scored traffic: "
                              + " ".join(f"{share:.0%}" for share in entry.windows))
         for entry in section.scores:
             if entry.setting.note and entry.setting.policy is None:
