@@ -30,7 +30,8 @@ def test_evictions_by_hand():
     # t=3 (token 1, key 4 misses): F(0) = F(3) = 1/2, F(1) = 1. After token 0 the counts are c(0) = 1,
     # c(0 -> 3) = 1; the layer-0 expert routed so far in token 1 is 1, never counted: P(3) = 0. V(0) = V(3) = 1/2:
     # the tie goes to 0, requested least recently.
-    # Q is 0 throughout: the first pair of tokens, (0, 1), is counted when token 1 ends, after token 2's Q was built.
+    # Q is 0 throughout: the only pair of finished tokens, (0, 1), counts d(0 -> 1) and d(3 -> 4), and token 1
+    # routed 1 and 4, never the first of a pair.
     assert evicted[3] == [0]
     # t=4 (token 2, key 0 misses): F(3) = 1/4, F(1) = F(4) = 1/2. Layer 0 has routed 0 in token 2, and
     # c(0 -> 3) / c(0) = 1, so P(3) = 1 and V(3) = 5/4; P(4) = 0. 1 and 4 tie at 1/2: 1 (requested first) goes,
@@ -49,16 +50,16 @@ def test_values_by_hand():
     # F(0) at token 3: activations at 0, 1, 3 -> 2^(-3/2) + 2^(-2/2) + 1; F(3): 2^(-3/2); F(4): 2^(-2/2).
     # Counts after tokens 0 and 1: c(0) = 2, c(0 -> 3) = c(0 -> 4) = 1; token 3 routed 0 at layer 0, so
     # P(3) = P(4) = 1/2. Consecutive tokens (0, 1): d(0) = 1, d(0 -> 0) = 1 at layer 0; d(3) = 1, d(3 -> 4) = 1
-    # at layer 1. Token 3 has routed 0: its Q is for the next token, d(0 -> 0) / d(0) = 1. Nothing routed in
-    # token 1 had a d yet (it was counted when token 1 ended), so the Q that token 1 gives token 3 is 0.
+    # at layer 1. Token 3 has routed 0: its Q is for the next token, d(0 -> 0) / d(0) = 1. Token 1 routed 4 at
+    # layer 1, never the first of a pair: the Q that token 1 gives 3 and 4 is 0.
     assert policy.value(0, 3) == pytest.approx(2 ** -1.5 + 0.5 + 1 + 1)
     assert policy.value(3, 3) == pytest.approx(2 ** -1.5 + 1 / 2)
     assert policy.value(4, 3) == pytest.approx(0.5 + 1 / 2)
     assert policy.value(5, 3) == 0.0  # never routed, never predicted
     ctx.clock, ctx.token = 5, 4
     cache.request(1, ctx)
-    # token 4 routes 1 at layer 0. Token 3 gives it Q(0) = 1, computed with the counts of token 3 (d(0) = 1,
-    # d(0 -> 0) = 1), while 0 is not routed yet; P is 0 at layer 0. Layer 1 routed nothing in token 3: Q(3) =
+    # token 4 routes 1 at layer 0. Token 3 gives 0 Q(0) = 1 while 0 is not routed yet: the pairs (0, 1) and
+    # (1, 3) make d(0) = 2, d(0 -> 0) = 2; P is 0 at layer 0. Layer 1 routed nothing in token 3: Q(3) =
     # Q(4) = 0, and 1 was never counted by c: P(3) = P(4) = 0.
     assert policy.value(0, 4) == pytest.approx((2 ** -1.5 + 0.5 + 1) * 2 ** -0.5 + 1)
     assert policy.value(3, 4) == pytest.approx(2 ** -2)
@@ -69,8 +70,8 @@ def test_values_by_hand():
 def reference_values(history, token, num_experts, top_k, half_life):
     """V of every key at ``token`` recomputed from the whole request history [(token, key), ...]: F summed
     over each key's activations, P from the co-activations counted over the finished tokens, Q from the pairs
-    of consecutive tokens: for a key not yet routed in ``token``, from the token before and the pairs counted
-    before it began; for one routed, from this token's experts so far and every pair counted."""
+    of consecutive finished tokens: for a key not yet routed in ``token``, given the token before; for one
+    routed, given this token's experts so far."""
     activations, by_token = {}, {}
     for t, key in history:
         activations.setdefault(key, set()).add(t)
@@ -117,7 +118,7 @@ def reference_values(history, token, num_experts, top_k, half_life):
                 value += sum(pairs.get((a, key), 0) / routed[a] for a in now
                              if a // num_experts == layer - 1 and routed.get(a)) / top_k
             if before is not None:
-                value += q(key, by_token[before], successions(before - 1))
+                value += q(key, by_token[before], successions(before))
         else:
             value += q(key, now, successions(before if before is not None else -1))
         values[key] = value
@@ -162,12 +163,29 @@ def test_values_survive_the_change_of_unit():
     ctx.token = 2000
     ctx.clock += 1
     cache.request(2, ctx)
-    # Q from token 1999, which routed 1, with the pairs (m, m + 1) counted before it: d(1) = 1998 (m + 1 = 1 ..
-    # 1998), d(1 -> 0) = 666 (m + 1 a multiple of 3), d(1 -> 1) = 1998; 2, routed in token 2000, has no d.
-    assert policy.value(0, 2000) == pytest.approx(sum(2.0 ** -(2000 - n) for n in range(0, 2000, 3)) + 1 / 3,
+    # Q from token 1999, which routed 1, with the pairs (m, m + 1) of finished tokens: d(1) = 1999 (m + 1 = 1 ..
+    # 1999), d(1 -> 0) = 666 (m + 1 a multiple of 3), d(1 -> 1) = 1999; 2, routed in token 2000, has no d.
+    assert policy.value(0, 2000) == pytest.approx(sum(2.0 ** -(2000 - n) for n in range(0, 2000, 3)) + 666 / 1999,
                                                   rel=1e-12)
     assert policy.value(1, 2000) == pytest.approx(sum(2.0 ** -(2000 - n) for n in range(2000)) + 1, rel=1e-12)
     assert policy.value(2, 2000) == 1.0
+
+
+def test_counts_are_halved_before_they_leave_32_bits(monkeypatch):
+    # the limit lowered to 4 tokens: expert 0 (layer 0) is routed in every token, with 3 (layer 1) in tokens
+    # 0, 2 and 4 and with 5 in tokens 1 and 3. c(0) reaches 4 when token 3 ends and is halved, with c(0 -> 3) = 2
+    # and c(0 -> 5) = 2; token 4 is still being served.
+    import moe_offload.policies.coact as coact
+
+    monkeypatch.setattr(coact, "COUNT_LIMIT", 4.0)
+    policy = make_policy("coact", TWO_LAYERS)
+    cache, ctx = ExpertCache(6, policy), AccessContext()
+    for token in range(5):
+        for key in (0, 3 if token % 2 == 0 else 5):
+            ctx.clock, ctx.token = ctx.clock + 1, token
+            cache.request(key, ctx)
+    assert policy._routed[0] == 2.0 and policy._inverse_routed[0] == 0.5
+    assert policy._cooccur[0].tolist() == [1, 0, 1] and policy._cooccur.dtype == np.int32
 
 
 def test_pinned_experts_are_never_victims():
@@ -192,7 +210,8 @@ def test_options_and_decision_cost():
     with pytest.raises(ConfigError, match="half_lives"):
         make_policy("coact", TWO_LAYERS, options={"half_lives": 2})
     spec = ModelSpec(16, 64, 8)
-    assert make_policy("coact", spec).decision_flops(100) == 101 * 4  # every resident re-keyed, then the victim
+    # every resident re-keyed, then the victim, each value 2K products and additions and 4 more
+    assert make_policy("coact", spec).decision_flops(100) == 101 * (4 * 8 + 4)
 
 
 needs_numba = pytest.mark.skipif(not kernels.numba_available(), reason="Numba is not installed")
@@ -257,4 +276,4 @@ def test_the_timed_simulator_charges_its_decisions():
     spec = ModelSpec(16, 64, 8)
     hardware = resolve_profile("edge-flashmoe")  # no measured time for coact: its FLOPs at the host's rate
     seconds = decision_seconds(hardware, "coact", make_policy("coact", spec), 512)
-    assert seconds == pytest.approx(513 * 4 / hardware.host.roofline.flops_per_s) and seconds > 0
+    assert seconds == pytest.approx(513 * (4 * 8 + 4) / hardware.host.roofline.flops_per_s) and seconds > 0

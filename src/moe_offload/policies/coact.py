@@ -43,26 +43,31 @@ expected wait is 1/rho, so evicting the lowest rate estimate approximates Belady
   that each counts as the activation it predicts and an expert both name ranks above one only one names.
   The victim is the resident with the lowest V_e; ties go to the one requested least recently (online: the
   requests already seen). The counts are learned online, from every token once it is over: nothing is
-  trained beforehand, so nothing is fitted to a trace. Q for token n+1 is the sum built during token n, with
-  the counts as they were then: the next token starts from it at no cost.
+  trained beforehand, so nothing is fitted to a trace.
+
+Every probability is computed when it is read, with the counts as they are then (those of the finished
+tokens): P and Q are sums over at most K experts, so a value costs at most 2K products where keeping P and Q
+as sums would cost 2J additions per activation (J = 128 on Qwen3 or gpt-oss, K = 8: 16 times more, and the
+replay's largest cost when it did).
 
 Why it is cheap. Every F decays by the same factor between two tokens, so the policy keeps F in a common
 unit instead: s_e = F_e(n) * g_n with g_n = 2^((n - n_0) / h) for a base token n_0, so an activation at token
 n adds g_n to s_e (no exp or log per request) and, within token n, V_e * g_n = s_e + g_n * (P_e + Q_e) ranks
 the experts as V_e does. When g_n passes e^600 every s is divided by it and n_0 becomes n (an overflow guard;
 one pass over the experts every 600 / lambda tokens, lambda = ln 2 / h). The residents sit in a keyed heap
-(policies/_ranked.py) by (u_e, the clock of e's last request), u_e = g_n * V_e. A token's start changes every
-key (Q is new, P back to 0), so the heap is rebuilt then, every resident pushed with its key as it is (C
-pushes, for C residents, in the order of the old heap, which the new keys mostly keep). Within a token no key
-shrinks but at an activation: s grows by activations, P and Q as their layers route, the clock with each
-request; an activation raises s by g_n but ends the expert's P and Q, which can together exceed 1, so a
-request lowers its expert's entry to s_e where it was above. Every other entry is the key as it was when it
-was set, a lower bound, and the heap is corrected lazily: the search reads the root's key as it is now and,
-if it has grown, re-keys it (O(log C)) and reads the new root. A root whose entry is current is the lowest of
-all: every other key is at least its entry, which is at least the root's. A resident is re-keyed at most once
-per search. A request costs an addition and, if it activates its expert, 2J additions and divisions (P of
-the next layer, Q of its own); a token's end costs 2 K^2 additions per layer to learn from it and the C
-pushes, fewer heap moves than re-keying lazily the residents whose Q changed, most of them.
+(policies/_ranked.py) by (u_e, the clock of e's last request), u_e = g_n * V_e, each entry a lower bound of
+its key, corrected lazily: the search reads the root's key as it is now and, if it has grown, re-keys it
+(O(log C) for C residents) and reads the new root. A root whose entry is current is the lowest of all: every
+other key is at least its entry, which is at least the root's. A resident is re-keyed at most once per
+search. s_e is a lower bound of u_e at every token (P and Q are not negative), and the entry a resident gets
+on entering; within a token no key shrinks but at an activation: s grows by activations, P and Q as their
+layers route, the clock with each request; an activation raises s by g_n but ends the expert's P and Q,
+which can together exceed 1, so a request lowers its expert's entry to s_e where it was above. A token's
+start can lower any key (P starts again, Q is new): the entries a search raised above s_e in the token before
+go back to s_e (a list of them is kept), so every entry is a lower bound again without computing any key;
+when the unit changes every entry is set to s_e and the heap ordered again (Floyd's, at most 2C
+comparisons).
+token's end costs 2 K^2 additions per layer to learn from it.
 
 Beyond the replay. A prefetched expert that no token has routed enters with F = 0. The runtime and the timed
 simulator serve a whole pass per access; ``ctx.token`` then names its token and the counts learn per pass.
@@ -74,11 +79,12 @@ import math
 
 import numpy as np
 
-from moe_offload.policies._ranked import heap_new, heap_pop, heap_push, heap_remove, heap_update
+from moe_offload.policies._ranked import heap_new, heap_pop, heap_push, heap_rebuild, heap_remove, heap_update
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 from moe_offload.values import number
 
 HALF_LIFE = 8.0  # tokens
+COUNT_LIMIT = 2.0 ** 30  # c(a) or d(a) at which a's counts are halved (_halve)
 RESCALE_EXPONENT = 600.0  # ln g at which the common unit moves to the current token (e^709 overflows)
 
 
@@ -97,19 +103,21 @@ class CoActivation(EvictionPolicy):
         self._scaled = np.zeros(num_keys)                         # s_e = F_e * g
         self._last_token = np.full(num_keys, -1, np.int64)
         self._last_request = np.zeros(num_keys, np.int64)     # the clock of each key's last request
-        self._cooccur = np.zeros((num_keys, spec.num_experts))  # c(a, b): a's row, b's index in its layer
+        self._cooccur = np.zeros((num_keys, spec.num_experts), np.int32)  # c(a, b): a's row, b's index in its layer
         self._routed = np.zeros(num_keys)                        # c(a)
-        self._successor = np.zeros((num_keys, spec.num_experts))  # d(a, b): a's row, b's index in the layer
+        self._inverse_routed = np.zeros(num_keys)                # 1 / c(a), 0 while c(a) = 0
+        self._successor = np.zeros((num_keys, spec.num_experts), np.int32)  # d(a, b): a's row, b's index in the layer
         self._followed = np.zeros(num_keys)                          # d(a)
+        self._inverse_followed = np.zeros(num_keys)                  # 1 / d(a), 0 while d(a) = 0
         # this token's and the last token's experts per layer, in request order (a runtime pass may route more
         # than K per layer)
         self._seen = np.zeros((spec.num_layers, spec.top_k), np.int64)
         self._seen_count = np.zeros(spec.num_layers, np.int64)
         self._before = np.zeros((spec.num_layers, spec.top_k), np.int64)
         self._before_count = np.zeros(spec.num_layers, np.int64)
-        self._predicted_sum = np.zeros(num_keys)  # K * P: sum over a in S_{l-1} of c(a, b) / c(a), for each b
-        self._carried_sum = np.zeros(num_keys)    # K * Q(b | S'_l), from the last token
-        self._following_sum = np.zeros(num_keys)  # K * Q(b | S_l), for the next token, built as layer l routes
+        self._raised = np.zeros(num_keys, np.bool_)  # residents whose entry may be above s_e (module doc)
+        self._raised_keys = np.zeros(num_keys, np.int64)
+        self._raised_count = 0
         self._token = None
         self._base = 0  # n_0
         self._scale = 1.0  # g_n
@@ -117,58 +125,52 @@ class CoActivation(EvictionPolicy):
         # faster than on NumPy arrays, whose scalar reads box every value
         self._heap = tuple(array.tolist() for array in heap_new(num_keys, num_keys))
         self._size = 0
-        self._scratch = [0] * num_keys  # _new_token's room
 
     def kernel_arguments(self):
         return np.array([self.decay], np.float64), np.array([self.spec.top_k], np.int64)
 
     def value(self, key, token) -> float:
         """V_e at the token being served, ``token`` (module doc), for reports and tests."""
-        return _value_of(token, self._scaled[key], self._scale, self._last_token[key], self._predicted_sum[key],
-                         self._carried_sum[key], self._following_sum[key], self.spec.top_k) / self._scale
+        return self._value(key, token) / self._scale
+
+    def _value(self, key, token) -> float:
+        return _value_of(key, token, self._scaled, self._scale, self._last_token, self._cooccur,
+                         self._inverse_routed, self._successor, self._inverse_followed, self._seen, self._seen_count,
+                         self._before, self._before_count, self.spec.num_experts, self.spec.top_k)
 
     def on_access(self, key, ctx):
         token = ctx.token
         order, scores, stamps, position = self._heap
         if token != self._token:
             if self._token is not None:
-                _learn(self._cooccur, self._routed, self._successor, self._followed, self._seen, self._seen_count,
-                       self._before, self._before_count, self.spec.num_experts)
+                _learn(self._cooccur, self._routed, self._inverse_routed, self._successor, self._followed,
+                       self._inverse_followed, self._seen, self._seen_count, self._before, self._before_count,
+                       self.spec.num_experts)
                 self._seen, self._before = self._before, self._seen
                 self._seen_count, self._before_count = self._before_count, self._seen_count
-                self._carried_sum, self._following_sum = self._following_sum, self._carried_sum
             self._seen_count[:] = 0
-            self._predicted_sum[:] = 0.0
-            self._following_sum[:] = 0.0
             self._base, self._scale = _new_token(
-                order, scores, stamps, position, self._size, token, self._scaled, self._last_token,
-                self._last_request, self._predicted_sum, self._carried_sum, self._following_sum, self.spec.top_k,
-                self._base, self.decay, self._scratch)
+                order, scores, stamps, position, self._size, token, self._scaled, self._last_request, self._raised,
+                self._raised_keys, self._raised_count, self._base, self.decay)
+            self._raised_count = 0
             self._token = token
         if self._last_token[key] != token:
             self._scaled[key] += self._scale
             self._last_token[key] = token
             layer = key // self.spec.num_experts
-            if self._seen_count[layer] == self._seen.shape[1]:
+            if self._seen_count[layer] == self._seen.shape[1]:  # a runtime pass routed more than K
                 self._seen = np.concatenate([self._seen, np.zeros_like(self._seen)], axis=1)
+                self._before = np.concatenate([self._before, np.zeros_like(self._before)], axis=1)
             self._seen[layer, self._seen_count[layer]] = key
             self._seen_count[layer] += 1
-            J = self.spec.num_experts
-            if layer + 1 < self.spec.num_layers and self._routed[key] > 0:  # + c(key, b) / c(key), next layer
-                self._predicted_sum[(layer + 1) * J:(layer + 2) * J] += self._cooccur[key] / self._routed[key]
-            if self._followed[key] > 0:  # + d(key, b) / d(key), its own layer in the next token
-                self._following_sum[layer * J:(layer + 1) * J] += self._successor[key] / self._followed[key]
         self._last_request[key] = ctx.clock
         if position[key] >= 0:
             _lower_on_hit(order, scores, stamps, position, self._size, key, float(self._scaled[key]), ctx.clock)
 
     def on_insert(self, key, ctx):
         order, scores, stamps, position = self._heap
-        value = _value_of(self._token, self._scaled[key], self._scale, self._last_token[key],
-                          self._predicted_sum[key], self._carried_sum[key], self._following_sum[key],
-                          self.spec.top_k)
         self._last_request[key] = ctx.clock  # a prefetch too: ties go to the expert loaded or requested last
-        heap_push(order, scores, stamps, position, self._size, key, value, ctx.clock)
+        heap_push(order, scores, stamps, position, self._size, key, float(self._scaled[key]), ctx.clock)
         self._size += 1
 
     def on_evict(self, key):
@@ -183,9 +185,7 @@ class CoActivation(EvictionPolicy):
         set_aside = []
         victim = -1
         while self._size > 0:
-            victim = _search(order, scores, stamps, position, self._size, self._token, self._scaled, self._scale,
-                             self._last_token, self._last_request, self._predicted_sum, self._carried_sum,
-                             self._following_sum, self.spec.top_k)
+            victim = self._search(order, scores, stamps, position)
             if victim not in ctx.pinned:
                 break
             set_aside.append((victim, scores[0], stamps[0]))
@@ -199,11 +199,28 @@ class CoActivation(EvictionPolicy):
             raise NoEvictableExpert
         return int(victim)
 
+    def _search(self, order, scores, stamps, position):
+        """The resident of lowest (u, stamp), left at the heap's root. An entry holds a lower bound of its key's
+        (u, last request); a root whose entry is not current is re-keyed until the root's entry is current, and
+        the lowest of all (module doc)."""
+        key = order[0]
+        value = self._value(key, self._token)
+        while value != scores[0] or self._last_request[key] != stamps[0]:
+            heap_update(order, scores, stamps, position, self._size, key, value, self._last_request[key])
+            if not self._raised[key]:
+                self._raised[key] = True
+                self._raised_keys[self._raised_count] = key
+                self._raised_count += 1
+            key = order[0]
+            value = self._value(key, self._token)
+        return key
+
     def decision_flops(self, residents: int) -> float:
-        """A search recomputes the value of its root, two additions, a product and a division (4 FLOPs), at
-        most once per resident it re-keys and once more for the victim: ``4 * (residents + 1)``, an upper
-        bound (most searches re-key a few); the heap's comparisons are bookkeeping."""
-        return float(4 * (residents + 1))
+        """A value is at most 2K products and additions (P and Q) and four more operations: ``4 (K + 1)``. A
+        search computes one at most once per resident it re-keys and once more for the victim:
+        ``4 (K + 1) (residents + 1)``, an upper bound (most searches re-key a few); the heap's comparisons,
+        and the lowering of the raised entries at a token's start, are bookkeeping."""
+        return float(4 * (self.spec.top_k + 1) * (residents + 1))
 
     @staticmethod
     def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
@@ -216,18 +233,19 @@ class CoActivation(EvictionPolicy):
         scaled = np.zeros(num_keys)
         last_token = np.full(num_keys, -1, np.int64)
         last_request = np.zeros(num_keys, np.int64)
-        cooccur = np.zeros((num_keys, num_experts))
+        cooccur = np.zeros((num_keys, num_experts), np.int32)
         routed = np.zeros(num_keys)
-        successor = np.zeros((num_keys, num_experts))
+        inverse_routed = np.zeros(num_keys)
+        successor = np.zeros((num_keys, num_experts), np.int32)
         followed = np.zeros(num_keys)
+        inverse_followed = np.zeros(num_keys)
         seen = np.zeros((num_layers, top_k), np.int64)
         seen_count = np.zeros(num_layers, np.int64)
         before = np.zeros((num_layers, top_k), np.int64)
         before_count = np.zeros(num_layers, np.int64)
-        predicted_sum = np.zeros(num_keys)
-        carried_sum = np.zeros(num_keys)
-        following_sum = np.zeros(num_keys)
-        scratch = np.empty(max(capacity, 1), np.int64)
+        raised = np.zeros(num_keys, np.bool_)
+        raised_keys = np.zeros(num_keys, np.int64)
+        raised_count = 0
         base = 0
         scale = 1.0
         current = -1
@@ -237,17 +255,14 @@ class CoActivation(EvictionPolicy):
             token = tokens[t]
             if token != current:
                 if current >= 0:
-                    _learn(cooccur, routed, successor, followed, seen, seen_count, before, before_count,
-                           num_experts)
+                    _learn(cooccur, routed, inverse_routed, successor, followed, inverse_followed, seen, seen_count,
+                           before, before_count, num_experts)
                     before[:, :] = seen  # copied, not swapped: a swap of two arrays in the loop made it 4x slower
                     before_count[:] = seen_count
-                    carried_sum[:] = following_sum
                 seen_count[:] = 0
-                predicted_sum[:] = 0.0
-                following_sum[:] = 0.0
-                base, scale = _new_token(order, scores, stamps, position, size, token, scaled, last_token,
-                                         last_request, predicted_sum, carried_sum, following_sum, top_k, base,
-                                         decay, scratch)
+                base, scale = _new_token(order, scores, stamps, position, size, token, scaled, last_request,
+                                         raised, raised_keys, raised_count, base, decay)
+                raised_count = 0
                 current = token
             if last_token[key] != token:
                 scaled[key] += scale
@@ -256,14 +271,6 @@ class CoActivation(EvictionPolicy):
                 if seen_count[layer] < top_k:
                     seen[layer, seen_count[layer]] = key
                     seen_count[layer] += 1
-                    if layer + 1 < num_layers and routed[key] > 0:  # on_access's P of the next layer
-                        first = (layer + 1) * num_experts
-                        for j in range(num_experts):
-                            predicted_sum[first + j] += cooccur[key, j] / routed[key]
-                    if followed[key] > 0:  # on_access's Q of the next token
-                        first = layer * num_experts
-                        for j in range(num_experts):
-                            following_sum[first + j] += successor[key, j] / followed[key]
             last_request[key] = t
             if position[key] >= 0:
                 layer_hits[key // num_experts] += 1
@@ -274,13 +281,17 @@ class CoActivation(EvictionPolicy):
                 # _search, written out: a helper with a loop takes a reference to each of its arrays at every
                 # call (Numba counts them where it inlines one), which made this kernel 3 times slower
                 victim = order[0]
-                value = _value_of(token, scaled[victim], scale, last_token[victim], predicted_sum[victim],
-                                  carried_sum[victim], following_sum[victim], top_k)
+                value = _value_of(victim, token, scaled, scale, last_token, cooccur, inverse_routed, successor,
+                                  inverse_followed, seen, seen_count, before, before_count, num_experts, top_k)
                 while value != scores[0] or last_request[victim] != stamps[0]:
                     heap_update(order, scores, stamps, position, size, victim, value, last_request[victim])
+                    if not raised[victim]:
+                        raised[victim] = True
+                        raised_keys[raised_count] = victim
+                        raised_count += 1
                     victim = order[0]
-                    value = _value_of(token, scaled[victim], scale, last_token[victim], predicted_sum[victim],
-                                      carried_sum[victim], following_sum[victim], top_k)
+                    value = _value_of(victim, token, scaled, scale, last_token, cooccur, inverse_routed, successor,
+                                      inverse_followed, seen, seen_count, before, before_count, num_experts, top_k)
                 # the request takes the victim's place at the root and sifts down: one sift, not a pop and a push
                 position[victim] = -1
                 position[key] = 0
@@ -290,28 +301,30 @@ class CoActivation(EvictionPolicy):
             size += 1
 
 
-def _value_of(token, scaled, scale, last_token, predicted_sum, carried_sum, following_sum, top_k):
-    """u_e = g_n * V_e (module doc) from the expert's own numbers (scalars: the kernel's form, no array to count
-    references to): s_e + g_n * (P + Q) while ``token`` has not routed e, s_e + g_n * Q(next token) once it has."""
-    if last_token != token:
-        return scaled + scale * ((predicted_sum + carried_sum) / top_k)
-    return scaled + scale * (following_sum / top_k)
-
-
-def _search(order, scores, stamps, position, size, token, scaled, scale, last_token, last_request, predicted_sum,
-            carried_sum, following_sum, top_k):
-    """The resident of lowest (u, stamp), left at the heap's root. An entry holds a lower bound of its key's
-    (u, last request); a root whose entry is not current is re-keyed until the root's entry is current, and
-    the lowest of all (module doc)."""
-    key = order[0]
-    value = _value_of(token, scaled[key], scale, last_token[key], predicted_sum[key], carried_sum[key],
-                      following_sum[key], top_k)
-    while value != scores[0] or last_request[key] != stamps[0]:
-        heap_update(order, scores, stamps, position, size, key, value, last_request[key])
-        key = order[0]
-        value = _value_of(token, scaled[key], scale, last_token[key], predicted_sum[key], carried_sum[key],
-                          following_sum[key], top_k)
-    return key
+def _value_of(key, token, scaled, scale, last_token, cooccur, inverse_routed, successor, inverse_followed, seen,
+              seen_count, before, before_count, num_experts, top_k):
+    """u_e = g_n * V_e of ``key`` at ``token`` (module doc): s_e + g_n * (P + Q) while the token has not routed
+    e, with P over what the layer before has routed in it so far and Q over what e's layer routed in the
+    token before; s_e + g_n * Q once it has, Q over what e's layer has routed in it so far. Each sum in the
+    order its experts were routed."""
+    layer = key // num_experts
+    column = key - layer * num_experts
+    if last_token[key] != token:
+        predicted = 0.0
+        if layer > 0:
+            for i in range(seen_count[layer - 1]):
+                a = seen[layer - 1, i]
+                predicted += cooccur[a, column] * inverse_routed[a]
+        carried = 0.0
+        for i in range(before_count[layer]):
+            a = before[layer, i]
+            carried += successor[a, column] * inverse_followed[a]
+        return scaled[key] + scale * ((predicted + carried) / top_k)
+    following = 0.0
+    for i in range(seen_count[layer]):
+        a = seen[layer, i]
+        following += successor[a, column] * inverse_followed[a]
+    return scaled[key] + scale * (following / top_k)
 
 
 def _lower_on_hit(order, scores, stamps, position, size, key, value, clock):
@@ -321,11 +334,12 @@ def _lower_on_hit(order, scores, stamps, position, size, key, value, clock):
         heap_update(order, scores, stamps, position, size, key, value, clock)
 
 
-def _new_token(order, scores, stamps, position, size, token, scaled, last_token, last_request, predicted_sum,
-               carried_sum, following_sum, top_k, base, decay, scratch):
-    """(n_0, g_n) for the token ``token`` starting now, whose predictions are set: when ln g_n passes
-    RESCALE_EXPONENT every s_e is divided by g_n, which then becomes 1 (module doc); then the heap is rebuilt
-    with every resident's key as it is at the token's start (``scratch`` has room for ``size`` keys)."""
+def _new_token(order, scores, stamps, position, size, token, scaled, last_request, raised, raised_keys, raised_count,
+               base, decay):
+    """(n_0, g_n) for the token ``token`` starting now: when ln g_n passes RESCALE_EXPONENT every s_e is divided
+    by g_n, which then becomes 1, and every entry is set to s_e (module doc); otherwise only the entries a
+    search raised in the token before (the first ``raised_count`` of ``raised_keys``) are lowered to s_e, the
+    lower bound of a key at any token (P and Q start again)."""
     exponent = decay * (token - base)
     if exponent > RESCALE_EXPONENT:
         factor = math.exp(exponent)
@@ -333,31 +347,51 @@ def _new_token(order, scores, stamps, position, size, token, scaled, last_token,
             scaled[key] = scaled[key] / factor
         base = token
         exponent = 0.0
-    scale = math.exp(exponent)
-    for i in range(size):
-        scratch[i] = order[i]
-        position[order[i]] = -1
-    for i in range(size):
-        key = scratch[i]
-        heap_push(order, scores, stamps, position, i, key,
-                  _value_of(token, scaled[key], scale, last_token[key], predicted_sum[key], carried_sum[key],
-                            following_sum[key], top_k), last_request[key])
-    return base, scale
+        for i in range(size):
+            scores[i] = scaled[order[i]]
+            stamps[i] = last_request[order[i]]
+        heap_rebuild(order, scores, stamps, position, size)
+    else:
+        for i in range(raised_count):
+            key = raised_keys[i]
+            if position[key] >= 0 and scores[position[key]] > scaled[key]:
+                heap_update(order, scores, stamps, position, size, key, scaled[key], last_request[key])
+    for i in range(raised_count):
+        raised[raised_keys[i]] = False
+    return base, math.exp(exponent)
 
 
-def _learn(cooccur, routed, successor, followed, seen, seen_count, before, before_count, num_experts):
+def _learn(cooccur, routed, inverse_routed, successor, followed, inverse_followed, seen, seen_count, before,
+           before_count, num_experts):
     """Count the finished token: c(a) for every routed a, c(a, b) for a at layer l and b at layer l + 1, and
-    d(a), d(a, b) for a routed at layer l in the token before (``before``) and b at layer l in this one."""
+    d(a), d(a, b) for a routed at layer l in the token before (``before``) and b at layer l in this one; and
+    the inverses of the counts that changed."""
     num_layers = seen_count.shape[0]
     for layer in range(num_layers):
+        first = layer * num_experts
         for i in range(seen_count[layer]):
             a = seen[layer, i]
             routed[a] += 1.0
+            if routed[a] >= COUNT_LIMIT:
+                _halve(cooccur, routed, a)
+            inverse_routed[a] = 1.0 / routed[a]
             if layer + 1 < num_layers:
                 for j in range(seen_count[layer + 1]):
-                    cooccur[a, seen[layer + 1, j] % num_experts] += 1.0
+                    cooccur[a, seen[layer + 1, j] - first - num_experts] += 1
         for i in range(before_count[layer]):
             a = before[layer, i]
             followed[a] += 1.0
+            if followed[a] >= COUNT_LIMIT:
+                _halve(successor, followed, a)
+            inverse_followed[a] = 1.0 / followed[a]
             for j in range(seen_count[layer]):
-                successor[a, seen[layer, j] % num_experts] += 1.0
+                successor[a, seen[layer, j] - first] += 1
+
+
+def _halve(pairs, totals, a):
+    """Halve a's counts, its pairs and its total: they are 32-bit (half the memory, the replay's largest cost
+    reading them), and c(a, b) <= c(a), so halving the total as it reaches COUNT_LIMIT keeps every pair in
+    range (after a billion tokens: an old token then counts half, as decay would have it)."""
+    totals[a] = totals[a] // 2.0
+    for b in range(pairs.shape[1]):
+        pairs[a, b] = pairs[a, b] // 2
