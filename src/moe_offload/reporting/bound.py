@@ -31,7 +31,7 @@ from the whole trace would hold experts the sample lacks.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from moe_offload.errors import ConfigError
@@ -130,14 +130,15 @@ def prefix_rows(data: ReplayInput, requests: int) -> int:
     return max(1, requests // (meta.num_layers * meta.top_k))
 
 
-def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet, *, seed: int = 0, jobs: int = 1,
+def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet | Future, *, seed: int = 0, jobs: int = 1,
                   engine: str = "auto", policies: list[str] | None = None,
                   sample_above: int | None = SAMPLE_ABOVE,
                   replay_sample_above: int | None = REPLAY_SAMPLE_ABOVE, step=None) -> Bound:
     """Every online policy (or ``policies``) and OPT at ``cache_size`` experts, and OPT's sizes for
     TARGET_HIT_RATES, exact, or estimated on a sample of the experts above ``sample_above`` requests; every
-    replay on a sample above ``replay_sample_above`` (None: never) (module docstring). ``step(text)`` is told
-    what runs next."""
+    replay on a sample above ``replay_sample_above`` (None: never) (module docstring). ``working_set`` may
+    still be measured on another thread (a Future of it): it is waited for only where it is read, after the
+    replays. ``step(text)`` is told what runs next."""
     step = step or (lambda text: None)
     policies, skipped = runnable(data, policies or online_policies(), seed)
     meta = data.trace.meta
@@ -163,9 +164,11 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet, *
     prefix = (side.submit(replay_grid, sample, ["belady"] + slow, [cache_size], seed=seed, jobs=1, engine=engine)
               if sample is not None else None)
     with side:
-        bound = _measure_whole(data, target, size, cache_size, working_set, policies=full_policies, skipped=skipped,
+        bound = _measure_whole(data, target, size, cache_size, policies=full_policies, skipped=skipped,
                                replay_rate=replay_rate, sample_above=sample_above, seed=seed, jobs=jobs,
                                engine=engine, step=step)
+        for column in ("token", "clock", "layer"):
+            target.sequence.forget(column)
         if prefix is not None:
             step(f"the bound: {', '.join(slow)} (no compiled kernel) on the first {sample.trace.num_tokens:,} tokens")
             sampled = prefix.result()
@@ -174,13 +177,20 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet, *
         bound.sampled_belady = next(r for r in sampled.results if r.policy == "belady")
         bound.sampled = sorted((r for r in sampled.results if r.policy != "belady"), key=lambda r: (-r.hits, r.policy))
         bound.sampled_tokens = sample.trace.num_tokens
+    working_set = working_set.result() if isinstance(working_set, Future) else working_set
+    bound.max_hit_rate = working_set.max_hit_rate()
+    if bound.replay_rate < 1:
+        lru = next((r.hit_rate for r in bound.online if r.policy == "lru"), None)
+        if lru is None:
+            lru = lru_curve(target.sequence.expert_id, meta.num_expert_slots).hit_rate(bound.replay_size)
+        bound.lru_error = lru - working_set.lru_hit_rate(cache_size)
     for target_rate in TARGET_HIT_RATES:
         bound.needed[target_rate] = (bound.opt.smallest_size(target_rate)
-                                     if working_set.max_hit_rate() >= target_rate else None)
+                                     if bound.max_hit_rate >= target_rate else None)
     return bound
 
 
-def _measure_whole(data: ReplayInput, target: ReplayInput, size: int, cache_size: int, working_set: WorkingSet, *,
+def _measure_whole(data: ReplayInput, target: ReplayInput, size: int, cache_size: int, *,
                    policies: list[str], skipped: list, replay_rate: float, sample_above: int | None, seed: int,
                    jobs: int, engine: str, step) -> Bound:
     """Belady, OPT's curve and ``policies`` on ``target`` (the whole trace, or its sample at ``replay_rate``) at
@@ -204,16 +214,8 @@ def _measure_whole(data: ReplayInput, target: ReplayInput, size: int, cache_size
     grid = replay_grid(target, policies, [size], seed=seed, jobs=jobs, engine=engine, reference=belady)
     skipped += [(policy, why) for policy, _, why in grid.skipped]
     online = sorted((r for r in grid.results if r.policy != "belady"), key=lambda r: (-r.hits, r.policy))
-    bound = Bound(cache_size=cache_size, belady=belady, online=online, skipped=skipped,
-                  max_hit_rate=working_set.max_hit_rate(), opt=opt, replay_rate=replay_rate, replay_size=size)
-    if replay_rate < 1:
-        lru = next((r.hit_rate for r in online if r.policy == "lru"), None)
-        if lru is None:
-            lru = lru_curve(target.sequence.expert_id, meta.num_expert_slots).hit_rate(size)
-        bound.lru_error = lru - working_set.lru_hit_rate(cache_size)
-    for column in ("token", "clock", "layer"):
-        target.sequence.forget(column)
-    return bound
+    return Bound(cache_size=cache_size, belady=belady, online=online, skipped=skipped, opt=opt,
+                 replay_rate=replay_rate, replay_size=size)
 
 
 def sample_rate(requests: int, sample_above: int | None) -> float:

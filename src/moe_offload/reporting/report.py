@@ -4,6 +4,7 @@ profile (latency.py), what to run (recommend.py); printed here for the terminal,
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from rich.console import Console
@@ -76,12 +77,16 @@ def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: 
     of the trace's first half); ``step(text)`` is told what runs next (a progress line)."""
     step = step or (lambda text: None)
     trace = data.trace
-    step("working set: sliding windows and reuse distances")
+    step("working set: sliding windows and reuse distances, beside the bound")
     requests = trace.num_tokens * trace.meta.num_layers * trace.meta.top_k
     whole = replay_sample_above is None or requests <= replay_sample_above  # else never flattened whole
-    working_set = measure_working_set(trace, data.sequence if whole else None)
-    bound = measure_bound(data, cache_size, working_set, seed=seed, jobs=jobs, engine=engine,
-                          sample_above=sample_above, replay_sample_above=replay_sample_above, step=step)
+    sequence = data.sequence if whole else None  # flattened here, before the thread that reads it
+    # the working set's kernels release the GIL: measured on a thread of its own while the bound's replays run
+    with ThreadPoolExecutor(max_workers=1) as side:
+        measuring = side.submit(measure_working_set, trace, sequence)
+        bound = measure_bound(data, cache_size, measuring, seed=seed, jobs=jobs, engine=engine,
+                              sample_above=sample_above, replay_sample_above=replay_sample_above, step=step)
+        working_set = measuring.result()
     notes = [f"{policy} did not run: {why}" for policy, why in bound.skipped]
     if prompt_tokens_text(trace.meta.extra):
         notes.append(prompt_tokens_text(trace.meta.extra))
