@@ -12,8 +12,8 @@ the tests check every size against the replay.
 
 **LRU** keeps the stack in order of last use, so the distance of a request is the number of distinct other
 experts requested since its expert's previous request (its reuse distance). A Fenwick tree over last-use slots
-counts them in O(log D) for D experts; the slots are renumbered (compacted) when they run out, every D requests
-at most, so memory stays O(D).
+counts them in O(log D) for D experts; the slots are renumbered (compacted) in one pass over them when they run out,
+at most once every D requests, so memory stays O(D).
 
 **OPT** orders the stack by priority, the sooner next use first, and updates it as Mattson's section on OPT
 does: the requested expert x, at distance d, goes to the top; the entry that was on top is carried down, and at
@@ -121,35 +121,43 @@ def _fenwick_prefix(tree, slot):
     return total
 
 
-def reuse_distance_kernel(keys, num_keys, histogram, tree, last, state):
+def reuse_distance_kernel(keys, num_keys, histogram, tree, last, owner, state):
     """Add each request of ``keys`` (flat expert ids in [0, num_keys)) to ``histogram[distance]``, its LRU stack
     (reuse) distance, or to ``histogram[num_keys]`` for a first request; the module docstring derives the
-    method. ``tree`` (2 * num_keys + 1 zeros), ``last`` (num_keys times -1) and ``state`` ([0]: the slot the next
-    request takes) carry the stack from one call to the next: a long sequence is passed in pieces."""
+    method. ``tree`` (2 * num_keys + 1 zeros), ``last`` (num_keys times -1), ``owner`` (2 * num_keys: the key
+    whose last use a slot marks) and ``state`` ([0]: the slot the next request takes, [1]: the distinct keys
+    seen) carry the stack from one call to the next: a long sequence is passed in pieces. Every live slot is
+    below the next, so the marks after a key's slot are the distinct keys seen less the marks up to it: one
+    prefix sum a request."""
     slots = 2 * num_keys
     following = state[0]
+    distinct = state[1]
     for position in range(keys.shape[0]):
         key = keys[position]
         previous = last[key]
         if previous < 0:
             histogram[num_keys] += 1
+            distinct += 1
         else:
-            histogram[_fenwick_prefix(tree, following - 1) - _fenwick_prefix(tree, previous)] += 1
+            histogram[distinct - _fenwick_prefix(tree, previous)] += 1
             _fenwick_add(tree, previous, -1)
         if following == slots:  # renumber the live slots 0, 1, ... in their order and rebuild the tree
-            order = np.argsort(last)
             tree[:] = 0
             following = 0
-            for index in range(num_keys):
-                expert = order[index]
-                if last[expert] >= 0 and expert != key:
+            for slot in range(slots):
+                expert = owner[slot]
+                if expert >= 0 and last[expert] == slot and expert != key:
                     last[expert] = following
+                    owner[following] = expert
                     _fenwick_add(tree, following, 1)
                     following += 1
+            owner[following:] = -1
         last[key] = following
+        owner[following] = key
         _fenwick_add(tree, following, 1)
         following += 1
     state[0] = following
+    state[1] = distinct
 
 
 def _tree_set(tree, leaves, slot, value):
@@ -235,7 +243,7 @@ def _reuse_kernel():
     from moe_offload.simulator.kernels import compile_linked
 
     return compile_linked(reuse_distance_kernel,
-                          "void(int32[::1], int64, int64[::1], int64[::1], int64[::1], int64[::1])")
+                          "void(int32[::1], int64, int64[::1], int64[::1], int64[::1], int64[::1], int64[::1])")
 
 
 @functools.cache
@@ -257,14 +265,15 @@ class LruStack:
         self.histogram = np.zeros(num_keys + 1, np.int64)
         self._tree = np.zeros(2 * num_keys + 1, np.int64)
         self._last = np.full(num_keys, -1, np.int64)
-        self._state = np.zeros(1, np.int64)
+        self._owner = np.full(2 * num_keys, -1, np.int64)
+        self._state = np.zeros(2, np.int64)
         compiled = compile_pays(REUSE_PYTHON_BELOW if requests is None else requests, REUSE_PYTHON_BELOW)
         self._kernel = _reuse_kernel() if compiled else reuse_distance_kernel
 
     def add(self, keys: np.ndarray) -> None:
         """The next requests of the sequence (flat expert ids below ``num_keys``)."""
         self._kernel(np.ascontiguousarray(keys, COLUMN), self.num_keys, self.histogram, self._tree, self._last,
-                     self._state)
+                     self._owner, self._state)
 
     def curve(self) -> HitCurve:
         return HitCurve(self.histogram.copy())
