@@ -278,20 +278,38 @@ class CoActivation(EvictionPolicy):
                     heap_update(order, scores, stamps, position, size, key, scaled[key], t)
                 continue
             if size == capacity:
-                # _search, written out: a helper with a loop takes a reference to each of its arrays at every
-                # call (Numba counts them where it inlines one), which made this kernel 3 times slower
+                # _search, with _value_of written out: a helper with a loop takes a reference to each of its
+                # arrays at every call (Numba counts them where it inlines one), which made this kernel 3 times
+                # slower
                 victim = order[0]
-                value = _value_of(victim, token, scaled, scale, last_token, cooccur, inverse_routed, successor,
-                                  inverse_followed, seen, seen_count, before, before_count, num_experts, top_k)
-                while value != scores[0] or last_request[victim] != stamps[0]:
+                while True:
+                    layer = victim // num_experts
+                    column = victim - layer * num_experts
+                    if last_token[victim] != token:
+                        predicted = 0.0
+                        if layer > 0:
+                            for i in range(seen_count[layer - 1]):
+                                a = seen[layer - 1, i]
+                                predicted += cooccur[a, column] * inverse_routed[a]
+                        carried = 0.0
+                        for i in range(before_count[layer]):
+                            a = before[layer, i]
+                            carried += successor[a, column] * inverse_followed[a]
+                        value = scaled[victim] + scale * ((predicted + carried) / top_k)
+                    else:
+                        following = 0.0
+                        for i in range(seen_count[layer]):
+                            a = seen[layer, i]
+                            following += successor[a, column] * inverse_followed[a]
+                        value = scaled[victim] + scale * (following / top_k)
+                    if value == scores[0] and last_request[victim] == stamps[0]:
+                        break
                     heap_update(order, scores, stamps, position, size, victim, value, last_request[victim])
                     if not raised[victim]:
                         raised[victim] = True
                         raised_keys[raised_count] = victim
                         raised_count += 1
                     victim = order[0]
-                    value = _value_of(victim, token, scaled, scale, last_token, cooccur, inverse_routed, successor,
-                                      inverse_followed, seen, seen_count, before, before_count, num_experts, top_k)
                 # the request takes the victim's place at the root and sifts down: one sift, not a pop and a push
                 position[victim] = -1
                 position[key] = 0
