@@ -107,6 +107,10 @@ class EvictionPolicy:
     # The replay's compiled twin of the hooks below, in the subset of Python that Numba compiles, or None
     # (simulator/kernels.py: its arguments and how it is compiled).
     replay_kernel: ClassVar[Callable | None] = None
+    # About how many LRU replays one run of the kernel costs, where it is well above 1: a grid starts the
+    # costliest runs first, so that one long run does not finish alone on a core the others left idle
+    # (benchmarks/report_scale.py's 48 x 128 top-8 trace: coact's kernel about 12 LRU replays, moe-infinity's 3).
+    replay_cost: ClassVar[float] = 1.0
     # Whether ``admit`` may refuse a miss or ``placement`` place experts: the compiled kernels load every miss
     # into an empty cache, so such a policy has no kernel and the replay runs its Python form, unless it is
     # static (below).

@@ -156,11 +156,11 @@ def measure_working_set(trace: Trace, sequence: AccessSequence | None = None) ->
         distinct_mean[index] = total / (trace.num_tokens - window + 1)
         distinct_max[index] = largest
     stack = LruStack(meta.num_expert_slots, requests)
-    counts = np.zeros(meta.num_expert_slots, np.int64)
     for keys in ([sequence.expert_id] if sequence is not None else flattened_pieces(trace)):
         stack.add(keys)
-        counts += np.bincount(keys, minlength=meta.num_expert_slots)
     histogram = stack.histogram
-    layer_counts = counts.reshape(meta.num_layers, meta.num_experts)
+    # a layer at a time: a bincount of the whole sequence would copy it to 8-byte ids first
+    layer_counts = np.stack([np.bincount(experts[:, layer, :].ravel(), minlength=meta.num_experts)
+                             for layer in range(meta.num_layers)]).astype(np.int64)
     return WorkingSet(windows=windows, distinct_mean=distinct_mean, distinct_max=distinct_max,
                       reuse_histogram=histogram, layer_counts=layer_counts, top_k=meta.top_k)

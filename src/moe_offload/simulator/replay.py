@@ -327,7 +327,9 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
             progress(result.accesses)
 
     slow = [index for index, fast in enumerate(compiled) if not fast]
-    fast = [index for index, fast in enumerate(compiled) if fast]
+    # the costliest kernels first: a long run started last would finish alone (base.py ``replay_cost``)
+    fast = sorted((index for index, fast in enumerate(compiled) if fast),
+                  key=lambda index: -policy_info(runs[index][0]).policy.replay_cost)
     processes = None
     if worker_count(jobs, len(slow)) > 1:  # the Python policies hold the GIL: worker processes, each with the
         # input once, forked here, before any thread of this call runs
