@@ -197,21 +197,25 @@ def _measure_whole(data: ReplayInput, target: ReplayInput, size: int, cache_size
     ``size`` experts (``cache_size`` scaled by the rate)."""
     meta = data.trace.meta
     requests = data.trace.num_tokens * meta.num_layers * meta.top_k
-    # Belady and OPT's curve first, the only readers of the next uses, which are then freed (4 bytes a request)
-    step("the bound: Belady at the budget, OPT at every size")
+    # Belady first, then OPT's curve on a thread beside the policies (its kernel releases the GIL): the two
+    # readers of the next uses (4 bytes a request), freed when both are done
+    step("the bound: Belady at the budget")
     belady = replay_grid(target, ["belady"], [size], seed=seed, jobs=jobs, engine=engine).results[0]
-    if replay_rate < 1:  # OPT's curve on the same sample: exact there, its sizes scaled by the rate
-        opt = opt_curve(target.sequence.expert_id, target.sequence.next_use, meta.num_expert_slots)
-        opt = HitCurve(opt.histogram, rate=replay_rate)
+    if replay_rate == 1 and sample_rate(requests, sample_above) < 1:  # a sample with next uses of its own
         target.sequence.forget("next_use")
-    elif sample_rate(requests, sample_above) < 1:  # a sample of its own, with next uses of its own
-        target.sequence.forget("next_use")
-        opt = measure_opt_curve(data, sample_above)
-    else:
-        opt = measure_opt_curve(data, sample_above)
-        target.sequence.forget("next_use")
-    step(f"the bound: {len(policies)} online policies at the budget")
-    grid = replay_grid(target, policies, [size], seed=seed, jobs=jobs, engine=engine, reference=belady)
+
+    def measure_opt() -> HitCurve:
+        if replay_rate < 1:  # OPT's curve on the replays' sample: exact there, its sizes scaled by the rate
+            curve = opt_curve(target.sequence.expert_id, target.sequence.next_use, meta.num_expert_slots)
+            return HitCurve(curve.histogram, rate=replay_rate)
+        return measure_opt_curve(data, sample_above)
+
+    with ThreadPoolExecutor(max_workers=1) as beside:
+        measuring = beside.submit(measure_opt)
+        step(f"the bound: {len(policies)} online policies at the budget, OPT at every size beside them")
+        grid = replay_grid(target, policies, [size], seed=seed, jobs=jobs, engine=engine, reference=belady)
+        opt = measuring.result()
+    target.sequence.forget("next_use")
     skipped += [(policy, why) for policy, _, why in grid.skipped]
     online = sorted((r for r in grid.results if r.policy != "belady"), key=lambda r: (-r.hits, r.policy))
     return Bound(cache_size=cache_size, belady=belady, online=online, skipped=skipped, opt=opt,
