@@ -185,7 +185,7 @@ def test_counts_are_halved_before_they_leave_32_bits(monkeypatch):
             ctx.clock, ctx.token = ctx.clock + 1, token
             cache.request(key, ctx)
     assert policy._routed[0] == 2.0 and policy._inverse_routed[0] == 0.5
-    assert policy._cooccur[0].tolist() == [1, 0, 1] and policy._cooccur.dtype == np.int32
+    assert policy._cooccur[3:, 0].tolist() == [1, 0, 1] and policy._cooccur.dtype == np.int32  # c(0, b): column 0
 
 
 def test_pinned_experts_are_never_victims():
