@@ -152,23 +152,3 @@ def heap_remove(keys, scores, stamps, position, size, key):
     if i < last:
         _heap_sift(keys, scores, stamps, position, last, i, keys[last], scores[last], stamps[last])
 
-
-def heap_rebuild(keys, scores, stamps, position, size):
-    """Restore the order of a heap of ``size`` keys whose scores and stamps were all rewritten in place
-    (Floyd 1964: each parent sifted down, from the last one to the root; at most 2 ``size`` comparisons, where
-    pushing the keys one by one can take ``size log size``)."""
-    for i in range(size // 2 - 1, -1, -1):
-        key, score, stamp = keys[i], scores[i], stamps[i]
-        while True:
-            child = 2 * i + 1
-            if child >= size:
-                break
-            right = child + 1
-            if right < size and (scores[right] < scores[child]
-                                 or (scores[right] == scores[child] and stamps[right] < stamps[child])):
-                child = right
-            if not (scores[child] < score or (scores[child] == score and stamps[child] < stamp)):
-                break
-            _heap_place(keys, scores, stamps, position, i, keys[child], scores[child], stamps[child])
-            i = child
-        _heap_place(keys, scores, stamps, position, i, key, score, stamp)

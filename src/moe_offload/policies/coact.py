@@ -67,8 +67,7 @@ layers route, the clock with each request; an activation raises s by g_n but end
 which can together exceed 1, so a request lowers its expert's entry to s_e where it was above. A token's
 start can lower any key (P starts again, Q is new): the entries a search raised above s_e in the token before
 go back to s_e (a list of them is kept), so every entry is a lower bound again without computing any key;
-when the unit changes every entry is set to s_e and the heap ordered again (Floyd's, at most 2C
-comparisons).
+when the unit changes (every 600 / lambda tokens) every entry is set to s_e, pushed again one by one. A
 token's end costs 2 K^2 additions per layer to learn from it.
 
 Beyond the replay. A prefetched expert that no token has routed enters with F = 0. The runtime and the timed
@@ -81,7 +80,7 @@ import math
 
 import numpy as np
 
-from moe_offload.policies._ranked import heap_new, heap_pop, heap_push, heap_rebuild, heap_remove, heap_update
+from moe_offload.policies._ranked import heap_new, heap_pop, heap_push, heap_remove, heap_update
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 from moe_offload.values import number
 
@@ -368,10 +367,9 @@ def _new_token(order, scores, stamps, position, size, token, scaled, last_reques
             scaled[key] = scaled[key] / factor
         base = token
         exponent = 0.0
-        for i in range(size):
-            scores[i] = scaled[order[i]]
-            stamps[i] = last_request[order[i]]
-        heap_rebuild(order, scores, stamps, position, size)
+        for i in range(size):  # the first i entries are a heap: the i-th is pushed again, with its key now
+            key = order[i]
+            heap_push(order, scores, stamps, position, i, key, scaled[key], last_request[key])
     else:
         for i in range(raised_count):
             key = raised_keys[i]
