@@ -151,4 +151,3 @@ def heap_remove(keys, scores, stamps, position, size, key):
     last = size - 1
     if i < last:
         _heap_sift(keys, scores, stamps, position, last, i, keys[last], scores[last], stamps[last])
-
