@@ -519,6 +519,41 @@ def test_the_computing_thread_takes_the_callers_count_whatever_a_worker_set_for_
         torch.set_num_threads(before)
 
 
+def test_a_count_a_thread_sets_for_itself_holds_whatever_another_thread_sets_before_its_first_operation():
+    """runtime/cpu_threads.py: PyTorch gives a thread, at its first parallel operation, the count any thread set
+    last, over the count it set itself; set_thread_count holds."""
+    import torch
+
+    from moe_offload.runtime.cpu_threads import set_thread_count
+
+    def counts(setter):
+        set_, other_set, seen = threading.Event(), threading.Event(), []
+
+        def computing():
+            setter(2)
+            set_.set()
+            assert other_set.wait(30)
+            torch.ones(1 << 16).add_(1)  # over PyTorch's grain: a parallel operation
+            seen.append(torch.get_num_threads())
+
+        thread = threading.Thread(target=computing)
+        thread.start()
+        assert set_.wait(30)
+        other = threading.Thread(target=lambda: (torch.get_num_threads(), torch.set_num_threads(1)))
+        other.start()
+        other.join()
+        other_set.set()
+        thread.join()
+        return seen
+
+    before = torch.get_num_threads()
+    try:
+        assert counts(torch.set_num_threads) == [1]  # PyTorch's own: the other thread's count wins
+        assert counts(set_thread_count) == [2]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_an_interrupted_pack_leaves_nothing_behind(checkpoint, tmp_path):
     calls = []
 

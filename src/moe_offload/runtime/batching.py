@@ -48,6 +48,7 @@ from collections import deque
 
 from moe_offload.errors import ConfigError, MoeOffloadError
 from moe_offload.runtime.counters import Counters, run_result
+from moe_offload.runtime.cpu_threads import set_thread_count
 from moe_offload.runtime.kv_pool import KVPool
 from moe_offload.runtime.packed import PackedPass, Segment
 from moe_offload.runtime.request_step import RunningRequest
@@ -227,9 +228,7 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------------------------------ the loop
     def _loop(self) -> None:
-        import torch
-
-        torch.set_num_threads(self.engine.threads)  # not the count another thread set for itself (cpu_threads.py)
+        set_thread_count(self.engine.threads)  # not the count another thread set for itself (cpu_threads.py)
         try:
             self._serve()
         except BaseException as exc:  # noqa: BLE001 - a scheduler that cannot go on fails all it holds, below

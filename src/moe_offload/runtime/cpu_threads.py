@@ -23,8 +23,13 @@ when it first runs a parallel operation, so a new thread that starts while a wor
 :func:`single_threaded` (or after one restored a count it took there) computes with one thread for the rest
 of its life. A matrix product's bits depend on the thread count (ATen's float32 ``linear`` of 5 rows gives
 other bits on one thread than on two), so the engine takes the caller's count when it is built
-(:func:`computing_threads`) and the scheduler's thread sets it before its first operation: a run gives the
-same bits whatever the workers were doing when the scheduler started.
+(:func:`computing_threads`) and the scheduler's thread sets it before its first operation
+(:func:`set_thread_count`): a run gives the same bits whatever the workers were doing when the scheduler
+started. Setting the count is not enough by itself: PyTorch gives a thread, at its first parallel operation
+or its first question of its count, the count that any thread set last, even over a count the thread set
+for itself before. A worker that entered :func:`single_threaded` between the scheduler's setting and its
+first operation so left it on one thread, and other bits (seen as one run in five of the on-arrival tests on
+a loaded machine); the thread asks first, then sets.
 """
 
 from __future__ import annotations
@@ -54,6 +59,14 @@ def computing_threads() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+def set_thread_count(count: int) -> None:
+    """The calling thread computes with ``count`` threads from now on, whatever other threads set later."""
+    import torch
+
+    torch.get_num_threads()  # PyTorch's one-time setting of this thread's count, done now (module docstring)
+    torch.set_num_threads(count)
 
 
 @contextmanager
