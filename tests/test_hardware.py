@@ -9,7 +9,7 @@ import pytest
 from moe_offload.cli.main import main
 from moe_offload.errors import ConfigError
 from moe_offload.hardware import DEFAULT_PRESET, load_profile, preset_names, resolve_profile
-from moe_offload.values import format_bytes, parse_bytes
+from moe_offload.values import format_bytes, format_seconds, parse_bytes
 
 PRESETS = ("desktop-rtx4090", "server-a100-pcie4", "server-h100-pcie5", "edge-flashmoe")
 
@@ -140,6 +140,11 @@ def test_byte_counts():
         with pytest.raises(ConfigError, match="^x "):
             parse_bytes(bad, "x")
     assert format_bytes(24 * 2**30) == "24 GiB" and format_bytes(25e9) == "25 GB"
+
+
+def test_durations_print_in_the_unit_that_shows_them():
+    assert [format_seconds(x) for x in (2.5, 0.0123, 4.56e-6, 9e-10, 0.0)] == ["2.5 s", "12.3 ms", "4.56 us",
+                                                                               "0.9 ns", "0 ns"]
 
 
 def test_hardware_command_lists_and_shows(tmp_path, capsys):

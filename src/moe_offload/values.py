@@ -151,6 +151,15 @@ def format_bytes(count: float) -> str:
     return f"{count:.0f} B"
 
 
+def format_seconds(seconds: float) -> str:
+    """Three significant digits in the largest unit under the value (s, ms, us, ns): a decision of a few
+    nanoseconds is not "0.0 us"."""
+    for unit, size in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
 def parse_bytes(value, what: str) -> int:
     """A byte count from an integer, a float or a string with a unit (``24 GiB``, ``12.5MB``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):

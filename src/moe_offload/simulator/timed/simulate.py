@@ -22,7 +22,7 @@ from moe_offload.simulator.timed.timeline import iteration_timeline
 from moe_offload.simulator.timed.uploads import UploadsBetweenPasses, check_uploads
 from moe_offload.simulator.transfers import home_tier
 from moe_offload.trace.format import Trace, read_trace
-from moe_offload.values import format_bytes, worker_count
+from moe_offload.values import format_bytes, format_seconds, worker_count
 
 ALL_RESIDENT = "all-resident"
 ORACLE = "oracle"
@@ -205,9 +205,9 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
         where = "on the inference path" if search_latency(instance)[1] else "on its own matcher timeline"
         notes.append(f"{instance.name}: {sim.search_seconds * 1e3:.1f} ms of history search in all, charged {where}")
     if sim.decisions.total:
-        notes.append(f"{policy}: {sim.decisions.count} eviction decisions took {sim.decisions.total * 1e3:.3f} ms "
-                     f"({sim.decisions.total / sim.decisions.count * 1e6:.1f} us each, decisions.py), each before its "
-                     "load")
+        notes.append(f"{policy}: {sim.decisions.count} eviction decisions took {format_seconds(sim.decisions.total)} "
+                     f"({format_seconds(sim.decisions.total / sim.decisions.count)} each, decisions.py), each before "
+                     "its load")
     arrival, token_times = outcome["arrival"], outcome["token_times"]
     ttft = [token_times[r][0] - arrival[r] for r in arrival]
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times.values() if len(t) > 1]
