@@ -296,6 +296,46 @@ def test_heap_remove_keeps_the_order():
         assert all(position[k] >= 0 for k in live) and (position >= 0).sum() == len(live)
 
 
+def test_a_heap_settled_lazily_gives_the_key_an_eager_heap_gives():
+    """Counts raised by hits without touching the heap, as LFU's and LeCaR's kernels do: heap_settle then pop
+    takes the lowest current (count, last set) of a sorted list, and each key is re-keyed at most once per hit."""
+    from moe_offload.policies import _ranked
+    from moe_offload.policies._ranked import heap_new, heap_pop, heap_push, heap_settle
+
+    rng = np.random.default_rng(4)
+    keys, scores, stamps, position = heap_new(30, 50)
+    count, last_set = np.zeros(50, np.int64), np.zeros(50, np.int64)
+    live, hits, rekeys = set(), 0, []
+    sift = _ranked._heap_sift
+
+    def counting(*args):
+        rekeys.append(args[6])
+        sift(*args)
+
+    _ranked._heap_sift = counting
+    try:
+        for clock in range(4000):
+            key = int(rng.integers(50))
+            if key in live:  # a hit: the entry stays behind
+                count[key] += 1
+                last_set[key] = clock
+                hits += 1
+                continue
+            if len(live) == 30:
+                expected = min(live, key=lambda k: (count[k], last_set[k]))
+                rekeys.clear()
+                assert heap_settle(keys, scores, stamps, position, len(live), count, last_set) == expected
+                assert len(rekeys) == len(set(rekeys))  # none twice in one settling
+                heap_pop(keys, scores, stamps, position, len(live))
+                live.remove(expected)
+            count[key], last_set[key] = 1, clock
+            heap_push(keys, scores, stamps, position, len(live), key, 1, clock)
+            live.add(key)
+    finally:
+        _ranked._heap_sift = sift
+    assert hits > 1000
+
+
 # ------------------------------------------------------------ MoE-Infinity: the sequences' EAMs, by request
 
 MOE_INFINITY_OPTIONS = [{}, {"eam": "request"}, {"fill": "layers"}, {"eam": "request", "fill": "layers"}]

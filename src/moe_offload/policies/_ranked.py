@@ -134,6 +134,19 @@ def heap_update(keys, scores, stamps, position, size, key, score, stamp):
     _heap_sift(keys, scores, stamps, position, size, position[key], key, score, stamp)
 
 
+def heap_settle(keys, scores, stamps, position, size, score_of, stamp_of):
+    """The first key of a heap whose entries may lag their keys: re-keys the first key to (``score_of[key]``,
+    ``stamp_of[key]``) until its entry is current, and returns it. When keys' scores and stamps only grow and
+    are re-keyed lazily (a hit raises the key's count and stamp, not its entry), every entry is a lower bound of
+    its key; a first entry that is current is then at most every entry and so every key: the lowest, as if
+    every key had been re-keyed at once. A key is re-keyed once however many hits it had since."""
+    key = keys[0]
+    while scores[0] != score_of[key] or stamps[0] != stamp_of[key]:
+        _heap_sift(keys, scores, stamps, position, size, 0, key, score_of[key], stamp_of[key])
+        key = keys[0]
+    return key
+
+
 def heap_pop(keys, scores, stamps, position, size):
     """Remove and return the first key of a heap of ``size`` keys (then ``size - 1``): the lowest score, the
     earliest stamp among equals."""

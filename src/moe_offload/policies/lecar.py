@@ -51,7 +51,7 @@ from collections import OrderedDict
 import numpy as np
 
 from moe_offload.policies._linked import list_append, list_head, list_move_to_tail, list_remove, lists_new
-from moe_offload.policies._ranked import RankedKeys, heap_new, heap_pop, heap_push, heap_remove, heap_update
+from moe_offload.policies._ranked import RankedKeys, heap_new, heap_pop, heap_push, heap_remove, heap_settle
 from moe_offload.policies._seeded import mt_random, rng_state
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 from moe_offload.values import integer, number
@@ -164,7 +164,7 @@ class LeCaR(EvictionPolicy):
                       layer_hits):
         """The hooks above as the compiled replay runs them: the residents (list 0, least recent first),
         H_LRU and H_LFU (lists 1 and 2, oldest first) of the linked lists, ``where`` saying which holds a key;
-        the residents' LFU order in a heap by (count, last set); a key's count kept through its stay in a
+        the residents' LFU order in a heap by (count, last set), settled when LFU chooses (_ranked.heap_settle); a key's count kept through its stay in a
         history. ``ints`` is the generator's state, then the history size (0: N // 2); N is ``capacity``, the
         cache_slots the cache sets. The regret's power has a float exponent, as in Python (an integer one
         would be computed by repeated products, not by pow)."""
@@ -179,6 +179,7 @@ class LeCaR(EvictionPolicy):
         history_sizes = np.zeros(3, np.int64)
         order, scores, stamps, position = heap_new(capacity, num_keys)
         freq = np.zeros(num_keys, np.int64)
+        last_set = np.zeros(num_keys, np.int64)  # a hit leaves the heap's entry behind (_ranked.heap_settle)
         evicted_at = np.zeros(num_keys, np.int64)
         w_lru = w_lfu = 0.5
         size = 0
@@ -189,7 +190,7 @@ class LeCaR(EvictionPolicy):
                 layer_hits[key // num_experts] += 1
                 list_move_to_tail(lists, 0, key)
                 freq[key] += 1
-                heap_update(order, scores, stamps, position, size, key, freq[key], t)
+                last_set[key] = t
                 continue
             returning = 0
             if found > 0:
@@ -210,6 +211,7 @@ class LeCaR(EvictionPolicy):
                     heap_remove(order, scores, stamps, position, size, victim)
                 else:
                     history = 2
+                    heap_settle(order, scores, stamps, position, size, freq, last_set)
                     victim = heap_pop(order, scores, stamps, position, size)
                 list_remove(lists, 0, victim)
                 size -= 1
@@ -223,6 +225,7 @@ class LeCaR(EvictionPolicy):
                 history_sizes[history] += 1
                 evicted_at[victim] = t
             freq[key] = returning + 1
+            last_set[key] = t
             list_append(lists, 0, key)
             where[key] = 0
             heap_push(order, scores, stamps, position, size, key, freq[key], t)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_offload.policies._ranked import RankedKeys, heap_new, heap_pop, heap_push, heap_update
+from moe_offload.policies._ranked import RankedKeys, heap_new, heap_pop, heap_push, heap_settle
 from moe_offload.policies.base import EvictionPolicy
 
 
@@ -39,21 +39,25 @@ class LFU(EvictionPolicy):
     @staticmethod
     def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
                       layer_hits):
-        """The hooks above as the compiled replay runs them: the same (count, last set) order in a heap."""
+        """The hooks above as the compiled replay runs them: the same (count, last set) order in a heap whose
+        entries a hit leaves behind, settled when a victim is taken (_ranked.heap_settle)."""
         num_keys = num_layers * num_experts
         order, scores, stamps, position = heap_new(capacity, num_keys)
         freq = np.zeros(num_keys, np.int64)  # 0: not resident
+        last_set = np.zeros(num_keys, np.int64)
         size = 0
         for t in clocks:
             key = keys[t]
             if freq[key] > 0:
                 layer_hits[key // num_experts] += 1
                 freq[key] += 1
-                heap_update(order, scores, stamps, position, size, key, freq[key], t)
+                last_set[key] = t
                 continue
             if size == capacity:
+                heap_settle(order, scores, stamps, position, size, freq, last_set)
                 freq[heap_pop(order, scores, stamps, position, size)] = 0
                 size -= 1
             freq[key] = 1
+            last_set[key] = t
             heap_push(order, scores, stamps, position, size, key, 1, t)
             size += 1
