@@ -164,10 +164,11 @@ class LeCaR(EvictionPolicy):
                       layer_hits):
         """The hooks above as the compiled replay runs them: the residents (list 0, least recent first),
         H_LRU and H_LFU (lists 1 and 2, oldest first) of the linked lists, ``where`` saying which holds a key;
-        the residents' LFU order in a heap by (count, last set), settled when LFU chooses (_ranked.heap_settle); a key's count kept through its stay in a
-        history. ``ints`` is the generator's state, then the history size (0: N // 2); N is ``capacity``, the
-        cache_slots the cache sets. The regret's power has a float exponent, as in Python (an integer one
-        would be computed by repeated products, not by pow)."""
+        the residents' LFU order in a heap by (count, last set), settled when LFU chooses
+        (_ranked.heap_settle); a key's count kept through its stay in a history. ``ints`` is the generator's
+        state, then the history size (0: N // 2); N is ``capacity``, the cache_slots the cache sets. The
+        regret's power has a float exponent, as in Python (an integer one would be computed by repeated
+        products, not by pow)."""
         learning_rate = floats[0]
         history_size = ints[ints.shape[0] - 1]
         if history_size == 0:
