@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import resolve_profile
 from moe_offload.policies import POLICIES, AccessContext, ModelSpec, default_policies
 from moe_offload.simulator.cache import ExpertCache, PartitionedCache, predicted_no_later_than
@@ -147,3 +148,25 @@ def test_with_the_oracle_every_prefetch_is_used_and_no_policy_makes_it_slower_th
             assert oracle.prefetch_precision == 1.0, (policy, share)
             assert oracle.tpot_seconds <= none.tpot_seconds, (policy, share)
             assert oracle.hit_rate >= none.hit_rate, (policy, share)
+
+
+def test_whole_layers_take_every_expert_and_the_others_split_the_rest():
+    # 30 slots, 4 layers of 8, layer 1 whole: 22 left for 3 layers, 8 for the first of them and 7 for the others
+    assert PartitionedCache.capacities(30, 4, 8, [1]) == [8, 8, 7, 7]
+    assert PartitionedCache.capacities(30, 4) == [8, 8, 7, 7]  # no whole layer: the equal split
+    assert PartitionedCache.capacities(16, 2, 8, [0, 1]) == [8, 8]
+    with pytest.raises(ConfigError, match="cannot hold 2 whole layers of 8 experts and one expert in each of the "
+                                          "other 2 layers"):
+        PartitionedCache.capacities(17, 4, 8, [0, 1])
+
+
+def test_whole_layers_are_resident_before_the_first_request():
+    spec = ModelSpec(2, 4, 1)
+    cache = PartitionedCache(6, 2, lambda: POLICIES["lru"].policy(spec), 4, whole_layers=[1])
+    ctx = AccessContext()
+    cache.preload(None, ctx)
+    assert len(cache) == 4 and all(key in cache for key in range(4, 8))
+    for clock, key in enumerate([4, 5, 6, 7, 0, 1, 2, 5]):
+        ctx.clock = clock
+        cache.request(key, ctx)
+    assert cache.parts[1].evictions == 0 and cache.parts[0].evictions == 1  # 2 slots for layer 0's 0, 1, 2

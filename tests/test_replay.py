@@ -92,6 +92,10 @@ def test_simulate_table_and_plot(trace_file, tmp_path, capsys):
     (["--cache-size", "abc"], "neither a number of experts"),
     (["--cache-size", "1.5"], "a fraction must be in (0, 1]"),
     (["--policy-option", "lcp.rho"], "POLICY.NAME=VALUE"),
+    (["--policy", "lru", "--policy-option", "lru.whole_layers=[0]"], "policy 'lru' has no option whole_layers"),
+    (["--policy", "lru-dist", "--cache-size", "10", "--policy-option", "lru-dist.whole_layers=[0]"],
+     "a cache of 10 experts cannot hold 1 whole layers of 8 experts and one expert in each of the other 3"),
+    (["--policy", "lru-dist", "--policy-option", "lru-dist.whole_layers=[99]"], "lru-dist.whole_layers"),
 ])
 def test_simulate_bad_options_fail_in_one_line(trace_file, capsys, args, message):
     assert main(["simulate", trace_file, *args]) == 2
@@ -165,3 +169,33 @@ def test_a_grid_run_during_another_replays_its_own_input():
     during = replay_grid(first, ["fmoe", "pinned-lru"], [4], progress=start_another)
     assert [result.to_dict() for result in during.results] == alone
     assert nested[0].results[0].accesses == 90 * 2 * 2
+
+
+@pytest.mark.parametrize("engine", ["compiled", "python"])
+def test_a_dist_cache_holding_layers_whole_against_lru_by_hand(engine):
+    # the bundled OLMoE trace (16 x 64): layers 3 and 9 held whole hit every request; each other layer is an
+    # LRU of its share, (300 - 128) // 14 = 12 slots (13 for the first 4 of them), replayed here by hand
+    from collections import OrderedDict
+
+    from moe_offload.trace.format import read_trace
+
+    data = ReplayInput.of(read_trace(DEFAULT_TRACE))
+    result = replay(data, "lru-dist", 300, options={"whole_layers": [9, 3]}, engine=engine)
+    seq = data.sequence
+    others = [layer for layer in range(16) if layer not in (3, 9)]
+    for layer in range(16):
+        keys = seq.expert_id[seq.layer == layer].tolist()
+        if layer in (3, 9):
+            assert result.per_layer_hits[layer] == len(keys)
+            continue
+        capacity = 12 + (others.index(layer) < 4)
+        lru, hits = OrderedDict(), 0
+        for key in keys:
+            if key in lru:
+                hits += 1
+                lru.move_to_end(key)
+            else:
+                if len(lru) == capacity:
+                    lru.popitem(last=False)
+                lru[key] = None
+        assert result.per_layer_hits[layer] == hits

@@ -118,6 +118,18 @@ def test_coact_is_lossless_and_its_decisions_are_counted(checkpoint, budget, pre
         assert engine.stats.policy_decisions == engine.tiers[0].cache.evictions > 0
 
 
+def test_a_dist_cache_holding_a_layer_whole_loads_it_first_and_stays_lossless(checkpoint):
+    # 3 layers of 6 experts, room for 10: layer 2 whole from the start (6), layers 0 and 1 an LRU of 2 each
+    with OffloadEngine(make_plan(checkpoint["packed"], fast_budget=f"{10 * COMPUTE_EXPERT_BYTES}B",
+                                 policy="lru-dist", policy_options={"whole_layers": [2]})) as engine:
+        assert engine.preload_seconds > 0 and len(engine.tiers[0].cache.parts[2]) == 6
+        assert_lossless(engine, checkpoint)
+        stats = engine.stats
+        assert stats.per_layer_hits[2] == stats.per_layer_accesses[2] > 0
+        assert stats.per_layer_hits[0] < stats.per_layer_accesses[0]
+        assert engine.tiers[0].cache.parts[2].evictions == 0
+
+
 def test_packing_layout_and_skeleton(checkpoint):
     manifest = read_manifest(checkpoint["packed"])
     assert (manifest.num_layers, manifest.num_experts, manifest.top_k) == (3, 6, 2)

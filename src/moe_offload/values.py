@@ -382,12 +382,13 @@ def generation_length(max_new_tokens, prompt_tokens: int, positions: int,
 # ---------------------------------------------------------------------------------------- component options
 
 def component_options(items: Iterable[str], flag: str, form: str, kind: str, lookup: Callable,
-                      skip: tuple[str, ...] = ()) -> dict[str, dict]:
+                      skip: tuple[str, ...] = (), also: Callable | None = None) -> dict[str, dict]:
     """``NAME.OPTION=VALUE`` items of ``flag`` (``--policy-option``, ``--prefetch-option``; ``form`` spells
     its metavar) as {name: {option: value}}. ``lookup(name)`` returns the class of the ``kind`` (``policy``,
     ``prefetcher``) of that name and refuses an unknown name; an option its constructor does not take is
     refused here, naming those it takes
-    (``skip``: constructor parameters that are not options, such as a policy's seed). Values are JSON
+    (``skip``: constructor parameters that are not options, such as a policy's seed; ``also(name)``: options
+    the component takes beside its constructor's, as {option: default}). Values are JSON
     where they parse (``0.5``, ``true``, ``[1, 2]``), else strings (a path); their types and ranges are
     checked by the component's constructor, with the same words as from Python."""
     options: dict[str, dict] = {}
@@ -398,7 +399,7 @@ def component_options(items: Iterable[str], flag: str, form: str, kind: str, loo
             refuse(flag, item, f"is not {form}")
         cls = lookup(component)
         name = name.replace("-", "_")
-        check_option_names(kind, component, cls, {name: None}, skip)
+        check_option_names(kind, component, cls, {name: None}, skip, also(component) if also else None)
         try:
             value = json.loads(raw)
         except (ValueError, RecursionError):
@@ -414,10 +415,11 @@ def option_defaults(cls, skip: tuple[str, ...] = ()) -> dict[str, object]:
             if p.name not in skip and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def check_option_names(kind: str, name: str, cls, options: dict | None, skip: tuple[str, ...] = ()) -> None:
+def check_option_names(kind: str, name: str, cls, options: dict | None, skip: tuple[str, ...] = (),
+                       also: dict | None = None) -> None:
     """Refuse options that the ``kind`` (policy, prefetcher) ``name`` of class ``cls`` does not take, naming
-    those it does."""
-    known = option_defaults(cls, skip)
+    those it does (its constructor's, and ``also``: {option: default} it takes beside them)."""
+    known = option_defaults(cls, skip) | (also or {})
     unknown = sorted(set(options or {}) - set(known))
     if unknown:
         takes = ", ".join(option if default is inspect.Parameter.empty else f"{option}={default!r}"

@@ -260,7 +260,8 @@ def runtime_component_options(args: argparse.Namespace) -> tuple[dict | None, di
 def policy_options_of(args, policies: list[str]) -> dict[str, dict]:
     """--policy-option as {policy: {option: value}}; an option of a policy that is not run is refused."""
     options = component_options(args.policy_option, "--policy-option", POLICY_OPTION, "policy",
-                                lambda name: policy_info(name).policy, skip=("seed",))
+                                lambda name: policy_info(name).policy, skip=("seed",),
+                                also=lambda name: policy_info(name).cache_options)
     check_options_used(options, policies, "--policy-option", "--policy")
     return options
 

@@ -45,7 +45,7 @@ def make_plan(model="tiny", *, fast_budget="50%", host_budget=None, policy: str 
         if value is not None:  # its form now; its size against the model where the model is read
             values.budget_bytes(value, 1 << 40, flag, expert_bytes=1, experts=1 << 40)
     info = policy_info(policy)
-    values.check_option_names("policy", policy, info.policy, policy_options, skip=("seed",))
+    info.check_options(policy_options)
     if isinstance(prefetch, str) and prefetch.strip() == "none":
         prefetch = None
     if prefetch is not None:

@@ -2,7 +2,9 @@
 
 ``POLICIES`` maps the command-line name of every policy to how it is built. A ``-dist`` variant is the
 same policy run on a cache split equally among the layers (paper 001's LRU-Dist, Marker-Dist and OPT-Dist,
-"a specific cache of size k/l per layer"): the split belongs to the cache (simulator.cache.PartitionedCache), not to the policy.
+"a specific cache of size k/l per layer"): the split belongs to the cache (simulator.cache.PartitionedCache), not to
+the policy, and so does the one option every -dist policy takes beside its policy's, ``whole_layers`` (layers held
+whole from the start, as llama.cpp keeps layers in VRAM beside PR #27861's caches of the others).
 
 A policy whose constructor takes an option without a default (static-experts: the experts to keep) runs
 only when given it: ``needs_options`` says so, and ``default_policies`` (what "all" and every default list
@@ -37,7 +39,11 @@ from moe_offload.policies.random import RandomEviction
 from moe_offload.policies.static_experts import StaticExperts
 from moe_offload.policies.static_freq import StaticFrequency
 from moe_offload.policies.static_layers import StaticLayers
-from moe_offload.values import check_option_names, integer, required_options
+from moe_offload.values import check_option_names, integer, integer_list, required_options
+
+# The option of a -dist policy's split cache, not of its policy (simulator/cache.py PartitionedCache): the layers
+# held whole, every expert resident from the start, the others splitting the rest of the budget.
+PARTITION_OPTIONS = {"whole_layers": None}
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,8 @@ class PolicyInfo:
     @property
     def summary(self) -> str:
         if self.partitioned:
-            return f"{self.policy.name} on a cache split equally among the layers"
+            return (f"{self.policy.name} on a cache split equally among the layers (whole_layers=[...]: "
+                    "those held whole, the rest split among the others)")
         return self.policy.summary
 
     @property
@@ -65,6 +72,25 @@ class PolicyInfo:
     def needs_options(self) -> list[str]:
         """The options it cannot run without (module doc)."""
         return required_options(self.policy, skip=("seed",))
+
+    @property
+    def cache_options(self) -> dict:
+        """The options its cache takes beside its policy's, {option: default}: a -dist policy's split."""
+        return dict(PARTITION_OPTIONS) if self.partitioned else {}
+
+    def check_options(self, options: dict | None) -> None:
+        check_option_names("policy", self.name, self.policy, options, skip=("seed",), also=self.cache_options)
+
+    def policy_options(self, options: dict | None) -> dict:
+        """``options`` less its cache's (``cache_options``): what its policy's constructor takes."""
+        return {name: value for name, value in (options or {}).items() if name not in self.cache_options}
+
+    def whole_layers(self, options: dict | None, spec: ModelSpec) -> list[int]:
+        """A -dist policy's ``whole_layers`` option, checked: distinct layers of ``spec`` (none by default)."""
+        value = (options or {}).get("whole_layers") if self.partitioned else None
+        if value is None:
+            return []
+        return sorted(set(integer_list(value, f"{self.name}.whole_layers", low=0, high=spec.num_layers - 1)))
 
 
 POLICIES: dict[str, PolicyInfo] = {
@@ -121,16 +147,16 @@ def make_policy(name: str, spec: ModelSpec, *, seed: int = 0, options: dict | No
     those it does; the constructor checks the values (moe_offload.values), so a bad value reads the same
     from the command line (``--policy-option``) and from Python."""
     info = policy_info(name)
-    check_option_names("policy", name, info.policy, options, skip=("seed",))
-    return info.policy(spec, seed=integer(seed, "seed", low=0), **(options or {}))
+    info.check_options(options)
+    return info.policy(spec, seed=integer(seed, "seed", low=0), **info.policy_options(options))
 
 
 def policy_factory(name: str, spec: ModelSpec, *, seed: int = 0, options: dict | None = None):
     """A maker of ``name``'s instances for one run, every tier and partition of it (``run_factory``: the
     instances may share state, as MoE-Infinity's sequence EAMs do), with ``make_policy``'s checks."""
     info = policy_info(name)
-    check_option_names("policy", name, info.policy, options, skip=("seed",))
-    return info.policy.run_factory(spec, seed=integer(seed, "seed", low=0), **(options or {}))
+    info.check_options(options)
+    return info.policy.run_factory(spec, seed=integer(seed, "seed", low=0), **info.policy_options(options))
 
 
 __all__ = ["POLICIES", "PolicyInfo", "default_policies", "policy_info", "make_policy", "policy_factory", "AccessContext", "EvictionPolicy", "ModelSpec",

@@ -119,6 +119,7 @@ class OffloadEngine:
             self.model, self.adapter, self.startup_seconds = load_skeleton(m, self.device, self.compute_dtype,
                                                                            verify=plan.verify_checksums)
             make = policy_factory(plan.policy, self.spec, seed=plan.seed, options=plan.policy_options)
+            self.whole_layers = info.whole_layers(plan.policy_options, self.spec)
             self.store = store or ExpertStore(m, verify=plan.verify_checksums, bypass_page_cache=plan.bypass_page_cache,
                                               retries=plan.retries, readers=plan.readers)
             self.counters = Counters.zero(m.num_layers)
@@ -131,7 +132,8 @@ class OffloadEngine:
                 self.tiers = [self.split] + host_tier(m, self.spec, sizing.host_slots, self.device)
             else:
                 self.tiers = make_tiers(m, self.spec, info.partitioned, make, sizing.fast_slots, sizing.host_slots,
-                                        self.device, self.compute_dtype, self.compute_expert_bytes, self.expert_form)
+                                        self.device, self.compute_dtype, self.compute_expert_bytes, self.expert_form,
+                                        self.whole_layers)
             if plan.fetch_or_compute:
                 admit_by(self.tiers[0].cache, fetch_or_compute_rule(plan.profile(), m,
                                                                     self.tiers[-1].cache))
@@ -155,14 +157,15 @@ class OffloadEngine:
             self._generate_lock = threading.Lock()
             self.max_batch, self.batch_math = plan.max_batch, plan.batch_math
             self._scheduler = None
-            self.preload_seconds = self._preload() if plan.preload or self.places else 0.0
+            self.preload_seconds = self._preload(plan.preload) if plan.preload or self.places or self.whole_layers \
+                else 0.0
 
     # ------------------------------------------------------------------------------------------ set-up
-    def _preload(self) -> float:
+    def _preload(self, fill: bool) -> float:
         """Fill the fast tier before the first token: a placing policy's placement (policies/base.py, chosen
         from its profile or, in hindsight, the replayed trace) and the host tier with the other experts while
-        they fit (runtime/placement.py), otherwise experts in key order while they fit (the all-resident
-        baseline)."""
+        they fit (runtime/placement.py); otherwise a -dist cache's whole layers, then (``fill``) experts in key
+        order while they fit (the all-resident baseline)."""
         started = time.perf_counter()
         path = self.path
         host_only = []
@@ -170,7 +173,9 @@ class OffloadEngine:
             keys = placement_keys(self.tiers[0].cache, self.compute_expert_bytes, self.replay_trace)
             host_only = host_keys(keys, self.spec, self.tiers[-1].pool.slots)
         else:
-            keys = range(self.tiers[0].pool.slots)
+            J = self.spec.num_experts
+            whole = [layer * J + expert for layer in self.whole_layers for expert in range(J)]
+            keys = whole + ([key for key in range(self.tiers[0].pool.slots) if key not in set(whole)] if fill else [])
         with path.cond:
             for key in host_only:  # into the host tier and no further, as a bypassed expert is loaded
                 path.compute_on_host(key)

@@ -107,16 +107,17 @@ def resolve_device(device):
 
 
 def make_tiers(manifest, spec, partitioned: bool, make, fast_slots: int, host_slots: int, device, dtype,
-               compute_expert_bytes: int, form=None) -> list[Tier]:
+               compute_expert_bytes: int, form=None, whole_layers=()) -> list[Tier]:
     """The fast tier (and the host tier) of an unsplit run: ``fast_slots`` experts of ``compute_expert_bytes``
-    computing in ``dtype`` on ``device``, each partition's policy from ``make``; quantized experts in ``form``
-    (runtime/expert_forms.py)."""
+    computing in ``dtype`` on ``device``, each partition's policy from ``make`` (``whole_layers``: a -dist
+    cache's layers held whole); quantized experts in ``form`` (runtime/expert_forms.py)."""
     import torch
 
     m = manifest
     stored = getattr(torch, m.dtype)
     fast_bytes = fast_slots * compute_expert_bytes
-    fast_cache = (PartitionedCache(fast_bytes, m.num_layers, make, m.num_experts, slot_size=compute_expert_bytes)
+    fast_cache = (PartitionedCache(fast_bytes, m.num_layers, make, m.num_experts, slot_size=compute_expert_bytes,
+                                   whole_layers=whole_layers)
                   if partitioned else ExpertCache(fast_bytes, make()))
     elements = m.expert_bytes // stored.itemsize
     fast_pool = SlotPool(fast_slots, form.slot_elements, form.slot_dtype, device) if form is not None else \

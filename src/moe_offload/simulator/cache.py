@@ -275,24 +275,36 @@ class ExpertCache:
 
 
 class PartitionedCache:
-    """A cache split equally among the layers (paper 001's -Dist variants), one policy per partition.
+    """A cache split among the layers (paper 001's -Dist variants), one policy per partition.
 
-    Capacity k gives each layer k // L slots, the first k % L layers one more. A slot is ``slot_size`` units
-    (one expert's bytes in the timed simulator), so a byte budget splits into whole experts as the replay's
-    expert budget does."""
+    Capacity k gives each layer k // L slots, the first k % L layers one more. ``whole_layers`` are held whole
+    instead: each takes a slot for every expert of its layer, all loaded before the first request, so it never
+    misses (llama.cpp's layers kept in VRAM beside PR #27861's per-layer caches of the host-resident ones); the
+    other layers split what is left as above. A slot is ``slot_size`` units (one expert's bytes in the timed
+    simulator), so a byte budget splits into whole experts as the replay's expert budget does."""
 
     def __init__(self, capacity: int, num_layers: int, make_policy, experts_per_layer: int, slot_size: int = 1,
-                 admission=None):
+                 admission=None, whole_layers=()):
         self.capacity = capacity
         self.experts_per_layer = experts_per_layer
+        self.whole_layers = sorted(whole_layers)
         self.parts = [ExpertCache(slots * slot_size, make_policy(), admission)
-                      for slots in self.capacities(capacity // slot_size, num_layers)]
+                      for slots in self.capacities(capacity // slot_size, num_layers, experts_per_layer,
+                                                   self.whole_layers)]
 
     @staticmethod
-    def capacities(slots: int, num_layers: int) -> list[int]:
-        """The slots of each layer's partition: ``slots // L`` each, one more for the first ``slots % L``."""
-        base, extra = divmod(slots, num_layers)
-        return [base + (layer < extra) for layer in range(num_layers)]
+    def capacities(slots: int, num_layers: int, experts_per_layer: int = 0, whole_layers=()) -> list[int]:
+        """The slots of each layer's partition: ``experts_per_layer`` for each of ``whole_layers``, and of the
+        rest ``rest // n`` for each of the n other layers, one more for the first ``rest % n`` of them."""
+        whole = set(whole_layers)
+        others = [layer for layer in range(num_layers) if layer not in whole]
+        rest = slots - len(whole) * experts_per_layer
+        if rest < len(others):
+            raise ConfigError(f"a cache of {slots} experts cannot hold {len(whole)} whole layers of "
+                              f"{experts_per_layer} experts and one expert in each of the other {len(others)} layers")
+        base, extra = divmod(rest, len(others)) if others else (0, 0)
+        share = {layer: base + (i < extra) for i, layer in enumerate(others)}
+        return [experts_per_layer if layer in whole else share[layer] for layer in range(num_layers)]
 
     def __contains__(self, key) -> bool:
         return key in self.parts[key // self.experts_per_layer]
@@ -360,6 +372,12 @@ class PartitionedCache:
         return self.parts[key // self.experts_per_layer].admits(key, ctx)
 
     def preload(self, trace, ctx: AccessContext, size: int = 1) -> None:
+        """Every expert of the whole layers, then each partition's policy placement (if any)."""
+        for layer in self.whole_layers:
+            first = layer * self.experts_per_layer
+            for key in range(first, first + self.experts_per_layer):
+                self.parts[layer].reserve(key, ctx, size)
+                self.parts[layer].complete(key, ctx)
         for part in self.parts:
             part.preload(trace, ctx, size)
 

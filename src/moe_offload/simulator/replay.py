@@ -96,13 +96,16 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
     check_cache_size(policy, cache_size, spec)
     info = policy_info(policy)
     make = policy_factory(policy, spec, seed=seed, options=options)
+    whole_layers = info.whole_layers(options, spec)
+    if info.partitioned:  # refuses a budget its whole layers do not fit, before any work
+        PartitionedCache.capacities(cache_size, spec.num_layers, spec.num_experts, whole_layers)
     in_hindsight = info.policy.places_or_bypasses and make().in_hindsight  # built only for placements
     kernel = replay_kernel(policy, engine)
     if kernel is not None:
-        layer_hits = _replay_compiled(data, info, make(), cache_size, kernel)
+        layer_hits = _replay_compiled(data, info, make(), cache_size, kernel, whole_layers)
         layer_bypassed = np.zeros(spec.num_layers, np.int64)
     else:
-        layer_hits, layer_bypassed = _replay_objects(data, info, make, cache_size)
+        layer_hits, layer_bypassed = _replay_objects(data, info, make, cache_size, whole_layers)
 
     n = len(data.sequence)
     per_layer_accesses = data.sequence.per_layer_requests()
@@ -156,12 +159,12 @@ def load_kernels(policies: Iterable[str], engine: str = "auto") -> None:
     next_use_times(np.zeros(1, np.int32))
 
 
-def _replay_objects(data: ReplayInput, info, make, cache_size: int) -> tuple[np.ndarray, np.ndarray]:
+def _replay_objects(data: ReplayInput, info, make, cache_size: int, whole_layers=()) -> tuple[np.ndarray, np.ndarray]:
     """The reference: every request through ExpertCache and the policy object, after the policy's static
-    placement (if any). Hits and bypassed requests per layer."""
+    placement (if any) and a -dist cache's whole layers. Hits and bypassed requests per layer."""
     spec = data.spec
     if info.partitioned:
-        cache = PartitionedCache(cache_size, spec.num_layers, make, spec.num_experts)
+        cache = PartitionedCache(cache_size, spec.num_layers, make, spec.num_experts, whole_layers=whole_layers)
     else:
         cache = ExpertCache(cache_size, make())
     seq, trace = data.sequence, data.trace
@@ -200,9 +203,10 @@ def _replay_objects(data: ReplayInput, info, make, cache_size: int) -> tuple[np.
                  for value in (1, 2))
 
 
-def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel) -> np.ndarray:
+def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel, whole_layers=()) -> np.ndarray:
     """The same replay through the policy's kernel; a -dist policy runs it once per layer, on that layer's
-    requests and its partition's capacity (PartitionedCache's split). Hits per layer."""
+    requests and its partition's capacity (PartitionedCache's split), and a layer it holds whole hits every
+    request. Hits per layer."""
     spec, seq = data.spec, data.sequence
     floats, ints = policy.run_kernel_arguments(cache_size, data.trace)
     keys = seq.expert_id  # int32, the kernel's signature: no copy here
@@ -213,8 +217,12 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel) -
         kernel(keys, seq.clock, tokens, next_use, cache_size, spec.num_layers,
                spec.num_experts, floats, ints.copy(), layer_hits)
         return layer_hits
-    capacities = PartitionedCache.capacities(cache_size, spec.num_layers)
+    capacities = PartitionedCache.capacities(cache_size, spec.num_layers, spec.num_experts, whole_layers)
+    requests = seq.per_layer_requests()
     for layer in range(spec.num_layers):
+        if layer in whole_layers:  # every expert resident from the start
+            layer_hits[layer] = requests[layer]
+            continue
         # each partition has a fresh policy of the same seed (PartitionedCache's make_policy), hence ints.copy()
         kernel(keys, seq.layer_positions(layer), tokens, next_use, capacities[layer],
                spec.num_layers, spec.num_experts, floats, ints.copy(), layer_hits)

@@ -50,7 +50,8 @@ there, beside the GPU's experts or, on a machine without a GPU, on the compute s
 Uploads between passes (``uploads``, uploads.py: llama.cpp PR #27861's cache). The GPU cache admits no miss
 when it happens: its misses run on the host, and after each pass the rule publishes the uploads that have
 landed and schedules some of the pass's misses as uploads, off the compute stream. A pass larger than the
-rule serves does not read the cache: all of its experts run on the host.
+rule serves does not read the cache: all of its experts run on the host, but for the layers a -dist cache
+holds whole (``whole_layers``, llama.cpp's layers kept in VRAM), which are ordinary GPU layers in every pass.
 
 Layerwise prefill (``layerwise``, layerwise.py: KTransformers' full-GPU fallback). A pass of at least its
 threshold of tokens brings each layer's whole expert set to the GPU (the compute stream waits for it on the
@@ -112,12 +113,14 @@ class TimedRun(ComputeStream):
         # [tokens, L, J] rows costs more than the rest of a small pass.
         self.averages_probs = info.policy.needs_probs and trace.probs is not None
         make = policy_factory(policy, spec, seed=seed, options=policy_options)  # every tier's policy
+        whole_layers = info.whole_layers(policy_options, spec)
 
         def cache(capacity, admission=None, middle=False):
             if middle and info.policy.static:  # a static placement is the GPU's; a middle tier keeps a cache (LRU)
                 return ExpertCache(capacity, policy_factory("lru", spec)())
             if info.partitioned:
-                return PartitionedCache(capacity, self.L, make, self.J, slot_size=expert_bytes, admission=admission)
+                return PartitionedCache(capacity, self.L, make, self.J, slot_size=expert_bytes, admission=admission,
+                                        whole_layers=[] if middle else whole_layers)
             return ExpertCache(capacity, make(), admission)
 
         total = self.L * self.J * expert_bytes
@@ -148,6 +151,7 @@ class TimedRun(ComputeStream):
                                self._next_use_after if self.offline else None, self.decisions)
         self.host.net = self.net
         self.uploads = uploads
+        self.whole_layers = set(whole_layers)
         self.serving = True  # the GPU cache serves the current pass (module doc: Uploads between passes)
         self.layerwise = layerwise
         self.fallback = False      # the current pass brings whole layers to the GPU (module doc: Layerwise prefill)
@@ -191,6 +195,7 @@ class TimedRun(ComputeStream):
             self.split.drop_unneeded(layer, set(keys))
         net = self.net
         middle = net.caches[1:]
+        serving = self.serving or layer in self.whole_layers
         for key, round_in_pass in zip(keys, rounds):
             self.clock += 1
             ctx.clock = self.clock
@@ -198,7 +203,7 @@ class TimedRun(ComputeStream):
             if self.offline:
                 ctx.next_use = self.next_uses.at[self.clock]
             ctx.routed = routed[key]
-            hit = self.serving and fast.touch(key, ctx)
+            hit = serving and fast.touch(key, ctx)
             prefetched = key in net.pending_use
             if prefetched:
                 net.pending_use.discard(key)
@@ -211,7 +216,7 @@ class TimedRun(ComputeStream):
                 tier.touch(key, ctx)
             load = net.loads.get(key)
             # not admitted: computed on the host (module doc: Host compute)
-            if load is None and self.split is None and (not self.serving or not fast.admits(key, ctx)):
+            if load is None and self.split is None and (not serving or not fast.admits(key, ctx)):
                 self.bypassed += 1
                 self.per_layer_bypassed[layer] += 1
                 self.host.bypassed[key] = sum(ctx.routed.values())
