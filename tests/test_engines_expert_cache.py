@@ -127,13 +127,53 @@ def test_the_llama_cpp_setting_counts_the_zero_slot(tiny_trace):
     hardware_profile = hardware()
     # 8 layers: room for 24 experts gives 3 per layer, 2 slots and the zero slot
     context = PlacementContext(spec, 24, tiny_trace, hardware_profile, E)
-    cached = [s for s in llama_settings(context) if s.uploads is not None]
-    assert len(cached) == 1
-    setting = cached[0]
+    cached = {s.label: s for s in llama_settings(context) if s.uploads is not None}
+    # 7 host layers and the last kept whole: 8 + 7 x (1 + 1) = 22 experts of VRAM; 6 host layers: 16 + 6 x 1
+    # leave no slot
+    assert list(cached) == ["--n-cpu-moe 7 --moe-expert-cache 1 (PR #27861)",
+                            "--cpu-moe --moe-expert-cache 2 (PR #27861)"]
+    setting = cached["--cpu-moe --moe-expert-cache 2 (PR #27861)"]
     assert setting.flags[-3:] == ["--cpu-moe", "--moe-expert-cache", "2"]
     assert setting.cache_slots == 16 and setting.policy == "lru-dist" and setting.uploads == 2
+    assert setting.options == {"whole_layers": []}
     result = run_setting(setting, tiny_trace.select(slice(0, 40)), context)
     assert result.cache_size == 16 and result.admission == "uploads-between-passes"
+    combined = cached["--n-cpu-moe 7 --moe-expert-cache 1 (PR #27861)"]
+    assert combined.flags[-4:] == ["--n-cpu-moe", "7", "--moe-expert-cache", "1"]
+    assert combined.options == {"whole_layers": [7]} and combined.resident == list(range(56, 64))
+    assert combined.cache_slots == 15
+    result = run_setting(combined, tiny_trace.select(slice(0, 40)), context)
+    assert result.per_layer_hits[7] == result.per_layer_accesses[7] > 0  # kept in VRAM: never a miss
     # room for 15 experts: one slot per layer would need 16
     assert not [s for s in llama_settings(PlacementContext(spec, 15, tiny_trace, hardware_profile, E))
                 if s.uploads is not None]
+
+
+def test_layers_kept_in_vram_are_computed_there_in_every_pass():
+    # layer 0 is cached (2 slots) and follows the one-layer sequence by hand; layer 1 is kept whole: every
+    # access hits, in the decode steps and in the pass of two tokens, where layer 0 runs all on the host
+    meta = TraceMeta(model="hand", num_layers=2, num_experts=6, top_k=2, expert_bytes=E)
+    routes = np.asarray(DECODE + [[0, 1], [0, 1]])
+    trace = Trace.build(meta, np.stack([routes, routes], axis=1), iteration=[0, 1, 2, 3, 4, 5, 6, 7, 7],
+                        request=[0, 0, 0, 0, 0, 0, 0, 0, 1])
+    rule = UploadsBetweenPasses(2)
+    result = simulate_timed(trace, hardware(), "lru-dist", (2 + 6) * E, uploads=rule,
+                            policy_options={"whole_layers": [1]})
+    assert result.per_layer_accesses == [16, 16]  # the pass of two tokens accesses each of its experts once
+    assert result.per_layer_hits == [1, 16] and result.per_layer_bypassed == [15, 0]
+    assert rule.uploads == 11  # layer 0's, as in test_two_inserts_per_step_by_hand; layer 1 never misses
+
+
+def test_n_cpu_moe_with_the_cache_at_olmoes_shape(tiny_trace):
+    # 16 layers x 64 experts, room for 512: 8 whole layers fill it, so the least N with a slot each is 9
+    # (7 x 64 + 9 x (6 + 1) = 511), halfway 12 (4 x 64 + 12 x 21 = 508), and every layer cached (16 x 32)
+    spec = ModelSpec(16, 64, 8)
+    context = PlacementContext(spec, 512, tiny_trace, hardware(), None)
+    cached = [s for s in llama_settings(context) if s.uploads is not None]
+    assert [s.flags[-4:] for s in cached] == [["--n-cpu-moe", "9", "--moe-expert-cache", "6"],
+                                             ["--n-cpu-moe", "12", "--moe-expert-cache", "20"],
+                                             ["999", "--cpu-moe", "--moe-expert-cache", "31"]]
+    for setting, host, slots in zip(cached, (9, 12, 16), (6, 20, 31)):
+        assert setting.options["whole_layers"] == list(range(host, 16))
+        assert setting.cache_slots == host * slots + (16 - host) * 64
+        assert setting.cache_slots + host <= 512  # each cached layer's zero slot

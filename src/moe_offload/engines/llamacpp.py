@@ -35,9 +35,17 @@ layer S slots of VRAM that hold recently used experts (S + 1 experts of VRAM per
 permanently zero), ``--moe-expert-cache-inserts`` uploads per layer per step (default 2). It is run as the PR
 defines it (simulator/timed/uploads.py): ``lru-dist`` on S slots per layer, every miss computed on the host,
 up to 2 of a pass's misses per layer uploaded after it, most recent first, published at the first step after
-they land, and passes of more than one token (prefill, batches) computed on the host without the cache. With
-room for C experts, S = floor(C / L) - 1. The PR gives a cache only to host-resident layers; its combination
-with layers kept in VRAM (``--n-cpu-moe N --moe-expert-cache S``) is not listed.
+they land, and passes of more than one token (prefill, batches) computed on the host without the cache.
+
+The PR caches the layers that live on the host whichever flag put them there (``-ot``, ``--n-cpu-moe``), so
+it combines with layers kept in VRAM: ``--n-cpu-moe N --moe-expert-cache S`` keeps the last L - N layers whole
+in VRAM (every pass computes them on the GPU) and gives each of the first N a cache of S slots. It is the
+same run with those layers held whole by the cache (``lru-dist``'s ``whole_layers``, simulator/cache.py
+PartitionedCache: all their experts resident from the start, never a miss). With room for C experts a layer
+kept whole costs J and a cached layer S + 1, so N host layers leave S_N = floor((C - (L - N) J) / N) - 1 slots
+each: fewer whole layers buy every host layer more slots. Which side wins depends on how often the cached
+layers hit, so three points of the trade-off are listed and timed, none chosen from traffic: as many whole
+layers as leave every host layer a slot (the least N), none (``--cpu-moe``, N = L), and halfway between.
 """
 
 from __future__ import annotations
@@ -140,15 +148,41 @@ def settings(context: PlacementContext) -> list[Setting]:
     if host > 0:
         out.append(Setting("llama.cpp", "--cpu-moe", ALL_GPU + ["--cpu-moe"], "static-layers", {"cpu_layers": every},
                            [], note="every layer's experts on the CPU"))
-    slots = min(J, context.slots // L - 1)  # each layer's cache takes one zero slot more (module doc)
-    if slots >= 1 and host > 0:
-        out.append(Setting("llama.cpp", f"--cpu-moe --moe-expert-cache {slots} (PR #27861)",
-                           ALL_GPU + ["--cpu-moe", "--moe-expert-cache", str(slots)], "lru-dist",
-                           uploads=DEFAULT_INSERTS, cache_slots=slots * L,
-                           note=f"ggml-org/llama.cpp PR #27861 (open, not in a release): per layer an LRU of {slots} "
-                                f"VRAM slots (and its zero slot), misses computed on the host, {DEFAULT_INSERTS} "
-                                "uploads per layer after each one-token pass, none in larger passes"))
+    if host > 0:
+        out.extend(cache_setting(context, cached) for cached in cached_layer_counts(L, J, context.slots))
     return [setting for i, setting in enumerate(out) if setting.label not in {s.label for s in out[:i]}]
+
+
+def cache_slots_per_layer(num_layers: int, num_experts: int, slots: int, cached: int) -> int:
+    """S_N of the module doc: the cache slots each of ``cached`` host layers gets when the other layers are kept
+    whole in VRAM (each cached layer takes one zero slot more), at most a layer's experts; below 1: none fits."""
+    return min(num_experts, (slots - (num_layers - cached) * num_experts) // cached - 1)
+
+
+def cached_layer_counts(num_layers: int, num_experts: int, slots: int) -> list[int]:
+    """The numbers N of host layers with a cache that the settings list (module doc): the least N that leaves
+    each a slot, L, and halfway between; none when not even L layers get a slot each."""
+    fitting = [n for n in range(1, num_layers + 1) if cache_slots_per_layer(num_layers, num_experts, slots, n) >= 1]
+    if not fitting:
+        return []
+    least = fitting[0]
+    return sorted({least, (least + num_layers) // 2, num_layers})
+
+
+def cache_setting(context: PlacementContext, cached: int) -> Setting:
+    """``--n-cpu-moe N --moe-expert-cache S`` (``--cpu-moe`` where N = L): the first N layers on the host, each
+    with a PR #27861 cache of S slots, the others whole in VRAM."""
+    L, J = context.spec.num_layers, context.spec.num_experts
+    slots = cache_slots_per_layer(L, J, context.slots, cached)
+    whole = list(range(cached, L))
+    placement = ["--cpu-moe"] if cached == L else ["--n-cpu-moe", str(cached)]
+    kept = f"the last {len(whole)} layers' experts in VRAM, " if whole else ""
+    return Setting("llama.cpp", f"{' '.join(placement)} --moe-expert-cache {slots} (PR #27861)",
+                   ALL_GPU + placement + ["--moe-expert-cache", str(slots)], "lru-dist", {"whole_layers": whole},
+                   layer_keys(whole, J), uploads=DEFAULT_INSERTS, cache_slots=slots * cached + len(whole) * J,
+                   note=f"ggml-org/llama.cpp PR #27861 (open, not in a release): {kept}per host layer an LRU of "
+                        f"{slots} VRAM slots (and its zero slot), misses computed on the host, {DEFAULT_INSERTS} "
+                        "uploads per layer after each one-token pass, none in larger passes")
 
 
 ENGINE = EngineModel(
