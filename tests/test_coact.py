@@ -126,10 +126,13 @@ def reference_values(history, token, num_experts, top_k, half_life):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_every_victim_has_the_lowest_value_of_the_formula(seed):
+@pytest.mark.parametrize("tight", [True, False])
+def test_every_victim_has_the_lowest_value_of_the_formula(seed, tight):
+    # both ways of lowering the raised entries at a token's start (to s_e, or to the value there) are bounds
     rng = random.Random(seed)
     spec = ModelSpec(num_layers=3, num_experts=4, top_k=2)
     policy = make_policy("coact", spec, options={"half_life": 3})
+    policy._tight = tight
     cache, ctx = ExpertCache(7, policy), AccessContext()
     history, clock = [], 0
     for token in range(60):
@@ -175,9 +178,9 @@ def test_counts_are_halved_before_they_leave_32_bits(monkeypatch):
     # the limit lowered to 4 tokens: expert 0 (layer 0) is routed in every token, with 3 (layer 1) in tokens
     # 0, 2 and 4 and with 5 in tokens 1 and 3. c(0) reaches 4 when token 3 ends and is halved, with c(0 -> 3) = 2
     # and c(0 -> 5) = 2; token 4 is still being served.
-    import moe_offload.policies.coact as coact
+    import moe_offload.policies._coact_tokens as tokens
 
-    monkeypatch.setattr(coact, "COUNT_LIMIT", 4.0)
+    monkeypatch.setattr(tokens, "COUNT_LIMIT", 4.0)
     policy = make_policy("coact", TWO_LAYERS)
     cache, ctx = ExpertCache(6, policy), AccessContext()
     for token in range(5):

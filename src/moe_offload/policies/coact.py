@@ -70,6 +70,19 @@ go back to s_e (a list of them is kept), so every entry is a lower bound again w
 when the unit changes (every 600 / lambda tokens) every entry is set to s_e, pushed again one by one. A
 token's end costs 2 K^2 additions per layer to learn from it.
 
+Two savings that change no decision. An entry known to be its key needs no value computed: a request changes
+the keys of its own layer (s, the stamp, the Q of what the layer has routed) and, routing a new expert, P at
+the next layer; a token's start changes every key. Each layer keeps the count of requests (events) at its
+last change, and each entry the count after which it was set to its key's value; a root set after its
+layer's last change is its key, so the search takes it without computing it (most searches end on a root they
+have just re-keyed). And where Q is a large share of a key, K / J >= 1/8 (Q averages K / J an expert), a
+token's start re-keys each raised entry to its value there, s_e + g_n * Q (P is 0 until the layer before
+routes), where it is below the entry, instead of lowering it to s_e: K products that spare the searches of
+the new token re-keying it from s_e; it stays on the list of raised entries while above s_e. On
+``benchmarks/replay_throughput.py``'s 32 x 8 top-2 sequence (64 slots) the two took the kernel from 8.8 to
+10.4 M requests/s; with more experts a layer (128, top-4 or top-8) the K products, each in another row of
+the transition table, cost more than the re-keys they spare, hence the share.
+
 Beyond the replay. A prefetched expert that no token has routed enters with F = 0. The runtime and the timed
 simulator serve a whole pass per access; ``ctx.token`` then names its token and the counts learn per pass.
 """
@@ -80,13 +93,12 @@ import math
 
 import numpy as np
 
+from moe_offload.policies._coact_tokens import learn, new_token, tight_start
 from moe_offload.policies._ranked import heap_new, heap_pop, heap_push, heap_remove, heap_update
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 from moe_offload.values import number
 
 HALF_LIFE = 8.0  # tokens
-COUNT_LIMIT = 2.0 ** 30  # c(a) or d(a) at which a's counts are halved (_halve)
-RESCALE_EXPONENT = 600.0  # ln g at which the common unit moves to the current token (e^709 overflows)
 
 
 class CoActivation(EvictionPolicy):
@@ -120,6 +132,11 @@ class CoActivation(EvictionPolicy):
         self._raised = np.zeros(num_keys, np.bool_)  # residents whose entry may be above s_e (module doc)
         self._raised_keys = np.zeros(num_keys, np.int64)
         self._raised_count = 0
+        self._tight = tight_start(spec.num_experts, spec.top_k)
+        # the event count at which each layer's keys last changed, and after which each entry is its key (doc)
+        self._changed = np.zeros(spec.num_layers, np.int64)
+        self._exact = np.zeros(num_keys, np.int64)
+        self._events = 1
         self._token = None
         self._base = 0  # n_0
         self._scale = 1.0  # g_n
@@ -145,26 +162,33 @@ class CoActivation(EvictionPolicy):
         order, scores, stamps, position = self._heap
         if token != self._token:
             if self._token is not None:
-                _learn(self._cooccur, self._routed, self._inverse_routed, self._successor, self._followed,
+                learn(self._cooccur, self._routed, self._inverse_routed, self._successor, self._followed,
                        self._inverse_followed, self._seen, self._seen_count, self._before, self._before_count,
                        self.spec.num_experts)
                 self._seen, self._before = self._before, self._seen
                 self._seen_count, self._before_count = self._before_count, self._seen_count
             self._seen_count[:] = 0
-            self._base, self._scale = _new_token(
+            self._events += 1
+            self._changed[:] = self._events
+            self._base, self._scale, self._raised_count = new_token(
                 order, scores, stamps, position, self._size, token, self._scaled, self._last_request, self._raised,
-                self._raised_keys, self._raised_count, self._base, self.decay)
-            self._raised_count = 0
+                self._raised_keys, self._raised_count, self._base, self.decay, self._tight, self._successor,
+                self._inverse_followed, self._before, self._before_count, self.spec.num_experts, self.spec.top_k,
+                self._exact, self._events)
             self._token = token
+        layer = key // self.spec.num_experts
         if self._last_token[key] != token:
             self._scaled[key] += self._scale
             self._last_token[key] = token
-            layer = key // self.spec.num_experts
             if self._seen_count[layer] == self._seen.shape[1]:  # a runtime pass routed more than K
                 self._seen = np.concatenate([self._seen, np.zeros_like(self._seen)], axis=1)
                 self._before = np.concatenate([self._before, np.zeros_like(self._before)], axis=1)
             self._seen[layer, self._seen_count[layer]] = key
             self._seen_count[layer] += 1
+            if layer + 1 < self.spec.num_layers:
+                self._changed[layer + 1] = self._events + 1
+        self._events += 1
+        self._changed[layer] = self._events
         self._last_request[key] = ctx.clock
         if position[key] >= 0:
             _lower_on_hit(order, scores, stamps, position, self._size, key, float(self._scaled[key]), ctx.clock)
@@ -172,6 +196,7 @@ class CoActivation(EvictionPolicy):
     def on_insert(self, key, ctx):
         order, scores, stamps, position = self._heap
         self._last_request[key] = ctx.clock  # a prefetch too: ties go to the expert loaded or requested last
+        self._exact[key] = 0  # its entry s_e is a bound, whatever an earlier stay left
         heap_push(order, scores, stamps, position, self._size, key, float(self._scaled[key]), ctx.clock)
         self._size += 1
 
@@ -205,17 +230,20 @@ class CoActivation(EvictionPolicy):
         """The resident of lowest (u, stamp), left at the heap's root. An entry holds a lower bound of its key's
         (u, last request); a root whose entry is not current is re-keyed until the root's entry is current, and
         the lowest of all (module doc)."""
-        key = order[0]
-        value = self._value(key, self._token)
-        while value != scores[0] or self._last_request[key] != stamps[0]:
+        while True:
+            key = order[0]
+            if self._exact[key] > self._changed[key // self.spec.num_experts] and \
+                    self._last_request[key] == stamps[0]:
+                return key
+            value = self._value(key, self._token)
+            self._exact[key] = self._events + 1
+            if value == scores[0] and self._last_request[key] == stamps[0]:
+                return key
             heap_update(order, scores, stamps, position, self._size, key, value, self._last_request[key])
             if not self._raised[key]:
                 self._raised[key] = True
                 self._raised_keys[self._raised_count] = key
                 self._raised_count += 1
-            key = order[0]
-            value = self._value(key, self._token)
-        return key
 
     def decision_flops(self, residents: int) -> float:
         """A value is at most 2K products and additions (P and Q) and four more operations: ``4 (K + 1)``. A
@@ -248,6 +276,10 @@ class CoActivation(EvictionPolicy):
         raised = np.zeros(num_keys, np.bool_)
         raised_keys = np.zeros(num_keys, np.int64)
         raised_count = 0
+        tight = tight_start(num_experts, top_k)
+        changed = np.zeros(num_layers, np.int64)
+        exact = np.zeros(num_keys, np.int64)
+        events = 1
         base = 0
         scale = 1.0
         current = -1
@@ -257,25 +289,32 @@ class CoActivation(EvictionPolicy):
             token = tokens[t]
             if token != current:
                 if current >= 0:
-                    _learn(cooccur, routed, inverse_routed, successor, followed, inverse_followed, seen, seen_count,
+                    learn(cooccur, routed, inverse_routed, successor, followed, inverse_followed, seen, seen_count,
                            before, before_count, num_experts)
                     before[:, :] = seen  # copied, not swapped: a swap of two arrays in the loop made it 4x slower
                     before_count[:] = seen_count
                 seen_count[:] = 0
-                base, scale = _new_token(order, scores, stamps, position, size, token, scaled, last_request,
-                                         raised, raised_keys, raised_count, base, decay)
-                raised_count = 0
+                events += 1
+                changed[:] = events
+                base, scale, raised_count = new_token(
+                    order, scores, stamps, position, size, token, scaled, last_request, raised, raised_keys,
+                    raised_count, base, decay, tight, successor, inverse_followed, before, before_count, num_experts,
+                    top_k, exact, events)
                 current = token
+            layer = key // num_experts
             if last_token[key] != token:
                 scaled[key] += scale
                 last_token[key] = token
-                layer = key // num_experts
                 if seen_count[layer] < top_k:
                     seen[layer, seen_count[layer]] = key
                     seen_count[layer] += 1
+                if layer + 1 < num_layers:
+                    changed[layer + 1] = events + 1
+            events += 1
+            changed[layer] = events
             last_request[key] = t
             if position[key] >= 0:
-                layer_hits[key // num_experts] += 1
+                layer_hits[layer] += 1
                 if scaled[key] < scores[position[key]]:  # _lower_on_hit
                     heap_update(order, scores, stamps, position, size, key, scaled[key], t)
                 continue
@@ -286,6 +325,8 @@ class CoActivation(EvictionPolicy):
                 victim = order[0]
                 while True:
                     layer = victim // num_experts
+                    if exact[victim] > changed[layer] and last_request[victim] == stamps[0]:
+                        break
                     first = layer * num_experts  # a's column: a - first for a of e's layer
                     if last_token[victim] != token:
                         predicted = 0.0
@@ -304,6 +345,7 @@ class CoActivation(EvictionPolicy):
                             a = seen[layer, i]
                             following += successor[victim, a - first] * inverse_followed[a]
                         value = scaled[victim] + scale * (following / top_k)
+                    exact[victim] = events + 1
                     if value == scores[0] and last_request[victim] == stamps[0]:
                         break
                     heap_update(order, scores, stamps, position, size, victim, value, last_request[victim])
@@ -315,8 +357,10 @@ class CoActivation(EvictionPolicy):
                 # the request takes the victim's place at the root and sifts down: one sift, not a pop and a push
                 position[victim] = -1
                 position[key] = 0
+                exact[key] = 0
                 heap_update(order, scores, stamps, position, size, key, scaled[key], t)
                 continue
+            exact[key] = 0
             heap_push(order, scores, stamps, position, size, key, scaled[key], t)
             size += 1
 
@@ -352,67 +396,3 @@ def _lower_on_hit(order, scores, stamps, position, size, key, value, clock):
     it reaches the root otherwise)."""
     if value < scores[position[key]]:
         heap_update(order, scores, stamps, position, size, key, value, clock)
-
-
-def _new_token(order, scores, stamps, position, size, token, scaled, last_request, raised, raised_keys, raised_count,
-               base, decay):
-    """(n_0, g_n) for the token ``token`` starting now: when ln g_n passes RESCALE_EXPONENT every s_e is divided
-    by g_n, which then becomes 1, and every entry is set to s_e (module doc); otherwise only the entries a
-    search raised in the token before (the first ``raised_count`` of ``raised_keys``) are lowered to s_e, the
-    lower bound of a key at any token (P and Q start again)."""
-    exponent = decay * (token - base)
-    if exponent > RESCALE_EXPONENT:
-        factor = math.exp(exponent)
-        for key in range(scaled.shape[0]):
-            scaled[key] = scaled[key] / factor
-        base = token
-        exponent = 0.0
-        for i in range(size):  # the first i entries are a heap: the i-th is pushed again, with its key now
-            key = order[i]
-            heap_push(order, scores, stamps, position, i, key, scaled[key], last_request[key])
-    else:
-        for i in range(raised_count):
-            key = raised_keys[i]
-            if position[key] >= 0 and scores[position[key]] > scaled[key]:
-                heap_update(order, scores, stamps, position, size, key, scaled[key], last_request[key])
-    for i in range(raised_count):
-        raised[raised_keys[i]] = False
-    return base, math.exp(exponent)
-
-
-def _learn(cooccur, routed, inverse_routed, successor, followed, inverse_followed, seen, seen_count, before,
-           before_count, num_experts):
-    """Count the finished token: c(a) for every routed a, c(a, b) for a at layer l and b at layer l + 1, and
-    d(a), d(a, b) for a routed at layer l in the token before (``before``) and b at layer l in this one; and
-    the inverses of the counts that changed."""
-    num_layers = seen_count.shape[0]
-    for layer in range(num_layers):
-        first = layer * num_experts
-        for i in range(seen_count[layer]):
-            a = seen[layer, i]
-            routed[a] += 1.0
-            if routed[a] >= COUNT_LIMIT:
-                _halve(cooccur, routed, a, first + num_experts if layer + 1 < num_layers else -1, a - first)
-            inverse_routed[a] = 1.0 / routed[a]
-            if layer + 1 < num_layers:
-                for j in range(seen_count[layer + 1]):
-                    cooccur[seen[layer + 1, j], a - first] += 1
-        for i in range(before_count[layer]):
-            a = before[layer, i]
-            followed[a] += 1.0
-            if followed[a] >= COUNT_LIMIT:
-                _halve(successor, followed, a, first, a - first)
-            inverse_followed[a] = 1.0 / followed[a]
-            for j in range(seen_count[layer]):
-                successor[seen[layer, j], a - first] += 1
-
-
-def _halve(pairs, totals, a, first_row, column):
-    """Halve a's counts, its total and its pairs (column ``column`` of the layer's rows from ``first_row``;
-    -1: none): they are 32-bit (half the memory, the replay's largest cost reading them), and c(a, b) <= c(a),
-    so halving the total as it reaches COUNT_LIMIT keeps every pair in range (after a billion tokens: an old
-    token then counts half, as decay would have it)."""
-    totals[a] = totals[a] // 2.0
-    if first_row >= 0:
-        for b in range(first_row, first_row + pairs.shape[1]):
-            pairs[b, column] = pairs[b, column] // 2
