@@ -168,6 +168,10 @@ def test_refusals(checkpoint):
         OffloadEngine(make_plan(packed, fast_budget="5%"))
     with pytest.raises(ConfigError, match="leave a layer without one"):
         OffloadEngine(make_plan(packed, fast_budget=f"{2 * COMPUTE_EXPERT_BYTES}B", policy="lru-dist"))
+    with pytest.raises(ConfigError, match="cannot hold 2 whole layers of 6 experts and one expert in each of the "
+                                          "other 1 layers"):
+        OffloadEngine(make_plan(packed, fast_budget=f"{12 * COMPUTE_EXPERT_BYTES}B", policy="lru-dist",
+                                policy_options={"whole_layers": [0, 1]}))
     with pytest.raises(ConfigError, match="needs the future"):
         OffloadEngine(make_plan(packed, policy="belady"))
     with pytest.raises(ConfigError, match="chooses its experts from a profile"):

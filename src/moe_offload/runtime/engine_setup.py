@@ -87,6 +87,12 @@ def size_tiers(plan, manifest, spec, device) -> Sizing:
         raise ConfigError(f"policy {plan.policy!r} splits the fast tier among the {m.num_layers} layers: "
                           f"{fast_slots} experts leave a layer without one; give at least {m.num_layers} "
                           f"({format_bytes(m.num_layers * expert_bytes)})")
+    whole_layers = info.whole_layers(plan.policy_options, spec)
+    if whole_layers and plan.split:
+        raise ConfigError(f"{plan.policy}.whole_layers: MoEpic's split keeps its own per-layer tops; give one or the "
+                          "other")
+    if whole_layers:  # the whole layers and a slot for each other layer, or a clear refusal before any loading
+        PartitionedCache.capacities(fast_slots, m.num_layers, m.num_experts, whole_layers)
     host_slots = plan.host_experts(m.expert_bytes, experts)
     if plan.host_budget is not None and host_slots < 1:
         raise ConfigError(f"host budget {plan.host_budget} cannot hold one expert ({format_bytes(m.expert_bytes)})")
