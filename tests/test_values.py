@@ -15,6 +15,7 @@ from moe_offload.policies import POLICIES, ModelSpec, make_policy
 from moe_offload.simulator.replay import ReplayInput, replay
 from moe_offload.trace.format import write_trace
 from moe_offload.trace.synthetic import zipf_trace
+from moe_offload.values.options import component_options
 
 
 def refused(function, *args, **kwargs) -> str:
@@ -231,9 +232,9 @@ def test_unknown_options_name_those_the_component_takes(capsys):
 
 
 def test_the_option_parser_keeps_strings_and_json():
-    options = values.component_options(["learned.model_path=/x/y.npz", "lcp.rho=0.5", "lcp.omega=1e3"],
+    options = component_options(["learned.model_path=/x/y.npz", "lcp.rho=0.5", "lcp.omega=1e3"],
                                        "--policy-option", "POLICY.NAME=VALUE", "policy",
                                        lambda name: POLICIES[name].policy, skip=("seed",))
     assert options == {"learned": {"model_path": "/x/y.npz"}, "lcp": {"rho": 0.5, "omega": 1000.0}}
-    assert "is not POLICY.NAME=VALUE" in refused(values.component_options, ["lcp.rho"], "--policy-option",
+    assert "is not POLICY.NAME=VALUE" in refused(component_options, ["lcp.rho"], "--policy-option",
                                                  "POLICY.NAME=VALUE", "policy", lambda name: POLICIES[name].policy)

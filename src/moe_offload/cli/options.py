@@ -17,7 +17,8 @@ import os
 from moe_offload.errors import ConfigError
 from moe_offload.plan.choices import MATCHERS
 from moe_offload.policies import policy_info
-from moe_offload.values import check_options_used, component_options, integer, option_defaults
+from moe_offload.values import integer
+from moe_offload.values.options import check_options_used, component_options, option_defaults
 
 POLICY_OPTION, PREFETCH_OPTION = "POLICY.NAME=VALUE", "PREFETCHER.NAME=VALUE"
 DEFAULT_JOBS = min(2, os.cpu_count() or 1)

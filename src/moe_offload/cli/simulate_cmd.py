@@ -19,7 +19,8 @@ from moe_offload.outputs import check_output, write_atomically
 from moe_offload.policies import default_policies, policy_info
 from moe_offload.simulator.replay import ENGINES
 from moe_offload.trace.format import TraceMeta, read_trace
-from moe_offload.values import cache_sizes, check_options_used, component_options, integer, jobs, parse_bytes
+from moe_offload.values import cache_sizes, integer, jobs, parse_bytes
+from moe_offload.values.options import check_options_used, component_options
 
 DEFAULT_CACHE_SIZES = "12.5%,25%,50%"
 DEFAULT_TIMED_CACHE_SIZES = "25%"

@@ -20,6 +20,7 @@ from moe_offload.plan.choices import BATCH_MATH, MATCHERS, REPLAY_WEIGHTS
 from moe_offload.plan.plan import Plan, Reconfiguration
 from moe_offload.policies import policy_info
 from moe_offload.prefetch import prefetcher_info
+from moe_offload.values.options import check_option_names, option_defaults
 
 def make_plan(model="tiny", *, fast_budget="50%", host_budget=None, policy: str = "lru",
               policy_options: dict | None = None, prefetch: str | None = None, prefetch_options: dict | None = None,
@@ -49,7 +50,7 @@ def make_plan(model="tiny", *, fast_budget="50%", host_budget=None, policy: str 
     if isinstance(prefetch, str) and prefetch.strip() == "none":
         prefetch = None
     if prefetch is not None:
-        values.check_option_names("prefetcher", prefetch, prefetcher_info(prefetch), prefetch_options)
+        check_option_names("prefetcher", prefetch, prefetcher_info(prefetch), prefetch_options)
     elif prefetch_options:
         raise ConfigError("prefetch options without a prefetcher: add --prefetch NAME")
     if reconfigure_every is not None:
@@ -110,7 +111,7 @@ def _placing_host_budget(info, policy_options: dict | None, host_budget, replayi
     if info.policy.static and prefetch is not None:
         raise ConfigError(f"policy {name!r} is a static placement: it loads nothing after the start, so there is "
                           f"nothing for the prefetcher {prefetch!r} to prefetch")
-    if "profile" in values.option_defaults(info.policy) and not (policy_options or {}).get("profile") \
+    if "profile" in option_defaults(info.policy) and not (policy_options or {}).get("profile") \
             and not replaying:
         raise ConfigError(f"policy {name!r} chooses its experts from a profile: give one (--profile TRACE, "
                           "profile=TRACE in Python), or replay a trace to choose from it in hindsight")

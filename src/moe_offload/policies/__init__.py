@@ -39,7 +39,8 @@ from moe_offload.policies.random import RandomEviction
 from moe_offload.policies.static_experts import StaticExperts
 from moe_offload.policies.static_freq import StaticFrequency
 from moe_offload.policies.static_layers import StaticLayers
-from moe_offload.values import check_option_names, integer, integer_list, required_options
+from moe_offload.values import integer, integer_list
+from moe_offload.values.options import check_option_names, required_options
 
 # The option of a -dist policy's split cache, not of its policy (simulator/cache.py PartitionedCache): the layers
 # held whole, every expert resident from the start, the others splitting the rest of the budget.

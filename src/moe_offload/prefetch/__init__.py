@@ -21,7 +21,7 @@ from moe_offload.prefetch.pre_gated import PreGatedPrefetcher
 from moe_offload.prefetch.requirements import check_trace_columns
 from moe_offload.prefetch.topk import TopKPrefetcher
 from moe_offload.prefetch.traced_topk import TracedTopKPrefetcher
-from moe_offload.values import check_option_names, option_defaults
+from moe_offload.values.options import check_option_names, option_defaults
 
 PREFETCHERS: dict[str, type[Prefetcher]] = {
     cls.name: cls
