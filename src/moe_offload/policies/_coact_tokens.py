@@ -1,6 +1,6 @@
-"""coact's bookkeeping between tokens (policies/coact.py's module doc): the common unit and the raised heap entries
-at a token's start, and the counts learned from a token that has ended. The policy object and its compiled
-replay kernel call the same functions."""
+"""coact's bookkeeping between tokens (policies/coact.py's module doc): the common unit and the raised heap
+entries at a token's start, and the counts learned from a token that has ended. The policy object and its
+compiled replay kernel call the same functions."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from moe_offload.policies._ranked import heap_push, heap_update
 
 COUNT_LIMIT = 2.0 ** 30  # c(a) or d(a) at which a's counts are halved (halve)
 RESCALE_EXPONENT = 600.0  # ln g at which the common unit moves to the current token (e^709 overflows)
-TIGHT_SHARE = 1 / 8  # K / J from which a token's start re-keys its raised entries to their value (coact.py's module doc)
+TIGHT_SHARE = 1 / 8  # K / J from which a token's start re-keys its raised entries to their value (coact.py)
 
 
 def tight_start(num_experts: int, top_k: int) -> bool:
@@ -19,8 +19,8 @@ def tight_start(num_experts: int, top_k: int) -> bool:
 
 
 def new_token(order, scores, stamps, position, size, token, scaled, last_request, raised, raised_keys, raised_count,
-               base, decay, tight, successor, inverse_followed, before, before_count, num_experts, top_k, exact,
-               events):
+              base, decay, tight, successor, inverse_followed, before, before_count, num_experts, top_k, exact,
+              events):
     """(n_0, g_n, the raised entries left) for the token ``token`` starting now, ``events`` its start's event
     count. When ln g_n passes RESCALE_EXPONENT every s_e is divided by g_n, which then becomes 1, and every
     entry is set to s_e (module doc). Otherwise the raised entries (the first ``raised_count`` of
@@ -68,7 +68,7 @@ def new_token(order, scores, stamps, position, size, token, scaled, last_request
 
 
 def learn(cooccur, routed, inverse_routed, successor, followed, inverse_followed, seen, seen_count, before,
-           before_count, num_experts):
+          before_count, num_experts):
     """Count the finished token: c(a) for every routed a, c(a, b) for a at layer l and b at layer l + 1, and
     d(a), d(a, b) for a routed at layer l in the token before (``before``) and b at layer l in this one; and
     the inverses of the counts that changed."""

@@ -1,10 +1,10 @@
 """One validation layer for the values a user gives, on the command line or through the Python API.
 
-Every command and every public function that takes a size, a percentage, a count, a component option, a
-device or a limit checks it here (component options in values/options.py), so a value is accepted or refused the same way wherever it comes from,
-with the same words: ``WHAT VALUE: problem`` in one line, e.g. ``--cache-size '150%': a percentage must be
-in (0, 100]`` or ``lcp.rho 'abc': must be a number in (0, 1)`` (the same text from ``--policy-option
-lcp.rho=abc`` and from ``replay(..., options={"rho": "abc"})``). Every problem is a
+Every command and every public function that takes a size, a percentage, a count, a component option (in
+values/options.py), a device or a limit checks it here, so a value is accepted or refused the same way wherever
+it comes from, with the same words: ``WHAT VALUE: problem`` in one line, e.g. ``--cache-size '150%': a
+percentage must be in (0, 100]`` or ``lcp.rho 'abc': must be a number in (0, 1)`` (the same text from
+``--policy-option lcp.rho=abc`` and from ``replay(..., options={"rho": "abc"})``). Every problem is a
 :class:`~moe_offload.errors.ConfigError`.
 
 What is checked beyond the type: numbers are finite (``inf%``, ``NaN`` and ``1e400`` are refused rather than
