@@ -175,7 +175,8 @@ class OffloadEngine:
         else:
             J = self.spec.num_experts
             whole = [layer * J + expert for layer in self.whole_layers for expert in range(J)]
-            keys = whole + ([key for key in range(self.tiers[0].pool.slots) if key not in set(whole)] if fill else [])
+            held = set(whole)
+            keys = whole + ([key for key in range(self.tiers[0].pool.slots) if key not in held] if fill else [])
         with path.cond:
             for key in host_only:  # into the host tier and no further, as a bypassed expert is loaded
                 path.compute_on_host(key)
