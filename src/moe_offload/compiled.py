@@ -14,6 +14,18 @@ A kernel whose plain Python runs in a second or so on a short input is compiled 
 the compile (``compile_pays``): Numba's first compile of a kernel costs seconds of CPU (once per machine, its
 cache keeps it after), more than the plain function takes on a short trace, and the results are the same,
 the function being the same.
+
+One pass more than Numba's own (``forward_copies``). Numba counts references to arrays: a variable that
+takes an array from another (``a = b``) takes a reference, released where it dies, each an atomic operation
+on the array's counter. Inlining a helper binds each parameter so (``previous = lists``), and unpacks a
+tuple of arrays so (``previous, following, ends = lists``), at every call: in a kernel's loop that was two
+atomic operations per array per helper call, which Numba's pruning of reference pairs leaves where the
+helper branches. The pass, after Numba rebuilds single assignments, makes every use of such a variable a
+use of the variable it always equals, when that one is assigned once and outside every loop (so it holds
+one value for the whole call: the kernel's arguments, the arrays it makes before its loop, the items of a
+tuple built there), and drops the copy. The replay kernels' linked-list helpers then cost what the same code
+written out in the loop costs, with the same decisions: the machine code differs in its reference counting
+only (docs/benchmarks.md, "Replay throughput", has the kernels' rates with and without the pass).
 """
 
 from __future__ import annotations
@@ -44,9 +56,111 @@ def njit_cached(function, signature):
     on-disk cache where it can be."""
     import numba  # an optional dependency (module docstring)
 
+    pipeline = pipeline_with_forward_copies()
     try:
-        return numba.njit(signature, cache=True, nogil=True)(function)
+        return numba.njit(signature, cache=True, nogil=True, pipeline_class=pipeline)(function)
     except RuntimeError as exc:  # no folder to cache in (read-only install, no writable home)
         if "cannot cache" not in str(exc):
             raise
-        return numba.njit(signature, nogil=True)(function)
+        return numba.njit(signature, nogil=True, pipeline_class=pipeline)(function)
+
+
+PIPELINE = "forward_copies 1"  # in the replay kernels' digest (simulator/kernels.py): a change is a new cache entry
+
+
+@functools.cache
+def pipeline_with_forward_copies():
+    """Numba's nopython pipeline with the pass ``forward_copies`` after its single-assignment form (module doc)."""
+    from numba.core import ir, ir_utils, postproc
+    from numba.core.compiler import CompilerBase, DefaultPassBuilder
+    from numba.core.compiler_machinery import FunctionPass, register_pass
+    from numba.core.untyped_passes import ReconstructSSA
+
+    @register_pass(mutates_CFG=False, analysis_only=False)
+    class ForwardCopies(FunctionPass):
+        _name = "forward_copies"
+
+        def __init__(self):
+            FunctionPass.__init__(self)
+
+        def run_pass(self, state):
+            func_ir = state.func_ir
+            mapping = forward_copies(func_ir)
+            if not mapping:
+                return False
+            for block in func_ir.blocks.values():
+                block.body = [statement for statement in block.body
+                              if not (isinstance(statement, ir.Assign) and statement.target.name in mapping)]
+            ir_utils.replace_vars(func_ir.blocks, mapping)
+            func_ir._definitions = ir_utils.build_definitions(func_ir.blocks)
+            postproc.PostProcessor(func_ir).run()
+            return True
+
+    class PipelineWithForwardCopies(CompilerBase):
+        def define_pipelines(self):
+            passes = DefaultPassBuilder.define_nopython_pipeline(self.state)
+            passes.add_pass_after(ForwardCopies, ReconstructSSA)
+            passes.finalize()
+            return [passes]
+
+    return PipelineWithForwardCopies
+
+
+def forward_copies(func_ir) -> dict:
+    """{name: variable} for each variable of Numba's ``func_ir`` assigned once from another variable, or from an
+    item of a tuple, that always equals a variable assigned once outside every loop: that variable (module
+    doc)."""
+    from numba.core import ir, ir_utils
+    from numba.core.analysis import compute_cfg_from_blocks
+
+    blocks = func_ir.blocks
+    definitions = ir_utils.build_definitions(blocks)
+    in_loop = set()
+    for loop in compute_cfg_from_blocks(blocks).loops().values():
+        in_loop |= set(loop.body)
+    value_of, target_of, once_outside_loops = {}, {}, set()
+    for label, block in blocks.items():
+        for statement in block.body:
+            if isinstance(statement, ir.Assign) and len(definitions[statement.target.name]) == 1:
+                value_of[statement.target.name] = statement.value
+                target_of[statement.target.name] = statement.target
+                if label not in in_loop:
+                    once_outside_loops.add(statement.target.name)
+
+    def source(variable, depth=0):
+        """The variable whose value ``variable`` always holds: through copies and items of built tuples."""
+        while depth < 64:  # a chain of inlined helpers is a few links long; 64 also ends a cycle of dead code
+            depth += 1
+            value = value_of.get(variable.name)
+            if isinstance(value, ir.Var):
+                variable = value
+            elif isinstance(value, ir.Expr) and value.op == "static_getitem" and isinstance(value.index, int):
+                items = tuple_items(value.value, depth)
+                if items is None or not 0 <= value.index < len(items):
+                    return variable
+                variable = items[value.index]
+            else:
+                return variable
+        return variable
+
+    def tuple_items(variable, depth):
+        """The items of the tuple built once outside every loop that ``variable`` always holds, or None."""
+        while depth < 64:
+            depth += 1
+            variable = source(variable, depth)
+            value = value_of.get(variable.name)
+            if isinstance(value, ir.Expr) and value.op == "exhaust_iter":  # a tuple's unpacking
+                variable = value.value
+            elif isinstance(value, ir.Expr) and value.op == "build_tuple" and variable.name in once_outside_loops:
+                return value.items
+            else:
+                return None
+        return None
+
+    mapping = {}
+    for name, value in value_of.items():
+        if isinstance(value, ir.Var) or (isinstance(value, ir.Expr) and value.op == "static_getitem"):
+            root = source(target_of[name])
+            if root.name != name and root.name in once_outside_loops:
+                mapping[name] = root
+    return mapping

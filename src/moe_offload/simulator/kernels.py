@@ -41,7 +41,7 @@ import functools
 import hashlib
 import types
 
-from moe_offload.compiled import INSTALL_HINT, njit_cached, numba_available  # noqa: F401  (kernels.INSTALL_HINT)
+from moe_offload.compiled import INSTALL_HINT, PIPELINE, njit_cached, numba_available  # noqa: F401  (kernels.INSTALL_HINT)
 
 SIGNATURE = ("void(int32[::1], int32[::1], int32[::1], int32[::1], int64, int64, int64, float64[::1], int64[::1], "
              "int64[::1])")
@@ -97,7 +97,7 @@ def _names(code) -> set[str]:
 def _digest(function, helpers: dict, signature: str) -> str:
     """A short hash of the bytecode, constants and names of ``function`` and its helpers, and of how they are
     compiled."""
-    hasher = hashlib.sha256(repr((signature, HELPER_OPTIONS, COMPILE_FLAGS)).encode())
+    hasher = hashlib.sha256(repr((signature, HELPER_OPTIONS, COMPILE_FLAGS, PIPELINE)).encode())
     for code in [function.__code__] + sorted((helper.__code__ for helper in helpers),
                                              key=lambda code: (code.co_filename, code.co_qualname)):
         _hash_code(code, hasher)
