@@ -68,7 +68,8 @@ def main() -> None:
     parser.add_argument("--cache-fraction", type=float, default=0.25)
     parser.add_argument("--repeat", type=int, default=3, help="runs of each compiled and libCacheSim replay")
     parser.add_argument("--python-repeat", type=int, default=1, help="runs of each Python replay (0: none)")
-    parser.add_argument("--policies", default=None, help="comma-separated (default: every policy)")
+    parser.add_argument("--policies", default=None,
+                        help="comma-separated (default: every policy that runs without options, as 'all')")
     parser.add_argument("--command-accesses", default="2000000,20000000",
                         help="comma-separated request counts of the whole-command comparison ('' for none)")
     args = parser.parse_args()
@@ -77,14 +78,14 @@ def main() -> None:
     numba_cache = tempfile.TemporaryDirectory(prefix="numba-cache-")
     os.environ["NUMBA_CACHE_DIR"] = numba_cache.name
 
-    from moe_offload.policies import POLICIES
+    from moe_offload.policies import POLICIES, default_policies
     from moe_offload.simulator import kernels
     from moe_offload.simulator.replay import ReplayInput, replay
     from moe_offload.trace.flatten import write_oracle_general
     from moe_offload.trace.format import read_trace, write_trace
     from moe_offload.trace.synthetic import zipf_trace
 
-    policies = args.policies.split(",") if args.policies else list(POLICIES)
+    policies = args.policies.split(",") if args.policies else default_policies()
     layers, experts, top_k = 32, 8, 2
     tokens = max(1, args.accesses // (layers * top_k))
     console = Console(width=170)

@@ -157,6 +157,17 @@ def heap_pop(keys, scores, stamps, position, size):
     return first
 
 
+def heap_replace_first(keys, scores, stamps, position, size, key, score, stamp):
+    """Take the first key out of a full heap of ``size`` keys and add ``key`` (not in it) with (``score``,
+    ``stamp``): one sift from the root, where a pop and a push would sift the last key down and the new one
+    up. Returns the key taken out. A replay's miss in a full cache: the victim leaves, the request enters."""
+    first = keys[0]
+    position[first] = -1
+    position[key] = 0
+    _heap_sift(keys, scores, stamps, position, size, 0, key, score, stamp)
+    return first
+
+
 def heap_remove(keys, scores, stamps, position, size, key):
     """Take ``key`` out of a heap of ``size`` keys (then ``size - 1``): the last entry fills its hole."""
     i = position[key]

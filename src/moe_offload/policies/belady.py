@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_offload.policies._ranked import RankedKeys, heap_new, heap_pop, heap_push, heap_update
+from moe_offload.policies._ranked import RankedKeys, heap_new, heap_push, heap_replace_first, heap_update
 from moe_offload.policies.base import EvictionPolicy
 
 
@@ -42,13 +42,14 @@ class Belady(EvictionPolicy):
         size = 0
         for t in clocks:
             key = keys[t]
+            score = -float(next_use[t])
             if resident[key]:
                 layer_hits[key // num_experts] += 1
-                heap_update(order, scores, stamps, position, size, key, -float(next_use[t]), t)
+                heap_update(order, scores, stamps, position, size, key, score, t)
                 continue
-            if size == capacity:
-                resident[heap_pop(order, scores, stamps, position, size)] = False
-                size -= 1
-            heap_push(order, scores, stamps, position, size, key, -float(next_use[t]), t)
             resident[key] = True
-            size += 1
+            if size == capacity:  # the victim leaves and the request enters in one sift
+                resident[heap_replace_first(order, scores, stamps, position, size, key, score, t)] = False
+            else:
+                heap_push(order, scores, stamps, position, size, key, score, t)
+                size += 1

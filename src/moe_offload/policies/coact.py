@@ -94,7 +94,7 @@ import math
 import numpy as np
 
 from moe_offload.policies._coact_tokens import learn, new_token, tight_start
-from moe_offload.policies._ranked import heap_new, heap_pop, heap_push, heap_remove, heap_update
+from moe_offload.policies._ranked import heap_new, heap_pop, heap_push, heap_remove, heap_replace_first, heap_update
 from moe_offload.policies.base import EvictionPolicy, NoEvictableExpert
 from moe_offload.values import number
 
@@ -354,11 +354,8 @@ class CoActivation(EvictionPolicy):
                         raised_keys[raised_count] = victim
                         raised_count += 1
                     victim = order[0]
-                # the request takes the victim's place at the root and sifts down: one sift, not a pop and a push
-                position[victim] = -1
-                position[key] = 0
                 exact[key] = 0
-                heap_update(order, scores, stamps, position, size, key, scaled[key], t)
+                heap_replace_first(order, scores, stamps, position, size, key, scaled[key], t)  # victim is first
                 continue
             exact[key] = 0
             heap_push(order, scores, stamps, position, size, key, scaled[key], t)

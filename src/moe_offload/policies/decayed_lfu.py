@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 
-from moe_offload.policies._ranked import RankedKeys, heap_new, heap_pop, heap_push, heap_update
+from moe_offload.policies._ranked import RankedKeys, heap_new, heap_push, heap_replace_first, heap_update
 from moe_offload.policies.base import EvictionPolicy
 from moe_offload.values import number
 
@@ -91,9 +91,9 @@ class DecayedLFU(EvictionPolicy):
                 layer_hits[key // num_experts] += 1
                 heap_update(order, scores, stamps, position, size, key, rank[key], t)
                 continue
-            if size == capacity:
-                resident[heap_pop(order, scores, stamps, position, size)] = False
-                size -= 1
-            heap_push(order, scores, stamps, position, size, key, rank[key], t)
             resident[key] = True
-            size += 1
+            if size == capacity:  # the victim leaves and the request enters in one sift
+                resident[heap_replace_first(order, scores, stamps, position, size, key, rank[key], t)] = False
+            else:
+                heap_push(order, scores, stamps, position, size, key, rank[key], t)
+                size += 1

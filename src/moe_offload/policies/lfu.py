@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moe_offload.policies._ranked import RankedKeys, heap_new, heap_pop, heap_push, heap_settle
+from moe_offload.policies._ranked import RankedKeys, heap_new, heap_push, heap_replace_first, heap_settle
 from moe_offload.policies.base import EvictionPolicy
 
 
@@ -53,11 +53,11 @@ class LFU(EvictionPolicy):
                 freq[key] += 1
                 last_set[key] = t
                 continue
-            if size == capacity:
-                heap_settle(order, scores, stamps, position, size, freq, last_set)
-                freq[heap_pop(order, scores, stamps, position, size)] = 0
-                size -= 1
             freq[key] = 1
             last_set[key] = t
-            heap_push(order, scores, stamps, position, size, key, 1, t)
-            size += 1
+            if size == capacity:  # the victim leaves and the request enters in one sift
+                heap_settle(order, scores, stamps, position, size, freq, last_set)
+                freq[heap_replace_first(order, scores, stamps, position, size, key, 1, t)] = 0
+            else:
+                heap_push(order, scores, stamps, position, size, key, 1, t)
+                size += 1
