@@ -229,6 +229,8 @@ class MoEInfinity(EvictionPolicy):
         layer_size = np.zeros(L, np.int64)
         running = np.zeros(num_keys, np.int64)
         row_sum = np.zeros(L, np.int64)
+        layer_priority = np.zeros(L)  # p of each layer's least counted resident, while not stale
+        stale = np.ones(L, np.bool_)  # its layer's counts or least counted resident changed since
         recency = lists_new(num_keys, 1)
         eams = np.zeros((most_running if by_request else 0, num_keys + L), np.int64)  # counts, then row sums
         free_eams = np.arange(eams.shape[0])[::-1].copy()
@@ -262,6 +264,7 @@ class MoEInfinity(EvictionPolicy):
                                                 latest_row, previous_row, row_start, row_end, keys, running,
                                                 row_sum, J, heap_keys, heap_scores, heap_stamps, position,
                                                 layer_size)
+                        stale[:] = True
                 current = row
                 row_start[row] = t
                 request = rows[row] >> 1
@@ -279,6 +282,7 @@ class MoEInfinity(EvictionPolicy):
             else:
                 running[key] += 1
                 row_sum[layer] += 1
+                stale[layer] = True
             if resident[key]:
                 layer_hits[layer] += 1
                 if by_request:
@@ -292,8 +296,9 @@ class MoEInfinity(EvictionPolicy):
                     victim = _request_victim(recency, eams, eam, num_keys, L, J)
                     list_remove(recency, 0, victim)
                 else:
-                    victim = _running_victim(heap_keys, layer_size, running, row_sum, L)
+                    victim = _running_victim(heap_keys, layer_size, running, row_sum, L, layer_priority, stale)
                     lowest = victim // J
+                    stale[lowest] = True  # its least counted resident leaves
                     heap_pop(heap_keys[lowest], heap_scores[lowest], heap_stamps[lowest], position,
                              layer_size[lowest])
                     layer_size[lowest] -= 1
@@ -307,6 +312,7 @@ class MoEInfinity(EvictionPolicy):
                 heap_push(heap_keys[layer], heap_scores[layer], heap_stamps[layer], position, layer_size[layer],
                           key, running[key], t)
                 layer_size[layer] += 1
+                stale[layer] = True  # the request may be its layer's least counted now
 
 
 def _priority(count, total, layer, num_layers):
@@ -315,16 +321,19 @@ def _priority(count, total, layer, num_layers):
     return (ratio + EPSILON) * (1.0 - layer / num_layers)
 
 
-def _running_victim(heap_keys, layer_size, running, row_sum, num_layers):
-    """The lowest priority among the layers' least counted residents, the first layer on ties."""
-    victim, best = -1, 0.0
+def _running_victim(heap_keys, layer_size, running, row_sum, num_layers, layer_priority, stale):
+    """The lowest priority among the layers' least counted residents, the first layer on ties. A layer's
+    priority is computed again only where ``stale`` says its counts or its least counted resident changed (a
+    miss comes a few requests after the last, which reached a few of the L layers)."""
+    chosen, best = -1, 0.0
     for layer in range(num_layers):
         if layer_size[layer] > 0:
-            key = heap_keys[layer, 0]
-            p = _priority(running[key], row_sum[layer], layer, num_layers)
-            if victim < 0 or p < best:
-                victim, best = key, p
-    return victim
+            if stale[layer]:
+                layer_priority[layer] = _priority(running[heap_keys[layer, 0]], row_sum[layer], layer, num_layers)
+                stale[layer] = False
+            if chosen < 0 or layer_priority[layer] < best:
+                chosen, best = layer, layer_priority[layer]
+    return heap_keys[chosen, 0] if chosen >= 0 else -1
 
 
 def _request_victim(recency, eams, eam, num_keys, num_layers, num_experts):
