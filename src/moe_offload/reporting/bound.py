@@ -197,12 +197,9 @@ def _measure_whole(data: ReplayInput, target: ReplayInput, size: int, cache_size
     ``size`` experts (``cache_size`` scaled by the rate)."""
     meta = data.trace.meta
     requests = data.trace.num_tokens * meta.num_layers * meta.top_k
-    # Belady first, then OPT's curve on a thread beside the policies (its kernel releases the GIL): the two
-    # readers of the next uses (4 bytes a request), freed when both are done
-    step("the bound: Belady at the budget")
-    belady = replay_grid(target, ["belady"], [size], seed=seed, jobs=jobs, engine=engine).results[0]
-    if replay_rate == 1 and sample_rate(requests, sample_above) < 1:  # a sample with next uses of its own
-        target.sequence.forget("next_use")
+    # OPT's curve on a thread beside Belady and then beside the policies (its kernel releases the GIL): Belady
+    # alone left a core idle once the working set was done. Belady runs before the policies, so that the next
+    # uses it reads (4 bytes a request) are freed before the policies' columns are made.
 
     def measure_opt() -> HitCurve:
         if replay_rate < 1:  # OPT's curve on the replays' sample: exact there, its sizes scaled by the rate
@@ -212,6 +209,10 @@ def _measure_whole(data: ReplayInput, target: ReplayInput, size: int, cache_size
 
     with ThreadPoolExecutor(max_workers=1) as beside:
         measuring = beside.submit(measure_opt)
+        step("the bound: Belady at the budget, OPT at every size beside it")
+        belady = replay_grid(target, ["belady"], [size], seed=seed, jobs=jobs, engine=engine).results[0]
+        if replay_rate == 1 and sample_rate(requests, sample_above) < 1:  # OPT's curve samples its own
+            target.sequence.forget("next_use")
         step(f"the bound: {len(policies)} online policies at the budget, OPT at every size beside them")
         grid = replay_grid(target, policies, [size], seed=seed, jobs=jobs, engine=engine, reference=belady)
         opt = measuring.result()
