@@ -11,6 +11,9 @@ million tokens, a day of one vLLM instance, 384M (ten copies of 100,000 tokens o
 
     python benchmarks/report_scale.py --tokens 100000 --copies 10
 
+With --kernels it then replays the trace at the report's budget through each compiled policy alone, in this
+process, one after the other, and prints their times, the largest first: what the report's CPU goes to.
+
 The report runs as a user runs it, `moe-offload report TRACE --fast-memory 25%` in a process of its own (reading
 the file included), timed start to exit, its peak resident memory read from the kernel's accounting of that
 process (``wait4``). Without --expert-bytes the trace gives no expert size, so the report has no latency section
@@ -151,6 +154,28 @@ def run_report(command: list[str], work: Path) -> tuple[float, int, str, list[Ph
     return seconds, usage.ru_maxrss * 1024, out.read(), phases  # kilobytes on Linux
 
 
+def time_kernels(trace, cache_size: int) -> None:
+    """Each compiled policy of the report, and Belady, replayed alone at ``cache_size``, its columns made first,
+    on one thread: seconds, the largest first, and their sum."""
+    from moe_offload.reporting.bound import online_policies
+    from moe_offload.simulator.replay import ReplayInput, load_kernels, replay, replay_kernel
+
+    data = ReplayInput.of(trace, checked=True)
+    policies = ["belady"] + [policy for policy in online_policies() if replay_kernel(policy) is not None]
+    load_kernels(policies)
+    sequence = data.sequence
+    for column in ("clock", "token", "next_use"):
+        getattr(sequence, column)
+    seconds = {}
+    for policy in policies:
+        start = time.perf_counter()
+        replay(data, policy, cache_size)
+        seconds[policy] = time.perf_counter() - start
+    print(f"each compiled policy alone at {cache_size:,} experts, one thread ({sum(seconds.values()):.1f} s in all):")
+    for policy, spent in sorted(seconds.items(), key=lambda item: -item[1]):
+        print(f"  {spent:7.2f} s  {len(sequence) / spent / 1e6:6.1f} M requests/s  {policy}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=20_000)
@@ -164,6 +189,8 @@ def main() -> int:
     parser.add_argument("--sample-above", default=None, help="as `report --sample-above`")
     parser.add_argument("--exact", action="store_true", help="as `report --exact`")
     parser.add_argument("--html", metavar="FILE", help="also write the report's page")
+    parser.add_argument("--kernels", action="store_true",
+                        help="then time each compiled policy's replay at the budget alone, in this process")
     args = parser.parse_args()
 
     from moe_offload.cli.report_cmd import fast_memory_experts
@@ -189,6 +216,8 @@ def main() -> int:
         print(stdout)
         for phase in phases:
             print(f"  {phase.seconds:8.1f} s  peak {phase.peak / 2**30:5.2f} GiB  {phase.name}")
+        if args.kernels:
+            time_kernels(trace, cache_size)
         oracle = Path(work) / "trace.oracleGeneral.bin"
         written = write_lru_oracle(trace, oracle)
         del trace
