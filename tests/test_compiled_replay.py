@@ -268,9 +268,10 @@ def test_the_generators_draws_are_pythons():
 
 
 def test_heap_remove_keeps_the_order():
-    """Random pushes, updates, removals and pops on the kernels' heap against a sorted list of
-    (score, stamp, key)."""
-    from moe_offload.policies._ranked import heap_new, heap_pop, heap_push, heap_remove, heap_update
+    """Random pushes, updates, removals, pops and replacements of the first key on the kernels' heap against a
+    sorted list of (score, stamp, key)."""
+    from moe_offload.policies._ranked import (heap_new, heap_pop, heap_push, heap_remove, heap_replace_first,
+                                              heap_update)
 
     rng = np.random.default_rng(3)
     keys, scores, stamps, position = heap_new(40, 60)
@@ -287,6 +288,11 @@ def test_heap_remove_keeps_the_order():
             live[key] = (score, stamp)
         elif len(live) < 40:
             heap_push(keys, scores, stamps, position, len(live), key, score, stamp)
+            live[key] = (score, stamp)
+        else:  # full: the first key leaves and this one enters, as a replay's miss does
+            expected = min(live, key=lambda k: live[k])
+            assert heap_replace_first(keys, scores, stamps, position, len(live), key, score, stamp) == expected
+            del live[expected]
             live[key] = (score, stamp)
         if live and action > 0.9:
             expected = min(live, key=lambda k: live[k])
