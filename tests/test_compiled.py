@@ -92,3 +92,24 @@ def test_a_kernel_compiled_with_the_pass_computes_what_its_python_computes(monke
     forwarded = {name.rsplit("_", 1)[-1] for name in found[0] if "count_and_link" in name}
     assert {"lists", "following", "counts", "ends"} <= forwarded
     assert "same" not in found[0]
+
+
+def test_without_the_pass_functions_compile_as_numba_compiles_them(monkeypatch):
+    """Where this Numba lacks what the pass is built on (``pipeline_with_forward_copies`` gives None), njit_cached
+    compiles with Numba's own pipeline: slower, the same results."""
+    import numba
+
+    asked = []
+    real_njit = numba.njit
+
+    def njit(*args, **options):  # what njit_cached asks of Numba, compiled without the on-disk cache
+        asked.append(options)
+        options.pop("cache", None)
+        return real_njit(*args, **options)
+
+    monkeypatch.setattr(compiled, "pipeline_with_forward_copies", lambda: None)
+    monkeypatch.setattr(numba, "njit", njit)
+    function = compiled.njit_cached(copies_and_items, "int64(int64[::1], int64)")
+    keys = np.arange(9, dtype=np.int64)
+    assert function(keys, 4) == copies_and_items(keys, 4)
+    assert asked and "pipeline_class" not in asked[0]
