@@ -80,7 +80,7 @@ token's start re-keys each raised entry to its value there, s_e + g_n * Q (P is 
 routes), where it is below the entry, instead of lowering it to s_e: K products that spare the searches of
 the new token re-keying it from s_e; it stays on the list of raised entries while above s_e. On
 ``benchmarks/replay_throughput.py``'s 32 x 8 top-2 sequence (64 slots) the two took the kernel from 8.8 to
-10.4 M requests/s (docs/benchmarks.md has its rate now); with more experts a layer (128, top-4 or top-8) the K products, each in another row of
+10.4 M requests/s; with more experts a layer (128, top-4 or top-8) the K products, each in another row of
 the transition table, cost more than the re-keys they spare, hence the share.
 
 Beyond the replay. A prefetched expert that no token has routed enters with F = 0. The runtime and the timed

@@ -41,7 +41,8 @@ import functools
 import hashlib
 import types
 
-from moe_offload.compiled import INSTALL_HINT, PIPELINE, njit_cached, numba_available  # noqa: F401  (kernels.INSTALL_HINT)
+from moe_offload.compiled import (INSTALL_HINT, PIPELINE, njit_cached,  # noqa: F401  (kernels.INSTALL_HINT)
+                                   numba_available)
 
 SIGNATURE = ("void(int32[::1], int32[::1], int32[::1], int32[::1], int64, int64, int64, float64[::1], int64[::1], "
              "int64[::1])")
