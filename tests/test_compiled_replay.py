@@ -435,3 +435,92 @@ def test_lfru_kernel_on_long_sequences(a):
         for size in (4, 13, 48, 95):
             assert replay(data, policy, size, engine="python").to_dict() == \
                 replay(data, policy, size, engine="compiled").to_dict(), (policy, size)
+
+
+# ------------------------------------------------------------------- Belady's kernel: next uses a chunk at a time,
+# residents as a set of positions; a sample's layers replayed from copies
+
+def test_next_uses_a_chunk_at_a_time_are_next_use_times(monkeypatch):
+    from moe_offload.trace import flatten as flatten_module
+    from moe_offload.trace.flatten import NEVER, fill_next_uses, next_use_marks, next_use_times, replayed_requests
+
+    keys = np.random.default_rng(1).integers(0, 9, 100).astype(np.int32)
+    for start, step in ((0, 1), (2, 3), (5, 7), (99, 4), (100, 1)):
+        replayed = keys[start::step]
+        assert replayed_requests(keys, start, step) == replayed.size
+        expected = next_use_times(replayed).tolist()  # NEVER, or a request number: the same in a replay's numbering
+        for chunk in (1, 3, 8, 1000):
+            marks = next_use_marks(keys, start, step, 9, chunk)
+            found = []
+            for first in range(0, replayed.size, chunk):
+                stop = min(replayed.size, first + chunk)
+                ahead = np.zeros(stop - first, np.int32)
+                fill_next_uses(keys, start, step, first, stop, marks[first // chunk].copy(), ahead)
+                found += ahead.tolist()
+            assert found == expected, (start, step, chunk)
+        assert replayed.size == 0 or expected[-1] == NEVER
+    monkeypatch.setattr(flatten_module, "NEXT_USE_CHUNK", 4)
+    assert flatten_module.next_use_chunk(10) == 4 and flatten_module.next_use_chunk(4 * 256 + 1) == 5
+
+
+def test_the_set_of_positions_is_a_set(monkeypatch):
+    """Belady's set of positions (policies/belady.py) against a Python set, as plain Python and compiled, across
+    the sizes where it gains a level (64, 64**2)."""
+    from moe_offload.compiled import highest_bit, highest_bit_by_halving, numba_available
+    from moe_offload.policies.belady import position_add, position_largest, position_levels, position_remove
+
+    def drive(n, operations):
+        """Adds (a position) and removals (-1 - position), then the largest (-1: empty) and whether any bit is set."""
+        levels = position_levels(n)
+        bits = np.zeros(levels[-1], np.uint64)
+        for position in operations:
+            if position >= 0:
+                position_add(bits, levels, position)
+            else:
+                position_remove(bits, levels, -position - 1)
+        return (position_largest(bits, levels) if bits[levels[-2]] else -1), bool(bits.any())
+
+    rng = np.random.default_rng(2)
+    for n in (1, 63, 64, 65, 4096, 4097, 300_000):
+        members = set()
+        operations = []
+        for _ in range(200):
+            if members and rng.random() < 0.4:
+                position = int(rng.choice(sorted(members)))
+                members.discard(position)
+                operations.append(-position - 1)
+            else:
+                position = int(rng.integers(0, n))
+                if position not in members:
+                    members.add(position)
+                    operations.append(position)
+        found, any_bits = drive(n, operations)
+        assert found == (max(members) if members else -1) and any_bits == bool(members), n
+    for word in (1, 2, 3, 2**31, 2**40 + 7, 2**63, 2**64 - 1):
+        assert highest_bit(np.uint64(word)) == highest_bit_by_halving(np.uint64(word)) == word.bit_length() - 1
+    if numba_available():
+        from moe_offload.compiled import compiled_twin
+
+        twin = compiled_twin(highest_bit)
+        assert [twin(np.uint64(word)) for word in (1, 3, 2**40 + 7, 2**64 - 1)] == [0, 1, 40, 63]
+
+
+def test_belady_across_chunks_and_ties_makes_the_objects_misses(monkeypatch):
+    """Belady's kernel, run as plain Python with chunks of a few requests, on sequences whose experts stop being
+    requested (ties among them, which go first, earliest first): the objects' misses, whole and per layer."""
+    from moe_offload.trace import flatten as flatten_module
+
+    monkeypatch.setattr(kernels, "compiled_kernel", lambda policy_class: policy_class.replay_kernel)
+    monkeypatch.setattr(flatten_module, "NEXT_USE_CHUNK", 5)
+    data = ReplayInput.of(zipf_trace(4, 8, 2, 150, a=1.0, b=1.0, seed=5, shuffle=True))
+    for policy in ("belady", "belady-dist"):
+        for size in (4, 7, 16, 31):
+            reference = replay(data, policy, size, engine="python")
+            assert replay(data, policy, size, engine="compiled").to_dict() == reference.to_dict(), (policy, size)
+
+
+@needs_numba
+def test_a_sample_replays_the_same_compiled(olmoe):
+    """On a spatial sample of the experts the -dist policies' layers are copied out and replayed whole: the same
+    results as the objects, every compiled policy."""
+    assert_same(ReplayInput.sampled(olmoe.trace, 0.5, "half of the experts"), (32, 128))

@@ -26,11 +26,17 @@ one value for the whole call: the kernel's arguments, the arrays it makes before
 tuple built there), and drops the copy. The replay kernels' linked-list helpers then cost what the same code
 written out in the loop costs, with the same decisions: the machine code differs in its reference counting
 only (docs/benchmarks.md, "Replay throughput", has the kernels' rates with and without the pass).
+
+One helper has a compiled twin (``compiled_twin``): ``highest_bit``, whose plain Python (an integer's bit
+length) Numba cannot compile; a compiled kernel calls Numba's count of leading zeros, one instruction, in its
+place.
 """
 
 from __future__ import annotations
 
 import functools
+
+import numpy as np
 
 INSTALL_HINT = "install Numba for the compiled replay: pip install 'moe-offload[fast]'"
 
@@ -178,3 +184,38 @@ def forward_copies(func_ir) -> dict:
             if root.name != name and root.name in once_outside_loops:
                 mapping[name] = root
     return mapping
+
+
+def highest_bit(word) -> int:
+    """The index of the highest set bit of ``word``, a nonzero unsigned 64-bit integer: its bit length less one
+    (compiled, ``compiled_twin``'s count of leading zeros)."""
+    return int(word).bit_length() - 1
+
+
+def highest_bit_by_halving(word) -> int:
+    """``highest_bit`` in arithmetic Numba compiles: six halvings of the part still to search."""
+    index = 0
+    for shift in (32, 16, 8, 4, 2, 1):
+        if word >> np.uint64(shift):
+            word >>= np.uint64(shift)
+            index += shift
+    return index
+
+
+@functools.cache
+def compiled_twin(function):
+    """The Numba function a compiled kernel calls in place of ``function`` (module doc), or None: every helper
+    but ``highest_bit`` is compiled from its own code. Numba's count of leading zeros is one of its internal
+    intrinsics; where a release has moved it, ``highest_bit_by_halving`` takes its place."""
+    if function is not highest_bit:
+        return None
+    import numba  # an optional dependency (module docstring)
+
+    try:
+        from numba.cpython.unsafe.numbers import leading_zeros
+    except ImportError:
+        return numba.njit(inline="always")(highest_bit_by_halving)
+
+    def highest_bit_compiled(word):
+        return 63 - np.int64(leading_zeros(word))
+    return numba.njit(inline="always")(highest_bit_compiled)

@@ -253,8 +253,7 @@ class CoActivation(EvictionPolicy):
         return float(4 * (self.spec.top_k + 1) * (residents + 1))
 
     @staticmethod
-    def replay_kernel(keys, clocks, tokens, next_use, capacity, num_layers, num_experts, floats, ints,
-                      layer_hits):
+    def replay_kernel(keys, start, step, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
         """The hooks above as the compiled replay runs them, with the same arithmetic in the same order."""
         decay = floats[0]
         top_k = ints[0]
@@ -284,7 +283,7 @@ class CoActivation(EvictionPolicy):
         scale = 1.0
         current = -1
         size = 0
-        for t in clocks:
+        for t in range(start, keys.shape[0], step):
             key = keys[t]
             token = tokens[t]
             if token != current:

@@ -167,7 +167,7 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet | 
         bound = _measure_whole(data, target, size, cache_size, policies=full_policies, skipped=skipped,
                                replay_rate=replay_rate, sample_above=sample_above, seed=seed, jobs=jobs,
                                engine=engine, step=step)
-        for column in ("token", "clock", "layer"):
+        for column in ("token", "layer"):
             target.sequence.forget(column)
         if prefix is not None:
             step(f"the bound: {', '.join(slow)} (no compiled kernel) on the first {sample.trace.num_tokens:,} tokens")

@@ -210,12 +210,10 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel, w
     spec, seq = data.spec, data.sequence
     floats, ints = policy.run_kernel_arguments(cache_size, data.trace)
     keys = seq.expert_id  # int32, the kernel's signature: no copy here
-    columns = kernel_columns(info.name)
-    tokens, next_use = (getattr(seq, column) if column in columns else NOT_READ for column in ("token", "next_use"))
+    tokens = seq.token if "token" in kernel_columns(info.name) else NOT_READ
     layer_hits = np.zeros(spec.num_layers, np.int64)
     if not info.partitioned:
-        kernel(keys, seq.clock, tokens, next_use, cache_size, spec.num_layers,
-               spec.num_experts, floats, ints.copy(), layer_hits)
+        kernel(keys, 0, 1, tokens, cache_size, spec.num_layers, spec.num_experts, floats, ints.copy(), layer_hits)
         return layer_hits
     capacities = PartitionedCache.capacities(cache_size, spec.num_layers, spec.num_experts, whole_layers)
     requests = seq.per_layer_requests()
@@ -223,21 +221,25 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel, w
         if layer in whole_layers:  # every expert resident from the start
             layer_hits[layer] = requests[layer]
             continue
-        # each partition has a fresh policy of the same seed (PartitionedCache's make_policy), hence ints.copy()
-        kernel(keys, seq.layer_positions(layer), tokens, next_use, capacities[layer],
-               spec.num_layers, spec.num_experts, floats, ints.copy(), layer_hits)
+        # each partition has a fresh policy of the same seed (PartitionedCache's make_policy), hence ints.copy();
+        # a layer's requests are every L-th of the sequence, or in a sample, wherever they are: copied out then
+        if seq.sampled:
+            positions = seq.layer_positions(layer)
+            kernel(keys[positions], 0, 1, tokens[positions] if tokens.size else NOT_READ, capacities[layer],
+                   spec.num_layers, spec.num_experts, floats, ints.copy(), layer_hits)
+        else:
+            kernel(keys, layer, spec.num_layers, tokens, capacities[layer], spec.num_layers, spec.num_experts,
+                   floats, ints.copy(), layer_hits)
     return layer_hits
 
 
 NOT_READ = np.zeros(0, np.int32)  # what a kernel is given for a column its code never reads
-TOKENS_ARGUMENT, NEXT_USE_ARGUMENT = 2, 3  # their places in the kernels' contract (simulator/kernels.py)
+TOKENS_ARGUMENT = 3  # its place in the kernels' contract (simulator/kernels.py)
 
 
 def kernel_columns(policy: str) -> tuple[str, ...]:
     """The computed columns of the sequence (AccessSequence) that ``policy``'s kernel reads."""
-    policy_class = policy_info(policy).policy
-    return tuple(column for argument, column in ((TOKENS_ARGUMENT, "token"), (NEXT_USE_ARGUMENT, "next_use"))
-                 if kernel_reads(policy_class, argument))
+    return ("token",) if kernel_reads(policy_info(policy).policy, TOKENS_ARGUMENT) else ()
 
 
 @functools.cache

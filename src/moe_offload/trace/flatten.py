@@ -70,11 +70,6 @@ class AccessSequence:
         """int32: the next position of each request's expert, NEVER if none (``next_use_times``)."""
         return self._computed("next_use", lambda: next_use_times(self.expert_id))
 
-    @property
-    def clock(self) -> np.ndarray:
-        """int32: 0, 1, ..., n - 1, the clocks of a replay of every request (the kernels' ``clocks``)."""
-        return self._computed("clock", lambda: np.arange(len(self), dtype=COLUMN))
-
     def _computed(self, name: str, make) -> np.ndarray:
         """The column ``name``, made once, on whichever thread asks first (the replay grid's threads read the
         columns their kernels need, each on its own thread; a thread asking for one being made waits for it)."""
@@ -86,7 +81,7 @@ class AccessSequence:
             return self._columns[name]
 
     def forget(self, name: str) -> None:
-        """Drop the computed column ``name`` (layer, token, next_use, clock): it is made again if asked for. A
+        """Drop the computed column ``name`` (layer, token, next_use): it is made again if asked for. A
         long pipeline frees a column it no longer needs this way."""
         self._columns.pop(name, None)
 
@@ -105,7 +100,7 @@ class AccessSequence:
 
     def layer_positions(self, layer: int) -> np.ndarray:
         """The positions of ``layer``'s requests in time order: layer, layer + L, ... (request t is of layer
-        t % L), made for the -dist run that needs them, an L-th of the sequence at a time; in a sample, found."""
+        t % L); in a sample, found."""
         if self.sampled:
             return np.flatnonzero(self.layer == layer).astype(COLUMN)
         return np.arange(layer, len(self), self.num_layers, dtype=COLUMN)
@@ -215,6 +210,49 @@ def next_use_kernel(keys, num_keys, next_use):
         key = keys[position]
         next_use[position] = seen[key]
         seen[key] = position
+
+
+# The next uses of a replay's requests a chunk at a time, for the kernels that read them (Belady's): a column of
+# them, 4 bytes a request, is memory that grows with the trace and costs more to make than a chunk's worth.
+NEXT_USE_CHUNK = 1 << 20  # requests whose next uses a kernel holds at once (4 MiB)
+NEXT_USE_CHUNKS = 256     # at most this many chunks (longer sequences have longer chunks): ``next_use_marks``'s rows
+
+
+def next_use_chunk(requests):
+    """The chunk length of a replay of ``requests`` requests (``next_use_marks``)."""
+    return max(NEXT_USE_CHUNK, -(-requests // NEXT_USE_CHUNKS))
+
+
+def replayed_requests(keys, start, step):
+    """How many requests a replay of the positions ``start``, ``start + step``, ... of ``keys`` serves (the
+    replay kernels' contract, simulator/kernels.py): request j is at position ``start + j * step``."""
+    return max(0, (keys.shape[0] - start + step - 1) // step)
+
+
+def next_use_marks(keys, start, step, num_keys, chunk):
+    """For a replay of the positions ``start``, ``start + step``, ... of ``keys``, cut in chunks of ``chunk``
+    requests: for each chunk and key, the number j of the key's first request after the chunk (at position
+    ``start + j * step``), NEVER if none. One backward pass; an array [chunks, num_keys] (``fill_next_uses``
+    reads a row)."""
+    n = replayed_requests(keys, start, step)
+    chunks = (n + chunk - 1) // chunk
+    marks = np.empty((chunks, num_keys), np.int32)
+    seen = np.full(num_keys, NEVER, np.int32)
+    for c in range(chunks - 1, -1, -1):
+        marks[c, :] = seen
+        for j in range(min(n, (c + 1) * chunk) - 1, c * chunk - 1, -1):
+            seen[keys[start + j * step]] = j
+    return marks
+
+
+def fill_next_uses(keys, start, step, first, stop, seen, ahead):
+    """``ahead[j - first]``: the number of the next request of request j's key (NEVER if none), for j in [first,
+    stop), from ``seen``, each key's first request after the chunk (its row of ``next_use_marks``, which this
+    overwrites). The next use of ``next_use_times``, counted in the replay's requests."""
+    for j in range(stop - 1, first - 1, -1):
+        key = keys[start + j * step]
+        ahead[j - first] = seen[key]
+        seen[key] = j
 
 
 @functools.cache
