@@ -34,7 +34,6 @@ WINDOWS = 10
 def curves(data, rate: float):
     """{sample: (hit rate at each size 0..D, seconds)} for ``data`` at ``rate``."""
     from moe_offload.simulator.stack_distances import HitCurve, opt_curve
-    from moe_offload.trace.flatten import next_use_times
 
     meta, seq = data.trace.meta, data.sequence
     D, L = meta.num_expert_slots, meta.num_layers
@@ -48,18 +47,18 @@ def curves(data, rate: float):
         rates = function()
         out[name] = (rates, time.perf_counter() - start)
 
-    timed("experts", lambda: opt_curve(keys, seq.next_use, D, rate=rate).hit_rates())
+    timed("experts", lambda: opt_curve(keys, D, rate=rate).hit_rates())
     step = max(1, round(1 / rate))
 
     def layers():
         kept = keys[seq.layer % step == 0]
-        return HitCurve(opt_curve(kept, next_use_times(kept), D).histogram, rate=len(range(0, L, step)) / L).hit_rates()
+        return HitCurve(opt_curve(kept, D).histogram, rate=len(range(0, L, step)) / L).hit_rates()
 
     timed("layers", layers)
 
     def prefix():
         kept = keys[:max(1, round(rate * tokens)) * per_token]
-        return opt_curve(kept, next_use_times(kept), D).hit_rates()
+        return opt_curve(kept, D).hit_rates()
 
     timed("prefix", prefix)
 
@@ -68,7 +67,7 @@ def curves(data, rate: float):
         histogram = np.zeros(D + 1, np.int64)
         for start in np.linspace(0, tokens - length, WINDOWS).astype(int):
             kept = keys[start * per_token:(start + length) * per_token]
-            histogram += opt_curve(kept, next_use_times(kept), D).histogram
+            histogram += opt_curve(kept, D).histogram
         return HitCurve(histogram).hit_rates()
 
     timed("windows", windows)
@@ -108,7 +107,7 @@ def main() -> int:
         meta = trace.meta
         D = meta.num_expert_slots
         start = time.perf_counter()
-        exact = opt_curve(data.sequence.expert_id, data.sequence.next_use, D).hit_rates()
+        exact = opt_curve(data.sequence.expert_id, D).hit_rates()
         exact_s = time.perf_counter() - start
         sizes = slice(meta.top_k, D + 1)
         table = Table(title=f"{name}: {len(data.sequence):,} requests, {D:,} experts; exact OPT curve {exact_s:.2f} s",

@@ -96,7 +96,7 @@ def main() -> None:
     read_s, trace = best_time(lambda: read_trace(trace_file), 1)
     def flattened():
         data = ReplayInput.of(trace, name="zipf")
-        data.sequence, data.sequence.next_use  # flattened when first asked for: asked for here, to time it
+        data.sequence  # flattened when first asked for: asked for here, to time it
         return data
 
     flatten_s, data = best_time(flattened, 1)

@@ -10,7 +10,8 @@ from conftest import QWEN_FILES
 from moe_offload.bundled import DEFAULT_TRACE
 from moe_offload.simulator.replay import ReplayInput, replay
 from moe_offload.simulator.stack_distances import HitCurve, opt_curve, opt_stack_distance_kernel
-from moe_offload.trace.flatten import next_use_times, write_oracle_general
+from moe_offload.trace import flatten as flatten_module
+from moe_offload.trace.flatten import write_oracle_general
 from moe_offload.trace.format import read_trace
 from moe_offload.trace.importers import import_routes_json
 from moe_offload.trace.synthetic import zipf_trace
@@ -18,18 +19,20 @@ from moe_offload.trace.synthetic import zipf_trace
 
 def assert_curve_is_the_replay(data: ReplayInput, sizes) -> None:
     meta = data.trace.meta
-    curve = opt_curve(data.sequence.expert_id, data.sequence.next_use, meta.num_expert_slots)
+    curve = opt_curve(data.sequence.expert_id, meta.num_expert_slots)
     for size in sizes:
         assert curve.hits(size) == replay(data, "belady", size).hits, size
 
 
-def test_opt_stack_distances_of_a_hand_worked_sequence():
+def test_opt_stack_distances_of_a_hand_worked_sequence(monkeypatch):
     # a b c a d b a (keys 0 1 2 0 3 1 0): four first requests; a's second at distance 1 (only c came between),
     # b's second at distance 2 and a's third at distance 1 (a's next use, 6, is sooner than c's and d's, never)
     keys = np.array([0, 1, 2, 0, 3, 1, 0], np.int64)
-    histogram = np.zeros(5, np.int64)
-    opt_stack_distance_kernel(keys, next_use_times(keys), 4, histogram)
-    assert histogram.tolist() == [0, 2, 1, 0, 4]
+    for chunk in (1 << 20, 2, 1):  # the next uses a chunk at a time: the same distances
+        monkeypatch.setattr(flatten_module, "NEXT_USE_CHUNK", chunk)
+        histogram = np.zeros(5, np.int64)
+        opt_stack_distance_kernel(keys, 4, histogram)
+        assert histogram.tolist() == [0, 2, 1, 0, 4], chunk
     # by hand, OPT with 2 slots: a b miss, c evicts b (used later than a), a hits, d evicts c, b evicts d, a hits;
     # with 3: a b c miss, a hits, d evicts c (never used again), b and a hit
     curve = HitCurve(histogram)
@@ -59,7 +62,7 @@ def test_opt_curve_agrees_with_libcachesims_belady(tmp_path):
     lcs = pytest.importorskip("libcachesim")
     trace = zipf_trace(num_layers=8, num_experts=16, top_k=2, length=1500, a=1.2, b=1.0, seed=11, shuffle=True)
     data = ReplayInput.of(trace)
-    curve = opt_curve(data.sequence.expert_id, data.sequence.next_use, 128)
+    curve = opt_curve(data.sequence.expert_id, 128)
     path = write_oracle_general(data.sequence, tmp_path / "trace.oracleGeneral.bin", expert_bytes=None)
     for size in (2, 8, 16, 37, 64, 100):
         reader = lcs.TraceReader(str(path), lcs.TraceType.ORACLE_GENERAL_TRACE)
@@ -70,7 +73,7 @@ def test_opt_curve_agrees_with_libcachesims_belady(tmp_path):
 def test_smallest_size_reaches_the_target_and_one_fewer_does_not():
     trace = zipf_trace(num_layers=8, num_experts=16, top_k=2, length=800, a=1.2, b=1.0, seed=3, shuffle=True)
     data = ReplayInput.of(trace)
-    curve = opt_curve(data.sequence.expert_id, data.sequence.next_use, 128)
+    curve = opt_curve(data.sequence.expert_id, 128)
     requests = len(data.sequence)
     for target in (0.3, 0.5, 0.8, 0.9):
         size = curve.smallest_size(target)

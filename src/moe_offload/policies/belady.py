@@ -111,9 +111,14 @@ def position_levels(n):
 
 
 def position_add(bits, levels, position):
-    """Add ``position``: its bit and, up the levels, its words' bits."""
+    """Add ``position``: its bit and, up the levels, its words' bits, up to a word that held a bit already (the
+    bits above it are set)."""
     for level in range(levels.shape[0] - 1):
-        bits[levels[level] + (position >> 6)] |= np.uint64(1) << np.uint64(position & 63)
+        index = levels[level] + (position >> 6)
+        word = bits[index]
+        bits[index] = word | (np.uint64(1) << np.uint64(position & 63))
+        if word:
+            break
         position >>= 6
 
 

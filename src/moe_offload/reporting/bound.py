@@ -196,14 +196,12 @@ def _measure_whole(data: ReplayInput, target: ReplayInput, size: int, cache_size
     """Belady, OPT's curve and ``policies`` on ``target`` (the whole trace, or its sample at ``replay_rate``) at
     ``size`` experts (``cache_size`` scaled by the rate)."""
     meta = data.trace.meta
-    requests = data.trace.num_tokens * meta.num_layers * meta.top_k
     # OPT's curve on a thread beside Belady and then beside the policies (its kernel releases the GIL): Belady
-    # alone left a core idle once the working set was done. Belady runs before the policies, so that the next
-    # uses it reads (4 bytes a request) are freed before the policies' columns are made.
+    # alone left a core idle once the working set was done.
 
     def measure_opt() -> HitCurve:
         if replay_rate < 1:  # OPT's curve on the replays' sample: exact there, its sizes scaled by the rate
-            curve = opt_curve(target.sequence.expert_id, target.sequence.next_use, meta.num_expert_slots)
+            curve = opt_curve(target.sequence.expert_id, meta.num_expert_slots)
             return HitCurve(curve.histogram, rate=replay_rate)
         return measure_opt_curve(data, sample_above)
 
@@ -211,12 +209,9 @@ def _measure_whole(data: ReplayInput, target: ReplayInput, size: int, cache_size
         measuring = beside.submit(measure_opt)
         step("the bound: Belady at the budget, OPT at every size beside it")
         belady = replay_grid(target, ["belady"], [size], seed=seed, jobs=jobs, engine=engine).results[0]
-        if replay_rate == 1 and sample_rate(requests, sample_above) < 1:  # OPT's curve samples its own
-            target.sequence.forget("next_use")
         step(f"the bound: {len(policies)} online policies at the budget, OPT at every size beside them")
         grid = replay_grid(target, policies, [size], seed=seed, jobs=jobs, engine=engine, reference=belady)
         opt = measuring.result()
-    target.sequence.forget("next_use")
     skipped += [(policy, why) for policy, _, why in grid.skipped]
     online = sorted((r for r in grid.results if r.policy != "belady"), key=lambda r: (-r.hits, r.policy))
     return Bound(cache_size=cache_size, belady=belady, online=online, skipped=skipped, opt=opt,
@@ -232,9 +227,8 @@ def sample_rate(requests: int, sample_above: int | None) -> float:
 
 def measure_opt_curve(data: ReplayInput, sample_above: int | None = SAMPLE_ABOVE) -> HitCurve:
     """OPT's hit rate at every cache size on ``data``, sampled above ``sample_above`` requests."""
-    sequence, rate = data.sequence, sample_rate(len(data.sequence), sample_above)
-    return opt_curve(sequence.expert_id, sequence.next_use if rate == 1 else None, data.trace.meta.num_expert_slots,
-                     rate=rate)
+    sequence = data.sequence
+    return opt_curve(sequence.expert_id, data.trace.meta.num_expert_slots, rate=sample_rate(len(sequence), sample_above))
 
 
 def verdict(bound: Bound, total_experts: int) -> str:

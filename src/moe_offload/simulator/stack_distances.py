@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_offload.compiled import compile_pays, numba_available
-from moe_offload.trace.flatten import COLUMN, in_sample, next_use_times
+from moe_offload.trace.flatten import COLUMN, fill_next_uses, in_sample, next_use_chunk, next_use_marks
 
 
 @dataclass(frozen=True)
@@ -190,10 +190,11 @@ def _tree_first_above(tree, leaves, start, value):
     return node - leaves
 
 
-def opt_stack_distance_kernel(keys, next_use, num_keys, histogram):
-    """Add each request of ``keys`` (flat expert ids in [0, num_keys); ``next_use`` their next positions, NEVER
-    for none) to ``histogram[distance]``, its OPT stack distance, or to ``histogram[num_keys]`` for a first
-    request; the module docstring derives the method."""
+def opt_stack_distance_kernel(keys, num_keys, histogram):
+    """Add each request of ``keys`` (flat expert ids in [0, num_keys)) to ``histogram[distance]``, its OPT stack
+    distance, or to ``histogram[num_keys]`` for a first request; the module docstring derives the method. The
+    requests' next positions come a chunk at a time (trace/flatten.py ``fill_next_uses``), as Belady's kernel
+    reads them."""
     leaves = 1
     while leaves < num_keys + 1:
         leaves *= 2
@@ -201,7 +202,15 @@ def opt_stack_distance_kernel(keys, next_use, num_keys, histogram):
     stack = np.zeros(num_keys, np.int64)      # the expert at each position, 0 on top
     position = np.full(num_keys, -1, np.int64)  # each expert's position, -1 before its first request
     depth = 0
-    for t in range(keys.shape[0]):
+    n = keys.shape[0]
+    chunk = next_use_chunk(n)
+    marks = next_use_marks(keys, 0, 1, num_keys, chunk)
+    ahead = np.empty(min(chunk, n), np.int32)
+    seen = np.empty(num_keys, np.int32)
+    for t in range(n):
+        if t % chunk == 0:
+            seen[:] = marks[t // chunk]
+            fill_next_uses(keys, 0, 1, t, min(n, t + chunk), seen, ahead)
         key = keys[t]
         distance = position[key]
         if distance < 0:
@@ -227,7 +236,7 @@ def opt_stack_distance_kernel(keys, next_use, num_keys, histogram):
             _tree_set(tree, leaves, distance, carried_use)
         stack[0] = key
         position[key] = 0
-        _tree_set(tree, leaves, 0, next_use[t])
+        _tree_set(tree, leaves, 0, ahead[t % chunk])
 
 
 # Requests below which LRU's distances run in plain Python (compiled.py compile_pays): about 16 us a request
@@ -253,7 +262,7 @@ def _opt_kernel():
 
     if not numba_available():
         return opt_stack_distance_kernel
-    return compile_linked(opt_stack_distance_kernel, "void(int32[::1], int32[::1], int64, int64[::1])")
+    return compile_linked(opt_stack_distance_kernel, "void(int32[::1], int64, int64[::1])")
 
 
 class LruStack:
@@ -286,14 +295,11 @@ def lru_curve(keys: np.ndarray, num_keys: int) -> HitCurve:
     return stack.curve()
 
 
-def opt_curve(keys: np.ndarray, next_use: np.ndarray | None, num_keys: int, rate: float = 1.0) -> HitCurve:
-    """OPT's hits at every size on ``keys``, whose next uses are ``next_use`` (trace/flatten.py); with ``rate``
-    below 1, on the spatial sample of the experts at that rate (``sample_keys``; ``next_use`` is not read, and
-    may be None)."""
+def opt_curve(keys: np.ndarray, num_keys: int, rate: float = 1.0) -> HitCurve:
+    """OPT's hits at every size on ``keys``; with ``rate`` below 1, on the spatial sample of the experts at that
+    rate (``sample_keys``)."""
     if rate < 1.0:
         keys = sample_keys(keys, rate)
-        next_use = next_use_times(keys)
     histogram = np.zeros(num_keys + 1, np.int64)
-    _opt_kernel()(np.ascontiguousarray(keys, COLUMN), np.ascontiguousarray(next_use, COLUMN), num_keys,
-                  histogram)
+    _opt_kernel()(np.ascontiguousarray(keys, COLUMN), num_keys, histogram)
     return HitCurve(histogram, rate=rate)
