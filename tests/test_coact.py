@@ -265,8 +265,8 @@ def test_the_kernel_runs_uncompiled_with_the_same_misses():
     seq = data.sequence
     for size in (4, 12):
         hits = np.zeros(4, np.int64)
-        CoActivation.replay_kernel(seq.expert_id.astype(np.int64), 0, 1, seq.token.astype(np.int64), size, 4, 8,
-                                   floats, ints.copy(), hits)
+        CoActivation.replay_kernel(seq.expert_id.astype(np.int64), seq.token.astype(np.int64), size, 4, 8, floats,
+                                   ints.copy(), hits)
         assert hits.tolist() == replay(data, "coact", size, engine="python").per_layer_hits
     assert math.isclose(floats[0], math.log(2) / 8)
 

@@ -442,23 +442,21 @@ def test_lfru_kernel_on_long_sequences(a):
 
 def test_next_uses_a_chunk_at_a_time_are_next_use_times(monkeypatch):
     from moe_offload.trace import flatten as flatten_module
-    from moe_offload.trace.flatten import NEVER, fill_next_uses, next_use_marks, next_use_times, replayed_requests
+    from moe_offload.trace.flatten import NEVER, fill_next_uses, next_use_marks, next_use_times
 
-    keys = np.random.default_rng(1).integers(0, 9, 100).astype(np.int32)
-    for start, step in ((0, 1), (2, 3), (5, 7), (99, 4), (100, 1)):
-        replayed = keys[start::step]
-        assert replayed_requests(keys, start, step) == replayed.size
-        expected = next_use_times(replayed).tolist()  # NEVER, or a request number: the same in a replay's numbering
+    rng = np.random.default_rng(1)
+    for keys in (rng.integers(0, 9, 100).astype(np.int32), np.array([4, 4, 4], np.int32), np.zeros(0, np.int32)):
+        expected = next_use_times(keys).tolist()
         for chunk in (1, 3, 8, 1000):
-            marks = next_use_marks(keys, start, step, 9, chunk)
+            marks = next_use_marks(keys, 9, chunk)
             found = []
-            for first in range(0, replayed.size, chunk):
-                stop = min(replayed.size, first + chunk)
+            for first in range(0, keys.size, chunk):
+                stop = min(keys.size, first + chunk)
                 ahead = np.zeros(stop - first, np.int32)
-                fill_next_uses(keys, start, step, first, stop, marks[first // chunk].copy(), ahead)
+                fill_next_uses(keys, first, stop, marks[first // chunk].copy(), ahead)
                 found += ahead.tolist()
-            assert found == expected, (start, step, chunk)
-        assert replayed.size == 0 or expected[-1] == NEVER
+            assert found == expected, (keys.size, chunk)
+        assert keys.size == 0 or expected[-1] == NEVER
     monkeypatch.setattr(flatten_module, "NEXT_USE_CHUNK", 4)
     assert flatten_module.next_use_chunk(10) == 4 and flatten_module.next_use_chunk(4 * 256 + 1) == 5
 
@@ -521,6 +519,6 @@ def test_belady_across_chunks_and_ties_makes_the_objects_misses(monkeypatch):
 
 @needs_numba
 def test_a_sample_replays_the_same_compiled(olmoe):
-    """On a spatial sample of the experts the -dist policies' layers are copied out and replayed whole: the same
-    results as the objects, every compiled policy."""
+    """On a spatial sample of the experts, whose layers' requests fall anywhere (they are copied out for the
+    -dist policies), every compiled policy gives the objects' results."""
     assert_same(ReplayInput.sampled(olmoe.trace, 0.5, "half of the experts"), (32, 128))

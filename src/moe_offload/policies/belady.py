@@ -19,7 +19,7 @@ import numpy as np
 from moe_offload.compiled import highest_bit
 from moe_offload.policies._ranked import RankedKeys
 from moe_offload.policies.base import EvictionPolicy
-from moe_offload.trace.flatten import NEVER, fill_next_uses, next_use_chunk, next_use_marks, replayed_requests
+from moe_offload.trace.flatten import NEVER, fill_next_uses, next_use_chunk, next_use_marks
 
 
 class Belady(EvictionPolicy):
@@ -46,13 +46,13 @@ class Belady(EvictionPolicy):
         return self._ranked.victim(ctx.pinned)
 
     @staticmethod
-    def replay_kernel(keys, start, step, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
         """The hooks above as the compiled replay runs them, the residents ranked by their next requests in a
-        set of request numbers (module doc): the same order."""
+        set of positions (module doc): the same order."""
         num_keys = num_layers * num_experts
-        n = replayed_requests(keys, start, step)
+        n = keys.shape[0]
         chunk = next_use_chunk(n)
-        marks = next_use_marks(keys, start, step, num_keys, chunk)
+        marks = next_use_marks(keys, num_keys, chunk)
         ahead = np.empty(min(chunk, n), np.int32)
         seen = np.empty(num_keys, np.int32)
         levels = position_levels(n)
@@ -64,12 +64,12 @@ class Belady(EvictionPolicy):
         for first in range(0, n, chunk):
             stop = min(n, first + chunk)
             seen[:] = marks[first // chunk]
-            fill_next_uses(keys, start, step, first, stop, seen, ahead)
-            for j in range(first, stop):
-                key = keys[start + j * step]
+            fill_next_uses(keys, first, stop, seen, ahead)
+            for t in range(first, stop):
+                key = keys[t]
                 if resident[key]:
                     layer_hits[key // num_experts] += 1
-                    position_remove(bits, levels, j)  # its next request was this one
+                    position_remove(bits, levels, t)  # its next request was this one
                 else:
                     if size == capacity:
                         if done_count:
@@ -78,12 +78,12 @@ class Belady(EvictionPolicy):
                         else:
                             latest = position_largest(bits, levels)
                             position_remove(bits, levels, latest)
-                            victim = keys[start + latest * step]
+                            victim = keys[latest]
                         resident[victim] = False
                     else:
                         size += 1
                     resident[key] = True
-                following = ahead[j - first]
+                following = ahead[t - first]
                 if following == NEVER:
                     done[done_count] = key
                     done_count += 1

@@ -253,7 +253,7 @@ class CoActivation(EvictionPolicy):
         return float(4 * (self.spec.top_k + 1) * (residents + 1))
 
     @staticmethod
-    def replay_kernel(keys, start, step, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
         """The hooks above as the compiled replay runs them, with the same arithmetic in the same order."""
         decay = floats[0]
         top_k = ints[0]
@@ -283,7 +283,7 @@ class CoActivation(EvictionPolicy):
         scale = 1.0
         current = -1
         size = 0
-        for t in range(start, keys.shape[0], step):
+        for t in range(keys.shape[0]):
             key = keys[t]
             token = tokens[t]
             if token != current:

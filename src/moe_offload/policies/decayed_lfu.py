@@ -69,7 +69,7 @@ class DecayedLFU(EvictionPolicy):
         return np.array([self.half_life], np.float64), np.zeros(0, np.int64)
 
     @staticmethod
-    def replay_kernel(keys, start, step, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
         """The hooks above as the compiled replay runs them: a_k of every key requested so far, computed with
         the same floating point operations (the half-life is ``floats[0]``), and the residents in a heap
         ordered by (a_k, last set)."""
@@ -80,7 +80,7 @@ class DecayedLFU(EvictionPolicy):
         requested = np.zeros(num_keys, np.bool_)
         resident = np.zeros(num_keys, np.bool_)
         size = 0
-        for t in range(start, keys.shape[0], step):
+        for t in range(keys.shape[0]):
             key = keys[t]
             now = t / half_life
             score = 2.0 ** (rank[key] - now) + 1.0 if requested[key] else 1.0

@@ -74,7 +74,7 @@ class LCP(EvictionPolicy):
         return np.array([self._decay], np.float64), np.zeros(0, np.int64)
 
     @staticmethod
-    def replay_kernel(keys, start, step, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
         """The hooks above as the compiled replay runs them: the same score, computed with the same floating
         point operations (log of the count, plus last token times the decay in ``floats[0]``), in a heap
         ordered by (score, last set). A replayed expert is always requested before it is inserted, so its
@@ -86,7 +86,7 @@ class LCP(EvictionPolicy):
         last_token = np.full(num_keys, -1, np.int64)
         resident = np.zeros(num_keys, np.bool_)
         size = 0
-        for t in range(start, keys.shape[0], step):
+        for t in range(keys.shape[0]):
             key = keys[t]
             if last_token[key] != tokens[t]:
                 mu[key] += 1

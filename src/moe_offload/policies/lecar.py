@@ -160,7 +160,7 @@ class LeCaR(EvictionPolicy):
                 np.concatenate([rng_state(self._rng), np.array([history], np.int64)]))
 
     @staticmethod
-    def replay_kernel(keys, start, step, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
         """The hooks above as the compiled replay runs them: the residents (list 0, least recent first),
         H_LRU and H_LFU (lists 1 and 2, oldest first) of the linked lists, ``where`` saying which holds a key;
         the residents' LFU order in a heap by (count, last set), settled when LFU chooses
@@ -183,7 +183,7 @@ class LeCaR(EvictionPolicy):
         evicted_at = np.zeros(num_keys, np.int64)
         w_lru = w_lfu = 0.5
         size = 0
-        for t in range(start, keys.shape[0], step):
+        for t in range(keys.shape[0]):
             key = keys[t]
             found = where[key]
             if found == 0:

@@ -37,7 +37,7 @@ class LFU(EvictionPolicy):
         return self._ranked.victim(ctx.pinned)
 
     @staticmethod
-    def replay_kernel(keys, start, step, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
         """The hooks above as the compiled replay runs them: the same (count, last set) order in a heap whose
         entries a hit leaves behind, settled when a victim is taken (_ranked.heap_settle)."""
         num_keys = num_layers * num_experts
@@ -45,7 +45,7 @@ class LFU(EvictionPolicy):
         freq = np.zeros(num_keys, np.int64)  # 0: not resident
         last_set = np.zeros(num_keys, np.int64)
         size = 0
-        for t in range(start, keys.shape[0], step):
+        for t in range(keys.shape[0]):
             key = keys[t]
             if freq[key] > 0:
                 layer_hits[key // num_experts] += 1

@@ -91,7 +91,7 @@ class LLRU(EvictionPolicy):
         return best_key
 
     @staticmethod
-    def replay_kernel(keys, start, step, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
         """The hooks above as the compiled replay runs them, without looking at every layer head on a miss.
 
         D < L, so the victim is the layer head with the largest R, and among those the largest D. The residents
@@ -106,7 +106,7 @@ class LLRU(EvictionPolicy):
         resident = np.zeros(L * num_experts, np.bool_)
         seen = np.full(L, -1, np.int64)  # the miss at which a layer's head was last met in a walk
         size = 0
-        for t in range(start, keys.shape[0], step):
+        for t in range(keys.shape[0]):
             key = keys[t]
             b = key // num_experts
             tau[key] = t

@@ -75,7 +75,7 @@ class Marking(EvictionPolicy):
         return np.zeros(0, np.float64), rng_state(self._rng)
 
     @staticmethod
-    def replay_kernel(keys, start, step, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
         """The hooks above as the compiled replay runs them: the marked experts in a linked list in marking
         order, the unmarked in the same array as ``_unmarked``, the same draws from the generator whose
         state is ``ints``. A replayed expert is inserted by a miss, hence marked."""
@@ -86,7 +86,7 @@ class Marking(EvictionPolicy):
         position = np.full(num_keys, -1, np.int64)  # in unmarked, -1 when not there
         num_unmarked = 0
         size = 0
-        for t in range(start, keys.shape[0], step):
+        for t in range(keys.shape[0]):
             key = keys[t]
             if position[key] >= 0:  # a hit on an unmarked expert marks it
                 layer_hits[key // num_experts] += 1

@@ -213,7 +213,7 @@ class MoEInfinity(EvictionPolicy):
         return np.zeros(0, np.float64), np.concatenate([np.array(head, np.int64), codes])
 
     @staticmethod
-    def replay_kernel(keys, start, step, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
         """The hooks above as the compiled replay runs them (module doc), with ``run_kernel_arguments``'s
         ``ints``: the same priorities from the same floating point operations, the same ties (a heap entry
         is stamped with the clock that set it; the initial fill before clock 0, in key order)."""
@@ -253,7 +253,7 @@ class MoEInfinity(EvictionPolicy):
                 layer_size[layer] += 1
         current = -1
         eam = -1
-        for t in range(start, keys.shape[0], step):
+        for t in range(keys.shape[0]):
             row = tokens[t]
             if row != current:
                 if current >= 0:

@@ -66,7 +66,7 @@ class NeighborAware(EvictionPolicy):
         return np.zeros(0, np.float64), np.array([self.group], np.int64)
 
     @staticmethod
-    def replay_kernel(keys, start, step, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
         """The hooks above as the compiled replay runs them: the groups with a resident member in a linked list,
         least recently requested first, and the count of each one's resident members; ``ints[0]`` is the
         group size."""
@@ -76,7 +76,7 @@ class NeighborAware(EvictionPolicy):
         members = np.zeros(num_layers * per_layer, np.int64)
         resident = np.zeros(num_layers * num_experts, np.bool_)
         size = 0
-        for t in range(start, keys.shape[0], step):
+        for t in range(keys.shape[0]):
             key = keys[t]
             layer = key // num_experts
             own = layer * per_layer + (key - layer * num_experts) // group

@@ -11,22 +11,21 @@ linked lists in policies/_linked.py, the Mersenne Twister in policies/_seeded.py
 that compiles the policies' kernels, with the helpers of compiled.py (the only module that imports Numba), and
 only when a kernel is first asked for: the package imports and replays without Numba.
 
-The contract. ``replay_kernel(keys, start, step, tokens, capacity, num_layers, num_experts, floats, ints,
-layer_hits)`` serves, in order, the requests at the positions ``start``, ``start + step``, ... of a flattened
-sequence (its arrays ``keys``, flat expert ids, and ``tokens``, int32 as the sequence's columns are) on one
-demand-paged cache of ``capacity`` experts that starts empty, exactly as ExpertCache.request with the policy
-object would: the request at position t has clock t, key ``keys[t]`` and token ``tokens[t]`` (AccessContext's
-fields, for the policies that read them); the offline policy, Belady's, finds each request's next use itself,
-a chunk at a time (trace/flatten.py ``fill_next_uses``); ``floats`` and ``ints`` are the policy's
-``run_kernel_arguments(capacity, trace)`` (parameters, a generator's state, which the kernel may update; a
-static placement's experts, the requests a row belongs to); it adds each hit to ``layer_hits[key //
-num_experts]``. The whole replay passes every position (0, 1); a -dist policy is a cache split among the
-layers (simulator/cache.py PartitionedCache), so the replay runs the kernel once per layer with that layer's
-positions (l, L: request t is of layer t % L) and share of the capacity, as the partitions would, without
-copying the sequence; a sample of the experts has its layers' requests wherever they fall, so there each
-layer's ids and tokens are copied out and replayed whole (0, 1), the same order with other clocks. No kernel
-reads a column of positions: at 20M requests one is 80 MB to make and to stream through the loop, which cost
-a tenth of a second or more on every run.
+The contract. ``replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits)``
+serves, in order, the requests of a flattened sequence (its arrays ``keys``, flat expert ids, and ``tokens``,
+int32 as the sequence's columns are) on one demand-paged cache of ``capacity`` experts that starts empty,
+exactly as ExpertCache.request with the policy object would: request t has clock t, key ``keys[t]`` and token
+``tokens[t]`` (AccessContext's fields, for the policies that read them); the offline policy, Belady's, finds
+each request's next use itself, a chunk at a time (trace/flatten.py ``fill_next_uses``); ``floats`` and
+``ints`` are the policy's ``run_kernel_arguments(capacity, trace)`` (parameters, a generator's state, which the
+kernel may update; a static placement's experts, the requests a row belongs to); it adds each hit to
+``layer_hits[key // num_experts]``. The whole replay passes the whole sequence; a -dist policy is a cache
+split among the layers (simulator/cache.py PartitionedCache), so the replay runs the kernel once per layer on
+that layer's requests, copied out, and its share of the capacity, as the partitions would: the same requests
+in the same order, their clocks counted in the layer (the -dist policies' decisions depend on the order of
+their requests only; the tests replay them both ways). No kernel reads a column of positions or of next
+uses: at 20M requests each would be 80 MB to make and to stream through the loop, which cost more than LRU's
+replay.
 
 Compilation. ``compiled_kernel(policy_class)`` compiles the kernel and every plain function it calls (found
 among the names its code uses, recursively) with an explicit signature, so a kernel compiles once, when first
@@ -49,8 +48,7 @@ import types
 from moe_offload.compiled import (INSTALL_HINT, PIPELINE, compiled_twin,  # noqa: F401  (kernels.INSTALL_HINT)
                                    njit_cached, numba_available)
 
-SIGNATURE = ("void(int32[::1], int64, int64, int32[::1], int64, int64, int64, float64[::1], int64[::1], "
-             "int64[::1])")
+SIGNATURE = "void(int32[::1], int32[::1], int64, int64, int64, float64[::1], int64[::1], int64[::1])"
 HELPER_OPTIONS = {"inline": "always"}  # no call, hence no reference counting of array arguments, per helper use
 COMPILE_FLAGS = "nogil"  # moe_offload/compiled.py's flags, in the digest: a change of them is a new cache entry
 

@@ -213,7 +213,7 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel, w
     tokens = seq.token if "token" in kernel_columns(info.name) else NOT_READ
     layer_hits = np.zeros(spec.num_layers, np.int64)
     if not info.partitioned:
-        kernel(keys, 0, 1, tokens, cache_size, spec.num_layers, spec.num_experts, floats, ints.copy(), layer_hits)
+        kernel(keys, tokens, cache_size, spec.num_layers, spec.num_experts, floats, ints.copy(), layer_hits)
         return layer_hits
     capacities = PartitionedCache.capacities(cache_size, spec.num_layers, spec.num_experts, whole_layers)
     requests = seq.per_layer_requests()
@@ -221,20 +221,17 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel, w
         if layer in whole_layers:  # every expert resident from the start
             layer_hits[layer] = requests[layer]
             continue
-        # each partition has a fresh policy of the same seed (PartitionedCache's make_policy), hence ints.copy();
-        # a layer's requests are every L-th of the sequence, or in a sample, wherever they are: copied out then
-        if seq.sampled:
-            positions = seq.layer_positions(layer)
-            kernel(keys[positions], 0, 1, tokens[positions] if tokens.size else NOT_READ, capacities[layer],
-                   spec.num_layers, spec.num_experts, floats, ints.copy(), layer_hits)
-        else:
-            kernel(keys, layer, spec.num_layers, tokens, capacities[layer], spec.num_layers, spec.num_experts,
-                   floats, ints.copy(), layer_hits)
+        # the layer's requests copied out, a few megabytes that the kernel's passes read in its cache; each
+        # partition has a fresh policy of the same seed (PartitionedCache's make_policy), hence ints.copy()
+        requested = seq.layer_requests(layer)
+        layer_tokens = np.ascontiguousarray(tokens[requested]) if tokens.size else tokens
+        kernel(np.ascontiguousarray(keys[requested]), layer_tokens, capacities[layer], spec.num_layers,
+               spec.num_experts, floats, ints.copy(), layer_hits)
     return layer_hits
 
 
 NOT_READ = np.zeros(0, np.int32)  # what a kernel is given for a column its code never reads
-TOKENS_ARGUMENT = 3  # its place in the kernels' contract (simulator/kernels.py)
+TOKENS_ARGUMENT = 1  # its place in the kernels' contract (simulator/kernels.py)
 
 
 def kernel_columns(policy: str) -> tuple[str, ...]:

@@ -204,13 +204,13 @@ def opt_stack_distance_kernel(keys, num_keys, histogram):
     depth = 0
     n = keys.shape[0]
     chunk = next_use_chunk(n)
-    marks = next_use_marks(keys, 0, 1, num_keys, chunk)
+    marks = next_use_marks(keys, num_keys, chunk)
     ahead = np.empty(min(chunk, n), np.int32)
     seen = np.empty(num_keys, np.int32)
     for t in range(n):
         if t % chunk == 0:
             seen[:] = marks[t // chunk]
-            fill_next_uses(keys, 0, 1, t, min(n, t + chunk), seen, ahead)
+            fill_next_uses(keys, t, min(n, t + chunk), seen, ahead)
         key = keys[t]
         distance = position[key]
         if distance < 0:

@@ -98,12 +98,12 @@ class AccessSequence:
             return np.bincount(self.expert_id // self.num_experts, minlength=self.num_layers).astype(np.int64)
         return np.full(self.num_layers, len(self) // max(1, self.num_layers), np.int64)
 
-    def layer_positions(self, layer: int) -> np.ndarray:
-        """The positions of ``layer``'s requests in time order: layer, layer + L, ... (request t is of layer
-        t % L); in a sample, found."""
+    def layer_requests(self, layer: int) -> slice | np.ndarray:
+        """What selects ``layer``'s requests, in time order, from a column of the sequence: every L-th from
+        ``layer`` (request t is of layer t % L); in a sample, the positions where they are."""
         if self.sampled:
             return np.flatnonzero(self.layer == layer).astype(COLUMN)
-        return np.arange(layer, len(self), self.num_layers, dtype=COLUMN)
+        return slice(layer, None, self.num_layers)
 
     @property
     def round(self) -> np.ndarray:
@@ -223,36 +223,29 @@ def next_use_chunk(requests):
     return max(NEXT_USE_CHUNK, -(-requests // NEXT_USE_CHUNKS))
 
 
-def replayed_requests(keys, start, step):
-    """How many requests a replay of the positions ``start``, ``start + step``, ... of ``keys`` serves (the
-    replay kernels' contract, simulator/kernels.py): request j is at position ``start + j * step``."""
-    return max(0, (keys.shape[0] - start + step - 1) // step)
-
-
-def next_use_marks(keys, start, step, num_keys, chunk):
-    """For a replay of the positions ``start``, ``start + step``, ... of ``keys``, cut in chunks of ``chunk``
-    requests: for each chunk and key, the number j of the key's first request after the chunk (at position
-    ``start + j * step``), NEVER if none. One backward pass; an array [chunks, num_keys] (``fill_next_uses``
-    reads a row)."""
-    n = replayed_requests(keys, start, step)
+def next_use_marks(keys, num_keys, chunk):
+    """For each chunk of ``chunk`` requests of ``keys`` and each key, the position of the key's first request
+    after the chunk, NEVER if none: one backward pass, an array [chunks, num_keys] (``fill_next_uses`` reads a
+    row)."""
+    n = keys.shape[0]
     chunks = (n + chunk - 1) // chunk
     marks = np.empty((chunks, num_keys), np.int32)
     seen = np.full(num_keys, NEVER, np.int32)
     for c in range(chunks - 1, -1, -1):
         marks[c, :] = seen
-        for j in range(min(n, (c + 1) * chunk) - 1, c * chunk - 1, -1):
-            seen[keys[start + j * step]] = j
+        for t in range(min(n, (c + 1) * chunk) - 1, c * chunk - 1, -1):
+            seen[keys[t]] = t
     return marks
 
 
-def fill_next_uses(keys, start, step, first, stop, seen, ahead):
-    """``ahead[j - first]``: the number of the next request of request j's key (NEVER if none), for j in [first,
-    stop), from ``seen``, each key's first request after the chunk (its row of ``next_use_marks``, which this
-    overwrites). The next use of ``next_use_times``, counted in the replay's requests."""
-    for j in range(stop - 1, first - 1, -1):
-        key = keys[start + j * step]
-        ahead[j - first] = seen[key]
-        seen[key] = j
+def fill_next_uses(keys, first, stop, seen, ahead):
+    """``ahead[t - first]``: the next position of the key of request t (NEVER if none), for t in [first, stop),
+    from ``seen``, each key's first request after the chunk (its row of ``next_use_marks``, which this
+    overwrites): ``next_use_times`` a chunk at a time."""
+    for t in range(stop - 1, first - 1, -1):
+        key = keys[t]
+        ahead[t - first] = seen[key]
+        seen[key] = t
 
 
 @functools.cache
