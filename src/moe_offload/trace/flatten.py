@@ -34,7 +34,8 @@ class AccessSequence:
     """One entry per expert request, in replay order: the flat expert ids, and what the order implies about
     each request, computed when first asked for (a replay of most policies reads the ids alone, and a column
     of 4 bytes per request is 400 MB at a hundred million requests). ``next_use[t]`` is the index of the
-    next request of the same expert (NEVER if none): the oracle that Belady's rule reads."""
+    next request of the same expert (NEVER if none): the oracle that Belady's rule reads (the policy objects'
+    replay and the exports; the compiled kernels find it a chunk at a time, ``fill_next_uses``)."""
 
     expert_id: np.ndarray  # int32 flat ids
     num_layers: int
