@@ -28,8 +28,7 @@ from moe_offload.policies import AccessContext, ModelSpec, make_policy, policy_f
 from moe_offload.results import RunResult
 from moe_offload.simulator import kernels
 from moe_offload.simulator.cache import BYPASSED, HIT, LOADED, ExpertCache, PartitionedCache
-from moe_offload.trace.flatten import (AccessSequence, flatten, last_row_of_each_request, next_use_times,
-                                       sample_sequence)
+from moe_offload.trace.flatten import AccessSequence, flatten, last_row_of_each_request, sample_sequence
 from moe_offload.trace.format import Trace
 from moe_offload.values import integer, worker_count
 
@@ -151,12 +150,11 @@ def replay_kernel(policy: str, engine: str = "auto"):
 
 
 def load_kernels(policies: Iterable[str], engine: str = "auto") -> None:
-    """Compile, or load from Numba's cache, the kernels a grid of ``policies`` runs (Belady's with them) and
-    the next-use pass. A command calls it on a thread while it reads its traces (Arrow reads without the GIL),
-    and waits for it before the first replay: the kernels' loading, a second or more, is then off the path."""
+    """Compile, or load from Numba's cache, the kernels a grid of ``policies`` runs (Belady's with them). A
+    command calls it on a thread while it reads its traces (Arrow reads without the GIL), and waits for it
+    before the first replay: the kernels' loading, a second or more, is then off the path."""
     for policy in dict.fromkeys(["belady", *policies]):
         replay_kernel(policy, engine)
-    next_use_times(np.zeros(1, np.int32))
 
 
 def _replay_objects(data: ReplayInput, info, make, cache_size: int, whole_layers=()) -> tuple[np.ndarray, np.ndarray]:
