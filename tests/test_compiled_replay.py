@@ -453,7 +453,7 @@ def test_next_uses_a_chunk_at_a_time_are_next_use_times(monkeypatch):
             for first in range(0, keys.size, chunk):
                 stop = min(keys.size, first + chunk)
                 ahead = np.zeros(stop - first, np.int32)
-                fill_next_uses(keys, first, stop, marks[first // chunk].copy(), ahead)
+                fill_next_uses(keys, marks, first // chunk, first, stop, np.zeros(9, np.int32), ahead)
                 found += ahead.tolist()
             assert found == expected, (keys.size, chunk)
         assert keys.size == 0 or expected[-1] == NEVER

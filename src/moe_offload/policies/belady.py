@@ -63,8 +63,7 @@ class Belady(EvictionPolicy):
         size = 0
         for first in range(0, n, chunk):
             stop = min(n, first + chunk)
-            seen[:] = marks[first // chunk]
-            fill_next_uses(keys, first, stop, seen, ahead)
+            fill_next_uses(keys, marks, first // chunk, first, stop, seen, ahead)
             for t in range(first, stop):
                 key = keys[t]
                 if resident[key]:

@@ -209,8 +209,7 @@ def opt_stack_distance_kernel(keys, num_keys, histogram):
     seen = np.empty(num_keys, np.int32)
     for t in range(n):
         if t % chunk == 0:
-            seen[:] = marks[t // chunk]
-            fill_next_uses(keys, t, min(n, t + chunk), seen, ahead)
+            fill_next_uses(keys, marks, t // chunk, t, min(n, t + chunk), seen, ahead)
         key = keys[t]
         distance = position[key]
         if distance < 0:

@@ -233,16 +233,19 @@ def next_use_marks(keys, num_keys, chunk):
     marks = np.empty((chunks, num_keys), np.int32)
     seen = np.full(num_keys, NEVER, np.int32)
     for c in range(chunks - 1, -1, -1):
-        marks[c, :] = seen
+        for key in range(num_keys):  # loops, not slices: Numba compiles them in a fraction of the time
+            marks[c, key] = seen[key]
         for t in range(min(n, (c + 1) * chunk) - 1, c * chunk - 1, -1):
             seen[keys[t]] = t
     return marks
 
 
-def fill_next_uses(keys, first, stop, seen, ahead):
+def fill_next_uses(keys, marks, row, first, stop, seen, ahead):
     """``ahead[t - first]``: the next position of the key of request t (NEVER if none), for t in [first, stop),
-    from ``seen``, each key's first request after the chunk (its row of ``next_use_marks``, which this
-    overwrites): ``next_use_times`` a chunk at a time."""
+    chunk ``row`` of ``next_use_marks``, whose row of ``marks`` gives each key's first request after it
+    (``seen``: where the backward pass keeps them): ``next_use_times`` a chunk at a time."""
+    for key in range(seen.shape[0]):
+        seen[key] = marks[row, key]
     for t in range(stop - 1, first - 1, -1):
         key = keys[t]
         ahead[t - first] = seen[key]
