@@ -461,7 +461,7 @@ def test_next_uses_a_chunk_at_a_time_are_next_use_times(monkeypatch):
     assert flatten_module.next_use_chunk(10) == 4 and flatten_module.next_use_chunk(4 * 256 + 1) == 5
 
 
-def test_the_set_of_positions_is_a_set(monkeypatch):
+def test_the_set_of_positions_is_a_set():
     """Belady's set of positions (policies/belady.py) against a Python set, as plain Python and compiled, across
     the sizes where it gains a level (64, 64**2)."""
     from moe_offload.compiled import highest_bit, highest_bit_by_halving, numba_available

@@ -81,7 +81,7 @@ class RankedKeys:
 # key with the clock of the request that set its score, so "among equal scores the earliest set first" is
 # RankedKeys' order exactly. A heap is four arrays, (keys in heap order, their scores, their stamps, each
 # key's position or -1), that heap_new makes and the functions take one by one: passed as one tuple, unpacked
-# in every step of a sift, they made Belady's kernel 1.7x slower (measured in one process). The caller keeps
+# in every step of a sift, they made a heap-ranked kernel 1.7x slower (measured in one process). The caller keeps
 # the size (in the kernels, the number of resident experts). Sifting moves a hole rather than swapping, which
 # halves the writes.
 
