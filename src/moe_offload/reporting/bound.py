@@ -228,7 +228,8 @@ def sample_rate(requests: int, sample_above: int | None) -> float:
 def measure_opt_curve(data: ReplayInput, sample_above: int | None = SAMPLE_ABOVE) -> HitCurve:
     """OPT's hit rate at every cache size on ``data``, sampled above ``sample_above`` requests."""
     sequence = data.sequence
-    return opt_curve(sequence.expert_id, data.trace.meta.num_expert_slots, rate=sample_rate(len(sequence), sample_above))
+    rate = sample_rate(len(sequence), sample_above)
+    return opt_curve(sequence.expert_id, data.trace.meta.num_expert_slots, rate=rate)
 
 
 def verdict(bound: Bound, total_experts: int) -> str:
