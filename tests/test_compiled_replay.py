@@ -184,9 +184,12 @@ def test_partition_capacities_are_the_caches():
     assert [part.capacity for part in parts] == [3, 3, 2, 2]
 
 
-def test_next_use_times_match_a_direct_scan():
+@pytest.mark.parametrize("numpy_below", [10**9, 0])  # NumPy's sort, and the compiled pass where Numba is there
+def test_next_use_times_match_a_direct_scan(monkeypatch, numpy_below):
+    from moe_offload.trace import flatten as flatten_module
     from moe_offload.trace.flatten import NEVER, next_use_times
 
+    monkeypatch.setattr(flatten_module, "NEXT_USE_NUMPY_BELOW", numpy_below)
     rng = np.random.default_rng(0)
     for keys in (rng.integers(0, 40, 500), rng.integers(0, 2**40, 300), np.array([3, 3, 3]), np.zeros(0, np.int64)):
         expected = [next((j for j in range(i + 1, len(keys)) if keys[j] == keys[i]), NEVER) for i in range(len(keys))]
