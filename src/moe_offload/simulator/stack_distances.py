@@ -207,35 +207,36 @@ def opt_stack_distance_kernel(keys, num_keys, histogram):
     marks = next_use_marks(keys, num_keys, chunk)
     ahead = np.empty(min(chunk, n), np.int32)
     seen = np.empty(num_keys, np.int32)
-    for t in range(n):
-        if t % chunk == 0:
-            fill_next_uses(keys, marks, t // chunk, t, min(n, t + chunk), seen, ahead)
-        key = keys[t]
-        distance = position[key]
-        if distance < 0:
-            histogram[num_keys] += 1
-            distance = depth
-            depth += 1
-        else:
-            histogram[distance] += 1
-        if distance > 0:
-            carried, carried_use = stack[0], tree[leaves]
-            record = 0
-            while True:
-                record = _tree_first_above(tree, leaves, record + 1, carried_use)
-                if record >= distance:
-                    break
-                stayed, stayed_use = carried, carried_use
-                carried, carried_use = stack[record], tree[leaves + record]
-                stack[record] = stayed
-                position[stayed] = record
-                _tree_set(tree, leaves, record, stayed_use)
-            stack[distance] = carried
-            position[carried] = distance
-            _tree_set(tree, leaves, distance, carried_use)
-        stack[0] = key
-        position[key] = 0
-        _tree_set(tree, leaves, 0, ahead[t % chunk])
+    for first in range(0, n, chunk):  # as Belady's kernel: a chunk's next uses, then its requests
+        stop = min(n, first + chunk)
+        fill_next_uses(keys, marks, first // chunk, first, stop, seen, ahead)
+        for t in range(first, stop):
+            key = keys[t]
+            distance = position[key]
+            if distance < 0:
+                histogram[num_keys] += 1
+                distance = depth
+                depth += 1
+            else:
+                histogram[distance] += 1
+            if distance > 0:
+                carried, carried_use = stack[0], tree[leaves]
+                record = 0
+                while True:
+                    record = _tree_first_above(tree, leaves, record + 1, carried_use)
+                    if record >= distance:
+                        break
+                    stayed, stayed_use = carried, carried_use
+                    carried, carried_use = stack[record], tree[leaves + record]
+                    stack[record] = stayed
+                    position[stayed] = record
+                    _tree_set(tree, leaves, record, stayed_use)
+                stack[distance] = carried
+                position[carried] = distance
+                _tree_set(tree, leaves, distance, carried_use)
+            stack[0] = key
+            position[key] = 0
+            _tree_set(tree, leaves, 0, ahead[t - first])
 
 
 # Requests below which LRU's distances run in plain Python (compiled.py compile_pays): about 16 us a request

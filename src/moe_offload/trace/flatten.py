@@ -213,8 +213,8 @@ def next_use_kernel(keys, num_keys, next_use):
         seen[key] = position
 
 
-# The next uses of a replay's requests a chunk at a time, for the kernels that read them (Belady's): a column of
-# them, 4 bytes a request, is memory that grows with the trace and costs more to make than a chunk's worth.
+# The next uses of a replay's requests a chunk at a time, for the kernels that read them (Belady's, OPT's curve):
+# a column of them, 4 bytes a request, is memory that grows with the trace and costs more to make than a chunk's.
 NEXT_USE_CHUNK = 1 << 20  # requests whose next uses a kernel holds at once (4 MiB)
 NEXT_USE_CHUNKS = 256     # at most this many chunks (longer sequences have longer chunks): ``next_use_marks``'s rows
 
