@@ -298,10 +298,10 @@ def test_rows_out_of_iteration_order_name_the_row(tmp_path):
     expect_trace_error(path, "row 3", "iteration order")
 
 
-def test_a_trace_read_a_few_rows_at_a_time_is_the_trace(tmp_path, monkeypatch):
+def test_a_trace_read_a_row_at_a_time_is_the_trace(tmp_path, monkeypatch):
     from moe_offload.trace import format as trace_format
 
-    monkeypatch.setattr(trace_format, "READ_ROWS", 3)
+    monkeypatch.setattr(trace_format, "READ_VALUES", 1)  # a row a piece
     monkeypatch.setattr(trace_format, "ROW_GROUP_REQUESTS", 12)  # two rows of 3 layers x top-2 a row group
     trace = full_trace(tokens=11)
     path = write_trace(trace, tmp_path / "groups.parquet")
@@ -312,9 +312,9 @@ def test_a_trace_read_a_few_rows_at_a_time_is_the_trace(tmp_path, monkeypatch):
 def test_a_problem_in_a_later_piece_names_its_row_in_the_file(tmp_path, monkeypatch):
     from moe_offload.trace import format as trace_format
 
-    monkeypatch.setattr(trace_format, "READ_ROWS", 2)
+    monkeypatch.setattr(trace_format, "READ_VALUES", 1)  # a row a piece
     phase = ["decode"] * 6
-    phase[5] = "warmup"  # in the third piece of two rows
+    phase[5] = "warmup"  # in the sixth piece
     error = expect_trace_error(write_raw(tmp_path / "phase.parquet", good_rows(), meta_dict(), phase=phase),
                                "row 5", "warmup")
     assert error.row == 5
