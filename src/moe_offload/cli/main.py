@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -56,5 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         return 141
 
 
+def console() -> None:
+    """The `moe-offload` executable: ``main`` on the process's command line, then the process ends. The
+    interpreter's shutdown collects garbage over every object left, Numba's typing tables among them once a
+    kernel is loaded: 0.25 s of a 1.1 s `simulate` on 20M requests (2-core AMD EPYC). Nothing left then needs
+    collecting, so the objects are frozen out of the collector first; atexit handlers and file flushes still
+    run."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()
