@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import os
 import sys
 
 from moe_offload.version import __version__
-from moe_offload.cli import (configure_cmd, generate_cmd, hardware_cmd, pack_cmd, placement_cmd, policies_cmd,
-                              record_cmd, report_cmd, serve_cmd, simulate_cmd, sweep_cmd, trace_cmd, train_cmd, train_tiny_cmd)
 from moe_offload.errors import MoeOffloadError
 from moe_offload.outputs import checked_stdout
 
-COMMANDS = (simulate_cmd, sweep_cmd, generate_cmd, serve_cmd, pack_cmd, record_cmd, trace_cmd, policies_cmd, train_cmd,
-            train_tiny_cmd, configure_cmd, hardware_cmd, report_cmd, placement_cmd)
+# Each command's module (moe_offload.cli.<module>) by the name it registers, in the order of the help. A command
+# line imports its own command's module alone: the others' imports (HTTP and TLS for `trace capture`, the
+# importers, the report's) cost `simulate` 50 ms on a 2-core AMD EPYC machine. `moe-offload --help` imports all.
+COMMANDS = {"simulate": "simulate_cmd", "sweep": "sweep_cmd", "generate": "generate_cmd", "serve": "serve_cmd",
+            "pack": "pack_cmd", "record": "record_cmd", "trace": "trace_cmd", "policies": "policies_cmd",
+            "train-eviction": "train_cmd", "train-tiny": "train_tiny_cmd", "configure": "configure_cmd",
+            "hardware": "hardware_cmd", "report": "report_cmd", "placement": "placement_cmd"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,19 +34,27 @@ def one_line(message) -> str:
     return " ".join(str(message).split())
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_module(name: str):
+    """The module of the command ``name`` (a key of COMMANDS), imported."""
+    return importlib.import_module(f"moe_offload.cli.{COMMANDS[name]}")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of ``command`` alone where it names one (only its module is imported)."""
     parser = _Parser(
         prog="moe-offload",
         description="Replay MoE routing traces through expert-cache policies and compare them with the optimum.")
     parser.add_argument("--version", action="version", version=f"moe-offload {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in COMMANDS:
-        module.register(subparsers)
+    for name in [command] if command in COMMANDS else COMMANDS:
+        command_module(name).register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # the command is the first word that is not an option: the options before it (--version, --help) take no value
+    args = build_parser(next((word for word in argv if not word.startswith("-")), None)).parse_args(argv)
     try:
         with checked_stdout():
             return args.run(args) or 0
