@@ -143,7 +143,7 @@ class ARC(EvictionPolicy):
         raise NoEvictableExpert
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """The hooks above as the compiled replay runs them: T1, T2, B1 and B2 are the linked lists 0 to 3,
         ``where`` says which list holds a key (-1: none), and c is ``capacity`` (the cache sets cache_slots to
         it at its first eviction; before that there is no ghost, so the bounds delete nothing)."""
@@ -157,7 +157,7 @@ class ARC(EvictionPolicy):
             key = keys[t]
             found = where[key]
             if found == T1 or found == T2:  # I: to the MRU end of T2
-                layer_hits[key // num_experts] += 1
+                key_hits[key] += 1
                 list_remove(lists, found, key)
                 list_append(lists, T2, key)
                 sizes[found] -= 1

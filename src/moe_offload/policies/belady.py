@@ -46,7 +46,7 @@ class Belady(EvictionPolicy):
         return self._ranked.victim(ctx.pinned)
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """The hooks above as the compiled replay runs them, the residents ranked by their next requests in a
         set of positions (module doc): the same order."""
         num_keys = num_layers * num_experts
@@ -67,7 +67,7 @@ class Belady(EvictionPolicy):
             for t in range(first, stop):
                 key = keys[t]
                 if resident[key]:
-                    layer_hits[key // num_experts] += 1
+                    key_hits[key] += 1
                     position_remove(bits, levels, t)  # its next request was this one
                 else:
                     if size == capacity:

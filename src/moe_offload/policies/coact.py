@@ -253,7 +253,7 @@ class CoActivation(EvictionPolicy):
         return float(4 * (self.spec.top_k + 1) * (residents + 1))
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """The hooks above as the compiled replay runs them, with the same arithmetic in the same order."""
         decay = floats[0]
         top_k = ints[0]
@@ -313,7 +313,7 @@ class CoActivation(EvictionPolicy):
             changed[layer] = events
             last_request[key] = t
             if position[key] >= 0:
-                layer_hits[layer] += 1
+                key_hits[key] += 1
                 if scaled[key] < scores[position[key]]:  # _lower_on_hit
                     heap_update(order, scores, stamps, position, size, key, scaled[key], t)
                 continue

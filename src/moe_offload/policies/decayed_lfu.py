@@ -69,7 +69,7 @@ class DecayedLFU(EvictionPolicy):
         return np.array([self.half_life], np.float64), np.zeros(0, np.int64)
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """The hooks above as the compiled replay runs them: a_k of every key requested so far, computed with
         the same floating point operations (the half-life is ``floats[0]``), and the residents in a heap
         ordered by (a_k, last set)."""
@@ -87,7 +87,7 @@ class DecayedLFU(EvictionPolicy):
             rank[key] = math.log2(score) + now
             requested[key] = True
             if resident[key]:
-                layer_hits[key // num_experts] += 1
+                key_hits[key] += 1
                 heap_update(order, scores, stamps, position, size, key, rank[key], t)
                 continue
             resident[key] = True

@@ -32,7 +32,7 @@ class FIFO(EvictionPolicy):
         raise NoEvictableExpert
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """The hooks above as the compiled replay runs them: one linked list in insertion order."""
         order = lists_new(num_layers * num_experts, 1)
         resident = np.zeros(num_layers * num_experts, np.bool_)
@@ -40,7 +40,7 @@ class FIFO(EvictionPolicy):
         for t in range(keys.shape[0]):
             key = keys[t]
             if resident[key]:
-                layer_hits[key // num_experts] += 1
+                key_hits[key] += 1
                 continue
             if size == capacity:
                 victim = list_head(order, 0)

@@ -74,7 +74,7 @@ class LCP(EvictionPolicy):
         return np.array([self._decay], np.float64), np.zeros(0, np.int64)
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """The hooks above as the compiled replay runs them: the same score, computed with the same floating
         point operations (log of the count, plus last token times the decay in ``floats[0]``), in a heap
         ordered by (score, last set). A replayed expert is always requested before it is inserted, so its
@@ -93,7 +93,7 @@ class LCP(EvictionPolicy):
                 last_token[key] = tokens[t]
             score = math.log(mu[key]) + last_token[key] * decay
             if resident[key]:
-                layer_hits[key // num_experts] += 1
+                key_hits[key] += 1
                 heap_update(order, scores, stamps, position, size, key, score, t)
                 continue
             resident[key] = True

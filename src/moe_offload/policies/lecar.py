@@ -160,7 +160,7 @@ class LeCaR(EvictionPolicy):
                 np.concatenate([rng_state(self._rng), np.array([history], np.int64)]))
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """The hooks above as the compiled replay runs them: the residents (list 0, least recent first),
         H_LRU and H_LFU (lists 1 and 2, oldest first) of the linked lists, ``where`` saying which holds a key;
         the residents' LFU order in a heap by (count, last set), settled when LFU chooses
@@ -187,7 +187,7 @@ class LeCaR(EvictionPolicy):
             key = keys[t]
             found = where[key]
             if found == 0:
-                layer_hits[key // num_experts] += 1
+                key_hits[key] += 1
                 list_move_to_tail(lists, 0, key)
                 freq[key] += 1
                 last_set[key] = t

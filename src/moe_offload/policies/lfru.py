@@ -66,7 +66,7 @@ class LFRU(EvictionPolicy):
         return best
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """The hooks above as the compiled replay runs them, without scoring every resident at each eviction.
 
         The residents are kept in groups of equal uses f, the groups in a list by increasing f, each group's
@@ -99,7 +99,7 @@ class LFRU(EvictionPolicy):
         for t in range(keys.shape[0]):
             key = keys[t]
             if uses[key] > 0:
-                layer_hits[key // num_experts] += 1
+                key_hits[key] += 1
                 clock += 1
                 group = group_of[key]
                 following = group_next[group]

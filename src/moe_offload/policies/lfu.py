@@ -37,7 +37,7 @@ class LFU(EvictionPolicy):
         return self._ranked.victim(ctx.pinned)
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """The hooks above as the compiled replay runs them: the same (count, last set) order in a heap whose
         entries a hit leaves behind, settled when a victim is taken (_ranked.heap_settle)."""
         num_keys = num_layers * num_experts
@@ -48,7 +48,7 @@ class LFU(EvictionPolicy):
         for t in range(keys.shape[0]):
             key = keys[t]
             if freq[key] > 0:
-                layer_hits[key // num_experts] += 1
+                key_hits[key] += 1
                 freq[key] += 1
                 last_set[key] = t
                 continue

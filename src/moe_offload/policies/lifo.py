@@ -28,7 +28,7 @@ class LIFO(FIFO):
         raise NoEvictableExpert
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """The hooks above as the compiled replay runs them: one linked list in insertion order, evicting
         at its tail."""
         order = lists_new(num_layers * num_experts, 1)
@@ -38,7 +38,7 @@ class LIFO(FIFO):
         for t in range(keys.shape[0]):
             key = keys[t]
             if resident[key]:
-                layer_hits[key // num_experts] += 1
+                key_hits[key] += 1
                 continue
             if size == capacity:
                 victim = ends[0, 1]

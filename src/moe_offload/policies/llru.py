@@ -91,7 +91,7 @@ class LLRU(EvictionPolicy):
         return best_key
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """The hooks above as the compiled replay runs them, without looking at every layer head on a miss.
 
         D < L, so the victim is the layer head with the largest R, and among those the largest D. The residents
@@ -111,7 +111,7 @@ class LLRU(EvictionPolicy):
             b = key // num_experts
             tau[key] = t
             if resident[key]:
-                layer_hits[b] += 1
+                key_hits[key] += 1
                 list_move_to_tail(order, 0, key)
                 continue
             if size == capacity:

@@ -36,7 +36,7 @@ class LRU(EvictionPolicy):
         raise NoEvictableExpert
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """The hooks above as the compiled replay runs them: one linked list in request order."""
         order = lists_new(num_layers * num_experts, 1)
         resident = np.zeros(num_layers * num_experts, np.bool_)
@@ -44,7 +44,7 @@ class LRU(EvictionPolicy):
         for t in range(keys.shape[0]):
             key = keys[t]
             if resident[key]:
-                layer_hits[key // num_experts] += 1
+                key_hits[key] += 1
                 list_move_to_tail(order, 0, key)
                 continue
             if size == capacity:

@@ -75,7 +75,7 @@ class Marking(EvictionPolicy):
         return np.zeros(0, np.float64), rng_state(self._rng)
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """The hooks above as the compiled replay runs them: the marked experts in a linked list in marking
         order, the unmarked in the same array as ``_unmarked``, the same draws from the generator whose
         state is ``ints``. A replayed expert is inserted by a miss, hence marked."""
@@ -89,7 +89,7 @@ class Marking(EvictionPolicy):
         for t in range(keys.shape[0]):
             key = keys[t]
             if position[key] >= 0:  # a hit on an unmarked expert marks it
-                layer_hits[key // num_experts] += 1
+                key_hits[key] += 1
                 gap = position[key]
                 num_unmarked -= 1
                 unmarked[gap] = unmarked[num_unmarked]
@@ -99,7 +99,7 @@ class Marking(EvictionPolicy):
                 is_marked[key] = True
                 continue
             if is_marked[key]:
-                layer_hits[key // num_experts] += 1
+                key_hits[key] += 1
                 continue
             if size == capacity:
                 if num_unmarked == 0:  # a new phase

@@ -213,7 +213,7 @@ class MoEInfinity(EvictionPolicy):
         return np.zeros(0, np.float64), np.concatenate([np.array(head, np.int64), codes])
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """The hooks above as the compiled replay runs them (module doc), with ``run_kernel_arguments``'s
         ``ints``: the same priorities from the same floating point operations, the same ties (a heap entry
         is stamped with the clock that set it; the initial fill before clock 0, in key order)."""
@@ -283,7 +283,7 @@ class MoEInfinity(EvictionPolicy):
                 row_sum[layer] += 1
                 stale[layer] = True
             if resident[key]:
-                layer_hits[layer] += 1
+                key_hits[key] += 1
                 if by_request:
                     list_move_to_tail(recency, 0, key)
                 else:

@@ -66,7 +66,7 @@ class NeighborAware(EvictionPolicy):
         return np.zeros(0, np.float64), np.array([self.group], np.int64)
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """The hooks above as the compiled replay runs them: the groups with a resident member in a linked list,
         least recently requested first, and the count of each one's resident members; ``ints[0]`` is the
         group size."""
@@ -83,7 +83,7 @@ class NeighborAware(EvictionPolicy):
             if members[own] > 0:  # a request of any member refreshes the group, hit or miss
                 list_move_to_tail(groups, 0, own)
             if resident[key]:
-                layer_hits[layer] += 1
+                key_hits[key] += 1
                 continue
             if size == capacity:
                 oldest = list_head(groups, 0)

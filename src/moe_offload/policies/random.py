@@ -48,7 +48,7 @@ class RandomEviction(EvictionPolicy):
         return np.zeros(0, np.float64), rng_state(self._rng)
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """The hooks above as the compiled replay runs them: the same list of residents (appended, removed by
         moving the last one into the gap) and the same draws from the generator whose state is ``ints``."""
         residents = np.empty(max(capacity, 1), np.int64)
@@ -57,7 +57,7 @@ class RandomEviction(EvictionPolicy):
         for t in range(keys.shape[0]):
             key = keys[t]
             if position[key] >= 0:
-                layer_hits[key // num_experts] += 1
+                key_hits[key] += 1
                 continue
             if size == capacity:
                 victim = residents[mt_draw_below(ints, size)]

@@ -48,7 +48,7 @@ class StaticExperts(EvictionPolicy):
         raise NoEvictableExpert  # it never admits, so the cache never needs room
 
     @staticmethod
-    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits):
+    def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
         """A static placement as the compiled replay runs it: the experts of ``ints`` are resident from the
         start and nothing else is ever loaded, so a request is a hit exactly when its expert is one of them."""
         resident = np.zeros(num_layers * num_experts, np.bool_)
@@ -57,4 +57,4 @@ class StaticExperts(EvictionPolicy):
         for t in range(keys.shape[0]):
             key = keys[t]
             if resident[key]:
-                layer_hits[key // num_experts] += 1
+                key_hits[key] += 1

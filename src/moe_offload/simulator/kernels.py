@@ -11,7 +11,7 @@ linked lists in policies/_linked.py, the Mersenne Twister in policies/_seeded.py
 that compiles the policies' kernels, with the helpers of compiled.py (the only module that imports Numba), and
 only when a kernel is first asked for: the package imports and replays without Numba.
 
-The contract. ``replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, layer_hits)``
+The contract. ``replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits)``
 serves, in order, the requests of a flattened sequence (its arrays ``keys``, flat expert ids, and ``tokens``,
 int32 as the sequence's columns are) on one demand-paged cache of ``capacity`` experts that starts empty,
 exactly as ExpertCache.request with the policy object would: request t has clock t, key ``keys[t]`` and token
@@ -19,7 +19,8 @@ exactly as ExpertCache.request with the policy object would: request t has clock
 each request's next use itself, a chunk at a time (trace/flatten.py ``fill_next_uses``); ``floats`` and
 ``ints`` are the policy's ``run_kernel_arguments(capacity, trace)`` (parameters, a generator's state, which the
 kernel may update; a static placement's experts, the requests a row belongs to); it adds each hit to
-``layer_hits[key // num_experts]``. The whole replay passes the whole sequence; a -dist policy is a cache
+``key_hits[key]`` (the replay sums them by layer after: a division per hit cost LRU's and Belady's kernels
+about a tenth of their time). The whole replay passes the whole sequence; a -dist policy is a cache
 split among the layers (simulator/cache.py PartitionedCache), so the replay runs the kernel once per layer on
 that layer's requests, copied out, and its share of the capacity, as the partitions would: the same requests
 in the same order, their clocks counted in the layer (the -dist policies' decisions depend on the order of

@@ -209,22 +209,24 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel, w
     floats, ints = policy.run_kernel_arguments(cache_size, data.trace)
     keys = seq.expert_id  # int32, the kernel's signature: no copy here
     tokens = seq.token if "token" in kernel_columns(info.name) else NOT_READ
-    layer_hits = np.zeros(spec.num_layers, np.int64)
+    key_hits = np.zeros(spec.num_layers * spec.num_experts, np.int64)
     if not info.partitioned:
-        kernel(keys, tokens, cache_size, spec.num_layers, spec.num_experts, floats, ints.copy(), layer_hits)
-        return layer_hits
+        kernel(keys, tokens, cache_size, spec.num_layers, spec.num_experts, floats, ints.copy(), key_hits)
+        return key_hits.reshape(spec.num_layers, spec.num_experts).sum(axis=1)
     capacities = PartitionedCache.capacities(cache_size, spec.num_layers, spec.num_experts, whole_layers)
     requests = seq.per_layer_requests()
     for layer in range(spec.num_layers):
-        if layer in whole_layers:  # every expert resident from the start
-            layer_hits[layer] = requests[layer]
+        if layer in whole_layers:
             continue
         # the layer's requests copied out, a few megabytes that the kernel's passes read in its cache; each
         # partition has a fresh policy of the same seed (PartitionedCache's make_policy), hence ints.copy()
         requested = seq.layer_requests(layer)
         layer_tokens = np.ascontiguousarray(tokens[requested]) if tokens.size else tokens
         kernel(np.ascontiguousarray(keys[requested]), layer_tokens, capacities[layer], spec.num_layers,
-               spec.num_experts, floats, ints.copy(), layer_hits)
+               spec.num_experts, floats, ints.copy(), key_hits)
+    layer_hits = key_hits.reshape(spec.num_layers, spec.num_experts).sum(axis=1)
+    for layer in whole_layers:  # every expert resident from the start: every request a hit
+        layer_hits[layer] = requests[layer]
     return layer_hits
 
 
