@@ -84,5 +84,6 @@ def console() -> None:
     gc.freeze()
     sys.exit(code)
 
+
 if __name__ == "__main__":
     console()
