@@ -172,10 +172,6 @@ def run(args) -> int:
     given = [name for name, default in TIMED_DEFAULTS.items() if getattr(args, name) != default]
     if given:
         raise ConfigError(f"--{given[0].replace('_', '-')} belongs to the timed simulation: add --timed")
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from moe_offload.reporting.tables import print_replay_tables
     from moe_offload.simulator.replay import ReplayInput, load_kernels, replay_grid
 
     args.policy = args.policy or "all"
@@ -196,17 +192,17 @@ def run(args) -> int:
             sizes = sorted(set(table_sizes) | set(sweep_sizes(trace.meta, args.plot_points) if args.plot else ()))
             traces.append(trace)
             plans.append((table_sizes, sizes))
+        from moe_offload.reporting.progress import progress_bar  # Rich, while the kernels load
+
         kernels.result()
     for trace, label in zip(traces, trace_labels(args.traces)):
         inputs.append(ReplayInput.of(trace, name=label, checked=True))  # read_trace checked it
     del traces
 
-    stderr = Console(stderr=True)
     results, skipped, table_results = [], [], []  # skipped: lines saying which table cell cannot run and why
     total = sum(len(data.sequence) * len(sizes) * (len(policies) + ("belady" not in policies))
                 for data, (_, sizes) in zip(inputs, plans))
-    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeRemainingColumn(), console=stderr, transient=True, disable=not stderr.is_terminal) as bar:
+    with progress_bar() as bar:
         task = bar.add_task("replaying requests", total=total)
         for data, (table_sizes, sizes) in zip(inputs, plans):
             grid = replay_grid(data, policies, sizes, seed=args.seed, options=options, jobs=args.jobs,
@@ -231,6 +227,10 @@ def run(args) -> int:
         for line in skipped:  # on stderr, so that stdout stays the JSON document
             print(f"skipped: {line}", file=sys.stderr)
     else:
+        from rich.console import Console
+
+        from moe_offload.reporting.tables import print_replay_tables
+
         out = Console()
         if not out.is_terminal:
             out.width = 110  # files and pipes: wide enough for a table row and its title
@@ -239,8 +239,7 @@ def run(args) -> int:
     if args.plot:
         from moe_offload.reporting.plots import plot_misses
 
-        out = plot_misses(results, args.plot)
-        stderr.print(f"plot written to {out}")
+        print(f"plot written to {plot_misses(results, args.plot)}", file=sys.stderr)
     return 0
 
 
@@ -259,10 +258,10 @@ def parse_prefetchers(text: str) -> list[str | None]:
 
 def run_timed(args) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from moe_offload.hardware import resolve_profile
     from moe_offload.prefetch import check_trace_columns, prefetcher_info
+    from moe_offload.reporting.progress import progress_bar
     from moe_offload.reporting.tables import print_timed_tables
     from moe_offload.simulator.split import read_split_config
     from moe_offload.simulator.timed import ORACLE, Arrivals, Reconfiguration, check_timed_run, timed_grid
@@ -323,11 +322,9 @@ def run_timed(args) -> int:
                                 reconfiguration, fetch_or_compute=args.fetch_or_compute)
         plans.append((label, trace, expert_bytes, sizes))
 
-    stderr = Console(stderr=True)
     results = []
     runs = sum(len(timed_runs(policies, prefetchers, sizes)) for *_, sizes in plans)
-    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeRemainingColumn(), console=stderr, transient=True, disable=not stderr.is_terminal) as bar:
+    with progress_bar() as bar:
         task = bar.add_task("timed runs", total=runs)
         for name, trace, expert_bytes, sizes in plans:
             results += timed_grid(trace, hardware, policies, prefetchers, sizes, expert_bytes=expert_bytes,
@@ -360,9 +357,9 @@ def run_timed(args) -> int:
     if args.plot_cdf:
         from moe_offload.reporting.plots import plot_latency_cdf
 
-        stderr.print(f"latency CDF written to {plot_latency_cdf(results, args.plot_cdf)}")
+        print(f"latency CDF written to {plot_latency_cdf(results, args.plot_cdf)}", file=sys.stderr)
     if args.plot_timeline:
         from moe_offload.reporting.plots import plot_timeline
 
-        stderr.print(f"timeline written to {plot_timeline(results, args.plot_timeline)}")
+        print(f"timeline written to {plot_timeline(results, args.plot_timeline)}", file=sys.stderr)
     return 0
