@@ -212,21 +212,21 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel, w
     key_hits = np.zeros(spec.num_layers * spec.num_experts, np.int64)
     if not info.partitioned:
         kernel(keys, tokens, cache_size, spec.num_layers, spec.num_experts, floats, ints.copy(), key_hits)
-        return key_hits.reshape(spec.num_layers, spec.num_experts).sum(axis=1)
-    capacities = PartitionedCache.capacities(cache_size, spec.num_layers, spec.num_experts, whole_layers)
-    requests = seq.per_layer_requests()
-    for layer in range(spec.num_layers):
-        if layer in whole_layers:
-            continue
-        # the layer's requests copied out, a few megabytes that the kernel's passes read in its cache; each
-        # partition has a fresh policy of the same seed (PartitionedCache's make_policy), hence ints.copy()
-        requested = seq.layer_requests(layer)
-        layer_tokens = np.ascontiguousarray(tokens[requested]) if tokens.size else tokens
-        kernel(np.ascontiguousarray(keys[requested]), layer_tokens, capacities[layer], spec.num_layers,
-               spec.num_experts, floats, ints.copy(), key_hits)
+    else:
+        capacities = PartitionedCache.capacities(cache_size, spec.num_layers, spec.num_experts, whole_layers)
+        for layer in range(spec.num_layers):
+            if layer in whole_layers:
+                continue
+            # the layer's requests copied out, a few megabytes that the kernel's passes read in its cache; each
+            # partition has a fresh policy of the same seed (PartitionedCache's make_policy), hence ints.copy()
+            requested = seq.layer_requests(layer)
+            layer_tokens = np.ascontiguousarray(tokens[requested]) if tokens.size else tokens
+            kernel(np.ascontiguousarray(keys[requested]), layer_tokens, capacities[layer], spec.num_layers,
+                   spec.num_experts, floats, ints.copy(), key_hits)
     layer_hits = key_hits.reshape(spec.num_layers, spec.num_experts).sum(axis=1)
-    for layer in whole_layers:  # every expert resident from the start: every request a hit
-        layer_hits[layer] = requests[layer]
+    if whole_layers:  # every expert of these resident from the start: every request a hit
+        held = sorted(whole_layers)
+        layer_hits[held] = seq.per_layer_requests()[held]
     return layer_hits
 
 
