@@ -9,8 +9,9 @@ import pytest
 from conftest import QWEN_FILES
 from moe_offload.bundled import DEFAULT_TRACE
 from moe_offload.simulator.replay import ReplayInput, replay
-from moe_offload.simulator.stack_distances import HitCurve, opt_curve, opt_stack_distance_kernel
-from moe_offload.trace import flatten as flatten_module
+from moe_offload.simulator import stack_distances
+from moe_offload.simulator.opt_stack import OptStack
+from moe_offload.simulator.stack_distances import HitCurve, opt_curve
 from moe_offload.trace.flatten import write_oracle_general
 from moe_offload.trace.format import read_trace
 from moe_offload.trace.importers import import_routes_json
@@ -24,19 +25,40 @@ def assert_curve_is_the_replay(data: ReplayInput, sizes) -> None:
         assert curve.hits(size) == replay(data, "belady", size).hits, size
 
 
-def test_opt_stack_distances_of_a_hand_worked_sequence(monkeypatch):
+def test_opt_stack_distances_of_a_hand_worked_sequence():
     # a b c a d b a (keys 0 1 2 0 3 1 0): four first requests; a's second at distance 1 (only c came between),
     # b's second at distance 2 and a's third at distance 1 (a's next use, 6, is sooner than c's and d's, never)
     keys = np.array([0, 1, 2, 0, 3, 1, 0], np.int64)
-    for chunk in (1 << 20, 2, 1):  # the next uses a chunk at a time: the same distances
-        monkeypatch.setattr(flatten_module, "NEXT_USE_CHUNK", chunk)
-        histogram = np.zeros(5, np.int64)
-        opt_stack_distance_kernel(keys, 4, histogram)
-        assert histogram.tolist() == [0, 2, 1, 0, 4], chunk
+    stack = OptStack(4)
+    stack.add(keys)
+    assert stack.histogram.tolist() == [0, 2, 1, 0, 4]
     # by hand, OPT with 2 slots: a b miss, c evicts b (used later than a), a hits, d evicts c, b evicts d, a hits;
     # with 3: a b c miss, a hits, d evicts c (never used again), b and a hit
-    curve = HitCurve(histogram)
+    curve = HitCurve(stack.histogram)
     assert [curve.hits(size) for size in range(5)] == [0, 0, 2, 3, 3]
+
+
+def test_opt_stack_distances_need_only_the_past():
+    # the distances of a sequence passed in pieces, down to a request at a time, are those of the whole: no
+    # request's distance reads what comes after it
+    trace = zipf_trace(num_layers=4, num_experts=8, top_k=2, length=400, a=1.2, b=1.0, seed=7, shuffle=True)
+    keys = ReplayInput.of(trace).sequence.expert_id
+    whole = opt_curve(keys, 32).histogram
+    for piece in (1, 7, 100):
+        stack = OptStack(32)
+        for first in range(0, len(keys), piece):
+            stack.add(keys[first:first + piece])
+        assert stack.histogram.tolist() == whole.tolist(), piece
+
+
+def test_the_compiled_opt_stack_is_the_plain_one(monkeypatch):
+    pytest.importorskip("numba")
+    trace = zipf_trace(num_layers=8, num_experts=16, top_k=2, length=600, a=1.2, b=1.0, seed=9, shuffle=True)
+    keys = ReplayInput.of(trace).sequence.expert_id
+    monkeypatch.setattr(stack_distances, "OPT_PYTHON_BELOW", 1)
+    compiled = opt_curve(keys, 128).histogram
+    monkeypatch.setattr(stack_distances, "OPT_PYTHON_BELOW", 1 << 62)
+    assert opt_curve(keys, 128).histogram.tolist() == compiled.tolist()
 
 
 def test_opt_curve_is_the_belady_replay_at_every_size_on_zipf_traces():

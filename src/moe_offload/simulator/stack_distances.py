@@ -15,19 +15,9 @@ experts requested since its expert's previous request (its reuse distance). A Fe
 counts them in O(log D) for D experts; the slots are renumbered (compacted) in one pass over them when they run out,
 at most once every D requests, so memory stays O(D).
 
-**OPT** orders the stack by priority, the sooner next use first, and updates it as Mattson's section on OPT
-does: the requested expert x, at distance d, goes to the top; the entry that was on top is carried down, and at
-each position 1 .. d-1 the carried entry and the one there are compared, the sooner-used stays and the other is
-carried on; what is carried past d-1 takes position d (for a first request, d is a new bottom position). For a
-cache of C < d experts that is exactly OPT's miss: the C experts on top lose the one of them used furthest in
-the future (the last carried out of the top C) and gain x. Only the entries whose next use is later than every
-entry's above them (the running maxima of next use from the top, the *records*) move, each to the next
-record's position; the others stay. A segment tree of the maxima of next use over ranges of positions finds the
-next record in O(log D) (the first position after the last record whose next use is later than the carried
-entry's), so a request costs O((R + 1) log D) for its R records, in place of Mattson's O(d) scan of every
-position above it.
-An expert never requested again (next use NEVER) is never carried past another such, so the tie is settled
-without moving anything; its position no longer matters, as nothing will request it.
+**OPT**'s distances come from the requests before each one, by Bilardi, Ekanadham and Pattnaik's critical
+stack algorithm, in O(log D) a request (simulator/opt_stack.py, which derives it); a sequence passes in pieces
+there too (``OptStack``).
 """
 
 from __future__ import annotations
@@ -37,8 +27,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moe_offload.compiled import compile_pays, numba_available
-from moe_offload.trace.flatten import COLUMN, fill_next_uses, in_sample, next_use_chunk, next_use_marks
+from moe_offload.compiled import compile_pays
+from moe_offload.simulator.opt_stack import KERNEL_SIGNATURE, OptStack, opt_stack_kernel
+from moe_offload.trace.flatten import COLUMN, in_sample
 
 
 @dataclass(frozen=True)
@@ -160,90 +151,12 @@ def reuse_distance_kernel(keys, num_keys, histogram, tree, last, owner, state):
     state[1] = distinct
 
 
-def _tree_set(tree, leaves, slot, value):
-    """Set position ``slot`` of the max segment tree (leaves at ``leaves + slot``) and its ancestors' maxima."""
-    node = leaves + slot
-    tree[node] = value
-    node >>= 1
-    while node >= 1:
-        left, right = tree[2 * node], tree[2 * node + 1]
-        larger = left if left > right else right
-        if tree[node] == larger:  # nothing above changes either
-            break
-        tree[node] = larger
-        node >>= 1
-
-
-def _tree_first_above(tree, leaves, start, value):
-    """The first position at or after ``start`` whose value exceeds ``value``, or ``leaves`` when none does."""
-    node = leaves + start
-    while tree[node] <= value:  # up while this subtree and those right of it at this level fall short
-        while node & 1:
-            node >>= 1
-        if node == 0:
-            return leaves
-        node += 1
-    while node < leaves:  # down to the leftmost leaf above the value
-        node *= 2
-        if tree[node] <= value:
-            node += 1
-    return node - leaves
-
-
-def opt_stack_distance_kernel(keys, num_keys, histogram):
-    """Add each request of ``keys`` (flat expert ids in [0, num_keys)) to ``histogram[distance]``, its OPT stack
-    distance, or to ``histogram[num_keys]`` for a first request; the module docstring derives the method. The
-    requests' next positions come a chunk at a time (trace/flatten.py ``fill_next_uses``), as Belady's kernel
-    reads them."""
-    leaves = 1
-    while leaves < num_keys + 1:
-        leaves *= 2
-    tree = np.full(2 * leaves, -1, np.int64)  # the next use of the expert at each position; -1: none there
-    stack = np.zeros(num_keys, np.int64)      # the expert at each position, 0 on top
-    position = np.full(num_keys, -1, np.int64)  # each expert's position, -1 before its first request
-    depth = 0
-    n = keys.shape[0]
-    chunk = next_use_chunk(n)
-    marks = next_use_marks(keys, num_keys, chunk)
-    ahead = np.empty(min(chunk, n), np.int32)
-    seen = np.empty(num_keys, np.int32)
-    for first in range(0, n, chunk):  # as Belady's kernel: a chunk's next uses, then its requests
-        stop = min(n, first + chunk)
-        fill_next_uses(keys, marks, first // chunk, first, stop, seen, ahead)
-        for t in range(first, stop):
-            key = keys[t]
-            distance = position[key]
-            if distance < 0:
-                histogram[num_keys] += 1
-                distance = depth
-                depth += 1
-            else:
-                histogram[distance] += 1
-            if distance > 0:
-                carried, carried_use = stack[0], tree[leaves]
-                record = 0
-                while True:
-                    record = _tree_first_above(tree, leaves, record + 1, carried_use)
-                    if record >= distance:
-                        break
-                    stayed, stayed_use = carried, carried_use
-                    carried, carried_use = stack[record], tree[leaves + record]
-                    stack[record] = stayed
-                    position[stayed] = record
-                    _tree_set(tree, leaves, record, stayed_use)
-                stack[distance] = carried
-                position[carried] = distance
-                _tree_set(tree, leaves, distance, carried_use)
-            stack[0] = key
-            position[key] = 0
-            _tree_set(tree, leaves, 0, ahead[t - first])
-
-
 # Requests below which LRU's distances run in plain Python (compiled.py compile_pays): about 16 us a request
 # there, so 0.6 s for the bundled OLMoE trace's 38,272, against 3.4-3.8 s of CPU for the first compile of the
-# kernel and its Fenwick tree (measured on a loaded 2-core machine). OPT's kernel is compiled whenever Numba is
-# there: its plain Python takes 80 us a request (3.1 s on that trace), its compile 1.5-1.7 s.
+# kernel and its Fenwick tree (measured on a loaded 2-core machine). OPT's plain Python takes about 43 us a
+# request (1.6 s on that trace), its first compile 3.7 s (2-core AMD EPYC).
 REUSE_PYTHON_BELOW = 200_000
+OPT_PYTHON_BELOW = 80_000
 
 
 @functools.cache
@@ -257,12 +170,10 @@ def _reuse_kernel():
 
 @functools.cache
 def _opt_kernel():
-    """opt_stack_distance_kernel compiled by Numba when it is installed, else the plain function."""
+    """opt_stack_kernel compiled by Numba (which must be installed)."""
     from moe_offload.simulator.kernels import compile_linked
 
-    if not numba_available():
-        return opt_stack_distance_kernel
-    return compile_linked(opt_stack_distance_kernel, "void(int32[::1], int64, int64[::1])")
+    return compile_linked(opt_stack_kernel, KERNEL_SIGNATURE)
 
 
 class LruStack:
@@ -300,6 +211,6 @@ def opt_curve(keys: np.ndarray, num_keys: int, rate: float = 1.0) -> HitCurve:
     rate (``sample_keys``)."""
     if rate < 1.0:
         keys = sample_keys(keys, rate)
-    histogram = np.zeros(num_keys + 1, np.int64)
-    _opt_kernel()(np.ascontiguousarray(keys, COLUMN), num_keys, histogram)
-    return HitCurve(histogram, rate=rate)
+    stack = OptStack(num_keys, _opt_kernel() if compile_pays(len(keys), OPT_PYTHON_BELOW) else opt_stack_kernel)
+    stack.add(keys)
+    return HitCurve(stack.histogram, rate=rate)
