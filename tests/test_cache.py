@@ -63,6 +63,35 @@ def test_a_prefetch_waits_rather_than_evict_a_held_prefetch():
     assert set(cache.resident) == {1, 2} and list(cache.held) == [1, 2]
 
 
+def test_the_policys_fixed_experts_are_never_room_for_another():
+    # pinned-lru's hot set is never a victim: with 2 of 3 units fixed and the third pinned by the step, a
+    # demand load cannot make room and evicts nothing; the count of the fixed units follows loads, evictions
+    # and a change of their size
+    class Fixed(POLICIES["pinned-lru"].policy):  # its hot set given, not counted from a trace
+        def placement(self, slots, trace):
+            self.fixed = frozenset({0, 1})
+            return [0, 1]
+
+    cache = ExpertCache(3, Fixed(SPEC))
+    ctx = AccessContext()
+    cache.preload(None, ctx)
+    fill(cache, [2], ctx)
+    ctx.pinned = frozenset({2})
+    with pytest.raises(ConfigError, match="full of pinned experts"):
+        cache.request(3, ctx)
+    assert set(cache.resident) == {0, 1, 2}
+    ctx.pinned = frozenset()
+    assert cache.request(3, ctx) is False and set(cache.resident) == {0, 1, 3}  # 2, the only one not fixed
+    cache.evict(1)  # a fixed expert can still be evicted by hand: its unit is room again
+    fill(cache, [4], ctx)
+    ctx.pinned = frozenset({3})
+    assert cache.request(5, ctx) is False and set(cache.resident) == {0, 3, 5}
+    ctx.pinned = frozenset()
+    cache.resize(6, ctx, entry_size=2)  # 0, 3 and 5 now take 2 units each, 0's fixed
+    assert cache.reserve(6, ctx, 5) is False and set(cache.resident) == {0, 3, 5}  # 2 stuck: 4 is the most
+    assert cache.reserve(6, ctx, 4) and set(cache.resident) == {0}
+
+
 def test_which_predicted_residents_a_prefetch_protects():
     # 3 layers of 4 experts, layer 1 just routed: layers ahead are 2, then 0 and 1 of the next iteration.
     predicted = {9, 1, 5}  # layer 2, layer 0, layer 1

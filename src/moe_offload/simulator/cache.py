@@ -84,6 +84,8 @@ class ExpertCache:
         self.held: dict = {}      # key -> None, prefetched and not used yet, oldest first (module doc)
         self.used = 0
         self.evictions = 0
+        self._fixed_of = frozenset()  # the policy's fixed set whose resident units _fixed_units counts
+        self._fixed_units = 0
         self.on_evict = None  # callback(key) after an eviction: the runtime frees the expert's memory
         self.on_decision = None  # callback(seconds) after each timed victim call (module doc: Decisions)
 
@@ -143,7 +145,10 @@ class ExpertCache:
         self.policy.on_request_end(request)
 
     def evict(self, key) -> None:
-        self.used -= self.resident.pop(key)
+        size = self.resident.pop(key)
+        self.used -= size
+        if key in self._fixed_of:
+            self._fixed_units -= size
         self.held.pop(key, None)
         self.policy.on_evict(key)
         self.evictions += 1
@@ -170,7 +175,9 @@ class ExpertCache:
 
     def complete(self, key, ctx: AccessContext) -> None:
         """The reserved ``key`` has arrived: it is resident from now on."""
-        self.resident[key] = self.reserved.pop(key)
+        size = self.resident[key] = self.reserved.pop(key)
+        if key in self._fixed_of:
+            self._fixed_units += size
         self.policy.on_insert(key, ctx)
 
     def resize(self, capacity: int, ctx: AccessContext, entry_size: int | None = None) -> None:
@@ -183,6 +190,7 @@ class ExpertCache:
                 raise RuntimeError("resizing the entries of a cache while experts are on their way in")
             self.resident = dict.fromkeys(self.resident, entry_size)
             self.used = entry_size * len(self.resident)
+            self._fixed_of, self._fixed_units = frozenset(), 0  # recounted when next asked
         self.capacity = capacity
         pinned = ctx.pinned
         ctx.pinned = pinned | self.held.keys()
@@ -218,12 +226,11 @@ class ExpertCache:
         if self.policy.cache_slots is None:  # full for the first time: what it holds is its size in experts
             self.policy.cache_slots = len(self.resident) + len(self.reserved)
         pinned = ctx.pinned
-        fixed = self.policy.fixed
-        blocked = pinned | fixed if fixed else pinned  # what no victim can come from
-        if self.reserved or blocked or self.held or protect:  # the hot paths (the replay) have none of these
+        # what no victim can come from: the pinned, and the policy's fixed set (counted by _room_can_be_made)
+        if self.reserved or pinned or self.policy.fixed or self.held or protect:  # the replay has none but fixed
             spared = self.held.keys() | protect if ctx.prefetch and protect else self.held.keys()
-            if not self._room_can_be_made(blocked, size, spared):
-                if ctx.prefetch or not self._release_holds_for(blocked, size):
+            if not self._room_can_be_made(pinned, size, spared):
+                if ctx.prefetch or not self._release_holds_for(pinned, size):
                     return False
                 spared = self.held.keys()
             if spared:  # the policy must not see a held or protected expert as a candidate
@@ -245,11 +252,17 @@ class ExpertCache:
         return key
 
     def _room_can_be_made(self, pinned, size, spared) -> bool:
-        """Whether evicting every resident expert that is neither pinned nor ``spared`` would make room for
-        ``size`` units; asked before the first eviction, so that an attempt that cannot succeed evicts
-        nothing."""
+        """Whether evicting every resident expert that is neither pinned, ``spared`` nor in the policy's fixed
+        set would make room for ``size`` units; asked before the first eviction, so that an attempt that cannot
+        succeed evicts nothing. The fixed set's resident units are kept as they change (pinned-lru fixes
+        hundreds of experts, and a replay asks at every eviction)."""
         resident = self.resident
-        stuck = sum(self.reserved.values()) + sum(resident[k] for k in spared | pinned if k in resident)
+        fixed = self.policy.fixed
+        if fixed is not self._fixed_of:
+            self._fixed_of = fixed
+            self._fixed_units = sum(resident[k] for k in fixed if k in resident)
+        stuck = sum(self.reserved.values()) + self._fixed_units + sum(
+            resident[k] for k in spared | pinned if k in resident and k not in fixed)
         return self.capacity - stuck >= size
 
     def _release_holds_for(self, pinned, size) -> bool:
@@ -271,6 +284,8 @@ class ExpertCache:
                               f"load expert {key}: it is too small for what must be resident at once")
         self.resident[key] = size
         self.used += size
+        if key in self._fixed_of:
+            self._fixed_units += size
         self.policy.on_insert(key, ctx)
 
 
