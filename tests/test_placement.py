@@ -138,9 +138,22 @@ def test_a_sweep_file_keeps_the_placement_columns_under_its_seal(tmp_path):
         read_results(path)
 
 
-def test_the_compiled_replay_refuses_a_placement_with_the_reason(tiny_trace):
-    with pytest.raises(ConfigError, match="places experts before the first access or bypasses misses"):
-        replay(ReplayInput.of(tiny_trace), "pinned-lru", 8, engine="compiled")  # the static ones have a kernel
+@pytest.mark.parametrize("options", [{}, {"pinned_share": 0.25}, {"profile": "first-half"}])
+def test_pinned_lrus_kernel_starts_from_its_hot_set_as_the_object(tiny_trace, tmp_path, options):
+    # LRU's kernel given the hot set (run_kernel_arguments): the same hits as the object through the cache,
+    # which loads the set before the first request, at sizes from one unpinned slot to most of the experts
+    pytest.importorskip("numba")
+    if options.get("profile"):
+        from moe_offload.trace.format import write_trace
+
+        write_trace(tiny_trace.select(slice(0, tiny_trace.num_tokens // 2)), tmp_path / "profile.parquet")
+        options = {"profile": str(tmp_path / "profile.parquet")}
+    data = ReplayInput.of(tiny_trace)
+    for size in (4, 8, 21, 48):
+        compiled = replay(data, "pinned-lru", size, options=options, engine="compiled")
+        objects = replay(data, "pinned-lru", size, options=options, engine="python")
+        assert compiled.per_layer_hits == objects.per_layer_hits, size
+        assert compiled.bypassed == objects.bypassed == 0 and compiled.hits > 0
 
 
 def test_the_simulate_table_shows_placements_next_to_belady(capsys):

@@ -111,9 +111,8 @@ class EvictionPolicy:
     # costliest runs first, so that one long run does not finish alone on a core the others left idle
     # (benchmarks/report_scale.py's 48 x 128 top-8 trace: coact's kernel about 12 LRU replays, moe-infinity's 3).
     replay_cost: ClassVar[float] = 1.0
-    # Whether ``admit`` may refuse a miss or ``placement`` place experts: the compiled kernels load every miss
-    # into an empty cache, so such a policy has no kernel and the replay runs its Python form, unless it is
-    # static (below).
+    # Whether ``admit`` may refuse a miss or ``placement`` place experts. A kernel of such a policy is given its
+    # placement (``run_kernel_arguments``) and starts from it; one that bypasses misses is static (below).
     places_or_bypasses: ClassVar[bool] = False
     # A static placement: ``admit`` refuses every miss, so nothing is loaded (nor prefetched) after the start.
     # Its kernel is given its placement (``run_kernel_arguments``) and counts the hits; every other request is
@@ -134,10 +133,10 @@ class EvictionPolicy:
 
     def run_kernel_arguments(self, slots: int, trace) -> tuple[np.ndarray, np.ndarray]:
         """(floats, ints) that ``replay_kernel`` starts from in a replay of ``trace`` on a cache of ``slots``
-        experts: ``kernel_arguments()``, unless the kernel needs what only the run knows (a static placement's
-        experts, the requests a row belongs to). A static placement's kernel is given its experts, chosen as
-        the replay's preload chooses them (ExpertCache.preload), with the same checks."""
-        if self.static:
+        experts: ``kernel_arguments()``, unless the kernel needs what only the run knows. A policy that places
+        experts (a static placement, pinned-lru) has no parameters of its own: its kernel is given the experts
+        it places, chosen as the replay's preload chooses them (ExpertCache.preload), with the same checks."""
+        if self.places_or_bypasses:
             return np.zeros(0, np.float64), np.array(self.placement(slots, trace), np.int64)
         return self.kernel_arguments()
 

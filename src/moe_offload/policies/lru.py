@@ -37,21 +37,25 @@ class LRU(EvictionPolicy):
 
     @staticmethod
     def replay_kernel(keys, tokens, capacity, num_layers, num_experts, floats, ints, key_hits):
-        """The hooks above as the compiled replay runs them: one linked list in request order."""
+        """The hooks above as the compiled replay runs them: one linked list in request order. The experts of
+        ``ints`` (pinned-lru's hot set; none for LRU) are resident from the start and never in the list."""
         order = lists_new(num_layers * num_experts, 1)
-        resident = np.zeros(num_layers * num_experts, np.bool_)
-        size = 0
+        resident = np.zeros(num_layers * num_experts, np.uint8)  # 1: in the list, 2: fixed
+        for key in ints:
+            resident[key] = 2
+        size = ints.shape[0]
         for t in range(keys.shape[0]):
             key = keys[t]
             if resident[key]:
                 key_hits[key] += 1
-                list_move_to_tail(order, 0, key)
+                if resident[key] == 1:
+                    list_move_to_tail(order, 0, key)
                 continue
             if size == capacity:
                 victim = list_head(order, 0)
                 list_remove(order, 0, victim)
-                resident[victim] = False
+                resident[victim] = 0
                 size -= 1
             list_append(order, 0, key)
-            resident[key] = True
+            resident[key] = 1
             size += 1

@@ -22,8 +22,7 @@ class PinnedLRU(LRU):
     name = "pinned-lru"
     summary = "the most frequent experts of a profile pinned (pinned_share of the cache), LRU for the rest"
     source = "the 'pin the hottest experts' variant of llama.cpp / ktransformers static placement, plus LRU"
-    places_or_bypasses = True
-    replay_kernel = None  # its LRU kernel starts from an empty cache, without the pinned set
+    places_or_bypasses = True  # LRU's kernel, given the hot set (run_kernel_arguments), starts from it
 
     def __init__(self, spec, seed=0, profile=None, pinned_share=0.5):
         super().__init__(spec, seed)

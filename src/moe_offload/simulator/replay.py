@@ -139,10 +139,6 @@ def replay_kernel(policy: str, engine: str = "auto"):
     policy_class = policy_info(policy).policy
     kernel = kernels.compiled_kernel(policy_class)
     if kernel is None and engine == "compiled":
-        if policy_class.places_or_bypasses:
-            raise ConfigError(f"{policy} places experts before the first access or bypasses misses, which the "
-                              "compiled kernels (an empty cache that loads every miss) do not model; its replay "
-                              "runs the Python policy (engine auto)")
         if policy_class.replay_kernel is None:
             raise ConfigError(f"{policy} has no compiled kernel; its replay runs the Python policy (engine auto)")
         raise ConfigError(f"the compiled replay of {policy} needs Numba: {kernels.INSTALL_HINT}")
