@@ -51,6 +51,33 @@ def test_opt_stack_distances_need_only_the_past():
         assert stack.histogram.tolist() == whole.tolist(), piece
 
 
+def belady_hits_by_hand(keys: list, size: int) -> int:
+    """Belady's MIN by its definition: on a miss with a full cache, evict the resident used furthest ahead."""
+    resident, hits = set(), 0
+    for t, key in enumerate(keys):
+        if key in resident:
+            hits += 1
+            continue
+        if len(resident) == size:
+            ahead = {k: next((u for u in range(t + 1, len(keys)) if keys[u] == k), len(keys)) for k in resident}
+            resident.remove(max(resident, key=lambda k: (ahead[k], k)))
+        resident.add(key)
+    return hits
+
+
+def test_opt_stack_distances_are_belady_on_random_short_sequences():
+    # few experts, so the slots run out and are renumbered many times; every size against MIN by hand
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        num_keys = int(rng.integers(1, 9))
+        weights = rng.random(num_keys) ** 3
+        keys = rng.choice(num_keys, int(rng.integers(1, 150)), p=weights / weights.sum())
+        curve = opt_curve(keys, num_keys)
+        assert curve.requests == len(keys)
+        for size in range(1, num_keys + 1):
+            assert curve.hits(size) == belady_hits_by_hand(keys.tolist(), size), (keys.tolist(), size)
+
+
 def test_the_compiled_opt_stack_is_the_plain_one(monkeypatch):
     pytest.importorskip("numba")
     trace = zipf_trace(num_layers=8, num_experts=16, top_k=2, length=600, a=1.2, b=1.0, seed=9, shuffle=True)

@@ -55,35 +55,56 @@ SLOTS_PER_EXPERT = 2
 NONE = 1 << 30  # no expert in a node (its lowest running sum), no marker (a distance's slot)
 
 
-def _refresh(tree, offsets, height, slot):
-    """The sums and lowest running sums of ``slot``'s ancestors, from its leaf up, until one is unchanged."""
-    index = slot
+def _pull(tree, offsets, level, index):
+    """Node ``index`` of ``level`` from its children: its sum, and its lowest running sum after an expert,
+    newest slot first; whether it changed."""
+    first = offsets[level - 1] + (index << BITS)
+    total = 0
+    lowest = NONE
+    for child in range(first + FANOUT - 1, first - 1, -1):  # newest slots first
+        candidate = total + tree[2 * child + 1]
+        if candidate < lowest:
+            lowest = candidate
+        total += tree[2 * child]
+    node = offsets[level] + index
+    if tree[2 * node] == total and tree[2 * node + 1] == lowest:
+        return False
+    tree[2 * node] = total
+    tree[2 * node + 1] = lowest
+    return True
+
+
+def _refresh(tree, offsets, height, one, other):
+    """The ancestors of slots ``one`` and ``other`` (which may be the same), from their leaves up, each once,
+    until none changes: the paths meet below the root, and above that their changes often cancel (a request
+    moves an expert and a marker, -1 and +1 to the sums)."""
+    changed_one = True
+    changed_other = one != other
     for level in range(1, height + 1):
-        index >>= BITS
-        first = offsets[level - 1] + (index << BITS)
-        total = 0
-        lowest = NONE
-        for child in range(first + FANOUT - 1, first - 1, -1):  # newest slots first
-            candidate = total + tree[2 * child + 1]
-            if candidate < lowest:
-                lowest = candidate
-            total += tree[2 * child]
-        node = offsets[level] + index
-        if tree[2 * node] == total and tree[2 * node + 1] == lowest:
-            break
-        tree[2 * node] = total
-        tree[2 * node + 1] = lowest
+        one >>= BITS
+        other >>= BITS
+        if one == other:
+            if not (changed_one or changed_other):
+                return
+            changed_one = _pull(tree, offsets, level, one)
+            changed_other = False
+        else:
+            if changed_one:
+                changed_one = _pull(tree, offsets, level, one)
+            if changed_other:
+                changed_other = _pull(tree, offsets, level, other)
+            if not (changed_one or changed_other):
+                return
 
 
-def _set_slot(tree, offsets, height, slot, markers, holder):
-    """Leaf ``slot`` from its markers and expert (-1 and a running sum of -1 after it, where it holds one)."""
+def _set_leaf(tree, slot, markers, holder):
+    """Leaf ``slot`` from its markers and expert (-1, and a running sum of -1 after it, where it holds one)."""
     if holder[slot] >= 0:
         tree[2 * slot] = markers[slot] - 1
         tree[2 * slot + 1] = -1
     else:
         tree[2 * slot] = markers[slot]
         tree[2 * slot + 1] = NONE
-    _refresh(tree, offsets, height, slot)
 
 
 def _oldest_settled(tree, offsets, height, start):
@@ -121,20 +142,26 @@ def _oldest_settled(tree, offsets, height, start):
     return node
 
 
+def _pull_lowest(lowest, offsets, level, index):
+    """Node ``index`` of ``level`` of the markers' tree, the lowest slot of its children; whether it changed."""
+    first = offsets[level - 1] + (index << BITS)
+    least = lowest[first]
+    for child in range(first + 1, first + FANOUT):
+        if lowest[child] < least:
+            least = lowest[child]
+    node = offsets[level] + index
+    if lowest[node] == least:
+        return False
+    lowest[node] = least
+    return True
+
+
 def _set_marker(lowest, offsets, height, distance, slot):
     lowest[distance] = slot
-    index = distance
     for level in range(1, height + 1):
-        index >>= BITS
-        first = offsets[level - 1] + (index << BITS)
-        least = lowest[first]
-        for child in range(first + 1, first + FANOUT):
-            if lowest[child] < least:
-                least = lowest[child]
-        node = offsets[level] + index
-        if lowest[node] == least:
-            break
-        lowest[node] = least
+        distance >>= BITS
+        if not _pull_lowest(lowest, offsets, level, distance):
+            return
 
 
 def _first_marker_at_or_before(lowest, offsets, height, slot):
@@ -152,24 +179,10 @@ def _rebuild(tree, lowest, offsets, marker_offsets):
     """Every inner node of both trees from their leaves."""
     for level in range(1, offsets.shape[0] - 1):
         for index in range(offsets[level + 1] - offsets[level]):
-            first = offsets[level - 1] + (index << BITS)
-            total = 0
-            least = NONE
-            for child in range(first + FANOUT - 1, first - 1, -1):
-                candidate = total + tree[2 * child + 1]
-                if candidate < least:
-                    least = candidate
-                total += tree[2 * child]
-            tree[2 * (offsets[level] + index)] = total
-            tree[2 * (offsets[level] + index) + 1] = least
+            _pull(tree, offsets, level, index)
     for level in range(1, marker_offsets.shape[0] - 1):
         for index in range(marker_offsets[level + 1] - marker_offsets[level]):
-            first = marker_offsets[level - 1] + (index << BITS)
-            least = lowest[first]
-            for child in range(first + 1, first + FANOUT):
-                if lowest[child] < least:
-                    least = lowest[child]
-            lowest[marker_offsets[level] + index] = least
+            _pull_lowest(lowest, marker_offsets, level, index)
 
 
 def _renumber(num_keys, tree, offsets, markers, holder, last, marked, lowest, marker_offsets, renumbered):
@@ -197,12 +210,7 @@ def _renumber(num_keys, tree, offsets, markers, holder, last, marked, lowest, ma
             holder[renumbered[slot]] = key
             last[key] = renumbered[slot]
     for slot in range(slots):
-        if holder[slot] >= 0:
-            tree[2 * slot] = markers[slot] - 1
-            tree[2 * slot + 1] = -1
-        else:
-            tree[2 * slot] = markers[slot]
-            tree[2 * slot + 1] = NONE
+        _set_leaf(tree, slot, markers, holder)
     lowest[:num_keys] = marked
     _rebuild(tree, lowest, offsets, marker_offsets)
     return live
@@ -235,9 +243,9 @@ def opt_stack_kernel(keys, num_keys, histogram, tree, offsets, markers, holder, 
             marker = marked[distance]
             markers[marker] -= 1
             marked[distance] = NONE
-            _set_slot(tree, offsets, height, previous, markers, holder)
-            if marker != previous:
-                _set_slot(tree, offsets, height, marker, markers, holder)
+            _set_leaf(tree, previous, markers, holder)
+            _set_leaf(tree, marker, markers, holder)
+            _refresh(tree, offsets, height, previous, marker)
         else:
             histogram[num_keys] += 1
             distance = distinct  # the new distance's marker (none for the first expert: no distance 0 marker)
@@ -251,7 +259,8 @@ def opt_stack_kernel(keys, num_keys, histogram, tree, offsets, markers, holder, 
             marked[distance] = following
             markers[following] += 1
             _set_marker(lowest, marker_offsets, marker_height, distance, following)
-        _set_slot(tree, offsets, height, following, markers, holder)
+        _set_leaf(tree, following, markers, holder)
+        _refresh(tree, offsets, height, following, following)
         following += 1
     state[0] = following
     state[1] = distinct
