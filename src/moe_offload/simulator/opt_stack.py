@@ -77,24 +77,25 @@ def _pull(tree, offsets, level, index):
 def _refresh(tree, offsets, height, one, other):
     """The ancestors of slots ``one`` and ``other`` (which may be the same), from their leaves up, each once,
     until none changes: the paths meet below the root, and above that their changes often cancel (a request
-    moves an expert and a marker, -1 and +1 to the sums)."""
-    changed_one = True
-    changed_other = one != other
+    moves an expert and a marker, -1 and +1 to the sums). One call of ``_pull`` in the loop: Numba inlines
+    each call, and every copy lengthens the first compile."""
+    active_one = True
+    active_other = one != other
     for level in range(1, height + 1):
         one >>= BITS
         other >>= BITS
         if one == other:
-            if not (changed_one or changed_other):
-                return
-            changed_one = _pull(tree, offsets, level, one)
-            changed_other = False
-        else:
-            if changed_one:
-                changed_one = _pull(tree, offsets, level, one)
-            if changed_other:
-                changed_other = _pull(tree, offsets, level, other)
-            if not (changed_one or changed_other):
-                return
+            active_one = active_one or active_other
+            active_other = False
+        if not (active_one or active_other):
+            return
+        for side in range(2):
+            if active_one if side == 0 else active_other:
+                changed = _pull(tree, offsets, level, one if side == 0 else other)
+                if side == 0:
+                    active_one = changed
+                else:
+                    active_other = changed
 
 
 def _set_leaf(tree, slot, markers, holder):
