@@ -11,7 +11,7 @@ import pytest
 
 from moe_offload.errors import ConfigError
 from moe_offload.policies import POLICIES, AccessContext, ModelSpec, make_policy
-from moe_offload.simulator.cache import BYPASSED, HIT, LOADED, ExpertCache
+from moe_offload.simulator.cache import HIT, LOADED, ExpertCache
 from moe_offload.simulator.replay import ReplayInput, replay
 from moe_offload.trace.importers import import_routes_json
 
