@@ -192,16 +192,23 @@ class LearnedEviction(EvictionPolicy):
         slots = np.flatnonzero(self._resident)
         last = self._token_np[slots]
         recency = np.where(last >= 0, np.maximum(token - last + 1, 1), 0)  # 0: never routed
+        codes = (recency * base + self._freq_np[slots]) * networks + self._network_np[slots]
+        # the codes of r = 1 are base * networks + f * networks + network: a mask over them takes the residents'
+        # and every known expert's (r = 1, f) and (r = 1, f + 1) in order, so that only the residents' codes
+        # are sorted (the same sorted codes as one np.unique of them all, hence the same batches and scores)
         known = self._freq_np[:len(self._keys)]
         known_network = self._network_np[:len(self._keys)]
-        ahead = np.concatenate([known, known + 1])
-        ahead_network = np.concatenate([known_network, known_network])
-        soon = ahead <= max_freq
-        ahead = (base + ahead[soon]) * networks + ahead_network[soon]
-        codes = np.concatenate([(recency * base + self._freq_np[slots]) * networks + self._network_np[slots], ahead])
-        unique, inverse = np.unique(codes, return_inverse=True)
+        first, stop = base * networks, 2 * base * networks
+        recent = np.zeros(first, np.bool_)
+        recent[known * networks + known_network] = True
+        soon = known < max_freq
+        recent[(known[soon] + 1) * networks + known_network[soon]] = True
+        resident = np.unique(codes)
+        recent[resident[(resident >= first) & (resident < stop)] - first] = True
+        unique = np.concatenate([resident[resident < first], first + np.flatnonzero(recent),
+                                 resident[resident >= stop]])
         values = np.asarray(self._evaluate(unique.tolist(), max_freq), dtype=np.float64)
-        negs = (-values[inverse.reshape(-1)[:slots.size]]).tolist()
+        negs = (-values[np.searchsorted(unique, codes)]).tolist()
         slot_list = slots.tolist()
         neg, clock = self._neg, self._clock
         for slot, value in zip(slot_list, negs):
