@@ -170,10 +170,11 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet | 
         for column in ("token", "layer"):
             target.sequence.forget(column)
         if prefix is not None:
-            why = [f"{', '.join(names)} ({reason})" for names, reason in (
-                ([p for p in slow if replay_kernel(p, engine) is None], "no compiled kernel"),
-                ([p for p in slow if replay_kernel(p, engine) is not None], "placements, not on a sample")) if names]
-            step(f"the bound: {'; '.join(why)} on the first {sample.trace.num_tokens:,} tokens")
+            placed = [p for p in slow if replay_kernel(p, engine) is not None]  # kept off the sample (above)
+            groups = (([p for p in slow if p not in placed], "no compiled kernel"),
+                      (placed, "placements, not on a sample"))
+            named = "; ".join(f"{', '.join(names)} ({why})" for names, why in groups if names)
+            step(f"the bound: {named} on the first {sample.trace.num_tokens:,} tokens")
             sampled = prefix.result()
     if sample is not None:
         bound.skipped += [(policy, why) for policy, _, why in sampled.skipped]
