@@ -4,6 +4,7 @@ run uncompiled (how they are checked without Numba); engine choice, errors, and 
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -28,9 +29,8 @@ needs_numba = pytest.mark.skipif(not kernels.numba_available(), reason="Numba is
 
 
 def test_the_policies_of_the_issue_have_kernels():
-    assert {"lru", "fifo", "lfu", "belady", "lru-dist", "belady-dist", "llru", "marking", "lcp", "random"} <= set(
-        COMPILED)
-    assert not any(POLICIES[name].policy.needs_probs for name in COMPILED)
+    assert {"lru", "fifo", "lfu", "belady", "lru-dist", "belady-dist", "llru", "marking", "lcp", "random",
+            "fmoe"} <= set(COMPILED)
 
 
 def assert_same(data: ReplayInput, sizes, seeds=(0,), engine="compiled"):
@@ -80,6 +80,35 @@ def test_adversarial_sequences_of_paper_001():
     assert_same(ReplayInput.of(fixed_partition_trace(num_layers=4, num_experts=5, rounds=60)), (4, 8, 12))
 
 
+def with_router_probabilities(trace, seed: int):
+    """``trace`` with random full router distributions, a twentieth of them 0 (below fmoe's floor)."""
+    rng = np.random.default_rng(seed)
+    shape = (trace.num_tokens, trace.meta.num_layers, trace.meta.num_experts)
+    probs = np.exp(3 * rng.normal(size=shape))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    probs[rng.random(shape) < 0.05] = 0
+    return dataclasses.replace(trace, probs=probs.astype(np.float16))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_fmoe_kernel_reads_the_router_probabilities(monkeypatch, compiled):
+    """fmoe's kernel scans the residents for the lowest p * freq, p the trace's floored probabilities; without
+    them it runs LFU's kernel (a uniform p orders as LFU does). Both as the object does, compiled or not."""
+    if compiled and not kernels.numba_available():
+        pytest.skip("Numba is not installed")
+    if not compiled:
+        monkeypatch.setattr(kernels, "compiled_kernel", lambda policy_class: policy_class.replay_kernel)
+    for trace in (zipf_trace(6, 10, 3, 300 if compiled else 80, a=1.2, b=1.0, seed=5, shuffle=True),
+                  zipf_trace(3, 64, 8, 300 if compiled else 60, a=2.0, b=1.0, seed=5, shuffle=True)):
+        uniform, observed = ReplayInput.of(trace), ReplayInput.of(with_router_probabilities(trace, 3))
+        for size in (trace.meta.top_k, 8, trace.meta.num_layers * trace.meta.num_experts // 3):
+            for data in (uniform, observed):
+                reference = replay(data, "fmoe", size, engine="python")
+                assert replay(data, "fmoe", size, engine="compiled").to_dict() == reference.to_dict(), size
+            assert replay(uniform, "fmoe", size).misses == replay(uniform, "lfu", size).misses
+            assert replay(observed, "fmoe", size).misses != replay(uniform, "fmoe", size).misses
+
+
 def test_kernels_run_uncompiled_with_the_same_results(monkeypatch):
     """The kernels are plain Python too: run as such they make the reference's misses (this is also what checks
     them where Numba is not installed)."""
@@ -100,8 +129,8 @@ def test_auto_uses_the_kernel_and_python_forces_the_objects(olmoe, monkeypatch):
     monkeypatch.setattr(kernels, "compiled_kernel", spy)
     replay(olmoe, "lru", 64)
     replay(olmoe, "lru", 64, engine="python")
-    replay(olmoe, "fmoe", 64)  # no kernel: the object, whatever the engine
-    assert calls == ["lru", "fmoe"]
+    replay(olmoe, "learned", 64)  # no kernel: the object, whatever the engine
+    assert calls == ["lru", "learned"]
 
 
 @needs_numba
@@ -115,8 +144,8 @@ def test_grid_results_do_not_depend_on_the_engine(olmoe):
 def test_engine_errors(olmoe, monkeypatch):
     with pytest.raises(ConfigError, match="engine 'fast' is not one of auto, compiled, python"):
         replay(olmoe, "lru", 64, engine="fast")
-    with pytest.raises(ConfigError, match="fmoe has no compiled kernel"):
-        replay(olmoe, "fmoe", 64, engine="compiled")
+    with pytest.raises(ConfigError, match="learned has no compiled kernel"):
+        replay(olmoe, "learned", 64, engine="compiled")
     monkeypatch.setattr(kernels, "compiled_kernel", lambda policy_class: None)  # as without Numba
     with pytest.raises(ConfigError, match=r"pip install 'moe-offload\[fast\]'"):
         replay(olmoe, "lru", 64, engine="compiled")

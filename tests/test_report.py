@@ -180,17 +180,17 @@ def test_policies_without_a_kernel_replay_a_prefix_of_a_large_trace(olmoe, monke
 
     monkeypatch.setattr(bound_module, "PYTHON_REPLAY_REQUESTS", 5000)  # olmoe has 38,272 requests
     working_set = measure_working_set(olmoe.trace, olmoe.sequence)
-    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "fmoe"])
-    assert [r.policy for r in bound.online] == ["lru"] and [r.policy for r in bound.sampled] == ["fmoe"]
+    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "learned"])
+    assert [r.policy for r in bound.online] == ["lru"] and [r.policy for r in bound.sampled] == ["learned"]
     rows = 5000 // (16 * 8)  # whole rows of L * K requests each
     assert bound.sampled_tokens == rows
     prefix = ReplayInput.of(olmoe.trace.select(slice(0, rows)))
-    assert bound.sampled[0].hits == replay(prefix, "fmoe", 256).hits
+    assert bound.sampled[0].hits == replay(prefix, "learned", 256).hits
     assert bound.sampled_belady.hits == replay(prefix, "belady", 256).hits
 
 
 def test_the_first_rows_step_says_why_each_policy_runs_there(olmoe, monkeypatch):
-    # fmoe has no kernel; static-freq and pinned-lru have one, but their placements stay off a sample of the
+    # learned has no kernel; static-freq and pinned-lru have one, but their placements stay off a sample of the
     # experts, so with the replays sampled they run on the first rows too
     from moe_offload.reporting import bound as bound_module
 
@@ -198,11 +198,11 @@ def test_the_first_rows_step_says_why_each_policy_runs_there(olmoe, monkeypatch)
     working_set = measure_working_set(olmoe.trace, olmoe.sequence)
     half = len(olmoe.sequence) // 2
     steps = []
-    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "fmoe", "static-freq", "pinned-lru"],
+    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "learned", "static-freq", "pinned-lru"],
                           sample_above=half, replay_sample_above=half, step=steps.append)
-    assert steps[-1] == ("the bound: fmoe (no compiled kernel); static-freq, pinned-lru (placements, not on a "
+    assert steps[-1] == ("the bound: learned (no compiled kernel); static-freq, pinned-lru (placements, not on a "
                          "sample) on the first 39 tokens")
-    assert sorted(r.policy for r in bound.sampled) == ["fmoe", "pinned-lru", "static-freq"]
+    assert sorted(r.policy for r in bound.sampled) == ["learned", "pinned-lru", "static-freq"]
 
 
 def test_a_hit_rate_no_cache_reaches_is_unreachable():
