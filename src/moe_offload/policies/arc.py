@@ -60,6 +60,7 @@ class ARC(EvictionPolicy):
     name = "arc"
     summary = "adaptive replacement cache: LRU lists of experts seen once / twice, ghost lists adapt their split"
     source = "Megiddo & Modha, FAST 2003; a baseline of paper 003 (FlashMoE)"
+    replay_cost = 1.7  # LRU replays a kernel run costs (base.py)
 
     def __init__(self, spec, seed=0):
         super().__init__(spec, seed)

@@ -109,7 +109,8 @@ class EvictionPolicy:
     replay_kernel: ClassVar[Callable | None] = None
     # About how many LRU replays one run of the kernel costs, where it is well above 1: a grid starts the
     # costliest runs first, so that one long run does not finish alone on a core the others left idle
-    # (benchmarks/report_scale.py's 48 x 128 top-8 trace: coact's kernel about 12 LRU replays, moe-infinity's 3).
+    # (`benchmarks/report_scale.py --tokens 100000 --kernels`, 48 x 128 top-8: coact's kernel about 40 LRU replays,
+    # moe-infinity's 9.6, lfu-decay's 5.5; a grid takes the longest first, so the shortest end it together).
     replay_cost: ClassVar[float] = 1.0
     # Whether ``admit`` may refuse a miss or ``placement`` place experts. A kernel of such a policy is given its
     # placement (``run_kernel_arguments``) and starts from it; one that bypasses misses is static (below).

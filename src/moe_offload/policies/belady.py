@@ -26,6 +26,7 @@ class Belady(EvictionPolicy):
     name = "belady"
     summary = "Belady's OPT: evict the expert requested again furthest in the future (offline bound)"
     source = "Belady 1966; the OPT of paper 001, the target of paper 003's learned policy"
+    replay_cost = 2.5  # LRU replays a kernel run costs (base.py)
     offline = True
 
     def __init__(self, spec, seed=0):

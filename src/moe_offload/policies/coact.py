@@ -107,7 +107,7 @@ class CoActivation(EvictionPolicy):
                "the previous layer's routing in this token and the layer's own in the last token give the expert")
     source = ("this project: LRFU (Lee et al. 2001) per token, plus cross-layer co-activation and same-layer "
               "token-to-token transitions (docs/policies/coact.md)")
-    replay_cost = 12  # LRU replays a kernel run costs (base.py)
+    replay_cost = 40  # LRU replays a kernel run costs (base.py)
 
     def __init__(self, spec, seed=0, half_life: float = HALF_LIFE):
         super().__init__(spec, seed)

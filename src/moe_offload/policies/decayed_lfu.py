@@ -32,6 +32,7 @@ class DecayedLFU(EvictionPolicy):
     name = "lfu-decay"
     summary = "decayed LFU: evict the lowest request count that halves every half_life requests"
     source = "LRFU-style exponential decay of frequency (llama.cpp's withdrawn expert-cache PR and others)"
+    replay_cost = 5.5  # LRU replays a kernel run costs (base.py)
 
     def __init__(self, spec, seed=0, half_life=None):
         super().__init__(spec, seed)

@@ -26,6 +26,7 @@ class LCP(EvictionPolicy):
     name = "lcp"
     summary = "MoEpic's least cache priority: evict the lowest mu * rho^(nu/omega)"
     source = "paper 004, equation 4"
+    replay_cost = 3  # LRU replays a kernel run costs (base.py)
 
     def __init__(self, spec, seed=0, omega: float = 128.0, rho: float = 0.25):
         super().__init__(spec, seed)

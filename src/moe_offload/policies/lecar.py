@@ -65,7 +65,7 @@ class LeCaR(EvictionPolicy):
     seeded = True
     summary = "evict LRU's or LFU's choice at random, weighted by regret when an evicted expert comes back"
     source = "Vietri et al., HotStorage 2018; a baseline of paper 003 (FlashMoE)"
-    replay_cost = 2.5  # LRU replays a kernel run costs (base.py)
+    replay_cost = 4.5  # LRU replays a kernel run costs (base.py)
 
     def __init__(self, spec, seed=0, learning_rate: float = LEARNING_RATE, history_size: int | None = None):
         super().__init__(spec, seed)

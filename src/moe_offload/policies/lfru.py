@@ -32,7 +32,7 @@ class LFRU(EvictionPolicy):
     name = "lfru"
     summary = "frequency-weighted LRU: evict the expert of least uses / (clock - last use + 1)"
     source = "vLLM PR #37190 (--moe-expert-cache-size), LFRUPolicy of e1n00r/tinyserve tinyserve/cache_policy.py"
-    replay_cost = 2.5  # LRU replays a kernel run costs (base.py)
+    replay_cost = 3.7  # LRU replays a kernel run costs (base.py)
 
     def __init__(self, spec, seed=0):
         super().__init__(spec, seed)

@@ -30,6 +30,7 @@ class LLRU(EvictionPolicy):
     name = "llru"
     summary = "layered LRU: evict the largest last-round index R, ties by largest layer distance D"
     source = "paper 001, Definition 2"
+    replay_cost = 2.5  # LRU replays a kernel run costs (base.py)
     needs_rounds = True
 
     def __init__(self, spec, seed=0):

@@ -25,6 +25,7 @@ class Marking(EvictionPolicy):
     seeded = True
     summary = "randomized marking: evict a random unmarked expert, unmark all when every one is marked"
     source = "paper 001 reference [13] (Fiat et al. 1991)"
+    replay_cost = 2.3  # LRU replays a kernel run costs (base.py)
 
     def __init__(self, spec, seed=0):
         super().__init__(spec, seed)

@@ -70,7 +70,7 @@ class MoEInfinity(EvictionPolicy):
     summary = ("activation-aware: evict the lowest (EAM ratio + eps) * (1 - layer/L), EAM of the running "
                "sequences")
     source = "paper 002, Algorithm 2"
-    replay_cost = 3  # LRU replays a kernel run costs (base.py)
+    replay_cost = 9.6  # LRU replays a kernel run costs (base.py)
 
     def __init__(self, spec, seed=0, eam: str = "running", shared: SequenceEAMs | None = None, fill: str = "empty"):
         super().__init__(spec, seed)

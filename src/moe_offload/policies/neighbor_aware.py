@@ -28,6 +28,7 @@ class NeighborAware(EvictionPolicy):
     name = "neighbor-aware"
     summary = "ZeRO-Infinity's neighbor-aware LRU: neighboring experts age together and leave together"
     source = "paper 002, section 8.4 (neighbor-aware caching baseline)"
+    replay_cost = 2.7  # LRU replays a kernel run costs (base.py)
 
     def __init__(self, spec, seed=0, group: int = 2):
         super().__init__(spec, seed)

@@ -15,6 +15,7 @@ class RandomEviction(EvictionPolicy):
     seeded = True
     summary = "evict a uniformly random resident expert (seeded)"
     source = "classic; the RND baseline of paper 004"
+    replay_cost = 1.5  # LRU replays a kernel run costs (base.py)
 
     def __init__(self, spec, seed=0):
         super().__init__(spec, seed)
