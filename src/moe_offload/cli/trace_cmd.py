@@ -11,10 +11,10 @@ from moe_offload.outputs import check_output
 from moe_offload.values import parse_bytes
 from moe_offload.trace.flatten import flatten, write_csv, write_oracle_general
 from moe_offload.trace.format import DECODE, EMBEDDING_KINDS, PREFILL, Trace, read_trace, seal_trace, write_trace
-from moe_offload.trace.capture import ENGINES
 from moe_offload.trace.importers import (IMPORTERS, TAKES_ARRAY_LIMIT, TAKES_MODEL_CONFIG, TAKES_PROMPT_CACHE,
                                         TELLS_EACH_FILE)
 from moe_offload.trace.importers.engine_trace import prompt_tokens_text
+from moe_offload.trace.importers.engines import CAPTURE_ENGINES
 from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
 from moe_offload.values import format_bytes
 
@@ -80,7 +80,7 @@ def register(subparsers) -> None:
                          help="comma-separated prompt sources: sharegpt, humaneval, or files with one prompt per "
                               "line (or .jsonl with 'prompt')")
     capture.add_argument("--limit", type=int, metavar="N", help="at most N prompts from each source")
-    capture.add_argument("--engine", choices=ENGINES, default="moe-offload",
+    capture.add_argument("--engine", choices=CAPTURE_ENGINES, default="moe-offload",
                          help="how the server returns routing: moe-offload and sglang (sgl_ext.routed_experts, "
                               "asked per request), vllm (prompt_routed_experts and routed_experts); default "
                               "moe-offload")

@@ -26,13 +26,11 @@ from moe_offload.text.prompts import Prompt
 from moe_offload.trace.bounded_http import Limits, request_json
 from moe_offload.trace.format import Trace
 from moe_offload.trace.importers.engine_trace import Routed, build_trace
-from moe_offload.trace.importers.engines import sglang_rows, vllm_rows
+from moe_offload.trace.importers.engines import CAPTURE_ENGINES, sglang_rows, vllm_rows
 from moe_offload.trace.importers.common import quote
 from moe_offload.trace.importers.model_config import ModelShape
 from moe_offload.trace.importers.responses import ResponseError
 from moe_offload.values import integer, number
-
-ENGINES = ("moe-offload", "sglang", "vllm")
 
 
 def capture(url: str, prompts: list[Prompt], *, engine: str = "moe-offload", model: str | None = None,
@@ -43,8 +41,8 @@ def capture(url: str, prompts: list[Prompt], *, engine: str = "moe-offload", mod
     called (from a worker thread) after each answer. A request the server refuses, an answer without
     routing, or one that breaks ``limits`` (trace/bounded_http.py: deadlines and a size cap) ends the capture
     with a one-line error naming the prompt."""
-    if engine not in ENGINES:
-        raise ConfigError(f"engine {engine!r} is not one of {', '.join(ENGINES)}")
+    if engine not in CAPTURE_ENGINES:
+        raise ConfigError(f"engine {engine!r} is not one of {', '.join(CAPTURE_ENGINES)}")
     concurrency = integer(concurrency, "--concurrency", low=1, high=1024)
     max_tokens = integer(max_tokens, "--max-tokens", low=1)
     temperature = number(temperature, "--temperature", low=0, high=2)

@@ -49,6 +49,9 @@ from moe_offload.trace.importers.responses import (MAX_TOKENS, ResponseError, Us
                                                    decode_routing, field_object, read_responses, usage_of)
 
 # SGLang's raw ids: the released int32, then the proposed uint16 and uint8 (engines.py's docstring)
+# The servers ``trace capture`` asks for routed experts (trace/capture.py): this project's, and the two engines
+# whose answers are read here.
+CAPTURE_ENGINES = ("moe-offload", "sglang", "vllm")
 RAW_ID_DTYPES = ("<i4", "<u2", "u1")
 
 
