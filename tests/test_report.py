@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from moe_offload.bundled import DEFAULT_TRACE
+from moe_offload.errors import ConfigError
 from moe_offload.reporting.bound import TARGET_HIT_RATES, measure_bound, verdict
 from moe_offload.reporting.working_set import measure_working_set, sliding_distinct_kernel, window_lengths
 from moe_offload.simulator.stack_distances import LruStack
@@ -187,6 +188,34 @@ def test_policies_without_a_kernel_replay_a_prefix_of_a_large_trace(olmoe, monke
     prefix = ReplayInput.of(olmoe.trace.select(slice(0, rows)))
     assert bound.sampled[0].hits == replay(prefix, "learned", 256).hits
     assert bound.sampled_belady.hits == replay(prefix, "belady", 256).hits
+
+
+def test_without_the_prefix_a_policy_without_a_kernel_replays_the_whole_trace(olmoe, monkeypatch):
+    from moe_offload.reporting import bound as bound_module
+
+    monkeypatch.setattr(bound_module, "PYTHON_REPLAY_REQUESTS", 5000)
+    working_set = measure_working_set(olmoe.trace, olmoe.sequence)
+    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "learned"], python_prefix=False)
+    assert sorted(r.policy for r in bound.online) == ["learned", "lru"] and bound.sampled == []
+    learned = bound.result("learned")
+    assert learned.accesses == len(olmoe.sequence) and learned.hits == replay(olmoe, "learned", 256).hits
+
+
+def test_report_exact_lifts_the_prefix_and_the_samples(monkeypatch):
+    from moe_offload.cli.main import main
+    from moe_offload.reporting import report as report_module
+
+    asked = []
+
+    def spy(*args, **kwargs):
+        asked.append({name: kwargs[name] for name in ("sample_above", "replay_sample_above", "python_prefix")})
+        raise ConfigError("stopped here")  # what it was asked is all this test reads
+
+    monkeypatch.setattr(report_module, "measure_bound", spy)
+    for extra in ([], ["--exact"]):
+        assert main(["report", "olmoe", "--fast-memory", "25%", "--jobs", "1", *extra]) != 0
+    assert asked[0]["python_prefix"] and asked[0]["sample_above"] is not None
+    assert asked[1] == {"sample_above": None, "replay_sample_above": None, "python_prefix": False}
 
 
 def test_the_first_rows_step_says_why_each_policy_runs_there(olmoe, monkeypatch):

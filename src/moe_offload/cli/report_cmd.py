@@ -41,7 +41,8 @@ def register(subparsers) -> None:
     parser.add_argument("--timed-tokens", default=str(DEFAULT_TIMED_TOKENS), metavar="N",
                         help=f"the timed simulator runs the trace's first whole iterations up to N rows (default "
                              f"{DEFAULT_TIMED_TOKENS}); the replay runs the whole trace, or, for the policies "
-                             f"without a compiled kernel, its first {PYTHON_REPLAY_REQUESTS:,} expert requests")
+                             f"without a compiled kernel, its first {PYTHON_REPLAY_REQUESTS:,} expert requests "
+                             "(all with --exact)")
     add_replay_runs(parser, ENGINES, "how the replay runs (as `simulate --engine`); never what it finds",
                     engine_flag="--replay-engine")
     parser.add_argument("--sample-above", default=str(SAMPLE_ABOVE), metavar="N",
@@ -55,7 +56,9 @@ def register(subparsers) -> None:
                              "scaled, in memory that does not grow with the trace; the report states LRU's error "
                              "there against its exact hit rate")
     parser.add_argument("--exact", action="store_true",
-                        help="never sample: OPT's curve and every replay from every request, however long the trace")
+                        help="never sample: OPT's curve and every replay from every request, however long the "
+                             "trace, the policies without a compiled kernel too (learned's Python replay: hours on "
+                             "a day of traffic)")
     parser.add_argument("--engine", default="all", metavar="ENGINE",
                         help="the serving engine whose settings to score on the held-out traffic: llama.cpp, "
                              "ktransformers, vllm, sglang or all (default all)")
@@ -125,7 +128,8 @@ def run(args) -> int:
     report = build_report(ReplayInput.of(trace, name=name, checked=True), args.trace, cache_size, hardware, expert_bytes,
                           seed=seed, jobs=workers, engine=args.replay_engine, timed_tokens=timed_tokens, step=step,
                           engines=engines, profile=profile, profile_name=args.profile, fast_memory=args.fast_memory,
-                          sample_above=sample_above, replay_sample_above=replay_sample_above)
+                          sample_above=sample_above, replay_sample_above=replay_sample_above,
+                          python_prefix=not args.exact)
     if report.bound.result("learned") is not None:
         note = learned_training_note(str(path), {})
         if note:

@@ -23,8 +23,8 @@ own. What that costs in accuracy is measured and said: LRU's hit rate on the sam
 on the whole trace, which the reuse distances give (working_set.py, streamed over the whole trace).
 
 Policies without a compiled kernel run their Python objects, about a hundred times slower: on a trace of more
-requests than PYTHON_REPLAY_REQUESTS they replay its first rows only (up to that many requests), beside OPT on
-the same rows, and the report says so; those replays run on a thread of their own while the whole trace's
+requests than PYTHON_REPLAY_REQUESTS they replay its first rows only (up to that many requests; the whole trace
+where ``python_prefix`` is off, as `report --exact` asks), beside OPT on the same rows, and the report says so; those replays run on a thread of their own while the whole trace's
 replays run (the kernels release the GIL), so a core the kernels leave idle is not wasted. So do the placements when the replays are sampled: a placement chosen
 from the whole trace would hold experts the sample lacks.
 """
@@ -133,10 +133,12 @@ def prefix_rows(data: ReplayInput, requests: int) -> int:
 def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet | Future, *, seed: int = 0, jobs: int = 1,
                   engine: str = "auto", policies: list[str] | None = None,
                   sample_above: int | None = SAMPLE_ABOVE,
-                  replay_sample_above: int | None = REPLAY_SAMPLE_ABOVE, step=None) -> Bound:
+                  replay_sample_above: int | None = REPLAY_SAMPLE_ABOVE, python_prefix: bool = True,
+                  step=None) -> Bound:
     """Every online policy (or ``policies``) and OPT at ``cache_size`` experts, and OPT's sizes for
     TARGET_HIT_RATES, exact, or estimated on a sample of the experts above ``sample_above`` requests; every
-    replay on a sample above ``replay_sample_above`` (None: never) (module docstring). ``working_set`` may
+    replay on a sample above ``replay_sample_above`` (None: never); the policies without a kernel on the first
+    rows unless ``python_prefix`` is off (module docstring). ``working_set`` may
     still be measured on another thread (a Future of it): it is waited for only where it is read, after the
     replays. ``step(text)`` is told what runs next."""
     step = step or (lambda text: None)
@@ -156,7 +158,7 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet | 
                 and not (replay_rate < 1 and POLICIES[p].policy.places_or_bypasses)]
     slow = [p for p in policies if p not in compiled]
     sample = None
-    if slow and requests > PYTHON_REPLAY_REQUESTS:
+    if slow and python_prefix and requests > PYTHON_REPLAY_REQUESTS:
         rows = prefix_rows(data, PYTHON_REPLAY_REQUESTS)
         sample = ReplayInput.of(data.trace.select(slice(0, rows)), name=f"first {rows:,} tokens", checked=True)
     full_policies = compiled + ([] if sample is not None else slow)

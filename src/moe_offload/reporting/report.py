@@ -69,10 +69,11 @@ def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: 
                  expert_bytes: int | None, *, timed_tokens: int, seed: int = 0, jobs: int = 1, engine: str = "auto",
                  step=None, engines: tuple[str, ...] = (), profile=None, profile_name: str | None = None,
                  fast_memory: str = "", sample_above: int | None = SAMPLE_ABOVE,
-                 replay_sample_above: int | None = REPLAY_SAMPLE_ABOVE) -> Report:
+                 replay_sample_above: int | None = REPLAY_SAMPLE_ABOVE, python_prefix: bool = True) -> Report:
     """Measure everything, the timed runs on the first ``timed_tokens`` rows (latency.py), OPT's curve on a
     sample of the experts above ``sample_above`` requests and every replay above ``replay_sample_above``
-    (bound.py; None: never) and the settings of
+    (bound.py; None: never), the policies without a kernel on the first rows unless ``python_prefix`` is off,
+    and the settings of
     ``engines`` on the held-out traffic (on_engine.py; ``profile``, a trace, chooses their placements instead
     of the trace's first half); ``step(text)`` is told what runs next (a progress line)."""
     step = step or (lambda text: None)
@@ -85,7 +86,8 @@ def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: 
     with ThreadPoolExecutor(max_workers=1) as side:
         measuring = side.submit(measure_working_set, trace, sequence)
         bound = measure_bound(data, cache_size, measuring, seed=seed, jobs=jobs, engine=engine,
-                              sample_above=sample_above, replay_sample_above=replay_sample_above, step=step)
+                              sample_above=sample_above, replay_sample_above=replay_sample_above,
+                              python_prefix=python_prefix, step=step)
         working_set = measuring.result()
     notes = [f"{policy} did not run: {why}" for policy, why in bound.skipped]
     if prompt_tokens_text(trace.meta.extra):
