@@ -41,12 +41,15 @@ def test_reuse_distances_of_a_hand_worked_sequence():
     assert stack.histogram.tolist() == [0, 1, 2, 0, 3]
 
 
-def test_reuse_distances_equal_a_rescan_through_many_compactions():
-    keys = np.random.default_rng(3).integers(0, 5, 400)  # 400 requests of 5 keys: the 10 slots renumber often
-    expected = np.zeros(6, np.int64)
+@pytest.mark.parametrize("num_keys,requests", [(5, 400), (40, 1500)])
+def test_reuse_distances_equal_a_rescan_through_many_compactions(num_keys, requests):
+    # 5 keys have one word of 64 slots, renumbered every 59 requests; 40 keys three words (192 slots), so that
+    # a distance adds the marks of later words to those of its own
+    keys = np.random.default_rng(3).integers(0, num_keys, requests)
+    expected = np.zeros(num_keys + 1, np.int64)
     for distance in naive_reuse_distances(keys.tolist()):
-        expected[5 if distance is None else distance] += 1
-    whole, pieces = LruStack(5), LruStack(5)
+        expected[num_keys if distance is None else distance] += 1
+    whole, pieces = LruStack(num_keys), LruStack(num_keys)
     whole.add(keys)
     for piece in np.array_split(keys, 7):  # the stack carried from piece to piece, across the compactions
         pieces.add(piece)
