@@ -50,8 +50,8 @@ class FMoE(EvictionPolicy):
         self._observed_token = [-1] * L
 
     def run_kernel_arguments(self, slots, trace):
-        """The trace's probabilities as ``observed`` floors them, token by token ([N * L * J]); none (a uniform
-        p) when it has none."""
+        """The trace's probabilities as ``observed`` floors them, token by token ([N * L * J] float64: four times
+        the trace's float16 column while the replay runs); none (a uniform p) when it has none."""
         if trace.probs is None:
             return np.zeros(0, np.float64), np.zeros(0, np.int64)
         return observed(trace.probs).reshape(-1), np.zeros(0, np.int64)
