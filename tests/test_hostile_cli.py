@@ -51,12 +51,13 @@ def test_a_sealed_trace_of_zero_rows_is_refused_in_one_line(tmp_path, capsys):
     import pyarrow.parquet as pq
 
     from moe_offload.trace import integrity
-    from moe_offload.trace.format import METADATA_KEY, _stored_columns, write_trace
+    from moe_offload.trace.format import METADATA_KEY, write_trace
+    from moe_offload.trace.parquet_columns import stored_columns
 
     path = write_trace(build([0, 0], [0, 1], [DECODE, DECODE], [0, 1]), tmp_path / "t.parquet")
     table = pq.read_table(path).slice(0, 0)
     stored = dict(table.schema.metadata)
-    empty = {name: values[:0] for name, values in _stored_columns(build([0], [0], [DECODE], [0])).items()}
+    empty = {name: values[:0] for name, values in stored_columns(build([0], [0], [DECODE], [0])).items()}
     stored[integrity.CHECKSUM_KEY] = integrity.seal(json.loads(stored[METADATA_KEY]), empty)
     pq.write_table(table.replace_schema_metadata(stored), path)
     code, _, err = run(capsys, "trace", "info", path)

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moe_offload.errors import TraceError
-from moe_offload.trace.format import (DECODE, METADATA_KEY, PREFILL, Trace, TraceMeta, expert_dtype, read_trace,
-                                      write_trace)
+from moe_offload.trace.format import DECODE, METADATA_KEY, PREFILL, Trace, TraceMeta, read_trace, write_trace
+from moe_offload.trace.parquet_columns import expert_dtype
 from moe_offload.trace.synthetic import zipf_trace
 
 
@@ -299,10 +299,10 @@ def test_rows_out_of_iteration_order_name_the_row(tmp_path):
 
 
 def test_a_trace_read_a_row_at_a_time_is_the_trace(tmp_path, monkeypatch):
-    from moe_offload.trace import format as trace_format
+    from moe_offload.trace import parquet_columns
 
-    monkeypatch.setattr(trace_format, "READ_VALUES", 1)  # a row a piece
-    monkeypatch.setattr(trace_format, "ROW_GROUP_REQUESTS", 12)  # two rows of 3 layers x top-2 a row group
+    monkeypatch.setattr(parquet_columns, "READ_VALUES", 1)  # a row a piece
+    monkeypatch.setattr(parquet_columns, "ROW_GROUP_REQUESTS", 12)  # two rows of 3 layers x top-2 a row group
     trace = full_trace(tokens=11)
     path = write_trace(trace, tmp_path / "groups.parquet")
     assert pq.ParquetFile(path).metadata.num_row_groups == 6
@@ -310,9 +310,9 @@ def test_a_trace_read_a_row_at_a_time_is_the_trace(tmp_path, monkeypatch):
 
 
 def test_a_problem_in_a_later_piece_names_its_row_in_the_file(tmp_path, monkeypatch):
-    from moe_offload.trace import format as trace_format
+    from moe_offload.trace import parquet_columns
 
-    monkeypatch.setattr(trace_format, "READ_VALUES", 1)  # a row a piece
+    monkeypatch.setattr(parquet_columns, "READ_VALUES", 1)  # a row a piece
     phase = ["decode"] * 6
     phase[5] = "warmup"  # in the sixth piece
     error = expect_trace_error(write_raw(tmp_path / "phase.parquet", good_rows(), meta_dict(), phase=phase),

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from moe_offload.errors import ConfigError
-from moe_offload.trace.format import MAX_EXPERT_SLOTS, Trace, TraceMeta, expert_dtype
+from moe_offload.trace.format import MAX_EXPERT_SLOTS, Trace, TraceMeta
+from moe_offload.trace.parquet_columns import expert_dtype
 from moe_offload.values import integer, memory, number
 
 # zipf_trace samples this many (token, layer, expert) cells per vectorised step: two float64 arrays of this
