@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from moe_offload.policies import AccessContext, ModelSpec, policy_info
-from moe_offload.simulator.cache import ExpertCache, PartitionedCache
+from moe_offload.simulator.cache import ExpertCache
+from moe_offload.simulator.partitioned_cache import PartitionedCache
 from moe_offload.trace.flatten import next_use_times
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from moe_offload.policies import AccessContext, ModelSpec
 from moe_offload.policies.lru import LRU
-from moe_offload.simulator.cache import BYPASSED, HIT, LOADED, ExpertCache, PartitionedCache
+from moe_offload.simulator.cache import BYPASSED, HIT, LOADED, ExpertCache
+from moe_offload.simulator.partitioned_cache import PartitionedCache
 
 SPEC = ModelSpec(num_layers=2, num_experts=4, top_k=1)
 

@@ -8,7 +8,8 @@ import pytest
 from moe_offload.errors import ConfigError
 from moe_offload.hardware.profile import resolve_profile
 from moe_offload.policies import POLICIES, AccessContext, ModelSpec, default_policies
-from moe_offload.simulator.cache import ExpertCache, PartitionedCache, predicted_no_later_than
+from moe_offload.simulator.cache import ExpertCache, predicted_no_later_than
+from moe_offload.simulator.partitioned_cache import PartitionedCache
 from moe_offload.simulator.timed import simulate_timed
 from moe_offload.simulator.timed.schedule import leading_iterations
 

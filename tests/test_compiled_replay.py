@@ -206,7 +206,7 @@ def test_simulate_prints_the_same_whatever_the_engine(capsys):
 
 
 def test_partition_capacities_are_the_caches():
-    from moe_offload.simulator.cache import PartitionedCache
+    from moe_offload.simulator.partitioned_cache import PartitionedCache
 
     assert PartitionedCache.capacities(10, 4) == [3, 3, 2, 2]
     parts = PartitionedCache(10, 4, lambda: POLICIES["lru"].policy(None), 5).parts

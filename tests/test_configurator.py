@@ -20,7 +20,7 @@ from moe_offload.simulator.configurator import (MoepicStatistics, Timings, confi
 from moe_offload.errors import ConfigError
 from moe_offload.policies.base import AccessContext, ModelSpec
 from moe_offload.policies.lcp import LCP
-from moe_offload.simulator.cache import PartitionedCache
+from moe_offload.simulator.partitioned_cache import PartitionedCache
 from moe_offload.simulator.timed.schedule import leading_iterations
 from moe_offload.trace.format import Trace, TraceMeta, read_trace, write_trace
 from moe_offload.trace.synthetic import zipf_trace

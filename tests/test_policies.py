@@ -13,7 +13,8 @@ from moe_offload.errors import ConfigError
 from moe_offload.policies import POLICIES, AccessContext, ModelSpec, default_policies
 from moe_offload.policies.lcp import LCP
 from moe_offload.policies.moe_infinity import EPSILON, MoEInfinity
-from moe_offload.simulator.cache import ExpertCache, PartitionedCache
+from moe_offload.simulator.cache import ExpertCache
+from moe_offload.simulator.partitioned_cache import PartitionedCache
 from policy_driver import drive
 
 ONE_LAYER = ModelSpec(num_layers=1, num_experts=6, top_k=1)

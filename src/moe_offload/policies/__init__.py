@@ -2,7 +2,7 @@
 
 ``POLICIES`` maps the command-line name of every policy to how it is built. A ``-dist`` variant is the
 same policy run on a cache split equally among the layers (paper 001's LRU-Dist, Marker-Dist and OPT-Dist,
-"a specific cache of size k/l per layer"): the split belongs to the cache (simulator.cache.PartitionedCache), not to
+"a specific cache of size k/l per layer"): the split belongs to the cache (simulator/partitioned_cache.py), not to
 the policy, and so does the one option every -dist policy takes beside its policy's, ``whole_layers`` (layers held
 whole from the start, as llama.cpp keeps layers in VRAM beside PR #27861's caches of the others).
 
@@ -42,7 +42,7 @@ from moe_offload.policies.static_layers import StaticLayers
 from moe_offload.values import integer, integer_list
 from moe_offload.values.options import check_option_names, required_options
 
-# The option of a -dist policy's split cache, not of its policy (simulator/cache.py PartitionedCache): the layers
+# The option of a -dist policy's split cache, not of its policy (simulator/partitioned_cache.py): the layers
 # held whole, every expert resident from the start, the others splitting the rest of the budget.
 PARTITION_OPTIONS = {"whole_layers": None}
 

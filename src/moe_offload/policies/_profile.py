@@ -39,7 +39,7 @@ def expert_counts(trace, spec: ModelSpec) -> np.ndarray:
 def most_frequent(counts: np.ndarray, slots: int, spec: ModelSpec, per_layer: bool = False) -> list[int]:
     """The ``slots`` keys of highest count (ties: the lower key). ``per_layer``: each layer gets
     ``slots // L`` of its own most frequent, the first ``slots % L`` layers one more (the cache split of
-    simulator/cache.py's PartitionedCache)."""
+    simulator/partitioned_cache.py's PartitionedCache)."""
     slots = min(slots, counts.size)
     by_count = np.argsort(-counts, kind="stable")  # stable: equal counts keep the lower key first
     if not per_layer:

@@ -18,7 +18,8 @@ from moe_offload.values import format_bytes
 from moe_offload.policies import policy_info
 from moe_offload.prefetch import make_prefetcher, prefetcher_info
 from moe_offload.runtime.tiers import SlotPool, Tier
-from moe_offload.simulator.cache import ExpertCache, PartitionedCache
+from moe_offload.simulator.cache import ExpertCache
+from moe_offload.simulator.partitioned_cache import PartitionedCache
 
 
 

@@ -29,7 +29,7 @@ host that holds every expert), every expert is read from there, as in the simula
 from __future__ import annotations
 
 from moe_offload.policies.fetch_or_compute import FetchOrCompute, ProfileCosts
-from moe_offload.simulator.cache import PartitionedCache
+from moe_offload.simulator.partitioned_cache import PartitionedCache
 from moe_offload.simulator.transfers import home_tier
 
 

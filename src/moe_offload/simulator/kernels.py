@@ -21,7 +21,7 @@ each request's next use itself, a chunk at a time (trace/flatten.py ``fill_next_
 kernel may update; a static placement's experts, the requests a row belongs to); it adds each hit to
 ``key_hits[key]`` (the replay sums them by layer after: a division per hit cost LRU's and Belady's kernels
 about a tenth of their time). The whole replay passes the whole sequence; a -dist policy is a cache
-split among the layers (simulator/cache.py PartitionedCache), so the replay runs the kernel once per layer on
+split among the layers (simulator/partitioned_cache.py), so the replay runs the kernel once per layer on
 that layer's requests, copied out, and its share of the capacity, as the partitions would: the same requests
 in the same order, their clocks counted in the layer (the -dist policies' decisions depend on the order of
 their requests only; the tests replay them both ways). No kernel reads a column of positions or of next

@@ -27,7 +27,8 @@ from moe_offload.errors import ConfigError
 from moe_offload.policies import AccessContext, ModelSpec, make_policy, policy_factory, policy_info
 from moe_offload.results import RunResult
 from moe_offload.simulator import kernels
-from moe_offload.simulator.cache import BYPASSED, HIT, LOADED, ExpertCache, PartitionedCache
+from moe_offload.simulator.cache import BYPASSED, HIT, LOADED, ExpertCache
+from moe_offload.simulator.partitioned_cache import PartitionedCache
 from moe_offload.trace.flatten import AccessSequence, flatten, last_row_of_each_request, sample_sequence
 from moe_offload.trace.format import Trace
 from moe_offload.values import integer, worker_count

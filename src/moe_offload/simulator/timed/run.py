@@ -78,7 +78,8 @@ from moe_offload.policies import AccessContext, ModelSpec, policy_factory, polic
 from moe_offload.policies.fetch_or_compute import FetchOrCompute
 from moe_offload.prefetch import Prefetcher, RoutingView, search_latency
 from moe_offload.prefetch.budget import budget_from_hardware
-from moe_offload.simulator.cache import ExpertCache, PartitionedCache
+from moe_offload.simulator.cache import ExpertCache
+from moe_offload.simulator.partitioned_cache import PartitionedCache
 from moe_offload.simulator.split import SplitConfig, SplitExperts
 from moe_offload.simulator.timed.decisions import tier_decisions
 from moe_offload.simulator.timed.host import HostWork
