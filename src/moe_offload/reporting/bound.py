@@ -24,9 +24,10 @@ on the whole trace, which the reuse distances give (working_set.py, streamed ove
 
 Policies without a compiled kernel run their Python objects, about a hundred times slower: on a trace of more
 requests than PYTHON_REPLAY_REQUESTS they replay its first rows only (up to that many requests; the whole trace
-where ``python_prefix`` is off, as `report --exact` asks), beside OPT on the same rows, and the report says so; those replays run on a thread of their own while the whole trace's
-replays run (the kernels release the GIL), so a core the kernels leave idle is not wasted. So do the placements when the replays are sampled: a placement chosen
-from the whole trace would hold experts the sample lacks.
+where ``python_prefix`` is off, as `report --exact` asks), beside OPT on the same rows, and the report says so;
+those replays run on a thread of their own while the whole trace's replays run (the kernels release the GIL),
+so a core the kernels leave idle is not wasted. So do the placements when the replays are sampled: a placement
+chosen from the whole trace would hold experts the sample lacks.
 """
 
 from __future__ import annotations
