@@ -198,8 +198,12 @@ def test_without_the_prefix_a_policy_without_a_kernel_replays_the_whole_trace(ol
 
     monkeypatch.setattr(bound_module, "PYTHON_REPLAY_REQUESTS", 5000)
     working_set = measure_working_set(olmoe.trace, olmoe.sequence)
-    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "learned"], python_prefix=False)
+    steps = []
+    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "learned"], python_prefix=False,
+                          step=steps.append)
     assert sorted(r.policy for r in bound.online) == ["learned", "lru"] and bound.sampled == []
+    assert steps[-1] == ("the bound: 2 online policies at the budget (learned in Python, with no compiled kernel: "
+                         "about a hundred times slower), OPT at every size beside them")
     learned = bound.result("learned")
     assert learned.accesses == len(olmoe.sequence) and learned.hits == replay(olmoe, "learned", 256).hits
 

@@ -167,9 +167,11 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet | 
     prefix = (side.submit(replay_grid, sample, ["belady"] + slow, [cache_size], seed=seed, jobs=1, engine=engine)
               if sample is not None else None)
     with side:
-        bound = _measure_whole(data, target, size, cache_size, policies=full_policies, skipped=skipped,
-                               replay_rate=replay_rate, sample_above=sample_above, seed=seed, jobs=jobs,
-                               engine=engine, step=step)
+        # told, where the Python replays run whole on a long trace: they are what the step waits for
+        in_python = slow if sample is None and requests > PYTHON_REPLAY_REQUESTS else []
+        bound = _measure_whole(data, target, size, cache_size, policies=full_policies, in_python=in_python,
+                               skipped=skipped, replay_rate=replay_rate, sample_above=sample_above, seed=seed,
+                               jobs=jobs, engine=engine, step=step)
         for column in ("token", "layer"):
             target.sequence.forget(column)
         if prefix is not None:
@@ -198,10 +200,11 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet | 
 
 
 def _measure_whole(data: ReplayInput, target: ReplayInput, size: int, cache_size: int, *,
-                   policies: list[str], skipped: list, replay_rate: float, sample_above: int | None, seed: int,
-                   jobs: int, engine: str, step) -> Bound:
+                   policies: list[str], in_python: list[str], skipped: list, replay_rate: float,
+                   sample_above: int | None, seed: int, jobs: int, engine: str, step) -> Bound:
     """Belady, OPT's curve and ``policies`` on ``target`` (the whole trace, or its sample at ``replay_rate``) at
-    ``size`` experts (``cache_size`` scaled by the rate)."""
+    ``size`` experts (``cache_size`` scaled by the rate); ``in_python``, those of them the step names as replayed
+    in Python."""
     meta = data.trace.meta
     # OPT's curve on a thread beside Belady and then beside the policies (its kernel releases the GIL): Belady
     # alone left a core idle once the working set was done.
@@ -216,7 +219,9 @@ def _measure_whole(data: ReplayInput, target: ReplayInput, size: int, cache_size
         measuring = beside.submit(measure_opt)
         step("the bound: Belady at the budget, OPT at every size beside it")
         belady = replay_grid(target, ["belady"], [size], seed=seed, jobs=jobs, engine=engine).results[0]
-        step(f"the bound: {len(policies)} online policies at the budget, OPT at every size beside them")
+        slow = (f" ({', '.join(in_python)} in Python, with no compiled kernel: about a hundred times slower)"
+                if in_python else "")
+        step(f"the bound: {len(policies)} online policies at the budget{slow}, OPT at every size beside them")
         grid = replay_grid(target, policies, [size], seed=seed, jobs=jobs, engine=engine, reference=belady)
         opt = measuring.result()
     skipped += [(policy, why) for policy, _, why in grid.skipped]
