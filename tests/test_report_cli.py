@@ -110,6 +110,9 @@ def test_the_page_is_well_formed_and_self_contained(olmoe_report):
     assert parser.errors == [] and parser.open == []
     assert parser.fetches == []
     assert page.count("<svg") == 5  # working set, reuse, skew, policies, latency
+    # the figures' labels are text the browser draws, not glyph outlines
+    for label in ("window (tokens)", "cache size (experts)", "Belady (OPT)", "hit rate at 256 experts"):
+        assert f">{label}</text>" in page, label
     assert "<h2>What to run</h2>" in page and "--fast-budget 256" in page
     # what the quickstart's report leaves out, it says, with the flag that puts it back
     assert "engine settings scored for vllm only: --engine all scores llama.cpp, ktransformers, sglang too" in page

@@ -125,6 +125,14 @@ def run(args) -> int:
     stderr = Console(stderr=True)
     step = (lambda text: stderr.print(f"[dim]{text}...[/]")) if stderr.is_terminal else None
     name = args.trace if Path(args.trace) == path else path.name
+    if args.output:  # the figures' library loads on a side thread while the replays keep both cores busy
+        from concurrent.futures import ThreadPoolExecutor
+
+        from moe_offload.reporting.html import load_pyplot
+
+        side = ThreadPoolExecutor(max_workers=1)
+        side.submit(load_pyplot)  # a failure shows again, with its message, where the figures are drawn
+        side.shutdown(wait=False)
     report = build_report(ReplayInput.of(trace, name=name, checked=True), args.trace, cache_size, hardware, expert_bytes,
                           seed=seed, jobs=workers, engine=args.replay_engine, timed_tokens=timed_tokens, step=step,
                           engines=engines, profile=profile, profile_name=args.profile, fast_memory=args.fast_memory,
