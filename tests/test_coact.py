@@ -174,7 +174,7 @@ def test_values_survive_the_change_of_unit():
     assert policy.value(2, 2000) == 1.0
 
 
-def test_counts_are_halved_before_they_leave_32_bits(monkeypatch):
+def test_counts_are_halved_before_they_leave_16_bits(monkeypatch):
     # the limit lowered to 4 tokens: expert 0 (layer 0) is routed in every token, with 3 (layer 1) in tokens
     # 0, 2 and 4 and with 5 in tokens 1 and 3. c(0) reaches 4 when token 3 ends and is halved, with c(0 -> 3) = 2
     # and c(0 -> 5) = 2; token 4 is still being served.
@@ -188,7 +188,22 @@ def test_counts_are_halved_before_they_leave_32_bits(monkeypatch):
             ctx.clock, ctx.token = ctx.clock + 1, token
             cache.request(key, ctx)
     assert policy._routed[0] == 2.0 and policy._inverse_routed[0] == 0.5
-    assert policy._cooccur[3:, 0].tolist() == [1, 0, 1] and policy._cooccur.dtype == np.int32  # c(0, b): column 0
+    assert policy._cooccur[3:, 0].tolist() == [1, 0, 1] and policy._cooccur.dtype == np.uint16  # c(0, b): column 0
+
+
+def test_counts_stay_exact_at_the_16_bit_limit():
+    # expert 0 (layer 0) with 3 (layer 1) in each of 65,538 tokens, the last being served. When token 65,535
+    # ends, c(0) = 65,536 is halved with c(0 -> 3) = 65,535 (its pair of that token not counted yet), then the
+    # pair is counted: 32,768 each, and token 65,536 makes them 32,769, where 16-bit pairs counted on would
+    # have wrapped to 1. d(3) counts pairs of tokens, one fewer: it reaches 65,536 as token 65,536 ends.
+    policy = make_policy("coact", TWO_LAYERS)
+    cache, ctx = ExpertCache(6, policy), AccessContext()
+    for token in range(65_538):
+        for key in (0, 3):
+            ctx.clock, ctx.token = ctx.clock + 1, token
+            cache.request(key, ctx)
+    assert policy._routed[0] == 32_769.0 and policy._cooccur[3, 0] == 32_769
+    assert policy._followed[3] == 32_768.0 and policy._successor[3, 0] == 32_768  # d(3 -> 3): column 0 of 3's row
 
 
 def test_pinned_experts_are_never_victims():
@@ -253,6 +268,19 @@ def test_kernel_is_the_policy_across_changes_of_unit(half_life):
         reference = replay(data, "coact", size, engine="python", options={"half_life": half_life})
         assert replay(data, "coact", size, engine="compiled", options={"half_life": half_life}).to_dict() == \
             reference.to_dict(), size
+
+
+@needs_numba
+def test_kernel_is_the_policy_past_the_16_bit_limit():
+    # layer 0 routes expert 0 in every one of 66,000 tokens, so its counts are halved after 65,536; layer 1 routes
+    # one of its 3 experts at random, and a cache of 2 makes every decision read the counts
+    from moe_offload.trace.format import Trace
+    from moe_offload.trace.synthetic import zipf_trace
+
+    base = zipf_trace(2, 3, 1, 66_000, a=1.0, b=1.0, seed=5, shuffle=True)
+    experts = np.array(base.experts)
+    experts[:, 0, 0] = 0
+    assert_kernel_is_the_policy(ReplayInput.of(Trace.build(base.meta, experts)), fractions=(1 / 3,))
 
 
 def test_the_kernel_runs_uncompiled_with_the_same_misses():

@@ -117,10 +117,10 @@ class CoActivation(EvictionPolicy):
         self._scaled = np.zeros(num_keys)                         # s_e = F_e * g
         self._last_token = np.full(num_keys, -1, np.int64)
         self._last_request = np.zeros(num_keys, np.int64)     # the clock of each key's last request
-        self._cooccur = np.zeros((num_keys, spec.num_experts), np.int32)  # c(a, b): b's row, a's index in its layer
+        self._cooccur = np.zeros((num_keys, spec.num_experts), np.uint16)  # c(a, b): b's row, a's index in its layer
         self._routed = np.zeros(num_keys)                        # c(a)
         self._inverse_routed = np.zeros(num_keys)                # 1 / c(a), 0 while c(a) = 0
-        self._successor = np.zeros((num_keys, spec.num_experts), np.int32)  # d(a, b): b's row, a's index in the layer
+        self._successor = np.zeros((num_keys, spec.num_experts), np.uint16)  # d(a, b): b's row, a's index in the layer
         self._followed = np.zeros(num_keys)                          # d(a)
         self._inverse_followed = np.zeros(num_keys)                  # 1 / d(a), 0 while d(a) = 0
         # this token's and the last token's experts per layer, in request order (a runtime pass may route more
@@ -262,10 +262,10 @@ class CoActivation(EvictionPolicy):
         scaled = np.zeros(num_keys)
         last_token = np.full(num_keys, -1, np.int64)
         last_request = np.zeros(num_keys, np.int64)
-        cooccur = np.zeros((num_keys, num_experts), np.int32)
+        cooccur = np.zeros((num_keys, num_experts), np.uint16)
         routed = np.zeros(num_keys)
         inverse_routed = np.zeros(num_keys)
-        successor = np.zeros((num_keys, num_experts), np.int32)
+        successor = np.zeros((num_keys, num_experts), np.uint16)
         followed = np.zeros(num_keys)
         inverse_followed = np.zeros(num_keys)
         seen = np.zeros((num_layers, top_k), np.int64)
