@@ -554,3 +554,24 @@ def test_a_sample_replays_the_same_compiled(olmoe):
     """On a spatial sample of the experts, whose layers' requests fall anywhere (they are copied out for the
     -dist policies), every compiled policy gives the objects' results."""
     assert_same(ReplayInput.sampled(olmoe.trace, 0.5, "half of the experts"), (32, 128))
+
+
+@needs_numba
+def test_the_cache_name_of_a_kernel_follows_the_constants_its_helpers_read(monkeypatch):
+    """Numba freezes a module constant into the machine code, and its on-disk cache notices changes to the
+    kernel's own file only: the compiled name (kernels.py's digest) changes when a constant that a helper in
+    another file reads changes, as coact's COUNT_LIMIT in _coact_tokens.py, and not when nothing changed."""
+    import numba
+
+    from moe_offload.policies import _coact_tokens
+    from moe_offload.policies.coact import CoActivation
+
+    def name():
+        helpers: dict = {}
+        kernels._link(CoActivation.replay_kernel, numba, helpers)
+        return kernels._digest(CoActivation.replay_kernel, helpers, kernels.SIGNATURE)
+
+    first = name()
+    assert name() == first
+    monkeypatch.setattr(_coact_tokens, "COUNT_LIMIT", _coact_tokens.COUNT_LIMIT / 2)
+    assert name() != first

@@ -37,7 +37,8 @@ share the request sequence instead of copying it to worker processes. Numba's on
 or, where that is read-only (an installed package), in Numba's per-user cache folder (or NUMBA_CACHE_DIR);
 where no folder is writable the kernel is compiled in memory only. Numba's cache notices a change to the
 kernel's own file but not to the helpers it calls in other files, so the compiled name carries a digest of
-the bytecode of the kernel and all its helpers: any change to any of them is a new cache entry.
+the bytecode of the kernel and all its helpers, and of the module constants they read (Numba freezes those
+into the machine code): any change to any of them is a new cache entry.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import types
+
+import numpy as np
 
 from moe_offload.compiled import (INSTALL_HINT, PIPELINE, compiled_twin,  # noqa: F401  (kernels.INSTALL_HINT)
                                    njit_cached, numba_available)
@@ -105,13 +108,29 @@ def _names(code) -> set[str]:
 
 
 def _digest(function, helpers: dict, signature: str) -> str:
-    """A short hash of the bytecode, constants and names of ``function`` and its helpers, and of how they are
-    compiled."""
+    """A short hash of the bytecode, constants and names of ``function`` and its helpers, of the module-level
+    constants they read, and of how they are compiled."""
     hasher = hashlib.sha256(repr((signature, HELPER_OPTIONS, COMPILE_FLAGS, PIPELINE)).encode())
-    for code in [function.__code__] + sorted((helper.__code__ for helper in helpers),
-                                             key=lambda code: (code.co_filename, code.co_qualname)):
-        _hash_code(code, hasher)
+    for code_of in [function] + sorted(helpers, key=lambda f: (f.__code__.co_filename, f.__code__.co_qualname)):
+        _hash_code(code_of.__code__, hasher)
+        _hash_globals(code_of, hasher)
     return hasher.hexdigest()[:12]
+
+
+def _hash_globals(function, hasher) -> None:
+    """The plain values (numbers, strings, tuples of them) that ``function`` reads from its module's globals:
+    Numba freezes them into the machine code, so a change of one (coact's COUNT_LIMIT in _coact_tokens.py, say)
+    must be a new cache entry too, as a change of code is."""
+    for name in sorted(_names(function.__code__)):
+        value = function.__globals__.get(name)
+        if _is_plain(value):
+            hasher.update(f"{name}={value!r}".encode())
+
+
+def _is_plain(value) -> bool:
+    if isinstance(value, tuple):
+        return all(_is_plain(item) for item in value)
+    return isinstance(value, (bool, int, float, complex, str, bytes, np.generic))
 
 
 def _hash_code(code, hasher) -> None:
