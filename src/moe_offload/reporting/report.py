@@ -19,7 +19,7 @@ from moe_offload.reporting.latency import Latency, measure_latency
 from moe_offload.reporting.on_engine import OnEngine, measure_on_engine, print_on_engine
 from moe_offload.reporting.recommend import command_lines, commands
 from moe_offload.reporting.tables import binary_bytes, run_label
-from moe_offload.reporting.working_set import WorkingSet, measure_working_set
+from moe_offload.reporting.working_set import WorkingSet, count_windows, measure_working_set
 from moe_offload.simulator.replay import ReplayInput
 from moe_offload.trace.format import TraceMeta
 from moe_offload.trace.importers.engine_trace import prompt_tokens_text
@@ -81,10 +81,12 @@ def build_report(data: ReplayInput, trace_name: str, cache_size: int, hardware: 
     step("working set: sliding windows and reuse distances, beside the bound")
     requests = trace.num_tokens * trace.meta.num_layers * trace.meta.top_k
     whole = replay_sample_above is None or requests <= replay_sample_above  # else never flattened whole
-    sequence = data.sequence if whole else None  # flattened here, before the thread that reads it
-    # the working set's kernels release the GIL: measured on a thread of its own while the bound's replays run
+    # the working set's kernels release the GIL: measured on a thread of its own while the bound's replays run,
+    # its sliding windows (from the trace's rows) while this thread flattens the requests
     with ThreadPoolExecutor(max_workers=1) as side:
-        measuring = side.submit(measure_working_set, trace, sequence)
+        counting = side.submit(count_windows, trace)
+        sequence = data.sequence if whole else None  # flattened here, before the task that reads it
+        measuring = side.submit(lambda: measure_working_set(trace, sequence, counting.result()))
         bound = measure_bound(data, cache_size, measuring, seed=seed, jobs=jobs, engine=engine,
                               sample_above=sample_above, replay_sample_above=replay_sample_above,
                               python_prefix=python_prefix, step=step)

@@ -138,9 +138,19 @@ class WorkingSet:
         return float(counts[:cache_size].sum()) / max(1, int(counts.sum()))
 
 
-def measure_working_set(trace: Trace, sequence: AccessSequence | None = None) -> WorkingSet:
-    """The working set of ``trace``; ``sequence`` is its flattened request sequence (ReplayInput's), or None to
-    flatten it here a piece at a time, in memory that does not grow with the trace."""
+@dataclass
+class WindowCounts:
+    """The measures that the trace's rows give without flattening them: distinct experts per window (the
+    sliding windows) and requests per expert."""
+
+    windows: list[int]
+    distinct_mean: np.ndarray
+    distinct_max: np.ndarray
+    layer_counts: np.ndarray
+
+
+def count_windows(trace: Trace) -> WindowCounts:
+    """The sliding windows and the requests per expert of ``trace``, from its rows."""
     meta = trace.meta
     experts = np.ascontiguousarray(trace.experts)  # in their own id type: no copy of the trace
     requests = trace.num_tokens * meta.num_layers * meta.top_k
@@ -155,12 +165,21 @@ def measure_working_set(trace: Trace, sequence: AccessSequence | None = None) ->
         sliding(experts, meta.num_experts, window, total, largest)
         distinct_mean[index] = total / (trace.num_tokens - window + 1)
         distinct_max[index] = largest
-    stack = LruStack(meta.num_expert_slots, requests)
-    for keys in ([sequence.expert_id] if sequence is not None else flattened_pieces(trace)):
-        stack.add(keys)
-    histogram = stack.histogram
     # a layer at a time: a bincount of the whole sequence would copy it to 8-byte ids first
     layer_counts = np.stack([np.bincount(experts[:, layer, :].ravel(), minlength=meta.num_experts)
                              for layer in range(meta.num_layers)]).astype(np.int64)
-    return WorkingSet(windows=windows, distinct_mean=distinct_mean, distinct_max=distinct_max,
-                      reuse_histogram=histogram, layer_counts=layer_counts, top_k=meta.top_k)
+    return WindowCounts(windows=windows, distinct_mean=distinct_mean, distinct_max=distinct_max,
+                        layer_counts=layer_counts)
+
+
+def measure_working_set(trace: Trace, sequence: AccessSequence | None = None,
+                        counts: WindowCounts | None = None) -> WorkingSet:
+    """The working set of ``trace``; ``sequence`` is its flattened request sequence (ReplayInput's), or None to
+    flatten it here a piece at a time, in memory that does not grow with the trace; ``counts`` its
+    ``count_windows``, or None to count them here."""
+    counts = count_windows(trace) if counts is None else counts
+    stack = LruStack(trace.meta.num_expert_slots, trace.num_tokens * trace.meta.num_layers * trace.meta.top_k)
+    for keys in ([sequence.expert_id] if sequence is not None else flattened_pieces(trace)):
+        stack.add(keys)
+    return WorkingSet(windows=counts.windows, distinct_mean=counts.distinct_mean, distinct_max=counts.distinct_max,
+                      reuse_histogram=stack.histogram, layer_counts=counts.layer_counts, top_k=trace.meta.top_k)
