@@ -111,9 +111,9 @@ def _digest(function, helpers: dict, signature: str) -> str:
     """A short hash of the bytecode, constants and names of ``function`` and its helpers, of the module-level
     constants they read, and of how they are compiled."""
     hasher = hashlib.sha256(repr((signature, HELPER_OPTIONS, COMPILE_FLAGS, PIPELINE)).encode())
-    for code_of in [function] + sorted(helpers, key=lambda f: (f.__code__.co_filename, f.__code__.co_qualname)):
-        _hash_code(code_of.__code__, hasher)
-        _hash_globals(code_of, hasher)
+    for part in [function] + sorted(helpers, key=lambda f: (f.__code__.co_filename, f.__code__.co_qualname)):
+        _hash_code(part.__code__, hasher)
+        _hash_globals(part, hasher)
     return hasher.hexdigest()[:12]
 
 
