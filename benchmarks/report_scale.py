@@ -3,6 +3,7 @@ replay of the same request sequence.
 
     python benchmarks/report_scale.py [--tokens 20000] [--layers 48] [--experts 128] [--top-k 8]
         [--fast-memory 25%] [--jobs 2] [--expert-bytes BYTES] [--sample-above N] [--exact] [--html FILE]
+        [--repeat 3] [--kernels]
 
 The trace is synthetic: Zipf-popular experts per layer (paper 001's section 5.1 law, a = 1.2, each layer its
 own popularity order), requests of 256 decode tokens one after the other, Qwen3-30B-A3B's shape by default (48
@@ -20,12 +21,15 @@ process (``wait4``). Without --expert-bytes the trace gives no expert size, so t
 (the timed simulator's runs are their own benchmark); with it, the budget must fit the default hardware
 profile's GPU, as `moe-offload report` checks. Then libCacheSim's LRU replays the same sequence from its
 oracleGeneral file (written a piece at a time; LRU does not read the file's next-access times, which are left
-out), in this process, with reading the file included.
+out), in this process, with reading the file included. The two run in turns --repeat times (3 by default), so that
+a drift of the machine's speed moves both sides of the ratio alike, and the best time of each is kept (the report's
+steps are those of its best run; its peak memory the largest of its runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import pty
 import re
@@ -154,6 +158,19 @@ def run_report(command: list[str], work: Path) -> tuple[float, int, str, list[Ph
     return seconds, usage.ru_maxrss * 1024, out.read(), phases  # kilobytes on Linux
 
 
+def lru_reference(oracle: Path, cache_size: int) -> float:
+    """Seconds of libCacheSim's LRU replay of the oracleGeneral file ``oracle`` at ``cache_size``, reading the
+    file included, in a process of its own: the file's pages it maps would otherwise stay in this process and,
+    copied into the report's at its start, count in the report's peak memory (``wait4``'s high-water mark spans
+    the fork)."""
+    script = ("import sys, time\nimport libcachesim as lcs\nstart = time.perf_counter()\n"
+              "reader = lcs.TraceReader(sys.argv[1], lcs.TraceType.ORACLE_GENERAL_TRACE)\n"
+              "lcs.LRU(int(sys.argv[2])).process_trace(reader)\nprint(time.perf_counter() - start)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(oracle), str(cache_size)], capture_output=True,
+                          text=True, check=True)
+    return float(done.stdout)
+
+
 def time_kernels(trace, cache_size: int) -> None:
     """Each compiled policy of the report, and Belady, replayed alone at ``cache_size``, the tokens column made
     first, on one thread: seconds, the largest first, and their sum."""
@@ -188,12 +205,16 @@ def main() -> int:
     parser.add_argument("--sample-above", default=None, help="as `report --sample-above`")
     parser.add_argument("--exact", action="store_true", help="as `report --exact`")
     parser.add_argument("--html", metavar="FILE", help="also write the report's page")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="run the report and libCacheSim's replay in turns this many times, keep the best of each")
     parser.add_argument("--kernels", action="store_true",
                         help="then time each compiled policy's replay at the budget alone, in this process")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: must be at least 1")
 
     from moe_offload.cli.report_cmd import fast_memory_experts
-    from moe_offload.trace.format import write_trace
+    from moe_offload.trace.format import read_trace, write_trace
     from moe_offload.values import parse_bytes
 
     expert_bytes = parse_bytes(args.expert_bytes, "--expert-bytes") if args.expert_bytes else None
@@ -211,28 +232,35 @@ def main() -> int:
         command += ["--sample-above", args.sample_above] if args.sample_above else []
         command += ["--exact"] if args.exact else []
         command += ["-o", args.html] if args.html else []
-        seconds, peak, stdout, phases = run_report(command, Path(work))
-        print(stdout)
-        for phase in phases:
-            print(f"  {phase.seconds:8.1f} s  peak {phase.peak / 2**30:5.2f} GiB  {phase.name}")
-        if args.kernels:
-            time_kernels(trace, cache_size)
         oracle = Path(work) / "trace.oracleGeneral.bin"
         written = write_lru_oracle(trace, oracle)
-        del trace
         assert written == requests
-        try:
-            import libcachesim as lcs
-        except ImportError:
-            print(f"report: {seconds:.2f} s; libcachesim is not installed (pip install libcachesim): no reference")
-            return 0
-        start = time.perf_counter()
-        reader = lcs.TraceReader(str(oracle), lcs.TraceType.ORACLE_GENERAL_TRACE)
-        lcs.LRU(cache_size).process_trace(reader)
-        reference = time.perf_counter() - start
-    print(f"the whole report: {seconds:.2f} s, peak resident memory {peak / 2**30:.2f} GiB ({peak / requests:.1f} bytes "
-          f"per request); one libCacheSim LRU replay of the same sequence: {reference:.2f} s; the report took "
-          f"{seconds / reference:.1f} of them")
+        has_libcachesim = importlib.util.find_spec("libcachesim") is not None
+        del trace  # this process's memory would count in the report's peak (lru_reference)
+        # in turns, so that a drift of the machine's speed moves both sides of the ratio alike
+        runs, references = [], []
+        for turn in range(args.repeat):
+            runs.append(run_report(command, Path(work)))
+            if has_libcachesim:
+                references.append(lru_reference(oracle, cache_size))
+            print(f"turn {turn + 1}: the report {runs[-1][0]:.2f} s, peak {runs[-1][1] / 2**30:.2f} GiB"
+                  + (f"; libCacheSim LRU {references[-1]:.2f} s" if references else ""), flush=True)
+        if args.kernels:
+            time_kernels(read_trace(path), cache_size)
+    seconds, _, stdout, phases = min(runs, key=lambda run: run[0])
+    peak = max(run[1] for run in runs)
+    print(stdout)
+    for phase in phases:
+        print(f"  {phase.seconds:8.1f} s  peak {phase.peak / 2**30:5.2f} GiB  {phase.name}")
+    best = f"best of {args.repeat}: " if args.repeat > 1 else ""
+    if not references:
+        print(f"the whole report, {best}{seconds:.2f} s; libcachesim is not installed (pip install libcachesim): "
+              "no reference")
+        return 0
+    reference = min(references)
+    print(f"the whole report, {best}{seconds:.2f} s, peak resident memory {peak / 2**30:.2f} GiB ({peak / requests:.1f} "
+          f"bytes per request, the largest of the runs); one libCacheSim LRU replay of the same sequence, {best}"
+          f"{reference:.2f} s; the report took {seconds / reference:.1f} of them")
     return 0
 
 
