@@ -12,7 +12,7 @@ from moe_offload.bundled import DEFAULT_TRACE
 from moe_offload.cli.main import main
 from moe_offload.errors import ConfigError
 from moe_offload.simulator.replay import ReplayInput, replay, replay_grid
-from moe_offload.trace.flatten import flatten
+from moe_offload.trace.flatten import flatten, sample_sequence
 from moe_offload.trace.format import write_trace
 from moe_offload.trace.synthetic import zipf_trace
 
@@ -34,6 +34,35 @@ def test_flatten_order_is_token_then_rank_then_layer(small_trace):
                 for n in range(small_trace.num_tokens) for rank in range(K) for layer in range(L)]
     assert seq.expert_id.tolist() == expected
     assert (seq.layer == np.arange(len(seq)) % L).all()
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("rate", [1.0, 0.5])
+def test_layer_columns_are_each_layers_requests_in_time_order(small_trace, monkeypatch, compiled, rate):
+    from moe_offload.trace import flatten as flatten_module
+
+    if not compiled:
+        monkeypatch.setattr(flatten_module, "numba_available", lambda: False)
+    seq = flatten(small_trace) if rate == 1.0 else sample_sequence(small_trace, rate)
+    layer = seq.expert_id // 8
+    assert 0 < len(seq) and (rate == 1.0 or set(np.bincount(layer, minlength=4)) != {len(seq) // 4})
+    for first, stop in [(0, 4), (1, 3), (3, 4)]:
+        for column in (seq.expert_id, seq.token):
+            pieces = seq.layer_columns(column, first, stop)
+            assert len(pieces) == stop - first
+            for at, piece in enumerate(pieces, start=first):
+                assert piece.dtype == np.int32 and piece.flags.c_contiguous
+                assert piece.tolist() == column[layer == at].tolist()
+
+
+def test_a_dist_replay_gathers_its_layers_in_groups_of_any_size(small_trace, monkeypatch):
+    from moe_offload.simulator import replay as replay_module
+
+    data = ReplayInput.of(small_trace)
+    whole = replay(data, "lcp-dist", 12).to_dict()
+    for gather_bytes in (1, 4 * 600 * 3):  # one layer a pass; three, the last group one layer
+        monkeypatch.setattr(replay_module, "GATHER_BYTES", gather_bytes)
+        assert replay(data, "lcp-dist", 12, engine="compiled").to_dict() == whole
 
 
 def test_counts_add_up_and_per_layer_rates(small_trace):

@@ -22,9 +22,10 @@ kernel may update; a static placement's experts, the requests a row belongs to);
 ``key_hits[key]`` (the replay sums them by layer after: a division per hit cost LRU's and Belady's kernels
 about a tenth of their time). The whole replay passes the whole sequence; a -dist policy is a cache
 split among the layers (simulator/partitioned_cache.py), so the replay runs the kernel once per layer on
-that layer's requests, copied out, and its share of the capacity, as the partitions would: the same requests
-in the same order, their clocks counted in the layer (the -dist policies' decisions depend on the order of
-their requests only; the tests replay them both ways). No kernel reads a column of positions or of next
+that layer's requests, gathered a group of layers at a time (AccessSequence.layer_columns), and its share
+of the capacity, as the partitions would: the same requests in the same order, their clocks counted in the
+layer (the -dist policies' decisions depend on the order of their requests only; the tests replay them both
+ways). No kernel reads a column of positions or of next
 uses: at 20M requests each would be 80 MB to make and to stream through the loop, which cost more than LRU's
 replay.
 

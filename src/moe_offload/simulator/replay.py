@@ -211,15 +211,21 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel, w
         kernel(keys, tokens, cache_size, spec.num_layers, spec.num_experts, floats, ints.copy(), key_hits)
     else:
         capacities = PartitionedCache.capacities(cache_size, spec.num_layers, spec.num_experts, whole_layers)
-        for layer in range(spec.num_layers):
-            if layer in whole_layers:
+        # the layers' requests gathered out a group at a time (GATHER_BYTES of a column), each layer's a few
+        # megabytes that the kernel's passes read in its cache; each partition has a fresh policy of the same seed
+        # (PartitionedCache's make_policy), hence ints.copy()
+        group = max(1, GATHER_BYTES // max(1, 4 * int(seq.per_layer_requests().max(initial=0))))
+        for first in range(0, spec.num_layers, group):
+            stop = min(spec.num_layers, first + group)
+            if all(layer in whole_layers for layer in range(first, stop)):
                 continue
-            # the layer's requests copied out, a few megabytes that the kernel's passes read in its cache; each
-            # partition has a fresh policy of the same seed (PartitionedCache's make_policy), hence ints.copy()
-            requested = seq.layer_requests(layer)
-            layer_tokens = np.ascontiguousarray(tokens[requested]) if tokens.size else tokens
-            kernel(np.ascontiguousarray(keys[requested]), layer_tokens, capacities[layer], spec.num_layers,
-                   spec.num_experts, floats, ints.copy(), key_hits)
+            layer_keys = seq.layer_columns(keys, first, stop)
+            layer_tokens = seq.layer_columns(tokens, first, stop) if tokens.size else [tokens] * (stop - first)
+            for layer in range(first, stop):
+                if layer not in whole_layers:
+                    kernel(layer_keys[layer - first], layer_tokens[layer - first], capacities[layer],
+                           spec.num_layers, spec.num_experts, floats, ints.copy(), key_hits)
+            del layer_keys, layer_tokens
     layer_hits = key_hits.reshape(spec.num_layers, spec.num_experts).sum(axis=1)
     if whole_layers:  # every expert of these resident from the start: every request a hit
         held = sorted(whole_layers)
@@ -227,6 +233,7 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel, w
     return layer_hits
 
 
+GATHER_BYTES = 1 << 26  # of a column gathered by layer at once for a -dist kernel (20 of 48 layers at 38.4M)
 NOT_READ = np.zeros(0, np.int32)  # what a kernel is given for a column its code never reads
 TOKENS_ARGUMENT = 1  # its place in the kernels' contract (simulator/kernels.py)
 

@@ -94,17 +94,30 @@ class AccessSequence:
 
     def per_layer_requests(self) -> np.ndarray:
         """Requests of each layer: every token requests K experts of every layer, so n / L each (in a sample,
-        counted)."""
+        counted, once)."""
         if self.sampled:
-            return np.bincount(self.expert_id // self.num_experts, minlength=self.num_layers).astype(np.int64)
+            return self._computed("per_layer_requests", lambda: np.bincount(
+                self.expert_id // self.num_experts, minlength=self.num_layers).astype(np.int64)).copy()
         return np.full(self.num_layers, len(self) // max(1, self.num_layers), np.int64)
 
-    def layer_requests(self, layer: int) -> slice | np.ndarray:
-        """What selects ``layer``'s requests, in time order, from a column of the sequence: every L-th from
-        ``layer`` (request t is of layer t % L); in a sample, the positions where they are."""
-        if self.sampled:
-            return np.flatnonzero(self.layer == layer).astype(COLUMN)
-        return slice(layer, None, self.num_layers)
+    def layer_columns(self, column: np.ndarray, first: int, stop: int) -> list[np.ndarray]:
+        """The requests of layers ``first`` .. ``stop``-1 taken from ``column`` (one of the sequence's columns),
+        each layer's contiguous and in time order, gathered in one pass over the column where Numba is installed
+        (48 strided copies of a layer each, one a layer, read every line of the column 48 times: 0.25 s a column
+        at 38.4M requests, against 0.05 s in passes of 16 layers, measured on the 2-core machine)."""
+        counts = self.per_layer_requests()[first:stop]
+        offsets = np.zeros(stop - first + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        out = np.empty(int(offsets[-1]), column.dtype)
+        if numba_available() and column.dtype == COLUMN:
+            _gather_kernel()(column, self.expert_id, self.num_experts, self.num_layers, first, not self.sampled,
+                             offsets, out)
+        else:
+            layer = self.expert_id // self.num_experts
+            for g in range(stop - first):
+                picked = slice(first + g, None, self.num_layers) if not self.sampled else layer == first + g
+                out[offsets[g]:offsets[g + 1]] = column[picked]
+        return [out[offsets[g]:offsets[g + 1]] for g in range(stop - first)]
 
     @property
     def round(self) -> np.ndarray:
@@ -120,6 +133,37 @@ def flatten_kernel(experts, num_experts, expert_id):
             for at in range(num_layers):
                 expert_id[t] = at * num_experts + experts[row, at, rank]
                 t += 1
+
+
+def gather_kernel(column, expert_id, num_experts, num_layers, first, regular, offsets, out):
+    """Copy the requests of layers ``first`` .. ``first`` + G - 1 (G = len(offsets) - 1) from ``column`` to
+    out[offsets[g]:offsets[g + 1]] for layer ``first`` + g, in time order. Where ``regular``, request t is of
+    layer t % L (module docstring), so each round's G requests are read together; else (a sample) of its
+    expert's layer, ``expert_id[t] // num_experts``."""
+    groups = offsets.shape[0] - 1
+    if regular:
+        for r in range(column.shape[0] // num_layers):
+            at = r * num_layers + first
+            for g in range(groups):
+                out[offsets[g] + r] = column[at + g]
+        return
+    cursor = offsets[:groups].copy()
+    for t in range(column.shape[0]):
+        g = expert_id[t] // num_experts - first
+        if 0 <= g < groups:
+            out[cursor[g]] = column[t]
+            cursor[g] += 1
+
+
+@functools.cache
+def _gather_kernel():
+    """gather_kernel compiled by Numba for the sequence's int32 columns."""
+    from numba import types
+
+    column = types.Array(types.int32, 1, "C", readonly=True)
+    return njit_cached(gather_kernel, types.void(column, column, types.int64, types.int64, types.int64,
+                                                 types.boolean, types.Array(types.int64, 1, "C"),
+                                                 types.Array(types.int32, 1, "C")))
 
 
 @functools.cache
