@@ -191,6 +191,13 @@ def test_policies_without_a_kernel_replay_a_prefix_of_a_large_trace(olmoe, monke
     prefix = ReplayInput.of(olmoe.trace.select(slice(0, rows)))
     assert bound.sampled[0].hits == replay(prefix, "learned", 256).hits
     assert bound.sampled_belady.hits == replay(prefix, "belady", 256).hits
+    # LRU on the same rows says how far they are from the whole trace, whose exact LRU the reuse distances give
+    lru_prefix, lru_whole = replay(prefix, "lru", 256).hit_rate, replay(olmoe, "lru", 256).hit_rate
+    assert bound.sampled_lru.hits == replay(prefix, "lru", 256).hits and bound.lru_exact == lru_whole
+    assert bound.prefix_text() == (
+        f"learned ran on the first {rows} tokens only (`--exact`: the whole trace); there LRU hits {lru_prefix:.2%}, "
+        f"{(lru_prefix - lru_whole) * 100:+.2f} points from its {lru_whole:.2%} on the whole trace: read them "
+        "against LRU's and OPT's rows on the same tokens")
 
 
 def test_without_the_prefix_a_policy_without_a_kernel_replays_the_whole_trace(olmoe, monkeypatch):

@@ -24,7 +24,8 @@ on the whole trace, which the reuse distances give (working_set.py, streamed ove
 
 Policies without a compiled kernel run their Python objects, about a hundred times slower: on a trace of more
 requests than PYTHON_REPLAY_REQUESTS they replay its first rows only (up to that many requests; the whole trace
-where ``python_prefix`` is off, as `report --exact` asks), beside OPT on the same rows, and the report says so;
+where ``python_prefix`` is off, as `report --exact` asks), beside OPT and LRU on the same rows, and the report
+says so, with LRU's hit rate there against its exact one on the whole trace: how far the first rows are from it;
 those replays run on a thread of their own while the whole trace's replays run (the kernels release the GIL),
 so a core the kernels leave idle is not wasted. So do the placements when the replays are sampled: a placement
 chosen from the whole trace would hold experts the sample lacks.
@@ -60,6 +61,7 @@ class Bound:
     online: list[RunResult]                 # full-trace runs, most hits first
     sampled: list[RunResult] = field(default_factory=list)  # Python policies on the first rows (see above)
     sampled_belady: RunResult | None = None
+    sampled_lru: RunResult | None = None    # LRU on the same first rows: how far they are from the whole trace
     sampled_tokens: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (policy, why it did not run)
     needed: dict[float, int | None] = field(default_factory=dict)  # target hit rate -> OPT's size, None: never
@@ -68,6 +70,7 @@ class Bound:
     replay_rate: float = 1.0     # below 1: every replay ran on a sample of the experts at this rate (see above)
     replay_size: int = 0         # the budget those replays had: cache_size scaled by replay_rate
     lru_error: float | None = None  # sampled replays: LRU's sampled hit rate less its exact one, whole trace
+    lru_exact: float | None = None  # LRU's exact hit rate on the whole trace at the budget (reuse distances)
 
     @property
     def opt_error(self) -> float | None:
@@ -96,6 +99,16 @@ class Bound:
         return (f"on a sample of {self.opt.rate:.1%} of the experts (every request of each, "
                 f"{self.opt.requests:,} requests; SHARDS), so its sizes are estimates: at the budget its hit rate "
                 f"is {self.opt_error * 100:+.2f} points from the exact replay's")
+
+    def prefix_text(self) -> str | None:
+        """What the runs on the first rows are, in words, with how far those rows are from the whole trace:
+        LRU's hit rate on them against its exact one on the whole trace (None: no run on the first rows)."""
+        if self.sampled_lru is None:
+            return None
+        return (f"{', '.join(r.policy for r in self.sampled)} ran on the first {self.sampled_tokens:,} tokens only "
+                f"(`--exact`: the whole trace); there LRU hits {self.sampled_lru.hit_rate:.2%}, "
+                f"{(self.sampled_lru.hit_rate - self.lru_exact) * 100:+.2f} points from its {self.lru_exact:.2%} "
+                "on the whole trace: read them against LRU's and OPT's rows on the same tokens")
 
     @property
     def best(self) -> RunResult | None:
@@ -164,8 +177,9 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet | 
         sample = ReplayInput.of(data.trace.select(slice(0, rows)), name=f"first {rows:,} tokens", checked=True)
     full_policies = compiled + ([] if sample is not None else slow)
     side = ThreadPoolExecutor(max_workers=1)  # the first rows' Python replays, beside everything below
-    prefix = (side.submit(replay_grid, sample, ["belady"] + slow, [cache_size], seed=seed, jobs=1, engine=engine)
-              if sample is not None else None)
+    # LRU beside them says how far the first rows are from the whole trace (Bound.prefix_text)
+    prefix = (side.submit(replay_grid, sample, ["belady", "lru"] + [p for p in slow if p != "lru"], [cache_size],
+                          seed=seed, jobs=1, engine=engine) if sample is not None else None)
     with side:
         # told, where the Python replays run whole on a long trace: they are what the step waits for
         in_python = slow if sample is None and requests > PYTHON_REPLAY_REQUESTS else []
@@ -184,15 +198,17 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet | 
     if sample is not None:
         bound.skipped += [(policy, why) for policy, _, why in sampled.skipped]
         bound.sampled_belady = next(r for r in sampled.results if r.policy == "belady")
-        bound.sampled = sorted((r for r in sampled.results if r.policy != "belady"), key=lambda r: (-r.hits, r.policy))
+        bound.sampled_lru = next(r for r in sampled.results if r.policy == "lru")
+        bound.sampled = sorted((r for r in sampled.results if r.policy in slow), key=lambda r: (-r.hits, r.policy))
         bound.sampled_tokens = sample.trace.num_tokens
     working_set = working_set.result() if isinstance(working_set, Future) else working_set
     bound.max_hit_rate = working_set.max_hit_rate()
+    bound.lru_exact = working_set.lru_hit_rate(cache_size)
     if bound.replay_rate < 1:
         lru = next((r.hit_rate for r in bound.online if r.policy == "lru"), None)
         if lru is None:
             lru = lru_curve(target.sequence.expert_id, meta.num_expert_slots).hit_rate(bound.replay_size)
-        bound.lru_error = lru - working_set.lru_hit_rate(cache_size)
+        bound.lru_error = lru - bound.lru_exact
     for target_rate in TARGET_HIT_RATES:
         bound.needed[target_rate] = (bound.opt.smallest_size(target_rate)
                                      if bound.max_hit_rate >= target_rate else None)

@@ -167,6 +167,8 @@ def render_html(report: Report) -> str:
         + f". No cache hits more than {bound.max_hit_rate:.2%} (first requests always miss). OPT at every size: "
         f"{e(bound.sampling_text())}.</p>",
     ]
+    if bound.prefix_text() is not None:
+        parts.append(f"<p>{e(bound.prefix_text())}.</p>")
     if latency is not None:
         parts += [f"<h2>Latency on {e(latency.hardware)}</h2>",
                   f"<p>Timed simulator on {e(latency.replayed)}, trace iterations as recorded.</p>",

@@ -178,7 +178,8 @@ def policy_rows(report: Report) -> list[tuple[str, ...]]:
         sample_opt = bound.sampled_belady
         rows.append(("belady (OPT)", f"{sample_opt.hit_rate:.2%}", "100%", f"{sample_opt.misses:,}",
                      f"first {bound.sampled_tokens:,} tokens"))
-        for result in bound.sampled:
+        lru = [] if any(r.policy == "lru" for r in bound.sampled) else [bound.sampled_lru]  # the reference
+        for result in sorted(bound.sampled + lru, key=lambda r: (-r.hits, r.policy)):
             rows.append((_label(result), f"{result.hit_rate:.2%}", _of_opt(result, sample_opt),
                          f"{result.fast_misses:,}", f"first {bound.sampled_tokens:,} tokens"))
     return rows
@@ -239,6 +240,8 @@ def print_report(report: Report, console: Console) -> None:
     needed = ", ".join(f"{target:.0%}: {report.size_text(report.bound.needed[target])}" for target in TARGET_HIT_RATES)
     console.print(f"Belady needs, for a hit rate of {needed} (no cache hits more than "
                   f"{report.bound.max_hit_rate:.2%}); OPT at every size: {report.bound.sampling_text()}")
+    if report.bound.prefix_text() is not None:
+        console.print(report.bound.prefix_text())
 
     latency = report.latency
     if latency is not None:
