@@ -215,6 +215,21 @@ def test_without_the_prefix_a_policy_without_a_kernel_replays_the_whole_trace(ol
     assert learned.accesses == len(olmoe.sequence) and learned.hits == replay(olmoe, "learned", 256).hits
 
 
+def test_the_bound_says_when_it_waits_for_the_working_set(olmoe):
+    from concurrent.futures import Future
+
+    working_set = measure_working_set(olmoe.trace, olmoe.sequence)
+    for running in (True, False):
+        pending = Future()
+        pending.done = lambda: not running  # still being measured on its thread, or already there
+        pending.result = lambda: working_set
+        steps = []
+        bound = measure_bound(olmoe, 256, pending, policies=["lru"], step=steps.append)
+        assert bound.max_hit_rate == working_set.max_hit_rate()
+        waits = steps[-1] == "working set: the rest of its pass over every request"
+        assert waits == running
+
+
 def test_report_exact_lifts_the_prefix_and_the_samples(monkeypatch):
     from moe_offload.cli.main import main
     from moe_offload.reporting import report as report_module

@@ -201,7 +201,10 @@ def measure_bound(data: ReplayInput, cache_size: int, working_set: WorkingSet | 
         bound.sampled_lru = next(r for r in sampled.results if r.policy == "lru")
         bound.sampled = sorted((r for r in sampled.results if r.policy in slow), key=lambda r: (-r.hits, r.policy))
         bound.sampled_tokens = sample.trace.num_tokens
-    working_set = working_set.result() if isinstance(working_set, Future) else working_set
+    if isinstance(working_set, Future):
+        if not working_set.done():  # on a day of traffic its exact pass over every request can end last
+            step("working set: the rest of its pass over every request")
+        working_set = working_set.result()
     bound.max_hit_rate = working_set.max_hit_rate()
     bound.lru_exact = working_set.lru_hit_rate(cache_size)
     if bound.replay_rate < 1:
