@@ -56,6 +56,32 @@ def test_reuse_distances_equal_a_rescan_through_many_compactions(num_keys, reque
     assert whole.histogram.tolist() == expected.tolist() == pieces.histogram.tolist()
 
 
+@pytest.mark.parametrize("num_keys,requests", [(5, 400), (40, 1500)])
+def test_a_sequence_measured_in_two_parts_at_once_has_the_distances_of_one_pass(num_keys, requests):
+    # the later part starts from an empty stack; its first request of each key is resolved against the earlier
+    # stack: at every split, including one at each end and one before the last key's first request
+    keys = np.random.default_rng(5).integers(0, num_keys - 1, requests)
+    keys[requests - requests // 3:] = np.random.default_rng(6).integers(0, num_keys, requests // 3)
+    whole = LruStack(num_keys)
+    whole.add(keys)
+    for split in sorted({0, 1, 17, requests // 2, requests - requests // 3, requests - 5, requests}):
+        earlier, later = LruStack(num_keys), LruStack(num_keys)
+        earlier.add(keys[:split])
+        for piece in np.array_split(keys[split:], 3):
+            later.add(piece)
+        assert earlier.followed_by(later).tolist() == whole.histogram.tolist()
+
+
+def test_the_working_set_of_a_trace_in_two_halves_at_once_is_that_of_one_pass(olmoe, monkeypatch):
+    from moe_offload.reporting import working_set as module
+
+    one_pass = measure_working_set(olmoe.trace, olmoe.sequence).reuse_histogram
+    monkeypatch.setattr(module, "SPLIT_ABOVE", 0)
+    halves = [measure_working_set(olmoe.trace, sequence).reuse_histogram for sequence in (olmoe.sequence, None)]
+    assert one_pass.tolist() == halves[0].tolist() == halves[1].tolist()
+    assert one_pass.sum() == len(olmoe.sequence)
+
+
 def test_sliding_distinct_equals_a_recount_of_every_window():
     rng = np.random.default_rng(7)
     experts = np.stack([np.stack([rng.choice(6, 2, replace=False) for _ in range(3)]) for _ in range(40)])

@@ -16,7 +16,8 @@ the compile, compiled.py ``compile_pays``; plain Python otherwise):
   expert; a first request has none (a cold miss). LRU keeps the C most recently used experts, so a request
   hits an LRU cache of C experts exactly when its reuse distance is below C (Mattson et al. 1970, LRU is a
   stack algorithm): the distribution is LRU's hit rate at every budget at once, and the tests check it
-  against the replay. simulator/stack_distances.py computes it, beside OPT's stack distances.
+  against the replay. simulator/stack_distances.py computes it, beside OPT's stack distances; a trace of more
+  than SPLIT_ABOVE requests in two halves at once, on two threads, joined exactly (``LruStack.followed_by``).
 
 * **Skew per layer**: each layer's request counts per expert, sorted; the share of the layer's requests that
   its hottest m experts take is what pinning those m experts (chosen in hindsight) would serve, the
@@ -26,6 +27,7 @@ the compile, compiled.py ``compile_pays``; plain Python otherwise):
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +38,7 @@ from moe_offload.trace.flatten import AccessSequence, flattened_pieces
 from moe_offload.trace.format import Trace
 
 # Window lengths in tokens: powers of 4 from one token, the last one at most the trace's length.
+SPLIT_ABOVE = 8_000_000  # requests above which LRU's distances are measured in two halves at once, on two threads
 WINDOW_BASE = 4
 
 
@@ -178,8 +181,22 @@ def measure_working_set(trace: Trace, sequence: AccessSequence | None = None,
     flatten it here a piece at a time, in memory that does not grow with the trace; ``counts`` its
     ``count_windows``, or None to count them here."""
     counts = count_windows(trace) if counts is None else counts
-    stack = LruStack(trace.meta.num_expert_slots, trace.num_tokens * trace.meta.num_layers * trace.meta.top_k)
-    for keys in ([sequence.expert_id] if sequence is not None else flattened_pieces(trace)):
-        stack.add(keys)
+    meta = trace.meta
+    per_row = meta.num_layers * meta.top_k
+
+    def measure(first: int, stop: int) -> LruStack:  # rows first .. stop-1, from an empty stack
+        stack = LruStack(meta.num_expert_slots, (stop - first) * per_row)
+        for keys in ([sequence.expert_id[first * per_row:stop * per_row]] if sequence is not None
+                     else flattened_pieces(trace.select(slice(first, stop)))):
+            stack.add(keys)
+        return stack
+
+    if trace.num_tokens * per_row <= SPLIT_ABOVE:
+        histogram = measure(0, trace.num_tokens).histogram
+    else:  # the two halves at once, the kernel releasing the GIL (stack_distances.py: LruStack.followed_by)
+        middle = trace.num_tokens // 2
+        with ThreadPoolExecutor(max_workers=1) as beside:
+            later = beside.submit(measure, middle, trace.num_tokens)
+            histogram = measure(0, middle).followed_by(later.result())
     return WorkingSet(windows=counts.windows, distinct_mean=counts.distinct_mean, distinct_max=counts.distinct_max,
-                      reuse_histogram=stack.histogram, layer_counts=counts.layer_counts, top_k=trace.meta.top_k)
+                      reuse_histogram=histogram, layer_counts=counts.layer_counts, top_k=meta.top_k)

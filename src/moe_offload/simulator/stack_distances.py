@@ -19,6 +19,12 @@ words back, and even a uniform one over 14,848 experts ran faster than a Fenwick
 slots are renumbered (compacted) in one pass over them when they run out, at most once every 3D requests, so
 memory stays O(D).
 
+A long sequence splits into parts measured at once, on threads (``LruStack.followed_by``): a part measured
+from an empty stack gets every distance right but those of its first request of each expert, and each of
+those is fixed by what came before. The i-th expert the later part requests first, k, was last requested
+before the part at depth d of the earlier stack (d experts requested since); since then come the i experts the
+later part requested first before k, and the d above k in the earlier stack, less those counted in both.
+
 **OPT**'s distances come from the requests before each one, by Bilardi, Ekanadham and Pattnaik's critical
 stack algorithm, in O(log D) a request (simulator/opt_stack.py, which derives it); a sequence passes in pieces
 there too (``OptStack``).
@@ -113,13 +119,13 @@ def _marks(word):
     return np.int64(word & np.uint64(0x7F))
 
 
-def reuse_distance_kernel(keys, num_keys, histogram, bits, count, last, owner, state):
+def reuse_distance_kernel(keys, num_keys, histogram, bits, count, last, owner, state, firsts):
     """Add each request of ``keys`` (flat expert ids in [0, num_keys)) to ``histogram[distance]``, its LRU stack
     (reuse) distance, or to ``histogram[num_keys]`` for a first request; the module docstring derives the
     method. ``bits`` (words of 64 slots, SLOTS_PER_KEY * num_keys slots at least), ``count`` (the marks of each
     word), ``last`` (num_keys times -1), ``owner`` (one per slot: the key whose last use it marks) and ``state``
     ([0]: the slot the next request takes, [1]: the distinct keys seen) carry the stack from one call to the
-    next: a long sequence is passed in pieces. Slots are taken in order, so the marks after a key's slot are
+    next: a long sequence is passed in pieces. ``firsts`` lists the keys in the order of their first request. Slots are taken in order, so the marks after a key's slot are
     those above it in its word and every mark of the words after, up to the newest."""
     slots = bits.shape[0] * 64
     following = state[0]
@@ -130,6 +136,7 @@ def reuse_distance_kernel(keys, num_keys, histogram, bits, count, last, owner, s
         previous = last[key]
         if previous < 0:
             histogram[num_keys] += 1
+            firsts[distinct] = key
             distinct += 1
         else:
             word = previous >> 6
@@ -177,7 +184,7 @@ def _reuse_kernel():
 
     return compile_linked(reuse_distance_kernel,
                           "void(int32[::1], int64, int64[::1], uint64[::1], int64[::1], int64[::1], int64[::1], "
-                          "int64[::1])")
+                          "int64[::1], int64[::1])")
 
 
 @functools.cache
@@ -201,16 +208,44 @@ class LruStack:
         self._last = np.full(num_keys, -1, np.int64)
         self._owner = np.full(64 * words, -1, np.int64)
         self._state = np.zeros(2, np.int64)
+        self._firsts = np.zeros(num_keys, np.int64)
         compiled = compile_pays(REUSE_PYTHON_BELOW if requests is None else requests, REUSE_PYTHON_BELOW)
         self._kernel = _reuse_kernel() if compiled else reuse_distance_kernel
 
     def add(self, keys: np.ndarray) -> None:
         """The next requests of the sequence (flat expert ids below ``num_keys``)."""
         self._kernel(np.ascontiguousarray(keys, COLUMN), self.num_keys, self.histogram, self._bits, self._count,
-                     self._last, self._owner, self._state)
+                     self._last, self._owner, self._state, self._firsts)
 
     def curve(self) -> HitCurve:
         return HitCurve(self.histogram.copy())
+
+    def followed_by(self, later: "LruStack") -> np.ndarray:
+        """The histogram of this stack's sequence followed by ``later``'s, ``later`` measured from an empty
+        stack (the module docstring derives it): ``later``'s first requests resolved against this stack, in
+        O(D log D) over a Fenwick tree of this stack's depths."""
+        num_keys = self.num_keys
+        histogram = self.histogram + later.histogram
+        firsts = later._firsts[:later._state[1]]
+        histogram[num_keys] -= firsts.size
+        seen = np.flatnonzero(self._last >= 0)
+        depth = np.full(num_keys, -1, np.int64)
+        depth[seen[np.argsort(-self._last[seen])]] = np.arange(seen.size)  # 0: the last requested (slots differ)
+        tree = [0] * (seen.size + 1)  # at depth + 1: 1 where the later part requested that expert already
+        for i, d in enumerate(depth[firsts].tolist()):
+            if d < 0:  # never requested before the part: a first request of the whole sequence
+                histogram[num_keys] += 1
+                continue
+            above, j = 0, d  # of the d experts above it, those the later part requested before it
+            while j > 0:
+                above += tree[j]
+                j -= j & -j
+            histogram[i + d - above] += 1
+            j = d + 1
+            while j <= seen.size:
+                tree[j] += 1
+                j += j & -j
+        return histogram
 
 
 def lru_curve(keys: np.ndarray, num_keys: int) -> HitCurve:
