@@ -214,7 +214,7 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel, w
         # the layers' requests gathered out a group at a time (GATHER_BYTES of a column), each layer's a few
         # megabytes that the kernel's passes read in its cache; each partition has a fresh policy of the same seed
         # (PartitionedCache's make_policy), hence ints.copy()
-        group = max(1, GATHER_BYTES // max(1, 4 * int(seq.per_layer_requests().max(initial=0))))
+        group = max(1, GATHER_BYTES // max(1, keys.itemsize * int(seq.per_layer_requests().max(initial=0))))
         for first in range(0, spec.num_layers, group):
             stop = min(spec.num_layers, first + group)
             if all(layer in whole_layers for layer in range(first, stop)):
