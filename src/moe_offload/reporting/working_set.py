@@ -37,8 +37,8 @@ from moe_offload.simulator.stack_distances import HitCurve, LruStack
 from moe_offload.trace.flatten import AccessSequence, flattened_pieces
 from moe_offload.trace.format import Trace
 
-# Window lengths in tokens: powers of 4 from one token, the last one at most the trace's length.
 SPLIT_ABOVE = 8_000_000  # requests above which LRU's distances are measured in two halves at once, on two threads
+# Window lengths in tokens: powers of 4 from one token, the last one at most the trace's length.
 WINDOW_BASE = 4
 
 

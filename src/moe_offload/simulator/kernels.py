@@ -25,9 +25,8 @@ split among the layers (simulator/partitioned_cache.py), so the replay runs the 
 that layer's requests, gathered a group of layers at a time (AccessSequence.layer_columns), and its share
 of the capacity, as the partitions would: the same requests in the same order, their clocks counted in the
 layer (the -dist policies' decisions depend on the order of their requests only; the tests replay them both
-ways). No kernel reads a column of positions or of next
-uses: at 20M requests each would be 80 MB to make and to stream through the loop, which cost more than LRU's
-replay.
+ways). No kernel reads a column of positions or of next uses: at 20M requests each would be 80 MB to make and
+to stream through the loop, which cost more than LRU's replay.
 
 Compilation. ``compiled_kernel(policy_class)`` compiles the kernel and every plain function it calls (found
 among the names its code uses, recursively) with an explicit signature, so a kernel compiles once, when first

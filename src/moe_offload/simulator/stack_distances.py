@@ -125,8 +125,9 @@ def reuse_distance_kernel(keys, num_keys, histogram, bits, count, last, owner, s
     method. ``bits`` (words of 64 slots, SLOTS_PER_KEY * num_keys slots at least), ``count`` (the marks of each
     word), ``last`` (num_keys times -1), ``owner`` (one per slot: the key whose last use it marks) and ``state``
     ([0]: the slot the next request takes, [1]: the distinct keys seen) carry the stack from one call to the
-    next: a long sequence is passed in pieces. ``firsts`` lists the keys in the order of their first request. Slots are taken in order, so the marks after a key's slot are
-    those above it in its word and every mark of the words after, up to the newest."""
+    next: a long sequence is passed in pieces; ``firsts`` lists the keys in the order of their first request.
+    Slots are taken in order, so the marks after a key's slot are those above it in its word and every mark of
+    the words after, up to the newest."""
     slots = bits.shape[0] * 64
     following = state[0]
     distinct = state[1]
