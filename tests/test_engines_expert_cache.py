@@ -177,3 +177,44 @@ def test_n_cpu_moe_with_the_cache_at_olmoes_shape(tiny_trace):
         assert setting.options["whole_layers"] == list(range(host, 16))
         assert setting.cache_slots == host * slots + (16 - host) * 64
         assert setting.cache_slots + host <= 512  # each cached layer's zero slot
+
+
+def small_host_memory(host_bytes: int) -> HardwareProfile:
+    """``hardware()`` with ``host_bytes`` of host memory and an SSD behind it that holds every expert."""
+    return HardwareProfile.from_dict({
+        "name": "small-host",
+        "tiers": [{"name": "gpu", "capacity_bytes": 10**9}, {"name": "host", "capacity_bytes": host_bytes},
+                  {"name": "ssd", "capacity_bytes": 10**12}],
+        "links": [{"from": "host", "to": "gpu", "bandwidth_bytes_per_s": 1e6, "latency_s": 0.0},
+                  {"from": "ssd", "to": "host", "bandwidth_bytes_per_s": 1e5, "latency_s": 0.0}],
+        "compute": {"attention": {"fixed_s": 1.0}, "router": {"fixed_s": 0.25}, "expert": {"fixed_s": 2.0},
+                    "lm_head": {"fixed_s": 0.5}},
+        "host": {"expert": {"fixed_s": 2.0}}})
+
+
+def test_the_pr_cache_is_listed_not_timed_where_host_memory_cannot_hold_the_experts(tiny_trace):
+    from moe_offload.reporting.on_engine import measure_on_engine, section_lines, setting_rows
+
+    meta = tiny_trace.meta
+    spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
+    every = spec.num_layers * spec.num_experts * E  # 64 experts: 6,400 bytes
+    fits = PlacementContext(spec, 24, tiny_trace, small_host_memory(every), E)
+    assert all(s.cannot_host is None for s in llama_settings(fits))
+    short = PlacementContext(spec, 24, tiny_trace, small_host_memory(every // 2), E)
+    cached = [s for s in llama_settings(short) if s.uploads is not None]
+    assert len(cached) == 2
+    for setting in cached:
+        assert setting.cannot_host == ("not timed: PR #27861 uploads experts from host memory, and the 64 experts "
+                                       "(6.4 kB) do not fit small-host's host tier (3.2 kB); the engine would read "
+                                       "them from a slower tier, which the timed simulator does not model for it")
+    assert all(s.cannot_host is None for s in llama_settings(short) if s.uploads is None)
+    # the engine's section scores the others and lists these with the reason, where the run used to be refused
+    on_engine = measure_on_engine(tiny_trace, small_host_memory(every // 2), 24, E, ["llama.cpp"], None,
+                                  timed_tokens=16)
+    section = on_engine.engines[0]
+    untimed = [entry for entry in section.scores if entry.setting.uploads is not None]
+    assert [entry.served for entry in untimed] == [None, None] and section.best.setting.uploads is None
+    rows = {row[0]: row[1:] for row in setting_rows(section)}
+    assert all(rows[entry.setting.label] == ("-",) * 5 for entry in untimed)
+    lines = section_lines(on_engine, "tiny", "24")["llama.cpp"]
+    assert [line for line in lines if "not timed" in line] == [f"{s.label}: {s.cannot_host}" for s in cached]

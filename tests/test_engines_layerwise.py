@@ -103,3 +103,24 @@ def test_the_dynamic_setting_starts_from_frequency_and_names_its_flags(tiny_trac
     assert dynamic.resident == by_label["frequency"].resident and dynamic.layerwise == (threshold, True)
     prompts = [int((tiny_trace.iteration == i).sum()) for i in np.unique(tiny_trace.iteration[tiny_trace.phase == PREFILL])]
     assert threshold == int(np.median(prompts))
+
+
+def test_the_dynamic_setting_is_listed_not_timed_where_host_memory_cannot_hold_the_experts(tiny_trace):
+    meta = tiny_trace.meta
+    spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
+    every = spec.num_layers * spec.num_experts * E
+    small = HardwareProfile.from_dict({
+        "name": "small-host",
+        "tiers": [{"name": "gpu", "capacity_bytes": 10**9}, {"name": "host", "capacity_bytes": every - 1},
+                  {"name": "ssd", "capacity_bytes": 10**12}],
+        "links": [{"from": "host", "to": "gpu", "bandwidth_bytes_per_s": 100.0, "latency_s": 0.0},
+                  {"from": "ssd", "to": "host", "bandwidth_bytes_per_s": 10.0, "latency_s": 0.0}],
+        "compute": {"attention": {"fixed_s": 1.0}, "router": {"fixed_s": 0.0}, "expert": {"fixed_s": 2.0},
+                    "lm_head": {"fixed_s": 0.0}},
+        "host": {"expert": {"fixed_s": 3.0}}})
+    listed = kt_settings(PlacementContext(spec, 16, tiny_trace, small, E))
+    dynamic = [s for s in listed if s.layerwise is not None]
+    assert len(dynamic) == 1 and dynamic[0].cannot_host.startswith(
+        "not timed: its layerwise prefill brings whole layers from host memory, and the 64 experts")
+    assert all(s.cannot_host is None for s in listed if s.layerwise is None)
+    assert all(s.cannot_host is None for s in kt_settings(PlacementContext(spec, 16, tiny_trace, hardware(), E)))

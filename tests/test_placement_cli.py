@@ -46,6 +46,22 @@ def test_placement_prints_flags_and_writes_the_neutral_json(tmp_path):
     assert set(kept) <= {0, 64} and sum(kept) <= 512
 
 
+def test_on_the_edge_box_the_pr_cache_is_listed_with_why_it_is_not_timed():
+    # FlashMoE's edge box keeps 1 GiB of host memory for experts, and OLMoE's are 12 GiB: PR #27861 uploads
+    # from host memory, so its settings are listed, not timed, and the best is one the box can run
+    code, out, err = run_cli(["placement", "olmoe", "--engine", "llama.cpp", "--fast-memory", "25%",
+                              "--hardware", "edge-flashmoe", "--timed-tokens", "16"])
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("# llama.cpp at 256 experts: ") and "the least TPOT of 3 settings timed" in lines[0]
+    untimed = lines[1:-1]
+    assert len(untimed) == 3 and all("(PR #27861): not timed: PR #27861 uploads experts from host memory, and the "
+                                     "1,024 experts (12 GiB) do not fit edge-flashmoe's host tier (1 GiB)" in line
+                                     for line in untimed)
+    assert lines[-1].startswith("llama-server -m MODEL.gguf --n-gpu-layers 999 ")
+    assert "--moe-expert-cache" not in lines[-1]
+
+
 def test_placement_writes_ktransformers_counts(tmp_path):
     torch = pytest.importorskip("torch")
     output = tmp_path / "kt.pt"
@@ -104,3 +120,11 @@ def test_every_command_under_what_to_run_runs_as_printed(tmp_path):
 def test_bad_engine_options_of_report_are_refused_before_any_work(argv, problem):
     code, out, err = run_cli(["report", "tiny", "--fast-memory", "25%", *argv])
     assert code == 2 and problem in err and out == ""
+
+
+def test_an_engine_with_no_timed_setting_says_why_in_one_line():
+    # 4 experts of fast memory are not one a layer: vLLM's only setting is its UVA offload, which is not timed
+    code, out, err = run_cli(["placement", "tiny", "--engine", "vllm", "--fast-memory", "4", "--timed-tokens", "16"])
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "vllm: its one setting at 4 experts is not timed; --cpu-offload-gb " in err
+    assert "its time is not simulated" in err

@@ -57,7 +57,7 @@ def run(args) -> int:
     from moe_offload.engines import engine_names
     from moe_offload.hardware import resolve_profile
     from moe_offload.outputs import check_output, write_atomically
-    from moe_offload.reporting.on_engine import command_line, measure_on_engine
+    from moe_offload.reporting.on_engine import command_line, measure_on_engine, no_timed_setting, untimed_lines
     from moe_offload.simulator.timed import Arrivals, check_timed_run
     from moe_offload.trace.format import read_trace
     from moe_offload.values import integer, parse_bytes
@@ -85,11 +85,15 @@ def run(args) -> int:
                                   profile_name=args.profile, timed_tokens=timed_tokens, seed=seed)
     section = on_engine.engines[0]
     best = section.best
+    untimed = untimed_lines(section)
     if best is None:
-        raise ConfigError(f"{engine}: no setting it can express fits {cache_size:,} experts ({section.limits})")
+        raise ConfigError(no_timed_setting(section, cache_size) + "".join(f"; {line}" for line in untimed))
     line = command_line(section, best)
+    timed = sum(entry.result is not None for entry in section.scores)
     print(f"# {engine} at {cache_size:,} experts: {best.setting.label}, the least TPOT of "
-          f"{len(section.scores)} settings on {hardware.name} ({on_engine.split})")
+          f"{timed} setting{'s' if timed != 1 else ''} timed on {hardware.name} ({on_engine.split})")
+    for reason in untimed:
+        print(f"# {reason}")
     print(line)
     if args.output:
         if Path(args.output).suffix == ".pt":

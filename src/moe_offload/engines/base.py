@@ -6,7 +6,9 @@ policy of the registry (static-layers, static-experts, lfru-dist, lru-dist) with
 loaded or computed on the host by the cache's admission (simulator/cache.py; ``uploads``: llama.cpp PR
 #27861's uploads between passes, simulator/timed/uploads.py; ``layerwise``: KTransformers' layerwise prefill
 and dynamic expert update, simulator/timed/layerwise.py). A setting the simulator cannot run as the
-engine does (``policy`` None) is reported by what is exact about it (its bytes) and says why.
+engine does (``policy`` None) is reported by what is exact about it (its bytes) and says why; one the
+hardware cannot host (``cannot_host``: a mechanism that reads the experts from host memory, where they do not
+fit) is listed with the reason and not scored.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from moe_offload.policies.base import ModelSpec
 from moe_offload.simulator.timed import simulate_timed
 from moe_offload.simulator.timed.layerwise import LayerwisePrefill
 from moe_offload.simulator.timed.uploads import UploadsBetweenPasses
+from moe_offload.simulator.transfers import home_tier
 from moe_offload.trace.format import Trace
+from moe_offload.values import format_bytes
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,19 @@ class PlacementContext:
     @property
     def total(self) -> int:
         return self.spec.num_layers * self.spec.num_experts
+
+    def outside_host_memory(self, mechanism: str) -> str | None:
+        """Why ``mechanism``, which reads the experts from host memory (the tier after the GPU), cannot be timed on
+        this hardware, or None where the experts fit there (or their size is unknown: nothing is timed)."""
+        if not self.expert_bytes:
+            return None
+        every = self.total * self.expert_bytes
+        if home_tier(self.hardware, every) == 1:
+            return None
+        host = self.hardware.tiers[1]
+        return (f"not timed: {mechanism} from host memory, and the {self.total:,} experts ({format_bytes(every)}) do "
+                f"not fit {self.hardware.name}'s {host.name} tier ({format_bytes(host.capacity_bytes)}); the engine "
+                "would read them from a slower tier, which the timed simulator does not model for it")
 
 
 @dataclass
@@ -64,6 +81,7 @@ class Setting:
     uploads: int | None = None  # uploads per layer per pass between passes (PR #27861's admission), or None
     cache_slots: int | None = None  # the experts its cache holds, where less than the budget (None: the budget)
     layerwise: tuple[int, bool] | None = None  # KTransformers' (prefill threshold, dynamic update), or None
+    cannot_host: str | None = None  # why the hardware cannot run it (then it is listed, not scored), or None
 
     def run_key(self) -> tuple:
         """What its timed run depends on: settings of equal keys (SGLang's kt backend is KTransformers) run once."""

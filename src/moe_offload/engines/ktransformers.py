@@ -112,6 +112,7 @@ def settings(context: PlacementContext) -> list[Setting]:
                            frequency.flags + ["--kt-gpu-prefill-token-threshold", str(threshold),
                                               "--kt-enable-dynamic-expert-update"],
                            "static-experts", resident=frequency.resident, layerwise=(threshold, True),
+                           cannot_host=context.outside_host_memory("its layerwise prefill brings whole layers"),
                            note=f"starts from the frequency placement; passes of {threshold} or more tokens run "
                                 "every expert on the GPU (whole layers over the link) and replace each layer's GPU "
                                 "experts by that pass's most routed",

@@ -44,9 +44,9 @@ def model_name(model: str) -> str:
 class SettingScore:
     setting: Setting
     result: RunResult | None         # the timed run on the scored sample (None: not simulated)
-    served: float                    # share of expert requests served from fast memory
-    bytes_per_token: float
-    host_per_token: float
+    served: float | None             # share of expert requests served from fast memory (None: not scored)
+    bytes_per_token: float | None
+    host_per_token: float | None
     heldout_served: float | None = None    # its share of the whole scored part (chosen on the profile)
     hindsight_served: float | None = None  # the same rule chosen on the scored part itself
     windows: list[float] | None = None     # served share over windows of the scored part
@@ -97,6 +97,8 @@ def score(setting: Setting, sample: Trace, scored: Trace, context: PlacementCont
     """``setting`` on the scored sample; ``runs`` keeps the timed runs by (policy, options), so that a placement
     two engines express alike (SGLang's kt backend is KTransformers) runs once."""
     spec = context.spec
+    if setting.cannot_host is not None:  # listed with its reason, nothing about it measured
+        return SettingScore(setting, None, None, None, None)
     if setting.policy is None:  # not simulated: what is exact about it
         streamed = streamed_bytes_per_token(sample, setting.streamed or {}, context.expert_bytes)
         return SettingScore(setting, None, served_share(sample, setting.resident, spec), streamed, 0.0)
@@ -163,6 +165,9 @@ def setting_rows(section: EngineScores) -> list[tuple[str, ...]]:
     rows = []
     for entry in section.scores:
         label = entry.setting.label + ("  <- best" if entry is best else "")
+        if entry.served is None:
+            rows.append((label, "-", "-", "-", "-", "-"))
+            continue
         rows.append((label, f"{entry.served:.2%}", _bytes(entry.bytes_per_token), f"{entry.host_per_token:.2f}",
                      ms(entry.ttft), ms(entry.tpot)))
     return rows
@@ -172,6 +177,23 @@ def command_line(section: EngineScores, entry: SettingScore) -> str:
     return f"{section.command} {shlex.join(entry.setting.flags)}"
 
 
+def no_timed_setting(section: EngineScores, cache_size: int) -> str:
+    """Why an engine has no best setting: none fits the budget, or none that fits is timed."""
+    count = len(section.scores)
+    if count:
+        which = "its one setting" if count == 1 else f"none of its {count} settings"
+        return f"{section.name}: {which} at {cache_size:,} experts {'is not' if count == 1 else 'is'} timed"
+    return (f"{section.name}: no setting it can express fits {cache_size:,} experts"
+            + (f" ({section.limits})" if section.limits else ""))
+
+
+def untimed_lines(section: EngineScores) -> list[str]:
+    """A line for each setting not timed: why (the hardware cannot host it, or the simulator cannot run it as
+    the engine does)."""
+    return [f"{entry.setting.label}: {entry.setting.cannot_host or entry.setting.note}" for entry in section.scores
+            if entry.setting.cannot_host is not None or (entry.setting.note and entry.setting.policy is None)]
+
+
 def section_lines(on_engine: OnEngine, trace_name: str, fast_memory: str) -> dict[str, list[str]]:
     """Per engine: the sentences under its table (best setting, its command, its cost, hindsight and drift)."""
     out = {}
@@ -179,8 +201,8 @@ def section_lines(on_engine: OnEngine, trace_name: str, fast_memory: str) -> dic
         lines = []
         best = section.best
         if best is None:
-            lines.append(f"{section.name}: no setting it can express fits {on_engine.cache_size:,} experts"
-                         + (f" ({section.limits})" if section.limits else ""))
+            lines.append(no_timed_setting(section, on_engine.cache_size))
+            lines.extend(untimed_lines(section))
             out[section.name] = lines
             continue
         lines.append(f"best: {best.setting.label}: {command_line(section, best)}")
@@ -204,9 +226,7 @@ def section_lines(on_engine: OnEngine, trace_name: str, fast_memory: str) -> dic
             if entry.windows:
                 lines.append("  drift, served per window of the scored traffic: "
                              + " ".join(f"{share:.0%}" for share in entry.windows))
-        for entry in section.scores:
-            if entry.setting.note and entry.setting.policy is None:
-                lines.append(f"{entry.setting.label}: {entry.setting.note}")
+        lines.extend(untimed_lines(section))
         if section.limits:
             lines.append(f"limits: {section.limits}")
         out[section.name] = lines
