@@ -60,6 +60,11 @@ def test_placement_host_layers_and_skew_by_hand():
     ("e.json", "[[1, 2], [3]]", "rectangular table"),
     ("f.csv", "0,0\n0,0\n", "every count is 0"),
     ("g.txt", "1", "a counts table is"),
+    # routing logs have an order to replay; read as wide tables they would be counts of nothing
+    ("h.csv", "request,token,layer,expert\n0,0,0,1\n", "a routing log (header request,token,layer,expert), not a "
+                                                        "counts table: convert it with `moe-offload trace import csv "),
+    ("i.csv", "layer,expert\n0,1\n1,3\n", "not a counts table: convert it with `moe-offload trace import llamacpp "),
+    ("j.csv", "Phase,token,layer,rank,expert\nprefill,0,0,0,3\n", "trace import llamacpp "),
 ])
 def test_malformed_tables_are_one_line(tmp_path, name, body, fragment):
     (tmp_path / name).write_text(body)

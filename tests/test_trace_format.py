@@ -218,8 +218,23 @@ def test_directory_instead_of_file(tmp_path):
 
 def test_not_a_parquet_file(tmp_path):
     path = tmp_path / "text.parquet"
-    path.write_text("request,position\n0,0\n")
-    expect_trace_error(path, "Parquet")
+    path.write_text("not a trace\n")
+    expect_trace_error(path, "not a Parquet file")
+
+
+@pytest.mark.parametrize("name, head, hint", [
+    ("routing.csv", b"request,token,layer,expert\n0,0,0,1\n", "but CSV: convert it with `moe-offload trace import "
+                                                             "FORMAT {path} -o TRACE.parquet` (FORMAT csv or llamacpp"),
+    ("decode 299.jsonl", b'{"tok": 0, "layers": [[1, 2]]}\n', "but JSON: convert it with `moe-offload trace import "
+                                                            "FORMAT '{path}' -o TRACE.parquet` (FORMAT topk-jsonl"),
+    ("routes.json", b'\xef\xbb\xbf\n  [{"meta": 1}]', "but JSON: "),
+    ("routing.npy", b"\x93NUMPY\x01\x00", "but a NumPy array file: convert it with `moe-offload trace import FORMAT"),
+    ("model.gguf", b"GGUF\x03\x00\x00\x00", "but a GGUF model file: a routing trace is recorded or imported"),
+])
+def test_a_foreign_file_is_named_with_its_import_command(tmp_path, name, head, hint):
+    path = tmp_path / name
+    path.write_bytes(head)
+    expect_trace_error(path, "not a trace of this project " + hint.format(path=path))
 
 
 def test_truncated_parquet_file(tmp_path):

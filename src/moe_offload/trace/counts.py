@@ -30,7 +30,8 @@ Files :func:`read_counts` reads, by suffix:
   ``weights_only=True`` (no code in the file runs).
 
 Counts are finite non-negative numbers (EPLB loads may be fractional); a layer of zeros is a layer no token
-reached (a dense layer in SGLang's table).
+reached (a dense layer in SGLang's table). A ``.csv`` with the header of a routing log ``trace import`` reads
+(the generic CSV's, llama-moe-trace's) is refused with the command that imports it: it holds the order.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,10 +49,16 @@ from moe_offload.errors import ConfigError, TraceError
 from moe_offload.inputs import check_input, parse_json, read_text
 from moe_offload.trace.format import MAX_EXPERT_SLOTS, Trace
 from moe_offload.trace.importers.arrays import read_npy_file
+from moe_offload.trace.importers.tools import CSV_HEADERS, LLAMACPP_FORK_HEADER
 
 COUNTS_SUFFIXES = (".csv", ".json", ".npy", ".pt")
 # A counts file larger than this is no count table (a DeepSeek-V3 table is 61 x 256 numbers).
 MAX_COUNTS_FILE_BYTES = 256 * 2**20
+# The headers of the routing CSVs `trace import` reads, and its format for each: such a file has an order to
+# replay, and read as a wide table of counts it would give numbers of nothing.
+ROUTING_CSV_HEADERS = {**{tuple(header): "csv FILE --experts J" for header in CSV_HEADERS},
+                       ("layer", "expert"): "llamacpp FILE --model-config config.json",
+                       tuple(LLAMACPP_FORK_HEADER): "llamacpp FILE --model-config config.json"}
 
 
 @dataclass(frozen=True)
@@ -188,6 +196,11 @@ def _csv_counts(path: Path) -> np.ndarray:
     if not numbered:
         raise TraceError(path, "no counts (the file is empty)")
     header = [c.strip().lower() for c in numbered[0][1]]
+    routing = ROUTING_CSV_HEADERS.get(tuple(header))
+    if routing is not None:
+        raise TraceError(path, f"a routing log (header {','.join(header)}), not a counts table: convert it with "
+                               f"`moe-offload trace import {routing.replace('FILE', shlex.quote(str(path)))} -o TRACE.parquet` and "
+                               "give that trace, which keeps the order the counts lose")
     if header == ["layer", "expert", "count"]:
         cells = {}
         for line, row in numbered[1:]:

@@ -35,6 +35,7 @@ The consistency checks every trace passes (``Trace.validate``) are trace/validat
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -280,6 +281,9 @@ def read_trace(path, columns: tuple[str, ...] | None = None, *, unsealed: bool =
         schema = parquet.schema_arrow
         names = list(schema.names)
     except (pa.ArrowException, OSError, ValueError, MemoryError) as exc:
+        foreign = foreign_format(path)
+        if foreign is not None:
+            raise TraceError(path, f"not a trace of this project but {foreign}") from None
         raise TraceError(path, f"not a Parquet file, or corrupt or truncated ({_first_line(exc)})") from None
     stored = schema.metadata or {}
     raw_meta = stored.get(METADATA_KEY)
@@ -330,6 +334,28 @@ def _schema_metadata(path: Path) -> dict | None:
     import pyarrow.parquet as pq
 
     return pq.read_schema(path).metadata
+
+
+def foreign_format(path) -> str | None:
+    """What a file that is not Parquet looks like from its first bytes, and how to convert it (None: nothing
+    recognised, a damaged Parquet file included)."""
+    try:
+        with open(path, "rb") as stream:
+            head = stream.read(256)
+    except OSError:
+        return None
+    convert = f"convert it with `moe-offload trace import FORMAT {shlex.quote(str(path))} -o TRACE.parquet`"
+    if head.startswith(b"GGUF"):
+        return "a GGUF model file: a routing trace is recorded or imported (docs/traces.md)"
+    if head.startswith((b"\x93NUMPY", b"PK\x03\x04")):
+        return f"a NumPy array file: {convert} (FORMAT npy, or vllm for vLLM's per-request .npz)"
+    text = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if text[:1] in (b"{", b"["):
+        return f"JSON: {convert} (FORMAT topk-jsonl, routes-json, vllm, sglang or megatron; docs/traces.md)"
+    line = text.split(b"\n", 1)[0]
+    if b"," in line and line.replace(b",", b"").replace(b"\r", b"").decode("ascii", "replace").isprintable():
+        return f"CSV: {convert} (FORMAT csv or llamacpp; docs/traces.md), or give a counts table as .csv to `report`"
+    return None
 
 
 def _first_line(exc: BaseException) -> str:
