@@ -18,6 +18,7 @@ from moe_offload.policies import ModelSpec
 from moe_offload.simulator.timed import simulate_timed
 from moe_offload.simulator.timed.layerwise import LayerwisePrefill
 from moe_offload.trace.format import DECODE, PREFILL, Trace, TraceMeta
+from test_engines_expert_cache import small_host_memory
 
 E = 100
 
@@ -109,16 +110,7 @@ def test_the_dynamic_setting_is_listed_not_timed_where_host_memory_cannot_hold_t
     meta = tiny_trace.meta
     spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
     every = spec.num_layers * spec.num_experts * E
-    small = HardwareProfile.from_dict({
-        "name": "small-host",
-        "tiers": [{"name": "gpu", "capacity_bytes": 10**9}, {"name": "host", "capacity_bytes": every - 1},
-                  {"name": "ssd", "capacity_bytes": 10**12}],
-        "links": [{"from": "host", "to": "gpu", "bandwidth_bytes_per_s": 100.0, "latency_s": 0.0},
-                  {"from": "ssd", "to": "host", "bandwidth_bytes_per_s": 10.0, "latency_s": 0.0}],
-        "compute": {"attention": {"fixed_s": 1.0}, "router": {"fixed_s": 0.0}, "expert": {"fixed_s": 2.0},
-                    "lm_head": {"fixed_s": 0.0}},
-        "host": {"expert": {"fixed_s": 3.0}}})
-    listed = kt_settings(PlacementContext(spec, 16, tiny_trace, small, E))
+    listed = kt_settings(PlacementContext(spec, 16, tiny_trace, small_host_memory(every - 1), E))
     dynamic = [s for s in listed if s.layerwise is not None]
     assert len(dynamic) == 1 and dynamic[0].cannot_host.startswith(
         "not timed: its layerwise prefill brings whole layers from host memory, and the 64 experts")
