@@ -198,9 +198,9 @@ def _csv_counts(path: Path) -> np.ndarray:
     header = [c.strip().lower() for c in numbered[0][1]]
     routing = ROUTING_CSV_HEADERS.get(tuple(header))
     if routing is not None:
+        command = f"moe-offload trace import {routing.replace('FILE', shlex.quote(str(path)))} -o TRACE.parquet"
         raise TraceError(path, f"a routing log (header {','.join(header)}), not a counts table: convert it with "
-                               f"`moe-offload trace import {routing.replace('FILE', shlex.quote(str(path)))} -o TRACE.parquet` and "
-                               "give that trace, which keeps the order the counts lose")
+                               f"`{command}` and give that trace, which keeps the order the counts lose")
     if header == ["layer", "expert", "count"]:
         cells = {}
         for line, row in numbered[1:]:
