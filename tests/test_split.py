@@ -55,6 +55,38 @@ def test_one_layer_one_link_one_expert_split_in_halves_by_hand():
     assert whole.tpot_seconds == pytest.approx(3.75)
 
 
+def test_a_preloaded_split_streams_what_it_does_not_cache_by_hand():
+    # vLLM's --cpu-offload-gb as split experts (engines/vllm.py): layer 0 caches no top (its experts offloaded
+    # whole), layer 1 caches the tops of all four experts, a quarter of each, from the start. One expert a
+    # layer per token, at 100 B/s with 0.5 s a transfer:
+    #   token 0: attention 0 -> 1, router -> 1.25; layer 0's expert comes whole (0.5 + 1.0 s) -> 2.75 (stall 1.5),
+    #            runs 2 s -> 4.75 and leaves the buffer; layer 1: attention -> 5.75, router -> 6.0; its top is
+    #            there: its quarter runs 6.0 -> 6.5 while the other three quarters load (0.5 + 0.75 s) -> 7.25
+    #            (stall 0.75), the rest runs 1.5 s -> 8.75; LM head -> 9.25                           TTFT 9.25
+    #   token 1: the same, nothing kept: 18.5                                                         TPOT 9.25
+    preloaded = SplitConfig((LayerSplitPlan(0, 1.0), LayerSplitPlan(4, 0.25)), preloaded=True)
+    trace = hand_trace([[[1], [2]], [[1], [2]]], layers=2)
+    result = simulate_timed(trace, profile(), "lru", split=preloaded)
+    assert result.ttft_seconds == pytest.approx(9.25) and result.tpot_seconds == pytest.approx(9.25)
+    assert result.per_layer_stall_seconds == pytest.approx([3.0, 1.5])
+    assert result.bytes_per_link == {"host->gpu": 2 * (100 + 75)}
+    assert (result.accesses, result.hits, result.on_demand_loads) == (4, 0, 4)
+    # every top whole and preloaded is every expert in VRAM from the start: no transfer, 2 x 3.25 + 0.5 a token
+    resident = simulate_timed(trace, profile(), "lru", split=SplitConfig((LayerSplitPlan(4, 1.0),) * 2,
+                                                                         preloaded=True))
+    assert resident.tpot_seconds == pytest.approx(7.0) and resident.bytes_per_link == {"host->gpu": 0}
+    assert resident.hits == resident.accesses == 4
+
+
+def test_the_runtime_refuses_what_only_the_simulator_splits():
+    from moe_offload.runtime.split import load_split_config
+
+    with pytest.raises(ConfigError, match="layer 0 caches no top segment: the runtime splits experts as MoEpic"):
+        load_split_config(SplitConfig((LayerSplitPlan(0, 1.0), LayerSplitPlan(4, 0.25))))
+    with pytest.raises(ConfigError, match="its tops are loaded before the first pass"):
+        load_split_config(SplitConfig((LayerSplitPlan(4, 0.25),), preloaded=True))
+
+
 def test_a_prefetched_bottom_segment_lands_in_the_buffer_by_hand():
     # As above at 100 B/s (whole expert 1.5 s, bottom segment 1.0 s), with a prefetcher proposing layer 0's
     # expert before each iteration.
@@ -179,7 +211,7 @@ def split_file(tmp_path, layers, num_layers=6):
     ([{"cache_size": 4, "split_ratio": 0.5}] * 5 + [{"cache_size": 4, "split_ratio": 1.5}],
      "layer 5: split_ratio 1.5: must be a number in (0, 1]"),
     ([{"cache_size": 4, "split_ratio": 0.0}] * 6, "layer 0: split_ratio 0.0: must be a number in (0, 1]"),
-    ([{"cache_size": 17, "split_ratio": 0.5}] * 6, "layer 0: 17 cached experts, not in [1, 16]"),
+    ([{"cache_size": 17, "split_ratio": 0.5}] * 6, "layer 0: 17 cached experts, not in [0, 16]"),
     ([{"cache_size": 4}] * 6, "layer 0: needs an integer cache_size and a number split_ratio"),
     ([{"cache_size": 16, "split_ratio": 1.0}] * 6, "more than the 100 KiB of the test's gpu"),
 ])

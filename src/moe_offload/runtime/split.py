@@ -64,9 +64,15 @@ def split_memory(config: SplitConfig, rows: list[int], intermediate: int, expert
 
 def load_split_config(split) -> tuple[SplitConfig, str]:
     """(configuration, its name for messages) from a SplitConfig or the path of `configure --json`'s file."""
-    if isinstance(split, SplitConfig):
-        return split, "the split configuration"
-    return read_split_config(split), str(split)
+    config, source = ((split, "the split configuration") if isinstance(split, SplitConfig)
+                      else (read_split_config(split), str(split)))
+    empty = next((layer for layer, plan in enumerate(config.layers) if plan.cached_experts == 0), None)
+    if empty is not None or config.preloaded:
+        raise ConfigError(f"{source}: " + (f"layer {empty} caches no top segment" if empty is not None
+                                           else "its tops are loaded before the first pass")
+                          + ": the runtime splits experts as MoEpic does, each layer caching the tops of the "
+                            "experts it uses (the timed simulator runs such a configuration: vLLM's offload)")
+    return config, source
 
 
 def bottom_ranges(manifest, rows: int) -> tuple[list[tuple[int, int]], int]:

@@ -17,6 +17,13 @@ lowest-priority one, not when: both cache it as it lands, so that a prefetched e
 next token. The copy from the buffer into the cache takes no time here (it stays inside the GPU), and no
 transfer waits for the evictions it makes (timed/decisions.py times the evictions that make room for a transfer).
 
+A layer may cache no top (C_i = 0): every expert it runs then comes whole through the buffer and leaves it
+once it has run. A configuration may also be *preloaded*: each layer's cache then holds the tops of its experts
+0..C_i-1 from the start. Both together describe vLLM's ``--cpu-offload-gb`` (engines/vllm.py): layers whose
+experts stay in VRAM cache all J tops at theta = 1, a layer whose gate and up are offloaded all J tops at the
+down projection's share, and a layer offloaded whole none; what is offloaded crosses the link in every pass
+that routes it and is never kept, as UVA reads it.
+
 The buffer is the paper's U_b, "the size of K complete experts" (section 4.1), one for the whole model as
 in equation 8's VRAM constraint U_n + sum V_i + U_b <= V, not one per layer: the segments of the layer
 being computed and the prefetches for the next one share it. A prefetch waits while it has no room; a
@@ -52,12 +59,12 @@ from moe_offload.values import format_bytes, integer, number
 
 @dataclass(frozen=True)
 class LayerSplitPlan:
-    cached_experts: int          # C_i: experts whose top segment layer i caches
+    cached_experts: int          # C_i: experts whose top segment layer i caches (0: none, every expert whole)
     split_ratio: float           # theta_i: the top segment's share of an expert's bytes, in (0, 1]
     prefetches: int | None = None  # Y_i: experts the configurator expects the prefetch to reach (eq 11)
 
     def __post_init__(self):
-        object.__setattr__(self, "cached_experts", integer(self.cached_experts, "cache_size", low=1))
+        object.__setattr__(self, "cached_experts", integer(self.cached_experts, "cache_size", low=0))
         object.__setattr__(self, "split_ratio", number(self.split_ratio, "split_ratio", low=0, high=1,
                                                        low_open=True))
         if self.prefetches is not None:
@@ -70,6 +77,7 @@ class SplitConfig:
     (configure --json's ``layers[i].cache_size``, ``layers[i].split_ratio`` and ``layers[i].prefetches``)."""
 
     layers: tuple[LayerSplitPlan, ...]
+    preloaded: bool = False  # each layer's cache holds the tops of its experts 0..C_i-1 from the start
 
     @classmethod
     def of(cls, layers) -> "SplitConfig":
@@ -124,9 +132,9 @@ class SplitConfig:
         if len(self.layers) != num_layers:
             raise ConfigError(f"{source}: {len(self.layers)} layers, but the trace's model has {num_layers}")
         for layer, plan in enumerate(self.layers):
-            if not 1 <= plan.cached_experts <= num_experts:
+            if not 0 <= plan.cached_experts <= num_experts:
                 raise ConfigError(f"{source}: layer {layer}: {plan.cached_experts} cached experts, not in "
-                                  f"[1, {num_experts}]")
+                                  f"[0, {num_experts}]")
             if self.top_bytes(layer, expert_bytes) < 1:
                 raise ConfigError(f"{source}: layer {layer}: a top segment of {plan.split_ratio:g} x "
                                   f"{expert_bytes} bytes holds no byte")
@@ -202,6 +210,14 @@ class SplitExperts:
                      for plan, top in zip(config.layers, self.top_bytes)]
         self.buffer = SegmentBuffer(config.buffer_bytes(top_k, expert_bytes))
         self.whole: set[int] = set()  # keys whose buffered copy is the whole expert (its top was not cached)
+        self._preload = [plan.cached_experts if config.preloaded else 0 for plan in config.layers]
+
+    def preload(self, ctx: AccessContext) -> None:
+        """A preloaded configuration's tops, before the first pass (module doc)."""
+        for layer, count in enumerate(self._preload):
+            for key in range(layer * self.J, layer * self.J + count):
+                self.tops[layer].reserve(key, ctx, self.top_bytes[layer])
+                self.tops[layer].complete(key, ctx)
 
     def _bottom_bytes(self, layer: int) -> int:
         return self.E - self.top_bytes[layer]
@@ -275,7 +291,7 @@ class SplitExperts:
         self.buffer.complete(key)
         layer = key // self.J
         top = self.tops[layer]
-        if key not in self.whole or key in top or (layer <= layer_now and key not in ctx.pinned):
+        if key not in self.whole or key in top or not top.capacity or (layer <= layer_now and key not in ctx.pinned):
             return
         held = ctx.prefetch and key not in ctx.pinned
         protect = predicted_no_later_than(predicted, key, layer_now, self.J, len(self.tops)) \

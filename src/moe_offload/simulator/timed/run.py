@@ -136,6 +136,7 @@ class TimedRun(ComputeStream):
                 self.fast.complete(key, ctx)
         elif split is not None:
             self.fast = self.split = SplitExperts(split, self.J, spec.top_k, expert_bytes, make)
+            self.split.preload(ctx)
         else:
             rule = FetchOrCompute.on_profile(self.host.costs) if fetch_or_compute else uploads
             self.fast = cache(cache_bytes, rule)
