@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from moe_offload.bundled import trace_path
-from moe_offload.engines import PlacementContext, split_trace
+from moe_offload.engines import PlacementContext, run_setting, split_trace
 from moe_offload.engines.heldout import served_share
 from moe_offload.engines.ktransformers import (front_loading_mask, frequency_mask, random_mask, uniform_mask,
                                               write_statistics)
@@ -213,7 +213,7 @@ def test_vllm_offloads_the_tensor_prefix_its_flag_names():
     """uva.py: layers in order, w13 (two thirds of the experts' bytes) before w2, a tensor offloaded while the
     bytes so far are below int(G * 2^30); the printed G offloads exactly the prefix that fits the budget."""
     from moe_offload.engines.vllm import (expert_tensors, gib_for, offloaded_by, offloaded_prefix, settings,
-                                          streamed_bytes_per_token, streamed_share)
+                                          streamed_share)
 
     L, J, E = 4, 6, 3 * 1000 * 700 * 2
     tensors = expert_tensors(L, J, E)
@@ -233,9 +233,17 @@ def test_vllm_offloads_the_tensor_prefix_its_flag_names():
     meta = TraceMeta(model="hand", num_layers=L, num_experts=J, top_k=2, expert_bytes=E)
     routes = np.array([[[0, 1], [0, 1], [0, 1], [0, 1]], [[1, 2], [1, 0], [2, 3], [4, 5]]])
     trace = Trace.build(meta, routes, request=[0, 1], iteration=[0, 0])
-    assert streamed_bytes_per_token(trace, share, E) == pytest.approx((3 + 2 * 2 / 3) * E / 2)
     context = PlacementContext(ModelSpec(L, J, 2), 17, trace, HARDWARE, E)
-    setting = next(s for s in settings(context) if s.policy is None)
+    setting = next(s for s in settings(context) if s.split is not None)
     assert setting.flags[:2] == ["--cpu-offload-gb", gib_for(tensors, 3)]
     assert setting.label.endswith("(layer 0's experts, gate and up of layer 1)")
     assert setting.resident == list(range(2 * J, 4 * J))
+    # timed as preloaded split experts: layer 0 caches no top, layer 1 every top at the down projection's third,
+    # layers 2 and 3 every expert whole
+    plans = [(plan.cached_experts, plan.split_ratio) for plan in setting.split.layers]
+    assert plans == [(0, 1.0), (J, pytest.approx(1 / 3)), (J, 1.0), (J, 1.0)] and setting.split.preloaded
+    # the pass reads what UVA reads: every routed expert of layer 0 whole, layer 1's gate and up; layers 2 and
+    # 3 ({0, 1, 2, 3} and {0, 1, 4, 5}) hit
+    result = run_setting(setting, trace, context)
+    assert result.bytes_loaded == 3 * E + 2 * (E - round(E / 3))
+    assert result.per_layer_accesses == [3, 2, 4, 4] and result.per_layer_hits == [0, 0, 4, 4]

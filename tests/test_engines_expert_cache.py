@@ -205,8 +205,7 @@ def test_the_pr_cache_is_listed_not_timed_where_host_memory_cannot_hold_the_expe
     assert len(cached) == 2
     for setting in cached:
         assert setting.cannot_host == ("not timed: PR #27861 uploads experts from host memory, and the 64 experts "
-                                       "(6.4 kB) do not fit small-host's host tier (3.2 kB); the engine would read "
-                                       "them from a slower tier, which the timed simulator does not model for it")
+                                       "(6.4 kB) do not fit small-host's host tier (3.2 kB)")
     assert all(s.cannot_host is None for s in llama_settings(short) if s.uploads is None)
     # the engine's section scores the others and lists these with the reason, where the run used to be refused
     on_engine = measure_on_engine(tiny_trace, small_host_memory(every // 2), 24, E, ["llama.cpp"], None,

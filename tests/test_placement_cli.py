@@ -123,8 +123,10 @@ def test_bad_engine_options_of_report_are_refused_before_any_work(argv, problem)
 
 
 def test_an_engine_with_no_timed_setting_says_why_in_one_line():
-    # 4 experts of fast memory are not one a layer: vLLM's only setting is its UVA offload, which is not timed
-    code, out, err = run_cli(["placement", "tiny", "--engine", "vllm", "--fast-memory", "4", "--timed-tokens", "16"])
+    # 8 experts of fast memory are not one a layer of OLMoE's 16, so vLLM's only setting is its UVA offload,
+    # which reads from pinned host memory: the edge box's 1 GiB cannot hold the 12 GiB of experts
+    code, out, err = run_cli(["placement", "olmoe", "--engine", "vllm", "--fast-memory", "8", "--hardware",
+                              "edge-flashmoe", "--timed-tokens", "16"])
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
-    assert "vllm: its one setting at 4 experts is not timed; --cpu-offload-gb " in err
-    assert "its time is not simulated" in err
+    assert "vllm: its one setting at 8 experts is not timed; --cpu-offload-gb " in err
+    assert "not timed: UVA reads the offloaded experts from host memory, and the 1,024 experts (12 GiB)" in err

@@ -5,10 +5,9 @@ A setting is run by the one timed simulator (simulator/timed) with the one exper
 policy of the registry (static-layers, static-experts, lfru-dist, lru-dist) with its options, its misses are
 loaded or computed on the host by the cache's admission (simulator/cache.py; ``uploads``: llama.cpp PR
 #27861's uploads between passes, simulator/timed/uploads.py; ``layerwise``: KTransformers' layerwise prefill
-and dynamic expert update, simulator/timed/layerwise.py). A setting the simulator cannot run as the
-engine does (``policy`` None) is reported by what is exact about it (its bytes) and says why; one the
-hardware cannot host (``cannot_host``: a mechanism that reads the experts from host memory, where they do not
-fit) is listed with the reason and not scored.
+and dynamic expert update, simulator/timed/layerwise.py); ``split``: vLLM's offloaded tensors as split experts
+(simulator/split.py). A setting the hardware cannot host (``cannot_host``: a mechanism that reads the experts
+from host memory, where they do not fit) is listed with the reason and not scored.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from typing import Callable
 
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies.base import ModelSpec
+from moe_offload.simulator.split import SplitConfig
 from moe_offload.simulator.timed import simulate_timed
 from moe_offload.simulator.timed.layerwise import LayerwisePrefill
 from moe_offload.simulator.timed.uploads import UploadsBetweenPasses
@@ -54,22 +54,21 @@ class PlacementContext:
             return None
         host = self.hardware.tiers[1]
         return (f"not timed: {mechanism} from host memory, and the {self.total:,} experts ({format_bytes(every)}) do "
-                f"not fit {self.hardware.name}'s {host.name} tier ({format_bytes(host.capacity_bytes)}); the engine "
-                "would read them from a slower tier, which the timed simulator does not model for it")
+                f"not fit {self.hardware.name}'s {host.name} tier ({format_bytes(host.capacity_bytes)})")
 
 
 @dataclass
 class Setting:
     """One way to run the engine at the budget. ``flags`` are the engine's own arguments, exactly as typed;
     ``resident`` the experts it keeps in fast memory from the start (flat ids layer * J + expert); ``policy``
-    and ``options`` how the timed simulator runs it (None: not simulated, ``note`` says why);
+    and ``options`` how the timed simulator runs it;
     ``from_traffic``: its placement is chosen from the profile; ``export`` writes the file the engine reads
     (path -> None), when it reads one."""
 
     engine: str
     label: str
     flags: list[str]
-    policy: str | None
+    policy: str
     options: dict = field(default_factory=dict)
     resident: list[int] = field(default_factory=list)
     from_traffic: bool = False
@@ -77,7 +76,7 @@ class Setting:
     note: str = ""
     export: Callable[[str], None] | None = None
     export_name: str | None = None  # the file name ``flags`` refer to
-    streamed: dict[int, float] | None = None  # per layer, the share of each expert read over the link every pass
+    split: SplitConfig | None = None  # split experts (vLLM's offloaded tensors: engines/vllm.py), or None
     uploads: int | None = None  # uploads per layer per pass between passes (PR #27861's admission), or None
     cache_slots: int | None = None  # the experts its cache holds, where less than the budget (None: the budget)
     layerwise: tuple[int, bool] | None = None  # KTransformers' (prefill threshold, dynamic update), or None
@@ -85,7 +84,8 @@ class Setting:
 
     def run_key(self) -> tuple:
         """What its timed run depends on: settings of equal keys (SGLang's kt backend is KTransformers) run once."""
-        return (self.policy, repr(sorted(self.options.items())), self.uploads, self.cache_slots, self.layerwise)
+        return (self.policy, repr(sorted(self.options.items())), self.uploads, self.cache_slots, self.layerwise,
+                self.split)
 
 
 @dataclass
@@ -108,7 +108,7 @@ def run_setting(setting: Setting, trace: Trace, context: PlacementContext, name:
     layerwise = LayerwisePrefill(*setting.layerwise) if setting.layerwise is not None else None
     return simulate_timed(trace, context.hardware, setting.policy, slots * context.expert_bytes,
                           expert_bytes=context.expert_bytes, policy_options=setting.options, seed=context.seed,
-                          name=name, uploads=uploads, layerwise=layerwise)
+                          name=name, uploads=uploads, layerwise=layerwise, split=setting.split)
 
 
 def layer_keys(layers, num_experts: int) -> list[int]:

@@ -15,13 +15,18 @@ would offload one tensor more).
 
 Nothing offloaded is ever kept in VRAM. With UVA (the default where the platform has it) the offloaded tensors
 are views of pinned host memory: the MoE kernel reads the experts it is routed to over the link, in every
-pass, at least once each. Without UVA (``VLLM_WEIGHT_OFFLOADING_DISABLE_UVA``) the wrapped layer's whole state
-is copied to the GPU before each forward: every offloaded byte crosses in every pass. The timed simulator has
-no read in place that is never kept (its cache admits an expert or computes it on the host), so this setting
-is reported by what is exact about it: its resident experts (those with no offloaded tensor, the share of
-requests they serve) and the bytes per token UVA reads at the least, the distinct experts each pass routes
-in the offloaded layers times the offloaded share of an expert (``streamed_bytes_per_token``). These two
-are exact for the placement; only its time is left out.
+pass, once each. Without UVA (``VLLM_WEIGHT_OFFLOADING_DISABLE_UVA``) the wrapped layer's whole state is copied
+to the GPU before each forward: every offloaded byte crosses in every pass; the setting is timed with UVA.
+
+It is timed as split experts (simulator/split.py, the mechanism of MoEpic's split ones), preloaded: a layer
+with nothing offloaded caches the tops of all J experts at theta = 1 (whole experts, resident from the start),
+the layer whose gate and up are offloaded the tops of all J at the down projection's third, and a layer
+offloaded whole no top. An expert's offloaded part then crosses the host link into the buffer each time a
+pass routes it and leaves once it has run, never kept: the bytes UVA reads. What this leaves out: UVA's
+kernel reads while it computes, where the simulator computes an expert's offloaded share once it has landed
+(its resident top before, as split experts do), and the buffer of K experts serializes a prefill's many
+experts that UVA would read at the link's rate all the same. Pinned host memory holds the offloaded tensors,
+so the experts must fit in the host tier (``PlacementContext.outside_host_memory``).
 
 ``--moe-expert-cache-size N`` (PR #37190, open, not merged; ``CachedWeightProvider``): every layer keeps
 a GPU cache of N experts, a miss is copied from pinned host memory on demand (synchronously, in
@@ -35,8 +40,7 @@ import math
 import numpy as np
 
 from moe_offload.engines.base import EngineModel, PlacementContext, Setting, layer_keys
-from moe_offload.simulator.timed.schedule import trace_iterations
-from moe_offload.trace.format import Trace
+from moe_offload.simulator.split import LayerSplitPlan, SplitConfig
 
 GIB = 1024**3
 
@@ -95,17 +99,14 @@ def streamed_share(tensors: list[tuple[int, str, int]], count: int, num_experts:
     return {layer: nbytes / (num_experts * expert_bytes) for layer, nbytes in offloaded.items()}
 
 
-def streamed_bytes_per_token(trace: Trace, streamed: dict[int, float], expert_bytes: int) -> float:
-    """The distinct experts each of ``trace``'s passes routes in the ``streamed`` layers, times the offloaded
-    share of their bytes, per token: what UVA reads over the link at the least."""
-    if not streamed or trace.num_tokens == 0:
-        return 0.0
-    layers = sorted(streamed)
-    total = 0.0
-    for rows in trace_iterations(trace):
-        routed = trace.experts[rows][:, layers, :]
-        total += sum(np.unique(routed[:, i, :]).size * streamed[layer] for i, layer in enumerate(layers))
-    return total * expert_bytes / trace.num_tokens
+def uva_split(streamed: dict[int, float], num_layers: int, num_experts: int) -> SplitConfig:
+    """The split experts that time ``--cpu-offload-gb`` (module doc): per layer, every top at the share of an
+    expert that stays in VRAM, none where nothing stays."""
+    plans = []
+    for layer in range(num_layers):
+        kept = 1.0 - streamed.get(layer, 0.0)
+        plans.append(LayerSplitPlan(num_experts, kept) if kept > 0 else LayerSplitPlan(0, 1.0))
+    return SplitConfig(tuple(plans), preloaded=True)
 
 
 def settings(context: PlacementContext) -> list[Setting]:
@@ -121,11 +122,12 @@ def settings(context: PlacementContext) -> list[Setting]:
         parts = ([f"the first {layers} layers' experts" if layers > 1 else "layer 0's experts"] if layers else []) \
             + ([f"gate and up of layer {layers}"] if count % 2 else [])
         out.append(Setting("vllm", f"--cpu-offload-gb {gib} ({', '.join(parts)})",
-                           ["--cpu-offload-gb", gib, "--cpu-offload-params", "experts"], None,
+                           ["--cpu-offload-gb", gib, "--cpu-offload-params", "experts"], "lru",
                            resident=layer_keys([l for l in range(L) if l not in streamed], J),
-                           note="read over the link in every pass, never kept (UVA): its placement and bytes are "
-                                "exact, its time is not simulated",
-                           streamed=streamed))
+                           split=uva_split(streamed, L, J),
+                           cannot_host=context.outside_host_memory("UVA reads the offloaded experts"),
+                           note="the offloaded experts read over the link in every pass that routes them, never "
+                                "kept (UVA): split experts, preloaded"))
     per_layer = context.slots // L
     if per_layer >= 1:
         out.append(Setting("vllm", f"--moe-expert-cache-size {per_layer} (PR #37190)",

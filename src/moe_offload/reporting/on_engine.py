@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, replace
 
 from moe_offload.engines import ENGINES, PlacementContext, Setting, run_setting, served_share, split_trace
 from moe_offload.engines.heldout import window_hit_rates
-from moe_offload.engines.vllm import streamed_bytes_per_token
 from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.models.hub import HUB_ID
 from moe_offload.policies import ModelSpec
@@ -43,7 +42,7 @@ def model_name(model: str) -> str:
 @dataclass
 class SettingScore:
     setting: Setting
-    result: RunResult | None         # the timed run on the scored sample (None: not simulated)
+    result: RunResult | None         # the timed run on the scored sample (None: the hardware cannot host it)
     served: float | None             # share of expert requests served from fast memory (None: not scored)
     bytes_per_token: float | None
     host_per_token: float | None
@@ -99,9 +98,6 @@ def score(setting: Setting, sample: Trace, scored: Trace, context: PlacementCont
     spec = context.spec
     if setting.cannot_host is not None:  # listed with its reason, nothing about it measured
         return SettingScore(setting, None, None, None, None)
-    if setting.policy is None:  # not simulated: what is exact about it
-        streamed = streamed_bytes_per_token(sample, setting.streamed or {}, context.expert_bytes)
-        return SettingScore(setting, None, served_share(sample, setting.resident, spec), streamed, 0.0)
     key = setting.run_key()
     if key not in runs:
         runs[key] = run_setting(setting, sample, context)
@@ -188,10 +184,9 @@ def no_timed_setting(section: EngineScores, cache_size: int) -> str:
 
 
 def untimed_lines(section: EngineScores) -> list[str]:
-    """A line for each setting not timed: why (the hardware cannot host it, or the simulator cannot run it as
-    the engine does)."""
-    return [f"{entry.setting.label}: {entry.setting.cannot_host or entry.setting.note}" for entry in section.scores
-            if entry.setting.cannot_host is not None or (entry.setting.note and entry.setting.policy is None)]
+    """A line for each setting not timed: why the hardware cannot host it."""
+    return [f"{entry.setting.label}: {entry.setting.cannot_host}" for entry in section.scores
+            if entry.setting.cannot_host is not None]
 
 
 def section_lines(on_engine: OnEngine, trace_name: str, fast_memory: str) -> dict[str, list[str]]:
