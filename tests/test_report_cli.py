@@ -116,6 +116,9 @@ def test_the_page_is_well_formed_and_self_contained(olmoe_report):
     assert "<h2>What to run</h2>" in page and "--fast-budget 256" in page
     # what the quickstart's report leaves out, it says, with the flag that puts it back
     assert "engine settings scored for vllm only: --engine all scores llama.cpp, ktransformers, sglang too" in page
+    # what each engine setting is, under its table
+    assert ("<li>--moe-expert-cache-size 16 (PR #37190): vllm-project/vllm PR #37190 (open, not merged): LFRU cache "
+            "of 16 experts per layer, misses copied on demand</li>") in page
     assert "the first 16 iterations of 299" in " ".join(page.split())
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from moe_offload.version import __version__
 from moe_offload.reporting.bound import TARGET_HIT_RATES
-from moe_offload.reporting.on_engine import HEADER as ENGINE_HEADER, section_lines, setting_rows
+from moe_offload.reporting.on_engine import HEADER as ENGINE_HEADER, section_lines, setting_notes, setting_rows
 from moe_offload.reporting.report import Report, latency_rows, plural, policy_rows, working_set_rows
 from moe_offload.reporting.tables import run_label
 
@@ -188,8 +188,12 @@ def render_html(report: Report) -> str:
                   f"<p>{e(on_engine.split)}; the runs replay {e(on_engine.replayed)} on {e(on_engine.hardware)}.</p>"]
         for section in on_engine.engines:
             parts += [f"<h3>{e(section.name)}</h3>", f'<p class="note">{e(section.source)}</p>',
-                      _table(ENGINE_HEADER, setting_rows(section)),
-                      "<pre>" + e("\n".join(lines[section.name])) + "</pre>"]
+                      _table(ENGINE_HEADER, setting_rows(section))]
+            notes = setting_notes(section)
+            if notes:
+                parts.append('<ul class="note">' + "".join(f"<li>{e(label)}: {e(note)}</li>" for label, note in notes)
+                             + "</ul>")
+            parts.append("<pre>" + e("\n".join(lines[section.name])) + "</pre>")
     parts += ["<h2>What to run</h2>", "<pre>" + e("\n".join(report.commands)) + "</pre>"]
     notes = report.notes + (latency.notes if latency is not None else [])
     parts += [f'<p class="note">note: {e(note)}</p>' for note in notes]

@@ -183,6 +183,11 @@ def no_timed_setting(section: EngineScores, cache_size: int) -> str:
             + (f" ({section.limits})" if section.limits else ""))
 
 
+def setting_notes(section: EngineScores) -> list[tuple[str, str]]:
+    """(label, what it is) of each setting that says more about itself than its label (the page lists them)."""
+    return [(entry.setting.label, entry.setting.note) for entry in section.scores if entry.setting.note]
+
+
 def untimed_lines(section: EngineScores) -> list[str]:
     """A line for each setting not timed: why the hardware cannot host it."""
     return [f"{entry.setting.label}: {entry.setting.cannot_host}" for entry in section.scores
