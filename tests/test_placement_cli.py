@@ -128,5 +128,10 @@ def test_an_engine_with_no_timed_setting_says_why_in_one_line():
     code, out, err = run_cli(["placement", "olmoe", "--engine", "vllm", "--fast-memory", "8", "--hardware",
                               "edge-flashmoe", "--timed-tokens", "16"])
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
-    assert "vllm: its one setting at 8 experts is not timed; --cpu-offload-gb " in err
-    assert "not timed: UVA reads the offloaded experts from host memory, and the 1,024 experts (12 GiB)" in err
+    assert ("vllm: its one setting at 8 experts is not timed (UVA reads the offloaded experts from pinned host "
+            "memory, and the 1,024 experts (12 GiB) do not fit edge-flashmoe's host tier (1 GiB))") in err
+    # every KTransformers setting needs all experts in host memory: the reason once, not once a setting
+    code, out, err = run_cli(["placement", "olmoe", "--engine", "ktransformers", "--fast-memory", "25%",
+                              "--hardware", "edge-flashmoe", "--timed-tokens", "16"])
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and err.count("issue #2084") == 1
+    assert "ktransformers: none of its 4 settings at 256 experts is timed (kt-kernel loads every expert" in err

@@ -45,16 +45,16 @@ class PlacementContext:
         return self.spec.num_layers * self.spec.num_experts
 
     def outside_host_memory(self, mechanism: str) -> str | None:
-        """Why ``mechanism``, which reads the experts from host memory (the tier after the GPU), cannot be timed on
-        this hardware, or None where the experts fit there (or their size is unknown: nothing is timed)."""
+        """Why a setting whose ``mechanism`` needs the experts in host memory (the tier after the GPU) cannot be
+        timed on this hardware, or None where they fit there (or their size is unknown: nothing is timed)."""
         if not self.expert_bytes:
             return None
         every = self.total * self.expert_bytes
         if home_tier(self.hardware, every) == 1:
             return None
         host = self.hardware.tiers[1]
-        return (f"not timed: {mechanism} from host memory, and the {self.total:,} experts ({format_bytes(every)}) do "
-                f"not fit {self.hardware.name}'s {host.name} tier ({format_bytes(host.capacity_bytes)})")
+        return (f"not timed: {mechanism}, and the {self.total:,} experts ({format_bytes(every)}) do not fit "
+                f"{self.hardware.name}'s {host.name} tier ({format_bytes(host.capacity_bytes)})")
 
 
 @dataclass

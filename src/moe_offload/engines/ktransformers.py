@@ -27,6 +27,10 @@ python/sglang/srt/layers/moe/kt_ep_wrapper.py, ``apply``, ``_update_gpu_experts_
 experts then become the n most routed experts of that pass. Run as the code defines it by the timed
 simulator's layerwise prefill (simulator/timed/layerwise.py) on the ``frequency`` placement, with T the
 profile's median prompt pass: long prompts refresh the GPU experts, shorter ones and decoding use them.
+
+kt-kernel loads every expert into anonymous host memory at the start, the GPU's own included (kvcache-ai/
+ktransformers issue #2084; keeping them in a file it maps is its open PR #2190): where the hardware's host
+memory cannot hold them all, the server does not fit the machine, and no setting is timed.
 """
 
 from __future__ import annotations
@@ -112,13 +116,15 @@ def settings(context: PlacementContext) -> list[Setting]:
                            frequency.flags + ["--kt-gpu-prefill-token-threshold", str(threshold),
                                               "--kt-enable-dynamic-expert-update"],
                            "static-experts", resident=frequency.resident, layerwise=(threshold, True),
-                           cannot_host=context.outside_host_memory("its layerwise prefill brings whole layers"),
                            note=f"starts from the frequency placement; passes of {threshold} or more tokens run "
                                 "every expert on the GPU (whole layers over the link) and replace each layer's GPU "
                                 "experts by that pass's most routed",
                            export=frequency.export, export_name=STATISTICS_FILE))
+    held = context.outside_host_memory("kt-kernel loads every expert into host memory, those on the GPU too "
+                                       "(kvcache-ai/ktransformers issue #2084)")
     for setting in out:
         setting.options = {"experts": setting.resident}
+        setting.cannot_host = held
     return out
 
 

@@ -180,7 +180,7 @@ def cache_setting(context: PlacementContext, cached: int) -> Setting:
     return Setting("llama.cpp", f"{' '.join(placement)} --moe-expert-cache {slots} (PR #27861)",
                    ALL_GPU + placement + ["--moe-expert-cache", str(slots)], "lru-dist", {"whole_layers": whole},
                    layer_keys(whole, J), uploads=DEFAULT_INSERTS, cache_slots=slots * cached + len(whole) * J,
-                   cannot_host=context.outside_host_memory("PR #27861 uploads experts"),
+                   cannot_host=context.outside_host_memory("PR #27861 uploads experts from host memory"),
                    note=f"ggml-org/llama.cpp PR #27861 (open, not in a release): {kept}per host layer an LRU of "
                         f"{slots} VRAM slots (and its zero slot), misses computed on the host, {DEFAULT_INSERTS} "
                         "uploads per layer after each one-token pass, none in larger passes")

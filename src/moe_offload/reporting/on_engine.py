@@ -173,12 +173,21 @@ def command_line(section: EngineScores, entry: SettingScore) -> str:
     return f"{section.command} {shlex.join(entry.setting.flags)}"
 
 
+def _shared_reason(section: EngineScores) -> str | None:
+    """The one reason every setting of the engine is not timed, when they share one."""
+    reasons = {entry.setting.cannot_host for entry in section.scores}
+    return next(iter(reasons)) if len(reasons) == 1 else None
+
+
 def no_timed_setting(section: EngineScores, cache_size: int) -> str:
-    """Why an engine has no best setting: none fits the budget, or none that fits is timed."""
+    """Why an engine has no best setting: none fits the budget, or none that fits is timed (with the reason,
+    when they share one)."""
     count = len(section.scores)
     if count:
         which = "its one setting" if count == 1 else f"none of its {count} settings"
-        return f"{section.name}: {which} at {cache_size:,} experts {'is not' if count == 1 else 'is'} timed"
+        shared = _shared_reason(section)
+        return (f"{section.name}: {which} at {cache_size:,} experts {'is not' if count == 1 else 'is'} timed"
+                + (f" ({shared.removeprefix('not timed: ')})" if shared else ""))
     return (f"{section.name}: no setting it can express fits {cache_size:,} experts"
             + (f" ({section.limits})" if section.limits else ""))
 
@@ -189,7 +198,10 @@ def setting_notes(section: EngineScores) -> list[tuple[str, str]]:
 
 
 def untimed_lines(section: EngineScores) -> list[str]:
-    """A line for each setting not timed: why the hardware cannot host it."""
+    """A line for each setting not timed: why the hardware cannot host it (none when every setting shares the
+    reason, which ``no_timed_setting`` says once)."""
+    if _shared_reason(section) is not None:
+        return []
     return [f"{entry.setting.label}: {entry.setting.cannot_host}" for entry in section.scores
             if entry.setting.cannot_host is not None]
 
