@@ -25,8 +25,9 @@ offloaded whole no top. An expert's offloaded part then crosses the host link in
 pass routes it and leaves once it has run, never kept: the bytes UVA reads. What this leaves out: UVA's
 kernel reads while it computes, where the simulator computes an expert's offloaded share once it has landed
 (its resident top before, as split experts do), and the buffer of K experts serializes a prefill's many
-experts that UVA would read at the link's rate all the same. Pinned host memory holds the offloaded tensors,
-so the experts must fit in the host tier (``PlacementContext.outside_host_memory``).
+experts that UVA would read at the link's rate all the same. Pinned host memory holds the offloaded tensors
+(and the experts PR #37190 copies from), so the experts must fit in the host tier
+(``PlacementContext.outside_host_memory``).
 
 ``--moe-expert-cache-size N`` (PR #37190, open, not merged; ``CachedWeightProvider``): every layer keeps
 a GPU cache of N experts, a miss is copied from pinned host memory on demand (synchronously, in
@@ -132,6 +133,8 @@ def settings(context: PlacementContext) -> list[Setting]:
     if per_layer >= 1:
         out.append(Setting("vllm", f"--moe-expert-cache-size {per_layer} (PR #37190)",
                            ["--moe-expert-cache-size", str(per_layer)], "lfru-dist",
+                           cannot_host=context.outside_host_memory("PR #37190 copies its misses from pinned host "
+                                                                   "memory"),
                            note="vllm-project/vllm PR #37190 (open, not merged): LFRU cache of "
                                 f"{per_layer} experts per layer, misses copied on demand"))
     return out
