@@ -56,7 +56,8 @@ def test_placement_host_layers_and_skew_by_hand():
     ("a.csv", "1,2\n3\n", "line 2: 1 counts, the first layer has 2"),
     ("b.csv", "1,x\n", "line 1: 'x' is not a count"),
     ("c.csv", "1,-2\n", "count -2.0 is not a finite non-negative number"),
-    ("d.json", '{"other": 1}', "'counts' or 'logical_count'"),
+    ("d.json", '{"other": 1}', "'counts' or 'logical_count', and this one has 'other': a routing log is converted "
+                              "with `moe-offload trace import FORMAT "),
     ("e.json", "[[1, 2], [3]]", "rectangular table"),
     ("f.csv", "0,0\n0,0\n", "every count is 0"),
     ("g.txt", "1", "a counts table is"),

@@ -241,7 +241,10 @@ def _json_counts(path: Path) -> np.ndarray:
     if isinstance(document, dict):
         key = next((k for k in ("counts", "logical_count") if k in document), None)
         if key is None:
-            raise TraceError(path, "a counts object holds 'counts' or 'logical_count'")
+            keys = ", ".join(repr(k) for k in list(document)[:4]) or "no key"
+            raise TraceError(path, f"a counts object holds 'counts' or 'logical_count', and this one has {keys}: a "
+                                   "routing log is converted with `moe-offload trace import FORMAT "
+                                   f"{shlex.quote(str(path))} -o TRACE.parquet` (docs/traces.md)")
         document = document[key]
     if not (isinstance(document, list) and document and all(isinstance(r, list) and r for r in document)):
         raise TraceError(path, "counts must be a list of per-layer lists of numbers")
