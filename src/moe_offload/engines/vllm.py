@@ -126,7 +126,8 @@ def settings(context: PlacementContext) -> list[Setting]:
                            ["--cpu-offload-gb", gib, "--cpu-offload-params", "experts"], "lru",
                            resident=layer_keys([l for l in range(L) if l not in streamed], J),
                            split=uva_split(streamed, L, J),
-                           cannot_host=context.outside_host_memory("UVA reads the offloaded experts from pinned host memory"),
+                           cannot_host=context.outside_host_memory("UVA reads the offloaded experts from pinned "
+                                                                   "host memory"),
                            note="the offloaded experts read over the link in every pass that routes them, never "
                                 "kept (UVA): split experts, preloaded"))
     per_layer = context.slots // L
