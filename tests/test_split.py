@@ -78,6 +78,18 @@ def test_a_preloaded_split_streams_what_it_does_not_cache_by_hand():
     assert resident.hits == resident.accesses == 4
 
 
+def test_a_preloaded_split_may_fill_the_gpu_its_buffer_being_reads_in_place():
+    # two layers of four experts of 100 B: every top whole fills a GPU of 800 B; MoEpic's configuration would also
+    # need its buffer of K = 1 expert there, a preloaded one (vLLM's UVA) reads in place
+    trace = hand_trace([[[1], [2]], [[1], [2]]], layers=2)
+    whole = (LayerSplitPlan(4, 1.0),) * 2
+    result = simulate_timed(trace, profile(gpu=800), "lru", split=SplitConfig(whole, preloaded=True))
+    assert result.cache_bytes == 800 and result.hits == 4
+    with pytest.raises(ConfigError, match=r"the cached top segments \(800 B\) and the buffer of 1 experts \(100 B\) "
+                                          r"need 900 B, more than the 800 B"):
+        simulate_timed(trace, profile(gpu=800), "lru", split=SplitConfig(whole))
+
+
 def test_the_runtime_refuses_what_only_the_simulator_splits():
     from moe_offload.runtime.split import load_split_config
 

@@ -111,8 +111,9 @@ class SplitConfig:
         return top_k * expert_bytes
 
     def memory_bytes(self, top_k: int, expert_bytes: int) -> int:
-        """The VRAM of the split experts: the top segments and the buffer."""
-        return self.cache_bytes(expert_bytes) + self.buffer_bytes(top_k, expert_bytes)
+        """The VRAM of the split experts: the top segments and the buffer. A preloaded configuration stands for
+        reads in place (vLLM's UVA, module doc): its buffer is the link's reads, no VRAM of the engine's."""
+        return self.cache_bytes(expert_bytes) + (0 if self.preloaded else self.buffer_bytes(top_k, expert_bytes))
 
     def check(self, num_layers: int, num_experts: int, top_k: int, expert_bytes: int, gpu_name: str,
               gpu_bytes: int, source: str = "the split configuration") -> None:
@@ -121,9 +122,10 @@ class SplitConfig:
         buffer = self.buffer_bytes(top_k, expert_bytes)
         needed = self.memory_bytes(top_k, expert_bytes)
         if needed > gpu_bytes:
-            raise ConfigError(f"{source}: the cached top segments ({format_bytes(self.cache_bytes(expert_bytes))}) "
-                              f"and the buffer of {top_k} experts ({format_bytes(buffer)}) need "
-                              f"{format_bytes(needed)}, more than the {format_bytes(gpu_bytes)} of the {gpu_name}")
+            with_buffer = "" if self.preloaded else f" and the buffer of {top_k} experts ({format_bytes(buffer)})"
+            raise ConfigError(f"{source}: the cached top segments ({format_bytes(self.cache_bytes(expert_bytes))})"
+                              f"{with_buffer} need {format_bytes(needed)}, more than the {format_bytes(gpu_bytes)} "
+                              f"of the {gpu_name}")
 
     def check_model(self, num_layers: int, num_experts: int, expert_bytes: int,
                     source: str = "the split configuration") -> None:
