@@ -46,6 +46,17 @@ def test_placement_prints_flags_and_writes_the_neutral_json(tmp_path):
     assert set(kept) <= {0, 64} and sum(kept) <= 512
 
 
+def test_where_every_expert_fits_vllm_needs_no_flag(tmp_path):
+    output = tmp_path / "vllm.json"
+    code, out, err = run_cli(["placement", "tiny", "--engine", "vllm", "--fast-memory", "100%", "--timed-tokens", "16",
+                              "-o", str(output)])
+    assert code == 0, err
+    assert out.splitlines()[0].startswith("# vllm at 64 experts: every expert in VRAM (no offload flag), the least")
+    assert out.splitlines()[1] == "vllm serve moe-offload/tiny-mixtral"
+    document = json.loads(output.read_text())
+    assert document["flags"] == [] and [len(layer) for layer in document["resident_experts_per_layer"]] == [8] * 8
+
+
 def test_on_the_edge_box_the_pr_cache_is_listed_with_why_it_is_not_timed():
     # FlashMoE's edge box keeps 1 GiB of host memory for experts, and OLMoE's are 12 GiB: PR #27861 uploads
     # from host memory, so its settings are listed, not timed, and the best is one the box can run

@@ -29,6 +29,8 @@ experts that UVA would read at the link's rate all the same. Pinned host memory 
 (and the experts PR #37190 copies from), so the experts must fit in the host tier
 (``PlacementContext.outside_host_memory``).
 
+Where every expert fits, the release needs no flag: that setting is listed first (every expert resident).
+
 ``--moe-expert-cache-size N`` (PR #37190, open, not merged; ``CachedWeightProvider``): every layer keeps
 a GPU cache of N experts, a miss is copied from pinned host memory on demand (synchronously, in
 ``prepare()``), and the victim is chosen by LFRU: ``lfru-dist`` (policies/lfru.py, the rule derived there).
@@ -114,6 +116,9 @@ def settings(context: PlacementContext) -> list[Setting]:
     spec = context.spec
     L, J = spec.num_layers, spec.num_experts
     out = []
+    if context.slots >= L * J:  # nothing to offload: the release's default
+        out.append(Setting("vllm", "every expert in VRAM (no offload flag)", [], "static-layers", {"cpu_layers": []},
+                           layer_keys(range(L), J)))
     if context.slots < L * J and context.expert_bytes:
         tensors = expert_tensors(L, J, context.expert_bytes)
         count = offloaded_prefix(L, J, context.expert_bytes, context.slots)

@@ -170,7 +170,7 @@ def setting_rows(section: EngineScores) -> list[tuple[str, ...]]:
 
 
 def command_line(section: EngineScores, entry: SettingScore) -> str:
-    return f"{section.command} {shlex.join(entry.setting.flags)}"
+    return " ".join(filter(None, (section.command, shlex.join(entry.setting.flags))))
 
 
 def _shared_reason(section: EngineScores) -> str | None:
