@@ -88,10 +88,11 @@ def test_placement_writes_ktransformers_counts(tmp_path):
     (["--engine", "all"], "name one of"),
     (["--engine", "tgi"], "--engine 'tgi'"),
     (["--engine", "vllm", "-o", "out.txt"], "out.txt"),
+    (["--engine", "llama.cpp", "-o", "out.pt"], "out.pt: no llama.cpp setting reads a file; write FILE.json"),
     (["--engine", "vllm", "--profile", "missing.parquet"], "missing.parquet"),
 ])
 def test_bad_placement_input_is_one_line(tmp_path, argv, problem):
-    argv = [a if a != "out.txt" else str(tmp_path / a) for a in argv]
+    argv = [a if a not in ("out.txt", "out.pt") else str(tmp_path / a) for a in argv]
     code, out, err = run_cli(["placement", "tiny", "--fast-memory", "25%", *argv])
     assert code == 2 and problem in err and len(err.strip().splitlines()) == 1 and out == ""
 
@@ -153,3 +154,16 @@ def test_an_engine_with_no_timed_setting_says_why_in_one_line():
                               "--hardware", "edge-flashmoe", "--timed-tokens", "16"])
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and err.count("issue #2084") == 1
     assert "ktransformers: none of its 4 settings at 256 experts is timed (kt-kernel loads every expert" in err
+
+
+def test_the_engines_that_read_a_file_are_those_whose_settings_export_one(tiny_trace):
+    from moe_offload.engines import ENGINES, PlacementContext
+    from moe_offload.hardware import resolve_profile
+    from moe_offload.policies import ModelSpec
+
+    meta = tiny_trace.meta
+    context = PlacementContext(ModelSpec(meta.num_layers, meta.num_experts, meta.top_k), 16, tiny_trace,
+                               resolve_profile("desktop-rtx4090"), meta.expert_bytes)
+    exports = {name: any(s.export is not None for s in engine.settings(context)) for name, engine in ENGINES.items()}
+    assert exports == {name: engine.reads_files for name, engine in ENGINES.items()}
+    assert exports == {"llama.cpp": False, "ktransformers": True, "vllm": False, "sglang": True}

@@ -54,7 +54,7 @@ def run(args) -> int:
 
     from moe_offload.bundled import trace_path
     from moe_offload.cli.report_cmd import fast_memory_experts
-    from moe_offload.engines import engine_names
+    from moe_offload.engines import ENGINES, engine_names
     from moe_offload.hardware import resolve_profile
     from moe_offload.outputs import check_output, write_atomically
     from moe_offload.reporting.on_engine import command_line, measure_on_engine, no_timed_setting, untimed_lines
@@ -69,6 +69,9 @@ def run(args) -> int:
     path = trace_path(args.trace)
     if args.output:
         check_output(args.output, inputs=[path], suffixes=SUFFIXES, what="placement")
+        if Path(args.output).suffix == ".pt" and not ENGINES[engine].reads_files:
+            raise ConfigError(f"-o {args.output}: no {engine} setting reads a file; write FILE.json for the best "
+                              "one's flags and resident experts")
     seed = integer(args.seed, "--seed", low=0)
     timed_tokens = integer(args.timed_tokens, "--timed-tokens", low=1)
     hardware = resolve_profile(args.hardware)

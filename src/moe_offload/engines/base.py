@@ -91,13 +91,15 @@ class Setting:
 @dataclass
 class EngineModel:
     """An engine: its name, the command its flags go to, where its semantics come from, and its settings at a
-    budget (``settings(context)``); ``limits`` says what it cannot express."""
+    budget (``settings(context)``); ``limits`` says what it cannot express; ``reads_files``: some of its
+    settings read a file `placement -o` writes (``Setting.export``)."""
 
     name: str
     command: str
     source: str
     settings: Callable[[PlacementContext], list[Setting]]
     limits: str = ""
+    reads_files: bool = False
 
 
 def run_setting(setting: Setting, trace: Trace, context: PlacementContext, name: str | None = None):

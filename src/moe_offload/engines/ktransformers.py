@@ -141,6 +141,6 @@ ENGINE = EngineModel(
     source="kvcache-ai/sglang python/sglang/srt/layers/moe/kt_utils.py (masks), kt_ep_wrapper.py (layerwise prefill, "
            "dynamic expert update), kvcache-ai/ktransformers kt-kernel/python/experts_base.py "
            "(generate_gpu_experts_masks)",
-    settings=settings,
+    settings=settings, reads_files=True,
     limits="a GPU set of n experts per layer on average, changed only by a long prefill (dynamic update); "
            "misses are computed on the CPU, never loaded")

@@ -26,6 +26,6 @@ def settings(context: PlacementContext) -> list[Setting]:
 ENGINE = EngineModel(
     name="sglang", command="python -m sglang.launch_server --model MODEL --kt-weight-path WEIGHTS",
     source="sgl-project/sglang python/sglang/srt/eplb (expert location, EPLB); the kt backend's flags",
-    settings=settings,
+    settings=settings, reads_files=True,
     limits="--init-expert-location and EPLB place experts across GPUs: on one GPU they express nothing below "
            "all experts; the settings listed are its kt backend's (KTransformers)")
