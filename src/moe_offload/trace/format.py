@@ -281,7 +281,7 @@ def read_trace(path, columns: tuple[str, ...] | None = None, *, unsealed: bool =
         schema = parquet.schema_arrow
         names = list(schema.names)
     except (pa.ArrowException, OSError, ValueError, MemoryError) as exc:
-        foreign = foreign_format(path)
+        foreign = _foreign_format(path)
         if foreign is not None:
             raise TraceError(path, f"not a trace of this project but {foreign}") from None
         raise TraceError(path, f"not a Parquet file, or corrupt or truncated ({_first_line(exc)})") from None
@@ -336,7 +336,7 @@ def _schema_metadata(path: Path) -> dict | None:
     return pq.read_schema(path).metadata
 
 
-def foreign_format(path) -> str | None:
+def _foreign_format(path) -> str | None:
     """What a file that is not Parquet looks like from its first bytes, and how to convert it (None: nothing
     recognised, a damaged Parquet file included)."""
     try:
