@@ -91,3 +91,18 @@ def tiny_recorded():
     from tiny_server import recorded_alone
 
     return recorded_alone()
+
+
+@pytest.fixture
+def uncompiled_policy(monkeypatch):
+    """The name of a registered policy with no compiled kernel, as a new policy starts before its kernel is
+    written (every policy the project ships has one): LRU's hooks under the name "lru-objects"."""
+    from moe_offload.policies import POLICIES, PolicyInfo
+    from moe_offload.policies.lru import LRU
+
+    class ObjectsOnly(LRU):
+        name = "lru-objects"
+        replay_kernel = None
+
+    monkeypatch.setitem(POLICIES, ObjectsOnly.name, PolicyInfo(ObjectsOnly.name, ObjectsOnly))
+    return ObjectsOnly.name

@@ -118,7 +118,7 @@ def test_kernels_run_uncompiled_with_the_same_results(monkeypatch):
 
 
 @needs_numba
-def test_auto_uses_the_kernel_and_python_forces_the_objects(olmoe, monkeypatch):
+def test_auto_uses_the_kernel_and_python_forces_the_objects(olmoe, monkeypatch, uncompiled_policy):
     calls = []
     original = kernels.compiled_kernel
 
@@ -129,8 +129,8 @@ def test_auto_uses_the_kernel_and_python_forces_the_objects(olmoe, monkeypatch):
     monkeypatch.setattr(kernels, "compiled_kernel", spy)
     replay(olmoe, "lru", 64)
     replay(olmoe, "lru", 64, engine="python")
-    replay(olmoe, "learned", 64)  # no kernel: the object, whatever the engine
-    assert calls == ["lru", "learned"]
+    replay(olmoe, uncompiled_policy, 64)  # no kernel: the object, whatever the engine
+    assert calls == ["lru", uncompiled_policy]
 
 
 @needs_numba
@@ -141,11 +141,11 @@ def test_grid_results_do_not_depend_on_the_engine(olmoe):
     assert [r.to_dict() for r in compiled.results] == [r.to_dict() for r in python.results]
 
 
-def test_engine_errors(olmoe, monkeypatch):
+def test_engine_errors(olmoe, monkeypatch, uncompiled_policy):
     with pytest.raises(ConfigError, match="engine 'fast' is not one of auto, compiled, python"):
         replay(olmoe, "lru", 64, engine="fast")
-    with pytest.raises(ConfigError, match="learned has no compiled kernel"):
-        replay(olmoe, "learned", 64, engine="compiled")
+    with pytest.raises(ConfigError, match=f"{uncompiled_policy} has no compiled kernel"):
+        replay(olmoe, uncompiled_policy, 64, engine="compiled")
     monkeypatch.setattr(kernels, "compiled_kernel", lambda policy_class: None)  # as without Numba
     with pytest.raises(ConfigError, match=r"pip install 'moe-offload\[fast\]'"):
         replay(olmoe, "lru", 64, engine="compiled")

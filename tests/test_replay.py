@@ -188,14 +188,14 @@ def test_a_grid_run_during_another_replays_its_own_input():
     # its input to the other's runs
     first = ReplayInput.of(zipf_trace(2, 8, 2, 60, a=1.0, b=1.0, seed=1, shuffle=True), name="first")
     second = ReplayInput.of(zipf_trace(2, 8, 2, 90, a=1.0, b=1.0, seed=2, shuffle=True), name="second")
-    alone = [result.to_dict() for result in replay_grid(first, ["learned"], [4, 6]).results]
+    alone = [result.to_dict() for result in replay_grid(first, ["learned"], [4, 6], engine="python").results]
     nested = []
 
     def start_another(_accesses):
         if not nested:
-            nested.append(replay_grid(second, ["learned"], [4]))
+            nested.append(replay_grid(second, ["learned"], [4], engine="python"))
 
-    during = replay_grid(first, ["learned"], [4, 6], progress=start_another)
+    during = replay_grid(first, ["learned"], [4, 6], progress=start_another, engine="python")
     assert [result.to_dict() for result in during.results] == alone
     assert nested[0].results[0].accesses == 90 * 2 * 2
 

@@ -205,40 +205,42 @@ def test_verdict_sentences(olmoe):
     assert "the working set, not the policy, limits the hits" in verdict(large, 1024)
 
 
-def test_policies_without_a_kernel_replay_a_prefix_of_a_large_trace(olmoe, monkeypatch):
+def test_policies_without_a_kernel_replay_a_prefix_of_a_large_trace(olmoe, monkeypatch, uncompiled_policy):
     from moe_offload.reporting import bound as bound_module
 
     monkeypatch.setattr(bound_module, "PYTHON_REPLAY_REQUESTS", 5000)  # olmoe has 38,272 requests
     working_set = measure_working_set(olmoe.trace, olmoe.sequence)
-    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "learned"])
-    assert [r.policy for r in bound.online] == ["lru"] and [r.policy for r in bound.sampled] == ["learned"]
+    bound = measure_bound(olmoe, 256, working_set, policies=["lru", uncompiled_policy])
+    assert [r.policy for r in bound.online] == ["lru"] and [r.policy for r in bound.sampled] == [uncompiled_policy]
     rows = 5000 // (16 * 8)  # whole rows of L * K requests each
     assert bound.sampled_tokens == rows
     prefix = ReplayInput.of(olmoe.trace.select(slice(0, rows)))
-    assert bound.sampled[0].hits == replay(prefix, "learned", 256).hits
+    assert bound.sampled[0].hits == replay(prefix, uncompiled_policy, 256).hits
     assert bound.sampled_belady.hits == replay(prefix, "belady", 256).hits
     # LRU on the same rows says how far they are from the whole trace, whose exact LRU the reuse distances give
     lru_prefix, lru_whole = replay(prefix, "lru", 256).hit_rate, replay(olmoe, "lru", 256).hit_rate
     assert bound.sampled_lru.hits == replay(prefix, "lru", 256).hits and bound.lru_exact == lru_whole
     assert bound.prefix_text() == (
-        f"learned ran on the first {rows} tokens only (`--exact`: the whole trace); there LRU hits {lru_prefix:.2%}, "
+        f"{uncompiled_policy} ran on the first {rows} tokens only (`--exact`: the whole trace); "
+        f"there LRU hits {lru_prefix:.2%}, "
         f"{(lru_prefix - lru_whole) * 100:+.2f} points from its {lru_whole:.2%} on the whole trace: read them "
         "against LRU's and OPT's rows on the same tokens")
 
 
-def test_without_the_prefix_a_policy_without_a_kernel_replays_the_whole_trace(olmoe, monkeypatch):
+def test_without_the_prefix_a_policy_without_a_kernel_replays_the_whole_trace(olmoe, monkeypatch,
+                                                                                 uncompiled_policy):
     from moe_offload.reporting import bound as bound_module
 
     monkeypatch.setattr(bound_module, "PYTHON_REPLAY_REQUESTS", 5000)
     working_set = measure_working_set(olmoe.trace, olmoe.sequence)
     steps = []
-    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "learned"], python_prefix=False,
+    bound = measure_bound(olmoe, 256, working_set, policies=["lru", uncompiled_policy], python_prefix=False,
                           step=steps.append)
-    assert sorted(r.policy for r in bound.online) == ["learned", "lru"] and bound.sampled == []
-    assert steps[-1] == ("the bound: 2 online policies at the budget (learned in Python, with no compiled kernel: "
-                         "about a hundred times slower), OPT at every size beside them")
-    learned = bound.result("learned")
-    assert learned.accesses == len(olmoe.sequence) and learned.hits == replay(olmoe, "learned", 256).hits
+    assert sorted(r.policy for r in bound.online) == ["lru", uncompiled_policy] and bound.sampled == []
+    assert steps[-1] == (f"the bound: 2 online policies at the budget ({uncompiled_policy} in Python, "
+                         "with no compiled kernel: about a hundred times slower), OPT at every size beside them")
+    objects = bound.result(uncompiled_policy)
+    assert objects.accesses == len(olmoe.sequence) and objects.hits == replay(olmoe, uncompiled_policy, 256).hits
 
 
 def test_the_bound_says_when_it_waits_for_the_working_set(olmoe):
@@ -273,8 +275,8 @@ def test_report_exact_lifts_the_prefix_and_the_samples(monkeypatch):
     assert asked[1] == {"sample_above": None, "replay_sample_above": None, "python_prefix": False}
 
 
-def test_the_first_rows_step_says_why_each_policy_runs_there(olmoe, monkeypatch):
-    # learned has no kernel; static-freq and pinned-lru have one, but their placements stay off a sample of the
+def test_the_first_rows_step_says_why_each_policy_runs_there(olmoe, monkeypatch, uncompiled_policy):
+    # lru-objects has no kernel; static-freq and pinned-lru have one, but their placements stay off a sample of the
     # experts, so with the replays sampled they run on the first rows too
     from moe_offload.reporting import bound as bound_module
 
@@ -282,11 +284,11 @@ def test_the_first_rows_step_says_why_each_policy_runs_there(olmoe, monkeypatch)
     working_set = measure_working_set(olmoe.trace, olmoe.sequence)
     half = len(olmoe.sequence) // 2
     steps = []
-    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "learned", "static-freq", "pinned-lru"],
+    bound = measure_bound(olmoe, 256, working_set, policies=["lru", uncompiled_policy, "static-freq", "pinned-lru"],
                           sample_above=half, replay_sample_above=half, step=steps.append)
-    assert steps[-1] == ("the bound: learned (no compiled kernel); static-freq, pinned-lru (placements, not on a "
-                         "sample) on the first 39 tokens")
-    assert sorted(r.policy for r in bound.sampled) == ["learned", "pinned-lru", "static-freq"]
+    assert steps[-1] == (f"the bound: {uncompiled_policy} (no compiled kernel); static-freq, pinned-lru "
+                         "(placements, not on a sample) on the first 39 tokens")
+    assert sorted(r.policy for r in bound.sampled) == [uncompiled_policy, "pinned-lru", "static-freq"]
 
 
 def test_a_hit_rate_no_cache_reaches_is_unreachable():

@@ -147,18 +147,19 @@ def test_the_page_opens_in_a_headless_browser(olmoe_report, tmp_path):
     assert len(png) > 50_000  # text, tables and figures: a blank page of this size compresses to a few kB
 
 
-def test_the_first_rows_are_read_against_lru_on_them_in_the_terminal_and_the_page(tmp_path, monkeypatch):
+def test_the_first_rows_are_read_against_lru_on_them_in_the_terminal_and_the_page(tmp_path, monkeypatch,
+                                                                                   uncompiled_policy):
     from moe_offload.reporting import bound
 
-    monkeypatch.setattr(bound, "PYTHON_REPLAY_REQUESTS", 5000)  # olmoe's 38,272 requests: learned on 39 tokens
+    monkeypatch.setattr(bound, "PYTHON_REPLAY_REQUESTS", 5000)  # olmoe's 38,272 requests: 39 tokens
     page = tmp_path / "report.html"
     code, out, err = run_cli(["report", "olmoe", "--fast-memory", "25%", "--timed-tokens", "4", "--engine", "vllm",
                               "--jobs", "1", "-o", str(page)])
     assert code == 0, err
     said = " ".join(out.split())
     names = [line.split()[1] for line in out.splitlines() if line.endswith("first 39 tokens │")]  # "│ name │ ..."
-    assert names[0] == "belady" and sorted(names[1:]) == ["learned", "lru"]  # OPT first, then by hits
-    sentence = "learned ran on the first 39 tokens only (`--exact`: the whole trace); there LRU hits"
+    assert names[0] == "belady" and sorted(names[1:]) == ["lru", uncompiled_policy]  # OPT first, then by hits
+    sentence = f"{uncompiled_policy} ran on the first 39 tokens only (`--exact`: the whole trace); there LRU hits"
     assert sentence in said and "on the whole trace: read them against LRU's and OPT's rows on the same tokens" in said
     assert sentence in " ".join(page.read_text(encoding="utf-8").split())
 
