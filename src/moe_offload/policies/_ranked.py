@@ -109,16 +109,7 @@ def _heap_sift(keys, scores, stamps, position, size, i, key, score, stamp):
         _heap_place(keys, scores, stamps, position, i, keys[parent], scores[parent], stamps[parent])
         i = parent
         moved = True
-    if moved:
-        _heap_place(keys, scores, stamps, position, i, key, score, stamp)
-    else:
-        _heap_sift_down(keys, scores, stamps, position, size, i, key, score, stamp)
-
-
-def _heap_sift_down(keys, scores, stamps, position, size, i, key, score, stamp):
-    """Put (key, score, stamp) in the hole at ``i`` of a heap of ``size`` whose subtrees below ``i`` are heaps,
-    moving it down to its place."""
-    while True:
+    while not moved:
         child = 2 * i + 1
         if child >= size:
             break
@@ -131,13 +122,6 @@ def _heap_sift_down(keys, scores, stamps, position, size, i, key, score, stamp):
         _heap_place(keys, scores, stamps, position, i, keys[child], scores[child], stamps[child])
         i = child
     _heap_place(keys, scores, stamps, position, i, key, score, stamp)
-
-
-def heap_build(keys, scores, stamps, position, size):
-    """Order the first ``size`` entries, in any order, into a heap, in O(size): each node from the last parent
-    up sifted down into its subtrees, which are heaps by then (Floyd 1964)."""
-    for i in range(size // 2 - 1, -1, -1):
-        _heap_sift_down(keys, scores, stamps, position, size, i, keys[i], scores[i], stamps[i])
 
 
 def heap_push(keys, scores, stamps, position, size, key, score, stamp):
