@@ -611,11 +611,10 @@ def test_shipped_model():
     assert model.rows_trained_on(hashlib.sha256(bundled.DEFAULT_TRACE.read_bytes()).hexdigest()) == ["0:150"]
     spec = ModelSpec(16, 64, 8)
     assert LearnedEviction(spec).model.metadata["weights_sha256"] == model.metadata["weights_sha256"]
-    # the held-out misses the training command recorded are the network's on its exact inputs; the policy reads
-    # it on its grid, one miss of 19,072 requests more on those rows
+    # the held-out misses the training command recorded are what the policy makes on those rows
     held_out = {(h["trace"], h["rows"], h["cache_size"]): h for h in training["held_out"]}
     assert all(h["rows_trained_on"] == 0 for h in held_out.values())
     recorded = held_out[("olmoe-1b-7b-decode299.parquet", "150:299", 128)]
     rows = ReplayInput.of(read_trace(bundled.DEFAULT_TRACE).select(slice(150, 299)))
-    assert recorded["learned_misses"] == 11062 and replay(rows, "learned", 128).misses == 11063
+    assert replay(rows, "learned", 128).misses == recorded["learned_misses"]
     assert replay(rows, "lru", 128).misses == recorded["lru_misses"]

@@ -18,21 +18,22 @@ The network is read on a grid. Its two inputs are functions of integers (r, f, m
 of traffic asks for tens of millions of scores: ranking every resident at every token costs, at the paper's
 17k multiply-adds a row, about a hundred seconds of arithmetic on 38M requests (1,536 residents a token over
 100k tokens), where every other policy's kernel takes a second or two. So the network is evaluated once, at
-every point of a grid (learned_model.score_table, 263,425 rows, half a second), and a score is a table
+every point of a grid (learned_model.score_table, 263,425 rows, a third of a second), and a score is a table
 lookup: recency exact up to r = 128 tokens (1/r as the paper's feature), beyond it in 128 bins of equal width
-in 1/r (the input's distance from 0 is then under 1/128, where the network is flat); f / max f rounded to the
-nearest multiple of 1/1024. A tie of grid points is an exact tie, broken like any other by the older last
-request. Against the network on its exact inputs this moves the hit rate by at most 0.01 points on the shared
-OLMoE, Qwen1.5-MoE and gpt-oss traces at 12.5, 25 and 50% of the experts, and 0.0x on a 20k-token synthetic
-trace of 7.7M requests (docs/benchmarks.md has the command), and it makes one compiled kernel serve the
-Python policy's decisions exactly: both read the same table with the same integer indices.
+in 1/r (1/r then lies within 1/128 of 0, and a bin is 1/16384 wide); f / max f rounded to the nearest
+multiple of 1/1024. A tie of grid points is an exact tie, broken like any other by the older last request.
+Against the network on its exact inputs this moves the hit rate by at most GRID_ERROR points on the bundled
+OLMoE trace and the shared Qwen1.5-MoE and gpt-oss traces at 12.5, 25 and 50% of the experts, and by at most
+SYNTH_ERROR on a synthetic trace of 7.7M requests (benchmarks/learned_grid.py), and it lets one compiled
+kernel make the Python policy's decisions exactly: both read the same table with the same integer indices.
 
 Speed: scores are kept for the resident experts and recomputed lazily, at the next eviction: all of them
 when the token advanced or max f changed (every recency or every normalised frequency moved), otherwise only
 those requested or inserted since the last eviction. The residents sit in a heap ordered by (-score, last
 request), rebuilt at each full rescoring and updated lazily in between, so a victim costs O(log n). The
-compiled kernel (replay_kernel) keeps the same heap (policies/_ranked.py): rebuilt in O(n) when the token or
-max f moved, and a requested resident re-keyed at once otherwise.
+compiled kernel (replay_kernel) keeps them in slots under a winner tree instead, which a full rescoring
+rebuilds bottom-up at a third of a heap's cost: 2.2 s for 38.4M requests at 1,536 experts, LRU's 0.24 s
+(`benchmarks/report_scale.py --tokens 100000 --kernels`).
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ class LearnedEviction(EvictionPolicy):
         if self.model.per_layer and self._networks != spec.num_layers:
             raise ConfigError(f"learned-eviction model {self.model.path}: its {self._networks} per-layer networks "
                               f"do not fit a model of {spec.num_layers} MoE layers")
-        self._table = self.model.score_table()  # [networks, GRID_ROWS, GRID_COLUMNS]
         capacity = max(16, spec.num_layers * spec.num_experts)
         # Per slot (one per key ever seen); Python lists for the per-request work ...
         self._slot: dict = {}         # key -> slot
@@ -179,7 +179,7 @@ class LearnedEviction(EvictionPolicy):
     def kernel_arguments(self) -> tuple[np.ndarray, np.ndarray]:
         """The score table, flattened (a copy: the shared table is read-only, the kernel's arguments are not),
         and the number of networks."""
-        return self._table.reshape(-1).copy(), np.array([self._networks], np.int64)
+        return self.model.score_table().reshape(-1).copy(), np.array([self._networks], np.int64)
 
     # ------------------------------------------------------------------------------------- scoring
 
@@ -188,7 +188,7 @@ class LearnedEviction(EvictionPolicy):
         slots = np.flatnonzero(self._resident)
         last = self._token_np[slots]
         recency = np.where(last >= 0, np.maximum(token - last + 1, 1), 0)  # 0: never routed
-        values = self._table[self._network_np[slots], grid_rows(recency),
+        values = self.model.score_table()[self._network_np[slots], grid_rows(recency),
                              grid_columns(self._freq_np[slots], self._max_freq)]
         negs = (-values).tolist()
         slot_list = slots.tolist()
@@ -204,7 +204,7 @@ class LearnedEviction(EvictionPolicy):
     def _rescore_dirty(self, token: int) -> None:
         """Re-score and re-queue the residents requested or inserted since the last eviction (same token,
         same max f)."""
-        table, scale = self._table, column_scale(self._max_freq)
+        table, scale = self.model.score_table(), column_scale(self._max_freq)
         last_token, freq, network = self._token, self._freq, self._network
         heap, neg, clock = self._heap, self._neg, self._clock
         for slot in self._dirty:
