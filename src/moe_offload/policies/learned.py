@@ -22,10 +22,11 @@ every point of a grid (learned_model.score_table, 263,425 rows, a third of a sec
 lookup: recency exact up to r = 128 tokens (1/r as the paper's feature), beyond it in 128 bins of equal width
 in 1/r (1/r then lies within 1/128 of 0, and a bin is 1/16384 wide); f / max f rounded to the nearest
 multiple of 1/1024. A tie of grid points is an exact tie, broken like any other by the older last request.
-Against the network on its exact inputs this moves the hit rate by at most GRID_ERROR points on the bundled
+Against the network on its exact inputs this moves the hit rate by at most 0.016 points on the bundled
 OLMoE trace and the shared Qwen1.5-MoE and gpt-oss traces at 12.5, 25 and 50% of the experts, and by at most
-SYNTH_ERROR on a synthetic trace of 7.7M requests (benchmarks/learned_grid.py), and it lets one compiled
-kernel make the Python policy's decisions exactly: both read the same table with the same integer indices.
+0.001 on a synthetic trace of 7.7M requests (benchmarks/learned_grid.py, docs/policies/learned.md), and it lets
+one compiled kernel make the Python policy's decisions exactly: both read the same table with the same integer
+indices.
 
 Speed: scores are kept for the resident experts and recomputed lazily, at the next eviction: all of them
 when the token advanced or max f changed (every recency or every normalised frequency moved), otherwise only
