@@ -13,6 +13,7 @@ synthetic trace takes minutes at each size. Printed: each hit rate and their dif
 from __future__ import annotations
 
 import argparse
+import heapq
 import time
 from pathlib import Path
 
@@ -45,8 +46,6 @@ class ExactLearned(LearnedEviction):
         return (-self.model.forward(x, self._network_np[slots]).astype(np.float64)).tolist()
 
     def _rescore_all(self, token: int) -> None:
-        import heapq
-
         slots = np.flatnonzero(self._resident)
         negs, slot_list = self._exact(slots, token), slots.tolist()
         for slot, value in zip(slot_list, negs):
@@ -57,8 +56,6 @@ class ExactLearned(LearnedEviction):
         self._dirty.clear()
 
     def _rescore_dirty(self, token: int) -> None:
-        import heapq
-
         slots = np.array(sorted(self._dirty), dtype=np.int64)
         for slot, value in zip(slots.tolist(), self._exact(slots, token)):
             self._neg[slot] = value
