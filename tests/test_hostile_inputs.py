@@ -361,7 +361,7 @@ def test_jobs_must_be_a_positive_number(trace_file, capsys):
     assert_refused(code, err, "--jobs 0: must be a whole number of at least 1")
 
 
-def test_a_grid_starts_no_more_threads_or_processes_than_tasks(trace_file, monkeypatch):
+def test_a_grid_starts_no_more_threads_or_processes_than_tasks(trace_file, monkeypatch, uncompiled_policy):
     from moe_offload.simulator import kernels, replay as replay_module
     from moe_offload.simulator.replay import ReplayInput, replay_grid
     from moe_offload.values import cores
@@ -378,9 +378,9 @@ def test_a_grid_starts_no_more_threads_or_processes_than_tasks(trace_file, monke
     monkeypatch.setattr(replay_module, "ProcessPoolExecutor",
                         recording("processes", replay_module.ProcessPoolExecutor))
     data = ReplayInput.of(read_trace(trace_file))
-    replay_grid(data, ["lru", "learned"], [8, 12], jobs=12)
+    replay_grid(data, ["lru", uncompiled_policy], [8, 12], jobs=12)
     most = 1 if cores() == 1 else 2
-    if kernels.numba_available():  # lru on threads, Belady's references on one more; learned on processes
+    if kernels.numba_available():  # lru on threads, Belady's references on one more; lru-objects on processes
         assert started == {"threads": [most + 1], "processes": [] if most == 1 else [2]}
     else:  # all six in Python: processes; the threads' pool has nothing to run
         assert started == {"threads": [1], "processes": [] if most == 1 else [2]}
