@@ -14,8 +14,9 @@ from moe_offload.simulator.replay import ReplayInput, replay
 from moe_offload.trace.counts import ExpertCounts, read_counts
 
 
-def write_layouts(folder, counts: np.ndarray) -> list:
-    """The same table as every layout read_counts takes."""
+def write_layouts(folder, trace) -> list:
+    """The counts of ``trace`` as every layout read_counts takes."""
+    counts = ExpertCounts.of_trace(trace).counts
     L, J = counts.shape
     wide = folder / "wide.csv"
     wide.write_text("layer," + ",".join(map(str, range(J))) + "\n"
@@ -27,9 +28,9 @@ def write_layouts(folder, counts: np.ndarray) -> list:
                                                       for j in range(J)))
     as_json = folder / "c.json"
     as_json.write_text(json.dumps({"logical_count": counts.astype(int).tolist()}))
-    steps = folder / "steps.npy"  # SGLang's [buffered steps, layers, experts], split over two steps
-    half = counts // 2
-    np.save(steps, np.stack([half, counts - half]).astype(np.int32))
+    steps = folder / "steps.npy"  # SGLang's [buffered steps, layers, experts]: the first tokens, then the rest
+    first = ExpertCounts.of_trace(trace.select(slice(0, trace.num_tokens // 3))).counts
+    np.save(steps, np.stack([first, counts - first]).astype(np.int32))
     return [wide, bare, long, as_json, steps]
 
 
@@ -38,8 +39,27 @@ def test_counts_give_the_coverage_the_replay_measures_on_the_full_trace(tmp_path
     counted = ExpertCounts.of_trace(tiny_trace)
     run = replay(ReplayInput.of(tiny_trace, "tiny"), "static-freq", budget)
     expected = run.hits / run.accesses
-    for path in write_layouts(tmp_path, counted.counts):
+    for path in write_layouts(tmp_path, tiny_trace):
         assert read_counts(path).frequency_coverage([budget]) == [pytest.approx(expected, abs=1e-12)], path
+
+
+def test_a_routing_array_is_not_read_as_counts(tmp_path, tiny_trace):
+    # [tokens, layers, top_k] has the rank of SGLang's [steps, layers, experts]: its rows of distinct ids that sum
+    # differently across a token's layers tell it apart, and the refusal names the import that reads it
+    routing = tmp_path / "routing.npy"
+    np.save(routing, tiny_trace.experts.astype(np.int32))
+    with pytest.raises(TraceError, match=r"routing.npy: an integer array \[\d+, 8, 2\] whose every row holds 2 "
+                                         r"different values.* is routing .*`moe-offload trace import npy "):
+        read_counts(routing)
+    # counts of single tokens are 0s and 1s, rows that repeat values: still counts
+    one_token_steps = tmp_path / "steps.npy"
+    experts = tiny_trace.experts[:5]
+    steps = np.zeros((5, 8, 8), np.int32)
+    for token in range(5):
+        for layer in range(8):
+            steps[token, layer, experts[token, layer]] = 1
+    np.save(one_token_steps, steps)
+    assert read_counts(one_token_steps).total == 5 * 8 * 2
 
 
 def test_placement_host_layers_and_skew_by_hand():

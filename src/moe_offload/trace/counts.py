@@ -25,7 +25,9 @@ Files :func:`read_counts` reads, by suffix:
   not a number, and then an optional leading ``layer`` column), or the long form with header
   ``layer,expert,count``;
 * ``.json``: ``[[...], ...]`` (layers x experts), or an object with ``counts`` or ``logical_count``;
-* ``.npy``: ``[layers, experts]`` or ``[steps, layers, experts]`` (summed over steps);
+* ``.npy``: ``[layers, experts]`` or ``[steps, layers, experts]`` (summed over steps); a routing array
+  ``[tokens, layers, top_k]`` of the same rank is told apart and refused with the command that imports it
+  (``_reads_as_routing``);
 * ``.pt``: SGLang's dump (``logical_count``, summed over the buffered steps); needs PyTorch, read with
   ``weights_only=True`` (no code in the file runs).
 
@@ -155,11 +157,38 @@ def read_counts(path) -> ExpertCounts:
         counts = _json_counts(path)
     elif suffix == ".npy":
         counts = read_npy_file(path, MAX_COUNTS_FILE_BYTES)
+        if _reads_as_routing(counts):
+            tokens, layers, top_k = counts.shape
+            raise TraceError(path, f"an integer array [{tokens}, {layers}, {top_k}] whose every row holds {top_k} "
+                                   "different values, summing differently across the layers of a step, is routing "
+                                   "(the experts each token chose), not counts [steps, layers, experts]: import it "
+                                   f"with `moe-offload trace import npy {shlex.quote(str(path))} --experts J "
+                                   "-o TRACE.parquet`")
     elif suffix == ".pt":
         counts = _sglang_dump(path)
     else:
         raise TraceError(path, f"a counts table is {', '.join(COUNTS_SUFFIXES)}, not {suffix or 'no suffix'}")
     return ExpertCounts(_checked(np.asarray(counts), path), f"counts from {path.name}")
+
+
+def _reads_as_routing(array: np.ndarray) -> bool:
+    """Whether a ``.npy`` array is a routing array [tokens, layers, top_k] of expert ids rather than counts
+    [steps, layers, experts]. The two have the same rank; they differ in two ways. A token chooses top_k
+    different experts at a layer, so every row of a routing array holds distinct values, where counts repeat
+    (zeros, ones). And every token is routed at every MoE layer, so a step's counts sum to its tokens x top_k at
+    each layer that routed any, where a routing array's rows sum to whatever ids were chosen. Both must point to
+    routing: a counts table whose rows happen to be distinct still sums alike across its layers."""
+    if array.ndim != 3 or not np.issubdtype(array.dtype, np.integer) or array.shape[0] * array.shape[1] < 2:
+        return False
+    ordered = np.sort(array, axis=2)
+    if (np.diff(ordered, axis=2) == 0).any():
+        return False
+    sums = array.sum(axis=2, dtype=np.int64)
+    for step in sums:
+        routed = step[step != 0]
+        if routed.size > 1 and (routed != routed[0]).any():
+            return True
+    return False
 
 
 def _checked(counts: np.ndarray, path: Path) -> np.ndarray:
