@@ -36,7 +36,6 @@ def write_layouts(folder, trace) -> list:
 
 @pytest.mark.parametrize("budget", [8, 32, 100])
 def test_counts_give_the_coverage_the_replay_measures_on_the_full_trace(tmp_path, tiny_trace, budget):
-    counted = ExpertCounts.of_trace(tiny_trace)
     run = replay(ReplayInput.of(tiny_trace, "tiny"), "static-freq", budget)
     expected = run.hits / run.accesses
     for path in write_layouts(tmp_path, tiny_trace):
