@@ -76,15 +76,16 @@ def traces(synthetic_tokens: int) -> dict[str, ReplayInput]:
     return {name: ReplayInput.of(trace, name=name) for name, trace in out.items()}
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--synthetic-tokens", type=int, default=0,
                         help="add a 48 x 128 top-8 Zipf trace (a = 1.2) of this many tokens")
     args = parser.parse_args()
     POLICIES[ExactLearned.name] = PolicyInfo(ExactLearned.name, ExactLearned)
+    inputs = traces(args.synthetic_tokens)  # a bad length ends here, before any replay
     print("| trace | cache | grid (the policy) | exact inputs | grid - exact |")
     print("|---|---|---|---|---|")
-    for name, data in traces(args.synthetic_tokens).items():
+    for name, data in inputs.items():
         slots = data.spec.num_layers * data.spec.num_experts
         for fraction in FRACTIONS:
             size = max(data.spec.top_k, round(fraction * slots))
@@ -93,7 +94,10 @@ def main() -> None:
             exact = replay(data, ExactLearned.name, size).hit_rate
             print(f"| {name} | {size:,} ({fraction:.1%}) | {grid:.4%} | {exact:.4%} | {(grid - exact) * 100:+.3f} "
                   f"points |  ({time.perf_counter() - start:.0f} s)", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from script import run
+
+    run(main)
