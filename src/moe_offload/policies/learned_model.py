@@ -104,9 +104,9 @@ def column_scale(max_freq):
 
 
 def grid_column(freq, scale):
-    """The grid column of f / max f, the nearest multiple of 1 / GRID_FREQUENCY, from ``column_scale(max f)``:
-    one multiplication a resident where a division cost the kernel a tenth of its time. The same float64
-    operations in NumPy, Python and Numba give the same column."""
+    """The grid column of f / max f, the nearest multiple of 1 / GRID_FREQUENCY, from ``column_scale(max f)``
+    (one multiplication a resident). The same float64 operations in NumPy, Python and Numba give the same
+    column."""
     return int(freq * scale + 0.5)
 
 
