@@ -5,10 +5,13 @@
 For each trace (the bundled OLMoE trace, the shared Qwen1.5-MoE routes files when --shared holds them, and a
 synthetic Qwen3-30B-A3B-shaped Zipf trace of --tokens tokens: 48 layers, top-8 of 128, Zipf a = 1.2 per layer,
 as benchmarks/report_scale.py builds it) it measures OPT's hit rate at every cache size exactly
-(simulator/stack_distances.py) and from four samples of about the same share of the requests:
+(simulator/stack_distances.py) and from five samples of about the same share of the requests:
 
 * experts: SHARDS' spatial sampling (every request of a hashed share of the experts, sizes scaled by it), what
   `moe-offload report` does above --sample-above;
+* experts by requests: every request of a systematic share of the experts ranked by their requests (the
+  1st of each 1/rate, counted from the middle of the first), sizes scaled by it: a stratified sample, which
+  takes hot and cold experts in their proportions where a hash may take more of either;
 * layers: every request of every s-th layer (sizes scaled by 1/s);
 * prefix: the first tokens;
 * windows: ten windows of consecutive tokens spread over the trace, their stack distances added (each window
@@ -48,6 +51,14 @@ def curves(data, rate: float):
         out[name] = (rates, time.perf_counter() - start)
 
     timed("experts", lambda: opt_curve(keys, D, rate=rate).hit_rates())
+
+    def popular():
+        by_requests = np.argsort(-np.bincount(keys, minlength=D), kind="stable")
+        chosen = np.zeros(D, np.bool_)
+        chosen[by_requests[np.arange(0.5 / rate, D, 1 / rate).astype(np.int64)]] = True
+        return HitCurve(opt_curve(keys[chosen[keys]], D).histogram, rate=chosen.mean()).hit_rates()
+
+    timed("experts by requests", popular)
     step = max(1, round(1 / rate))
 
     def layers():
