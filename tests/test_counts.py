@@ -77,6 +77,8 @@ def test_placement_host_layers_and_skew_by_hand():
     ("c.csv", "1,-2\n", "count -2.0 is not a finite non-negative number"),
     ("d.json", '{"other": 1}', "'counts' or 'logical_count', and this one has 'other': a routing log is converted "
                               "with `moe-offload trace import FORMAT "),
+    ("d2.json", '{"meta": {"num_experts": 4}, "routes": []}', "has 'meta', 'routes': a routing log is converted "
+                                                               "with `moe-offload trace import routes-json "),
     ("e.json", "[[1, 2], [3]]", "rectangular table"),
     ("f.csv", "0,0\n0,0\n", "every count is 0"),
     ("g.txt", "1", "a counts table is"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 import numpy as np
 import pyarrow as pa
@@ -226,8 +227,19 @@ def test_not_a_parquet_file(tmp_path):
     ("routing.csv", b"request,token,layer,expert\n0,0,0,1\n", "but CSV: convert it with `moe-offload trace import "
                                                              "FORMAT {path} -o TRACE.parquet` (FORMAT csv or llamacpp"),
     ("decode 299.jsonl", b'{"tok": 0, "layers": [[1, 2]]}\n', "but JSON: convert it with `moe-offload trace import "
-                                                            "FORMAT '{path}' -o TRACE.parquet` (FORMAT topk-jsonl"),
-    ("routes.json", b'\xef\xbb\xbf\n  [{"meta": 1}]', "but JSON: "),
+                                                            "topk-jsonl '{path}' --experts J -o TRACE.parquet` (J: "),
+    ("list.json", b'\xef\xbb\xbf\n  [{"meta": 1}]', "but JSON: convert it with `moe-offload trace import FORMAT "
+                                                  "{path} -o TRACE.parquet` (FORMAT topk-jsonl, routes-json"),
+    ("routes.json", b'{"meta": {"num_experts": 4}, "routes": []}',
+     "but JSON: convert it with `moe-offload trace import routes-json {path} -o TRACE.parquet`"),
+    ("vllm.jsonl", b'{"id": "c", "choices": [{"text": "a", "routed_experts" : "k05VTVBZ"}]}\n',
+     "but JSON: convert it with `moe-offload trace import vllm {path} --experts J -o TRACE.parquet`"),
+    # an SGLang response names routed_experts too, under its own extension
+    ("sglang.json", b'[{"choices": [{"sgl_ext": {"routed_experts": "AAAA"}}]}]',
+     "but JSON: convert it with `moe-offload trace import sglang {path} --model-config config.json -o "
+     "TRACE.parquet` (config.json: "),
+    ("rank0.jsonl", b'{"step": 0, "block": "decoder", "layer": 1, "rank": 0, "top_indices": [[1, 2]]}\n',
+     "but JSON: convert it with `moe-offload trace import megatron {path} --experts J -o TRACE.parquet`"),
     ("routing.npy", b"\x93NUMPY\x01\x00", "but a NumPy array file: convert it with `moe-offload trace import FORMAT"),
     ("model.gguf", b"GGUF\x03\x00\x00\x00", "but a GGUF model file: a routing trace is recorded or imported"),
 ])
@@ -235,6 +247,21 @@ def test_a_foreign_file_is_named_with_its_import_command(tmp_path, name, head, h
     path = tmp_path / name
     path.write_bytes(head)
     expect_trace_error(path, "not a trace of this project " + hint.format(path=path))
+
+
+def test_the_import_command_a_foreign_file_is_named_with_runs_as_printed(tmp_path, capsys, olmoe_file, qwen_folder):
+    from cli_driver import run
+
+    from moe_offload.trace.counts import read_counts
+
+    for source, read, experts in ((olmoe_file, read_trace, "64"), (qwen_folder / "cooking_1.json", read_counts, "60")):
+        with pytest.raises(TraceError) as caught:
+            read(source)
+        command = str(caught.value).split("`")[1].replace(" J ", f" {experts} ")
+        output = tmp_path / f"{source.stem}.parquet"
+        code, _, err = run(capsys, *shlex.split(command)[1:-1], output)
+        assert code == 0, err
+        assert read_trace(output).num_tokens > 0
 
 
 def test_truncated_parquet_file(tmp_path):

@@ -49,7 +49,7 @@ import numpy as np
 
 from moe_offload.errors import ConfigError, TraceError
 from moe_offload.inputs import check_input, parse_json, read_text
-from moe_offload.trace.format import MAX_EXPERT_SLOTS, Trace
+from moe_offload.trace.format import MAX_EXPERT_SLOTS, Trace, json_import_command
 from moe_offload.trace.importers.arrays import read_npy_file
 from moe_offload.trace.importers.tools import CSV_HEADERS, LLAMACPP_FORK_HEADER
 
@@ -266,14 +266,16 @@ def _csv_counts(path: Path) -> np.ndarray:
 
 
 def _json_counts(path: Path) -> np.ndarray:
-    document = parse_json(read_text(path, "expert counts table", TraceError), path, "expert counts table", TraceError)
+    text = read_text(path, "expert counts table", TraceError)
+    document = parse_json(text, path, "expert counts table", TraceError)
     if isinstance(document, dict):
         key = next((k for k in ("counts", "logical_count") if k in document), None)
         if key is None:
             keys = ", ".join(repr(k) for k in list(document)[:4]) or "no key"
+            command = json_import_command(path, text.encode()) or (
+                f"`moe-offload trace import FORMAT {shlex.quote(str(path))} -o TRACE.parquet` (docs/traces.md)")
             raise TraceError(path, f"a counts object holds 'counts' or 'logical_count', and this one has {keys}: a "
-                                   "routing log is converted with `moe-offload trace import FORMAT "
-                                   f"{shlex.quote(str(path))} -o TRACE.parquet` (docs/traces.md)")
+                                   f"routing log is converted with {command}")
         document = document[key]
     if not (isinstance(document, list) and document and all(isinstance(r, list) and r for r in document)):
         raise TraceError(path, "counts must be a list of per-layer lists of numbers")

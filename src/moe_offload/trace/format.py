@@ -35,6 +35,7 @@ The consistency checks every trace passes (``Trace.validate``) are trace/validat
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -336,12 +337,37 @@ def _schema_metadata(path: Path) -> dict | None:
     return pq.read_schema(path).metadata
 
 
+# The JSON formats `trace import` reads, each known by keys only it has (the first that matches wins: an SGLang
+# response carries routed_experts too), with the options the format needs because its files do not say them.
+EXPERTS = " --experts J", "J: the experts of each layer, which the file does not say; "
+JSON_FORMATS = (
+    ("sglang", (b"sgl_ext", b"sglext", b"meta_info"),
+     (" --model-config config.json", "config.json: the model's Hugging Face config, for the shape of its flat ids; ")),
+    ("vllm", (b"routed_experts", b"prompt_routed_experts"), EXPERTS),
+    ("megatron", (b"top_indices",), EXPERTS),
+    ("routes-json", (b"routes",), ("", "")),
+    ("topk-jsonl", (b"tok",), EXPERTS),
+)
+JSON_SNIFF_BYTES = 1 << 16  # the head searched for those keys: a response's base64 routing can be megabytes
+
+
+def json_import_command(path, head: bytes) -> str | None:
+    """The `trace import` command that converts the JSON file ``path`` whose first bytes are ``head``, with
+    what its options stand for, when the keys named there tell its format (None: they do not)."""
+    keys = set(re.findall(rb'"([A-Za-z_]+)"\s*:', head[:JSON_SNIFF_BYTES]))
+    for name, markers, (options, meaning) in JSON_FORMATS:
+        if keys.intersection(markers):
+            return (f"`moe-offload trace import {name} {shlex.quote(str(path))}{options} -o TRACE.parquet` "
+                    f"({meaning}docs/traces.md)")
+    return None
+
+
 def _foreign_format(path) -> str | None:
     """What a file that is not Parquet looks like from its first bytes, and how to convert it (None: nothing
     recognised, a damaged Parquet file included)."""
     try:
         with open(path, "rb") as stream:
-            head = stream.read(256)
+            head = stream.read(JSON_SNIFF_BYTES)
     except OSError:
         return None
     convert = f"convert it with `moe-offload trace import FORMAT {shlex.quote(str(path))} -o TRACE.parquet`"
@@ -351,8 +377,11 @@ def _foreign_format(path) -> str | None:
         return f"a NumPy array file: {convert} (FORMAT npy, or vllm for vLLM's per-request .npz)"
     text = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     if text[:1] in (b"{", b"["):
+        command = json_import_command(path, text)
+        if command is not None:
+            return f"JSON: convert it with {command}"
         return f"JSON: {convert} (FORMAT topk-jsonl, routes-json, vllm, sglang or megatron; docs/traces.md)"
-    line = text.split(b"\n", 1)[0]
+    line = text[:256].split(b"\n", 1)[0]
     if b"," in line and line.replace(b",", b"").replace(b"\r", b"").decode("ascii", "replace").isprintable():
         return f"CSV: {convert} (FORMAT csv or llamacpp; docs/traces.md), or give a counts table as .csv to `report`"
     return None
