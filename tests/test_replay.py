@@ -65,6 +65,20 @@ def test_a_dist_replay_gathers_its_layers_in_groups_of_any_size(small_trace, mon
         assert replay(data, "lcp-dist", 12, engine="compiled").to_dict() == whole
 
 
+def test_a_dist_replay_reads_its_layers_off_the_trace_without_the_whole_sequence(small_trace):
+    data = ReplayInput.of(small_trace)
+    result = replay(data, "lcp-dist", 12, engine="compiled")
+    assert data._sequence is None  # nothing flattened: a day of traffic's sequence would be gigabytes
+    assert result.to_dict() == replay(ReplayInput.of(small_trace), "lcp-dist", 12, engine="python").to_dict()
+    seq = flatten(small_trace)
+    for first, stop in ((0, 4), (1, 3)):
+        keys, rows = data.layer_requests(first, stop, tokens=True)
+        assert [k.tolist() for k in keys] == [k.tolist() for k in seq.layer_columns(seq.expert_id, first, stop)]
+        assert [r.tolist() for r in rows] == [r.tolist() for r in seq.layer_columns(seq.token, first, stop)]
+        assert all(k.dtype == r.dtype == np.int32 for k, r in zip(keys, rows))
+        assert all(r.size == 0 for r in data.layer_requests(first, stop, tokens=False)[1])
+
+
 def test_counts_add_up_and_per_layer_rates(small_trace):
     result = replay(ReplayInput.of(small_trace), "lru", 12)
     assert result.accesses == 300 * 4 * 2 == result.hits + result.misses

@@ -171,8 +171,8 @@ def test_above_the_replay_threshold_every_replay_runs_on_one_sample_with_lru_s_e
     working_set = measure_working_set(olmoe.trace)  # streamed: the same measures as from the sequence
     assert working_set.reuse_histogram.tolist() == measure_working_set(olmoe.trace, olmoe.sequence).reuse_histogram.tolist()
     requests = len(olmoe.sequence)
-    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "fifo", "lcp"], sample_above=requests // 2,
-                          replay_sample_above=requests // 2)
+    bound = measure_bound(olmoe, 256, working_set, policies=["lru", "fifo", "lcp", "lru-dist"],
+                          sample_above=requests // 2, replay_sample_above=requests // 2)
     assert bound.replay_rate == 0.5 and bound.replay_size == 128 and bound.opt.rate == 0.5
     # independently: the sampled experts' requests, in order, replayed by the policy objects at 128 experts
     kept = np.isin(olmoe.sequence.expert_id, [key for key in range(1024) if (key * 0x9E3779B1) % 2**32 < 2**31])
@@ -188,7 +188,16 @@ def test_above_the_replay_threshold_every_replay_runs_on_one_sample_with_lru_s_e
     assert bound.opt.histogram[:128].sum() == bound.belady.hits  # OPT's curve is the sample's own
     assert bound.lru_error == pytest.approx(bound.result("lru").hit_rate - working_set.lru_hit_rate(256))
     assert f"{bound.lru_error * 100:+.2f} points from its exact one" in bound.sampling_text()
-    assert bound.replayed_on == "50.0% of the experts, at 128"
+    assert bound.replayed_on() == bound.replayed_on("lru") == "50.0% of the experts, at 128"
+    # a -dist policy's layers hold 16 experts each, not 8 of a sample's: it replays the whole trace, exactly, and
+    # ranks by its hit rate among the sample's
+    whole = bound.result("lru-dist")
+    expected = replay(ReplayInput.of(olmoe.trace, checked=True), "lru-dist", 256, engine="python")
+    assert (whole.accesses, whole.hits, whole.per_layer_hits) == (requests, expected.hits, expected.per_layer_hits)
+    assert bound.layer_by_layer == ["lru-dist"] and bound.replayed_on("lru-dist") == "whole trace"
+    assert "but the -dist policies' (whole trace, a layer at a time)" in bound.sampling_text()
+    rates = [r.hit_rate for r in bound.online]
+    assert rates == sorted(rates, reverse=True) and "lru-dist" in [r.policy for r in bound.online]
 
 
 def test_verdict_sentences(olmoe):

@@ -200,7 +200,7 @@ def run(args) -> int:
     del traces
 
     results, skipped, table_results = [], [], []  # skipped: lines saying which table cell cannot run and why
-    total = sum(len(data.sequence) * len(sizes) * (len(policies) + ("belady" not in policies))
+    total = sum(data.requests() * len(sizes) * (len(policies) + ("belady" not in policies))
                 for data, (_, sizes) in zip(inputs, plans))
     with progress_bar() as bar:
         task = bar.add_task("replaying requests", total=total)

@@ -170,10 +170,10 @@ def working_set_rows(report: Report) -> list[tuple[str, ...]]:
 def policy_rows(report: Report) -> list[tuple[str, ...]]:
     bound = report.bound
     opt = bound.belady
-    rows = [("belady (OPT)", f"{opt.hit_rate:.2%}", "100%", f"{opt.misses:,}", bound.replayed_on)]
+    rows = [("belady (OPT)", f"{opt.hit_rate:.2%}", "100%", f"{opt.misses:,}", bound.replayed_on())]
     for result in bound.online:
         rows.append((_label(result), f"{result.hit_rate:.2%}", _of_opt(result, opt), f"{result.fast_misses:,}",
-                     bound.replayed_on))
+                     bound.replayed_on(result.policy)))
     if bound.sampled:
         sample_opt = bound.sampled_belady
         rows.append(("belady (OPT)", f"{sample_opt.hit_rate:.2%}", "100%", f"{sample_opt.misses:,}",
@@ -187,7 +187,7 @@ def policy_rows(report: Report) -> list[tuple[str, ...]]:
 
 def _of_opt(result, opt) -> str:
     """The run's hits as a share of OPT's, for a policy that pages on demand; a placement is not compared."""
-    return "placed apart" if places(result) else f"{result.hits / max(1, opt.hits):.0%}"
+    return "placed apart" if places(result) else f"{result.hit_rate / opt.hit_rate if opt.hits else 0:.0%}"
 
 
 def _label(result) -> str:

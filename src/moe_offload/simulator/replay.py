@@ -29,7 +29,7 @@ from moe_offload.results import RunResult
 from moe_offload.simulator import kernels
 from moe_offload.simulator.cache import BYPASSED, HIT, LOADED, ExpertCache
 from moe_offload.simulator.partitioned_cache import PartitionedCache
-from moe_offload.trace.flatten import AccessSequence, flatten, last_row_of_each_request, sample_sequence
+from moe_offload.trace.flatten import COLUMN, AccessSequence, flatten, last_row_of_each_request, sample_sequence
 from moe_offload.trace.format import Trace
 from moe_offload.values import integer, worker_count
 
@@ -62,6 +62,44 @@ class ReplayInput:
         if self._sequence is None:
             self._sequence = flatten(self.trace)
         return self._sequence
+
+    @property
+    def is_sample(self) -> bool:
+        return self._sequence is not None and self._sequence.sampled
+
+    def requests(self) -> int:
+        """The requests a replay serves: every request of the trace, or of the sample (nothing flattened)."""
+        if self.is_sample:
+            return len(self._sequence)
+        meta = self.trace.meta
+        return self.trace.num_tokens * meta.num_layers * meta.top_k
+
+    def per_layer_requests(self) -> np.ndarray:
+        if self.is_sample:
+            return self._sequence.per_layer_requests()
+        meta = self.trace.meta
+        return np.full(meta.num_layers, self.trace.num_tokens * meta.top_k, np.int64)
+
+    def layer_requests(self, first: int, stop: int, tokens: bool) -> tuple[list, list]:
+        """The requests of each of layers ``first`` .. ``stop``-1 in time order: their flat ids and, where
+        ``tokens``, their trace rows (else NOT_READ), as int32 arrays. Read off the trace itself, a row's K
+        experts of the layer after the row before's, so a -dist replay never flattens the whole sequence (a day
+        of traffic's would be gigabytes; four times faster than gathering them from it at 38.4M requests); a
+        sample's, from its sequence."""
+        if self.is_sample:
+            seq = self._sequence
+            keys = seq.layer_columns(seq.expert_id, first, stop)
+            return keys, seq.layer_columns(seq.token, first, stop) if tokens else [NOT_READ] * len(keys)
+        experts, num_experts = self.trace.experts, self.trace.meta.num_experts
+        keys = []
+        for layer in range(first, stop):
+            ids = experts[:, layer, :].astype(COLUMN).reshape(-1)
+            ids += COLUMN(layer * num_experts)
+            keys.append(ids)
+        rows = NOT_READ
+        if tokens:
+            rows = np.repeat(np.arange(self.trace.num_tokens, dtype=COLUMN), self.trace.meta.top_k)
+        return keys, [rows] * len(keys)
 
     @property
     def spec(self) -> ModelSpec:
@@ -107,8 +145,8 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
     else:
         layer_hits, layer_bypassed = _replay_objects(data, info, make, cache_size, whole_layers)
 
-    n = len(data.sequence)
-    per_layer_accesses = data.sequence.per_layer_requests()
+    n = data.requests()
+    per_layer_accesses = data.per_layer_requests()
     if kernel is not None and info.policy.static:  # it loads no miss: what it does not hit is bypassed
         layer_bypassed = per_layer_accesses - layer_hits
     hits = int(layer_hits.sum())
@@ -202,25 +240,25 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel, w
     """The same replay through the policy's kernel; a -dist policy runs it once per layer, on that layer's
     requests and its partition's capacity (PartitionedCache's split), and a layer it holds whole hits every
     request. Hits per layer."""
-    spec, seq = data.spec, data.sequence
+    spec = data.spec
     floats, ints = policy.run_kernel_arguments(cache_size, data.trace)
-    keys = seq.expert_id  # int32, the kernel's signature: no copy here
-    tokens = seq.token if "token" in kernel_columns(info.name) else NOT_READ
+    reads_tokens = "token" in kernel_columns(info.name)
     key_hits = np.zeros(spec.num_layers * spec.num_experts, np.int64)
     if not info.partitioned:
-        kernel(keys, tokens, cache_size, spec.num_layers, spec.num_experts, floats, ints.copy(), key_hits)
+        seq = data.sequence
+        kernel(seq.expert_id, seq.token if reads_tokens else NOT_READ, cache_size, spec.num_layers, spec.num_experts,
+               floats, ints.copy(), key_hits)  # int32 columns, the kernel's signature: no copy here
     else:
         capacities = PartitionedCache.capacities(cache_size, spec.num_layers, spec.num_experts, whole_layers)
-        # the layers' requests gathered out a group at a time (GATHER_BYTES of a column), each layer's a few
-        # megabytes that the kernel's passes read in its cache; each partition has a fresh policy of the same seed
-        # (PartitionedCache's make_policy), hence ints.copy()
-        group = max(1, GATHER_BYTES // max(1, keys.itemsize * int(seq.per_layer_requests().max(initial=0))))
+        # the layers' requests a group at a time (GATHER_BYTES of ids), each layer's a few megabytes that the
+        # kernel's passes read in its cache; each partition has a fresh policy of the same seed (PartitionedCache's
+        # make_policy), hence ints.copy()
+        group = max(1, GATHER_BYTES // max(1, COLUMN().itemsize * int(data.per_layer_requests().max(initial=0))))
         for first in range(0, spec.num_layers, group):
             stop = min(spec.num_layers, first + group)
             if all(layer in whole_layers for layer in range(first, stop)):
                 continue
-            layer_keys = seq.layer_columns(keys, first, stop)
-            layer_tokens = seq.layer_columns(tokens, first, stop) if tokens.size else [tokens] * (stop - first)
+            layer_keys, layer_tokens = data.layer_requests(first, stop, reads_tokens)
             for layer in range(first, stop):
                 if layer not in whole_layers:
                     kernel(layer_keys[layer - first], layer_tokens[layer - first], capacities[layer],
@@ -229,11 +267,11 @@ def _replay_compiled(data: ReplayInput, info, policy, cache_size: int, kernel, w
     layer_hits = key_hits.reshape(spec.num_layers, spec.num_experts).sum(axis=1)
     if whole_layers:  # every expert of these resident from the start: every request a hit
         held = sorted(whole_layers)
-        layer_hits[held] = seq.per_layer_requests()[held]
+        layer_hits[held] = data.per_layer_requests()[held]
     return layer_hits
 
 
-GATHER_BYTES = 1 << 26  # of a column gathered by layer at once for a -dist kernel (20 of 48 layers at 38.4M)
+GATHER_BYTES = 1 << 26  # of ids gathered by layer at once for a -dist kernel (20 of 48 layers at 38.4M)
 NOT_READ = np.zeros(0, np.int32)  # what a kernel is given for a column its code never reads
 TOKENS_ARGUMENT = 1  # its place in the kernels' contract (simulator/kernels.py)
 
@@ -317,7 +355,6 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
     layers) is skipped with its reason; any other problem raises ConfigError before the first run."""
     policies = list(dict.fromkeys(policies))
     cache_sizes = sorted({integer(size, "cache_size", low=1) for size in cache_sizes})
-    data.sequence  # flattened here, once, before any thread or worker process reads it
     for policy in policies:  # every policy and its options are checked before the first run
         make_policy(policy, data.spec, seed=seed, options=(options or {}).get(policy))
     runs, skipped = grid_runs(data.spec, policies, cache_sizes)
@@ -327,6 +364,8 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
         runs = [run for run in runs if run[0] != "belady"]
     for policy in dict.fromkeys(policy for policy, _ in runs):
         replay_kernel(policy, engine)  # compiled now, once: the threads share it, worker processes inherit it
+    if any(replay_kernel(policy, engine) is None or not policy_info(policy).partitioned for policy, _ in runs):
+        data.sequence  # flattened here, once, before any thread or worker process reads it (-dist kernels do not)
     tasks = [(policy, size, seed, (options or {}).get(policy), engine) for policy, size in runs]
 
     compiled = [replay_kernel(policy, engine) is not None for policy, _ in runs]
