@@ -58,11 +58,14 @@ def test_layer_columns_are_each_layers_requests_in_time_order(small_trace, monke
 def test_a_dist_replay_gathers_its_layers_in_groups_of_any_size(small_trace, monkeypatch):
     from moe_offload.simulator import replay as replay_module
 
-    data = ReplayInput.of(small_trace)
-    whole = replay(data, "lcp-dist", 12).to_dict()
-    for gather_bytes in (1, 4 * 600 * 3):  # one layer a pass; three, the last group one layer
-        monkeypatch.setattr(replay_module, "GATHER_BYTES", gather_bytes)
-        assert replay(data, "lcp-dist", 12, engine="compiled").to_dict() == whole
+    whole = replay(ReplayInput.of(small_trace), "lcp-dist", 12, engine="python").to_dict()
+    for flattened in (False, True):  # off the trace; from the flattened sequence
+        data = ReplayInput.of(small_trace)
+        if flattened:
+            data.sequence
+        for gather_bytes in (1, 4 * 600 * 3):  # one layer a pass; three, the last group one layer
+            monkeypatch.setattr(replay_module, "GATHER_BYTES", gather_bytes)
+            assert replay(data, "lcp-dist", 12, engine="compiled").to_dict() == whole
 
 
 def test_a_dist_replay_reads_its_layers_off_the_trace_without_the_whole_sequence(small_trace):
@@ -72,11 +75,12 @@ def test_a_dist_replay_reads_its_layers_off_the_trace_without_the_whole_sequence
     assert result.to_dict() == replay(ReplayInput.of(small_trace), "lcp-dist", 12, engine="python").to_dict()
     seq = flatten(small_trace)
     for first, stop in ((0, 4), (1, 3)):
-        keys, rows = data.layer_requests(first, stop, tokens=True)
+        keys, rows = data.layer_requests(first, stop, tokens=True)  # off the trace: data is not flattened
         assert [k.tolist() for k in keys] == [k.tolist() for k in seq.layer_columns(seq.expert_id, first, stop)]
         assert [r.tolist() for r in rows] == [r.tolist() for r in seq.layer_columns(seq.token, first, stop)]
         assert all(k.dtype == r.dtype == np.int32 for k, r in zip(keys, rows))
         assert all(r.size == 0 for r in data.layer_requests(first, stop, tokens=False)[1])
+    assert data._sequence is None
 
 
 def test_counts_add_up_and_per_layer_rates(small_trace):

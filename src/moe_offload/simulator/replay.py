@@ -82,11 +82,12 @@ class ReplayInput:
 
     def layer_requests(self, first: int, stop: int, tokens: bool) -> tuple[list, list]:
         """The requests of each of layers ``first`` .. ``stop``-1 in time order: their flat ids and, where
-        ``tokens``, their trace rows (else NOT_READ), as int32 arrays. Read off the trace itself, a row's K
-        experts of the layer after the row before's, so a -dist replay never flattens the whole sequence (a day
-        of traffic's would be gigabytes; four times faster than gathering them from it at 38.4M requests); a
-        sample's, from its sequence."""
-        if self.is_sample:
+        ``tokens``, their trace rows (else NOT_READ), as int32 arrays. Gathered from the sequence where it is
+        flattened already (a sample's always is), else read off the trace itself, a row's K experts of the layer
+        after the row before's, so that a -dist replay alone never flattens the whole sequence (a day of
+        traffic's would be gigabytes). The same arrays either way; from the sequence twice as fast (0.05 s
+        against 0.10 s for the ids of 48 layers at 38.4M requests)."""
+        if self._sequence is not None:
             seq = self._sequence
             keys = seq.layer_columns(seq.expert_id, first, stop)
             return keys, seq.layer_columns(seq.token, first, stop) if tokens else [NOT_READ] * len(keys)
