@@ -198,6 +198,12 @@ def test_above_the_replay_threshold_every_replay_runs_on_one_sample_with_lru_s_e
     assert "but the -dist policies' (whole trace, a layer at a time)" in bound.sampling_text()
     rates = [r.hit_rate for r in bound.online]
     assert rates == sorted(rates, reverse=True) and "lru-dist" in [r.policy for r in bound.online]
+    # the verdict weighs a whole-trace row against the sample's Belady by hit rates, and counts no hits across them
+    alone = measure_bound(olmoe, 256, working_set, policies=["lru-dist"], sample_above=requests // 2,
+                          replay_sample_above=requests // 2)
+    text = verdict(alone, 1024)
+    assert text.startswith(f"lru-dist reaches {whole.hit_rate / alone.belady.hit_rate:.0%} of the hits Belady")
+    assert f"leaves {alone.belady.hit_rate - whole.hit_rate:.1%} of the requests on the table" in text
 
 
 def test_verdict_sentences(olmoe):
