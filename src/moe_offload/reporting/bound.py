@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 from moe_offload.errors import ConfigError
 from moe_offload.policies import POLICIES, default_policies, make_policy
 from moe_offload.results import RunResult
-from moe_offload.values import worker_count
 from moe_offload.reporting.working_set import WorkingSet
 from moe_offload.simulator.replay import ReplayInput, replay, replay_grid, replay_kernel
 from moe_offload.simulator.stack_distances import HitCurve, lru_curve, opt_curve
+from moe_offload.values import worker_count
 
 TARGET_HIT_RATES = (0.5, 0.8, 0.9)
 PYTHON_REPLAY_REQUESTS = 250_000
