@@ -4,10 +4,17 @@
 (``--enable-eplb``, ``--ep-num-redundant-experts``) choose which *GPU* (expert-parallel rank) holds each
 expert and how many replicas it has (sgl-project/sglang python/sglang/srt/eplb/expert_location.py and
 eplb_manager.py). On one GPU there is one rank: every expert is on it, so below the memory of all experts
-these options express nothing, and SGLang alone has no setting to list. What SGLang runs with less memory is
-its ``kt`` backend (``--kt-weight-path``, ``--kt-num-gpu-experts``, ``--kt-expert-placement-strategy``): those
-are KTransformers' settings (moe_offload.engines.ktransformers), where ``--init-expert-location FILE.pt`` is
-the activation counts of the ``frequency`` strategy.
+these options express nothing. What SGLang runs with less memory and is listed here is its ``kt`` backend
+(``--kt-weight-path``, ``--kt-num-gpu-experts``, ``--kt-expert-placement-strategy``): those are KTransformers'
+settings (moe_offload.engines.ktransformers), where ``--init-expert-location FILE.pt`` is the activation counts
+of the ``frequency`` strategy.
+
+Not modelled: SGLang's own weight offloading, which keeps no expert cache. ``--cpu-offload-gb G`` moves every
+parameter of the first layers to host memory (a parameter at a time while less than G GiB is moved) and copies
+them to the GPU before each forward; ``--offload-mode cpu --offload-group-size --offload-num-in-group
+--offload-prefetch-step`` keeps the last layers of each group on the host and copies them a few layers ahead
+on a side stream. Both stream whole layers every pass whatever they route; the first also moves attention
+weights, whose size a routing trace does not give. No setting of them is listed.
 """
 
 from __future__ import annotations
@@ -28,4 +35,5 @@ ENGINE = EngineModel(
     source="sgl-project/sglang python/sglang/srt/eplb (expert location, EPLB); the kt backend's flags",
     settings=settings, reads_files=True,
     limits="--init-expert-location and EPLB place experts across GPUs: on one GPU they express nothing below "
-           "all experts; the settings listed are its kt backend's (KTransformers)")
+           "all experts; the settings listed are its kt backend's (KTransformers); its whole-layer weight "
+           "offloading (--cpu-offload-gb, --offload-group-size) is not modelled")

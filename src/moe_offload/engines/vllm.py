@@ -31,6 +31,13 @@ experts that UVA would read at the link's rate all the same. Pinned host memory 
 
 Where every expert fits, the release needs no flag: that setting is listed first (every expert resident).
 
+Not modelled: the other offload backend, ``--offload-backend prefetch`` (chosen by ``auto`` when
+``--offload-group-size`` is above 0): in each group of that many decoder layers the last
+``--offload-num-in-group`` keep their weights (``--offload-params``) in host memory, copied into static GPU
+buffers ``--offload-prefetch-step`` offloaded layers ahead on a side stream. It streams whole layers every pass
+whatever they route, which the timed simulator's layerwise mechanism (simulator/timed/layerwise.py) would time
+once it takes a prefetch depth; no setting of it is listed.
+
 ``--moe-expert-cache-size N`` (PR #37190, open, not merged; ``CachedWeightProvider``): every layer keeps
 a GPU cache of N experts, a miss is copied from pinned host memory on demand (synchronously, in
 ``prepare()``), and the victim is chosen by LFRU: ``lfru-dist`` (policies/lfru.py, the rule derived there).
