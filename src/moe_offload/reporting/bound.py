@@ -22,11 +22,11 @@ experts at the rate OPT's curve would have, flattened a piece at a time, with th
 own. What that costs in accuracy is measured and said: LRU's hit rate on the sample against its exact hit rate
 on the whole trace, which the reuse distances give (working_set.py, streamed over the whole trace). The -dist
 policies are the exception: their cache is split among the layers, and a sample leaves each layer a few experts
-(154 of a 1,536 budget at 10% are 3 a layer of 48), where a cache does not behave as its scaled self (their hit
-rates came out 6 to 8 points low on a day of traffic). Each of their layers is a cache of its own, served the
-layer's requests, which the replay reads off the trace a layer at a time without the whole sequence
-(simulator/replay.py ``layer_requests``): so they replay the whole trace at the budget itself, exactly, and the
-ranking compares hit rates.
+(154 of a 1,536 budget at 10% are 3 a layer of 48), and a cache of 3 does not behave as a cache of 32 scaled
+down (a spatial sample scales a cache well only where it holds many experts). Each of their layers is a cache
+of its own, served the layer's requests, which the replay reads off the trace a layer at a time without the
+whole sequence (simulator/replay.py ``layer_requests``): so they replay the whole trace at the budget itself,
+exactly, and the ranking compares hit rates.
 
 Policies without a compiled kernel run their Python objects, about a hundred times slower: on a trace of more
 requests than PYTHON_REPLAY_REQUESTS they replay its first rows only (up to that many requests; the whole trace
