@@ -10,8 +10,8 @@ as benchmarks/report_scale.py builds it) it measures OPT's hit rate at every cac
 * experts: SHARDS' spatial sampling (every request of a hashed share of the experts, sizes scaled by it), what
   `moe-offload report` does above --sample-above;
 * experts by requests: every request of a systematic share of the experts ranked by their requests (the
-  1st of each 1/rate, counted from the middle of the first), sizes scaled by it: a stratified sample, which
-  takes hot and cold experts in their proportions where a hash may take more of either;
+  middle one of each run of 1/rate in the ranking), sizes scaled by it: a stratified sample, which takes hot
+  and cold experts in their proportions where a hash may take more of either;
 * layers: every request of every s-th layer (sizes scaled by 1/s);
 * prefix: the first tokens;
 * windows: ten windows of consecutive tokens spread over the trace, their stack distances added (each window

@@ -167,7 +167,7 @@ def test_above_the_threshold_opt_s_curve_is_sampled_and_its_error_at_the_budget_
     assert measure_bound(olmoe, 256, working_set, policies=["lru"], sample_above=1).opt.rate == 0.1  # the floor
 
 
-def test_above_the_replay_threshold_every_replay_runs_on_one_sample_with_lru_s_error_stated(olmoe):
+def test_above_the_replay_threshold_the_replays_run_on_one_sample_the_dist_ones_on_every_request(olmoe):
     working_set = measure_working_set(olmoe.trace)  # streamed: the same measures as from the sequence
     assert working_set.reuse_histogram.tolist() == measure_working_set(olmoe.trace, olmoe.sequence).reuse_histogram.tolist()
     requests = len(olmoe.sequence)
