@@ -206,6 +206,27 @@ def test_above_the_replay_threshold_the_replays_run_on_one_sample_the_dist_ones_
     assert f"leaves {alone.belady.hit_rate - whole.hit_rate:.1%} of the requests on the table" in text
 
 
+def test_the_verdict_names_a_rival_within_the_sample_s_error():
+    from moe_offload.reporting.bound import Bound
+    from moe_offload.results import RunResult
+
+    def run(policy, hits, accesses):
+        return RunResult(trace="t", policy=policy, cache_size=16, accesses=accesses, hits=hits,
+                         misses=accesses - hits)
+
+    # lcp-dist (whole trace, exact) 76.38%; lcp on a sample of a tenth 76.28%, with LRU 0.59 points low there
+    belady = run("belady", 8_304, 10_000)
+    bound = Bound(cache_size=16, belady=belady, online=[run("lcp-dist", 76_380, 100_000), run("lcp", 7_628, 10_000),
+                                                        run("lru", 6_530, 10_000)],
+                  replay_rate=0.1, replay_size=2, lru_error=-0.0059, layer_by_layer=["lcp-dist"])
+    assert verdict(bound, 64).startswith("lcp-dist (or lcp, 76.28% on the sample against 76.38%: within the "
+                                         "sample's error, LRU's -0.59 points) reaches 92% of the hits Belady")
+    bound.lru_error = -0.0005  # the sample as good as exact: lcp is behind by more than its error
+    assert verdict(bound, 64).startswith("lcp-dist reaches 92% of the hits Belady")
+    bound.layer_by_layer = []  # no -dist policy on another footing: nothing to weigh
+    assert verdict(bound, 64).startswith("lcp-dist reaches")
+
+
 def test_verdict_sentences(olmoe):
     working_set = measure_working_set(olmoe.trace, olmoe.sequence)
     bound = measure_bound(olmoe, 256, working_set, policies=["lru"])

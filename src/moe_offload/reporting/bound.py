@@ -26,7 +26,8 @@ policies are the exception: their cache is split among the layers, and a sample 
 down (a spatial sample scales a cache well only where it holds many experts). Each of their layers is a cache
 of its own, served the layer's requests, which the replay reads off the trace a layer at a time without the
 whole sequence (simulator/replay.py ``layer_requests``): so they replay the whole trace at the budget itself,
-exactly, and the ranking compares hit rates.
+exactly, and the ranking compares hit rates; a sampled row and an exact one within the sample's error (LRU's)
+of each other are not told apart, and the verdict names both.
 
 Policies without a compiled kernel run their Python objects, about a hundred times slower: on a trace of more
 requests than PYTHON_REPLAY_REQUESTS they replay its first rows only (up to that many requests; the whole trace
@@ -288,6 +289,21 @@ def measure_opt_curve(data: ReplayInput, sample_above: int | None = SAMPLE_ABOVE
     return opt_curve(sequence.expert_id, data.trace.meta.num_expert_slots, rate=rate)
 
 
+def _within_sampling_error(bound: Bound, best: RunResult) -> str:
+    """Where the -dist policies replayed every request and the others a sample, the best row of the other kind
+    when its hit rate is within the sample's measured error (LRU's) of ``best``'s, in words: the numbers do not
+    settle which of the two is ahead. "" otherwise."""
+    if not bound.layer_by_layer or bound.lru_error is None:
+        return ""
+    exact = best.policy in bound.layer_by_layer
+    other = next((r for r in bound.online if not r.in_hindsight and (r.policy in bound.layer_by_layer) != exact),
+                 None)
+    if other is None or best.hit_rate - other.hit_rate > abs(bound.lru_error):
+        return ""
+    return (f" (or {other.policy}, {other.hit_rate:.2%} {'on the sample' if exact else 'on every request'} "
+            f"against {best.hit_rate:.2%}: within the sample's error, LRU's {bound.lru_error * 100:+.2f} points)")
+
+
 def verdict(bound: Bound, total_experts: int) -> str:
     """One sentence that answers "policy or working set?", with its numbers."""
     belady, best = bound.belady, bound.best
@@ -299,7 +315,8 @@ def verdict(bound: Bound, total_experts: int) -> str:
         return (f"even Belady hits only {belady.hit_rate:.0%} at {budget}: no policy helps; buy memory or cut "
                 f"traffic ({more})")
     share = best.hit_rate / belady.hit_rate if belady.hits else 1.0  # hits' shares: best may be of the whole trace
-    head = f"{best.policy} reaches {share:.0%} of the hits Belady reaches at {budget}"
+    rival = _within_sampling_error(bound, best)
+    head = f"{best.policy}{rival} reaches {share:.0%} of the hits Belady reaches at {budget}"
     gap = belady.hit_rate - best.hit_rate
     if share >= POLICY_CLOSE:
         target = next((t for t in TARGET_HIT_RATES if t > belady.hit_rate and bound.needed.get(t)), None)
