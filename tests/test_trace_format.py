@@ -229,7 +229,7 @@ def test_not_a_parquet_file(tmp_path):
     ("decode 299.jsonl", b'{"tok": 0, "layers": [[1, 2]]}\n', "but JSON: convert it with `moe-offload trace import "
                                                             "topk-jsonl '{path}' --experts J -o TRACE.parquet` (J: "),
     ("list.json", b'\xef\xbb\xbf\n  [{"meta": 1}]', "but JSON: convert it with `moe-offload trace import FORMAT "
-                                                  "{path} -o TRACE.parquet` (FORMAT topk-jsonl, routes-json"),
+                                                  "{path} -o TRACE.parquet` (FORMAT sglang, vllm, megatron, routes-json or topk-jsonl; "),
     ("routes.json", b'{"meta": {"num_experts": 4}, "routes": []}',
      "but JSON: convert it with `moe-offload trace import routes-json {path} -o TRACE.parquet`"),
     ("vllm.jsonl", b'{"id": "c", "choices": [{"text": "a", "routed_experts" : "k05VTVBZ"}]}\n',

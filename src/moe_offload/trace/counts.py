@@ -272,10 +272,8 @@ def _json_counts(path: Path) -> np.ndarray:
         key = next((k for k in ("counts", "logical_count") if k in document), None)
         if key is None:
             keys = ", ".join(repr(k) for k in list(document)[:4]) or "no key"
-            command = json_import_command(path, text.encode()) or (
-                f"`moe-offload trace import FORMAT {shlex.quote(str(path))} -o TRACE.parquet` (docs/traces.md)")
             raise TraceError(path, f"a counts object holds 'counts' or 'logical_count', and this one has {keys}: a "
-                                   f"routing log is converted with {command}")
+                                   f"routing log is converted with {json_import_command(path, text.encode())}")
         document = document[key]
     if not (isinstance(document, list) and document and all(isinstance(r, list) and r for r in document)):
         raise TraceError(path, "counts must be a list of per-layer lists of numbers")

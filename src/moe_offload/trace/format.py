@@ -351,15 +351,17 @@ JSON_FORMATS = (
 JSON_SNIFF_BYTES = 1 << 16  # the head searched for those keys: a response's base64 routing can be megabytes
 
 
-def json_import_command(path, head: bytes) -> str | None:
+def json_import_command(path, head: bytes) -> str:
     """The `trace import` command that converts the JSON file ``path`` whose first bytes are ``head``, with
-    what its options stand for, when the keys named there tell its format (None: they do not)."""
+    what its options stand for, when the keys named there tell its format; else the command with FORMAT and
+    the JSON formats to choose from."""
     keys = set(re.findall(rb'"([A-Za-z_]+)"\s*:', head[:JSON_SNIFF_BYTES]))
     for name, markers, (options, meaning) in JSON_FORMATS:
         if keys.intersection(markers):
             return (f"`moe-offload trace import {name} {shlex.quote(str(path))}{options} -o TRACE.parquet` "
                     f"({meaning}docs/traces.md)")
-    return None
+    return (f"`moe-offload trace import FORMAT {shlex.quote(str(path))} -o TRACE.parquet` (FORMAT "
+            f"{', '.join(name for name, _, _ in JSON_FORMATS[:-1])} or {JSON_FORMATS[-1][0]}; docs/traces.md)")
 
 
 def _foreign_format(path) -> str | None:
@@ -377,10 +379,7 @@ def _foreign_format(path) -> str | None:
         return f"a NumPy array file: {convert} (FORMAT npy, or vllm for vLLM's per-request .npz)"
     text = head.lstrip(b"\xef\xbb\xbf \t\r\n")
     if text[:1] in (b"{", b"["):
-        command = json_import_command(path, text)
-        if command is not None:
-            return f"JSON: convert it with {command}"
-        return f"JSON: {convert} (FORMAT topk-jsonl, routes-json, vllm, sglang or megatron; docs/traces.md)"
+        return f"JSON: convert it with {json_import_command(path, text)}"
     line = text[:256].split(b"\n", 1)[0]
     if b"," in line and line.replace(b",", b"").replace(b"\r", b"").decode("ascii", "replace").isprintable():
         return f"CSV: {convert} (FORMAT csv or llamacpp; docs/traces.md), or give a counts table as .csv to `report`"
