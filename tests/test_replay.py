@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -107,6 +108,30 @@ def test_grid_reports_against_opt_and_is_independent_of_jobs(small_trace):
     assert [(policy, size) for policy, size, _ in serial.skipped] == [("lru-dist", 2)]
     assert {(r.policy, r.cache_size) for r in serial.results} == {
         (p, k) for p in ("lru", "llru", "lru-dist") for k in (2, 8, 16)} - {("lru-dist", 2)}
+
+
+def test_a_grid_replays_once_the_policies_that_make_the_same_decisions(small_trace, monkeypatch):
+    """fMoE on a trace without router probabilities ranks as LFU: the grid replays LFU once for both, and
+    fMoE's row is what its own replay makes; given probabilities, fMoE replays on its own."""
+    import moe_offload.simulator.replay as replay_module
+    replayed = []
+    task = replay_module._replay_task
+    monkeypatch.setattr(replay_module, "_replay_task", lambda data, t: replayed.append(t[:2]) or task(data, t))
+    data = ReplayInput.of(small_trace)
+    grid = replay_grid(data, ["lfu", "fmoe", "lru"], [4, 8], jobs=2)
+    assert sorted(replayed) == sorted([("belady", 4), ("belady", 8), ("lfu", 4), ("lfu", 8), ("lru", 4), ("lru", 8)])
+    by_run = {(r.policy, r.cache_size): r for r in grid.results}
+    for size in (4, 8):
+        alone = replay(ReplayInput.of(small_trace), "fmoe", size)
+        alone.opt_misses = by_run[("lru", size)].opt_misses
+        assert by_run[("fmoe", size)].to_dict() == alone.to_dict()
+
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.ones(8), size=(small_trace.num_tokens, 4)).astype(np.float16)
+    with_probs = ReplayInput.of(dataclasses.replace(small_trace, probs=probs))
+    replayed.clear()
+    replay_grid(with_probs, ["lfu", "fmoe"], [4], jobs=1)
+    assert sorted(replayed) == [("belady", 4), ("fmoe", 4), ("lfu", 4)]
 
 
 def test_cache_smaller_than_top_k_is_refused(small_trace):

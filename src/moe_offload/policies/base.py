@@ -141,6 +141,11 @@ class EvictionPolicy:
             return np.zeros(0, np.float64), np.array(self.placement(slots, trace), np.int64)
         return self.kernel_arguments()
 
+    def replays_as(self, trace) -> str | None:
+        """Another policy (its name) whose replay of ``trace`` makes exactly this one's decisions, so that a grid
+        replays the two once (fMoE on a trace without router probabilities ranks as LFU); None for most."""
+        return None
+
     def on_access(self, key: Hashable, ctx: AccessContext) -> None:
         """A demand request for ``key``; called before the cache changes (hit or miss)."""
 

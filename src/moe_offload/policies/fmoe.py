@@ -56,6 +56,9 @@ class FMoE(EvictionPolicy):
             return np.zeros(0, np.float64), np.zeros(0, np.int64)
         return observed(trace.probs).reshape(-1), np.zeros(0, np.int64)
 
+    def replays_as(self, trace):
+        return "lfu" if trace.probs is None else None  # a uniform p ranks as LFU (module docstring)
+
     def on_access(self, key, ctx):
         J = self.spec.num_experts
         layer = key // J

@@ -18,7 +18,7 @@ import dis
 import functools
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable
 
 import numpy as np
@@ -154,19 +154,24 @@ def replay(data: ReplayInput, policy: str, cache_size: int, *, seed: int = 0,
     bypassed = int(layer_bypassed.sum())
     misses = n - hits - bypassed
     expert_bytes = data.trace.meta.expert_bytes
-    notes = []
-    if info.policy.needs_probs and data.trace.probs is None:
-        notes.append(f"{policy}: the trace has no router probabilities, so p is uniform "
-                     "(fmoe then ranks like LFU)")
-    if in_hindsight:
-        notes.append(f"{policy}: placed in hindsight, from the trace it runs on (give it a profile trace to make "
-                     "it an online placement); not ranked among the online policies")
+    notes = _notes(policy, data, in_hindsight)
     return RunResult(trace=data.name, policy=policy, cache_size=cache_size, accesses=n, hits=hits, misses=misses,
                      in_hindsight=in_hindsight,
                      per_layer_accesses=per_layer_accesses.tolist(), per_layer_hits=layer_hits.tolist(),
                      bypassed=bypassed if info.policy.places_or_bypasses else None,
                      per_layer_bypassed=layer_bypassed.tolist() if info.policy.places_or_bypasses else None,
                      bytes_loaded=misses * expert_bytes if expert_bytes else None, notes=notes)
+
+
+def _notes(policy: str, data: ReplayInput, in_hindsight: bool) -> list[str]:
+    notes = []
+    if policy_info(policy).policy.needs_probs and data.trace.probs is None:
+        notes.append(f"{policy}: the trace has no router probabilities, so p is uniform "
+                     "(fmoe then ranks like LFU)")
+    if in_hindsight:
+        notes.append(f"{policy}: placed in hindsight, from the trace it runs on (give it a profile trace to make "
+                     "it an online placement); not ranked among the online policies")
+    return notes
 
 
 def replay_kernel(policy: str, engine: str = "auto"):
@@ -356,13 +361,20 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
     layers) is skipped with its reason; any other problem raises ConfigError before the first run."""
     policies = list(dict.fromkeys(policies))
     cache_sizes = sorted({integer(size, "cache_size", low=1) for size in cache_sizes})
-    for policy in policies:  # every policy and its options are checked before the first run
-        make_policy(policy, data.spec, seed=seed, options=(options or {}).get(policy))
+    made = {policy: make_policy(policy, data.spec, seed=seed, options=(options or {}).get(policy))
+            for policy in policies}  # every policy and its options are checked before the first run
     runs, skipped = grid_runs(data.spec, policies, cache_sizes)
     if reference is not None:
         if cache_sizes != [reference.cache_size]:
             raise ValueError("a grid given Belady's result runs at its size only")
         runs = [run for run in runs if run[0] != "belady"]
+    # a run whose policy replays as another of the grid at its size, neither given options, takes that run's result
+    index_of = {run: index for index, run in enumerate(runs)}
+    twins = {}
+    for index, (policy, size) in enumerate(runs):
+        twin = made[policy].replays_as(data.trace) if policy in made else None
+        if (twin, size) in index_of and not (options or {}).get(policy) and not (options or {}).get(twin):
+            twins[index] = index_of[(twin, size)]
     for policy in dict.fromkeys(policy for policy, _ in runs):
         replay_kernel(policy, engine)  # compiled now, once: the threads share it, worker processes inherit it
     if any(replay_kernel(policy, engine) is None or not policy_info(policy).partitioned for policy, _ in runs):
@@ -377,9 +389,9 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
         if progress is not None:
             progress(result.accesses)
 
-    slow = [index for index, fast in enumerate(compiled) if not fast]
+    slow = [index for index, fast in enumerate(compiled) if not fast and index not in twins]
     # the costliest kernels first: a long run started last would finish alone (base.py ``replay_cost``)
-    fast = sorted((index for index, fast in enumerate(compiled) if fast),
+    fast = sorted((index for index, fast in enumerate(compiled) if fast and index not in twins),
                   key=lambda index: -policy_info(runs[index][0]).policy.replay_cost)
     processes = None
     if worker_count(jobs, len(slow)) > 1:  # the Python policies hold the GIL: worker processes, each with the
@@ -405,6 +417,9 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
                 finished(index, _replay_task(data, tasks[index]))
         for future in as_completed(futures):
             finished(futures[future], future.result())
+    for index, twin in twins.items():
+        policy = runs[index][0]
+        finished(index, replace(done[twin], policy=policy, notes=_notes(policy, data, done[twin].in_hindsight)))
 
     set_opt_misses(done + ([reference] if reference is not None else []))
     results = [result for result in done if result.policy != "belady" or "belady" in policies]
