@@ -142,12 +142,14 @@ def test_an_engine_with_no_timed_setting_says_why_in_one_line():
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert ("vllm: its one setting at 8 experts is not timed (UVA reads the offloaded experts from pinned host "
             "memory, and the 1,024 experts (12 GiB) do not fit edge-flashmoe's host tier (1 GiB))") in err
-    # both of vLLM's settings read pinned host memory: each says why
+    # all four of vLLM's settings read pinned host memory: each says why
     code, out, err = run_cli(["placement", "olmoe", "--engine", "vllm", "--fast-memory", "25%", "--hardware",
                               "edge-flashmoe", "--timed-tokens", "16"])
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
-    assert ("vllm: none of its 2 settings at 256 experts is timed; --cpu-offload-gb 9.0 (the first 12 layers' "
+    assert ("vllm: none of its 4 settings at 256 experts is timed; --cpu-offload-gb 9.0 (the first 12 layers' "
             "experts): not timed: UVA reads") in err
+    assert ("; --offload-group-size 6 --offload-num-in-group 5 --offload-prefetch-step 1 (13 layers streamed, 1 "
+            "ahead): not timed: the offloaded layers' experts are copied from pinned host memory") in err
     assert "; --moe-expert-cache-size 16 (PR #37190): not timed: PR #37190 copies its misses from pinned" in err
     # every KTransformers setting needs all experts in host memory: the reason once, not once a setting
     code, out, err = run_cli(["placement", "olmoe", "--engine", "ktransformers", "--fast-memory", "25%",

@@ -4,8 +4,9 @@ make, expressed with this project's own mechanisms), what a model is asked with,
 A setting is run by the one timed simulator (simulator/timed) with the one expert cache: its placement is a
 policy of the registry (static-layers, static-experts, lfru-dist, lru-dist) with its options, its misses are
 loaded or computed on the host by the cache's admission (simulator/cache.py; ``uploads``: llama.cpp PR
-#27861's uploads between passes, simulator/timed/uploads.py; ``layerwise``: KTransformers' layerwise prefill
-and dynamic expert update, simulator/timed/layerwise.py); ``split``: vLLM's offloaded tensors as split experts
+#27861's uploads between passes, simulator/timed/uploads.py; ``layerwise``: whole layers streamed over the
+link, KTransformers' layerwise prefill and dynamic expert update or vLLM's layer offloader,
+simulator/timed/layerwise.py); ``split``: vLLM's offloaded tensors as split experts
 (simulator/split.py). A setting the hardware cannot host (``cannot_host``: a mechanism that reads the experts
 from host memory, where they do not fit) is listed with the reason and not scored.
 """
@@ -19,7 +20,7 @@ from moe_offload.hardware.profile import HardwareProfile
 from moe_offload.policies.base import ModelSpec
 from moe_offload.simulator.split import SplitConfig
 from moe_offload.simulator.timed import simulate_timed
-from moe_offload.simulator.timed.layerwise import LayerwisePrefill
+from moe_offload.simulator.timed.layerwise import StreamedLayers
 from moe_offload.simulator.timed.uploads import UploadsBetweenPasses
 from moe_offload.simulator.transfers import home_tier
 from moe_offload.trace.format import Trace
@@ -79,12 +80,13 @@ class Setting:
     split: SplitConfig | None = None  # split experts (vLLM's offloaded tensors: engines/vllm.py), or None
     uploads: int | None = None  # uploads per layer per pass between passes (PR #27861's admission), or None
     cache_slots: int | None = None  # the experts its cache holds, where less than the budget (None: the budget)
-    layerwise: tuple[int, bool] | None = None  # KTransformers' (prefill threshold, dynamic update), or None
+    layerwise: dict | None = None  # StreamedLayers' keywords (streamed whole layers: layerwise.py), or None
     cannot_host: str | None = None  # why the hardware cannot run it (then it is listed, not scored), or None
 
     def run_key(self) -> tuple:
         """What its timed run depends on: settings of equal keys (SGLang's kt backend is KTransformers) run once."""
-        return (self.policy, repr(sorted(self.options.items())), self.uploads, self.cache_slots, self.layerwise,
+        return (self.policy, repr(sorted(self.options.items())), self.uploads, self.cache_slots,
+                repr(sorted((self.layerwise or {}).items())),
                 self.split)
 
 
@@ -107,7 +109,7 @@ def run_setting(setting: Setting, trace: Trace, context: PlacementContext, name:
     context's budget."""
     slots = context.slots if setting.cache_slots is None else setting.cache_slots
     uploads = UploadsBetweenPasses(setting.uploads) if setting.uploads is not None else None
-    layerwise = LayerwisePrefill(*setting.layerwise) if setting.layerwise is not None else None
+    layerwise = StreamedLayers(**setting.layerwise) if setting.layerwise is not None else None
     return simulate_timed(trace, context.hardware, setting.policy, slots * context.expert_bytes,
                           expert_bytes=context.expert_bytes, policy_options=setting.options, seed=context.seed,
                           name=name, uploads=uploads, layerwise=layerwise, split=setting.split)

@@ -13,8 +13,12 @@ Not modelled: SGLang's own weight offloading, which keeps no expert cache. ``--c
 parameter of the first layers to host memory (a parameter at a time while less than G GiB is moved) and copies
 them to the GPU before each forward; ``--offload-mode cpu --offload-group-size --offload-num-in-group
 --offload-prefetch-step`` keeps the last layers of each group on the host and copies them a few layers ahead
-on a side stream. Both stream whole layers every pass whatever they route; the first also moves attention
-weights, whose size a routing trace does not give. No setting of them is listed.
+on a side stream (``OffloaderV2``, python/sglang/srt/utils/offloader.py). Both stream whole layers every pass
+whatever they route; the first also moves attention weights, whose size a routing trace does not give. The
+second is the scheme vLLM's prefetch backend took from it, listed for vLLM (engines/vllm.py, timed by
+simulator/timed/layerwise.py); SGLang hooks it only where a model's ``make_layers`` names the experts it
+offloads (``offloader_kwargs``: the DeepSeek-V2 family's), and waits for a layer's copy once the layer is
+routed rather than before its attention. No setting of them is listed.
 """
 
 from __future__ import annotations

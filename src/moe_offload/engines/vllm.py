@@ -1,5 +1,5 @@
-"""vLLM: whole expert tensors read from host memory in every forward pass, or the per-expert LFRU cache of its
-PR #37190.
+"""vLLM: whole expert tensors read from host memory in every forward pass (UVA), or copied whole a few layers
+ahead (the prefetch backend), or the per-expert LFRU cache of its PR #37190.
 
 ``--cpu-offload-gb G --cpu-offload-params experts`` (vllm-project/vllm vllm/model_executor/offloader/uva.py,
 ``UVAOffloader``; built with ``cpu_offload_max_bytes = int(G * 1024**3)``, offloader/__init__.py). What it
@@ -31,12 +31,19 @@ experts that UVA would read at the link's rate all the same. Pinned host memory 
 
 Where every expert fits, the release needs no flag: that setting is listed first (every expert resident).
 
-Not modelled: the other offload backend, ``--offload-backend prefetch`` (chosen by ``auto`` when
-``--offload-group-size`` is above 0): in each group of that many decoder layers the last
-``--offload-num-in-group`` keep their weights (``--offload-params``) in host memory, copied into static GPU
-buffers ``--offload-prefetch-step`` offloaded layers ahead on a side stream. It streams whole layers every pass
-whatever they route, which the timed simulator's layerwise mechanism (simulator/timed/layerwise.py) would time
-once it takes a prefetch depth; no setting of it is listed.
+``--offload-group-size G --offload-num-in-group n --offload-prefetch-step s --offload-params experts`` (the
+prefetch backend, which ``--offload-backend auto`` chooses when G > 0: vllm/model_executor/offloader/prefetch.py,
+``PrefetchOffloader``). The decoder layer i is offloaded when ``i % G >= G - n`` (the last n of each group of
+G); its experts live in pinned host memory and every pass copies all of them, whatever it routes, into one of s
+static GPU buffers, s offloaded layers ahead, the compute waiting for a layer's copy before the layer (its
+attention included): the timed simulator's streamed layers (simulator/timed/layerwise.py) beside the static
+placement of the other layers (``static-layers``). VRAM then holds L - M layers' experts and s buffers of one
+layer's (M offloaded layers), so a budget of B experts needs M >= L + s - B // J. ``offload_groups`` chooses the
+(G, n) that offloads the fewest layers that fit, spread most evenly (the widest smallest gap between two
+offloaded layers, counted round the pass), since a copy overlaps the layers computed while it runs; settings
+with s = 1 and s = 2 are listed. The layer index is the decoder layer's: a model with dense layers before its
+MoE ones (DeepSeek-V3's first three) counts them too, and its groups fall elsewhere than on the trace's MoE
+layers' numbering, which this takes for the model's.
 
 ``--moe-expert-cache-size N`` (PR #37190, open, not merged; ``CachedWeightProvider``): every layer keeps
 a GPU cache of N experts, a miss is copied from pinned host memory on demand (synchronously, in
@@ -119,6 +126,62 @@ def uva_split(streamed: dict[int, float], num_layers: int, num_experts: int) -> 
     return SplitConfig(tuple(plans), preloaded=True)
 
 
+def offloaded_layers(num_layers: int, group_size: int, num_in_group: int) -> list[int]:
+    """The layers the prefetch backend offloads: the last ``num_in_group`` of each group of ``group_size``."""
+    return [layer for layer in range(num_layers) if layer % group_size >= group_size - num_in_group]
+
+
+def offload_groups(num_layers: int, least: int) -> tuple[int, int] | None:
+    """The (G, n) that offloads the fewest layers, at least ``least``, spread most evenly (the widest smallest
+    gap between consecutive offloaded layers, round the pass; then the smaller G); None if ``least`` exceeds
+    the layers."""
+    best, best_key = None, None
+    for group_size in range(1, num_layers + 1):
+        for num_in_group in range(1, group_size + 1):
+            layers = offloaded_layers(num_layers, group_size, num_in_group)
+            if len(layers) < least:
+                continue
+            gaps = [b - a for a, b in zip(layers, layers[1:] + [layers[0] + num_layers])]
+            key = (len(layers), -min(gaps), group_size)
+            if best_key is None or key < best_key:
+                best, best_key = (group_size, num_in_group), key
+    return best
+
+
+def prefetch_settings(context: PlacementContext, engine: str, source: str, before_attention: bool,
+                      extra_flags: list[str], note: str) -> list[Setting]:
+    """The layer offloader's settings at the budget, one per prefetch step 1 and 2 that fits (module doc); vLLM's
+    and SGLang's, which differ in their flags and where the compute waits."""
+    spec = context.spec
+    L, J = spec.num_layers, spec.num_experts
+    out = []
+    if context.slots >= L * J or not context.expert_bytes:
+        return out
+    for step in (1, 2):
+        chosen = offload_groups(L, max(step, L + step - context.slots // J))
+        if chosen is None:
+            continue
+        group_size, num_in_group = chosen
+        streamed = offloaded_layers(L, group_size, num_in_group)
+        room = context.slots - step * J  # beside the buffers: the VRAM layers' experts, and what is left over
+        if room < max(1, (L - len(streamed)) * J):
+            continue
+        out.append(Setting(
+            engine, f"--offload-group-size {group_size} --offload-num-in-group {num_in_group} "
+                    f"--offload-prefetch-step {step} ({len(streamed)} layers streamed, {step} ahead)",
+            ["--offload-group-size", str(group_size), "--offload-num-in-group", str(num_in_group),
+             "--offload-prefetch-step", str(step)] + extra_flags,
+            "static-layers", {"cpu_layers": streamed}, layer_keys([l for l in range(L) if l not in streamed], J),
+            cache_slots=room,
+            layerwise={"layers": streamed, "prefetch_step": step, "before_attention": before_attention,
+                       "source": source},
+            cannot_host=context.outside_host_memory("the offloaded layers' experts are copied from pinned host "
+                                                    "memory"),
+            note=f"{len(streamed)} layers' experts copied whole in every pass, {step} offloaded layer(s) ahead, "
+                 f"into {step} GPU buffer(s) of a layer; {note}"))
+    return out
+
+
 def settings(context: PlacementContext) -> list[Setting]:
     spec = context.spec
     L, J = spec.num_layers, spec.num_experts
@@ -142,6 +205,9 @@ def settings(context: PlacementContext) -> list[Setting]:
                                                                    "host memory"),
                            note="the offloaded experts read over the link in every pass that routes them, never "
                                 "kept (UVA): split experts, preloaded"))
+    out += prefetch_settings(context, "vllm", "vLLM's prefetch offloader (prefetch.py)", True,
+                             ["--offload-params", "experts"], "the compute waits for a layer's copy before its "
+                             "attention")
     per_layer = context.slots // L
     if per_layer >= 1:
         out.append(Setting("vllm", f"--moe-expert-cache-size {per_layer} (PR #37190)",
@@ -155,8 +221,10 @@ def settings(context: PlacementContext) -> list[Setting]:
 
 ENGINE = EngineModel(
     name="vllm", command="vllm serve MODEL",
-    source="vllm-project/vllm vllm/model_executor/offloader/uva.py (--cpu-offload-gb, --cpu-offload-params); "
-           "PR #37190 (--moe-expert-cache-size, LFRU)",
+    source="vllm-project/vllm vllm/model_executor/offloader/uva.py (--cpu-offload-gb, --cpu-offload-params), "
+           "prefetch.py (--offload-group-size, --offload-num-in-group, --offload-prefetch-step); PR #37190 "
+           "(--moe-expert-cache-size, LFRU)",
     settings=settings,
-    limits="released vLLM offloads whole expert tensors of the first layers (gate and up, then down), read over "
-           "the link in every pass and never kept; a per-expert cache exists only in the open PR #37190")
+    limits="released vLLM offloads whole expert tensors (of the first layers, read over the link in every pass "
+           "that routes them; or of every G-th layers, copied whole in every pass a few layers ahead) and keeps "
+           "none of them; a per-expert cache exists only in the open PR #37190")

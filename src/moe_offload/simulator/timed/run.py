@@ -53,10 +53,12 @@ landed and schedules some of the pass's misses as uploads, off the compute strea
 rule serves does not read the cache: all of its experts run on the host, but for the layers a -dist cache
 holds whole (``whole_layers``, llama.cpp's layers kept in VRAM), which are ordinary GPU layers in every pass.
 
-Layerwise prefill (``layerwise``, layerwise.py: KTransformers' full-GPU fallback). A pass of at least its
-threshold of tokens brings each layer's whole expert set to the GPU (the compute stream waits for it on the
-host link) and runs every routed expert there; with the dynamic update the layer's GPU experts then become
-that pass's most routed.
+Streamed layers (``layerwise``, layerwise.py: KTransformers' full-GPU fallback, vLLM's and SGLang's layer
+offloaders). A pass of at least its threshold of tokens brings its streamed layers' whole expert sets to the
+GPU and runs every routed expert of them there: KTransformers' when the layer is routed (the compute stream
+waits for it on the host link), then with the dynamic update the layer's GPU experts become that pass's most
+routed; the offloaders' on a copy stream of their own, a few streamed layers ahead, the compute waiting for a
+layer's copy before its attention (vLLM) or its experts (SGLang).
 
 Split experts (``split``, MoEpic, paper 004). The GPU is then not one cache of whole experts but, per layer,
 a cache of top segments and a buffer for the missing segments (simulator/split.py): a transfer into the
@@ -83,7 +85,7 @@ from moe_offload.simulator.partitioned_cache import PartitionedCache
 from moe_offload.simulator.split import SplitConfig, SplitExperts
 from moe_offload.simulator.timed.decisions import tier_decisions
 from moe_offload.simulator.timed.host import HostWork
-from moe_offload.simulator.timed.layerwise import LayerwisePrefill
+from moe_offload.simulator.timed.layerwise import StreamedLayers
 from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.simulator.timed.schedule import Arrivals, make_schedule
 from moe_offload.simulator.timed.stream import ComputeStream
@@ -101,7 +103,7 @@ class TimedRun(ComputeStream):
                  prefetcher: Prefetcher | None, arrivals: Arrivals, seed: int, policy_options: dict | None,
                  all_resident: bool, split: SplitConfig | None = None,
                  reconfiguration: OnlineConfigurator | None = None, fetch_or_compute: bool = False,
-                 uploads: UploadsBetweenPasses | None = None, layerwise: LayerwisePrefill | None = None):
+                 uploads: UploadsBetweenPasses | None = None, layerwise: StreamedLayers | None = None):
         meta = trace.meta
         self.trace, self.hardware, self.arrivals = trace, hardware, arrivals
         self.spec = spec = ModelSpec(meta.num_layers, meta.num_experts, meta.top_k)
@@ -156,7 +158,9 @@ class TimedRun(ComputeStream):
         self.whole_layers = set(whole_layers)
         self.serving = True  # the GPU cache serves the current pass (module doc: Uploads between passes)
         self.layerwise = layerwise
-        self.fallback = False      # the current pass brings whole layers to the GPU (module doc: Layerwise prefill)
+        self.fallback = False      # the current pass streams whole layers to the GPU (module doc: Streamed layers)
+        if layerwise is not None and layerwise.prefetch_step:
+            layerwise.first_copies()
         self.with_layer: set = set()  # the current layer's routed experts that came with its whole set
         self.reconfiguration = reconfiguration
         self.reconfigurations: list[dict] = []  # what each online reconfiguration chose, and its cost
@@ -190,7 +194,7 @@ class TimedRun(ComputeStream):
         misses."""
         ctx, fast = self.ctx, self.fast
         self.pinned.update(keys)
-        if self.fallback:
+        if self.fallback and self.layerwise.streams(layer):
             self._bring_whole_layer(layer, keys)
             return
         if self.split is not None:
@@ -236,15 +240,17 @@ class TimedRun(ComputeStream):
         net.kick()
 
     def _bring_whole_layer(self, layer: int, keys: list[int]) -> None:
-        """A fallback pass (layerwise.py): the layer's J experts cross the host link while the compute stream
-        waits; its routed experts then all run on the GPU, the resident ones counted as hits."""
-        queue = self.net.queues[1]
-        start = self.now
-        self._advance_to(start + queue.link.transfer_seconds(self.J * self.E))
-        queue.bytes_moved += self.J * self.E
-        self.events.append((queue.link.name, "layer", start, self.now, layer, -1))
-        self.events.append(("stall", "stall", start, self.now, layer, -1))
-        self.per_layer_stall[layer] += self.now - start
+        """A streamed layer (layerwise.py) once routed: its J experts cross the host link now, or its copy ahead
+        lands, while the compute stream waits; its routed experts then all run on the GPU, the resident ones
+        counted as hits."""
+        if self.layerwise.prefetch_step:
+            self._await_copy(layer)
+        else:
+            start = self.now
+            self._copy_layer(layer, start)
+            self._advance_to(self.layerwise.landed[layer])
+            self.events.append(("stall", "stall", start, self.now, layer, -1))
+            self.per_layer_stall[layer] += self.now - start
         hits = sum(key in self.fast for key in keys)
         self.clock += len(keys)
         self.hits += hits
@@ -252,6 +258,22 @@ class TimedRun(ComputeStream):
         self.accesses += len(keys)
         self.per_layer_accesses[layer] += len(keys)
         self.with_layer = set(keys)
+
+    def _copy_layer(self, layer: int, now: float) -> None:
+        """Start the copy of ``layer``'s J experts over the host link at ``now`` (or once the copy stream is free)."""
+        queue = self.net.queues[1]
+        start, end = self.layerwise.copy(layer, now, queue.link.transfer_seconds(self.J * self.E))
+        queue.bytes_moved += self.J * self.E
+        self.events.append((queue.link.name, "layer", start, end, layer, -1))
+
+    def _await_copy(self, layer: int) -> None:
+        """The compute stream waits for the copy of ``layer`` started ahead."""
+        landed = self.layerwise.landed[layer]
+        if landed > self.now:
+            start = self.now
+            self._advance_to(landed)
+            self.events.append(("stall", "stall", start, self.now, layer, -1))
+            self.per_layer_stall[layer] += self.now - start
 
     def _part_ready(self, key: int, top_done: bool) -> bool:
         """Whether the next part of expert ``key`` can run: all of it once resident (or come with its whole
@@ -306,9 +328,11 @@ class TimedRun(ComputeStream):
             self.net.kick()
         for key, routed in on_stream:
             self._compute(host.on_stream_seconds(key, routed), "host", layer, key)
-        if self.fallback:
+        if self.fallback and self.layerwise.streams(layer):
             self.layerwise.update(self.fast, self.ctx, layer, keys, counts, self.J, self.E)
             self.with_layer = set()
+            if self.layerwise.prefetch_step:  # its buffer is free: the copy s streamed layers ahead starts
+                self._copy_layer(self.layerwise.copy_after(layer), self.now)
         if host_done > self.now:  # the layer is done when the host's share is
             start = self.now
             self._advance_to(host_done)
@@ -348,6 +372,8 @@ class TimedRun(ComputeStream):
             needs = pass_needs(trace.experts, trace.request, rows, J)
             for layer in range(L):
                 ctx.layer = layer
+                if self.fallback and self.layerwise.before_attention and self.layerwise.streams(layer):
+                    self._await_copy(layer)
                 self._compute(compute.attention(n), "attention", layer)
                 self._compute(compute.router(n), "router", layer)
                 keys, counts, rounds, routed = needs[layer]

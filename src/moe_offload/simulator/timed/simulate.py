@@ -17,7 +17,7 @@ from moe_offload.simulator.split import SplitConfig, read_split_config
 from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.simulator.timed.run import TimedRun
 from moe_offload.simulator.timed.schedule import Arrivals
-from moe_offload.simulator.timed.layerwise import LayerwisePrefill, check_layerwise
+from moe_offload.simulator.timed.layerwise import StreamedLayers
 from moe_offload.simulator.timed.timeline import iteration_timeline
 from moe_offload.simulator.timed.uploads import UploadsBetweenPasses, check_uploads
 from moe_offload.simulator.transfers import home_tier
@@ -61,7 +61,7 @@ def check_timed_run(trace: Trace, hardware: HardwareProfile, policy: str, cache_
                     split_source: str = "the split configuration",
                     reconfiguration: Reconfiguration | None = None, prefetcher: str | None = None,
                     fetch_or_compute: bool = False, uploads: UploadsBetweenPasses | None = None,
-                    layerwise: LayerwisePrefill | None = None) -> None:
+                    layerwise: StreamedLayers | None = None) -> None:
     """Raise ConfigError when this run cannot be made: a cache that holds no expert, exceeds the GPU or
     is below what the policy needs (with ``split``, a split configuration the model or the GPU cannot run,
     named ``split_source`` in the message; ``cache_bytes`` is then unused); experts with no tier to live
@@ -103,7 +103,8 @@ def check_timed_run(trace: Trace, hardware: HardwareProfile, policy: str, cache_
                               f"cannot hold one expert of {format_bytes(expert_bytes)}")
     policy_class = policy_info(policy).policy
     if layerwise is not None:
-        check_layerwise(policy_class.static, policy_info(policy).partitioned, home, hardware.name)
+        layerwise.check(policy_class.static, policy_info(policy).partitioned, home, hardware.name, meta.num_layers,
+                        gpu.capacity_bytes - (cache_bytes or 0), meta.num_experts * expert_bytes)
     if uploads is not None:
         check_uploads(policy_class.static, policy_info(policy).partitioned, prefetcher, home, hardware.name)
     bypassing = policy_class.static or fetch_or_compute or uploads is not None
@@ -132,7 +133,7 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
                    all_resident: bool = False, split: SplitConfig | None = None,
                    reconfiguration: Reconfiguration | None = None, fetch_or_compute: bool = False,
                    uploads: UploadsBetweenPasses | None = None,
-                   layerwise: LayerwisePrefill | None = None) -> RunResult:
+                   layerwise: StreamedLayers | None = None) -> RunResult:
     """Run ``trace`` on ``hardware`` with ``policy`` on a GPU expert cache of ``cache_bytes`` and an optional
     prefetcher (a registry name, or an instance); ``all_resident`` runs the bound with every expert in the
     GPU from the start (no transfers; ``policy``, ``cache_bytes``, ``prefetcher``, ``split`` and
@@ -146,8 +147,9 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
     placement (static-freq, static-layers) bypasses every miss. Bypassed experts run on the profile's
     ``[host]`` (run.py: Host compute). ``uploads`` (a fresh UploadsBetweenPasses, uploads.py) is llama.cpp PR
     #27861's admission: misses run on the host and some are uploaded between passes. ``layerwise`` (a fresh
-    LayerwisePrefill, layerwise.py) is KTransformers' full-GPU fallback for long passes and its dynamic update
-    of a static placement's GPU experts."""
+    StreamedLayers, layerwise.py) streams whole layers beside a static placement: KTransformers' full-GPU
+    fallback for long passes and its dynamic update of the GPU experts, or vLLM's and SGLang's offloaded
+    layers copied a few layers ahead in every pass."""
     meta = trace.meta
     expert_bytes = expert_bytes or meta.expert_bytes
     if not expert_bytes:
@@ -219,7 +221,11 @@ def simulate_timed(trace: Trace, hardware: HardwareProfile, policy: str = "lru",
                      "fetching it (Fiddler's rule)")
     uploads = None if all_resident else uploads
     layerwise = None if all_resident else layerwise
-    if layerwise is not None:
+    if layerwise is not None and layerwise.prefetch_step:
+        notes.append(f"{layerwise.source}: every pass copied the experts of layers "
+                     f"{', '.join(map(str, layerwise.layers))} from host memory, {layerwise.prefetch_step} offloaded "
+                     f"layer(s) ahead, into {layerwise.prefetch_step} GPU buffer(s) of a layer")
+    elif layerwise is not None:
         notes.append(f"layerwise prefill (KTransformers): {layerwise.passes} passes of at least {layerwise.threshold} "
                      "tokens brought every layer's experts to the GPU"
                      + (f"; the dynamic update replaced {layerwise.replaced} GPU experts" if layerwise.dynamic_update
