@@ -75,8 +75,9 @@ def load_traces(shared: Path, say) -> dict[str, ReplayInput]:
     sources = {
         "qwen1.5": lambda: import_routes_json([shared / "qwen1.5-moe-a2.7b" / f"{name}.json" for name in QWEN_FILES],
                                               num_experts=60),
+        # 8 requests of an 8-token prompt and 19 decode steps, as its recording's notes say (docs/traces.md)
         "granite": lambda: import_topk_jsonl(shared / "granite-3.0-1b-a400m" / "sglang_8_requests.jsonl",
-                                             num_experts=32),
+                                             num_experts=32, request_rows=27, prompt_rows=8),
         "gpt-oss": lambda: import_topk_jsonl(shared / "gpt-oss-120b" / "chat_149_tokens.jsonl", num_experts=128),
     }
     for name, load in sources.items():

@@ -125,6 +125,40 @@ def test_several_jsonl_files_become_requests(tmp_path):
     assert trace.meta.extra["experts_sorted"] is False
 
 
+def test_lines_cut_into_requests_with_their_prompts(tmp_path):
+    # 6 lines as 2 requests of 3: each a prompt of 2 lines (one prefill pass) and one decode token
+    path = write_jsonl(tmp_path / "a.jsonl", [row(t) for t in range(6)])
+    trace = import_topk_jsonl(path, num_experts=8, request_rows=3, prompt_rows=2)
+    np.testing.assert_array_equal(trace.request, [0, 0, 0, 1, 1, 1])
+    np.testing.assert_array_equal(trace.iteration, [0, 0, 1, 2, 2, 3])
+    np.testing.assert_array_equal(trace.position, [0, 1, 2, 0, 1, 2])
+    np.testing.assert_array_equal(trace.phase, [PREFILL, PREFILL, DECODE] * 2)
+    np.testing.assert_array_equal(trace.experts, import_topk_jsonl(path, num_experts=8).experts)
+    # a prompt alone keeps the file's positions
+    alone = import_topk_jsonl(path, num_experts=8, prompt_rows=4)
+    np.testing.assert_array_equal(alone.iteration, [0, 0, 0, 0, 1, 2])
+    np.testing.assert_array_equal(alone.position, np.arange(6))
+    with pytest.raises(TraceError, match="6 routing lines are not whole requests of --request-rows 4"):
+        import_topk_jsonl(path, num_experts=8, request_rows=4)
+    with pytest.raises(ConfigError, match="--prompt-rows 3 leaves no decode line"):
+        import_topk_jsonl(path, num_experts=8, request_rows=3, prompt_rows=3)
+    with pytest.raises(TraceError, match="--prompt-rows 6 leaves no decode line in its 6 lines"):
+        import_topk_jsonl(path, num_experts=8, prompt_rows=6)
+    with pytest.raises(ConfigError, match="--request-rows"):
+        import_topk_jsonl(path, num_experts=8, request_rows=0)
+
+
+def test_the_granite_recording_is_eight_requests_of_a_prompt_and_nineteen_decode_steps(shared_traces):
+    """Its notes: 8 requests one after another, each an 8-token prompt, then 19 decode steps (27 lines)."""
+    path = shared_traces / "granite-3.0-1b-a400m" / "sglang_8_requests.jsonl"
+    trace = import_topk_jsonl(path, num_experts=32, request_rows=27, prompt_rows=8)
+    assert trace.num_requests == 8 and trace.num_tokens == 216
+    assert len(np.unique(trace.iteration)) == 8 * 20
+    assert int((trace.phase == PREFILL).sum()) == 64
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    np.testing.assert_array_equal(trace.experts, np.array([line["layers"] for line in lines]))
+
+
 # ----------------------------------------------------------------------------------- malformed topk-jsonl
 
 def row(token, layers=None):

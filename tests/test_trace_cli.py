@@ -97,6 +97,21 @@ def test_import_topk_jsonl_without_experts_is_a_clear_error(capsys, tmp_path, ol
     assert not (tmp_path / "x.parquet").exists()
 
 
+def test_import_topk_jsonl_as_requests_with_prompts(capsys, tmp_path, shared_traces):
+    source = shared_traces / "granite-3.0-1b-a400m" / "sglang_8_requests.jsonl"
+    output = tmp_path / "granite.parquet"
+    code, out, _ = run(capsys, "import", "topk-jsonl", source, "-o", output, "--experts", 32, "--request-rows", 27,
+                       "--prompt-rows", 8)
+    assert code == 0 and "216 tokens in 8 request(s)" in out
+    assert read_trace(output).num_requests == 8
+    code, _, err = run(capsys, "import", "routes-json", source, "-o", tmp_path / "x.parquet", "--prompt-rows", 8)
+    assert_one_line_error(code, err, "--prompt-rows is for the formats topk-jsonl, not routes-json")
+    code, _, err = run(capsys, "import", "topk-jsonl", source, "-o", tmp_path / "x.parquet", "--experts", 32,
+                       "--request-rows", 25)
+    assert_one_line_error(code, err, str(source), "216 routing lines are not whole requests of --request-rows 25")
+    assert not (tmp_path / "x.parquet").exists()
+
+
 def test_import_several_routes_files(capsys, tmp_path, shared_traces):
     folder = shared_traces / "qwen1.5-moe-a2.7b"
     output = tmp_path / "two.parquet"

@@ -12,7 +12,7 @@ from moe_offload.values import parse_bytes
 from moe_offload.trace.flatten import flatten, write_csv, write_oracle_general
 from moe_offload.trace.format import DECODE, EMBEDDING_KINDS, PREFILL, Trace, read_trace, seal_trace, write_trace
 from moe_offload.trace.importers import (IMPORTERS, TAKES_ARRAY_LIMIT, TAKES_MODEL_CONFIG, TAKES_PROMPT_CACHE,
-                                        TELLS_EACH_FILE)
+                                        TAKES_REQUEST_ROWS, TELLS_EACH_FILE)
 from moe_offload.trace.importers.engine_trace import prompt_tokens_text
 from moe_offload.trace.importers.engines import CAPTURE_ENGINES
 from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace
@@ -64,6 +64,12 @@ def register(subparsers) -> None:
                           help="vllm, sglang: keep the prompt tokens served from the prefix cache (the first "
                                "usage.prompt_tokens_details.cached_tokens) where their ids are present; by default "
                                "they are dropped and counted, as they ran no experts in their request")
+    importer.add_argument("--request-rows", type=int, metavar="N",
+                          help="topk-jsonl: each file is requests of N lines, one after the other (the file does "
+                               "not say where a request ends; by default a file is one request)")
+    importer.add_argument("--prompt-rows", type=int, default=0, metavar="P",
+                          help="topk-jsonl: the first P lines of each request are its prompt, one prefill pass "
+                               "(default 0: every line a decode token)")
     importer.add_argument("--max-array-bytes", default="2GiB", metavar="BYTES",
                           help="the largest routing array an import decodes (vllm, sglang, npy; default 2GiB): a "
                                "declared size past it is refused before anything is allocated")
@@ -290,6 +296,11 @@ def run_import(args) -> int:
             raise ConfigError(f"--keep-cached-prompt is for the formats {', '.join(TAKES_PROMPT_CACHE)}, not "
                               f"{args.format}")
         options["keep_cached_prompt"] = True
+    for option, given in (("--request-rows", args.request_rows is not None), ("--prompt-rows", args.prompt_rows)):
+        if given and args.format not in TAKES_REQUEST_ROWS:
+            raise ConfigError(f"{option} is for the formats {', '.join(TAKES_REQUEST_ROWS)}, not {args.format}")
+    if args.format in TAKES_REQUEST_ROWS:
+        options.update(request_rows=args.request_rows, prompt_rows=args.prompt_rows)
     if args.model_config is not None:
         if args.format not in TAKES_MODEL_CONFIG:
             raise ConfigError(f"--model-config is for the formats {', '.join(TAKES_MODEL_CONFIG)}, not {args.format}")

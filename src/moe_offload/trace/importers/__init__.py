@@ -44,7 +44,11 @@ TAKES_PROMPT_CACHE = ("vllm", "sglang")
 TAKES_ARRAY_LIMIT = ("vllm", "sglang", "npy")
 # the importers of many response or array files, read one at a time, that tell when each is done (on_file)
 TELLS_EACH_FILE = ("vllm", "sglang", "npy")
+# the importers of files that do not say where a request ends or which lines were a prompt (--request-rows,
+# --prompt-rows say it)
+TAKES_REQUEST_ROWS = ("topk-jsonl",)
 
-__all__ = ["IMPORTERS", "TAKES_ARRAY_LIMIT", "TELLS_EACH_FILE", "TAKES_MODEL_CONFIG", "TAKES_PROMPT_CACHE", "import_csv",
+__all__ = ["IMPORTERS", "TAKES_ARRAY_LIMIT", "TELLS_EACH_FILE", "TAKES_MODEL_CONFIG", "TAKES_PROMPT_CACHE",
+           "TAKES_REQUEST_ROWS", "import_csv",
            "import_llamacpp", "import_megatron", "import_npy", "import_routes_json", "import_sglang", "import_topk_jsonl",
            "import_vllm"]

@@ -4,7 +4,11 @@
     One JSON object per line, ``{"tok": n, "layers": [[K expert ids] x L]}``: one decode token per line
     (sqliteai/warp's OLMoE trace). The file does not say how many experts a layer has, so the caller
     must give J. When every expert list is sorted by id, the router's rank order is lost; the importer
-    then sets ``meta.extra["experts_sorted"]`` (see docs/trace-format.md).
+    then sets ``meta.extra["experts_sorted"]`` (see docs/trace-format.md). Nor does it say where a request
+    ends or which lines were a prompt: a file is one request of decode tokens unless the caller says how the
+    lines were recorded, ``request_rows`` lines a request one after the other and the first ``prompt_rows``
+    of each its prompt (one prefill pass), as a recording's own notes give it (the SGLang Granite trace of
+    ``openfabric-systems/simllm``: 8 requests of an 8-token prompt and 19 decode steps, 27 lines each).
 
 ``routes-json``
     One JSON document per request with ``meta``, ``prompt_tokens``, ``generated_tokens`` and ``routes``,
@@ -31,6 +35,7 @@ from moe_offload.trace.format import DECODE, PHASES, PREFILL, Trace
 from moe_offload.trace.importers.common import (_are_ids, _as_paths, _assemble, _check_expert_ids, _check_requests_ids,
                                                 _check_num_experts, _failer, _is_int, _is_number, _Request,
                                                 quote)
+from moe_offload.values import integer
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
@@ -39,14 +44,25 @@ FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 def import_topk_jsonl(paths, *, num_experts: int | None = None, model: str | None = None,
                       expert_bytes: int | None = None, hidden_size: int | None = None, source: str | None = None,
-                      license: str | None = None, extra: dict | None = None) -> Trace:
+                      license: str | None = None, extra: dict | None = None, request_rows: int | None = None,
+                      prompt_rows: int = 0) -> Trace:
     """Import ``{"tok": n, "layers": [[K ids] x L]}`` lines: request = file order, position = ``tok``,
-    phase decode, one iteration per line. ``num_experts`` (J) is required: the format does not record it."""
+    phase decode, one iteration per line. ``num_experts`` (J) is required: the format does not record it.
+    ``request_rows``: each file is requests of that many lines, one after the other (position: the line's
+    place in its request); ``prompt_rows``: the first lines of each request are its prompt, one prefill
+    iteration."""
     paths = _as_paths(paths)
     _check_num_experts(num_experts)
-    requests = [_read_topk_jsonl(paths[0])]
+    if request_rows is not None:
+        request_rows = integer(request_rows, "--request-rows", low=1)
+    prompt_rows = integer(prompt_rows, "--prompt-rows", low=0)
+    if prompt_rows >= (request_rows or math.inf):
+        raise ConfigError(f"--prompt-rows {prompt_rows} leaves no decode line in a request of --request-rows "
+                          f"{request_rows}")
+    files = [_read_topk_jsonl(paths[0])]
     for path in paths[1:]:
-        requests.append(_read_topk_jsonl(path, shape=requests[0].experts.shape[1:], shape_origin=paths[0].name))
+        files.append(_read_topk_jsonl(path, shape=files[0].experts.shape[1:], shape_origin=paths[0].name))
+    requests = [request for read in files for request in _cut_requests(read, request_rows, prompt_rows)]
     shape = requests[0].experts.shape[1:]
     _check_requests_ids(requests, num_experts, paths, "topk-jsonl traces do not say how many experts each layer "
                         "has; give it (num_experts, or --experts J on the command line)")
@@ -104,6 +120,26 @@ def _read_topk_jsonl(path: Path, shape: tuple[int, int] | None = None, shape_ori
         raise TraceError(path, "no routing rows (the file is empty)")
     return _Request(path=path, experts=np.asarray(rows, dtype=np.int64), position=positions,
                     phase=[DECODE] * len(rows), iteration=list(range(len(rows))), locator=numbers, unit="line")
+
+
+def _cut_requests(read: _Request, request_rows: int | None, prompt_rows: int) -> list[_Request]:
+    """A file's lines as requests of ``request_rows`` lines (None: the file is one), the first ``prompt_rows``
+    of each its prompt."""
+    lines = len(read.position)
+    rows = request_rows or lines
+    if lines % rows:
+        raise TraceError(read.path, f"{lines} routing lines are not whole requests of --request-rows {rows}")
+    if prompt_rows >= rows:
+        raise TraceError(read.path, f"--prompt-rows {prompt_rows} leaves no decode line in its {rows} lines")
+    local = [0 if i < prompt_rows else i - prompt_rows + (1 if prompt_rows else 0) for i in range(rows)]
+    phase = [PREFILL] * prompt_rows + [DECODE] * (rows - prompt_rows)
+    out = []
+    for start in range(0, lines, rows):
+        part = slice(start, start + rows)
+        out.append(_Request(path=read.path, experts=read.experts[part],
+                            position=list(range(rows)) if request_rows else read.position,
+                            phase=phase, iteration=local, locator=read.locator[part], unit=read.unit))
+    return out
 
 
 # --------------------------------------------------------------------------------------------- routes-json
