@@ -16,7 +16,8 @@ from moe_offload.bundled import DEFAULT_TRACE
 from moe_offload.errors import ConfigError
 from moe_offload.policies import POLICIES, default_policies
 from moe_offload.simulator import kernels
-from moe_offload.simulator.replay import ReplayInput, replay, replay_grid
+from moe_offload.simulator.grid import replay_grid
+from moe_offload.simulator.replay import ReplayInput, replay
 from moe_offload.trace.format import read_trace
 from moe_offload.trace.importers import import_routes_json, import_topk_jsonl
 from moe_offload.trace.synthetic import cyclic_trace, fixed_partition_trace, zipf_trace

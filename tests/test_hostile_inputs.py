@@ -362,8 +362,9 @@ def test_jobs_must_be_a_positive_number(trace_file, capsys):
 
 
 def test_a_grid_starts_no_more_threads_or_processes_than_tasks(trace_file, monkeypatch, uncompiled_policy):
-    from moe_offload.simulator import kernels, replay as replay_module
-    from moe_offload.simulator.replay import ReplayInput, replay_grid
+    from moe_offload.simulator import grid as grid_module, kernels
+    from moe_offload.simulator.grid import replay_grid
+    from moe_offload.simulator.replay import ReplayInput
     from moe_offload.values import cores
 
     started = {"threads": [], "processes": []}
@@ -374,9 +375,9 @@ def test_a_grid_starts_no_more_threads_or_processes_than_tasks(trace_file, monke
             return real(*args, max_workers=max_workers, **kwargs)
         return start
 
-    monkeypatch.setattr(replay_module, "ThreadPoolExecutor", recording("threads", replay_module.ThreadPoolExecutor))
-    monkeypatch.setattr(replay_module, "ProcessPoolExecutor",
-                        recording("processes", replay_module.ProcessPoolExecutor))
+    monkeypatch.setattr(grid_module, "ThreadPoolExecutor", recording("threads", grid_module.ThreadPoolExecutor))
+    monkeypatch.setattr(grid_module, "ProcessPoolExecutor",
+                        recording("processes", grid_module.ProcessPoolExecutor))
     data = ReplayInput.of(read_trace(trace_file))
     replay_grid(data, ["lru", uncompiled_policy], [8, 12], jobs=12)
     most = 1 if cores() == 1 else 2

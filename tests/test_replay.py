@@ -12,7 +12,8 @@ import pytest
 from moe_offload.bundled import DEFAULT_TRACE
 from moe_offload.cli.main import main
 from moe_offload.errors import ConfigError
-from moe_offload.simulator.replay import ReplayInput, replay, replay_grid
+from moe_offload.simulator.grid import replay_grid
+from moe_offload.simulator.replay import ReplayInput, replay
 from moe_offload.trace.flatten import flatten, sample_sequence
 from moe_offload.trace.format import write_trace
 from moe_offload.trace.synthetic import zipf_trace
@@ -113,10 +114,10 @@ def test_grid_reports_against_opt_and_is_independent_of_jobs(small_trace):
 def test_a_grid_replays_once_the_policies_that_make_the_same_decisions(small_trace, monkeypatch):
     """fMoE on a trace without router probabilities ranks as LFU: the grid replays LFU once for both, and
     fMoE's row is what its own replay makes; given probabilities, fMoE replays on its own."""
-    import moe_offload.simulator.replay as replay_module
+    import moe_offload.simulator.grid as grid_module
     replayed = []
-    task = replay_module._replay_task
-    monkeypatch.setattr(replay_module, "_replay_task", lambda data, t: replayed.append(t[:2]) or task(data, t))
+    task = grid_module._replay_task
+    monkeypatch.setattr(grid_module, "_replay_task", lambda data, t: replayed.append(t[:2]) or task(data, t))
     data = ReplayInput.of(small_trace)
     grid = replay_grid(data, ["lfu", "fmoe", "lru"], [4, 8], jobs=2)
     assert sorted(replayed) == sorted([("belady", 4), ("belady", 8), ("lfu", 4), ("lfu", 8), ("lru", 4), ("lru", 8)])

@@ -12,7 +12,8 @@ import pytest
 
 from moe_offload.cli.main import main
 from moe_offload.hardware import resolve_profile
-from moe_offload.simulator.replay import ReplayInput, replay_grid
+from moe_offload.simulator.grid import replay_grid
+from moe_offload.simulator.replay import ReplayInput
 from moe_offload.simulator.timed import Arrivals, timed_grid
 from moe_offload.sweep import run as sweep_run
 from moe_offload.sweep.store import read_results, to_table

@@ -124,7 +124,7 @@ def check_some_run_possible(path: str, meta: TraceMeta, policies: list[str], siz
     """Refuse a table in which no policy can run at any size (a -dist policy below one expert per layer):
     there would be nothing to show. Cells that cannot run beside others that can are reported as skipped."""
     from moe_offload.policies import ModelSpec
-    from moe_offload.simulator.replay import grid_runs
+    from moe_offload.simulator.grid import grid_runs
 
     runs, skipped = grid_runs(ModelSpec(meta.num_layers, meta.num_experts, meta.top_k), policies, sizes)
     if skipped and not any(policy in policies for policy, _ in runs):
@@ -172,7 +172,8 @@ def run(args) -> int:
     given = [name for name, default in TIMED_DEFAULTS.items() if getattr(args, name) != default]
     if given:
         raise ConfigError(f"--{given[0].replace('_', '-')} belongs to the timed simulation: add --timed")
-    from moe_offload.simulator.replay import ReplayInput, load_kernels, replay_grid
+    from moe_offload.simulator.grid import replay_grid
+    from moe_offload.simulator.replay import ReplayInput, load_kernels
 
     args.policy = args.policy or "all"
     args.cache_size = args.cache_size or DEFAULT_CACHE_SIZES

@@ -47,7 +47,8 @@ from moe_offload.errors import ConfigError
 from moe_offload.policies import POLICIES, default_policies, make_policy
 from moe_offload.results import RunResult
 from moe_offload.reporting.working_set import WorkingSet
-from moe_offload.simulator.replay import ReplayInput, replay, replay_grid, replay_kernel
+from moe_offload.simulator.grid import replay_grid
+from moe_offload.simulator.replay import ReplayInput, replay, replay_kernel
 from moe_offload.simulator.stack_distances import HitCurve, lru_curve, opt_curve
 from moe_offload.values import worker_count
 

@@ -30,7 +30,8 @@ from moe_offload.hardware import resolve_profile
 from moe_offload.hardware.profile import HardwareProfile, preset_names
 from moe_offload.policies import ModelSpec, default_policies, policy_info
 from moe_offload.prefetch import check_trace_columns, make_prefetcher, prefetcher_info
-from moe_offload.simulator.replay import ENGINES, grid_runs
+from moe_offload.simulator.grid import grid_runs
+from moe_offload.simulator.replay import ENGINES
 from moe_offload.simulator.timed import ALL_RESIDENT, ORACLE, Arrivals, check_timed_run
 from moe_offload.simulator.timed.simulate import timed_runs
 from moe_offload.trace.format import Trace, read_trace

@@ -46,7 +46,7 @@ from moe_offload.errors import ConfigError
 from moe_offload.inputs import parse_json
 from moe_offload.outputs import atomic_output
 from moe_offload.results import RunResult
-from moe_offload.simulator.replay import set_opt_misses
+from moe_offload.simulator.grid import set_opt_misses
 from moe_offload.sweep.spec import Cell
 
 METADATA_KEY = b"moe_offload.sweep"

@@ -243,14 +243,9 @@ class TimedRun(ComputeStream):
         """A streamed layer (layerwise.py) once routed: its J experts cross the host link now, or its copy ahead
         lands, while the compute stream waits; its routed experts then all run on the GPU, the resident ones
         counted as hits."""
-        if self.layerwise.prefetch_step:
-            self._await_copy(layer)
-        else:
-            start = self.now
-            self._copy_layer(layer, start)
-            self._advance_to(self.layerwise.landed[layer])
-            self.events.append(("stall", "stall", start, self.now, layer, -1))
-            self.per_layer_stall[layer] += self.now - start
+        if not self.layerwise.prefetch_step:
+            self._copy_layer(layer, self.now)
+        self._await_copy(layer)
         hits = sum(key in self.fast for key in keys)
         self.clock += len(keys)
         self.hits += hits
@@ -267,13 +262,20 @@ class TimedRun(ComputeStream):
         self.events.append((queue.link.name, "layer", start, end, layer, -1))
 
     def _await_copy(self, layer: int) -> None:
-        """The compute stream waits for the copy of ``layer`` started ahead."""
-        landed = self.layerwise.landed[layer]
-        if landed > self.now:
+        """The compute stream waits for the copy of ``layer``."""
+        self._wait_until(self.layerwise.landed[layer], layer)
+
+    def _wait_until(self, time: float, layer: int, kind: str = "stall") -> None:
+        """The compute stream waits until ``time`` in ``layer``, if it is ahead."""
+        if time > self.now:
             start = self.now
-            self._advance_to(landed)
-            self.events.append(("stall", "stall", start, self.now, layer, -1))
-            self.per_layer_stall[layer] += self.now - start
+            self._advance_to(time)
+            self._stalled(start, layer, kind)
+
+    def _stalled(self, start: float, layer: int, kind: str = "stall") -> None:
+        """The compute stream waited from ``start`` to now in ``layer``: its stall time and timeline event."""
+        self.per_layer_stall[layer] += self.now - start
+        self.events.append(("stall", kind, start, self.now, layer, -1))
 
     def _part_ready(self, key: int, top_done: bool) -> bool:
         """Whether the next part of expert ``key`` can run: all of it once resident (or come with its whole
@@ -311,8 +313,7 @@ class TimedRun(ComputeStream):
                         raise RuntimeError(f"no transfer can bring the experts layer {layer} waits for "
                                            f"{[k for k, _, _ in remaining]}")
                     self._process_next_event()
-                self.per_layer_stall[layer] += self.now - start
-                self.events.append(("stall", "stall", start, self.now, layer, -1))
+                self._stalled(start, layer)
                 continue
             key, tokens, top_done = remaining[ready]
             seconds = expert_seconds(tokens, E)
@@ -333,11 +334,7 @@ class TimedRun(ComputeStream):
             self.with_layer = set()
             if self.layerwise.prefetch_step:  # its buffer is free: the copy s streamed layers ahead starts
                 self._copy_layer(self.layerwise.copy_after(layer), self.now)
-        if host_done > self.now:  # the layer is done when the host's share is
-            start = self.now
-            self._advance_to(host_done)
-            self.per_layer_stall[layer] += self.now - start
-            self.events.append(("stall", "host", start, self.now, layer, -1))
+        self._wait_until(host_done, layer, "host")  # the layer is done when the host's share is
 
     def run(self) -> dict:
         trace, ctx, compute, L, J = self.trace, self.ctx, self.compute, self.L, self.J
