@@ -39,6 +39,23 @@ def test_flatten_order_is_token_then_rank_then_layer(small_trace):
 
 
 @pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("rate", [0.3, 0.5, 1.0])
+def test_a_sample_is_the_flattened_requests_of_the_sampled_experts(small_trace, monkeypatch, compiled, rate):
+    from moe_offload.trace import flatten as flatten_module
+
+    if not compiled:
+        monkeypatch.setattr(flatten_module, "numba_available", lambda: False)
+    whole = flatten(small_trace)
+    # an expert is in the sample when its Knuth hash falls below rate * 2^32, whatever the part of the trace
+    kept = [(key * 0x9E3779B1) % 2**32 < rate * 2**32 for key in range(32)]
+    picked = [t for t, key in enumerate(whole.expert_id.tolist()) if kept[key]]
+    sample = sample_sequence(small_trace, rate)
+    assert sample.expert_id.tolist() == whole.expert_id[picked].tolist()
+    assert sample.token.tolist() == [t // 8 for t in picked]  # 4 layers x top-2 requests a row
+    assert sample.expert_id.dtype == sample.token.dtype == np.int32 and sample.rate == rate
+
+
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("rate", [1.0, 0.5])
 def test_layer_columns_are_each_layers_requests_in_time_order(small_trace, monkeypatch, compiled, rate):
     from moe_offload.trace import flatten as flatten_module

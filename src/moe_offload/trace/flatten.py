@@ -135,6 +135,33 @@ def flatten_kernel(experts, num_experts, expert_id):
                 t += 1
 
 
+def sample_count_kernel(experts, num_experts, sampled):
+    """How many requests of ``experts`` [N, L, K] are of an expert ``sampled`` flags (flat ids)."""
+    num_tokens, num_layers, top_k = experts.shape
+    count = 0
+    for row in range(num_tokens):
+        for at in range(num_layers):
+            first = at * num_experts
+            for rank in range(top_k):
+                count += sampled[first + experts[row, at, rank]]
+    return count
+
+
+def sample_fill_kernel(experts, num_experts, sampled, expert_id, token):
+    """The requests of ``experts`` [N, L, K] of an expert ``sampled`` flags, in the order of the module docstring:
+    their flat ids in ``expert_id`` and their trace rows in ``token``, each one longer than the sample: every
+    request is written and only a sampled one kept (no branch to mispredict, where half the experts are in)."""
+    num_tokens, num_layers, top_k = experts.shape
+    t = 0
+    for row in range(num_tokens):
+        for rank in range(top_k):
+            for at in range(num_layers):
+                key = at * num_experts + experts[row, at, rank]
+                expert_id[t] = key
+                token[t] = row
+                t += sampled[key]
+
+
 def gather_kernel(column, expert_id, num_experts, num_layers, first, regular, offsets, out):
     """Copy the requests of layers ``first`` .. ``first`` + G - 1 (G = len(offsets) - 1) from ``column`` to
     out[offsets[g]:offsets[g + 1]] for layer ``first`` + g, in time order. Where ``regular``, request t is of
@@ -176,6 +203,18 @@ def _flatten_kernel(dtype: str):
     return njit_cached(flatten_kernel, types.void(experts, types.int64, types.Array(types.int32, 1, "C")))
 
 
+@functools.cache
+def _sample_kernels(dtype: str):
+    """sample_count_kernel and sample_fill_kernel compiled by Numba for expert ids of ``dtype``."""
+    from numba import types
+
+    experts = types.Array(getattr(types, dtype), 3, "C", readonly=True)
+    flags = types.Array(types.boolean, 1, "C", readonly=True)
+    column = types.Array(types.int32, 1, "C")
+    return (njit_cached(sample_count_kernel, types.int64(experts, types.int64, flags)),
+            njit_cached(sample_fill_kernel, types.void(experts, types.int64, flags, column, column)))
+
+
 def flatten_experts(experts: np.ndarray, num_experts: int) -> np.ndarray:
     """The flat expert ids of ``experts`` [N, L, K] in replay order (int32): one compiled pass where Numba is
     installed, else NumPy's transpose."""
@@ -210,10 +249,21 @@ def sample_sequence(trace: Trace, rate: float) -> "AccessSequence":
     order, with the trace row of each (its ``token``): made a piece at a time, so the whole sequence is never
     in memory."""
     meta = trace.meta
+    sampled = sampled_experts(meta.num_expert_slots, rate)
+    if numba_available():  # two compiled passes over the trace (count, fill), no temporaries
+        experts = np.ascontiguousarray(trace.experts)
+        count_kernel, fill_kernel = _sample_kernels(experts.dtype.name)
+        size = count_kernel(experts, meta.num_experts, sampled)
+        keys, tokens = np.empty(size + 1, COLUMN), np.empty(size + 1, COLUMN)
+        fill_kernel(experts, meta.num_experts, sampled, keys, tokens)
+        sequence = AccessSequence(expert_id=keys[:size], num_layers=meta.num_layers, num_experts=meta.num_experts,
+                                  top_k=meta.top_k, rate=rate)
+        sequence._columns["token"] = tokens[:size]
+        return sequence
     rows = max(1, PIECE_REQUESTS // (meta.num_layers * meta.top_k))
     keys, tokens = [], []
     for piece, start in zip(flattened_pieces(trace), range(0, trace.num_tokens, rows)):
-        keep = np.flatnonzero(in_sample(piece, rate))
+        keep = np.flatnonzero(sampled[piece])
         keys.append(piece[keep])
         tokens.append((start + keep // (meta.num_layers * meta.top_k)).astype(COLUMN))
     sequence = AccessSequence(expert_id=np.concatenate(keys) if keys else np.zeros(0, COLUMN),
@@ -230,21 +280,21 @@ def flatten(trace: Trace) -> AccessSequence:
 
 
 SAMPLE_HASH = 0x9E3779B1  # Knuth's multiplicative hash: spreads consecutive flat ids over [0, 2**32)
-SAMPLE_CHUNK = 1 << 22   # ids hashed at a time: the temporaries stay a few dozen megabytes
+
+
+def sampled_experts(num_keys: int, rate: float) -> np.ndarray:
+    """Which of the flat expert ids 0 .. ``num_keys`` - 1 are in the spatial sample of the experts at ``rate``
+    (SHARDS, Waldspurger et al., FAST 2015): an expert is in it when its hash falls below ``rate`` * 2**32, the
+    same experts in every part of a trace. A table of one flag per expert, which a request reads by its id."""
+    hashed = (np.arange(num_keys, dtype=np.uint64) * np.uint64(SAMPLE_HASH)) & np.uint64(0xFFFFFFFF)
+    return hashed < np.uint64(min(2**32, int(rate * 2**32)))
 
 
 def in_sample(keys: np.ndarray, rate: float) -> np.ndarray:
-    """Which of ``keys`` (flat expert ids) are of an expert in the spatial sample of the experts at ``rate``
-    (SHARDS, Waldspurger et al., FAST 2015): an expert is in it when its hash falls below ``rate`` * 2**32, the
-    same experts in every part of a trace. Hashed a piece at a time."""
-    threshold = np.uint64(min(2**32, int(rate * 2**32)))
-    keep = np.empty(keys.shape[0], np.bool_)
-    for start in range(0, keys.shape[0], SAMPLE_CHUNK):
-        piece = keys[start:start + SAMPLE_CHUNK].astype(np.uint64)
-        piece *= np.uint64(SAMPLE_HASH)
-        piece &= np.uint64(0xFFFFFFFF)
-        keep[start:start + SAMPLE_CHUNK] = piece < threshold
-    return keep
+    """Which of ``keys`` (flat expert ids) are of an expert in the spatial sample at ``rate`` (``sampled_experts``)."""
+    if keys.shape[0] == 0:
+        return np.zeros(0, np.bool_)
+    return sampled_experts(int(keys.max()) + 1, rate)[keys]
 
 
 def next_use_kernel(keys, num_keys, next_use):
