@@ -148,10 +148,8 @@ def offload_groups(num_layers: int, least: int) -> tuple[int, int] | None:
     return best
 
 
-def prefetch_settings(context: PlacementContext, engine: str, source: str, before_attention: bool,
-                      extra_flags: list[str], note: str) -> list[Setting]:
-    """The layer offloader's settings at the budget, one per prefetch step 1 and 2 that fits (module doc); vLLM's
-    and SGLang's, which differ in their flags and where the compute waits."""
+def prefetch_settings(context: PlacementContext) -> list[Setting]:
+    """The prefetch backend's settings at the budget, one per prefetch step (1, 2) that fits (module doc)."""
     spec = context.spec
     L, J = spec.num_layers, spec.num_experts
     out = []
@@ -159,26 +157,24 @@ def prefetch_settings(context: PlacementContext, engine: str, source: str, befor
         return out
     for step in (1, 2):
         chosen = offload_groups(L, max(step, L + step - context.slots // J))
-        if chosen is None:
+        room = context.slots - step * J  # beside the buffers: the VRAM layers' experts (at least), the rest idle
+        if chosen is None or room < 1:
             continue
         group_size, num_in_group = chosen
         streamed = offloaded_layers(L, group_size, num_in_group)
-        room = context.slots - step * J  # beside the buffers: the VRAM layers' experts, and what is left over
-        if room < max(1, (L - len(streamed)) * J):
-            continue
         out.append(Setting(
-            engine, f"--offload-group-size {group_size} --offload-num-in-group {num_in_group} "
+            "vllm", f"--offload-group-size {group_size} --offload-num-in-group {num_in_group} "
                     f"--offload-prefetch-step {step} ({len(streamed)} layers streamed, {step} ahead)",
             ["--offload-group-size", str(group_size), "--offload-num-in-group", str(num_in_group),
-             "--offload-prefetch-step", str(step)] + extra_flags,
+             "--offload-prefetch-step", str(step), "--offload-params", "experts"],
             "static-layers", {"cpu_layers": streamed}, layer_keys([l for l in range(L) if l not in streamed], J),
             cache_slots=room,
-            layerwise={"layers": streamed, "prefetch_step": step, "before_attention": before_attention,
-                       "source": source},
+            layerwise={"layers": streamed, "prefetch_step": step, "before_attention": True,
+                       "source": "vLLM's prefetch offloader (prefetch.py)"},
             cannot_host=context.outside_host_memory("the offloaded layers' experts are copied from pinned host "
                                                     "memory"),
             note=f"{len(streamed)} layers' experts copied whole in every pass, {step} offloaded layer(s) ahead, "
-                 f"into {step} GPU buffer(s) of a layer; {note}"))
+                 f"into {step} GPU buffer(s) of a layer; the compute waits for a layer's copy before its attention"))
     return out
 
 
@@ -205,9 +201,7 @@ def settings(context: PlacementContext) -> list[Setting]:
                                                                    "host memory"),
                            note="the offloaded experts read over the link in every pass that routes them, never "
                                 "kept (UVA): split experts, preloaded"))
-    out += prefetch_settings(context, "vllm", "vLLM's prefetch offloader (prefetch.py)", True,
-                             ["--offload-params", "experts"], "the compute waits for a layer's copy before its "
-                             "attention")
+    out += prefetch_settings(context)
     per_layer = context.slots // L
     if per_layer >= 1:
         out.append(Setting("vllm", f"--moe-expert-cache-size {per_layer} (PR #37190)",
