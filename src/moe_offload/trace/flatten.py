@@ -246,8 +246,8 @@ def flattened_pieces(trace: Trace, requests: int = PIECE_REQUESTS):
 
 def sample_sequence(trace: Trace, rate: float) -> "AccessSequence":
     """The requests of ``trace`` whose expert is in the spatial sample at ``rate`` (``in_sample``), in replay
-    order, with the trace row of each (its ``token``): made a piece at a time, so the whole sequence is never
-    in memory."""
+    order, with the trace row of each (its ``token``), never the whole sequence in memory: two compiled passes over
+    the trace (count, then fill) where Numba is installed, else a piece of the sequence at a time."""
     meta = trace.meta
     sampled = sampled_experts(meta.num_expert_slots, rate)
     if numba_available():  # two compiled passes over the trace (count, fill), no temporaries
