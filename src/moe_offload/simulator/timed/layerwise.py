@@ -21,9 +21,11 @@ layers the last n keep their experts in pinned host memory; the others keep thei
 each offloaded layer's whole expert set into a GPU buffer, whatever it routes: after the k-th offloaded layer
 has run, one copy stream starts the copy of the (k + s)-th (counted circularly over the offloaded layers, so
 the last ones of a pass bring the first ones of the next; the first s were copied when the server started),
-into the buffer the k-th has just freed (s buffers of one layer each). The compute waits for a layer's copy
-before that layer: vLLM wraps the whole decoder layer, so before its attention; SGLang wraps the experts'
-module, so once the router has run (``before_attention``). Copies follow one another on the copy stream.
+into the memory the k-th has just freed (vLLM: s static buffers of one layer each; SGLang allocates each
+copy and frees a layer's once it has run, so s layers' experts, and one more for an instant). The compute
+waits for a layer's copy before that layer: vLLM wraps the whole decoder layer, so before its attention;
+SGLang wraps the experts' module, so once the router has run (``before_attention``). Copies follow one
+another on the copy stream.
 
 In both, a streamed layer's resident routed experts count as hits and the others as misses that came with
 the layer (its bytes are the whole layer's, J experts); all of them run on the GPU.
