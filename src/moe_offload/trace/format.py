@@ -346,7 +346,8 @@ JSON_FORMATS = (
     ("vllm", (b"routed_experts", b"prompt_routed_experts"), EXPERTS),
     ("megatron", (b"top_indices",), EXPERTS),
     ("routes-json", (b"routes",), ("", "")),
-    ("topk-jsonl", (b"tok",), EXPERTS),
+    ("topk-jsonl", (b"tok",), (EXPERTS[0], EXPERTS[1] + "--request-rows N --prompt-rows P where its lines hold "
+                                                      "several requests or prompts, which it does not say either; ")),
 )
 JSON_SNIFF_BYTES = 1 << 16  # the head searched for those keys: a response's base64 routing can be megabytes
 
