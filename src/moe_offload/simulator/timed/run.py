@@ -80,8 +80,6 @@ from moe_offload.policies import AccessContext, ModelSpec, policy_factory, polic
 from moe_offload.policies.fetch_or_compute import FetchOrCompute
 from moe_offload.prefetch import Prefetcher, RoutingView, search_latency
 from moe_offload.prefetch.budget import budget_from_hardware
-from moe_offload.simulator.cache import ExpertCache
-from moe_offload.simulator.partitioned_cache import PartitionedCache
 from moe_offload.simulator.split import SplitConfig, SplitExperts
 from moe_offload.simulator.timed.decisions import tier_decisions
 from moe_offload.simulator.timed.host import HostWork
@@ -90,9 +88,8 @@ from moe_offload.simulator.timed.reconfigure import OnlineConfigurator
 from moe_offload.simulator.timed.schedule import Arrivals, make_schedule
 from moe_offload.simulator.timed.stream import ComputeStream
 from moe_offload.simulator.timed.needs import NextUses, pass_needs
-from moe_offload.simulator.timed.tiers import TierNetwork
+from moe_offload.simulator.timed.tiers import TierNetwork, build_tiers
 from moe_offload.simulator.timed.uploads import UploadsBetweenPasses
-from moe_offload.simulator.transfers import home_tier
 from moe_offload.trace.format import PREFILL, Trace
 
 
@@ -117,36 +114,14 @@ class TimedRun(ComputeStream):
         self.averages_probs = info.policy.needs_probs and trace.probs is not None
         make = policy_factory(policy, spec, seed=seed, options=policy_options)  # every tier's policy
         whole_layers = info.whole_layers(policy_options, spec)
-
-        def cache(capacity, admission=None, middle=False):
-            if middle and info.policy.static:  # a static placement is the GPU's; a middle tier keeps a cache (LRU)
-                return ExpertCache(capacity, policy_factory("lru", spec)())
-            if info.partitioned:
-                return PartitionedCache(capacity, self.L, make, self.J, slot_size=expert_bytes, admission=admission,
-                                        whole_layers=[] if middle else whole_layers)
-            return ExpertCache(capacity, make(), admission)
-
-        total = self.L * self.J * expert_bytes
         self.ctx = ctx = AccessContext()
         self.pinned: set = set()
         ctx.pinned = self.pinned
-        self.split: SplitExperts | None = None  # the GPU tier of a split run
-        if all_resident:
-            self.fast = ExpertCache(total, make())
-            for key in range(self.L * self.J):
-                self.fast.reserve(key, ctx, expert_bytes)
-                self.fast.complete(key, ctx)
-        elif split is not None:
-            self.fast = self.split = SplitExperts(split, self.J, spec.top_k, expert_bytes, make)
-            self.split.preload(ctx)
-        else:
-            rule = FetchOrCompute.on_profile(self.host.costs) if fetch_or_compute else uploads
-            self.fast = cache(cache_bytes, rule)
-            self.fast.preload(trace, ctx, expert_bytes)  # a static placement's experts, before the first pass
-        # The home tier holds every expert from the start; the tiers between it and the GPU are caches.
-        # every expert in the GPU (all-resident, no home found): no other tier and no link is used
-        home = home_tier(hardware, total) or 0
-        middle = [cache(tier.capacity_bytes, middle=True) for tier in hardware.tiers[1:home]]
+        admission = FetchOrCompute.on_profile(self.host.costs) if fetch_or_compute else uploads
+        tiers = build_tiers(trace, hardware, policy, make, cache_bytes, expert_bytes, ctx, all_resident, split,
+                            admission, whole_layers)
+        self.fast, middle, home = tiers.fast, tiers.middle, tiers.home
+        self.split: SplitExperts | None = tiers.split  # the GPU tier of a split run
         self.decisions = tier_decisions(hardware, spec, policy, make, info.policy.static,
                                         [cache_bytes] + [tier.capacity_bytes for tier in hardware.tiers[1:home]],
                                         expert_bytes, self.events)

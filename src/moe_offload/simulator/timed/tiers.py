@@ -21,17 +21,25 @@ without it (simulator/cache.py), whatever the eviction policy's ranking.
 
 Decisions. The evictions that make room for a transfer are its policy's decisions; with ``decisions``
 (decisions.py) its bytes start only once they are made.
+
+``build_tiers`` makes a run's tiers: the GPU's (an expert cache, split experts, or every expert resident) and
+the caches before the home tier.
 """
 
 from __future__ import annotations
 
 import math
 
+from dataclasses import dataclass
+
 from moe_offload.hardware.profile import HardwareProfile
+from moe_offload.policies import ModelSpec, policy_factory, policy_info
 from moe_offload.policies.base import AccessContext
-from moe_offload.simulator.cache import predicted_no_later_than
+from moe_offload.simulator.cache import ExpertCache, predicted_no_later_than
+from moe_offload.simulator.partitioned_cache import PartitionedCache
+from moe_offload.simulator.split import SplitConfig, SplitExperts
 from moe_offload.simulator.timed.decisions import PolicyDecisions
-from moe_offload.simulator.transfers import TransferQueue
+from moe_offload.simulator.transfers import TransferQueue, home_tier
 
 
 class _Load:
@@ -44,6 +52,54 @@ class _Load:
     def __init__(self, key: int, demand: bool, priority: float, at: int, known_at: float):
         self.key, self.demand, self.priority, self.at, self.stale = key, demand, priority, at, False
         self.known_at = known_at
+
+
+@dataclass
+class Tiers:
+    """A run's tiers: the GPU's (``fast``; ``split``, the same, where it is split experts), the caches between it
+    and the home tier (``middle``), and the home tier's index (0: every expert in the GPU, no link used)."""
+
+    fast: object
+    split: SplitExperts | None
+    middle: list
+    home: int
+
+
+def build_tiers(trace, hardware: HardwareProfile, policy: str, make, cache_bytes: int, expert_bytes: int,
+                ctx: AccessContext, all_resident: bool, split: SplitConfig | None, admission,
+                whole_layers) -> Tiers:
+    """The tiers of a run of ``policy`` (``make`` builds its instances): the GPU's every expert resident, or split
+    experts preloaded, or a cache of ``cache_bytes`` with ``admission`` holding a static placement's experts
+    before the first pass; then one cache per tier before the home, the fastest that holds every expert (a
+    static placement is the GPU's, so those caches are LRU's)."""
+    meta = trace.meta
+    L, J = meta.num_layers, meta.num_experts
+    spec = ModelSpec(L, J, meta.top_k)
+    info = policy_info(policy)
+
+    def cache(capacity, admission=None, middle=False):
+        if middle and info.policy.static:
+            return ExpertCache(capacity, policy_factory("lru", spec)())
+        if info.partitioned:
+            return PartitionedCache(capacity, L, make, J, slot_size=expert_bytes, admission=admission,
+                                    whole_layers=[] if middle else whole_layers)
+        return ExpertCache(capacity, make(), admission)
+
+    total = L * J * expert_bytes
+    split_tier = None
+    if all_resident:
+        fast = ExpertCache(total, make())
+        for key in range(L * J):
+            fast.reserve(key, ctx, expert_bytes)
+            fast.complete(key, ctx)
+    elif split is not None:
+        fast = split_tier = SplitExperts(split, J, meta.top_k, expert_bytes, make)
+        split_tier.preload(ctx)
+    else:
+        fast = cache(cache_bytes, admission)
+        fast.preload(trace, ctx, expert_bytes)
+    home = home_tier(hardware, total) or 0
+    return Tiers(fast, split_tier, [cache(tier.capacity_bytes, middle=True) for tier in hardware.tiers[1:home]], home)
 
 
 class TierNetwork:
