@@ -115,7 +115,8 @@ def settings(context: PlacementContext) -> list[Setting]:
         out.append(Setting("ktransformers", f"frequency, dynamic update at {threshold}+ token passes",
                            frequency.flags + ["--kt-gpu-prefill-token-threshold", str(threshold),
                                               "--kt-enable-dynamic-expert-update"],
-                           "static-experts", resident=frequency.resident, layerwise={"threshold": threshold, "dynamic_update": True},
+                           "static-experts", resident=frequency.resident,
+                           layerwise={"threshold": threshold, "dynamic_update": True},
                            note=f"starts from the frequency placement; passes of {threshold} or more tokens run "
                                 "every expert on the GPU (whole layers over the link) and replace each layer's GPU "
                                 "experts by that pass's most routed",

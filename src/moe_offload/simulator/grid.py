@@ -77,8 +77,10 @@ def replay_grid(data: ReplayInput, policies: Iterable[str], cache_sizes: Iterabl
     kernels release the GIL), the Python ones over worker processes; results do not depend on it, nor on
     ``engine`` (see ``replay``). Belady's runs, when only the reference of the others (not asked for), are not
     counted in ``jobs``: one more thread runs them beside the policies' (a run of one policy at one size
-    with --jobs 1 takes the time of the slower of the two, not of both). A (policy, size) pair that cannot run (a -dist policy with fewer slots than
-    layers) is skipped with its reason; any other problem raises ConfigError before the first run."""
+    with --jobs 1 takes the time of the slower of the two, not of both). A (policy, size) pair that cannot run
+    (a -dist policy with fewer slots than layers) is skipped with its reason; any other problem raises
+    ConfigError before the first run. A policy that replays as another of the grid (``replays_as``) takes that
+    run's result."""
     policies = list(dict.fromkeys(policies))
     cache_sizes = sorted({integer(size, "cache_size", low=1) for size in cache_sizes})
     made = {policy: make_policy(policy, data.spec, seed=seed, options=(options or {}).get(policy))

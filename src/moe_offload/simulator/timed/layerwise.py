@@ -63,7 +63,8 @@ class StreamedLayers:
         if self.before_attention and not self.prefetch_step:
             raise ConfigError(f"{source}: a layer brought when routed cannot be awaited before its attention")
         self._index = {layer: index for index, layer in enumerate(self.layers or ())}
-        self.landed: dict[int, float] = {}  # a copied layer: when its copy lands
+        # a copied layer: when its copy lands; the first s were copied when the server started, before any pass
+        self.landed: dict[int, float] = {layer: 0.0 for layer in (self.layers or [])[:self.prefetch_step]}
         self.copy_stream_free = 0.0
         self.passes = 0    # passes that streamed
         self.replaced = 0  # GPU experts replaced by the dynamic update
@@ -74,11 +75,6 @@ class StreamedLayers:
 
     def streams(self, layer: int) -> bool:
         return self.layers is None or layer in self._index
-
-    def first_copies(self) -> None:
-        """The copies started when the server started: landed before the first pass."""
-        for layer in self.layers[:self.prefetch_step]:
-            self.landed[layer] = 0.0
 
     def copy_after(self, layer: int) -> int:
         """The streamed layer whose copy starts once ``layer`` has run."""

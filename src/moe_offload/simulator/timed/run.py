@@ -134,8 +134,6 @@ class TimedRun(ComputeStream):
         self.serving = True  # the GPU cache serves the current pass (module doc: Uploads between passes)
         self.layerwise = layerwise
         self.fallback = False      # the current pass streams whole layers to the GPU (module doc: Streamed layers)
-        if layerwise is not None and layerwise.prefetch_step:
-            layerwise.first_copies()
         self.with_layer: set = set()  # the current layer's routed experts that came with its whole set
         self.reconfiguration = reconfiguration
         self.reconfigurations: list[dict] = []  # what each online reconfiguration chose, and its cost
